@@ -1,0 +1,3 @@
+from ktconvert.cli import main
+
+main()
