@@ -1,0 +1,71 @@
+"""Rule matching with upstream's exact semantics, shared by check-rules and the injection in verify.
+
+Reproduces ktransformers' ``gen_optimize_config``: every module is visited from the root (path ``""``);
+the first rule whose ``class`` (isinstance) and ``name`` (``re.search`` on the dotted path) both hold wins;
+``recursive: false`` on the winning rule stops the descent; unmatched modules stay ``default``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable
+
+
+@dataclass
+class CompiledRule:
+    index: int
+    name: re.Pattern | None
+    class_type: str | None  # resolved module type; None when the rule has no class
+    class_known: bool  # False: the class names nothing a module can be (never matches)
+    replace_class: str
+    kwargs: dict
+    recursive: bool
+
+
+@dataclass
+class Assignment:
+    path: str
+    module_type: str
+    rule: CompiledRule | None  # None: no rule matched, the module stays default
+    node: object = field(repr=False, default=None)
+
+    @property
+    def replace_class(self) -> str:
+        return self.rule.replace_class if self.rule else "default"
+
+
+def _class_ok(rule: CompiledRule, module_type: str, is_instance: Callable[[str, str], bool]) -> bool:
+    if not rule.class_known:
+        return False
+    return rule.class_type is None or is_instance(module_type, rule.class_type)
+
+
+def rule_matches(rule: CompiledRule, path: str, module_type: str, is_instance: Callable[[str, str], bool]) -> bool:
+    """Upstream order: the class test first, then ``re.search`` of the name on the dotted path."""
+    if not _class_ok(rule, module_type, is_instance):
+        return False
+    return rule.name is None or rule.name.search(path) is not None
+
+
+def resolve(root, rules: list[CompiledRule], is_instance: Callable[[str, str], bool]) -> list[Assignment]:
+    """One ``Assignment`` per visited module, in visiting order. ``root`` needs ``path``, ``type``, ``children``."""
+    out: list[Assignment] = []
+    by_type: dict[str, list] = {}  # the class test depends on the type only: do it once per type
+    stack = [root]
+    while stack:
+        node = stack.pop()
+        candidates = by_type.get(node.type)
+        if candidates is None:
+            candidates = by_type[node.type] = [
+                (r, r.name.search if r.name is not None else None) for r in rules if _class_ok(r, node.type, is_instance)
+            ]
+        winner = None
+        for rule, search in candidates:
+            if search is None or search(node.path) is not None:
+                winner = rule
+                break
+        out.append(Assignment(node.path, node.type, winner, node))
+        if winner is None or winner.recursive:
+            stack.extend(reversed(node.children))
+    return out

@@ -1,0 +1,215 @@
+"""The module tree of a model, built from ``config.json`` alone (no torch, no weights).
+
+Paths and module types follow the ktransformers model definitions the upstream rule files are written
+against (``model.layers.3.mlp.experts.7.gate_proj``), so rule regexes and class matches resolve here
+exactly as they would at injection time.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+from ktconvert.errors import InputError
+
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+
+# A rule file whose match classes all come from one family can be checked against that family's tree even
+# without --model; these configs stand in for the real model (real layer counts, two experts: per-expert
+# modules only ever repeat the same few types).
+PROBE_CONFIGS = {
+    "qwen2_moe": {"model_type": "qwen2_moe", "num_hidden_layers": 28, "num_experts": 2, "num_experts_per_tok": 2,
+                  "shared_expert_intermediate_size": 2560},
+    "qwen3_moe": {"model_type": "qwen3_moe", "num_hidden_layers": 48, "num_experts": 2, "num_experts_per_tok": 2},
+    "mixtral": {"model_type": "mixtral", "num_hidden_layers": 32, "num_local_experts": 2, "num_experts_per_tok": 2},
+    "deepseek_v2": {"model_type": "deepseek_v2", "num_hidden_layers": 60, "n_routed_experts": 2,
+                    "first_k_dense_replace": 1, "n_shared_experts": 2, "q_lora_rank": 1536},
+    "deepseek_v3": {"model_type": "deepseek_v3", "num_hidden_layers": 61, "n_routed_experts": 2,
+                    "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536},
+}
+
+_PREFIX = {"qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "deepseek_v2": "DeepseekV2",
+           "deepseek_v3": "DeepseekV3"}
+
+
+@dataclass
+class Node:
+    path: str
+    type: str
+    children: list = field(default_factory=list)
+    layer: int | None = None
+    dense: bool = False  # inside a decoder layer whose MLP is dense (no experts)
+
+    def add(self, name: str, type_: str, **kw) -> "Node":
+        child = Node(f"{self.path}.{name}" if self.path else name, type_, layer=kw.pop("layer", self.layer),
+                     dense=kw.pop("dense", self.dense))
+        self.children.append(child)
+        return child
+
+    def walk(self):
+        yield self
+        for c in self.children:
+            yield from c.walk()
+
+
+@dataclass
+class ModelTree:
+    family: str
+    config: dict
+    root: Node
+    num_layers: int
+    dense_layers: list
+    source: str  # "model" (from --model) or "probe"
+
+    def __post_init__(self):
+        self.nodes: list[Node] = list(self.root.walk())  # flattened once: checks scan it many times
+        self.parent: dict[str, Node] = {c.path: n for n in self.nodes for c in n.children}
+
+    def modules(self) -> int:
+        return len(self.nodes)
+
+
+def family_of_type(type_id: str) -> str | None:
+    for family, prefix in _PREFIX.items():
+        if type_id.startswith(prefix):
+            return family
+    return None
+
+
+def load_config(path: str | Path) -> tuple[dict, str]:
+    """Read ``config.json`` (or the one inside a model directory); the nested ``text_config`` wins if present."""
+    p = Path(path)
+    if p.is_dir():
+        p = p / "config.json"
+    if not p.is_file():
+        raise InputError("no config.json here", path=str(path), fix="pass a model directory or its config.json to --model")
+    try:
+        cfg = json.loads(p.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise InputError(f"cannot read: {exc}", path=str(p)) from None
+    except json.JSONDecodeError as exc:
+        raise InputError(f"invalid JSON: {exc.msg}", path=str(p), where=f"{exc.lineno}:{exc.colno}",
+                         fix="fix the JSON syntax") from None
+    if not isinstance(cfg, dict):
+        raise InputError("config.json is not a JSON object", path=str(p))
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg, **cfg["text_config"]}
+    return cfg, str(p)
+
+
+def _int(cfg: dict, keys, default=None, where="config.json"):
+    for k in keys:
+        v = cfg.get(k)
+        if v is not None:
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise InputError(f"{k} must be a non-negative integer, got {v!r}", path=where, where=k)
+            return v
+    if default is None:
+        raise InputError(f"missing {keys[0]}", path=where, where=keys[0], fix="the config must give the layer and expert counts")
+    return default
+
+
+def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> ModelTree:
+    """Module tree for one of ``FAMILIES``; another model type is refused plainly."""
+    family = cfg.get("model_type")
+    if family not in FAMILIES:
+        raise InputError(f"model_type {family!r} has no module tree in ktconvert (supported: {', '.join(FAMILIES)})",
+                         path=where, where="model_type", fix="run check-rules without --model for the model-independent checks")
+    n_layers = _int(cfg, ["num_hidden_layers"], where=where)
+    n_experts = _int(cfg, ["n_routed_experts", "num_experts", "num_local_experts"], where=where)
+    pre = _PREFIX[family]
+    root = Node("", f"{pre}ForCausalLM")
+    model = root.add("model", f"{pre}Model")
+    model.add("embed_tokens", "Embedding")
+    layers = model.add("layers", "ModuleList")
+    dense_layers = []
+    for i in range(n_layers):
+        sparse = _is_sparse(family, cfg, i, n_experts)
+        if not sparse:
+            dense_layers.append(i)
+        layer = layers.add(str(i), f"{pre}DecoderLayer", layer=i, dense=not sparse)
+        _attention(layer, family, cfg, pre)
+        if family == "mixtral":
+            moe = layer.add("block_sparse_moe", "MixtralSparseMoeBlock")
+            moe.add("gate", "Linear")
+            _experts(moe, pre, n_experts, ("w1", "w2", "w3"), "MixtralBlockSparseTop2MLP")
+        elif not sparse:
+            _mlp(layer, "mlp", f"{pre}MLP")
+        else:
+            moe = layer.add("mlp", f"{pre}MoE" if family.startswith("deepseek") else f"{pre}SparseMoeBlock")
+            if family.startswith("deepseek"):
+                moe.add("gate", f"{pre}MoEGate")
+            else:
+                moe.add("gate", "Linear")
+            _experts(moe, pre, n_experts, ("gate_proj", "up_proj", "down_proj"), f"{pre}MLP")
+            if family.startswith("deepseek") and cfg.get("n_shared_experts"):
+                _mlp(moe, "shared_experts", f"{pre}MLP")
+            if family == "qwen2_moe" and cfg.get("shared_expert_intermediate_size"):
+                _mlp(moe, "shared_expert", f"{pre}MLP")
+                moe.add("shared_expert_gate", "Linear")
+        layer.add("input_layernorm", f"{pre}RMSNorm")
+        layer.add("post_attention_layernorm", f"{pre}RMSNorm")
+    model.add("norm", f"{pre}RMSNorm", layer=None, dense=False)
+    if family == "qwen3_moe":
+        model.add("rotary_emb", f"{pre}RotaryEmbedding")
+    root.add("lm_head", "Linear")
+    return ModelTree(family, cfg, root, n_layers, dense_layers, source)
+
+
+@lru_cache(maxsize=None)
+def probe_tree(family: str) -> ModelTree:
+    """Built once per family: trees are never mutated by the checks."""
+    return build_tree(dict(PROBE_CONFIGS[family]), source="probe", where=f"<{family} probe>")
+
+
+def _is_sparse(family: str, cfg: dict, i: int, n_experts: int) -> bool:
+    if n_experts == 0:
+        return False
+    if family in ("qwen2_moe", "qwen3_moe"):
+        step = cfg.get("decoder_sparse_step") or 1
+        return i not in (cfg.get("mlp_only_layers") or []) and (i + 1) % step == 0
+    if family.startswith("deepseek"):
+        first_dense = cfg.get("first_k_dense_replace") or 0
+        freq = cfg.get("moe_layer_freq") or 1
+        return i >= first_dense and i % freq == 0
+    return True
+
+
+def _attention(layer: Node, family: str, cfg: dict, pre: str) -> None:
+    attn = layer.add("self_attn", f"{pre}Attention")
+    if family.startswith("deepseek"):
+        if cfg.get("q_lora_rank"):
+            attn.add("q_a_proj", "Linear")
+            attn.add("q_a_layernorm", f"{pre}RMSNorm")
+            attn.add("q_b_proj", "Linear")
+        else:
+            attn.add("q_proj", "Linear")
+        attn.add("kv_a_proj_with_mqa", "Linear")
+        attn.add("kv_a_layernorm", f"{pre}RMSNorm")
+        attn.add("kv_b_proj", "Linear")
+        attn.add("o_proj", "Linear")
+        attn.add("rotary_emb", "DeepseekV2YarnRotaryEmbedding" if family == "deepseek_v2" else "DeepseekV3RotaryEmbedding")
+        return
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        attn.add(name, "Linear")
+    if family == "qwen3_moe":
+        attn.add("q_norm", f"{pre}RMSNorm")
+        attn.add("k_norm", f"{pre}RMSNorm")
+    else:
+        attn.add("rotary_emb", f"{pre}RotaryEmbedding")
+
+
+def _mlp(parent: Node, name: str, type_: str, projs=("gate_proj", "up_proj", "down_proj")) -> Node:
+    mlp = parent.add(name, type_)
+    for p in projs:
+        mlp.add(p, "Linear")
+    mlp.add("act_fn", "Activation")
+    return mlp
+
+
+def _experts(moe: Node, pre: str, n: int, projs, expert_type: str) -> None:
+    experts = moe.add("experts", f"{pre}Experts")
+    for e in range(n):
+        _mlp(experts, str(e), expert_type, projs)
