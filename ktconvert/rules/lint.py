@@ -288,8 +288,9 @@ class _Ctx:
         dots = regexlint.unescaped_dots(pattern)
         if dots:
             at = dots[0]
+            fixed = pattern[:at] + "\\\\." + pattern[at + 1:]
             self.add("KT302", path, f"unescaped '.' at offset {at} of {pattern!r} matches any character",
-                     f"write '\\\\.' for a literal dot: {pattern[:at]}\\\\.{pattern[at + 1:]}")
+                     f'escape it; inside YAML double quotes write "{fixed}"')
         loose = regexlint.unanchored_alternatives(pattern)
         if loose:
             self.add("KT303", path, f"pattern part {loose[0]!r} is unanchored; re.search matches it anywhere in the module path",
@@ -508,13 +509,18 @@ class _Ctx:
     def _unused_rule(self, rule, tree, assignment_of) -> None:
         rp = (str(rule.index),)
         shadowing: dict[int, int] = {}
-        hidden = 0
+        hidden: set[int] = set()
         for node in tree.nodes:
             if not engine.rule_matches(rule, node.path, node.type, self.cat.is_instance):
                 continue
             a = assignment_of.get(node.path)
             if a is None:
-                hidden += 1
+                up = tree.parent.get(node.path)
+                while up is not None and up.path not in assignment_of:
+                    up = tree.parent.get(up.path)
+                owner = assignment_of.get(up.path) if up is not None else None
+                if owner is not None and owner.rule is not None:
+                    hidden.add(owner.rule.index)
             elif a.rule is not None:
                 shadowing[a.rule.index] = shadowing.get(a.rule.index, 0) + 1
         if shadowing:
@@ -523,8 +529,10 @@ class _Ctx:
                      f"rule {by}" + (f" (and {len(shadowing) - 1} more)" if len(shadowing) > 1 else ""),
                      "move it before the earlier rule, narrow the earlier rule, or delete it")
         elif hidden:
-            self.add("KT304", rp + ("match",), f"rule {rule.index} never applies: the modules it matches sit under a rule "
-                     "with recursive: false, which is never descended", "delete it, or drop recursive: false from the parent rule")
+            owners = ", ".join(str(i) for i in sorted(hidden))
+            self.add("KT304", rp + ("match",), f"rule {rule.index} never applies: the modules it matches sit under modules "
+                     f"taken by rule {owners} with recursive: false, which are never descended",
+                     "delete it, or drop recursive: false from that rule")
         elif tree.source == "model" and rule.class_known:
             self.add("KT401", rp + ("match",), f"rule {rule.index} matches no module of the {tree.family} model "
                      f"({tree.num_layers} layers)", "check the pattern against `ktconvert check-rules --explain --model ...`")
