@@ -41,6 +41,22 @@ def _class_ok(rule: CompiledRule, module_type: str, is_instance: Callable[[str, 
     return rule.class_type is None or is_instance(module_type, rule.class_type)
 
 
+def _searcher(pattern: re.Pattern | None, cache: dict | None):
+    if pattern is None:
+        return None
+    if cache is None:
+        return lambda path, s=pattern.search: s(path) is not None
+    seen = cache.setdefault(pattern.pattern, {})
+
+    def search(path: str, s=pattern.search, seen=seen) -> bool:
+        hit = seen.get(path)
+        if hit is None:
+            hit = seen[path] = s(path) is not None
+        return hit
+
+    return search
+
+
 def rule_matches(rule: CompiledRule, path: str, module_type: str, is_instance: Callable[[str, str], bool]) -> bool:
     """Upstream order: the class test first, then ``re.search`` of the name on the dotted path."""
     if not _class_ok(rule, module_type, is_instance):
@@ -48,24 +64,32 @@ def rule_matches(rule: CompiledRule, path: str, module_type: str, is_instance: C
     return rule.name is None or rule.name.search(path) is not None
 
 
-def resolve(root, rules: list[CompiledRule], is_instance: Callable[[str, str], bool]) -> list[Assignment]:
-    """One ``Assignment`` per visited module, in visiting order. ``root`` needs ``path``, ``type``, ``children``."""
+def resolve(root, rules: list[CompiledRule], is_instance: Callable[[str, str], bool],
+            search_cache: dict | None = None) -> list[Assignment]:
+    """One ``Assignment`` per visited module, in visiting order. ``root`` needs ``path``, ``type``, ``children``.
+
+    ``search_cache`` (pattern -> {path: matched}) may be shared by calls over the same tree: rule files
+    repeat the same few regexes, so checking many files against one tree reuses most searches.
+    """
     out: list[Assignment] = []
+    append = out.append
     by_type: dict[str, list] = {}  # the class test depends on the type only: do it once per type
     stack = [root]
+    pop, extend = stack.pop, stack.extend
     while stack:
-        node = stack.pop()
+        node = pop()
+        path = node.path
         candidates = by_type.get(node.type)
         if candidates is None:
             candidates = by_type[node.type] = [
-                (r, r.name.search if r.name is not None else None) for r in rules if _class_ok(r, node.type, is_instance)
+                (r, _searcher(r.name, search_cache)) for r in rules if _class_ok(r, node.type, is_instance)
             ]
         winner = None
         for rule, search in candidates:
-            if search is None or search(node.path) is not None:
+            if search is None or search(path):
                 winner = rule
                 break
-        out.append(Assignment(node.path, node.type, winner, node))
-        if winner is None or winner.recursive:
-            stack.extend(reversed(node.children))
+        append(Assignment(path, node.type, winner, node))
+        if (winner is None or winner.recursive) and node.children:
+            extend(node.children[::-1])
     return out

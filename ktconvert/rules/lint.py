@@ -460,7 +460,7 @@ class _Ctx:
 
     def _tree_checks(self, data: list, rules: list, tree: modeltree.ModelTree) -> None:
         is_inst = self.cat.is_instance
-        assigned = engine.resolve(tree.root, rules, is_inst)
+        assigned = engine.resolve(tree.root, rules, is_inst, tree.search_cache)
         by_rule: dict[int, list] = {}
         for a in assigned:
             if a.rule is not None:

@@ -66,6 +66,7 @@ class ModelTree:
     def __post_init__(self):
         self.nodes: list[Node] = list(self.root.walk())  # flattened once: checks scan it many times
         self.parent: dict[str, Node] = {c.path: n for n in self.nodes for c in n.children}
+        self.search_cache: dict = {}  # regex -> {path: matched}, shared by every rule file checked on this tree
 
     def modules(self) -> int:
         return len(self.nodes)
