@@ -1,0 +1,267 @@
+"""One checkpoint, whatever its container: tensor names and infos from the headers, data read lazily per tensor.
+
+Opening reads and validates headers only. :meth:`Checkpoint.read` memory-maps one tensor at a time; nothing ever
+loads a whole file, so a 700 GB checkpoint opens in the time it takes to read its headers.
+"""
+
+from __future__ import annotations
+
+import mmap
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+
+from ktconvert.errors import InputError
+from ktconvert.formats import gguf_header as gh
+from ktconvert.formats.config import ModelDims, dims_from_gguf, dims_from_hf_config, load_config
+from ktconvert.formats.dtypes import (
+    SAFETENSORS_DTYPES,
+    decode_float32,
+    ggml_decode_float32,
+    ggml_type_name,
+    ggml_view_dtype_and_shape,
+)
+from ktconvert.formats.safetensors_header import parse_safetensors_header
+from ktconvert.formats.sources import Source, resolve
+from ktconvert.formats.tensor_info import TensorInfo
+
+
+@contextmanager
+def _mapped(path: Path):
+    """The whole file as a read-only buffer (an mmap: touching the header does not page in the data)."""
+    try:
+        with open(path, "rb") as fh:
+            size = fh.seek(0, 2)
+            if size == 0:
+                raise InputError("file is empty", path=str(path), fix="re-download or re-export it")
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+                yield mm
+    except IsADirectoryError:
+        raise InputError("is a directory, expected a file", path=str(path)) from None
+    except PermissionError:
+        raise InputError("permission denied", path=str(path), fix="check file permissions") from None
+
+
+class Checkpoint(Mapping):
+    """A read-only view of a checkpoint: a mapping of tensor name -> :class:`TensorInfo`, plus lazy data access.
+
+    ``container`` is ``"safetensors"`` or ``"gguf"``. ``metadata`` holds the GGUF KV pairs of the first file
+    (scalars and strings as Python values, arrays as :class:`~ktconvert.formats.gguf_header.GGUFArray`, complete
+    via :meth:`kv`) or the merged safetensors ``__metadata__``. ``config`` is the ``config.json`` found next to the
+    checkpoint, if any. ``notes`` are oddities that are not errors (e.g. a tensor a shard holds but the index omits).
+    """
+
+    def __init__(
+        self,
+        source: Source,
+        tensors: dict[str, TensorInfo],
+        metadata: dict,
+        notes: list[str],
+        path: Path,
+        gguf_version: int | None = None,
+    ):
+        self.path = path
+        self.gguf_version = gguf_version
+        self.container = source.container
+        self.files = source.files
+        self.index = source.index
+        self.config_path = source.config
+        self.metadata = metadata
+        self.notes = notes
+        self._tensors = tensors
+        self._config: dict | None = None
+
+    # Mapping protocol ---------------------------------------------------------------------------------------------
+    def __getitem__(self, name: str) -> TensorInfo:
+        return self._tensors[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._tensors)
+
+    def __len__(self) -> int:
+        return len(self._tensors)
+
+    def __repr__(self) -> str:
+        return f"Checkpoint({str(self.path)!r}, {self.container}, {len(self)} tensors, {len(self.files)} files)"
+
+    # Context manager for symmetry with files; there is nothing to release (each read owns its own mapping).
+    def __enter__(self) -> Checkpoint:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(t.nbytes for t in self._tensors.values())
+
+    @property
+    def architecture(self) -> str | None:
+        """llama.cpp architecture name from GGUF metadata or config.json ``model_type``; ``None`` if neither says."""
+        arch = self.metadata.get("general.architecture") if self.container == "gguf" else None
+        if isinstance(arch, str):
+            return arch
+        return self.dims().arch
+
+    @property
+    def config(self) -> dict | None:
+        if self._config is None and self.config_path is not None:
+            self._config = load_config(self.config_path)
+        return self._config
+
+    def dims(self, config: str | Path | dict | None = None) -> ModelDims:
+        """Expected dims: from ``config`` if given, else config.json next to the checkpoint, else GGUF metadata."""
+        if isinstance(config, dict):
+            return dims_from_hf_config(config, "config")
+        if config is not None:
+            return dims_from_hf_config(load_config(config), str(config))
+        if self.config is not None:
+            return dims_from_hf_config(self.config, str(self.config_path))
+        if self.container == "gguf":
+            return dims_from_gguf(self.metadata)
+        return ModelDims(source="none")
+
+    def kv(self, key: str):
+        """A metadata value with arrays read in full (vocabularies are only read here, on demand)."""
+        value = self.metadata[key]
+        if isinstance(value, gh.GGUFArray):
+            with _mapped(self.files[0]) as mm:
+                return gh.read_array(mm, value)
+        return value
+
+    # Data --------------------------------------------------------------------------------------------------------
+    def read(self, name: str) -> np.ndarray:
+        """The tensor's stored data as a read-only memory-mapped array; nothing is read until it is touched.
+
+        Numpy-native types come with their numpy dtype and ``info.shape``. BF16 comes as ``uint16`` bits with the
+        element shape; float8 as ``uint8`` with the element shape; packed sub-byte safetensors types as a flat
+        ``uint8`` array; ggml block types as ``uint8`` shaped ``(*shape[:-1], row_bytes)``, so ``a[e]`` is the byte
+        slab of expert ``e`` of a merged expert tensor.
+        """
+        info = self._info(name)
+        if info.ggml_type is None:
+            d = SAFETENSORS_DTYPES[info.dtype]
+            dtype = d.raw
+            shape = info.shape if d.bits == 8 * dtype.itemsize else (info.nbytes,)
+        else:
+            dtype, shape = ggml_view_dtype_and_shape(info.ne, info.ggml_type)
+        if info.nbytes == 0:
+            out = np.empty(shape, dtype)
+            out.flags.writeable = False
+            return out
+        try:
+            return np.memmap(info.file, dtype=dtype, mode="r", offset=info.offset, shape=shape)
+        except OSError as exc:
+            raise InputError(f"cannot map tensor data: {exc.strerror}", path=str(info.file), where=f"tensor {name}") from None
+
+    def read_float32(self, name: str, index: int | None = None) -> np.ndarray:
+        """The tensor (or its slice ``[index]`` along the first axis, e.g. one expert) decoded to a float32 copy."""
+        info = self._info(name)
+        raw = self.read(name)
+        if index is not None:
+            raw = raw[index]
+        try:
+            if info.ggml_type is None:
+                return decode_float32(raw, info.dtype)
+            return ggml_decode_float32(raw, info.ggml_type)
+        except (NotImplementedError, ValueError) as exc:
+            raise InputError(
+                f"cannot decode {info.dtype} to float32 ({exc})",
+                path=str(info.file),
+                where=f"tensor {name}",
+                fix="this type can be inspected but not decoded yet",
+            ) from None
+
+    def _info(self, name: str) -> TensorInfo:
+        try:
+            return self._tensors[name]
+        except KeyError:
+            raise InputError(f"no tensor named {name!r}", path=str(self.path), fix="list names with ktconvert inspect") from None
+
+
+def open_checkpoint(path: str | Path) -> Checkpoint:
+    """Open a ``.safetensors`` file, a sharded directory or its ``*.safetensors.index.json``, a ``.gguf`` file, or a
+    split GGUF set (any shard or the directory); validate every header; raise :class:`InputError` when unusable."""
+    source = resolve(path)
+    opener = _open_gguf if source.container == "gguf" else _open_safetensors
+    tensors, metadata, notes, version = opener(source)
+    return Checkpoint(source, tensors, metadata, notes, Path(path), version)
+
+
+def _open_safetensors(source: Source) -> tuple[dict[str, TensorInfo], dict, list[str], None]:
+    tensors: dict[str, TensorInfo] = {}
+    metadata: dict = {}
+    notes: list[str] = []
+    for f in source.files:
+        with _mapped(f) as mm:
+            header = parse_safetensors_header(mm, str(f))
+        metadata.update(header.metadata)
+        for e in header.entries:
+            if e.name in tensors:
+                raise InputError(
+                    f"tensor also stored in {tensors[e.name].file.name}",
+                    path=str(f),
+                    where=f"tensor {e.name}",
+                    fix="two shards hold the same tensor; remove the stray file",
+                )
+            tensors[e.name] = TensorInfo(e.name, e.shape, e.dtype, None, f, e.begin, e.end - e.begin)
+    if source.weight_map is not None:
+        for name, shard in source.weight_map.items():
+            info = tensors.get(name)
+            if info is None or info.file.name != shard:
+                raise InputError(
+                    f"index says shard {shard} holds this tensor, but "
+                    + ("no shard does" if info is None else f"it is in {info.file.name}"),
+                    path=str(source.index),
+                    where=f"tensor {name}",
+                    fix="the index and the shards do not belong together; re-download them",
+                )
+        extra = [n for n in tensors if n not in source.weight_map]
+        if extra:
+            notes.append(f"{len(extra)} tensor(s) in the shards are not in the index (e.g. {extra[0]}); loaders skip them")
+    return tensors, metadata, notes, None
+
+
+def _open_gguf(source: Source) -> tuple[dict[str, TensorInfo], dict, list[str], int | None]:
+    tensors: dict[str, TensorInfo] = {}
+    metadata: dict = {}
+    notes: list[str] = []
+    version = None
+    count = len(source.files)
+    for i, f in enumerate(source.files):
+        with _mapped(f) as mm:
+            header = gh.parse_gguf_header(mm, str(f))
+        if i == 0:
+            metadata = dict(header.kv)
+            version = header.version
+        if count > 1:
+            no, n = header.kv.get("split.no"), header.kv.get("split.count")
+            if n != count or no != i:
+                raise InputError(
+                    f"split metadata says shard {no} of {n}, but the file name says shard {i} of {count} (0-based)",
+                    path=str(f),
+                    where="split.no",
+                    fix="the shards come from different conversions; re-download the set",
+                )
+        for t in header.tensors:
+            if t.name in tensors:
+                raise InputError(
+                    f"tensor also stored in {tensors[t.name].file.name}",
+                    path=str(f),
+                    where=f"tensor {t.name}",
+                    fix="two shards hold the same tensor; re-download the set",
+                )
+            tensors[t.name] = TensorInfo(
+                t.name, tuple(reversed(t.ne)), ggml_type_name(t.ggml_type), t.ggml_type, f, t.begin, t.nbytes
+            )
+    expected = metadata.get("split.tensors.count")
+    if count > 1 and type(expected) is int and expected != len(tensors):
+        raise InputError(
+            f"split set holds {len(tensors)} tensors but its metadata promises {expected}",
+            path=str(source.files[0]),
+            where="split.tensors.count",
+            fix="a shard is truncated or from another conversion; re-download the set",
+        )
+    return tensors, metadata, notes, version

@@ -1,0 +1,127 @@
+"""The few model dimensions layout detection needs, read from ``config.json`` or from GGUF metadata.
+
+Hub configs and transformers-5 configs spell the same number differently (Qwen3-MoE: ``num_experts`` on the hub,
+``num_local_experts`` when transformers 5 saves it; Mixtral's expert width is ``intermediate_size``), and
+multimodal configs nest the text model under ``text_config``; this module is the one place that knows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ktconvert.errors import InputError
+
+# HF model_type -> llama.cpp architecture name (general.architecture) for the families ktconvert supports.
+HF_TO_GGUF_ARCH = {
+    "qwen2_moe": "qwen2moe",
+    "qwen3_moe": "qwen3moe",
+    "deepseek_v2": "deepseek2",
+    "deepseek_v3": "deepseek2",
+    "mixtral": "llama",
+}
+
+
+@dataclass(frozen=True)
+class ModelDims:
+    """Expected sizes; any field may be ``None`` when the source does not say."""
+
+    source: str
+    model_type: str | None = None
+    arch: str | None = None
+    hidden_size: int | None = None
+    moe_intermediate_size: int | None = None
+    n_experts: int | None = None
+    n_experts_used: int | None = None
+    n_shared_experts: int | None = None
+    n_layers: int | None = None
+    moe_layers: frozenset[int] | None = None  # layers that should hold routed experts
+
+    def is_moe_layer(self, layer: int) -> bool | None:
+        return None if self.moe_layers is None else layer in self.moe_layers
+
+
+def _int(v) -> int | None:
+    return v if type(v) is int else None
+
+
+def load_config(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        obj = json.loads(p.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise InputError("no such file", path=str(p), fix="check the --config path") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        where = f"byte {exc.pos}" if isinstance(exc, json.JSONDecodeError) else None
+        raise InputError(f"not valid JSON: {exc}", path=str(p), where=where, fix="fix or re-download config.json") from None
+    if not isinstance(obj, dict):
+        raise InputError("config.json is not a JSON object", path=str(p), fix="fix or re-download config.json")
+    return obj
+
+
+def dims_from_hf_config(cfg: dict, source: str = "config.json") -> ModelDims:
+    if isinstance(cfg.get("text_config"), dict):
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    model_type = cfg.get("model_type") if isinstance(cfg.get("model_type"), str) else None
+    n_layers = _int(cfg.get("num_hidden_layers"))
+    n_experts = next(
+        (_int(cfg[k]) for k in ("n_routed_experts", "num_experts", "num_local_experts") if _int(cfg.get(k))), None
+    )
+    inter = _int(cfg.get("moe_intermediate_size"))
+    if inter is None and (model_type == "mixtral" or model_type not in HF_TO_GGUF_ARCH):
+        inter = _int(cfg.get("intermediate_size"))  # Mixtral's experts are intermediate_size wide
+    moe_layers = None
+    if n_layers is not None and n_experts:
+        if "first_k_dense_replace" in cfg or model_type in ("deepseek_v2", "deepseek_v3"):
+            k = _int(cfg.get("first_k_dense_replace")) or 0
+            freq = _int(cfg.get("moe_layer_freq")) or 1
+            moe_layers = frozenset(i for i in range(n_layers) if i >= k and i % freq == 0)
+        elif model_type in ("qwen2_moe", "qwen3_moe"):
+            step = _int(cfg.get("decoder_sparse_step")) or 1
+            only_mlp = set(cfg.get("mlp_only_layers") or [])
+            moe_layers = frozenset(i for i in range(n_layers) if i not in only_mlp and (i + 1) % step == 0)
+        else:
+            moe_layers = frozenset(range(n_layers))
+    return ModelDims(
+        source=source,
+        model_type=model_type,
+        arch=HF_TO_GGUF_ARCH.get(model_type or ""),
+        hidden_size=_int(cfg.get("hidden_size")),
+        moe_intermediate_size=inter,
+        n_experts=n_experts,
+        n_experts_used=_int(cfg.get("num_experts_per_tok")),
+        n_shared_experts=_int(cfg.get("n_shared_experts")),
+        n_layers=n_layers,
+        moe_layers=moe_layers,
+    )
+
+
+def dims_from_gguf(kv: dict, source: str = "GGUF metadata") -> ModelDims:
+    arch = kv.get("general.architecture")
+    if not isinstance(arch, str):
+        return ModelDims(source=source)
+
+    def get(key: str) -> int | None:
+        return _int(kv.get(f"{arch}.{key}"))
+
+    n_layers = get("block_count")
+    n_experts = get("expert_count")
+    inter = get("expert_feed_forward_length")
+    if inter is None and arch == "llama":  # Mixtral GGUFs give the expert width as the plain FFN length
+        inter = get("feed_forward_length")
+    moe_layers = None
+    if n_layers is not None and n_experts:
+        k = get("leading_dense_block_count") or 0
+        moe_layers = frozenset(range(k, n_layers))
+    return ModelDims(
+        source=source,
+        arch=arch,
+        hidden_size=get("embedding_length"),
+        moe_intermediate_size=inter,
+        n_experts=n_experts,
+        n_experts_used=get("expert_used_count"),
+        n_shared_experts=get("expert_shared_count"),
+        n_layers=n_layers,
+        moe_layers=moe_layers,
+    )
