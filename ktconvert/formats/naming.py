@@ -1,0 +1,312 @@
+"""llama.cpp <-> Hugging Face tensor names, driven by the YAML maps in ``rules/naming/`` (data, not code).
+
+A template is a dotted name whose components are literals or placeholders (``{L}`` layer, ``{E}`` expert, ``{N}``
+NUMA part). Literal components are never all digits, so a concrete name is looked up in O(1) by replacing its
+numeric components with ``#`` and indexing the result; this keeps classification fast on checkpoints with 100k+
+tensors, where trying a list of regexes per name would not be.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+
+import yaml
+
+from ktconvert import resources
+from ktconvert.errors import InputError
+
+LAYOUTS = ("hf-split", "hf-fused", "gguf-merged", "gguf-split", "kt-amx")
+PROJECTIONS = ("gate", "up", "down", "gate_up")
+_SIDE = {"hf-split": "hf", "hf-fused": "hf", "gguf-merged": "gguf", "gguf-split": "gguf", "kt-amx": "kt"}
+_NEEDS = {  # placeholders each layout's templates must carry (and no others)
+    "hf-split": {"L", "E"},
+    "gguf-split": {"L", "E"},
+    "kt-amx": {"L", "E", "N"},
+    "hf-fused": {"L"},
+    "gguf-merged": {"L"},
+}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """A non-expert tensor of one architecture: its GGUF template and HF template(s), the first canonical."""
+
+    gguf: str
+    hf: tuple[str, ...]
+    group: str
+    model_types: tuple[str, ...] | None = None
+    derived: str | None = None  # how the GGUF tensor is computed from the HF one, when it is not a plain rename
+
+
+@dataclass(frozen=True)
+class NameMatch:
+    """What a tensor name means.
+
+    ``side`` says whose naming it is in (``"gguf"``, ``"hf"`` or ``"kt"`` for kt-kernel's AMX files). ``gguf_name``
+    is the llama.cpp tensor holding this data (for a per-expert name: the merged ``*_exps`` tensor, slice
+    ``expert``); ``hf_name`` is the canonical HF tensor holding it (``None`` where no single HF tensor does, e.g. a
+    merged GGUF gate whose HF counterpart is one tensor per expert). ``derived`` is set when the counterpart is
+    computed, not renamed.
+    """
+
+    name: str
+    arch: str
+    group: str  # a tensor group, or "experts" / "expert_scales"
+    side: str
+    layer: int | None = None
+    expert: int | None = None
+    numa: int | None = None
+    projection: str | None = None
+    layout: str | None = None
+    gguf_name: str | None = None
+    hf_name: str | None = None
+    derived: str | None = None
+    via_alias: bool = False
+
+
+@dataclass(frozen=True)
+class _Slot:
+    template: str
+    placeholders: tuple[str, ...]
+    side: str
+    group: str
+    entry: TensorEntry | None = None
+    projection: str | None = None
+    layout: str | None = None
+
+
+def _key_of_template(t: str) -> tuple[str, tuple[str, ...]]:
+    parts = t.split(".")
+    holes = tuple(p[1] for p in parts if p.startswith("{"))
+    return ".".join("#" if p.startswith("{") else p for p in parts), holes
+
+
+def _key_of_name(name: str) -> tuple[str, tuple[int, ...]]:
+    parts = name.split(".")
+    values = tuple(int(p) for p in parts if p.isdigit() and p.isascii())
+    return ".".join("#" if p.isdigit() and p.isascii() else p for p in parts), values
+
+
+def _render(template: str, **values) -> str:
+    return template.format(**{k: v for k, v in values.items() if v is not None})
+
+
+class NamingMap:
+    """The naming map of one llama.cpp architecture; see ``schemas/naming-map.schema.json``."""
+
+    def __init__(self, data: dict, source: str):
+        self.source = source
+        self.arch: str = data["arch"]
+        self.description: str = data.get("description", "")
+        self.hf_model_types: tuple[str, ...] = tuple(data["hf_model_types"])
+        self.aliases: tuple[tuple[str, str], ...] = tuple(
+            (a["prefix"], a["means"]) for a in data.get("hf_prefix_aliases", [])
+        )
+        self.tensors: tuple[TensorEntry, ...] = tuple(
+            TensorEntry(
+                gguf=t["gguf"],
+                hf=_as_tuple(t["hf"]),
+                group=t["group"],
+                model_types=tuple(t["model_types"]) if "model_types" in t else None,
+                derived=t.get("derived"),
+            )
+            for t in data["tensors"]
+        )
+        self.experts: dict[str, dict[str, tuple[str, ...]]] = _forms(data["experts"])
+        self.expert_scales: dict[str, dict[str, tuple[str, ...]]] = _forms(data.get("expert_scales", {}))
+        self._index: dict[str, list[_Slot]] = {}
+        self._build_index()
+
+    def __repr__(self) -> str:
+        return f"NamingMap({self.arch!r}, {len(self.tensors)} tensors)"
+
+    # --- index ----------------------------------------------------------------------------------------------------
+    def _add(self, slot: _Slot) -> None:
+        key, holes = _key_of_template(slot.template)
+        if len(set(holes)) != len(holes):
+            self._bad(f"template {slot.template!r} repeats a placeholder")
+        if slot.entry is not None and set(holes) - {"L"}:
+            self._bad(f"template {slot.template!r}: non-expert tensors may only use {{L}}")
+        if slot.layout is not None and set(holes) != _NEEDS[slot.layout]:
+            want = ", ".join(f"{{{h}}}" for h in sorted(_NEEDS[slot.layout]))
+            self._bad(f"template {slot.template!r}: layout {slot.layout} needs exactly {want}")
+        existing = self._index.setdefault(key, [])
+        for other in existing:
+            both_same_hf = other.entry is not None and slot.entry is not None and other.side == slot.side == "hf"
+            if not (both_same_hf and (other.entry.derived or slot.entry.derived)):
+                self._bad(f"templates {other.template!r} and {slot.template!r} cannot be told apart")
+        existing.append(slot)
+        existing.sort(key=lambda s: s.entry is not None and s.entry.derived is not None)  # plain renames first
+
+    def _build_index(self) -> None:
+        for e in self.tensors:
+            self._add(_Slot(e.gguf, _key_of_template(e.gguf)[1], "gguf", e.group, entry=e))
+            for h in e.hf:
+                self._add(_Slot(h, _key_of_template(h)[1], "hf", e.group, entry=e))
+        for group, table in (("experts", self.experts), ("expert_scales", self.expert_scales)):
+            for proj, forms in table.items():
+                for layout, templates in forms.items():
+                    for t in templates:
+                        self._add(
+                            _Slot(t, _key_of_template(t)[1], _SIDE[layout], group, projection=proj, layout=layout)
+                        )
+        if "down" not in self.experts or not ({"gate", "up"} <= set(self.experts) or "gate_up" in self.experts):
+            self._bad("experts must name down and either gate and up or gate_up")
+
+    def _bad(self, msg: str):
+        raise InputError(msg, path=self.source, fix="fix the naming map")
+
+    # --- lookups --------------------------------------------------------------------------------------------------
+    def lookup(self, name: str) -> NameMatch | None:
+        """What ``name`` is under this map (trying ``hf_prefix_aliases`` if it matches no template), or ``None``."""
+        m = self._lookup_direct(name)
+        if m is not None:
+            return m
+        for prefix, means in self.aliases:
+            if name.startswith(prefix):
+                m = self._lookup_direct(means + name[len(prefix) :])
+                if m is not None and m.side == "hf":
+                    return NameMatch(**{**m.__dict__, "name": name, "via_alias": True})
+        return None
+
+    def _lookup_direct(self, name: str) -> NameMatch | None:
+        key, values = _key_of_name(name)
+        slots = self._index.get(key)
+        if not slots:
+            return None
+        slot = slots[0]
+        v = dict(zip(slot.placeholders, values))
+        L, E, N = v.get("L"), v.get("E"), v.get("N")
+        if slot.entry is not None:
+            e = slot.entry
+            return NameMatch(
+                name=name,
+                arch=self.arch,
+                group=e.group,
+                side=slot.side,
+                layer=L,
+                gguf_name=_render(e.gguf, L=L),
+                hf_name=_render(e.hf[0], L=L),
+                derived=e.derived,
+            )
+        weights = self.experts.get(slot.projection, {})
+        gguf_t = weights.get("gguf-merged") if slot.group == "experts" or slot.layout == "kt-amx" else None
+        if slot.layout == "kt-amx":  # weight and scale blobs both derive from the expert's HF weight
+            hf_t = weights.get("hf-split")
+        elif slot.group == "expert_scales":  # an FP8 scale is its own HF tensor
+            hf_t = (slot.template,)
+        else:
+            hf_t = weights.get("hf-split" if slot.layout in ("hf-split", "gguf-split") else "hf-fused")
+        return NameMatch(
+            name=name,
+            arch=self.arch,
+            group=slot.group,
+            side=slot.side,
+            layer=L,
+            expert=E,
+            numa=N,
+            projection=slot.projection,
+            layout=slot.layout,
+            gguf_name=_render(gguf_t[0], L=L) if gguf_t else None,
+            hf_name=_render(hf_t[0], L=L, E=E) if hf_t else None,
+            derived="kt-kernel AMX tile-packed quantization of the expert" if slot.layout == "kt-amx" else None,
+        )
+
+    def to_gguf(self, name: str) -> str | None:
+        """The llama.cpp name of the tensor holding ``name``'s data (for a per-expert HF name: the merged tensor)."""
+        m = self.lookup(name)
+        return m.gguf_name if m else None
+
+    def to_hf(self, name: str) -> str | None:
+        """The canonical HF name of the tensor holding ``name``'s data, or ``None`` when no single HF tensor does."""
+        m = self.lookup(name)
+        return m.hf_name if m else None
+
+    def expert_name(
+        self, layout: str, projection: str, layer: int, expert: int | None = None, numa: int | None = None,
+        scale: bool = False,
+    ) -> str | None:
+        """Render the canonical name of an expert tensor in ``layout``; ``None`` if the map has no such form."""
+        table = self.expert_scales if scale else self.experts
+        templates = table.get(projection, {}).get(layout)
+        if not templates:
+            return None
+        missing = _NEEDS[layout] - {k for k, v in (("L", layer), ("E", expert), ("N", numa)) if v is not None}
+        if missing:
+            raise ValueError(f"layout {layout} needs {', '.join(sorted(missing))}")
+        return _render(templates[0], L=layer, E=expert, N=numa)
+
+    def tensor_entries(self, model_type: str | None = None) -> tuple[TensorEntry, ...]:
+        """Non-expert entries, restricted to those a given HF ``model_type`` has when one is given."""
+        return tuple(e for e in self.tensors if model_type is None or e.model_types is None or model_type in e.model_types)
+
+
+def _as_tuple(v) -> tuple[str, ...]:
+    return (v,) if isinstance(v, str) else tuple(v)
+
+
+def _forms(data: dict) -> dict[str, dict[str, tuple[str, ...]]]:
+    return {proj: {layout: _as_tuple(t) for layout, t in forms.items()} for proj, forms in data.items()}
+
+
+def load_naming_map(path: str | Path) -> NamingMap:
+    """Load one naming map YAML file, validated against ``naming-map.schema.json`` and for template collisions."""
+    import jsonschema  # imported lazily: only map loading needs it
+
+    p = Path(path)
+    try:
+        data = yaml.safe_load(p.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"{mark.line + 1}:{mark.column + 1}" if mark else None
+        raise InputError(f"invalid YAML: {exc}", path=str(p), where=where, fix="fix the naming map") from None
+    validator = jsonschema.Draft202012Validator(resources.load_schema("naming-map"))
+    error = next(iter(sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))), None)
+    if error is not None:
+        where = "/".join(str(x) for x in error.absolute_path) or "(top)"
+        raise InputError(f"schema violation: {error.message}", path=str(p), where=where, fix="fix the naming map")
+    return NamingMap(data, str(p))
+
+
+@lru_cache(maxsize=None)
+def naming_maps() -> dict[str, NamingMap]:
+    """All shipped naming maps, keyed by llama.cpp architecture name."""
+    maps = {}
+    for f in sorted((resources.rules_dir() / "naming").glob("*.yaml")):
+        m = load_naming_map(f)
+        maps[m.arch] = m
+    return maps
+
+
+def naming_map(arch_or_model_type: str) -> NamingMap:
+    """The map for a llama.cpp architecture (``"deepseek2"``) or HF model type (``"deepseek_v3"``)."""
+    maps = naming_maps()
+    if arch_or_model_type in maps:
+        return maps[arch_or_model_type]
+    for m in maps.values():
+        if arch_or_model_type in m.hf_model_types:
+            return m
+    known = sorted(set(maps) | {t for m in maps.values() for t in m.hf_model_types})
+    raise InputError(
+        f"no naming map for {arch_or_model_type!r} (known: {', '.join(known)})",
+        fix="add rules/naming/<arch>.yaml for this architecture",
+    )
+
+
+def to_gguf_name(name: str, arch: str) -> str | None:
+    return naming_map(arch).to_gguf(name)
+
+
+def to_hf_name(name: str, arch: str) -> str | None:
+    return naming_map(arch).to_hf(name)
+
+
+def guess_arch(names) -> str | None:
+    """The architecture whose map recognises the most of ``names``, or ``None`` when that is not a single one."""
+    names = list(names)
+    scores = {arch: sum(m._lookup_direct(n) is not None for n in names) for arch, m in naming_maps().items()}
+    best = max(scores.values(), default=0)
+    winners = [a for a, s in scores.items() if s == best]
+    return winners[0] if best and len(winners) == 1 else None
