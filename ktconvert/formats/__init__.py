@@ -1,0 +1,91 @@
+"""Checkpoint readers, naming maps and expert-layout detection: the layer every later command reads through.
+
+Public API (everything else in this package is an implementation detail):
+
+``open_checkpoint(path) -> Checkpoint``
+    Opens a ``.safetensors`` file, a directory of shards (with or without ``*.safetensors.index.json``), the index
+    itself, a ``.gguf`` file or a split GGUF set (``-00001-of-0000N.gguf``; any shard or the directory). Only
+    headers are read, and validated; a hostile or broken file raises :class:`ktconvert.errors.InputError` with
+    ``path``, ``where`` (tensor name and/or byte offset) and ``fix``.
+
+``Checkpoint``
+    A mapping ``name -> TensorInfo`` in file order, plus ``container`` (``"safetensors"``/``"gguf"``), ``files``,
+    ``metadata`` (GGUF KV or safetensors ``__metadata__``), ``kv(key)`` (KV with arrays read in full), ``config``
+    (the ``config.json`` next to it, if any), ``architecture``, ``dims(config=None) -> ModelDims``, ``notes``,
+    ``read(name)`` (zero-copy read-only memmap of one tensor's stored data) and ``read_float32(name, index=None)``
+    (decoded float32 copy of a tensor or of its slice ``[index]``, e.g. one expert).
+
+``TensorInfo``
+    ``name``, ``shape`` (numpy order), ``ne`` (ggml order, the reverse), ``dtype`` (safetensors dtype or ggml type
+    name), ``ggml_type`` (id, GGUF only), ``file``, ``offset`` (absolute), ``nbytes``, ``n_elements``.
+
+``detect_layout(checkpoint, config=None) -> LayoutReport``
+    Per layer: layout (``hf-split``, ``hf-fused``, ``gguf-merged``, ``gguf-split``, ``kt-amx``, or ``mixed``), E, I,
+    H, fused orientation, per-projection dtypes/shapes/bytes, router / score-bias / shared-expert tensor names, and
+    :class:`Problem` findings; ``matches`` classifies every tensor name, ``unknown`` lists the rest. ``config`` is a
+    ``config.json`` path or dict and overrides the one found next to the checkpoint.
+
+``naming_map(arch_or_model_type) -> NamingMap``, ``naming_maps()``, ``to_gguf_name(name, arch)``,
+``to_hf_name(name, arch)``, ``guess_arch(names)``
+    llama.cpp <-> HF names from ``rules/naming/*.yaml``. ``NamingMap.lookup(name) -> NameMatch | None`` says what a
+    name is (group, layer, expert, projection, layout, counterpart names); ``expert_name(layout, projection, layer,
+    expert=None, numa=None, scale=False)`` renders any expert tensor name; ``tensor_entries(model_type)`` lists the
+    non-expert tensors a model type has.
+
+``scan_checkpoint(checkpoint, names=None, matches=None, progress=None) -> ScanResult``
+    Reads data one expert / one bounded chunk at a time; reports NaN, Inf and all-zero experts.
+
+``build_inspect_report(path, config=None, tensors=None, scan=False, progress_factory=None) -> dict``
+    What ``ktconvert inspect`` prints, as data matching ``schemas/inspect-report.schema.json``.
+"""
+
+from ktconvert.formats.checkpoint import Checkpoint, open_checkpoint
+from ktconvert.formats.config import ModelDims, dims_from_gguf, dims_from_hf_config
+from ktconvert.formats.gguf_header import GGUFArray
+from ktconvert.formats.inspect_report import build_inspect_report
+from ktconvert.formats.layout import LayerLayout, LayoutReport, Problem, ProjectionInfo, detect_layout
+from ktconvert.formats.naming import (
+    LAYOUTS,
+    PROJECTIONS,
+    NameMatch,
+    NamingMap,
+    TensorEntry,
+    guess_arch,
+    load_naming_map,
+    naming_map,
+    naming_maps,
+    to_gguf_name,
+    to_hf_name,
+)
+from ktconvert.formats.scan import ScanFinding, ScanResult, scan_checkpoint
+from ktconvert.formats.tensor_info import TensorInfo
+
+__all__ = [
+    "LAYOUTS",
+    "PROJECTIONS",
+    "Checkpoint",
+    "GGUFArray",
+    "LayerLayout",
+    "LayoutReport",
+    "ModelDims",
+    "NameMatch",
+    "NamingMap",
+    "Problem",
+    "ProjectionInfo",
+    "ScanFinding",
+    "ScanResult",
+    "TensorEntry",
+    "TensorInfo",
+    "build_inspect_report",
+    "detect_layout",
+    "dims_from_gguf",
+    "dims_from_hf_config",
+    "guess_arch",
+    "load_naming_map",
+    "naming_map",
+    "naming_maps",
+    "open_checkpoint",
+    "scan_checkpoint",
+    "to_gguf_name",
+    "to_hf_name",
+]

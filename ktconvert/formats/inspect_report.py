@@ -1,0 +1,171 @@
+"""Everything ``ktconvert inspect`` shows, as plain JSON-ready data (``schemas/inspect-report.schema.json``)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+from ktconvert import __version__
+from ktconvert.errors import UsageProblem
+from ktconvert.formats.checkpoint import open_checkpoint
+from ktconvert.formats.layout import LayerLayout, Problem, detect_layout
+from ktconvert.formats.scan import scan_checkpoint
+
+MAX_LISTED_TENSORS = 50  # per problem, so that one broken layer of 256 experts does not drown the report
+
+_SCAN_SEVERITY = {"nan": ("nan", "error"), "inf": ("inf", "error"), "all-zero": ("zero-expert", "warning")}
+
+
+def compile_tensor_filter(pattern: str | None) -> re.Pattern | None:
+    if pattern is None:
+        return None
+    try:
+        return re.compile(pattern)
+    except re.error as exc:
+        raise UsageProblem(f"--tensors {pattern!r} is not a valid regex: {exc}", fix="fix the pattern") from None
+
+
+def build_inspect_report(
+    path: str | Path,
+    config: str | Path | None = None,
+    tensors: str | None = None,
+    scan: bool = False,
+    progress_factory: Callable[[int], Callable[[int], None]] | None = None,
+) -> dict:
+    """Open ``path``, detect its layout and (with ``scan``) read its data; return the report as a dict.
+
+    ``tensors`` is a regex (``re.search``) selecting the tensors listed in the report and scanned; without it no
+    tensor list is included and every tensor is scanned. ``progress_factory(total_bytes)`` returns the callback the
+    scan reports progress to.
+    """
+    selector = compile_tensor_filter(tensors)
+    ck = open_checkpoint(path)
+    lay = detect_layout(ck, config)
+    selected = [n for n in ck if selector.search(n)] if selector else None
+
+    problems = list(lay.all_problems)
+    scan_part = None
+    if scan:
+        names = selected if selected is not None else list(ck)
+        total = sum(ck[n].nbytes for n in names)
+        progress = progress_factory(total) if progress_factory else None
+        result = scan_checkpoint(ck, names, lay.matches, progress)
+        scan_part = {
+            "scanned_tensors": result.scanned_tensors,
+            "scanned_bytes": result.scanned_bytes,
+            "findings": [
+                {"kind": f.kind, "tensor": f.tensor, "expert": f.expert, "count": f.count} for f in result.findings
+            ],
+            "skipped": [{"tensor": t, "why": why} for t, why in result.skipped],
+        }
+        for f in result.findings:
+            kind, severity = _SCAN_SEVERITY[f.kind]
+            what = f"{f.count} NaN value(s)" if f.kind == "nan" else f"{f.count} Inf value(s)" if f.kind == "inf" else "all zeros"
+            m = lay.matches.get(f.tensor)
+            problems.append(Problem(kind, severity, f"{f.where}: {what}", m.layer if m else None, (f.tensor,)))
+
+    dims = lay.dims
+    quant: dict[str, dict] = {}
+    groups: dict[str, dict] = {}
+    for name, info in ck.items():
+        q = quant.setdefault(info.dtype, {"tensors": 0, "bytes": 0})
+        q["tensors"] += 1
+        q["bytes"] += info.nbytes
+        m = lay.matches.get(name)
+        g = groups.setdefault(m.group if m else "unknown", {"tensors": 0, "bytes": 0})
+        g["tensors"] += 1
+        g["bytes"] += info.nbytes
+
+    code = exit_code(problems)
+    report = {
+        "tool": "ktconvert inspect",
+        "version": __version__,
+        "status": "ok" if code == 0 else "fail",
+        "exit_code": code,
+        "path": str(path),
+        "container": ck.container,
+        "gguf_version": ck.gguf_version,
+        "files": [{"path": str(f), "bytes": f.stat().st_size} for f in ck.files],
+        "n_tensors": len(ck),
+        "total_bytes": ck.total_bytes,
+        "architecture": {"arch": lay.arch, "source": lay.arch_source, "model_type": dims.model_type},
+        "config": {
+            "source": dims.source,
+            "hidden_size": dims.hidden_size,
+            "moe_intermediate_size": dims.moe_intermediate_size,
+            "n_experts": dims.n_experts,
+            "n_experts_used": dims.n_experts_used,
+            "n_shared_experts": dims.n_shared_experts,
+            "n_layers": dims.n_layers,
+        },
+        "n_layers": lay.n_layers,
+        "layouts": sorted(lay.layouts),
+        "layers": [_layer(ly) for ly in lay.layers],
+        "quant_types": dict(sorted(quant.items(), key=lambda kv: -kv[1]["bytes"])),
+        "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])),
+        "problems": [_problem(p) for p in problems],
+        "scan": scan_part,
+    }
+    if selected is not None:
+        report["tensors"] = [_tensor(ck[n], lay.matches.get(n)) for n in selected]
+    return report
+
+
+def exit_code(problems) -> int:
+    """1 when any problem is an error (a scan's NaN/Inf included), else 0; warnings and notes do not fail."""
+    return 1 if any((p.severity if isinstance(p, Problem) else p["severity"]) == "error" for p in problems) else 0
+
+
+def _layer(ly: LayerLayout) -> dict:
+    return {
+        "layer": ly.layer,
+        "layout": ly.layout,
+        "n_experts": ly.n_experts,
+        "intermediate": ly.intermediate,
+        "hidden": ly.hidden,
+        "orientation": ly.orientation,
+        "quant": ly.quant,
+        "numa_parts": ly.numa_parts,
+        "projections": {
+            p: {
+                "tensors": len(info.tensors),
+                "dtypes": list(info.dtypes),
+                "numpy_shape": list(info.shape) if info.shape is not None else None,
+                "ggml_ne": list(info.ne) if info.ne is not None else None,
+                "bytes": info.nbytes,
+            }
+            for p, info in sorted(ly.projections.items())
+        },
+        "router": ly.router,
+        "score_bias": ly.score_bias,
+        "shared_experts": list(ly.shared_experts),
+    }
+
+
+def _problem(p: Problem) -> dict:
+    return {
+        "kind": p.kind,
+        "severity": p.severity,
+        "message": p.message,
+        "layer": p.layer,
+        "tensors": list(p.tensors[:MAX_LISTED_TENSORS]),
+        "n_tensors": len(p.tensors),
+    }
+
+
+def _tensor(info, m) -> dict:
+    return {
+        "name": info.name,
+        "dtype": info.dtype,
+        "numpy_shape": list(info.shape),
+        "ggml_ne": list(info.ne),
+        "bytes": info.nbytes,
+        "offset": info.offset,
+        "file": info.file.name,
+        "group": m.group if m else "unknown",
+        "layer": m.layer if m else None,
+        "expert": m.expert if m else None,
+        "gguf_name": m.gguf_name if m else None,
+        "hf_name": m.hf_name if m else None,
+    }
