@@ -1,0 +1,177 @@
+"""The naming maps: valid against their schema, and in agreement with gguf-py's own tables and with real saves."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from formats_helpers import FAMILIES, LAYERS, hf_checkpoint
+from ktconvert import resources
+from ktconvert.errors import InputError
+from ktconvert.formats import guess_arch, load_naming_map, naming_map, naming_maps, open_checkpoint, to_gguf_name, to_hf_name
+
+ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama")
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("naming")
+
+
+def test_shipped_maps_load_through_the_package_data_locator():
+    files = sorted(p.name for p in (resources.rules_dir() / "naming").glob("*.yaml"))
+    assert files == sorted(f"{a}.yaml" for a in ARCHES)
+    assert set(naming_maps()) == set(ARCHES)
+    assert resources.load_schema("naming-map")["$schema"] == "https://json-schema.org/draft/2020-12/schema"
+    for model_type, (_, _, arch, _) in FAMILIES.items():
+        assert naming_map(model_type).arch == arch
+
+
+def test_schema_is_a_valid_2020_12_schema():
+    import jsonschema
+
+    jsonschema.Draft202012Validator.check_schema(resources.load_schema("naming-map"))
+
+
+def _gguf_arch(arch):
+    import gguf
+
+    return next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_every_gguf_template_is_a_tensor_gguf_py_knows_for_the_arch(arch):
+    """llama.cpp names are checked against gguf-py's MODEL_TENSORS (the legacy split and fused gate_up forms are
+    not listed there for these archs, by design)."""
+    from gguf.constants import MODEL_TENSORS, TENSOR_NAMES
+
+    known = {TENSOR_NAMES[t].replace("{bid}", "{L}") for t in MODEL_TENSORS[_gguf_arch(arch)]}
+    m = naming_map(arch)
+    templates = [e.gguf for e in m.tensors] + [
+        forms["gguf-merged"][0] for proj, forms in m.experts.items() if proj != "gate_up"
+    ]
+    for t in templates:
+        assert t.rsplit(".", 1)[0] in known, t
+
+
+@pytest.mark.parametrize("model_type", sorted(FAMILIES))
+@pytest.mark.parametrize("fmt", ["split", "fused"])
+def test_every_tensor_transformers_saves_is_recognised_and_maps_like_gguf_py(root, model_type, fmt):
+    import gguf
+
+    ck = open_checkpoint(hf_checkpoint(root, model_type, fmt))
+    m = naming_map(model_type)
+    theirs = gguf.get_tensor_name_map(_gguf_arch(m.arch), LAYERS)
+    for name in ck:
+        match = m.lookup(name)
+        assert match is not None, name
+        assert match.side == "hf" and not match.via_alias
+        if match.group == "experts":
+            continue  # gguf-py maps only stacked names; checked below
+        key = name.replace("e_score_correction_bias", "e_score_correction.bias")
+        assert to_gguf_name(name, model_type) == theirs.get_name(key, try_suffixes=(".weight", ".bias")), name
+        assert to_hf_name(match.gguf_name, m.arch) == match.hf_name
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_stacked_expert_names_map_like_gguf_py(arch):
+    import gguf
+
+    m = naming_map(arch)
+    theirs = gguf.get_tensor_name_map(_gguf_arch(arch), 4)
+    hf_stacked = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+    if arch == "llama":
+        hf_stacked = {"gate": "w1", "up": "w3", "down": "w2"}
+    block = "block_sparse_moe" if arch == "llama" else "mlp"
+    for proj, hf in hf_stacked.items():
+        ours = m.expert_name("gguf-merged", proj, 3)
+        assert theirs.get_name(f"model.layers.3.{block}.experts.{hf}") + ".weight" == ours
+        per_expert = m.expert_name("hf-split", proj, 3, expert=5)
+        hit = m.lookup(per_expert)
+        assert (hit.gguf_name, hit.expert, hit.layout, hit.projection) == (ours, 5, "hf-split", proj)
+
+
+def test_lookups_both_ways_and_their_counterparts():
+    ds = naming_map("deepseek_v3")
+    assert ds.to_gguf("model.layers.4.mlp.gate.e_score_correction_bias") == "blk.4.exp_probs_b.bias"
+    assert ds.to_hf("blk.4.exp_probs_b.bias") == "model.layers.4.mlp.gate.e_score_correction_bias"
+    assert ds.to_gguf("model.layers.4.self_attn.kv_b_proj.weight") == "blk.4.attn_kv_b.weight"
+    k_b = ds.lookup("blk.4.attn_k_b.weight")
+    assert k_b.hf_name == "model.layers.4.self_attn.kv_b_proj.weight" and "transposed" in k_b.derived
+    assert ds.to_hf("blk.4.ffn_down_exps.weight") == "model.layers.4.mlp.experts.down_proj"
+    assert ds.to_hf("blk.4.ffn_gate_exps.weight") is None  # one HF tensor per expert: no single counterpart
+    assert ds.to_gguf("model.layers.4.mlp.experts.gate_up_proj") == "blk.4.ffn_gate_up_exps.weight"
+    legacy = ds.lookup("blk.4.ffn_up.7.weight")
+    assert (legacy.layout, legacy.expert, legacy.hf_name) == ("gguf-split", 7, "model.layers.4.mlp.experts.7.up_proj.weight")
+    amx = ds.lookup("blk.4.ffn_down_exps.7.numa.1.weight")
+    assert (amx.layout, amx.side, amx.expert, amx.numa, amx.gguf_name) == ("kt-amx", "kt", 7, 1, "blk.4.ffn_down_exps.weight")
+    renamed = ds.lookup("blk.2.self_attn.q_a_proj.weight")  # kt-kernel's renamed non-expert tensor
+    assert renamed.via_alias and renamed.gguf_name == "blk.2.attn_q_a.weight"
+    assert ds.lookup("model.layers.2.mlp.experts.9.gate_proj.weight_scale_inv").group == "expert_scales"
+    assert ds.lookup("model.layers.2.mlp.not_a_tensor.weight") is None
+    mx = naming_map("mixtral")
+    assert mx.to_hf("blk.0.ffn_gate_inp.weight") == "model.layers.0.block_sparse_moe.gate.weight"
+    assert mx.to_gguf("model.layers.0.mlp.gate.weight") == "blk.0.ffn_gate_inp.weight"  # transformers-5 spelling
+    assert mx.expert_name("hf-split", "down", 1, expert=2) == "model.layers.1.block_sparse_moe.experts.2.w2.weight"
+    assert mx.expert_name("kt-amx", "up", 1, expert=2, numa=0, scale=True) == "blk.1.ffn_up_exps.2.numa.0.scale"
+    with pytest.raises(ValueError, match="needs E"):
+        mx.expert_name("hf-split", "down", 1)
+
+
+def test_model_type_restricted_entries():
+    ds = naming_map("deepseek2")
+    v2 = {e.gguf for e in ds.tensor_entries("deepseek_v2")}
+    v3 = {e.gguf for e in ds.tensor_entries("deepseek_v3")}
+    assert v3 - v2 == {"blk.{L}.exp_probs_b.bias"}
+
+
+def test_guess_arch_from_names(root):
+    for model_type in ("qwen2_moe", "qwen3_moe", "deepseek_v3"):
+        ck = open_checkpoint(hf_checkpoint(root, model_type, "split"))
+        assert guess_arch(ck) == FAMILIES[model_type][2]
+    assert guess_arch(open_checkpoint(hf_checkpoint(root, "mixtral", "split"))) == "llama"
+    # transformers-5 fused Mixtral names are also valid Qwen3-MoE names: refuse to guess
+    assert guess_arch(open_checkpoint(hf_checkpoint(root, "mixtral", "fused"))) is None
+    assert guess_arch(["nothing.we.know"]) is None
+
+
+def _write_map(tmp_path, mutate):
+    data = yaml.safe_load((resources.rules_dir() / "naming" / "qwen3moe.yaml").read_text())
+    mutate(data)
+    p = tmp_path / "map.yaml"
+    p.write_text(yaml.safe_dump(data))
+    return p
+
+
+@pytest.mark.parametrize(
+    "mutate, message",
+    [
+        (lambda d: d.pop("arch"), "schema violation: 'arch' is a required property"),
+        (lambda d: d["tensors"].append({"gguf": "blk.{L}.x.weight", "hf": "a.{Q}.b", "group": "norm"}), "schema"),
+        (lambda d: d["tensors"].append({"gguf": "blk.{L}.x.weight", "hf": "m.12.b", "group": "norm"}), "schema"),
+        (lambda d: d["tensors"].append({"gguf": "blk.{L}.attn_q.weight", "hf": "z.{L}", "group": "norm"}),
+         "cannot be told apart"),
+        (lambda d: d["experts"]["gate"].update({"hf-split": "model.layers.{L}.g.weight"}), "needs exactly {E}, {L}"),
+        (lambda d: d["tensors"].append({"gguf": "blk.{L}.x.{E}.weight", "hf": "q.{L}", "group": "norm"}),
+         "may only use {L}"),
+        (lambda d: d["experts"].pop("down"), "experts must name down"),
+    ],
+)
+def test_broken_maps_are_refused_with_the_place(tmp_path, mutate, message):
+    p = _write_map(tmp_path, mutate)
+    with pytest.raises(InputError) as exc:
+        load_naming_map(p)
+    assert message in str(exc.value) and str(p) in str(exc.value)
+
+
+def test_map_yaml_syntax_error_names_the_line(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("arch: x\ntensors: [\n")
+    with pytest.raises(InputError, match=r"bad.yaml:\d+:\d+: invalid YAML"):
+        load_naming_map(p)
+
+
+def test_unknown_arch_lists_the_known_ones():
+    with pytest.raises(InputError, match="known: .*deepseek_v3.*qwen3moe"):
+        naming_map("gpt2")
+
