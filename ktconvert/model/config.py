@@ -1,0 +1,387 @@
+"""One normalised view of a MoE ``config.json``, whatever spelling wrote it.
+
+Hub checkpoints (the authors' remote-code configs) and transformers 5 (``save_pretrained``) name the same
+fields differently: ``num_experts`` / ``num_local_experts`` / ``n_routed_experts``, ``rope_theta`` +
+``rope_scaling`` / ``rope_parameters``, ``qkv_bias`` present or implied. Everything downstream (reference
+models, weight loading, rule checks) reads :class:`MoeConfig` and never the raw dict, so a spelling is handled
+in exactly one place. Pure Python: importing this never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ktconvert.errors import InputError
+
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+
+_ARCH_TO_FAMILY = {
+    "Qwen2MoeForCausalLM": "qwen2_moe",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
+    "DeepseekV2ForCausalLM": "deepseek_v2",
+    "DeepseekV3ForCausalLM": "deepseek_v3",
+}
+
+_TOPK_METHODS = {"greedy", "group_limited_greedy", "noaux_tc"}
+
+
+@dataclass(frozen=True)
+class RopeSpec:
+    """Rotary embedding parameters; ``kind`` is ``default``, ``linear`` or ``yarn``."""
+
+    kind: str
+    theta: float
+    dim: int
+    factor: float = 1.0
+    original_max_position_embeddings: int | None = None
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+
+
+@dataclass(frozen=True)
+class MoeConfig:
+    """The fields the reference models need, with defaults resolved per family."""
+
+    family: str
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    rope: RopeSpec
+    tie_word_embeddings: bool
+    # attention projections with a bias: names of the projections (family-specific)
+    attention_bias_on: tuple[str, ...]
+    # MoE
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    intermediate_size: int  # dense MLP (DeepSeek first layers, Qwen mlp_only_layers)
+    moe_layers: tuple[int, ...]
+    norm_topk_prob: bool
+    scoring_func: str  # softmax | sigmoid
+    topk_method: str  # greedy | group_limited_greedy | noaux_tc
+    n_group: int | None
+    topk_group: int | None
+    routed_scaling_factor: float
+    shared_expert_intermediate_size: int | None  # Qwen2-MoE gated shared expert
+    n_shared_experts: int  # DeepSeek shared experts (intermediate = n * moe_intermediate_size)
+    # MLA (DeepSeek)
+    q_lora_rank: int | None = None
+    kv_lora_rank: int | None = None
+    qk_nope_head_dim: int | None = None
+    qk_rope_head_dim: int | None = None
+    v_head_dim: int | None = None
+    rope_interleave: bool = True
+    bos_token_id: int | None = None
+    eos_token_id: Any = None
+    raw: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def is_mla(self) -> bool:
+        return self.family in ("deepseek_v2", "deepseek_v3")
+
+    @property
+    def moe_block_name(self) -> str:
+        """The attribute a decoder layer keeps its MoE block under (upstream rule files match this name)."""
+        return "block_sparse_moe" if self.family == "mixtral" else "mlp"
+
+    @property
+    def expert_proj_names(self) -> tuple[str, str, str]:
+        """Per-expert projection names (gate, up, down) as the hub checkpoints spell them."""
+        return ("w1", "w3", "w2") if self.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+
+
+def load_config(source: str | os.PathLike | dict) -> MoeConfig:
+    """Read ``config.json`` (a path to it, to its directory, or an already parsed dict) into a :class:`MoeConfig`."""
+    if isinstance(source, dict):
+        return normalize_config(source)
+    path = Path(source)
+    if path.is_dir():
+        path = path / "config.json"
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise InputError("config.json not found", path=str(path), fix="pass a model directory that holds config.json")
+    except OSError as exc:
+        raise InputError(f"cannot read: {exc.strerror}", path=str(path))
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"not valid JSON: {exc.msg}", path=str(path), where=f"{exc.lineno}:{exc.colno}")
+    if not isinstance(raw, dict):
+        raise InputError("config.json must hold a JSON object", path=str(path))
+    return normalize_config(raw, path=str(path))
+
+
+def family_of(raw: dict) -> str | None:
+    mt = raw.get("model_type")
+    if mt in FAMILIES:
+        return mt
+    for arch in raw.get("architectures") or ():
+        if arch in _ARCH_TO_FAMILY:
+            return _ARCH_TO_FAMILY[arch]
+    return None
+
+
+def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
+    """Resolve both spellings and every per-family default into a :class:`MoeConfig`."""
+    family = family_of(raw)
+    if family is None:
+        raise InputError(
+            f"model_type {raw.get('model_type')!r} is not one of the supported families ({', '.join(FAMILIES)})",
+            path=path,
+            where="model_type",
+        )
+    g = _Getter(raw, path)
+
+    hidden = g.int("hidden_size")
+    heads = g.int("num_attention_heads")
+    layers = g.int("num_hidden_layers")
+    kv_heads = g.opt("num_key_value_heads")
+    kv_heads = heads if kv_heads is None else int(kv_heads)
+    if g.opt("hidden_act", "silu") != "silu":
+        raise InputError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)", path=path, where="hidden_act")
+
+    num_experts = g.first_int("num_experts", "num_local_experts", "n_routed_experts")
+    top_k = g.int("num_experts_per_tok")
+    if not 0 < top_k <= num_experts:
+        raise InputError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}", path=path, where="num_experts_per_tok")
+
+    mla = family in ("deepseek_v2", "deepseek_v3")
+    head_dim = g.opt("head_dim")
+    if mla:
+        rope_dim = g.int("qk_rope_head_dim")
+        head_dim = rope_dim
+    else:
+        head_dim = int(head_dim) if head_dim else hidden // heads
+        rope_dim = head_dim
+    if heads % kv_heads:
+        raise InputError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}", path=path)
+
+    max_pos = int(g.opt("max_position_embeddings", 4096 if family == "deepseek_v3" else 2048))
+    rope = _rope(raw, family, rope_dim, max_pos, path)
+
+    # dense / MoE layer placement
+    if family in ("qwen2_moe", "qwen3_moe"):
+        step = int(g.opt("decoder_sparse_step", 1) or 1)
+        mlp_only = set(g.opt("mlp_only_layers") or [])
+        moe_layers = tuple(i for i in range(layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
+    elif family == "mixtral":
+        moe_layers = tuple(range(layers))
+    else:
+        first_dense = int(g.opt("first_k_dense_replace", 0) or 0)
+        freq = int(g.opt("moe_layer_freq", 1) or 1)
+        moe_layers = tuple(i for i in range(layers) if i >= first_dense and i % freq == 0)
+
+    if family == "mixtral":
+        moe_inter = g.int("intermediate_size")
+        inter = moe_inter
+    else:
+        moe_inter = g.int("moe_intermediate_size")
+        inter = int(g.opt("intermediate_size", moe_inter))
+
+    # routing
+    if family == "mixtral":
+        norm_topk, scoring, method = True, "softmax", "greedy"
+    elif family in ("qwen2_moe", "qwen3_moe"):
+        norm_topk, scoring, method = bool(g.opt("norm_topk_prob", False)), "softmax", "greedy"
+    elif family == "deepseek_v2":
+        norm_topk = bool(g.opt("norm_topk_prob", False))
+        scoring = g.opt("scoring_func", "softmax")
+        method = g.opt("topk_method", "greedy")
+    else:
+        norm_topk = bool(g.opt("norm_topk_prob", True))
+        scoring = g.opt("scoring_func", "sigmoid")
+        method = g.opt("topk_method", "noaux_tc")
+    if method == "gready":  # the DeepSeek-V2 remote-code config's default spelling
+        method = "greedy"
+    if method not in _TOPK_METHODS:
+        raise InputError(f"topk_method {method!r} is not supported ({', '.join(sorted(_TOPK_METHODS))})", path=path, where="topk_method")
+    if scoring not in ("softmax", "sigmoid"):
+        raise InputError(f"scoring_func {scoring!r} is not supported (softmax, sigmoid)", path=path, where="scoring_func")
+    if family == "deepseek_v3" and (method != "noaux_tc" or scoring != "sigmoid"):
+        raise InputError(
+            f"deepseek_v3 routing must be topk_method=noaux_tc with scoring_func=sigmoid, got {method}/{scoring}",
+            path=path,
+            where="topk_method",
+        )
+    if family == "deepseek_v2" and (method == "noaux_tc" or scoring != "softmax"):
+        raise InputError(
+            f"deepseek_v2 routing must use softmax scores with greedy or group_limited_greedy, got {method}/{scoring}",
+            path=path,
+            where="topk_method",
+        )
+    n_group = g.opt("n_group")
+    topk_group = g.opt("topk_group")
+    if method in ("group_limited_greedy", "noaux_tc"):
+        if not n_group or not topk_group:
+            raise InputError(f"topk_method {method} needs n_group and topk_group", path=path, where="n_group")
+        n_group, topk_group = int(n_group), int(topk_group)
+        if num_experts % n_group or not 0 < topk_group <= n_group:
+            raise InputError(
+                f"n_group={n_group} must divide num_experts={num_experts} and topk_group={topk_group} must be in 1..{n_group}",
+                path=path,
+                where="n_group",
+            )
+        if method == "noaux_tc" and num_experts // n_group < 2:
+            raise InputError("noaux_tc scores groups by their top-2 experts: groups need at least 2 experts", path=path, where="n_group")
+
+    scaling = float(g.opt("routed_scaling_factor", 1.0) or 1.0) if mla else 1.0
+
+    # biases
+    if family == "qwen2_moe":
+        bias_on = ("q_proj", "k_proj", "v_proj") if g.opt("qkv_bias", True) else ()
+    elif family == "qwen3_moe":
+        bias_on = ("q_proj", "k_proj", "v_proj", "o_proj") if g.opt("attention_bias", False) else ()
+    elif family == "mixtral":
+        bias_on = ()
+    else:
+        bias_on = ("q_a_proj", "kv_a_proj_with_mqa", "o_proj") if g.opt("attention_bias", False) else ()
+        if g.opt("mlp_bias", False):
+            raise InputError("mlp_bias=true is not supported", path=path, where="mlp_bias")
+
+    _check_sliding_window(raw, family, path)
+
+    kwargs: dict[str, Any] = {}
+    if mla:
+        q_lora = g.opt("q_lora_rank")
+        kwargs = dict(
+            q_lora_rank=None if q_lora in (None, 0) else int(q_lora),
+            kv_lora_rank=g.int("kv_lora_rank"),
+            qk_nope_head_dim=g.int("qk_nope_head_dim"),
+            qk_rope_head_dim=g.int("qk_rope_head_dim"),
+            v_head_dim=g.int("v_head_dim"),
+            rope_interleave=bool(g.opt("rope_interleave", True)) if family == "deepseek_v3" else True,
+        )
+        if kv_heads != heads:
+            raise InputError(
+                f"MLA expands keys per attention head: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads})",
+                path=path,
+                where="num_key_value_heads",
+            )
+
+    return MoeConfig(
+        family=family,
+        vocab_size=g.int("vocab_size"),
+        hidden_size=hidden,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rms_norm_eps=float(g.opt("rms_norm_eps", 1e-5 if family == "mixtral" else 1e-6)),
+        max_position_embeddings=max_pos,
+        rope=rope,
+        tie_word_embeddings=bool(g.opt("tie_word_embeddings", False)),
+        attention_bias_on=bias_on,
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=moe_inter,
+        intermediate_size=inter,
+        moe_layers=moe_layers,
+        norm_topk_prob=norm_topk,
+        scoring_func=scoring,
+        topk_method=method,
+        n_group=n_group if method != "greedy" else None,
+        topk_group=topk_group if method != "greedy" else None,
+        routed_scaling_factor=scaling,
+        shared_expert_intermediate_size=(g.int("shared_expert_intermediate_size") if family == "qwen2_moe" else None),
+        n_shared_experts=int(g.opt("n_shared_experts", 0) or 0) if mla else 0,
+        bos_token_id=g.opt("bos_token_id"),
+        eos_token_id=g.opt("eos_token_id"),
+        raw=dict(raw),
+        **kwargs,
+    )
+
+
+def _check_sliding_window(raw: dict, family: str, path: str | None) -> None:
+    """Sliding-window attention is not modelled; refuse configs where it would change results."""
+    window = raw.get("sliding_window")
+    if family in ("qwen2_moe", "qwen3_moe"):
+        active = bool(raw.get("use_sliding_window", False)) and bool(window)
+    elif family == "mixtral":
+        active = bool(window)
+    else:
+        active = False
+    if active:
+        raise InputError(
+            f"sliding-window attention (sliding_window={window}) is not supported by the reference models",
+            path=path,
+            where="sliding_window",
+            fix="set use_sliding_window=false / sliding_window=null if the window exceeds your prompts",
+        )
+
+
+def _rope(raw: dict, family: str, dim: int, max_pos: int, path: str | None) -> RopeSpec:
+    params = raw.get("rope_parameters")
+    if params is None:
+        params = dict(raw.get("rope_scaling") or {})
+    else:
+        params = dict(params)
+    if "rope_layers" in params or any(isinstance(v, dict) for v in params.values()):
+        raise InputError("per-layer rope_parameters are not supported", path=path, where="rope_parameters")
+    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0 if family != "mixtral" else 1e6))
+    kind = params.get("rope_type", params.get("type", "default")) or "default"
+    if kind == "default":
+        return RopeSpec(kind="default", theta=float(theta), dim=dim)
+    if kind == "linear":
+        return RopeSpec(kind="linear", theta=float(theta), dim=dim, factor=float(params["factor"]))
+    if kind == "yarn":
+        omax = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", max_pos))
+        factor = params.get("factor")
+        factor = float(max_pos / omax) if factor is None else float(factor)
+
+        def _f(key: str) -> float | None:
+            v = params.get(key)
+            return None if v is None else float(v)
+
+        return RopeSpec(
+            kind="yarn",
+            theta=float(theta),
+            dim=dim,
+            factor=factor,
+            original_max_position_embeddings=int(omax),
+            beta_fast=float(params.get("beta_fast") or 32),
+            beta_slow=float(params.get("beta_slow") or 1),
+            mscale=_f("mscale"),
+            mscale_all_dim=_f("mscale_all_dim"),
+            attention_factor=_f("attention_factor"),
+            truncate=bool(params.get("truncate", True)),
+        )
+    raise InputError(f"rope type {kind!r} is not supported (default, linear, yarn)", path=path, where="rope_scaling")
+
+
+class _Getter:
+    def __init__(self, raw: dict, path: str | None):
+        self.raw = raw
+        self.path = path
+
+    def opt(self, key: str, default: Any = None) -> Any:
+        value = self.raw.get(key, default)
+        return default if value is None and default is not None else value
+
+    def int(self, key: str) -> int:
+        value = self.raw.get(key)
+        if value is None:
+            raise InputError(f"missing required field {key!r}", path=self.path, where=key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise InputError(f"{key} must be an integer, got {value!r}", path=self.path, where=key)
+        return int(value)
+
+    def first_int(self, *keys: str) -> int:
+        for key in keys:
+            if self.raw.get(key) is not None:
+                return self.int(key)
+        raise InputError(f"missing the expert count (one of {', '.join(keys)})", path=self.path, where=keys[0])

@@ -1,0 +1,439 @@
+"""Plain-torch building blocks of the reference MoE models.
+
+Numerics follow transformers 5 (the goldens' producer) operation by operation where the order of float
+operations matters at 1e-5; where upstream implementations disagree the choice is said in the docstring.
+Router, shared experts and routed experts are separate modules with narrow contracts, so an injected
+operator can replace one of them without touching the others:
+
+* a Qwen/Mixtral ``gate`` is an ``nn.Linear`` (router logits); the block turns logits into top-k;
+* a DeepSeek ``gate`` (``MoEGate``) maps hidden states to ``(topk_ids, topk_weights)``;
+* ``experts`` maps ``(hidden [N, H], topk_ids [N, K], topk_weights [N, K])`` to ``[N, H]``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ktconvert.model.config import MoeConfig, RopeSpec
+
+
+class Tagged:
+    """Mixin: the upstream class names a module stands for (see :mod:`ktconvert.model.hfnames`)."""
+
+    hf_class: str | None = None
+    hf_class_paths: tuple[str, ...] = ()
+
+
+class RMSNorm(Tagged, nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * h.to(dtype)
+
+
+def rope_frequencies(spec: RopeSpec) -> tuple[torch.Tensor, float]:
+    """Inverse frequencies and the cos/sin scale (YaRN's attention factor) for ``spec``."""
+    dim, base = spec.dim, spec.theta
+    if spec.kind in ("default", "linear"):
+        inv = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).to(dtype=torch.float) / dim))
+        return (inv / spec.factor if spec.kind == "linear" else inv), 1.0
+    if spec.kind != "yarn":
+        raise ValueError(f"rope kind {spec.kind!r}")
+    factor = spec.factor
+
+    def get_mscale(scale: float, mscale: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+    attention_factor = spec.attention_factor
+    if attention_factor is None:
+        if spec.mscale and spec.mscale_all_dim:
+            attention_factor = float(get_mscale(factor, spec.mscale) / get_mscale(factor, spec.mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    omax = spec.original_max_position_embeddings
+
+    def correction_dim(rotations: float) -> float:
+        return (dim * math.log(omax / (rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = correction_dim(spec.beta_fast), correction_dim(spec.beta_slow)
+    if spec.truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+    pos_freqs = base ** (torch.arange(0, dim, 2).to(dtype=torch.float) / dim)
+    extrapolation = 1.0 / pos_freqs
+    interpolation = 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep, attention_factor
+
+
+def softmax_scale(head_dim: int, spec: RopeSpec) -> float:
+    """DeepSeek's attention scale: YaRN multiplies 1/sqrt(d) by mscale(factor, mscale_all_dim) squared."""
+    scale = head_dim**-0.5
+    if spec.kind != "default" and spec.mscale_all_dim:
+        m = 1.0 if spec.factor <= 1 else 0.1 * spec.mscale_all_dim * math.log(spec.factor) + 1.0
+        scale = scale * m * m
+    return scale
+
+
+class RotaryEmbedding(Tagged, nn.Module):
+    """cos/sin tables for the given positions; one per attention module, as in ktransformers' model trees."""
+
+    def __init__(self, spec: RopeSpec):
+        super().__init__()
+        inv_freq, self.attention_scaling = rope_frequencies(spec)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=x.device, dtype=torch.float)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = emb.cos() * self.attention_scaling
+        sin = emb.sin() * self.attention_scaling
+        return cos.to(dtype=x.dtype), sin.to(dtype=x.dtype)
+
+    def freqs_cis(self, position_ids: torch.Tensor) -> torch.Tensor:
+        """The same table as unit complex numbers ``[B, T, dim / 2]`` (DeepSeek-V2's formulation)."""
+        freqs = position_ids[..., None].float() * self.inv_freq.to(device=position_ids.device, dtype=torch.float)
+        return torch.polar(torch.ones_like(freqs), freqs) * self.attention_scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(q, k, cos, sin):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def apply_rope_interleaved(q, k, cos, sin):
+    """Rotate interleaved pairs (x0, x1), (x2, x3), ... (DeepSeek's rope layout); output de-interleaved
+    (evens, then odds), as transformers 5's DeepSeek-V3 path. Queries and keys share the layout."""
+    half = cos.shape[-1] // 2
+    cos, sin = cos[..., :half].unsqueeze(1), sin[..., :half].unsqueeze(1)
+    q1, q2 = q[..., 0::2], q[..., 1::2]
+    k1, k2 = k[..., 0::2], k[..., 1::2]
+    return (
+        torch.cat([q1 * cos - q2 * sin, q2 * cos + q1 * sin], dim=-1),
+        torch.cat([k1 * cos - k2 * sin, k2 * cos + k1 * sin], dim=-1),
+    )
+
+
+def apply_rope_complex(q, k, freqs_cis):
+    """The same rotation as a complex product with the output left in pairs: transformers 5's DeepSeek-V2
+    path, reproduced operation for operation (``torch.polar`` tables included, whose last bit can differ
+    from ``cos``/``sin``) so the two agree to the bit rather than to rounding."""
+    freqs = freqs_cis.unsqueeze(1)
+
+    def rotate(x):
+        xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+        return torch.view_as_real(xc * freqs).flatten(3).type_as(x)
+
+    return rotate(q), rotate(k)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
+    """Eager causal attention. ``q [B, h, T, d]`` are the last T positions of keys ``[B, kv, S, d]``."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    w = torch.matmul(q, k.transpose(2, 3)) * scaling
+    t, s = q.shape[2], k.shape[2]
+    if t > 1:
+        qpos = torch.arange(t, device=q.device) + (s - t)
+        future = torch.arange(s, device=q.device)[None, :] > qpos[:, None]
+        w = w.masked_fill(future, float("-inf"))
+    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    out = torch.matmul(w, v).transpose(1, 2).contiguous()
+    return out.reshape(out.shape[0], out.shape[1], -1)
+
+
+class KVCache:
+    """Per-layer cached tensors, concatenated along the sequence axis (dim 2).
+
+    Standard attention caches rotated keys and values; MLA caches its compressed latent and the shared
+    rotated key, as transformers does, so decode recomputes ``kv_b_proj`` over the whole history.
+    """
+
+    def __init__(self) -> None:
+        self.layers: dict[int, tuple[torch.Tensor, ...]] = {}
+        self.seq_len = 0
+
+    def update(self, layer_idx: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        old = self.layers.get(layer_idx)
+        merged = new if old is None else tuple(torch.cat((a, b), dim=2) for a, b in zip(old, new))
+        self.layers[layer_idx] = merged
+        return merged
+
+
+class Attention(Tagged, nn.Module):
+    """Grouped-query attention (Qwen2-MoE, Qwen3-MoE with per-head q/k norms, Mixtral)."""
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.head_dim = cfg.head_dim
+        h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        bias = cfg.attention_bias_on
+        self.q_proj = nn.Linear(h, nh * hd, bias="q_proj" in bias)
+        self.k_proj = nn.Linear(h, nkv * hd, bias="k_proj" in bias)
+        self.v_proj = nn.Linear(h, nkv * hd, bias="v_proj" in bias)
+        self.o_proj = nn.Linear(nh * hd, h, bias="o_proj" in bias)
+        if cfg.family == "qwen3_moe":
+            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+        self.rotary_emb = RotaryEmbedding(cfg.rope)
+        self.scaling = hd**-0.5
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        b, t, _ = hidden.shape
+        shape = (b, t, -1, self.head_dim)
+        q = self.q_proj(hidden).view(shape)
+        k = self.k_proj(hidden).view(shape)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+        v = self.v_proj(hidden).view(shape).transpose(1, 2)
+        cos, sin = self.rotary_emb(v, position_ids)
+        q, k = apply_rope(q, k, cos, sin)
+        if cache is not None:
+            k, v = cache.update(self.layer_idx, k, v)
+        return self.o_proj(attend(q, k, v, self.scaling))
+
+
+class MLAttention(Tagged, nn.Module):
+    """DeepSeek multi-head latent attention (no weight absorption: the plain form transformers runs)."""
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        h, nh = cfg.hidden_size, cfg.num_attention_heads
+        self.num_heads = nh
+        self.q_lora_rank = cfg.q_lora_rank
+        self.kv_lora_rank = cfg.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        self.qk_head_dim = self.nope + self.rope_dim
+        bias = cfg.attention_bias_on
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(h, nh * self.qk_head_dim, bias=False)
+        else:
+            self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias="q_a_proj" in bias)
+            # upstream builds both latent norms with the default eps (1e-6), not rms_norm_eps
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, nh * self.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias="kv_a_proj_with_mqa" in bias)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_b_proj = nn.Linear(self.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
+        self.o_proj = nn.Linear(nh * self.v_dim, h, bias="o_proj" in bias)
+        self.rotary_emb = RotaryEmbedding(cfg.rope)
+        self.interleave = cfg.rope_interleave
+        self.complex_rope = cfg.family == "deepseek_v2"  # transformers 5 V2 ignores rope_interleave
+        self.scaling = softmax_scale(self.qk_head_dim, cfg.rope)
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        b, t, _ = hidden.shape
+        if self.q_lora_rank is None:
+            q = self.q_proj(hidden)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+        q = q.view(b, t, -1, self.qk_head_dim).transpose(1, 2)
+        q_nope, q_rot = torch.split(q, [self.nope, self.rope_dim], dim=-1)
+        latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden), [self.kv_lora_rank, self.rope_dim], dim=-1)
+        latent = self.kv_a_layernorm(latent).view(b, 1, t, self.kv_lora_rank)
+        k_rot = k_rot.view(b, 1, t, self.rope_dim)
+        if self.complex_rope:
+            q_rot, k_rot = apply_rope_complex(q_rot, k_rot, self.rotary_emb.freqs_cis(position_ids))
+        else:
+            cos, sin = self.rotary_emb(hidden, position_ids)
+            rope = apply_rope_interleaved if self.interleave else apply_rope
+            q_rot, k_rot = rope(q_rot, k_rot, cos, sin)
+        if cache is not None:
+            latent, k_rot = cache.update(self.layer_idx, latent, k_rot)
+        s = latent.shape[2]
+        kv = self.kv_b_proj(latent).view(b, s, -1, self.nope + self.v_dim).transpose(1, 2)
+        k_nope, value = torch.split(kv, [self.nope, self.v_dim], dim=-1)
+        key = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
+        query = torch.cat((q_nope, q_rot), dim=-1)
+        return self.o_proj(attend(query, key, value, self.scaling))
+
+
+class GatedMLP(Tagged, nn.Module):
+    """``down(silu(gate(x)) * up(x))``; projection names are configurable (Mixtral experts: w1, w3, w2)."""
+
+    def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+        super().__init__()
+        self._names = names
+        setattr(self, names[0], nn.Linear(hidden, intermediate, bias=False))
+        setattr(self, names[1], nn.Linear(hidden, intermediate, bias=False))
+        setattr(self, names[2], nn.Linear(intermediate, hidden, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up, down = (getattr(self, n) for n in self._names)
+        return down(F.silu(gate(x)) * up(x))
+
+
+class RoutedExperts(Tagged, nn.ModuleList):
+    """The routed experts, one child per expert (``experts.E.gate_proj`` ...), as upstream's ``nn.ModuleList``.
+
+    ``forward(hidden [N, H], topk_ids [N, K], topk_weights [N, K]) -> [N, H]``, the contract of
+    ktransformers' expert operators, so an operator reading converted ggml blocks can take this module's place.
+    """
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros_like(hidden)
+        for e in torch.unique(topk_ids).tolist():
+            if not 0 <= e < len(self):
+                continue
+            tok, pos = torch.where(topk_ids == e)
+            y = self[e](hidden[tok]) * topk_weights[tok, pos, None]
+            out.index_add_(0, tok, y.to(out.dtype))
+        return out
+
+
+class TopKRouter(Tagged, nn.Linear):
+    """Qwen/Mixtral router: an ``nn.Linear`` producing logits, as upstream (top-k happens in the block)."""
+
+
+def softmax_topk(logits: torch.Tensor, k: int, normalize: bool, cast_back: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen/Mixtral top-k: softmax in float32, top-k, optional renormalisation.
+
+    ``cast_back``: Qwen returns weights in the logits' dtype, Mixtral keeps float32 (transformers 5).
+    """
+    probs = F.softmax(logits, dim=-1, dtype=torch.float)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    if cast_back:
+        weights = weights.to(logits.dtype)
+    return ids, weights
+
+
+class MoEGate(Tagged, nn.Module):
+    """DeepSeek router: hidden states to ``(topk_ids, topk_weights)``, the contract of ktransformers' KMoEGate.
+
+    Scores and selection run in float32. V3 (``noaux_tc``): sigmoid scores, the selection adds
+    ``e_score_correction_bias`` and keeps the ``topk_group`` groups with the best top-2 sums; weights are the
+    unbiased scores, renormalised when ``norm_topk_prob``, then scaled. V2: softmax scores (``greedy`` or
+    ``group_limited_greedy`` by group maximum); weights are renormalised *or* scaled, as in DeepSeek's
+    modeling code (transformers 5 always scales and ignores ``norm_topk_prob`` for V2; the two agree for
+    every released V2 config, which sets ``norm_topk_prob: false``).
+    """
+
+    def __init__(self, cfg: MoeConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.num_experts = cfg.num_experts
+        self.hidden_size = cfg.hidden_size
+        self.method = cfg.topk_method
+        self.scoring = cfg.scoring_func
+        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
+        self.norm_topk_prob = cfg.norm_topk_prob
+        self.scaling = cfg.routed_scaling_factor
+        self.v3 = cfg.family == "deepseek_v3"
+        self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
+        if self.method == "noaux_tc":
+            self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
+        else:
+            self.e_score_correction_bias = None
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden.reshape(-1, self.hidden_size).float(), self.weight.float())
+
+    def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        logits = self.logits(hidden)
+        scores = logits.softmax(dim=-1, dtype=torch.float32) if self.scoring == "softmax" else logits.sigmoid()
+        n = scores.shape[0]
+        if self.method == "greedy":
+            weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
+        else:
+            choice = scores + self.e_score_correction_bias.float() if self.method == "noaux_tc" else scores
+            grouped = choice.view(n, self.n_group, -1)
+            if self.method == "noaux_tc":
+                group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)
+            else:
+                group_scores = grouped.max(dim=-1).values
+            group_idx = torch.topk(group_scores, k=self.topk_group, dim=-1, sorted=False)[1]
+            group_mask = torch.zeros_like(group_scores).scatter_(1, group_idx, 1)
+            keep = group_mask.unsqueeze(-1).expand_as(grouped).reshape(n, -1).bool()
+            if self.method == "noaux_tc":
+                ids = torch.topk(choice.masked_fill(~keep, float("-inf")), k=self.top_k, dim=-1, sorted=False)[1]
+                weights = scores.gather(1, ids)
+            else:
+                weights, ids = torch.topk(scores.masked_fill(~keep, 0.0), k=self.top_k, dim=-1, sorted=False)
+        if self.v3:
+            if self.norm_topk_prob:
+                weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+            weights = weights * self.scaling
+        elif self.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        else:
+            weights = weights * self.scaling
+        return ids, weights
+
+
+class SparseMoeBlock(Tagged, nn.Module):
+    """Qwen2-MoE / Qwen3-MoE / Mixtral block: ``gate`` (logits), top-k, ``experts``, Qwen2's gated shared expert."""
+
+    def __init__(self, cfg: MoeConfig):
+        super().__init__()
+        self.top_k = cfg.num_experts_per_tok
+        self.normalize = cfg.norm_topk_prob
+        self.cast_back = cfg.family != "mixtral"
+        self.gate = TopKRouter(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.experts = RoutedExperts(
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names) for _ in range(cfg.num_experts)
+        )
+        if cfg.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
+        else:
+            self.shared_expert = self.shared_expert_gate = None
+
+    def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return softmax_topk(router_logits, self.top_k, self.normalize, self.cast_back)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        b, t, h = hidden.shape
+        x = hidden.reshape(-1, h)
+        ids, weights = self.route(self.gate(x))
+        out = self.experts(x, ids, weights)
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out.reshape(b, t, h)
+
+
+class DeepseekMoE(Tagged, nn.Module):
+    """DeepSeek block: ``gate`` (MoEGate) -> ``experts``, plus always-on ``shared_experts``."""
+
+    def __init__(self, cfg: MoeConfig):
+        super().__init__()
+        self.gate = MoEGate(cfg)
+        self.experts = RoutedExperts(GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        if cfg.n_shared_experts:
+            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+        else:
+            self.shared_experts = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        shape = hidden.shape
+        ids, weights = self.gate(hidden)
+        out = self.experts(hidden.reshape(-1, shape[-1]), ids, weights).view(shape)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return out

@@ -1,0 +1,183 @@
+"""Reference causal LMs for the five MoE families, with the module tree upstream rule files match.
+
+Tree (``L`` = layer, ``E`` = expert; ``mlp`` is ``block_sparse_moe`` for Mixtral, as its checkpoints and
+ktransformers' Mixtral rules name it)::
+
+    model.embed_tokens                  nn.Embedding
+    model.layers.L.input_layernorm      RMSNorm
+    model.layers.L.self_attn            Attention / MLAttention, with .rotary_emb and nn.Linear projections
+    model.layers.L.post_attention_layernorm
+    model.layers.L.mlp                  SparseMoeBlock / DeepseekMoE, or GatedMLP on dense layers
+    model.layers.L.mlp.gate             TopKRouter (nn.Linear) / MoEGate
+    model.layers.L.mlp.experts          RoutedExperts (nn.ModuleList), children E = GatedMLP
+    model.layers.L.mlp.shared_expert(s) GatedMLP (+ shared_expert_gate nn.Linear for Qwen2-MoE)
+    model.norm                          RMSNorm
+    lm_head                             nn.Linear
+
+Rotary embeddings sit inside each attention module (``self_attn.rotary_emb``): ktransformers' own modeling
+files put them there and its multi-GPU rule files select them per layer (``^model\\.layers\\.N\\.`` with a
+RotaryEmbedding class).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ktconvert.model import hfnames
+from ktconvert.model.config import MoeConfig, load_config
+from ktconvert.model.modules import (
+    Attention,
+    DeepseekMoE,
+    GatedMLP,
+    KVCache,
+    MLAttention,
+    RMSNorm,
+    SparseMoeBlock,
+    Tagged,
+)
+
+
+@dataclass
+class ForwardOutput:
+    """``logits [B, T, V]``; ``hidden_states``: embeddings then each decoder layer's output (num_layers + 1
+    tensors ``[B, T, H]``, before the final norm); ``final_hidden``: after the final norm."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+    final_hidden: torch.Tensor
+
+
+class DecoderLayer(Tagged, nn.Module):
+    def __init__(self, cfg: MoeConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        if layer_idx in cfg.moe_layers:
+            block: nn.Module = DeepseekMoE(cfg) if cfg.is_mla else SparseMoeBlock(cfg)
+        else:
+            block = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+        self.moe_attr = cfg.moe_block_name
+        setattr(self, self.moe_attr, block)
+
+    @property
+    def feed_forward(self) -> nn.Module:
+        """The MLP or MoE block, whatever its attribute name (``mlp`` / ``block_sparse_moe``)."""
+        return getattr(self, self.moe_attr)
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, cache)
+        return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
+
+
+class DecoderModel(Tagged, nn.Module):
+    def __init__(self, cfg: MoeConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class ReferenceCausalLM(Tagged, nn.Module):
+    """A reference MoE causal LM. ``forward(input_ids, cache)`` runs prefill or decode steps alike."""
+
+    def __init__(self, cfg: MoeConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderModel(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def new_cache(self) -> KVCache:
+        return KVCache()
+
+    def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> ForwardOutput:
+        """Run ``input_ids [B, T]`` at positions ``cache.seq_len ..``; appends to ``cache`` when given."""
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        past = cache.seq_len if cache is not None else 0
+        t = input_ids.shape[1]
+        position_ids = (torch.arange(t, device=input_ids.device) + past).unsqueeze(0).expand(input_ids.shape[0], -1)
+        hidden = self.model.embed_tokens(input_ids)
+        states = [hidden]
+        for layer in self.model.layers:
+            hidden = layer(hidden, position_ids, cache)
+            states.append(hidden)
+        final = self.model.norm(hidden)
+        if cache is not None:
+            cache.seq_len = past + t
+        return ForwardOutput(logits=self.lm_head(final), hidden_states=tuple(states), final_hidden=final)
+
+
+def _tag(module: nn.Module, family: str, role: str, **kw) -> None:
+    module.hf_class, module.hf_class_paths = hfnames.class_names(family, role, **kw)
+
+
+def _tag_tree(model: ReferenceCausalLM) -> None:
+    cfg = model.config
+    fam = cfg.family
+    yarn = cfg.rope.kind == "yarn"
+    _tag(model, fam, "causal_lm")
+    _tag(model.model, fam, "model")
+    _tag(model.model.norm, fam, "rmsnorm")
+    for layer in model.model.layers:
+        _tag(layer, fam, "decoder_layer")
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            _tag(norm, fam, "rmsnorm")
+        attn = layer.self_attn
+        _tag(attn, fam, "attention")
+        _tag(attn.rotary_emb, fam, "rotary", yarn=yarn)
+        for sub in attn.children():
+            if isinstance(sub, RMSNorm):
+                _tag(sub, fam, "rmsnorm")
+        block = layer.feed_forward
+        if isinstance(block, GatedMLP):
+            _tag(block, fam, "mlp")
+            continue
+        _tag(block, fam, "moe_block")
+        _tag(block.gate, fam, "gate")
+        _tag(block.experts, fam, "experts")
+        for expert in block.experts:
+            _tag(expert, fam, "mlp", expert=True)
+        shared = getattr(block, "shared_experts", None) or getattr(block, "shared_expert", None)
+        if shared is not None:
+            _tag(shared, fam, "mlp")
+
+
+def build_model(config: MoeConfig | dict | str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> ReferenceCausalLM:
+    """Construct the module tree for ``config`` (parsed, a dict, ``config.json`` or its directory).
+
+    Weights are uninitialised: load them with :func:`ktconvert.model.load_weights`. ``device="meta"`` builds
+    the tree without allocating anything (enough to match rules against module names and classes).
+    """
+    cfg = config if isinstance(config, MoeConfig) else load_config(config)
+    with torch.device(device):
+        model = ReferenceCausalLM(cfg)
+    _tag_tree(model)
+    if torch.device(device).type != "meta" and dtype != torch.float32:
+        # parameters only: rotary tables and the V3 score bias stay float32, as upstream keeps them
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
+    return model.eval()
+
+
+def module_class_paths(module: nn.Module) -> tuple[str, ...]:
+    """Every dotted class path an upstream ``isinstance`` test would accept for ``module``.
+
+    The reference class's ``hf_class_paths`` plus the torch classes in its MRO under both their public and
+    defining-module names (``torch.nn.Linear`` and ``torch.nn.modules.linear.Linear``).
+    """
+    paths = list(getattr(module, "hf_class_paths", ()) or ())
+    for cls in type(module).__mro__:
+        mod = getattr(cls, "__module__", "")
+        if mod.startswith("torch.nn"):
+            full = f"{mod}.{cls.__qualname__}"
+            if full not in paths:
+                paths.append(full)
+            if getattr(nn, cls.__name__, None) is cls and f"torch.nn.{cls.__name__}" not in paths:
+                paths.append(f"torch.nn.{cls.__name__}")
+    return tuple(paths)

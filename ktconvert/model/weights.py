@@ -1,0 +1,175 @@
+"""Load Hugging Face safetensors checkpoints into a reference model, per-expert or fused.
+
+Accepted expert layouts: per-expert (``experts.E.gate_proj.weight`` ..., Mixtral ``w1/w3/w2``, what
+transformers 5 saves by default) and fused (``experts.gate_up_proj [E, 2I, H]`` gate rows first,
+``experts.down_proj [E, H, I]``, or the transposed ``[E, H, 2I]`` / ``[E, I, H]`` some checkpoints store).
+The fused orientation is read from the config's dimensions and refused when they cannot decide it.
+Mixtral keys under transformers 5's in-memory ``mlp.`` are renamed to the checkpoint's ``block_sparse_moe.``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from ktconvert.errors import InputError
+from ktconvert.model.config import MoeConfig
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_FUSED = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
+
+
+@dataclass
+class LoadReport:
+    """What loading did: files read, tensors taken, and keys deliberately skipped (with why)."""
+
+    files: list[str] = field(default_factory=list)
+    loaded: int = 0
+    skipped: dict[str, str] = field(default_factory=dict)
+    fused_layout: dict[str, str] = field(default_factory=dict)
+
+
+def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
+    """The safetensors files of a checkpoint directory (from the index when there is one)."""
+    root = Path(model_dir)
+    if root.is_file():
+        return [root]
+    index = root / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"unreadable safetensors index: {exc}", path=str(index))
+        files = sorted({root / name for name in weight_map.values()})
+        missing = [f for f in files if not f.is_file()]
+        if missing:
+            raise InputError("shard named by the index is missing", path=str(missing[0]), fix="re-download the checkpoint")
+        return files
+    files = sorted(root.glob("*.safetensors"))
+    if not files:
+        raise InputError("no *.safetensors files", path=str(root), fix="pass a Hugging Face checkpoint directory")
+    return files
+
+
+def read_tensors(model_dir: str | os.PathLike, report: LoadReport | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the checkpoint by name; duplicate names across shards are an error."""
+    from safetensors import SafetensorError, safe_open
+
+    out: dict[str, torch.Tensor] = {}
+    for path in checkpoint_files(model_dir):
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                for key in fh.keys():
+                    if key in out:
+                        raise InputError("tensor appears in two shards", path=str(path), where=key)
+                    out[key] = fh.get_tensor(key)
+        except SafetensorError as exc:
+            raise InputError(f"not a readable safetensors file: {exc}", path=str(path))
+        if report is not None:
+            report.files.append(str(path))
+    return out
+
+
+def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report: LoadReport | None = None) -> dict[str, torch.Tensor]:
+    """Rename and split checkpoint tensors into the reference model's state-dict names."""
+    report = report if report is not None else LoadReport()
+    block = cfg.moe_block_name
+    gate_n, up_n, down_n = cfg.expert_proj_names
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    state: dict[str, torch.Tensor] = {}
+    fused: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        m = _LAYER.match(key)
+        if m and int(m.group(1)) >= cfg.num_hidden_layers:
+            report.skipped[key] = "layer beyond num_hidden_layers (e.g. a multi-token-prediction layer)"
+            continue
+        if key.endswith("rotary_emb.inv_freq"):
+            report.skipped[key] = "rotary table, recomputed from the config"
+            continue
+        if cfg.family == "mixtral":
+            key = re.sub(r"^(model\.layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", key)
+        fm = _FUSED.match(key)
+        if fm:
+            prefix = fm.group(1).replace(".mlp.experts", f".{block}.experts")
+            fused.setdefault(prefix, {})[fm.group(2)] = value
+            continue
+        state[key] = value
+    for prefix, parts in fused.items():
+        if set(parts) != {"gate_up_proj", "down_proj"}:
+            raise InputError(
+                f"fused experts need both gate_up_proj and down_proj, found only {sorted(parts)}",
+                where=prefix,
+            )
+        gu, dn = parts["gate_up_proj"], parts["down_proj"]
+        orientation = _fused_orientation(prefix, gu, dn, e, h, i)
+        report.fused_layout[prefix] = orientation
+        if orientation == "transposed":
+            gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+        for x in range(e):
+            state[f"{prefix}.{x}.{gate_n}.weight"] = gu[x, :i]
+            state[f"{prefix}.{x}.{up_n}.weight"] = gu[x, i:]
+            state[f"{prefix}.{x}.{down_n}.weight"] = dn[x]
+    if cfg.tie_word_embeddings and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"]
+    return state
+
+
+def _fused_orientation(prefix: str, gu: torch.Tensor, dn: torch.Tensor, e: int, h: int, i: int) -> str:
+    """``standard`` ([E, 2I, H], [E, H, I]) or ``transposed`` ([E, H, 2I], [E, I, H]), decided by the dims.
+
+    Either tensor alone can be ambiguous (``H == 2I`` for gate_up, ``H == I`` for down); together they are not.
+    """
+    # the pair decides: both orientations would need 2I == H and I == H at once
+    std = tuple(gu.shape) == (e, 2 * i, h) and tuple(dn.shape) == (e, h, i)
+    tr = tuple(gu.shape) == (e, h, 2 * i) and tuple(dn.shape) == (e, i, h)
+    if std:
+        return "standard"
+    if tr:
+        return "transposed"
+    raise InputError(
+        f"fused expert shapes gate_up_proj {list(gu.shape)} / down_proj {list(dn.shape)} fit neither "
+        f"[E, 2I, H]/[E, H, I] nor [E, H, 2I]/[E, I, H] with E={e}, H={h}, I={i}",
+        where=prefix,
+        fix="check num_experts, hidden_size and moe_intermediate_size in config.json",
+    )
+
+
+def load_weights(model: torch.nn.Module, source: str | os.PathLike | dict[str, torch.Tensor]) -> LoadReport:
+    """Load a checkpoint directory (or a name->tensor dict) into ``model`` strictly: every parameter
+    must be provided with its exact shape and no unexplained tensor may be left over."""
+    report = LoadReport()
+    tensors = source if isinstance(source, dict) else read_tensors(source, report)
+    where = None if isinstance(source, dict) else str(source)
+    state = to_reference_state(model.config, tensors, report)
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state]
+    unexpected = [k for k in state if k not in expected]
+    if missing:
+        raise InputError(
+            f"{len(missing)} tensor(s) missing, first: {', '.join(missing[:3])}",
+            path=where,
+            fix="is config.json the one that belongs to these weights?",
+        )
+    if unexpected:
+        raise InputError(
+            f"{len(unexpected)} tensor(s) the {model.config.family} reference does not know, first: {', '.join(unexpected[:3])}",
+            path=where,
+            fix="quantized (e.g. fp8 with weight_scale_inv) checkpoints must be dequantized first",
+        )
+    for key, ref in expected.items():
+        if tuple(state[key].shape) != tuple(ref.shape):
+            raise InputError(
+                f"shape {list(state[key].shape)} does not match the config's {list(ref.shape)}",
+                path=where,
+                where=key,
+            )
+    with torch.no_grad():
+        for key, ref in expected.items():
+            ref.copy_(state[key])
+    report.loaded = len(expected)
+    return report
