@@ -18,6 +18,8 @@ from ktconvert.errors import KtError
 
 COMMANDS: dict[str, str] = {
     "check-rules": "ktconvert.cli.check_rules:command",
+    "tiny-model": "ktconvert.cli.tiny_model:command",
+    "golden": "ktconvert.cli.golden:command",
 }
 
 

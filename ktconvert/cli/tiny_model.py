@@ -1,0 +1,31 @@
+"""``ktconvert tiny-model FAMILY OUT_DIR``: write a deterministic tiny checkpoint (no torch needed)."""
+
+from __future__ import annotations
+
+import json
+
+import click
+
+from ktconvert.model.config import FAMILIES
+
+
+@click.command("tiny-model")
+@click.argument("family", type=click.Choice(FAMILIES), metavar="FAMILY")
+@click.argument("out_dir", type=click.Path(file_okay=False))
+@click.option("--force", is_flag=True, help="Replace OUT_DIR if it is not empty.")
+@click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+def command(family: str, out_dir: str, force: bool, fmt: str) -> None:
+    """Write a tiny FAMILY checkpoint (qwen2_moe, qwen3_moe, mixtral, deepseek_v2, deepseek_v3) (config.json, model.safetensors, BPE tokenizer) into OUT_DIR.
+
+    The bytes depend on nothing but ktconvert's source: the sha256 of each file is recorded in
+    golden/tiny-models.yaml and checked by the tests.
+    """
+    from ktconvert.model.tiny import write_tiny_model
+
+    hashes = write_tiny_model(family, out_dir, force=force)
+    if fmt == "json":
+        click.echo(json.dumps({"family": family, "out_dir": out_dir, "sha256": hashes}, indent=2))
+        return
+    click.echo(f"wrote tiny {family} checkpoint to {out_dir}")
+    for name, digest in hashes.items():
+        click.echo(f"  {digest}  {name}")

@@ -1,0 +1,399 @@
+"""Deterministic tiny checkpoints of the five MoE families, for conversion tests, goldens and demos.
+
+Every byte is a function of this file alone: configs are literal data in the spelling transformers 5.23
+writes, weights come from the frozen splitmix64 stream (:mod:`ktconvert.model.rng`), the safetensors bytes
+from a fixed serialiser (:mod:`ktconvert.model.stbytes`) and the tokenizer from a fixed BPE training run
+(:mod:`ktconvert.model.tinytok`). numpy is the only dependency; torch is not needed.
+
+Sizes: hidden 256, expert intermediate 256 (every expert row a multiple of 256, so K-quants apply), 8
+experts, top-2, vocab 512; DeepSeek with one dense first layer, shared experts, MLA and YaRN rope.
+
+Routing is designed, not left to chance, so bf16 rounding cannot flip an expert choice. Eight hidden
+dimensions (``routing_channels``) carry a per-token code: the token's two designated experts' channels hold
++1.5 and +1.0, the others -1.0. No module writes to those dimensions (their rows are zero in every matrix
+that outputs into the residual stream), so the code reaches every MoE layer unchanged, scaled only by the
+RMSNorm. Each layer's router reads the channels through its own permutation (different experts per layer)
+plus small noise, which leaves a logit gap of several units between the chosen and the rejected experts.
+DeepSeek-V3's last MoE layer adds a score-correction bias large enough to pull one expert into every
+token's selection, so ignoring ``e_score_correction_bias`` changes the routing there.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ktconvert.errors import InputError, UsageProblem
+from ktconvert.model import rng
+from ktconvert.model.config import FAMILIES, MoeConfig, normalize_config
+from ktconvert.model.stbytes import to_bytes
+from ktconvert.model.tinytok import tokenizer_files
+
+SEED = "ktconvert-tiny-v1"
+VOCAB = 512
+HIDDEN = 256
+EXPERTS = 8
+BOS_ID, EOS_ID = VOCAB - 2, VOCAB - 1
+
+_COMMON = {
+    "architectures": None,
+    "bos_token_id": BOS_ID,
+    "dtype": "float32",
+    "eos_token_id": EOS_ID,
+    "hidden_act": "silu",
+    "hidden_size": HIDDEN,
+    "initializer_range": 0.02,
+    "max_position_embeddings": 256,
+    "num_attention_heads": 4,
+    "num_experts_per_tok": 2,
+    "output_router_logits": False,
+    "pad_token_id": None,
+    "rms_norm_eps": 1e-06,
+    "tie_word_embeddings": False,
+    "transformers_version": "5.23.0",
+    "use_cache": True,
+    "vocab_size": VOCAB,
+}
+
+# config.json of each tiny model: exactly the keys and values transformers 5.23's save_pretrained writes
+_CONFIGS: dict[str, dict] = {
+    "qwen3_moe": {
+        **_COMMON,
+        "architectures": ["Qwen3MoeForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "decoder_sparse_step": 1,
+        "head_dim": 64,
+        "intermediate_size": 512,
+        "mlp_only_layers": [],
+        "model_type": "qwen3_moe",
+        "moe_intermediate_size": 256,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "num_local_experts": EXPERTS,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "router_aux_loss_coef": 0.001,
+        "sliding_window": None,
+        "use_sliding_window": False,
+    },
+    "qwen2_moe": {
+        **_COMMON,
+        "architectures": ["Qwen2MoeForCausalLM"],
+        "attention_dropout": 0.0,
+        "decoder_sparse_step": 1,
+        "intermediate_size": 512,
+        "layer_types": ["full_attention", "full_attention"],
+        "max_window_layers": 2,
+        "mlp_only_layers": [],
+        "model_type": "qwen2_moe",
+        "moe_intermediate_size": 256,
+        "norm_topk_prob": False,
+        "num_experts": EXPERTS,
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "qkv_bias": True,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "router_aux_loss_coef": 0.001,
+        "shared_expert_intermediate_size": 512,
+        "sliding_window": 0,
+        "use_sliding_window": False,
+    },
+    "mixtral": {
+        **_COMMON,
+        "architectures": ["MixtralForCausalLM"],
+        "attention_dropout": 0.0,
+        "head_dim": None,
+        "intermediate_size": 256,
+        "model_type": "mixtral",
+        "num_hidden_layers": 2,
+        "num_key_value_heads": 2,
+        "num_local_experts": EXPERTS,
+        "rms_norm_eps": 1e-05,
+        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
+        "router_aux_loss_coef": 0.001,
+        "router_jitter_noise": 0.0,
+        "sliding_window": None,
+    },
+    "deepseek_v2": {
+        **_COMMON,
+        "architectures": ["DeepseekV2ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "first_k_dense_replace": 1,
+        "head_dim": 16,
+        "intermediate_size": 512,
+        "kv_lora_rank": 64,
+        "mlp_bias": False,
+        "model_type": "deepseek_v2",
+        "moe_intermediate_size": 256,
+        "n_group": 4,
+        "n_routed_experts": EXPERTS,
+        "n_shared_experts": 2,
+        "norm_topk_prob": False,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "pretraining_tp": 1,
+        "q_lora_rank": None,
+        "qk_head_dim": 48,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "rope_parameters": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 4.0,
+            "mscale": 0.707,
+            "mscale_all_dim": 0.707,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+            "rope_type": "yarn",
+            "type": "yarn",
+        },
+        "routed_scaling_factor": 2.0,
+        "topk_group": 2,
+        "topk_method": "group_limited_greedy",
+        "v_head_dim": 32,
+    },
+    "deepseek_v3": {
+        **_COMMON,
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "first_k_dense_replace": 1,
+        "head_dim": 16,
+        "intermediate_size": 512,
+        "kv_lora_rank": 64,
+        "model_type": "deepseek_v3",
+        "moe_intermediate_size": 256,
+        "n_group": 4,
+        "n_routed_experts": EXPERTS,
+        "n_shared_experts": 1,
+        "norm_topk_prob": True,
+        "num_hidden_layers": 3,
+        "num_key_value_heads": 4,
+        "num_nextn_predict_layers": 1,
+        "pretraining_tp": 1,
+        "q_lora_rank": 128,
+        "qk_head_dim": 48,
+        "qk_nope_head_dim": 32,
+        "qk_rope_head_dim": 16,
+        "rope_interleave": True,
+        "rope_parameters": {
+            "beta_fast": 32,
+            "beta_slow": 1,
+            "factor": 4.0,
+            "mscale": 1.0,
+            "mscale_all_dim": 1.0,
+            "original_max_position_embeddings": 64,
+            "rope_theta": 10000.0,
+            "rope_type": "yarn",
+            "type": "yarn",
+        },
+        "routed_scaling_factor": 2.5,
+        "topk_group": 2,
+        "v_head_dim": 32,
+    },
+}
+
+# routing design (see the module docstring)
+# code levels: (first designated expert, second, every other expert)
+CODE_LEVELS_DEFAULT = (1.5, 1.0, -1.0)
+# sigmoid scores saturate, so V3's levels sit further apart to keep a wide gap in score space
+CODE_LEVELS = {"deepseek_v3": (2.0, 0.5, -1.5)}
+ROUTER_GAIN = {"deepseek_v3": 1.5}
+ROUTER_GAIN_DEFAULT = 2.0
+ROUTER_NOISE = 0.005
+V3_BIAS_BOOST = 0.9
+
+
+def routing_channels(hidden: int = HIDDEN, experts: int = EXPERTS) -> list[int]:
+    """The hidden dimensions that carry each token's routing code, spread evenly over the width."""
+    return [j * (hidden // experts) for j in range(experts)]
+
+
+def tiny_config(family: str) -> dict:
+    """The ``config.json`` dict of a tiny model (a fresh copy)."""
+    if family not in _CONFIGS:
+        raise UsageProblem(f"unknown family {family!r}", fix=f"choose one of {', '.join(FAMILIES)}")
+    return copy.deepcopy(_CONFIGS[family])
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    shape: tuple[int, ...]
+    kind: str  # embed, norm, linear, out_linear, bias, router, score_bias, head
+
+
+def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
+    """Every tensor of the checkpoint in the per-expert Hugging Face layout, with how to fill it.
+
+    ``out_linear`` marks matrices whose output is added to the residual stream (their routing-channel rows
+    are zeroed); the names are those transformers 5 writes and the reference model's state dict uses.
+    """
+    h, specs = cfg.hidden_size, []
+
+    def add(name: str, shape: tuple[int, ...], kind: str) -> None:
+        specs.append(TensorSpec(name, tuple(shape), kind))
+
+    def mlp(prefix: str, inter: int, names=("gate_proj", "up_proj", "down_proj")) -> None:
+        add(f"{prefix}.{names[0]}.weight", (inter, h), "linear")
+        add(f"{prefix}.{names[1]}.weight", (inter, h), "linear")
+        add(f"{prefix}.{names[2]}.weight", (h, inter), "out_linear")
+
+    add("model.embed_tokens.weight", (cfg.vocab_size, h), "embed")
+    for layer in range(cfg.num_hidden_layers):
+        p = f"model.layers.{layer}"
+        add(f"{p}.input_layernorm.weight", (h,), "norm")
+        add(f"{p}.post_attention_layernorm.weight", (h,), "norm")
+        a = f"{p}.self_attn"
+        if cfg.is_mla:
+            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            nh = cfg.num_attention_heads
+            if cfg.q_lora_rank is None:
+                add(f"{a}.q_proj.weight", (nh * qk, h), "linear")
+            else:
+                add(f"{a}.q_a_proj.weight", (cfg.q_lora_rank, h), "linear")
+                add(f"{a}.q_a_layernorm.weight", (cfg.q_lora_rank,), "norm")
+                add(f"{a}.q_b_proj.weight", (nh * qk, cfg.q_lora_rank), "linear")
+            add(f"{a}.kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h), "linear")
+            add(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,), "norm")
+            add(f"{a}.kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "linear")
+            add(f"{a}.o_proj.weight", (h, nh * cfg.v_head_dim), "out_linear")
+        else:
+            hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
+            for proj, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+                add(f"{a}.{proj}.weight", (rows, h), "linear")
+                if proj in cfg.attention_bias_on:
+                    add(f"{a}.{proj}.bias", (rows,), "bias")
+            add(f"{a}.o_proj.weight", (h, nh * hd), "out_linear")
+            if cfg.family == "qwen3_moe":
+                add(f"{a}.q_norm.weight", (hd,), "norm")
+                add(f"{a}.k_norm.weight", (hd,), "norm")
+        m = f"{p}.{cfg.moe_block_name}"
+        if layer not in cfg.moe_layers:
+            mlp(m, cfg.intermediate_size)
+            continue
+        add(f"{m}.gate.weight", (cfg.num_experts, h), "router")
+        if cfg.topk_method == "noaux_tc":
+            add(f"{m}.gate.e_score_correction_bias", (cfg.num_experts,), "score_bias")
+        for e in range(cfg.num_experts):
+            mlp(f"{m}.experts.{e}", cfg.moe_intermediate_size, cfg.expert_proj_names)
+        if cfg.shared_expert_intermediate_size:
+            mlp(f"{m}.shared_expert", cfg.shared_expert_intermediate_size)
+            add(f"{m}.shared_expert_gate.weight", (1, h), "linear")
+        if cfg.n_shared_experts:
+            mlp(f"{m}.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
+    add("model.norm.weight", (h,), "norm")
+    add("lm_head.weight", (cfg.vocab_size, h), "head")
+    return specs
+
+
+def token_codes(vocab: int = VOCAB, experts: int = EXPERTS) -> np.ndarray:
+    """``[vocab, 2]``: each token's two designated code channels (distinct)."""
+    first = rng.randint(rng.stream_key(SEED, "code", "first"), vocab, experts)
+    offset = rng.randint(rng.stream_key(SEED, "code", "second"), vocab, experts - 1)
+    return np.stack([first, (first + 1 + offset) % experts], axis=1)
+
+
+def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
+    n = int(np.prod(spec.shape))
+    u = rng.uniform_pm1(rng.stream_key(SEED, family, spec.name), n).reshape(spec.shape)
+    chans = routing_channels(cfg.hidden_size, cfg.num_experts)
+    if spec.kind == "norm":
+        out = 1.0 + 0.1 * u
+    elif spec.kind == "bias":
+        out = 0.1 * u
+    elif spec.kind in ("linear", "head"):
+        out = u * (3.0 ** 0.5 / spec.shape[1] ** 0.5)  # std 1/sqrt(fan_in)
+    elif spec.kind == "out_linear":
+        out = u * (3.0 ** 0.5 / spec.shape[1] ** 0.5)
+        out[chans, :] = 0.0
+    elif spec.kind == "embed":
+        out = u.copy()
+        codes = token_codes(cfg.vocab_size, cfg.num_experts)
+        first, second, rest = CODE_LEVELS.get(family, CODE_LEVELS_DEFAULT)
+        levels = np.full((cfg.vocab_size, cfg.num_experts), rest)
+        levels[np.arange(cfg.vocab_size), codes[:, 0]] = first
+        levels[np.arange(cfg.vocab_size), codes[:, 1]] = second
+        out[:, chans] = levels
+    elif spec.kind == "router":
+        layer = spec.name.split(".")[2]
+        perm = rng.permutation(rng.stream_key(SEED, family, "router-perm", layer), cfg.num_experts)
+        out = ROUTER_NOISE * u
+        gain = ROUTER_GAIN.get(family, ROUTER_GAIN_DEFAULT)
+        for j, ch in enumerate(chans):
+            out[perm[j], ch] += gain
+    elif spec.kind == "score_bias":
+        out = 0.02 * np.abs(u)  # non-negative: upstream masks with 0.0 or -inf, which then agree
+        layer = int(spec.name.split(".")[2])
+        if layer == max(cfg.moe_layers):
+            boosted = rng.randint(rng.stream_key(SEED, family, "boost", layer), 1, cfg.num_experts)[0]
+            out[boosted] += V3_BIAS_BOOST
+    else:
+        raise ValueError(f"unknown tensor kind {spec.kind!r}")
+    return out.astype(np.float32)
+
+
+def tiny_tensors(family: str) -> dict[str, np.ndarray]:
+    """All weights of the tiny ``family`` model as float32 numpy arrays, by checkpoint name."""
+    raw = tiny_config(family)
+    cfg = normalize_config(raw)
+    return {spec.name: _fill(family, cfg, spec) for spec in tensor_specs(cfg)}
+
+
+def tiny_files(family: str) -> dict[str, bytes]:
+    """The files of the tiny checkpoint: ``config.json``, ``model.safetensors`` and the tokenizer."""
+    files = {"config.json": (json.dumps(tiny_config(family), indent=2, sort_keys=True) + "\n").encode("utf-8")}
+    files["model.safetensors"] = to_bytes(tiny_tensors(family), {"format": "pt"})
+    for name, text in tokenizer_files(VOCAB).items():
+        files[name] = text.encode("utf-8")
+    return files
+
+
+def write_tiny_model(family: str, out_dir: str | os.PathLike, *, force: bool = False) -> dict[str, str]:
+    """Write the tiny checkpoint into ``out_dir`` (atomically: a sibling temp dir renamed into place).
+
+    Returns ``{file name: sha256}``. An existing non-empty ``out_dir`` is replaced only with ``force``.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise InputError("exists and is not a directory", path=str(out))
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise InputError("directory is not empty", path=str(out), fix="pass --force to replace it, or choose a new directory")
+    files = tiny_files(family)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
+    try:
+        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint directory is not
+        for name, data in files.items():
+            (tmp / name).write_bytes(data)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())}
+
+
+def file_hashes(model_dir: str | os.PathLike, names: list[str] | None = None) -> dict[str, str]:
+    """sha256 of files of a checkpoint directory (all regular files when ``names`` is None)."""
+    root = Path(model_dir)
+    paths = [root / n for n in names] if names else sorted(p for p in root.iterdir() if p.is_file())
+    out = {}
+    for p in paths:
+        h = hashlib.sha256()
+        with open(p, "rb") as fh:
+            for chunk in iter(lambda: fh.read(1 << 20), b""):
+                h.update(chunk)
+        out[p.name] = h.hexdigest()
+    return out
