@@ -1,0 +1,41 @@
+"""ggml block quantizers and dequantizers, one registry keyed by ``gguf.GGMLQuantizationType``.
+
+Conventions follow ``gguf.quants``: rows run along the last axis, quantized data is uint8 in *byte shape*
+``(..., row_len // block_size * type_size)``, dequantized data is float32 in element shape.
+
+* :func:`quantize` / :func:`quantize_parallel`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
+  byte-for-byte what ggml's reference path (``llama-quantize`` without an importance matrix) writes on
+  x86-64. Chunked (bounded memory), vectorised with numpy, optionally threaded over chunks.
+* :func:`dequantize`: those types plus every type the installed ``gguf`` package can decode.
+* Shape helpers: :func:`block_size`, :func:`type_size`, :func:`row_ok`, :func:`check_row`,
+  :func:`byte_shape`, :func:`elem_shape`.
+
+Every failure is a :class:`QuantError` (an ``InputError``, exit 3) raised before any work starts.
+Importing this package is light; numpy work starts on the first call and torch is imported only
+when a quantizer runs.
+"""
+
+from __future__ import annotations
+
+from ._api import cpu_count, dequantizable, dequantize, quantize, quantize_parallel
+from ._types import (QUANTIZABLE, QType, as_qtype, block_size, byte_shape, check_row, elem_shape, row_ok,
+                     type_size)
+from .errors import QuantError
+
+__all__ = [
+    "QType",
+    "QUANTIZABLE",
+    "QuantError",
+    "as_qtype",
+    "block_size",
+    "byte_shape",
+    "check_row",
+    "cpu_count",
+    "dequantizable",
+    "dequantize",
+    "elem_shape",
+    "quantize",
+    "quantize_parallel",
+    "row_ok",
+    "type_size",
+]

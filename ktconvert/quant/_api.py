@@ -1,0 +1,283 @@
+"""Validation, chunking and parallelism around the per-type kernels."""
+
+from __future__ import annotations
+
+import os
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+from typing import Any, Callable, Iterator
+
+import numpy as np
+
+from . import _kquants as K
+from . import _legacy as G
+from ._fp import check_reduce_order
+from ._types import QUANTIZABLE, QType, as_qtype, block_size, check_row, elem_shape, type_size
+from .errors import QuantError
+
+# Elements per kernel call. Small enough that a chunk's working set stays in L2 and torch reductions
+# stay under its intra-op grain (32768), so one worker really is one core; large enough to amortise
+# numpy's per-call overhead. Measured on the project's 2-core x86-64 machines (benchmarks/bench_quant.py).
+_LEGACY_CHUNK = 32768
+_KQ_CHUNK = 32768
+_FLOAT_CHUNK = 1 << 20
+
+_QUANT: dict[QType, tuple[Callable[[np.ndarray], np.ndarray], int]] = {
+    QType.F32: (G.quantize_f32, _FLOAT_CHUNK),
+    QType.F16: (G.quantize_f16, _FLOAT_CHUNK),
+    QType.BF16: (G.quantize_bf16, _FLOAT_CHUNK),
+    QType.Q8_0: (G.quantize_q8_0, _LEGACY_CHUNK),
+    QType.Q4_0: (G.quantize_q4_0, _LEGACY_CHUNK),
+    QType.Q4_1: (G.quantize_q4_1, _LEGACY_CHUNK),
+    QType.Q5_0: (G.quantize_q5_0, _LEGACY_CHUNK),
+    QType.Q5_1: (G.quantize_q5_1, _LEGACY_CHUNK),
+    QType.Q2_K: (K.quantize_q2_k, _KQ_CHUNK),
+    QType.Q3_K: (K.quantize_q3_k, _KQ_CHUNK),
+    QType.Q4_K: (K.quantize_q4_k, _KQ_CHUNK),
+    QType.Q5_K: (K.quantize_q5_k, _KQ_CHUNK),
+    QType.Q6_K: (K.quantize_q6_k, _KQ_CHUNK),
+}
+assert set(_QUANT) == QUANTIZABLE
+
+_DEQUANT: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
+    QType.F32: G.dequantize_f32,
+    QType.F16: G.dequantize_f16,
+    QType.BF16: G.dequantize_bf16,
+    QType.Q8_0: G.dequantize_q8_0,
+    QType.Q4_0: G.dequantize_q4_0,
+    QType.Q4_1: G.dequantize_q4_1,
+    QType.Q5_0: G.dequantize_q5_0,
+    QType.Q5_1: G.dequantize_q5_1,
+    QType.Q2_K: K.dequantize_q2_k,
+    QType.Q3_K: K.dequantize_q3_k,
+    QType.Q4_K: K.dequantize_q4_k,
+    QType.Q5_K: K.dequantize_q5_k,
+    QType.Q6_K: K.dequantize_q6_k,
+}
+_DEQUANT_CHUNK = 1 << 20
+
+
+def cpu_count() -> int:
+    """Cores this process may run on (affinity-aware)."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
+def _is_torch(x: Any) -> bool:
+    return type(x).__module__.startswith("torch") and hasattr(x, "detach")
+
+
+class _Rows:
+    """A tensor seen as ``(nrows, row_len)`` float rows, read chunk by chunk as float32 (never whole)."""
+
+    def __init__(self, data: Any, qt: QType, name: str | None):
+        self.torch = _is_torch(data)
+        if self.torch:
+            t = data.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            if not t.is_floating_point():
+                raise QuantError(f"cannot quantize a {t.dtype} tensor to {qt.name}: it must hold floats",
+                                 where=name, fix="pass the float weights, not already-quantized bytes")
+            self.src = t
+        else:
+            a = data if isinstance(data, np.ndarray) else np.asarray(data)
+            if a.dtype.kind != "f":
+                raise QuantError(f"cannot quantize a {a.dtype} array to {qt.name}: it must hold floats",
+                                 where=name, fix="pass the float weights, not already-quantized bytes")
+            self.src = a
+        self.shape = tuple(int(s) for s in self.src.shape)
+        if not self.shape:
+            raise QuantError(f"cannot quantize a scalar to {qt.name}", where=name, fix="reshape it to (1,) first")
+        self.n = self.shape[-1]
+        self.nrows = int(np.prod(self.shape[:-1], dtype=np.int64))
+        self.view = None
+        if self.nrows and self.n:
+            if self.torch:
+                try:
+                    self.view = self.src.view(self.nrows, self.n)
+                except RuntimeError:
+                    self.view = None
+            else:
+                r = self.src.reshape(self.nrows, self.n)
+                self.view = r if np.may_share_memory(r, self.src) else None
+
+    def get(self, r0: int, r1: int, c0: int, c1: int) -> np.ndarray:
+        """Rows r0:r1, columns c0:c1 as a C-contiguous float32 numpy array."""
+        if self.view is not None:
+            part = self.view[r0:r1, c0:c1]
+        else:  # not viewable as 2-D (e.g. a transposed tensor): gather just these rows
+            idx = np.unravel_index(np.arange(r0, r1), self.shape[:-1])
+            if self.torch:
+                import torch
+
+                idx = tuple(torch.from_numpy(np.ascontiguousarray(i)) for i in idx)
+            part = self.src[idx][:, c0:c1]
+        if self.torch:
+            import torch
+
+            return part.to(torch.float32).contiguous().numpy()
+        return np.ascontiguousarray(part, dtype=np.float32)
+
+    def first_non_finite(self, step: int) -> tuple[int, ...] | None:
+        """Index of the first NaN/inf, scanning in bounded chunks; None if all are finite."""
+        rows_per = max(1, step // max(self.n, 1))
+        for r0 in range(0, self.nrows, rows_per):
+            r1 = min(self.nrows, r0 + rows_per)
+            for c0 in range(0, self.n, step):
+                c1 = min(self.n, c0 + step)
+                if self.view is not None and not self.torch:
+                    part = self.view[r0:r1, c0:c1]
+                    with np.errstate(invalid="ignore"):
+                        ok = np.isfinite(part.max()) and np.isfinite(part.min())
+                    if ok:
+                        continue
+                    part = np.asarray(part, dtype=np.float32)
+                else:
+                    part = self.get(r0, r1, c0, c1)
+                    with np.errstate(invalid="ignore"):
+                        if np.isfinite(part.max()) and np.isfinite(part.min()):
+                            continue
+                bad = np.argwhere(~np.isfinite(part))[0]
+                flat_row = r0 + int(bad[0])
+                lead = np.unravel_index(flat_row, self.shape[:-1]) if len(self.shape) > 1 else ()
+                return (*map(int, lead), c0 + int(bad[1]))
+        return None
+
+
+def _work_items(nrows: int, n: int, bs: int, chunk: int) -> Iterator[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) pieces of about ``chunk`` elements; a row longer than that is split at block edges."""
+    if n <= chunk:
+        rows_per = max(1, chunk // n)
+        for r0 in range(0, nrows, rows_per):
+            yield r0, min(nrows, r0 + rows_per), 0, n
+    else:
+        step = max(bs, chunk // bs * bs)
+        for r in range(nrows):
+            for c0 in range(0, n, step):
+                yield r, r + 1, c0, min(n, c0 + step)
+
+
+def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, name: str | None = None,
+             out: np.ndarray | None = None) -> np.ndarray:
+    """Quantize float rows (last axis) to ``qtype``; returns uint8 in byte shape ``(..., row_bytes)``.
+
+    Bit-exact with ggml's ``ggml_quantize_chunk(..., imatrix=NULL)``, i.e. what ``llama-quantize`` writes
+    without an importance matrix. ``data``: a numpy array (float16/32/64, memmaps welcome) or a torch
+    tensor (any float dtype, bf16 included); it is read in chunks, so memory beyond ``out`` stays bounded.
+    ``workers``: threads over chunks (``None``: every core). ``out``: optional preallocated uint8 array of
+    the byte shape (e.g. a memmap into the output file). ``name`` (the tensor's) goes into error messages.
+
+    Raises :class:`QuantError`, before any work, for an unsupported type, a row length the type cannot
+    hold, or a NaN/inf anywhere in ``data``. F32/F16/BF16 come back as their raw little-endian bytes.
+    """
+    qt = as_qtype(qtype)
+    if qt not in QUANTIZABLE:
+        raise QuantError(f"quantizing to {qt.name} is not implemented", where=name,
+                         fix="choose one of " + ", ".join(sorted(t.name for t in QUANTIZABLE)))
+    rows = _Rows(data, qt, name)
+    check_row(rows.n, qt, name=name)
+    bad = rows.first_non_finite(1 << 22)
+    if bad is not None:
+        raise QuantError(f"non-finite value at index {bad}; {qt.name} quantization needs finite weights",
+                         where=name, fix="fix or drop the NaN/inf in the source tensor before quantizing")
+    bs, ts = block_size(qt), type_size(qt)
+    bshape = (*rows.shape[:-1], rows.n // bs * ts)
+    if out is None:
+        out = np.empty(bshape, dtype=np.uint8)
+    elif out.dtype != np.uint8 or tuple(out.shape) != bshape:
+        raise QuantError(f"out has dtype {out.dtype} and shape {tuple(out.shape)}; {qt.name} needs uint8 {bshape}",
+                         where=name, fix="allocate out with ktconvert.quant.byte_shape(shape, qtype)")
+    if rows.nrows == 0:
+        return out
+    out2 = out.reshape(rows.nrows, bshape[-1])
+    if not np.may_share_memory(out2, out):
+        raise QuantError("out must be C-contiguous", where=name, fix="allocate out with np.empty or a memmap")
+    kernel, chunk = _QUANT[qt]
+    check_reduce_order()
+
+    def run(item: tuple[int, int, int, int]) -> None:
+        r0, r1, c0, c1 = item
+        x = rows.get(r0, r1, c0, c1)
+        with np.errstate(all="ignore"):  # overflow/NaN inside the search is part of the C's behaviour
+            q = kernel(x.reshape(-1, bs))
+        out2[r0:r1, c0 // bs * ts:c1 // bs * ts] = q.reshape(r1 - r0, -1)
+
+    items = _work_items(rows.nrows, rows.n, bs, chunk)
+    nw = cpu_count() if workers is None else max(1, int(workers))
+    if nw == 1:
+        for it in items:
+            run(it)
+    else:
+        with ThreadPoolExecutor(max_workers=nw, thread_name_prefix="ktconvert-quant") as pool:
+            for _ in pool.map(run, items):
+                pass
+    return out
+
+
+def quantize_parallel(data: Any, qtype: QType | int | str, *, workers: int | None = None,
+                      name: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`quantize` on every core (or ``workers`` threads) for one large tensor; same bytes."""
+    return quantize(data, qtype, workers=workers, name=name, out=out)
+
+
+@lru_cache(maxsize=1)
+def _gguf_dequantizable() -> frozenset[QType]:
+    """Types the installed ``gguf`` package can dequantize, found by asking it once with one zero block."""
+    from gguf import GGML_QUANT_SIZES
+    from gguf import quants as gq
+
+    found = set()
+    for qt, (_, ts) in GGML_QUANT_SIZES.items():
+        try:
+            gq.dequantize(np.zeros((1, ts), dtype=np.uint8), qt)
+        except (NotImplementedError, ValueError, TypeError, AssertionError):
+            continue
+        found.add(qt)
+    return frozenset(found)
+
+
+def dequantizable() -> frozenset[QType]:
+    """Types :func:`dequantize` accepts: ours plus every type the ``gguf`` package can dequantize."""
+    return frozenset(_DEQUANT) | _gguf_dequantizable()
+
+
+def _as_bytes(data: Any, qt: QType, name: str | None) -> np.ndarray:
+    a = data.detach().cpu().numpy() if _is_torch(data) else np.asarray(data)
+    if qt == QType.F32 and a.dtype == np.float32 or qt == QType.F16 and a.dtype == np.float16:
+        return np.ascontiguousarray(a).view(np.uint8)
+    if qt == QType.BF16 and a.dtype in (np.uint16, np.int16):
+        return np.ascontiguousarray(a).view(np.uint8)
+    if a.dtype != np.uint8:
+        raise QuantError(f"{qt.name} data must be uint8 bytes (rows along the last axis); got {a.dtype}",
+                         where=name, fix="pass the tensor's raw bytes, e.g. GGUFReader's tensor.data")
+    return a
+
+
+def dequantize(data: Any, qtype: QType | int | str, *, name: str | None = None) -> np.ndarray:
+    """Bytes of ``qtype`` (rows along the last axis, as ``GGUFReader`` yields them) -> float32 in element shape.
+
+    Our own decoders (bit-identical to ggml's ``dequantize_row_*``) for the quantizable types, the ``gguf``
+    package for everything else it knows (IQ*, TQ*, MXFP4, ...). F32/F16 may also be given as float arrays
+    and BF16 as uint16, as ``GGUFReader`` does for F32/F16.
+    """
+    qt = as_qtype(qtype)
+    if qt not in dequantizable():
+        raise QuantError(f"dequantizing {qt.name} is not supported", where=name,
+                         fix="this build of the gguf package has no decoder for it; upgrade gguf")
+    b = _as_bytes(data, qt, name)
+    shape = elem_shape(b.shape, qt)
+    fn = _DEQUANT.get(qt)
+    if fn is None:
+        from gguf import quants as gq
+
+        return np.asarray(gq.dequantize(np.ascontiguousarray(b), qt), dtype=np.float32).reshape(shape)
+    bs, ts = block_size(qt), type_size(qt)
+    blocks = b.reshape(-1, ts) if b.flags.c_contiguous else np.ascontiguousarray(b).reshape(-1, ts)
+    y = np.empty((blocks.shape[0], bs), dtype=np.float32)
+    step = max(1, _DEQUANT_CHUNK // bs)
+    for i in range(0, blocks.shape[0], step):
+        y[i:i + step] = fn(blocks[i:i + step])
+    return y.reshape(shape)

@@ -1,0 +1,557 @@
+"""K-quants (Q2_K..Q6_K), bit-exact with ggml's ``quantize_row_q*_K_ref``.
+
+Vectorised across sub-blocks: a chunk of super-blocks is transposed to ``(n, S)`` (element index of the
+sub-block first), so every sequential float32 sum of the C (``s += w*l`` over 16 or 32 elements) is one
+``np.add.reduce(axis=0)``, which numpy evaluates row after row, left to right, exactly like the C loop.
+Operation order and parenthesisation follow the C line by line; the traps are commented where they
+are reproduced.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._fp import F32, all_within, fp16_bits, fp16_to_f32, nearest_int, nint_clip_f32, seqsum0, seqsum_first
+
+QK_K = 256
+_EPS = F32(1e-15)  # GROUP_MAX_EPS
+
+
+def _to_cols(x: np.ndarray, n: int) -> np.ndarray:
+    """(nb, 256) -> (n, S): column s is sub-block s (super-block s // (256//n))."""
+    return np.ascontiguousarray(x.reshape(-1, n).T)
+
+
+def _from_cols(L: np.ndarray, nb: int) -> np.ndarray:
+    """(n, S) quant levels -> (nb, 256) uint8 in element order."""
+    return np.ascontiguousarray(L.T).reshape(nb, QK_K)
+
+
+def _blend(mask: np.ndarray, new: np.ndarray, old: np.ndarray) -> np.ndarray:
+    """``mask ? new : old`` for float32, branch-free (np.where mispredicts on random masks)."""
+    m = np.negative(mask, dtype=np.int32) if mask.dtype == np.bool_ else mask
+    o = old.view(np.int32)
+    r = np.bitwise_xor(new.view(np.int32), o)
+    r &= m
+    r ^= o
+    return r.view(F32)
+
+
+def _first_absmax_cols(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per column: max |x| and the signed value at its FIRST occurrence, as the C scan
+    ``if (ax > amax) { amax = ax; max = x[i]; }`` from 0 finds them: +0.0 for an all-zero column,
+    and a NaN (possible in scales computed from overflowing sums) is never taken."""
+    a = np.abs(x)
+    amax = np.fmax.reduce(a, axis=0, initial=F32(0.0)) + F32(0.0)
+    mx = np.fmax.reduce(x, axis=0)
+    vmax = np.where(mx == amax, mx, -amax).astype(F32)
+    both = (mx == amax) & (amax > 0) & (np.fmin.reduce(x, axis=0) == -amax)
+    if both.any():  # +a and -a in the same column: the first one wins
+        cols = np.flatnonzero(both)
+        first = np.argmax(a[:, cols] == amax[cols], axis=0)
+        vmax[cols] = x[first, cols]
+    vmax[amax == 0] = F32(0.0)
+    return amax, vmax
+
+
+# ----------------------------------------------------------------------------------------------------
+# make_qkx2_quants (Q2_K, Q4_K, Q5_K)
+
+
+def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
+               use_mad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Returns (scale, the_min, L as float32 (n, S)).
+
+    The search keeps the C quirk that ``min`` is updated in place when an iteration is accepted, so
+    later iterations use the new ``min`` in both ``(max - min)`` and ``(x - min)``.
+    """
+    n, S = X.shape
+    xmin = np.minimum.reduce(X, axis=0)
+    xmax = np.maximum.reduce(X, axis=0)
+    sum_w = seqsum_first(W)               # sum_w = weights[0]; sum_w += w
+    V = np.multiply(W, X)
+    sum_x = seqsum_first(V)               # sum_x = w0*x0;      sum_x += w*x
+    mn = np.minimum(xmin, F32(0.0))       # if (min > 0) min = 0
+    flat = xmax == mn                     # L = 0, scale 0, the_min = -min
+    live = ~flat
+    fnmax = F32(nmax)
+
+    rng = np.subtract(xmax, mn)
+    rng[flat] = F32(1.0)
+    iscale = fnmax / rng
+    scale = F32(1.0) / iscale
+    np.subtract(X, mn, out=V)
+    V *= iscale
+    safe = all_within(iscale * (xmin - mn), iscale * (xmax - mn))
+    nint_clip_f32(V, 0, nmax, safe)
+    E = np.multiply(V, scale)             # diff = scale*L + min - x
+    E += mn
+    E -= X
+    if use_mad:
+        np.abs(E, out=E)
+    else:
+        np.multiply(E, E, out=E)
+    E *= W
+    best = seqsum0(E)
+
+    steps = nstep + 1
+    hist_scale = np.empty((steps + 1, S), dtype=F32)   # row 0: the initial choice
+    hist_iscale = np.empty((steps + 1, S), dtype=F32)
+    hist_min = np.empty((steps + 1, S), dtype=F32)
+    hist_scale[0], hist_iscale[0], hist_min[0] = scale, iscale, mn
+    last = np.zeros(S, dtype=np.int32)    # index into hist of the accepted iteration
+    WL = np.empty_like(X)
+    T = np.empty_like(X)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        for it in range(steps):
+            c = F32(rmin) + F32(rdelta) * F32(it) + fnmax   # (rmin + rdelta*is) + nmax
+            np.subtract(xmax, mn, out=rng)
+            rng[flat] = F32(1.0)
+            isc = c / rng
+            np.subtract(X, mn, out=V)
+            V *= isc
+            safe = all_within(isc * (xmin - mn), isc * (xmax - mn))
+            nint_clip_f32(V, 0, nmax, safe)                # Laux
+            np.multiply(W, V, out=WL)
+            sum_l = seqsum0(WL)                            # sum_l  += w*l
+            np.multiply(WL, V, out=T)
+            sum_l2 = seqsum0(T)                            # sum_l2 += w*l*l
+            np.multiply(WL, X, out=T)
+            sum_xl = seqsum0(T)                            # sum_xl += w*l*x
+            D = sum_w * sum_l2 - sum_l * sum_l
+            pos = (D > 0) & live
+            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
+            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            cm = this_min > 0
+            if cm.any():
+                this_min[cm] = F32(0.0)
+                this_scale[cm] = sum_xl[cm] / sum_l2[cm]
+            np.multiply(V, this_scale, out=T)              # diff = this_scale*Laux + this_min - x
+            T += this_min
+            T -= X
+            if use_mad:
+                np.abs(T, out=T)
+            else:
+                np.multiply(T, T, out=T)
+            T *= W
+            cur = seqsum0(T)
+            acc = cur < best                               # NaN never accepted, as in C
+            acc &= pos
+            best = _blend(acc, cur, best)
+            hist_scale[it + 1], hist_iscale[it + 1], hist_min[it + 1] = this_scale, isc, mn
+            np.maximum(last, acc * np.int32(it + 1), out=last)
+            mn = _blend(acc, this_min, mn)
+
+    cols = np.arange(S)
+    scale = hist_scale[last, cols]
+    sel_iscale = hist_iscale[last, cols]
+    sel_min = hist_min[last, cols]               # the min in force when the accepted Laux was made
+    np.subtract(X, sel_min, out=V)
+    V *= sel_iscale
+    safe = all_within(sel_iscale * (xmin - sel_min), sel_iscale * (xmax - sel_min))
+    L = nint_clip_f32(V, 0, nmax, safe)
+    if flat.any():
+        L[:, flat] = F32(0.0)
+        scale[flat] = F32(0.0)
+    return scale, -mn, L
+
+
+def _requant_asym(X: np.ndarray, L: np.ndarray, d: np.ndarray, dm: np.ndarray, nmax: int) -> np.ndarray:
+    """``if (!d) continue; L = clamp(nearest_int((x + dm)/d), 0, nmax)`` per sub-block (column)."""
+    keep = d == 0
+    ds = np.where(keep, F32(1.0), d)
+    V = X + dm
+    V /= ds
+    xmin = np.minimum.reduce(X, axis=0)
+    xmax = np.maximum.reduce(X, axis=0)
+    with np.errstate(invalid="ignore", over="ignore"):
+        safe = all_within(((xmin + dm) / ds)[~keep], ((xmax + dm) / ds)[~keep])
+    Lnew = nint_clip_f32(V, 0, nmax, safe)
+    if keep.any():
+        Lnew[:, keep] = L[:, keep]
+    return Lnew
+
+
+def _pack_scales_k4(ls: np.ndarray, lm: np.ndarray) -> np.ndarray:
+    """6-bit scales and mins of Q4_K/Q5_K into 12 bytes (j < 4 direct, j >= 4 split into nibbles + top bits)."""
+    out = np.empty((ls.shape[0], 12), dtype=np.uint8)
+    out[:, 0:4] = ls[:, 0:4] | ((ls[:, 4:8] >> 4) << 6)
+    out[:, 4:8] = lm[:, 0:4] | ((lm[:, 4:8] >> 4) << 6)
+    out[:, 8:12] = (ls[:, 4:8] & 0x0F) | ((lm[:, 4:8] & 0x0F) << 4)
+    return out
+
+
+def _q45_k(x: np.ndarray, nmax: int, rmin: float, nstep: int) -> tuple[np.ndarray, ...]:
+    nb = x.shape[0]
+    X = _to_cols(x, 32)
+    sum_x2 = seqsum0(X * X)
+    av_x = np.sqrt(sum_x2 / F32(32))
+    W = np.abs(X)
+    W += av_x                                   # weights[l] = av_x + fabsf(x[l])
+    scales, mins, L = _make_qkx2(X, W, nmax, rmin, 0.1, nstep, False)
+    sc = scales.reshape(nb, 8)
+    mi = mins.reshape(nb, 8)
+    with np.errstate(invalid="ignore"):
+        # `if (scale > max_scale)` from +0: a -0.0 never replaces the start, hence the + 0
+        max_scale = np.fmax.reduce(sc, axis=1, initial=F32(0.0)) + F32(0.0)
+        max_min = np.fmax.reduce(mi, axis=1, initial=F32(0.0)) + F32(0.0)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        inv_scale = np.where(max_scale > 0, F32(63.0) / max_scale, F32(0.0)).astype(F32)
+        inv_min = np.where(max_min > 0, F32(63.0) / max_min, F32(0.0)).astype(F32)
+        ls = np.minimum(nearest_int(inv_scale[:, None] * sc) & 0xFF, 63).astype(np.uint8)  # (uint8_t) then MIN
+        lm = np.minimum(nearest_int(inv_min[:, None] * mi) & 0xFF, 63).astype(np.uint8)
+        d_bits = fp16_bits(max_scale / F32(63.0))
+        dmin_bits = fp16_bits(max_min / F32(63.0))
+        # re-quantize with the fp16-rounded super-block scales and the 6-bit sub-block scales
+        d = (fp16_to_f32(d_bits)[:, None] * ls).reshape(-1)
+        dm = (fp16_to_f32(dmin_bits)[:, None] * lm).reshape(-1)
+        L = _requant_asym(X, L, d, dm, nmax)
+    Lb = _from_cols(L.astype(np.uint8), nb)
+    head = np.empty((nb, 16), dtype=np.uint8)
+    head[:, 0:2] = d_bits.view(np.uint8).reshape(nb, 2)
+    head[:, 2:4] = dmin_bits.view(np.uint8).reshape(nb, 2)
+    head[:, 4:16] = _pack_scales_k4(ls, lm)
+    return head, Lb
+
+
+def quantize_q4_k(x: np.ndarray) -> np.ndarray:
+    nb = x.shape[0]
+    head, Lb = _q45_k(x, 15, -1.0, 20)
+    A = Lb.reshape(nb, 4, 2, 32)
+    qs = (A[:, :, 0] | (A[:, :, 1] << 4)).reshape(nb, 128)
+    return np.concatenate([head, qs], axis=1)
+
+
+def quantize_q5_k(x: np.ndarray) -> np.ndarray:
+    nb = x.shape[0]
+    head, Lb = _q45_k(x, 31, -0.5, 15)
+    A = Lb.reshape(nb, 4, 2, 32)               # [chunk of 64, low/high half, j]
+    hi = (A >> 4).astype(np.uint8)              # 1 where l > 15
+    shifts = (2 * np.arange(4, dtype=np.uint8))[None, :, None]
+    qh = ((hi[:, :, 0] << shifts) | (hi[:, :, 1] << (shifts + 1))).astype(np.uint8)
+    qh = np.bitwise_or.reduce(qh, axis=1)       # (nb, 32)
+    lo = A & 0x0F
+    qs = (lo[:, :, 0] | (lo[:, :, 1] << 4)).reshape(nb, 128)
+    return np.concatenate([head, qh, qs], axis=1)
+
+
+def quantize_q2_k(x: np.ndarray) -> np.ndarray:
+    nb = x.shape[0]
+    X = _to_cols(x, 16)
+    W = np.abs(X)
+    scales, mins, L = _make_qkx2(X, W, 3, -0.5, 0.1, 15, True)
+    sc = scales.reshape(nb, 16)
+    mi = mins.reshape(nb, 16)
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        max_scale = np.fmax.reduce(sc, axis=1, initial=F32(0.0)) + F32(0.0)
+        max_min = np.fmax.reduce(mi, axis=1, initial=F32(0.0)) + F32(0.0)
+        has_s = max_scale > 0
+        has_m = max_min > 0
+        q4 = F32(15.0)
+        iscale = np.where(has_s, q4 / max_scale, F32(0.0)).astype(F32)
+        lsc = np.where(has_s[:, None], nearest_int(iscale[:, None] * sc), 0)
+        imin = np.where(has_m, q4 / max_min, F32(0.0)).astype(F32)
+        lmn = np.where(has_m[:, None], nearest_int(imin[:, None] * mi) << 4, 0)
+        scales_b = ((lsc & 0xFF) | lmn) & 0xFF              # y.scales[j] = l; y.scales[j] |= l << 4
+        d_bits = fp16_bits(np.where(has_s, max_scale / q4, F32(0.0)))
+        dmin_bits = fp16_bits(np.where(has_m, max_min / q4, F32(0.0)))
+        d = (fp16_to_f32(d_bits)[:, None] * (scales_b & 0x0F)).astype(F32).reshape(-1)
+        dm = (fp16_to_f32(dmin_bits)[:, None] * (scales_b >> 4)).astype(F32).reshape(-1)
+        L = _requant_asym(X, L, d, dm, 3)
+    Lb = _from_cols(L.astype(np.uint8), nb)
+    A = Lb.reshape(nb, 2, 4, 32)                # [half of 128, group of 32, l]
+    qs = (A[:, :, 0] | (A[:, :, 1] << 2) | (A[:, :, 2] << 4) | (A[:, :, 3] << 6)).reshape(nb, 64)
+    return np.concatenate([scales_b.astype(np.uint8), qs, d_bits.view(np.uint8).reshape(nb, 2),
+                           dmin_bits.view(np.uint8).reshape(nb, 2)], axis=1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Q6_K: make_qx_quants(16, 32, x, L, rmse_type=1, qw=NULL)
+
+
+def _make_qx_rmse1(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (scale, L + nmax as float32). The 18 trial scales do not depend on which one was taken,
+    so the search is a running arg-best over independent trials."""
+    n, S = X.shape
+    amax, vmax = _first_absmax_cols(X)
+    zero = amax < _EPS
+    safe_max = np.where(zero, F32(1.0), vmax).astype(F32)
+    W = X * X
+    WX = W * X                                  # w*x[i]*l == (w*x)*l
+    V = np.empty_like(X)
+    T = np.empty_like(X)
+    fn = F32(nmax)
+    lo, hi = -nmax, nmax - 1
+
+    def trial(iscale):
+        np.multiply(X, iscale, out=V)           # |iscale*x| <= (nmax+0.9)*(1+eps): always in range
+        nint_clip_f32(V, lo, hi, True)
+        np.multiply(WX, V, out=T)
+        sumlx = seqsum0(T)
+        np.multiply(W, V, out=T)
+        np.multiply(T, V, out=T)
+        suml2 = seqsum0(T)
+        return sumlx, suml2
+
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = (-fn) / safe_max
+        sumlx, suml2 = trial(iscale)
+        scale = np.where(suml2 != 0, sumlx / suml2, F32(0.0)).astype(F32)
+        best = scale * sumlx
+        sel = iscale.copy()
+        for i in range(-9, 10):
+            if i == 0:
+                continue
+            isc = -(fn + F32(0.1) * F32(i)) / safe_max
+            sumlx, suml2 = trial(isc)
+            acc = (suml2 > 0) & (sumlx * sumlx > best * suml2)
+            if acc.any():
+                new_scale = sumlx / suml2
+                scale = _blend(acc, new_scale, scale)
+                best = _blend(acc, new_scale * sumlx, best)
+                sel = _blend(acc, isc, sel)
+    np.multiply(X, sel, out=V)
+    L = nint_clip_f32(V, lo, hi, True)
+    L += fn
+    if zero.any():
+        L[:, zero] = F32(0.0)
+        scale[zero] = F32(0.0)
+    return scale, L
+
+
+def quantize_q6_k(x: np.ndarray) -> np.ndarray:
+    nb = x.shape[0]
+    X = _to_cols(x, 16)
+    scales, L = _make_qx_rmse1(X, 32)
+    sc = scales.reshape(nb, 16)
+    # max_scale: the signed scale at the first max |scale| (strict >, from 0)
+    amax_s, max_scale = _first_absmax_cols(np.ascontiguousarray(sc.T))
+    blk_zero = amax_s < _EPS
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(-128.0) / np.where(blk_zero, F32(1.0), max_scale).astype(F32)
+        d_bits = fp16_bits(F32(1.0) / iscale)
+        q_sc = np.minimum(nearest_int(iscale[:, None] * sc), 127)
+        q_sc = ((q_sc + 128) & 0xFF) - 128                      # stored as int8_t
+        d = (fp16_to_f32(d_bits)[:, None] * q_sc).astype(F32).reshape(-1)
+        keep = d == 0
+        ds = np.where(keep, F32(1.0), d).astype(F32)
+        V = X / ds
+        xmin = np.minimum.reduce(X, axis=0)
+        xmax = np.maximum.reduce(X, axis=0)
+        safe = all_within((xmin / ds)[~keep], (xmax / ds)[~keep])
+    Lnew = nint_clip_f32(V, -32, 31, safe)
+    Lnew += F32(32.0)
+    if keep.any():
+        Lnew[:, keep] = L[:, keep]
+    Lb = _from_cols(Lnew.astype(np.uint8), nb)
+    A = Lb.reshape(nb, 2, 4, 32)                # [half of 128, group of 32, l]
+    ql = ((A[:, :, 0:2] & 0x0F) | ((A[:, :, 2:4] & 0x0F) << 4)).reshape(nb, 128)
+    h = A >> 4
+    qh = (h[:, :, 0] | (h[:, :, 1] << 2) | (h[:, :, 2] << 4) | (h[:, :, 3] << 6)).reshape(nb, 64)
+    out = np.concatenate([ql, qh, q_sc.astype(np.int8).view(np.uint8), d_bits.view(np.uint8).reshape(nb, 2)], axis=1)
+    if blk_zero.any():
+        out[blk_zero] = 0
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Q3_K: make_q3_quants(16, 4, x, L, do_rmse=true)
+
+
+def _make_q3(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """Returns (scale, L (int32, L + nmax, 0 for all-zero sub-blocks)).
+
+    The rmse refinement walks the 16 elements in order and each accepted change feeds the next element's
+    test, so it runs element by element, vectorised across the sub-blocks still changing.
+    """
+    n, S = X.shape
+    amax, vmax = _first_absmax_cols(X)
+    zero = amax < _EPS
+    safe_max = np.where(zero, F32(1.0), vmax).astype(F32)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = F32(-nmax) / safe_max
+        V = X * iscale
+        Lf = nint_clip_f32(V, -nmax, nmax - 1, True)   # |iscale*x| <= nmax
+        W = X * X
+        WX = W * X
+        sumlx = seqsum0(WX * Lf)
+        suml2 = seqsum0((W * Lf) * Lf)
+        L = Lf.astype(np.int32)
+        active = np.flatnonzero(~zero)
+        for _ in range(5):
+            if active.size == 0:
+                break
+            x_a, w_a, wx_a, L_a = X[:, active], W[:, active], WX[:, active], L[:, active]
+            slx_a, sl2_a = sumlx[active], suml2[active]
+            changed = np.zeros(active.size, dtype=bool)
+            for i in range(n):
+                xi, wi, wxi, Li = x_a[i], w_a[i], wx_a[i], L_a[i]
+                Lif = Li.astype(F32)
+                slx = slx_a - wxi * Lif                       # sumlx - w*x[i]*L[i]
+                sl2 = sl2_a - (wi * Lif) * Lif                # suml2 - w*L[i]*L[i]
+                new_l = np.clip(nearest_int((xi * sl2) / slx), -nmax, nmax - 1)
+                cand = (slx > 0) & (new_l != Li)
+                if not cand.any():
+                    continue
+                nlf = new_l.astype(F32)
+                slx = slx + wxi * nlf
+                sl2 = sl2 + (wi * nlf) * nlf
+                ok = cand & (sl2 > 0) & ((slx * slx) * sl2_a > (slx_a * slx_a) * sl2)
+                if ok.any():
+                    Li[ok] = new_l[ok]
+                    slx_a[ok] = slx[ok]
+                    sl2_a[ok] = sl2[ok]
+                    changed |= ok
+            L[:, active] = L_a
+            sumlx[active] = slx_a
+            suml2[active] = sl2_a
+            active = active[changed]
+        scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(F32)
+    L += nmax
+    if zero.any():
+        L[:, zero] = 0
+        scale[zero] = F32(0.0)
+    return scale, L
+
+
+def quantize_q3_k(x: np.ndarray) -> np.ndarray:
+    nb = x.shape[0]
+    X = _to_cols(x, 16)
+    scales, L = _make_q3(X, 4)
+    sc = scales.reshape(nb, 16)
+    amax_s, max_scale = _first_absmax_cols(np.ascontiguousarray(sc.T))
+    has = max_scale != 0
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+        iscale = np.where(has, F32(-32.0) / np.where(has, max_scale, F32(1.0)), F32(0.0)).astype(F32)
+        l = nearest_int(iscale[:, None] * sc)
+        l = ((l + 128) & 0xFF) - 128                        # int8_t l = nearest_int(...)
+        l = np.clip(l, -32, 31) + 32
+        l = np.where(has[:, None], l, 0)                    # scales stay memset to 0
+        d_bits = fp16_bits(np.where(has, F32(1.0) / iscale, F32(0.0)))
+        sc_dec = l - 32                                     # what the C decodes back from the 6 bits
+        d = (fp16_to_f32(d_bits)[:, None] * sc_dec).astype(F32).reshape(-1)
+        keep = d == 0
+        ds = np.where(keep, F32(1.0), d).astype(F32)
+        V = X / ds
+        xmin = np.minimum.reduce(X, axis=0)
+        xmax = np.maximum.reduce(X, axis=0)
+        safe = all_within((xmin / ds)[~keep], (xmax / ds)[~keep])
+    Lnew = nint_clip_f32(V, -4, 3, safe).astype(np.int32) + 4
+    if keep.any():
+        Lnew[:, keep] = L[:, keep]
+    Lb = _from_cols(Lnew.astype(np.uint8), nb)
+    hbit = (Lb > 3).astype(np.uint8).reshape(nb, 8, 32)     # element j -> hmask[j % 32] bit j // 32
+    hmask = np.zeros((nb, 32), dtype=np.uint8)
+    for b in range(8):
+        hmask |= hbit[:, b] << b
+    low = np.where(Lb > 3, Lb - 4, Lb).astype(np.uint8)
+    A = low.reshape(nb, 2, 4, 32)
+    qs = (A[:, :, 0] | (A[:, :, 1] << 2) | (A[:, :, 2] << 4) | (A[:, :, 3] << 6)).reshape(nb, 64)
+    lu = l.astype(np.uint8)
+    scb = np.zeros((nb, 12), dtype=np.uint8)
+    scb[:, 0:8] = (lu[:, 0:8] & 0x0F) | ((lu[:, 8:16] & 0x0F) << 4)
+    hi2 = lu >> 4                                           # j -> byte 8 + j%4, shift 2*(j//4)
+    for j in range(16):
+        scb[:, 8 + j % 4] |= hi2[:, j] << (2 * (j // 4))
+    return np.concatenate([hmask, qs, scb, d_bits.view(np.uint8).reshape(nb, 2)], axis=1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# dequantization (C operation order)
+
+
+def _d16(b: np.ndarray, at: int) -> np.ndarray:
+    return fp16_to_f32(np.ascontiguousarray(b[:, at:at + 2]).view(np.uint16)).reshape(-1)
+
+
+def _unpack_scales_k4(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    sc = np.empty((s.shape[0], 8), dtype=np.uint8)
+    m = np.empty((s.shape[0], 8), dtype=np.uint8)
+    sc[:, :4] = s[:, 0:4] & 63
+    m[:, :4] = s[:, 4:8] & 63
+    sc[:, 4:] = (s[:, 8:12] & 0x0F) | ((s[:, 0:4] >> 6) << 4)
+    m[:, 4:] = (s[:, 8:12] >> 4) | ((s[:, 4:8] >> 6) << 4)
+    return sc, m
+
+
+def dequantize_q2_k(b: np.ndarray) -> np.ndarray:
+    nb = b.shape[0]
+    sc = b[:, 0:16]
+    qs = b[:, 16:80].reshape(nb, 2, 1, 32)
+    d, dmin = _d16(b, 80), _d16(b, 82)
+    q = (qs >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3      # [half, shift, l]
+    q = q.reshape(nb, 16, 16).astype(F32)                                         # sub-block = 2*shift + (l>=16)
+    dl = d[:, None] * (sc & 0x0F)
+    ml = dmin[:, None] * (sc >> 4)
+    y = q * dl[:, :, None]
+    y -= ml[:, :, None]
+    return y.reshape(nb, QK_K)
+
+
+def dequantize_q3_k(b: np.ndarray) -> np.ndarray:
+    nb = b.shape[0]
+    hm = b[:, 0:32]
+    qs = b[:, 32:96].reshape(nb, 2, 1, 32)
+    s = b[:, 96:108]
+    d_all = _d16(b, 108)
+    lo = s[:, 0:8]
+    hi = s[:, 8:12]
+    sc = np.empty((nb, 16), dtype=np.int32)
+    sc[:, 0:8] = lo & 0x0F
+    sc[:, 8:16] = lo >> 4
+    for j in range(16):
+        sc[:, j] |= ((hi[:, j % 4] >> (2 * (j // 4))) & 3) << 4
+    sc -= 32
+    q = ((qs >> (2 * np.arange(4, dtype=np.uint8)).reshape(1, 1, 4, 1)) & 3).reshape(nb, 8, 32)
+    hbit = (hm[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1   # [bit, l]
+    qv = q.astype(np.int32) - np.where(hbit != 0, 0, 4)
+    dl = (d_all[:, None] * sc).astype(F32)
+    y = qv.reshape(nb, 16, 16).astype(F32) * dl[:, :, None]
+    return y.reshape(nb, QK_K)
+
+
+def dequantize_q4_k(b: np.ndarray) -> np.ndarray:
+    nb = b.shape[0]
+    d, dmin = _d16(b, 0), _d16(b, 2)
+    sc, m = _unpack_scales_k4(b[:, 4:16])
+    qs = b[:, 16:144].reshape(nb, 4, 1, 32)
+    q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    q = q.reshape(nb, 8, 32).astype(F32)
+    d1 = d[:, None] * sc
+    m1 = dmin[:, None] * m
+    y = q * d1[:, :, None]
+    y -= m1[:, :, None]
+    return y.reshape(nb, QK_K)
+
+
+def dequantize_q5_k(b: np.ndarray) -> np.ndarray:
+    nb = b.shape[0]
+    d, dmin = _d16(b, 0), _d16(b, 2)
+    sc, m = _unpack_scales_k4(b[:, 4:16])
+    qh = b[:, 16:48]
+    qs = b[:, 48:176].reshape(nb, 4, 1, 32)
+    q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    hbit = (qh[:, None, :] >> np.arange(8, dtype=np.uint8)[None, :, None]) & 1   # sub-block j uses bit j
+    q = q.reshape(nb, 8, 32) + (hbit << 4)
+    d1 = d[:, None] * sc
+    m1 = dmin[:, None] * m
+    y = q.astype(F32) * d1[:, :, None]
+    y -= m1[:, :, None]
+    return y.reshape(nb, QK_K)
+
+
+def dequantize_q6_k(b: np.ndarray) -> np.ndarray:
+    nb = b.shape[0]
+    ql = b[:, 0:128].reshape(nb, 2, 2, 32)     # [half, l+0 / l+32, l]
+    qh = b[:, 128:192].reshape(nb, 2, 32)
+    sc = b[:, 192:208].view(np.int8)
+    d = _d16(b, 208)
+    q = np.empty((nb, 2, 4, 32), dtype=np.int32)
+    q[:, :, 0] = (ql[:, :, 0] & 0x0F) | (((qh >> 0) & 3) << 4)
+    q[:, :, 1] = (ql[:, :, 1] & 0x0F) | (((qh >> 2) & 3) << 4)
+    q[:, :, 2] = (ql[:, :, 0] >> 4) | (((qh >> 4) & 3) << 4)
+    q[:, :, 3] = (ql[:, :, 1] >> 4) | (((qh >> 6) & 3) << 4)
+    q -= 32
+    dsc = (d[:, None] * sc).astype(F32)         # d * sc[is] first, then * q
+    y = q.reshape(nb, 16, 16).astype(F32) * dsc[:, :, None]
+    return y.reshape(nb, QK_K)

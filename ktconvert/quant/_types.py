@@ -1,0 +1,82 @@
+"""ggml type facts and the shape arithmetic every caller needs (no numerics, no heavy imports)."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from .errors import QuantError
+
+QType = GGMLQuantizationType
+
+#: Types :func:`ktconvert.quant.quantize` produces, bit-exact with ggml's reference path.
+QUANTIZABLE: frozenset[QType] = frozenset({
+    QType.F32, QType.F16, QType.BF16,
+    QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
+    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
+})
+
+
+def as_qtype(qtype: QType | int | str) -> QType:
+    """Accept the enum, its integer id or its name (``"Q4_K"``, ``"q4_k"``)."""
+    if isinstance(qtype, QType):
+        return qtype
+    try:
+        if isinstance(qtype, str):
+            return QType[qtype.upper()]
+        return QType(int(qtype))
+    except (KeyError, ValueError, TypeError):
+        raise QuantError(f"unknown ggml type {qtype!r}",
+                         fix="use a ggml type name such as Q4_K, Q8_0 or F16") from None
+
+
+def block_size(qtype: QType | int | str) -> int:
+    """Elements per block (1 for F32/F16/BF16, 32 for Q8_0/Q4_0..., 256 for K-quants)."""
+    return GGML_QUANT_SIZES[as_qtype(qtype)][0]
+
+
+def type_size(qtype: QType | int | str) -> int:
+    """Bytes per block."""
+    return GGML_QUANT_SIZES[as_qtype(qtype)][1]
+
+
+def row_ok(row_len: int, qtype: QType | int | str) -> bool:
+    """Whether rows of ``row_len`` elements can be stored as ``qtype`` (a positive multiple of its block)."""
+    return row_len > 0 and row_len % block_size(qtype) == 0
+
+
+def _suggest(row_len: int) -> str:
+    if row_len > 0 and row_len % 32 == 0:
+        return "use a 32-element type such as Q8_0, Q5_0 or Q4_0 for this tensor, or keep it in F16"
+    return "keep this tensor in F16, BF16 or F32"
+
+
+def check_row(row_len: int, qtype: QType | int | str, *, name: str | None = None) -> None:
+    """Raise :class:`QuantError` (one line: type, row length, fix) unless ``row_ok``."""
+    qt = as_qtype(qtype)
+    if not row_ok(row_len, qt):
+        bs = block_size(qt)
+        raise QuantError(f"{qt.name} cannot hold rows of {row_len} elements: rows must be a positive "
+                         f"multiple of its {bs}-element block", where=name, fix=_suggest(row_len))
+
+
+def byte_shape(shape: Sequence[int], qtype: QType | int | str) -> tuple[int, ...]:
+    """Element shape -> shape of the quantized uint8 array (last axis in bytes)."""
+    qt = as_qtype(qtype)
+    if len(shape) == 0:
+        raise QuantError(f"{qt.name} needs at least one axis; got a scalar", fix="reshape it to (1,) first")
+    check_row(int(shape[-1]), qt)
+    bs, ts = GGML_QUANT_SIZES[qt]
+    return (*map(int, shape[:-1]), int(shape[-1]) // bs * ts)
+
+
+def elem_shape(shape: Sequence[int], qtype: QType | int | str) -> tuple[int, ...]:
+    """Quantized uint8 shape (last axis in bytes) -> element shape."""
+    qt = as_qtype(qtype)
+    bs, ts = GGML_QUANT_SIZES[qt]
+    if len(shape) == 0 or int(shape[-1]) % ts != 0 or int(shape[-1]) == 0:
+        last = shape[-1] if len(shape) else "no axis"
+        raise QuantError(f"{qt.name} data must have a last axis of whole {ts}-byte blocks; got {last}",
+                         fix="pass the tensor's bytes with rows along the last axis, as GGUFReader returns them")
+    return (*map(int, shape[:-1]), int(shape[-1]) // ts * bs)
