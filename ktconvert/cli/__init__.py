@@ -20,6 +20,7 @@ COMMANDS: dict[str, str] = {
     "check-rules": "ktconvert.cli.check_rules:command",
     "tiny-model": "ktconvert.cli.tiny_model:command",
     "golden": "ktconvert.cli.golden:command",
+    "inspect": "ktconvert.cli.inspect_cmd:command",
 }
 
 

@@ -240,7 +240,8 @@ def _open_gguf(source: Source) -> tuple[dict[str, TensorInfo], dict, list[str], 
             no, n = header.kv.get("split.no"), header.kv.get("split.count")
             if n != count or no != i:
                 raise InputError(
-                    f"split metadata says shard {no} of {n}, but the file name says shard {i} of {count} (0-based)",
+                    f"split.no/split.count say shard {no + 1 if type(no) is int else no} of {n}, "
+                    f"but the file name says shard {i + 1} of {count}",
                     path=str(f),
                     where="split.no",
                     fix="the shards come from different conversions; re-download the set",

@@ -130,7 +130,9 @@ def parse_gguf_header(buf, path: str = "<buffer>") -> GGUFHeader:
             )
         raise cur.fail(
             f"unsupported GGUF version {version} (supported: {', '.join(map(str, SUPPORTED_VERSIONS))})",
-            fix="version 1 files predate llama.cpp's current format; re-convert the model",
+            fix="version 1 files predate llama.cpp's current format; re-convert the model"
+            if version < min(SUPPORTED_VERSIONS)
+            else "the file is newer than this ktconvert, or corrupt; update ktconvert or re-convert",
             at=4,
         )
     n_tensors = cur.unpack("<Q", "tensor count")
@@ -191,7 +193,7 @@ def _value(cur: _Cursor, key: str):
     if vtype == _STRING:
         return cur.raw_string(f"value of {key}").decode("utf-8", errors="replace")
     if vtype != _ARRAY:
-        raise cur.fail(f"KV {key!r} has unknown value type {vtype}", at=at)
+        raise cur.fail(f"KV {key!r} has unknown value type {vtype}", fix="the header is corrupt; re-convert the file", at=at)
     etype = cur.unpack("<I", f"element type of {key}")
     count = cur.unpack("<Q", f"length of {key}")
     start = cur.pos
@@ -213,7 +215,7 @@ def _value(cur: _Cursor, key: str):
                 values.append(s.decode("utf-8", errors="replace"))
         return GGUFArray("STRING", count, start, tuple(values) if count <= EAGER_ARRAY_LIMIT else None)
     what = "nested arrays are not supported by llama.cpp" if etype == _ARRAY else f"unknown element type {etype}"
-    raise cur.fail(f"KV {key!r}: {what}", at=at)
+    raise cur.fail(f"KV {key!r}: {what}", fix="llama.cpp cannot load this file either; re-convert it", at=at)
 
 
 def _tensor_info(cur: _Cursor, seen: set[str], alignment: int):

@@ -136,5 +136,5 @@ def render_text(report: dict, style=lambda s, **kw: s) -> str:
     )
     for p in probs:
         sev = p["severity"]
-        lines.append(f"  {style(sev, fg=_SEVERITY_COLOR[sev]):<8} [{p['kind']}] {p['message']}")
+        lines.append(f"  {style(sev, fg=_SEVERITY_COLOR[sev])}{' ' * (8 - len(sev))} [{p['kind']}] {p['message']}")
     return "\n".join(lines)

@@ -21,7 +21,7 @@ def sniff(head: bytes) -> str | None:
 
 def describe(kind: str) -> str:
     return {
-        "zip": "a zip archive (what torch.save writes since PyTorch 1.6), not safetensors",
-        "pickle": "a Python pickle (what legacy torch.save writes), not safetensors",
+        "zip": "a zip archive (what torch.save writes since PyTorch 1.6)",
+        "pickle": "a Python pickle (what legacy torch.save writes)",
         "gguf": "a GGUF file",
     }[kind]

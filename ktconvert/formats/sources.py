@@ -50,7 +50,7 @@ def resolve(path: str | Path) -> Source:
     if kind == "gguf":
         return Source(p, "gguf", (p,), config=config)
     if kind in ("zip", "pickle"):
-        raise InputError(f"this is {describe(kind)}", path=str(p), where="byte 0", fix=RESAVE_FIX)
+        raise InputError(f"this is {describe(kind)}, not a checkpoint ktconvert reads", path=str(p), where="byte 0", fix=RESAVE_FIX)
     return Source(p, "safetensors", (p,), config=config)
 
 
