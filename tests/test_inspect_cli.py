@@ -142,6 +142,19 @@ def test_scan_names_nan_inf_and_zero_experts(tmp_path, validator):
     assert [f["kind"] for f in r["scan"]["findings"]] == ["all-zero"] and r["exit_code"] == 0
 
 
+def test_scan_skips_types_it_cannot_decode(tmp_path, validator):
+    import gguf
+
+    p = write_gguf(tmp_path / "q81.gguf", "qwen3moe", {
+        "blk.0.attn_q.weight": (np.zeros((4, 2 * 40), np.uint8), gguf.GGMLQuantizationType.Q8_1),
+        "blk.0.attn_k.weight": np.full((4, 64), np.nan, np.float32),
+    })
+    r = _json(validator, p, "--scan", code=1)
+    assert r["scan"]["skipped"] == [{"tensor": "blk.0.attn_q.weight",
+                                     "why": "cannot decode Q8_1 to float32 (Dequantization for Q8_1 is not yet implemented)"}]
+    assert [(f["kind"], f["tensor"], f["count"]) for f in r["scan"]["findings"]] == [("nan", "blk.0.attn_k.weight", 256)]
+
+
 def test_scan_clean_bf16_checkpoint(root, validator):
     r = _json(validator, hf_checkpoint(root, "qwen3_moe", "split", "bfloat16"), "--scan")
     assert r["scan"]["findings"] == [] and r["scan"]["skipped"] == []

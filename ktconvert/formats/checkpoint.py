@@ -156,8 +156,8 @@ class Checkpoint(Mapping):
         except OSError as exc:
             raise InputError(f"cannot map tensor data: {exc.strerror}", path=str(info.file), where=f"tensor {name}") from None
 
-    def read_float32(self, name: str, index: int | None = None) -> np.ndarray:
-        """The tensor (or its slice ``[index]`` along the first axis, e.g. one expert) decoded to a float32 copy."""
+    def read_float32(self, name: str, index: int | slice | None = None) -> np.ndarray:
+        """The tensor (or ``[index]`` along its first axis: one expert, a block of rows) decoded to a float32 copy."""
         info = self._info(name)
         raw = self.read(name)
         if index is not None:

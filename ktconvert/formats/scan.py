@@ -57,12 +57,16 @@ def scan_checkpoint(
         if why and not (m is not None and m.layout == "kt-amx" and m.group == "experts"):
             skipped.append((name, why))
         else:
-            if m is not None and m.group == "experts":
-                findings.extend(_scan_expert_tensor(ck, name, m))
+            try:
+                if m is not None and m.group == "experts":
+                    findings.extend(_scan_expert_tensor(ck, name, m))
+                else:
+                    findings.extend(_scan_plain(ck, name, chunk_bytes))
+            except InputError as exc:  # a type no decoder handles yet: say so, keep scanning the rest
+                skipped.append((name, exc.message))
             else:
-                findings.extend(_scan_plain(ck, name, chunk_bytes))
-            done_tensors += 1
-            done_bytes += info.nbytes
+                done_tensors += 1
+                done_bytes += info.nbytes
         if progress is not None:
             progress(info.nbytes)
     return ScanResult(tuple(findings), done_tensors, done_bytes, tuple(skipped))
