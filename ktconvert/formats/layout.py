@@ -526,7 +526,26 @@ def _global_problems(layers, dims: ModelDims, n_layers, unknown, ck: Checkpoint)
                 f"tensors cover {n_layers} layers but {dims.source} says num_hidden_layers={dims.n_layers}",
             )
         )
-    rows = _row_lengths(layers)
+    if layouts.get("gguf-split"):
+        out.append(
+            Problem(
+                "legacy-layout",
+                "warning",
+                f"{layouts['gguf-split']} layer(s) store experts as legacy per-expert GGUF tensors (blk.L.ffn_*.E); "
+                "llama.cpp stopped loading these in late 2024 (b3990) and ktransformers reads only 8 of them; "
+                "merge them into blk.L.ffn_*_exps (a byte-level stack) or re-convert",
+            )
+        )
+    if layouts.get("kt-amx"):
+        out.append(
+            Problem(
+                "opaque-layout",
+                "info",
+                "kt-amx blobs are kt-kernel's tile-packed AMX format: sizes are checked, contents are opaque, and "
+                "the NUMA part count must equal kt-kernel's threadpool_count at run time",
+            )
+        )
+    rows = _row_lengths([ly for ly in layers if ly.layout != "kt-amx"])
     if rows:
         out.append(rows)
     if unknown:
@@ -554,9 +573,13 @@ def _row_lengths(layers) -> Problem | None:
     no_32 = [k for k, v in rows.items() if v % 32]
     if not no_k:
         return None
-    msg = f"row length {', '.join(no_k)} is not a multiple of 256: K-quants (Q2_K..Q6_K) cannot hold it"
+
+    def are(keys: list[str]) -> str:
+        return f"{keys[0]} is not a multiple of" if len(keys) == 1 else f"{', '.join(keys)} are not multiples of"
+
+    msg = f"row length {are(no_k)} 256: K-quants (Q2_K..Q6_K) cannot hold {'it' if len(no_k) == 1 else 'them'}"
     if no_32:
-        msg += f"; {', '.join(no_32)} is not a multiple of 32 either: only F32/F16/BF16 can"
+        msg += f"; {are(no_32)} 32 either: only F32/F16/BF16 can"
     return Problem("row-length", "warning" if no_32 else "info", msg)
 
 
