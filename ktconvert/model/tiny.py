@@ -212,6 +212,9 @@ ROUTER_GAIN = {"deepseek_v3": 1.5}
 ROUTER_GAIN_DEFAULT = 2.0
 ROUTER_NOISE = 0.005
 V3_BIAS_BOOST = 0.9
+# matrices writing into the residual stream: half the usual scale keeps hidden states small (|h| <= ~5),
+# so float32 rounding, which grows with magnitude, stays far below the 1e-5 comparisons
+OUT_GAIN = 0.5
 
 
 def routing_channels(hidden: int = HIDDEN, experts: int = EXPERTS) -> list[int]:
@@ -315,7 +318,7 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
     elif spec.kind in ("linear", "head"):
         out = u * (3.0 ** 0.5 / spec.shape[1] ** 0.5)  # std 1/sqrt(fan_in)
     elif spec.kind == "out_linear":
-        out = u * (3.0 ** 0.5 / spec.shape[1] ** 0.5)
+        out = u * (OUT_GAIN * 3.0 ** 0.5 / spec.shape[1] ** 0.5)
         out[chans, :] = 0.0
     elif spec.kind == "embed":
         out = u.copy()
