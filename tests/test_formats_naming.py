@@ -27,10 +27,12 @@ def test_shipped_maps_load_through_the_package_data_locator():
         assert naming_map(model_type).arch == arch
 
 
-def test_schema_is_a_valid_2020_12_schema():
+def test_schema_is_a_valid_2020_12_schema_and_maps_name_their_kind():
     import jsonschema
 
     jsonschema.Draft202012Validator.check_schema(resources.load_schema("naming-map"))
+    for f in (resources.rules_dir() / "naming").glob("*.yaml"):
+        assert yaml.safe_load(f.read_text())["kind"] == "naming-map"  # how check-rules finds the schema
 
 
 def _gguf_arch(arch):
