@@ -342,3 +342,10 @@ def test_experts_are_swappable_through_their_contract():
     block.experts = broken
     with torch.no_grad():
         assert _max_diff(model(torch.from_numpy(golden.input_ids)).logits, golden.logits) > 1e-2
+
+
+def test_impossible_expert_ids_are_an_error():
+    model = build_model(tiny_config("mixtral"), device="meta")
+    experts = model.model.layers[0].block_sparse_moe.experts
+    with pytest.raises(ValueError, match="outside 0..7"):
+        experts(torch.zeros(2, 256), torch.tensor([[0, 8], [1, 2]]), torch.ones(2, 2))

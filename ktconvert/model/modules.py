@@ -297,9 +297,11 @@ class RoutedExperts(Tagged, nn.ModuleList):
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden)
-        for e in torch.unique(topk_ids).tolist():
-            if not 0 <= e < len(self):
-                continue
+        chosen = torch.unique(topk_ids).tolist()
+        if chosen and not 0 <= chosen[0] <= chosen[-1] < len(self):
+            # a router (or an injected router operator) produced an impossible id: a bug to surface, not skip
+            raise ValueError(f"expert ids {chosen[0]}..{chosen[-1]} outside 0..{len(self) - 1}")
+        for e in chosen:
             tok, pos = torch.where(topk_ids == e)
             y = self[e](hidden[tok]) * topk_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))

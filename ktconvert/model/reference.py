@@ -151,7 +151,7 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
 def build_model(config: MoeConfig | dict | str | os.PathLike, *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> ReferenceCausalLM:
     """Construct the module tree for ``config`` (parsed, a dict, ``config.json`` or its directory).
 
-    Weights are uninitialised: load them with :func:`ktconvert.model.load_weights`. ``device="meta"`` builds
+    Weights hold torch's default random initialisation until :func:`ktconvert.model.load_weights` fills them. ``device="meta"`` builds
     the tree without allocating anything (enough to match rules against module names and classes).
     """
     cfg = config if isinstance(config, MoeConfig) else load_config(config)
