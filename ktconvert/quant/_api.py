@@ -15,11 +15,11 @@ from ._fp import check_reduce_order
 from ._types import QUANTIZABLE, QType, as_qtype, block_size, check_row, elem_shape, type_size
 from .errors import QuantError
 
-# Elements per kernel call. Small enough that a chunk's working set stays in L2 and torch reductions
-# stay under its intra-op grain (32768), so one worker really is one core; large enough to amortise
-# numpy's per-call overhead. Measured on the project's 2-core x86-64 machines (benchmarks/bench_quant.py).
-_LEGACY_CHUNK = 32768
-_KQ_CHUNK = 32768
+# Elements per kernel call: large enough to amortise numpy's per-call overhead over the small per-block
+# arrays, small enough that a worker's temporaries stay in a few MB (L2/L3). Tuned with
+# benchmarks/bench_quant.py on the project's 2-core x86-64 machines.
+_LEGACY_CHUNK = 1 << 18
+_KQ_CHUNK = 1 << 18
 _FLOAT_CHUNK = 1 << 20
 
 _QUANT: dict[QType, tuple[Callable[[np.ndarray], np.ndarray], int]] = {
@@ -147,6 +147,12 @@ class _Rows:
         return None
 
 
+def _single_threaded_torch() -> None:
+    import torch
+
+    torch.set_num_threads(1)
+
+
 def _work_items(nrows: int, n: int, bs: int, chunk: int) -> Iterator[tuple[int, int, int, int]]:
     """(r0, r1, c0, c1) pieces of about ``chunk`` elements; a row longer than that is split at block edges."""
     if n <= chunk:
@@ -201,17 +207,32 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
     def run(item: tuple[int, int, int, int]) -> None:
         r0, r1, c0, c1 = item
         x = rows.get(r0, r1, c0, c1)
+        if bs == 1:  # float types: convert straight into the output bytes
+            dst = out2[r0:r1, c0 * ts:c1 * ts]
+            if qt == QType.BF16:
+                np.copyto(dst.view(np.uint16), G.bf16_bits(x), casting="unsafe")
+            elif qt == QType.F16:  # torch's f32->f16 is IEEE round-to-nearest-even (F16C), 10x numpy's
+                import torch
+
+                torch.from_numpy(dst.view(np.float16)).copy_(torch.from_numpy(x))
+            else:
+                np.copyto(dst.view(np.float32), x)
+            return
         with np.errstate(all="ignore"):  # overflow/NaN inside the search is part of the C's behaviour
             q = kernel(x.reshape(-1, bs))
         out2[r0:r1, c0 // bs * ts:c1 // bs * ts] = q.reshape(r1 - r0, -1)
 
-    items = _work_items(rows.nrows, rows.n, bs, chunk)
+    items = list(_work_items(rows.nrows, rows.n, bs, chunk))
     nw = cpu_count() if workers is None else max(1, int(workers))
-    if nw == 1:
-        for it in items:
-            run(it)
-    else:
-        with ThreadPoolExecutor(max_workers=nw, thread_name_prefix="ktconvert-quant") as pool:
+    nw = min(nw, len(items))
+    # Kernels always run in our own threads, each limited to one torch intra-op thread (a per-thread
+    # setting with torch's OpenMP backend), so `workers` is the number of cores used and the caller's
+    # torch threading is left alone.
+    with ThreadPoolExecutor(max_workers=nw, thread_name_prefix="ktconvert-quant",
+                            initializer=_single_threaded_torch) as pool:
+        if nw == 1:
+            pool.submit(lambda: [run(it) for it in items]).result()
+        else:
             for _ in pool.map(run, items):
                 pass
     return out

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._fp import F32, all_within, fp16_bits, fp16_to_f32, nearest_int, nint_clip_f32, seqsum0, seqsum_first
+from ._fp import F32, SAFE_INT, all_within, fp16_bits, fp16_to_f32, nearest_int, nint_clip_f32, seqsum0, seqsum_first
 
 QK_K = 256
 _EPS = F32(1e-15)  # GROUP_MAX_EPS
@@ -58,102 +58,136 @@ def _first_absmax_cols(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 # make_qkx2_quants (Q2_K, Q4_K, Q5_K)
 
 
+def _tv(a: np.ndarray):
+    """A torch view of a numpy array (shared memory): torch's in-place element-wise kernels are faster
+    than numpy's for broadcasts and clamps; reductions stay in numpy for their summation order."""
+    return _torch().from_numpy(a)
+
+
+def _torch():
+    import torch  # deferred: only the quantizers need it
+
+    return torch
+
+
+def _levels(tV, V: np.ndarray, tX, tmn, mn: np.ndarray, tisc, isc: np.ndarray, xmin: np.ndarray,
+            nmax: int, top: bool) -> np.ndarray:
+    """``V = MAX(0, MIN(nmax, nearest_int(isc*(X - mn))))`` as float32, in place (numpy ``V``, torch ``tV``).
+
+    ``fl(isc*fl(x - mn))`` is monotone in x (isc > 0): its value at xmin bounds it from below and, as
+    isc = c/(max - min), the one at xmax is c*(1 +- 2^-23). So when the bound at xmin is finite and small,
+    round-half-even equals nearest_int and only the clamps that can bind run (``top``: c may round to
+    nmax + 1); otherwise the exact bit-trick path runs. An infinite iscale shows up as a NaN or inf bound.
+    """
+    _torch().sub(tX, tmn, out=tV)
+    tV.mul_(tisc)
+    lo = isc * (xmin - mn)
+    lo_min, lo_max = lo.min(), lo.max()
+    if not (lo_min >= -SAFE_INT and lo_max <= SAFE_INT):
+        return nint_clip_f32(V, 0, nmax, False)
+    tV.round_()
+    if lo_min < -0.5:
+        tV.clamp_(0, nmax) if top else tV.clamp_(min=0)
+    elif top:
+        tV.clamp_(max=nmax)
+    return V
+
+
 def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
                use_mad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Returns (scale, the_min, L as float32 (n, S)).
 
     The search keeps the C quirk that ``min`` is updated in place when an iteration is accepted, so
-    later iterations use the new ``min`` in both ``(max - min)`` and ``(x - min)``.
+    later iterations use the new ``min`` in both ``(max - min)`` and ``(x - min)``. Instead of copying
+    the accepted levels every iteration, it records which iteration each column accepted last and
+    rebuilds those levels once at the end from that iteration's (iscale, min).
     """
+    torch = _torch()
     n, S = X.shape
+    tX = _tv(X)
     xmin = np.minimum.reduce(X, axis=0)
     xmax = np.maximum.reduce(X, axis=0)
     sum_w = seqsum_first(W)               # sum_w = weights[0]; sum_w += w
     V = np.multiply(W, X)
+    tV = _tv(V)
     sum_x = seqsum_first(V)               # sum_x = w0*x0;      sum_x += w*x
-    mn = np.minimum(xmin, F32(0.0))       # if (min > 0) min = 0
-    flat = xmax == mn                     # L = 0, scale 0, the_min = -min
+    mn0 = np.minimum(xmin, F32(0.0))      # if (min > 0) min = 0
+    flat = xmax == mn0                    # max == min: L = 0, scale 0, the_min = -min
     live = ~flat
+    flat_f = flat.astype(F32)             # (max - min) + 1 for flat columns keeps their iscale finite
     fnmax = F32(nmax)
-
-    rng = np.subtract(xmax, mn)
-    rng[flat] = F32(1.0)
-    iscale = fnmax / rng
-    scale = F32(1.0) / iscale
-    np.subtract(X, mn, out=V)
-    V *= iscale
-    safe = all_within(iscale * (xmin - mn), iscale * (xmax - mn))
-    nint_clip_f32(V, 0, nmax, safe)
-    E = np.multiply(V, scale)             # diff = scale*L + min - x
-    E += mn
-    E -= X
-    if use_mad:
-        np.abs(E, out=E)
-    else:
-        np.multiply(E, E, out=E)
-    E *= W
-    best = seqsum0(E)
-
     steps = nstep + 1
-    hist_scale = np.empty((steps + 1, S), dtype=F32)   # row 0: the initial choice
-    hist_iscale = np.empty((steps + 1, S), dtype=F32)
-    hist_min = np.empty((steps + 1, S), dtype=F32)
-    hist_scale[0], hist_iscale[0], hist_min[0] = scale, iscale, mn
-    last = np.zeros(S, dtype=np.int32)    # index into hist of the accepted iteration
+    M = np.empty((steps + 1, S), dtype=F32)         # M[k]: the min in force before iteration k
+    M[0] = mn0
+    H_iscale = np.empty((steps + 1, S), dtype=F32)  # [0]: initial, [k+1]: iteration k
+    H_scale = np.empty((steps + 1, S), dtype=F32)
+    tM, tH = _tv(M), _tv(H_iscale)
+    rng = np.empty(S, dtype=F32)
     WL = np.empty_like(X)
     T = np.empty_like(X)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        for it in range(steps):
-            c = F32(rmin) + F32(rdelta) * F32(it) + fnmax   # (rmin + rdelta*is) + nmax
-            np.subtract(xmax, mn, out=rng)
-            rng[flat] = F32(1.0)
-            isc = c / rng
-            np.subtract(X, mn, out=V)
-            V *= isc
-            safe = all_within(isc * (xmin - mn), isc * (xmax - mn))
-            nint_clip_f32(V, 0, nmax, safe)                # Laux
-            np.multiply(W, V, out=WL)
-            sum_l = seqsum0(WL)                            # sum_l  += w*l
-            np.multiply(WL, V, out=T)
-            sum_l2 = seqsum0(T)                            # sum_l2 += w*l*l
-            np.multiply(WL, X, out=T)
-            sum_xl = seqsum0(T)                            # sum_xl += w*l*x
-            D = sum_w * sum_l2 - sum_l * sum_l
-            pos = (D > 0) & live
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            cm = this_min > 0
-            if cm.any():
-                this_min[cm] = F32(0.0)
-                this_scale[cm] = sum_xl[cm] / sum_l2[cm]
-            np.multiply(V, this_scale, out=T)              # diff = this_scale*Laux + this_min - x
-            T += this_min
-            T -= X
-            if use_mad:
-                np.abs(T, out=T)
-            else:
-                np.multiply(T, T, out=T)
-            T *= W
-            cur = seqsum0(T)
-            acc = cur < best                               # NaN never accepted, as in C
-            acc &= pos
-            best = _blend(acc, cur, best)
-            hist_scale[it + 1], hist_iscale[it + 1], hist_min[it + 1] = this_scale, isc, mn
-            np.maximum(last, acc * np.int32(it + 1), out=last)
-            mn = _blend(acc, this_min, mn)
+    tT = _tv(T)
+
+    def error(scale: np.ndarray, mn) -> np.ndarray:
+        """sum of w * f(scale*L + min - x), f = |.| or square, sequentially from 0."""
+        torch.mul(tV, _tv(scale), out=tT)
+        tT.add_(mn)
+        np.subtract(T, X, out=T)
+        if use_mad:
+            np.abs(T, out=T)
+        else:
+            np.multiply(T, T, out=T)
+        np.multiply(T, W, out=T)
+        return seqsum0(T)
+
+    np.subtract(xmax, mn0, out=rng)
+    rng += flat_f
+    iscale = np.divide(fnmax, rng, out=H_iscale[0])
+    H_scale[0] = F32(1.0) / iscale
+    _levels(tV, V, tX, tM[0], mn0, tH[0], iscale, xmin, nmax, True)
+    best = error(H_scale[0], tM[0])
+
+    last = np.zeros(S, dtype=np.int32)    # row of H_* / M the column accepted last (0: initial)
+    for it in range(steps):
+        mn = M[it]
+        c = F32(rmin) + F32(rdelta) * F32(it) + fnmax   # (rmin + rdelta*is) + nmax
+        np.subtract(xmax, mn, out=rng)
+        rng += flat_f
+        isc = np.divide(c, rng, out=H_iscale[it + 1])
+        _levels(tV, V, tX, tM[it], mn, tH[it + 1], isc, xmin, nmax, c * F32(1.0000003) >= nmax + 0.5)
+        np.multiply(W, V, out=WL)
+        sum_l = seqsum0(WL)                            # sum_l  += w*l
+        np.multiply(WL, V, out=T)
+        sum_l2 = seqsum0(T)                            # sum_l2 += w*l*l
+        np.multiply(WL, X, out=T)
+        sum_xl = seqsum0(T)                            # sum_xl += w*l*x
+        D = sum_w * sum_l2
+        D -= sum_l * sum_l
+        this_scale = np.subtract(sum_w * sum_xl, sum_x * sum_l, out=H_scale[it + 1])
+        this_scale /= D
+        this_min = sum_l2 * sum_x
+        this_min -= sum_l * sum_xl
+        this_min /= D
+        cm = this_min > 0
+        if cm.any():
+            this_min[cm] = F32(0.0)
+            this_scale[cm] = sum_xl[cm] / sum_l2[cm]
+        cur = error(this_scale, _tv(this_min))
+        acc = cur < best                               # a NaN error is never accepted, as in C
+        acc &= D > 0
+        acc &= live
+        best = np.where(acc, cur, best)
+        np.copyto(M[it + 1], np.where(acc, this_min, mn))
+        last[acc] = it + 1
 
     cols = np.arange(S)
-    scale = hist_scale[last, cols]
-    sel_iscale = hist_iscale[last, cols]
-    sel_min = hist_min[last, cols]               # the min in force when the accepted Laux was made
-    np.subtract(X, sel_min, out=V)
-    V *= sel_iscale
-    safe = all_within(sel_iscale * (xmin - sel_min), sel_iscale * (xmax - sel_min))
-    L = nint_clip_f32(V, 0, nmax, safe)
+    scale = H_scale[last, cols]
+    sel_min = np.ascontiguousarray(M[np.maximum(last - 1, 0), cols])  # the min when that Laux was made
+    sel_isc = np.ascontiguousarray(H_iscale[last, cols])
+    _levels(tV, V, tX, _tv(sel_min), sel_min, _tv(sel_isc), sel_isc, xmin, nmax, True)
     if flat.any():
-        L[:, flat] = F32(0.0)
+        V[:, flat] = F32(0.0)
         scale[flat] = F32(0.0)
-    return scale, -mn, L
+    return scale, -M[steps], V
 
 
 def _requant_asym(X: np.ndarray, L: np.ndarray, d: np.ndarray, dm: np.ndarray, nmax: int) -> np.ndarray:

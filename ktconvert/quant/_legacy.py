@@ -116,10 +116,11 @@ def _q_sym(x: np.ndarray, nlev: int) -> tuple[np.ndarray, np.ndarray]:
     v += F32(nlev + 0.5)
     if exotic.any():
         q = _to_c_uint8(v, np.broadcast_to(exotic[:, None], v.shape), signed=True)
+        np.minimum(q, 2 * nlev - 1, out=q)
+        q = (q & 0xFF).astype(np.uint8)  # stored through uint8_t
     else:
-        q = v.astype(np.int32)
-    np.minimum(q, 2 * nlev - 1, out=q)
-    q &= 0xFF  # stored through uint8_t
+        q = v.astype(np.uint8)  # v in [0.5, 2*nlev + 0.5]: truncation fits in a byte
+        np.minimum(q, np.uint8(2 * nlev - 1), out=q)
     return d, q
 
 
@@ -135,30 +136,29 @@ def _q_asym(x: np.ndarray, nmax: int, clamp: bool) -> tuple[np.ndarray, np.ndarr
         v += F32(0.5)
     if exotic.any():
         q = _to_c_uint8(v, np.broadcast_to(exotic[:, None], v.shape), signed=clamp)
+        if clamp:  # Q4_1: MIN(15, (int8_t)...), then stored as uint8_t
+            np.minimum(q, nmax, out=q)
+        q = (q & 0xFF).astype(np.uint8)
     else:
-        q = v.astype(np.int32)
-    if clamp:  # Q4_1: MIN(15, (int8_t)...), then stored as uint8_t
-        np.minimum(q, nmax, out=q)
-        q &= 0xFF
+        q = v.astype(np.uint8)  # v in [0.5, nmax + 0.5]
+        if clamp:
+            np.minimum(q, np.uint8(nmax), out=q)
     return d, mn, q
 
 
 def _pack_nibbles(q: np.ndarray) -> np.ndarray:
     """``qs[j] = (q[j] & 0xF) | (q[j+16] & 0xF) << 4``."""
-    lo = q[:, :16] & 0x0F
-    hi = (q[:, 16:] & 0x0F) << 4
-    return (lo | hi).astype(np.uint8)
+    return (q[:, :16] & np.uint8(0x0F)) | (q[:, 16:] << np.uint8(4))
 
 
 def _pack_qh(q: np.ndarray) -> np.ndarray:
     """The 5th bit of each of the 32 quants as a little-endian uint32 (bit j = element j)."""
-    bits = ((q >> 4) & 1).astype(np.uint8)
-    return np.packbits(bits, axis=1, bitorder="little")
+    return np.packbits((q >> np.uint8(4)) & np.uint8(1), axis=1, bitorder="little")
 
 
 def quantize_q4_0(x: np.ndarray) -> np.ndarray:
     d, q = _q_sym(x, 8)
-    return _out(x.shape[0], [_h16(d), ((q[:, :16] | (q[:, 16:] << 4)) & 0xFF).astype(np.uint8)])
+    return _out(x.shape[0], [_h16(d), q[:, :16] | (q[:, 16:] << np.uint8(4))])
 
 
 def quantize_q5_0(x: np.ndarray) -> np.ndarray:
@@ -168,7 +168,7 @@ def quantize_q5_0(x: np.ndarray) -> np.ndarray:
 
 def quantize_q4_1(x: np.ndarray) -> np.ndarray:
     d, mn, q = _q_asym(x, 15, clamp=True)
-    return _out(x.shape[0], [_h16(d), _h16(mn), ((q[:, :16] | (q[:, 16:] << 4)) & 0xFF).astype(np.uint8)])
+    return _out(x.shape[0], [_h16(d), _h16(mn), q[:, :16] | (q[:, 16:] << np.uint8(4))])
 
 
 def quantize_q5_1(x: np.ndarray) -> np.ndarray:
@@ -232,14 +232,19 @@ def quantize_f16(x: np.ndarray) -> np.ndarray:
         return x.astype(np.float16).view(np.uint8).reshape(-1, 2)
 
 
-def quantize_bf16(x: np.ndarray) -> np.ndarray:
-    # ggml_compute_fp32_to_bf16: round to nearest even on the bits (inputs are finite, so no NaN branch)
-    u = x.reshape(-1).view(np.uint32)
-    r = (u >> 16) & 1
-    r += 0x7FFF
+def bf16_bits(x: np.ndarray) -> np.ndarray:
+    """ggml_compute_fp32_to_bf16 on finite input: round to nearest even on the bit pattern (uint32)."""
+    u = x.view(np.uint32)
+    r = u >> np.uint32(16)
+    r &= np.uint32(1)
+    r += np.uint32(0x7FFF)
     r += u
-    r >>= 16
-    return r.astype(np.uint16).view(np.uint8).reshape(-1, 2)
+    r >>= np.uint32(16)
+    return r
+
+
+def quantize_bf16(x: np.ndarray) -> np.ndarray:
+    return bf16_bits(np.ascontiguousarray(x).reshape(-1)).astype(np.uint16).view(np.uint8).reshape(-1, 2)
 
 
 def dequantize_f32(b: np.ndarray) -> np.ndarray:
