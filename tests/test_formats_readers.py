@@ -193,3 +193,29 @@ def test_index_note_for_tensors_the_index_omits(root, tmp_path):
     (d / "model.safetensors.index.json").write_text(json.dumps(idx))
     ck = open_checkpoint(d)
     assert any(dropped in n for n in ck.notes)
+
+
+@pytest.mark.parametrize(
+    "offsets, data, gap",
+    [([[0, 4], [8, 12]], 12, (4, 8)), ([[0, 4]], 12, (4, 12)), ([[4, 8]], 8, (0, 4))],
+)
+def test_bytes_no_tensor_covers_are_a_note_like_the_reference_refuses_them(tmp_path, offsets, data, gap):
+    """safetensors' safe_open refuses gaps and trailing bytes; the reader still reads, and says so."""
+    from safetensors import SafetensorError, safe_open
+
+    from formats_helpers import st_bytes
+
+    header = {n: {"dtype": "F32", "shape": [1], "data_offsets": o} for n, o in zip("ab", offsets)}
+    p = tmp_path / "gap.safetensors"
+    raw = st_bytes(header, bytes(data))
+    p.write_bytes(raw)
+    with pytest.raises(SafetensorError):
+        safe_open(str(p), "np")
+    ck = open_checkpoint(p)
+    start = len(raw) - data
+    assert len(ck.notes) == 1 and f"first: bytes {start + gap[0]}..{start + gap[1]}" in ck.notes[0]
+    assert "refuse such files" in ck.notes[0]
+
+
+def test_files_written_by_safetensors_have_no_uncovered_bytes(root):
+    assert open_checkpoint(hf_checkpoint(root, "qwen3_moe", "split")).notes == []

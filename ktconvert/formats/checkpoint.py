@@ -47,6 +47,9 @@ def _mapped(path: Path):
 class Checkpoint(Mapping):
     """A read-only view of a checkpoint: a mapping of tensor name -> :class:`TensorInfo`, plus lazy data access.
 
+    It holds no open files: headers are parsed at open time and every :meth:`read` maps its own tensor, so there is
+    nothing to close.
+
     ``container`` is ``"safetensors"`` or ``"gguf"``. ``metadata`` holds the GGUF KV pairs of the first file
     (scalars and strings as Python values, arrays as :class:`~ktconvert.formats.gguf_header.GGUFArray`, complete
     via :meth:`kv`) or the merged safetensors ``__metadata__``. ``config`` is the ``config.json`` found next to the
@@ -85,13 +88,6 @@ class Checkpoint(Mapping):
 
     def __repr__(self) -> str:
         return f"Checkpoint({str(self.path)!r}, {self.container}, {len(self)} tensors, {len(self.files)} files)"
-
-    # Context manager for symmetry with files; there is nothing to release (each read owns its own mapping).
-    def __enter__(self) -> Checkpoint:
-        return self
-
-    def __exit__(self, *exc) -> None:
-        return None
 
     @property
     def total_bytes(self) -> int:
@@ -198,6 +194,12 @@ def _open_safetensors(source: Source) -> tuple[dict[str, TensorInfo], dict, list
         with _mapped(f) as mm:
             header = parse_safetensors_header(mm, str(f))
         metadata.update(header.metadata)
+        if header.uncovered:
+            a, b = header.uncovered[0]
+            notes.append(
+                f"{f.name}: {sum(e - s for s, e in header.uncovered)} byte(s) belong to no tensor (first: bytes {a}..{b}); "
+                "the safetensors library and transformers refuse such files; re-export it"
+            )
         for e in header.entries:
             if e.name in tensors:
                 raise InputError(

@@ -29,10 +29,14 @@ class SafetensorsEntry:
 
 @dataclass(frozen=True)
 class SafetensorsHeader:
+    """``uncovered`` lists byte ranges of the data section that belong to no tensor: readable, but the safetensors
+    library (and so transformers) refuses such files ("invalid offset" / "file not fully covered")."""
+
     entries: tuple[SafetensorsEntry, ...]
     metadata: dict[str, str]
     data_start: int
     file_size: int
+    uncovered: tuple[tuple[int, int], ...] = ()
 
 
 def _collect_duplicates(found: list[str]):
@@ -126,7 +130,7 @@ def parse_safetensors_header(buf, path: str = "<buffer>") -> SafetensorsHeader:
     data_len = size - data_start
     entries = [_entry(name, spec, data_start, data_len, path) for name, spec in obj.items()]
     _check_overlaps(entries, path)
-    return SafetensorsHeader(tuple(entries), dict(metadata), data_start, size)
+    return SafetensorsHeader(tuple(entries), dict(metadata), data_start, size, _uncovered(entries, data_start, size))
 
 
 def _entry(name: str, spec, data_start: int, data_len: int, path: str) -> SafetensorsEntry:
@@ -178,3 +182,14 @@ def _check_overlaps(entries: list[SafetensorsEntry], path: str) -> None:
                 where=f"tensor {n1} @ byte {b1}",
                 fix="the header is corrupt; re-export the file",
             )
+
+
+def _uncovered(entries: list[SafetensorsEntry], data_start: int, size: int) -> tuple[tuple[int, int], ...]:
+    gaps, pos = [], data_start
+    for begin, end in sorted((e.begin, e.end) for e in entries):
+        if begin > pos:
+            gaps.append((pos, begin))
+        pos = max(pos, end)
+    if pos < size:
+        gaps.append((pos, size))
+    return tuple(gaps)
