@@ -221,3 +221,69 @@ def test_check_rules_never_imports_torch_or_numpy(corpus_dir):
 def test_python_dash_m_works():
     out = subprocess.run([sys.executable, "-m", "ktconvert", "check-rules", "--list-checks"], capture_output=True, text=True)
     assert out.returncode == 0 and "KT101" in out.stdout
+
+
+# --- --weights (KT5xx) -----------------------------------------------------------------------------------
+@pytest.fixture
+def ds3(tmp_path):
+    from rules_weights_helpers import write_gguf
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(modeltree.PROBE_CONFIGS["deepseek_v3"]))
+    tree = modeltree.build_tree(modeltree.PROBE_CONFIGS["deepseek_v3"])
+    complete, broken = tmp_path / "ok.gguf", tmp_path / "broken.gguf"
+    write_gguf(complete, tree, experts_type="BF16")
+    write_gguf(broken, tree, drop=("token_embd.weight", "blk.7.attn_kv_b.weight", "blk.9.ffn_down_exps.weight"))
+    return cfg, complete, broken
+
+
+def test_weights_complete_and_runnable_is_clean(ds3):
+    cfg, complete, _ = ds3
+    r = run("check-rules", "--strict", "--model", cfg, "--weights", complete, REPO / "rules" / "optimize" / "deepseek_v3.yaml")
+    assert r.exit_code == 0, r.output
+
+
+def test_weights_missing_tensors_point_at_the_rule_and_the_tensor(ds3):
+    cfg, _, broken = ds3
+    rules = REPO / "rules" / "optimize" / "deepseek_v3.yaml"
+    r = run("check-rules", "-o", "json", "--model", cfg, "--weights", broken, rules)
+    assert r.exit_code == 1
+    found = {(f["rule_index"], f["message"].split(" ")[0]) for f in json.loads(r.output)["findings"] if f["id"] == "KT501"}
+    text = rules.read_text().splitlines()
+    by_msg = {m: i for i, m in found}
+    assert "token_embd.weight" in by_msg and "blk.7.attn_kv_b.weight" in by_msg and "layer" in by_msg
+    assert "embed_tokens" in text[[i for i, l in enumerate(text) if "embed_tokens" in l][0]]
+    assert by_msg["blk.7.attn_kv_b.weight"] == 6  # the KDeepseekV2Attention rule loads kv_b_proj
+
+
+def test_weights_type_the_op_cannot_run(ds3, tmp_path):
+    cfg, complete, _ = ds3
+    text = (REPO / "rules" / "optimize" / "deepseek_v3.yaml").read_text()
+    amx = tmp_path / "amx.yaml"
+    amx.write_text(text.replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsCPU"\n      backend: "AMXInt8"'))
+    assert run("check-rules", "--model", cfg, "--weights", complete, amx).exit_code == 0  # BF16 experts: fine
+    from rules_weights_helpers import write_gguf
+
+    f16 = tmp_path / "f16.gguf"
+    write_gguf(f16, modeltree.build_tree(modeltree.PROBE_CONFIGS["deepseek_v3"]), experts_type="F16")
+    r = run("check-rules", "--model", cfg, "--weights", f16, amx)
+    assert r.exit_code == 1
+    (line,) = [l for l in r.output.splitlines() if "KT502" in l]
+    assert "are F16" in line and "AMXInt8" in line and "runs BF16" in line
+
+
+def test_weights_errors(ds3, tmp_path):
+    _, complete, _ = ds3
+    rules = REPO / "rules" / "optimize" / "deepseek_v3.yaml"
+    r = run("check-rules", "--weights", tmp_path / "missing.gguf", rules)
+    assert r.exit_code == 3 and "missing.gguf" in r.output
+    assert run("check-rules", "--weights", complete, rules).exit_code == 0  # the config.json beside it is used
+    alone = tmp_path / "alone"
+    alone.mkdir()
+    (alone / "m.gguf").write_bytes(complete.read_bytes())
+    r = run("check-rules", "--weights", alone / "m.gguf", rules)  # no --model, no config.json beside the GGUF
+    assert r.exit_code == 2 and "--weights needs the model's module tree" in r.output
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"GGUF" + b"\xff" * 64)
+    r = run("check-rules", "--model", ds3[0], "--weights", junk, rules)
+    assert r.exit_code == 3 and "junk.gguf" in r.output and "Traceback" not in r.output

@@ -22,6 +22,8 @@ def _ids(value: str | None) -> tuple:
               help="Backend the files are for; auto: a file name containing 'serve' means balance_serve, and a "
                    "'# ktconvert: backend=NAME' comment overrides the name.")
 @click.option("--model", "model", metavar="CONFIG_OR_DIR", help="config.json (or its directory): check against the model's module tree.")
+@click.option("--weights", metavar="PATH", help="Checkpoint (.gguf, split GGUF set, .safetensors or shard directory): check "
+              "that the tensors the operators load exist, in types they can run (needs --model unless a config.json lies beside it).")
 @click.option("--catalog", "catalogs", multiple=True, metavar="FILE", help="Operator catalog layered over the built-in one (repeatable).")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json", "github"]), default="text", show_default=True)
 @click.option("--strict", is_flag=True, help="Warnings fail too (exit 1).")
@@ -30,7 +32,7 @@ def _ids(value: str | None) -> tuple:
 @click.option("--list-checks", is_flag=True, help="List every check with its ID and severity, then exit.")
 @click.option("--explain", is_flag=True, help="With --model: print the resolved injection plan (one row per module).")
 @click.pass_context
-def command(ctx, paths, backend, model, catalogs, fmt, strict, select, ignore, list_checks, explain):
+def command(ctx, paths, backend, model, weights, catalogs, fmt, strict, select, ignore, list_checks, explain):
     """Validate ktransformers optimize-rule YAML files (files or directories, recursively).
 
     Exit codes: 0 clean, 1 findings (errors; warnings too with --strict), 2 usage error, 3 unreadable input.
@@ -53,7 +55,7 @@ def command(ctx, paths, backend, model, catalogs, fmt, strict, select, ignore, l
     started = time.perf_counter()
     catalog = load_catalog(catalogs)
     options = lint.Options(backend=backend, model=model, catalogs=tuple(catalogs), select=_ids(select), ignore=_ids(ignore),
-                           explain=explain)
+                           explain=explain, weights=weights)
     result = lint.check_paths(paths, options, catalog)
     if explain:
         from ktconvert.rules import modeltree

@@ -282,10 +282,11 @@ class GatedMLP(Tagged, nn.Module):
         setattr(self, names[0], nn.Linear(hidden, intermediate, bias=False))
         setattr(self, names[1], nn.Linear(hidden, intermediate, bias=False))
         setattr(self, names[2], nn.Linear(intermediate, hidden, bias=False))
+        self.act_fn = nn.SiLU()  # a module, as in HF (ACT2FN): rule regexes see `...mlp.act_fn` upstream too
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
-        return down(F.silu(gate(x)) * up(x))
+        return down(self.act_fn(gate(x)) * up(x))
 
 
 class RoutedExperts(Tagged, nn.ModuleList):

@@ -20,6 +20,7 @@ class Check:
     fixed: str
     backend: str = "ktransformers"
     model: str | None = None
+    weights: dict | None = None
 
 
 @dataclass
@@ -47,7 +48,8 @@ def registry() -> dict[str, Check]:
         data = yaml.safe_load(fh)
     return {
         c["id"]: Check(id=c["id"], severity=c["severity"], title=c["title"], needs=c.get("needs", ""),
-                       bad=c["bad"], fixed=c["fixed"], backend=c.get("backend", "ktransformers"), model=c.get("model"))
+                       bad=c["bad"], fixed=c["fixed"], backend=c.get("backend", "ktransformers"), model=c.get("model"),
+                       weights=c.get("weights"))
         for c in data["checks"]
     }
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jsonschema
 
-from ktconvert.errors import InputError
+from ktconvert.errors import InputError, UsageProblem
 from ktconvert.resources import load_schema, schemas_dir
 from ktconvert.rules import engine, modeltree, regexlint, yamlpos
 from ktconvert.rules.catalog import Catalog, Operator
@@ -33,6 +33,7 @@ class Options:
     select: tuple = ()
     ignore: tuple = ()
     explain: bool = False
+    weights: str | None = None
 
 
 @dataclass
@@ -86,26 +87,38 @@ def collect_paths(paths) -> list[Path]:
 
 
 def check_paths(paths, options: Options, catalog: Catalog) -> Report:
-    tree = None
+    files = collect_paths(paths)
+    tree, checkpoint = None, None
+    if options.weights:
+        from ktconvert.formats import open_checkpoint  # numpy and the readers: only on the --weights path
+
+        checkpoint = open_checkpoint(options.weights)
     if options.model:
         cfg, where = modeltree.load_config(options.model)
         tree = modeltree.build_tree(cfg, "model", where)
-    return Report([check_file(p, options, catalog, tree) for p in collect_paths(paths)])
+    elif checkpoint is not None:
+        if checkpoint.config is None:
+            raise UsageProblem("--weights needs the model's module tree", where="--weights",
+                               fix="add --model CONFIG_OR_DIR (no config.json lies next to the weights)")
+        tree = modeltree.build_tree(checkpoint.config, "model", f"{options.weights} (config.json)")
+    return Report([check_file(p, options, catalog, tree, checkpoint) for p in files])
 
 
-def check_file(path: Path, options: Options, catalog: Catalog, tree=None) -> FileResult:
+def check_file(path: Path, options: Options, catalog: Catalog, tree=None, checkpoint=None) -> FileResult:
     result = FileResult(path=str(path))
     try:
         text = yamlpos.read_text(path)
     except InputError as exc:
         result.error = exc.one_line()
         return result
-    return check_text(text, str(path), options, catalog, tree, result)
+    return check_text(text, str(path), options, catalog, tree, result, checkpoint)
 
 
-def check_text(text: str, file: str, options: Options, catalog: Catalog, tree=None, result: FileResult | None = None) -> FileResult:
+def check_text(text: str, file: str, options: Options, catalog: Catalog, tree=None, result: FileResult | None = None,
+               checkpoint=None) -> FileResult:
     result = result or FileResult(path=file)
     ctx = _Ctx(file, text, options, catalog, result)
+    ctx.checkpoint = checkpoint
     try:
         ctx.run(tree)
     finally:
@@ -136,6 +149,7 @@ class _Ctx:
         self.findings: list[Finding] = []
         self.loaded: yamlpos.Loaded | None = None
         self.checks = registry()
+        self.checkpoint = None
 
     # --- reporting ----------------------------------------------------------------------------------
     def add(self, check_id: str, path: tuple, message: str, fix: str = "", key: bool = False, rule: int | None = None,
@@ -180,6 +194,10 @@ class _Ctx:
         if tree is not None:
             self.result.tree = f"{tree.source}:{tree.family}"
             self._tree_checks(data, usable, tree)
+            if self.checkpoint is not None:
+                from ktconvert.rules.weights import check_weights
+
+                check_weights(self, usable, tree, self.checkpoint, self.cat)
         else:
             self._pair_contracts_statically(data)
 

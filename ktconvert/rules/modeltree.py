@@ -17,17 +17,23 @@ from ktconvert.errors import InputError
 FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 
 # A rule file whose match classes all come from one family can be checked against that family's tree even
-# without --model; these configs stand in for the real model (real layer counts, two experts: per-expert
-# modules only ever repeat the same few types).
+# without --model; these configs stand in for the real model: real layer counts and dense layers, two experts
+# (per-expert modules only ever repeat the same few types), small dims (the tree does not depend on them).
+_PROBE_BASE = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256,
+               "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts_per_tok": 2}
 PROBE_CONFIGS = {
-    "qwen2_moe": {"model_type": "qwen2_moe", "num_hidden_layers": 28, "num_experts": 2, "num_experts_per_tok": 2,
-                  "shared_expert_intermediate_size": 2560},
-    "qwen3_moe": {"model_type": "qwen3_moe", "num_hidden_layers": 48, "num_experts": 2, "num_experts_per_tok": 2},
-    "mixtral": {"model_type": "mixtral", "num_hidden_layers": 32, "num_local_experts": 2, "num_experts_per_tok": 2},
-    "deepseek_v2": {"model_type": "deepseek_v2", "num_hidden_layers": 60, "n_routed_experts": 2,
-                    "first_k_dense_replace": 1, "n_shared_experts": 2, "q_lora_rank": 1536},
-    "deepseek_v3": {"model_type": "deepseek_v3", "num_hidden_layers": 61, "n_routed_experts": 2,
-                    "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536},
+    "qwen2_moe": {**_PROBE_BASE, "model_type": "qwen2_moe", "num_hidden_layers": 28, "num_experts": 2,
+                  "shared_expert_intermediate_size": 512},
+    "qwen3_moe": {**_PROBE_BASE, "model_type": "qwen3_moe", "num_hidden_layers": 48, "num_experts": 2, "head_dim": 64},
+    "mixtral": {**_PROBE_BASE, "model_type": "mixtral", "num_hidden_layers": 32, "num_local_experts": 2},
+    "deepseek_v2": {**_PROBE_BASE, "model_type": "deepseek_v2", "num_hidden_layers": 60, "n_routed_experts": 2,
+                    "first_k_dense_replace": 1, "n_shared_experts": 2, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "topk_method": "group_limited_greedy",
+                    "n_group": 1, "topk_group": 1},
+    "deepseek_v3": {**_PROBE_BASE, "model_type": "deepseek_v3", "num_hidden_layers": 61, "n_routed_experts": 2,
+                    "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
+                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "topk_method": "noaux_tc",
+                    "n_group": 1, "topk_group": 1},
 }
 
 _PREFIX = {"qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "deepseek_v2": "DeepseekV2",
@@ -62,6 +68,7 @@ class ModelTree:
     num_layers: int
     dense_layers: list
     source: str  # "model" (from --model) or "probe"
+    moe_config: object = None  # ktconvert.model.config.MoeConfig
 
     def __post_init__(self):
         self.nodes: list[Node] = list(self.root.walk())  # flattened once: checks scan it many times
@@ -100,63 +107,56 @@ def load_config(path: str | Path) -> tuple[dict, str]:
     return cfg, str(p)
 
 
-def _int(cfg: dict, keys, default=None, where="config.json"):
-    for k in keys:
-        v = cfg.get(k)
-        if v is not None:
-            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-                raise InputError(f"{k} must be a non-negative integer, got {v!r}", path=where, where=k)
-            return v
-    if default is None:
-        raise InputError(f"missing {keys[0]}", path=where, where=keys[0], fix="the config must give the layer and expert counts")
-    return default
-
-
 def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> ModelTree:
-    """Module tree for one of ``FAMILIES``; another model type is refused plainly."""
+    """Module tree for one of ``FAMILIES``; another model type is refused plainly.
+
+    The config is read by the same parser as the reference models (``ktconvert.model.config``), so both
+    spellings (hub and transformers 5) give the same layers, dense layers and attention layout.
+    """
+    from ktconvert.model.config import normalize_config
+
     family = cfg.get("model_type")
     if family not in FAMILIES:
         raise InputError(f"model_type {family!r} has no module tree in ktconvert (supported: {', '.join(FAMILIES)})",
                          path=where, where="model_type", fix="run check-rules without --model for the model-independent checks")
-    n_layers = _int(cfg, ["num_hidden_layers"], where=where)
-    n_experts = _int(cfg, ["n_routed_experts", "num_experts", "num_local_experts"], where=where)
+    try:
+        mc = normalize_config(dict(cfg))
+    except InputError as exc:
+        raise InputError(exc.message, path=where, where=exc.where, fix=exc.fix) from None
     pre = _PREFIX[family]
     root = Node("", f"{pre}ForCausalLM")
     model = root.add("model", f"{pre}Model")
     model.add("embed_tokens", "Embedding")
     layers = model.add("layers", "ModuleList")
+    moe_layers = set(mc.moe_layers)
     dense_layers = []
-    for i in range(n_layers):
-        sparse = _is_sparse(family, cfg, i, n_experts)
+    for i in range(mc.num_hidden_layers):
+        sparse = i in moe_layers
         if not sparse:
             dense_layers.append(i)
         layer = layers.add(str(i), f"{pre}DecoderLayer", layer=i, dense=not sparse)
-        _attention(layer, family, cfg, pre)
+        _attention(layer, family, mc, pre)
         if family == "mixtral":
             moe = layer.add("block_sparse_moe", "MixtralSparseMoeBlock")
             moe.add("gate", "Linear")
-            _experts(moe, pre, n_experts, ("w1", "w2", "w3"), "MixtralBlockSparseTop2MLP")
+            _experts(moe, pre, mc.num_experts, ("w1", "w3", "w2"), "MixtralBlockSparseTop2MLP")
         elif not sparse:
             _mlp(layer, "mlp", f"{pre}MLP")
         else:
-            moe = layer.add("mlp", f"{pre}MoE" if family.startswith("deepseek") else f"{pre}SparseMoeBlock")
-            if family.startswith("deepseek"):
-                moe.add("gate", f"{pre}MoEGate")
-            else:
-                moe.add("gate", "Linear")
-            _experts(moe, pre, n_experts, ("gate_proj", "up_proj", "down_proj"), f"{pre}MLP")
-            if family.startswith("deepseek") and cfg.get("n_shared_experts"):
+            deepseek = family.startswith("deepseek")
+            moe = layer.add("mlp", f"{pre}MoE" if deepseek else f"{pre}SparseMoeBlock")
+            moe.add("gate", f"{pre}MoEGate" if deepseek else "Linear")
+            _experts(moe, pre, mc.num_experts, ("gate_proj", "up_proj", "down_proj"), f"{pre}MLP")
+            if deepseek and mc.n_shared_experts:
                 _mlp(moe, "shared_experts", f"{pre}MLP")
-            if family == "qwen2_moe" and cfg.get("shared_expert_intermediate_size"):
+            if family == "qwen2_moe" and mc.shared_expert_intermediate_size:
                 _mlp(moe, "shared_expert", f"{pre}MLP")
                 moe.add("shared_expert_gate", "Linear")
         layer.add("input_layernorm", f"{pre}RMSNorm")
         layer.add("post_attention_layernorm", f"{pre}RMSNorm")
     model.add("norm", f"{pre}RMSNorm", layer=None, dense=False)
-    if family == "qwen3_moe":
-        model.add("rotary_emb", f"{pre}RotaryEmbedding")
     root.add("lm_head", "Linear")
-    return ModelTree(family, cfg, root, n_layers, dense_layers, source)
+    return ModelTree(family, cfg, root, mc.num_hidden_layers, dense_layers, source, mc)
 
 
 @lru_cache(maxsize=None)
@@ -165,23 +165,10 @@ def probe_tree(family: str) -> ModelTree:
     return build_tree(dict(PROBE_CONFIGS[family]), source="probe", where=f"<{family} probe>")
 
 
-def _is_sparse(family: str, cfg: dict, i: int, n_experts: int) -> bool:
-    if n_experts == 0:
-        return False
-    if family in ("qwen2_moe", "qwen3_moe"):
-        step = cfg.get("decoder_sparse_step") or 1
-        return i not in (cfg.get("mlp_only_layers") or []) and (i + 1) % step == 0
-    if family.startswith("deepseek"):
-        first_dense = cfg.get("first_k_dense_replace") or 0
-        freq = cfg.get("moe_layer_freq") or 1
-        return i >= first_dense and i % freq == 0
-    return True
-
-
-def _attention(layer: Node, family: str, cfg: dict, pre: str) -> None:
+def _attention(layer: Node, family: str, mc, pre: str) -> None:
     attn = layer.add("self_attn", f"{pre}Attention")
-    if family.startswith("deepseek"):
-        if cfg.get("q_lora_rank"):
+    if mc.is_mla:
+        if mc.q_lora_rank:
             attn.add("q_a_proj", "Linear")
             attn.add("q_a_layernorm", f"{pre}RMSNorm")
             attn.add("q_b_proj", "Linear")
@@ -198,8 +185,7 @@ def _attention(layer: Node, family: str, cfg: dict, pre: str) -> None:
     if family == "qwen3_moe":
         attn.add("q_norm", f"{pre}RMSNorm")
         attn.add("k_norm", f"{pre}RMSNorm")
-    else:
-        attn.add("rotary_emb", f"{pre}RotaryEmbedding")
+    attn.add("rotary_emb", f"{pre}RotaryEmbedding")
 
 
 def _mlp(parent: Node, name: str, type_: str, projs=("gate_proj", "up_proj", "down_proj")) -> Node:

@@ -89,6 +89,7 @@ def plan_table(path: str, rows: list[dict]) -> list[str]:
 def list_checks() -> str:
     lines = []
     for c in registry().values():
-        needs = {"tree": " (needs a module tree: --model, or a family the rule classes name)", "model": " (needs --model)"}.get(c.needs, "")
+        needs = {"tree": " (needs a module tree: --model, or a family the rule classes name)", "model": " (needs --model)",
+                 "weights": " (needs --weights)"}.get(c.needs, "")
         lines.append(f"{c.id}  {c.severity:<7}  {c.title}{needs}")
     return "\n".join(lines)
