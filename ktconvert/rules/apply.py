@@ -1,0 +1,96 @@
+"""Applying a rule file to a live model: the injection plan verify builds on, from the same engine as check-rules.
+
+There is one implementation of the matching semantics (``engine.resolve``); this module only adapts a torch
+module tree to it and refuses rule files that check-rules finds errors in.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ktconvert.errors import InputError
+from ktconvert.rules import engine, lint
+from ktconvert.rules.catalog import Catalog, Operator, load_catalog
+
+
+@dataclass
+class Injection:
+    """What upstream's ``inject`` would do to one module."""
+
+    path: str
+    module: object  # the torch module (or any node) the rule applies to
+    module_type: str
+    rule_index: int | None  # None: no rule matched; the module stays default on cuda:0
+    replace_class: str  # "default" or the operator class path
+    operator: Operator | None  # catalog entry (None for default)
+    kwargs: dict = field(default_factory=dict)
+
+    def op(self, slot: str) -> str | None:
+        """The op a wrapper runs in ``slot`` (``generate_op``/``prefill_op``), defaults applied; None if disabled."""
+        if self.operator is None or slot not in self.operator.ops:
+            return None
+        value = self.kwargs.get(slot, self.operator.ops[slot].default)
+        return None if value in (None, "None") else value
+
+
+@dataclass
+class _Node:
+    path: str
+    type: str
+    module: object
+    children: list = field(default_factory=list)
+
+
+def load_rules(path: str | Path, catalog: Catalog | None = None, backend: str = "auto") -> list[engine.CompiledRule]:
+    """Compile a rule file for injection; a file with check-rules errors is refused with the first one."""
+    catalog = catalog or load_catalog()
+    report = lint.check_paths([path], lint.Options(backend=backend), catalog)
+    (result,) = report.files
+    if result.error:
+        raise InputError(result.error)
+    errors = [f for f in result.findings if f.severity == "error"]
+    if errors:
+        f = errors[0]
+        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+        raise InputError(f"{f.id} {f.message}{more}", path=str(path), where=f"{f.line}:{f.col}",
+                         fix=f"run ktconvert check-rules {path}")
+    from ktconvert.rules import yamlpos
+
+    data = yamlpos.load_text(yamlpos.read_text(Path(path))).data
+    ctx = lint._Ctx(str(path), "", lint.Options(backend=backend), catalog, lint.FileResult(str(path)))
+    ctx.loaded = yamlpos.Loaded(data)
+    return [c for c in (ctx._rule(i, r) for i, r in enumerate(data)) if c is not None]
+
+
+def module_tree(model, catalog: Catalog) -> _Node:
+    """Wrap a torch model as the tree ``engine.resolve`` walks; each module's type comes from its class paths."""
+    from ktconvert.model import module_class_paths
+
+    def type_of(module) -> str:
+        for p in module_class_paths(module):
+            t = catalog.type_of_class(p)
+            if t:
+                return t
+        return "Module"
+
+    def build(path: str, module) -> _Node:
+        node = _Node(path, type_of(module), module)
+        for name, child in module.named_children():
+            node.children.append(build(f"{path}.{name}" if path else name, child))
+        return node
+
+    return build("", model)
+
+
+def injection_plan(model, rules: list[engine.CompiledRule], catalog: Catalog | None = None) -> list[Injection]:
+    """One ``Injection`` per module upstream would visit, in visiting order (root first)."""
+    catalog = catalog or load_catalog()
+    out = []
+    for a in engine.resolve(module_tree(model, catalog), rules, catalog.is_instance):
+        rule = a.rule
+        rclass = rule.replace_class if rule else "default"
+        out.append(Injection(a.path, a.node.module, a.module_type, rule.index if rule else None, rclass,
+                             catalog.operators.get(rclass) if rclass != "default" else None,
+                             dict(rule.kwargs) if rule else {"generate_device": "cuda:0", "prefill_device": "cuda:0"}))
+    return out
