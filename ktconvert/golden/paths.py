@@ -1,5 +1,6 @@
-"""Where the shipped golden data lives: ``golden/`` at the top of a checkout (or ``ktconvert._golden``
-once packaged), holding one directory per golden and ``tiny-models.yaml``."""
+"""Where the shipped golden data lives: ``golden/`` at the top of the repository, packaged as
+``ktconvert._golden`` (editable installs map it to the checkout), one directory per golden plus
+``tiny-models.yaml``."""
 
 from __future__ import annotations
 
@@ -22,9 +23,6 @@ def golden_root() -> Path:
             return root
     except ModuleNotFoundError:
         pass
-    root = Path(__file__).resolve().parents[2] / "golden"
-    if root.is_dir():
-        return root
     raise EnvironmentProblem(
         "the golden data directory is not available in this installation",
         fix="run from a ktconvert checkout (golden/ at its top level)",
