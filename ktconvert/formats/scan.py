@@ -12,7 +12,7 @@ from ktconvert.formats.checkpoint import Checkpoint
 from ktconvert.formats.dtypes import SAFETENSORS_DTYPES
 from ktconvert.formats.naming import NameMatch
 
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 16 << 20  # raw bytes per decoded block of a non-expert tensor (float32 output is up to 8x)
 
 
 @dataclass(frozen=True)
