@@ -299,6 +299,7 @@ def dequantize(data: Any, qtype: QType | int | str, *, name: str | None = None) 
     blocks = b.reshape(-1, ts) if b.flags.c_contiguous else np.ascontiguousarray(b).reshape(-1, ts)
     y = np.empty((blocks.shape[0], bs), dtype=np.float32)
     step = max(1, _DEQUANT_CHUNK // bs)
-    for i in range(0, blocks.shape[0], step):
-        y[i:i + step] = fn(blocks[i:i + step])
+    with np.errstate(all="ignore"):  # inf*0 in a block with an overflowed fp16 scale is C's NaN too
+        for i in range(0, blocks.shape[0], step):
+            y[i:i + step] = fn(blocks[i:i + step])
     return y.reshape(shape)

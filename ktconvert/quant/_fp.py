@@ -7,6 +7,8 @@ inputs do occur on real tensors (subnormal blocks give an infinite inverse scale
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 
 F32 = np.float32
@@ -154,3 +156,21 @@ def check_reduce_order() -> None:
         raise RuntimeError(f"numpy {np.__version__} does not sum axis 0 sequentially; "
                            "ktconvert's quantizers cannot be bit-exact with it")
     _ORDER_OK.append(True)
+
+
+_TLS = threading.local()
+
+
+def scratch(key: str, shape: tuple[int, ...], dtype=F32) -> np.ndarray:
+    """A reusable per-thread buffer. Fresh multi-MB arrays cost a page fault per 4 KiB on first touch
+    (~10x the arithmetic on them here), so hot kernels draw their temporaries from here instead. Each
+    call site uses its own ``key``; the contents are garbage on return."""
+    bufs = _TLS.__dict__.setdefault("bufs", {})
+    n = 1
+    for d in shape:
+        n *= int(d)
+    a = bufs.get(key)
+    if a is None or a.size < n or a.dtype != np.dtype(dtype):
+        a = np.empty(max(n, 1), dtype=dtype)
+        bufs[key] = a
+    return a[:n].reshape(shape)

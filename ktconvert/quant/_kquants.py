@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._fp import F32, SAFE_INT, all_within, fp16_bits, fp16_to_f32, nearest_int, nint_clip_f32, seqsum0, seqsum_first
+from ._fp import F32, SAFE_INT, all_within, scratch, fp16_bits, fp16_to_f32, nearest_int, nint_clip_f32, seqsum0, seqsum_first
 
 QK_K = 256
 _EPS = F32(1e-15)  # GROUP_MAX_EPS
@@ -108,7 +108,7 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: flo
     xmin = np.minimum.reduce(X, axis=0)
     xmax = np.maximum.reduce(X, axis=0)
     sum_w = seqsum_first(W)               # sum_w = weights[0]; sum_w += w
-    V = np.multiply(W, X)
+    V = np.multiply(W, X, out=scratch("k2V", X.shape))
     tV = _tv(V)
     sum_x = seqsum_first(V)               # sum_x = w0*x0;      sum_x += w*x
     mn0 = np.minimum(xmin, F32(0.0))      # if (min > 0) min = 0
@@ -117,14 +117,14 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: flo
     flat_f = flat.astype(F32)             # (max - min) + 1 for flat columns keeps their iscale finite
     fnmax = F32(nmax)
     steps = nstep + 1
-    M = np.empty((steps + 1, S), dtype=F32)         # M[k]: the min in force before iteration k
+    M = scratch("k2M", (steps + 1, S))               # M[k]: the min in force before iteration k
     M[0] = mn0
-    H_iscale = np.empty((steps + 1, S), dtype=F32)  # [0]: initial, [k+1]: iteration k
-    H_scale = np.empty((steps + 1, S), dtype=F32)
+    H_iscale = scratch("k2Hi", (steps + 1, S))       # [0]: initial, [k+1]: iteration k
+    H_scale = scratch("k2Hs", (steps + 1, S))
     tM, tH = _tv(M), _tv(H_iscale)
     rng = np.empty(S, dtype=F32)
-    WL = np.empty_like(X)
-    T = np.empty_like(X)
+    WL = scratch("k2WL", X.shape)
+    T = scratch("k2T", X.shape)
     tT = _tv(T)
 
     def error(scale: np.ndarray, mn) -> np.ndarray:
@@ -187,7 +187,7 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: flo
     if flat.any():
         V[:, flat] = F32(0.0)
         scale[flat] = F32(0.0)
-    return scale, -M[steps], V
+    return scale, -M[steps], V  # V is this thread's scratch: valid until the next _make_qkx2 call
 
 
 def _requant_asym(X: np.ndarray, L: np.ndarray, d: np.ndarray, dm: np.ndarray, nmax: int) -> np.ndarray:
@@ -310,16 +310,20 @@ def _make_qx_rmse1(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     amax, vmax = _first_absmax_cols(X)
     zero = amax < _EPS
     safe_max = np.where(zero, F32(1.0), vmax).astype(F32)
-    W = X * X
-    WX = W * X                                  # w*x[i]*l == (w*x)*l
-    V = np.empty_like(X)
-    T = np.empty_like(X)
+    W = np.multiply(X, X, out=scratch("qxW", X.shape))
+    WX = np.multiply(W, X, out=scratch("qxWX", X.shape))   # w*x[i]*l == (w*x)*l
+    V = scratch("qxV", X.shape)
+    T = scratch("qxT", X.shape)
+    tX, tV = _tv(X), _tv(V)
+    torch = _torch()
     fn = F32(nmax)
     lo, hi = -nmax, nmax - 1
 
     def trial(iscale):
-        np.multiply(X, iscale, out=V)           # |iscale*x| <= (nmax+0.9)*(1+eps): always in range
-        nint_clip_f32(V, lo, hi, True)
+        # |iscale*x| <= (nmax+0.9)*(1+eps) since |x| <= |max|: round-half-even is nearest_int here
+        torch.mul(tX, _tv(iscale), out=tV)
+        tV.round_()
+        tV.clamp_(lo, hi)
         np.multiply(WX, V, out=T)
         sumlx = seqsum0(T)
         np.multiply(W, V, out=T)
@@ -392,60 +396,116 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
 # Q3_K: make_q3_quants(16, 4, x, L, do_rmse=true)
 
 
-def _make_q3(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """Returns (scale, L (int32, L + nmax, 0 for all-zero sub-blocks)).
+def _q3_refine(X: np.ndarray, W: np.ndarray, WX: np.ndarray, L: np.ndarray, sumlx: np.ndarray,
+               suml2: np.ndarray, cols: np.ndarray, nmax: int) -> None:
+    """make_q3_quants' rmse refinement (up to 5 sweeps of element-by-element updates), in place on
+    ``L`` (float32 levels), ``sumlx``, ``suml2`` for the columns ``cols``.
 
-    The rmse refinement walks the 16 elements in order and each accepted change feeds the next element's
-    test, so it runs element by element, vectorised across the sub-blocks still changing.
+    Each accepted change alters the sums the next element is tested against, so the C is sequential
+    along the sub-block. It is evaluated speculatively instead: every remaining element of every live
+    column is tested against the column's current sums at once, the first acceptance per column is
+    applied (exactly what the C would do at that element, since nothing before it changed), and the
+    columns continue from the element after it. A sweep ends at the first round with no acceptance
+    left; a column stops after a sweep without change or after 5 sweeps. Most columns accept 0-2 times,
+    so the rounds shrink fast (about 1.7 full passes in total on gaussian data).
     """
+    n, S = X.shape
+    rows = np.arange(n, dtype=np.int32)[:, None]
+    rank = (n - rows).astype(np.int32)          # first True row = n - max(ok * rank)
+    p = np.zeros(cols.size, dtype=np.int32)      # next element to test in the current sweep
+    sweep = np.zeros(cols.size, dtype=np.int32)
+    changed = np.zeros(cols.size, dtype=bool)
+    live = np.arange(cols.size)
+    while live.size:
+        c = cols[live]
+        m = c.size
+        sh = (n, m)
+        Xa, Wa, WXa, La, A, B, C, D = (scratch(f"q3r{k}", sh) for k in range(8))
+        E, F = (scratch(f"q3b{k}", sh, np.bool_) for k in range(2))
+        I = scratch("q3i", sh, np.int32)
+        if m == S:  # every column live (the first round, usually): no gather
+            Xa, Wa, WXa, La = X, W, WX, L.copy()
+        else:
+            for src, dst in ((X, Xa), (W, Wa), (WX, WXa), (L, La)):
+                np.take(src, c, axis=1, out=dst)
+        slx0, sl20 = sumlx[c], suml2[c]
+        np.multiply(WXa, La, out=A)
+        np.subtract(slx0, A, out=A)              # slx = sumlx - w*x[i]*L[i]
+        np.multiply(Wa, La, out=B)
+        B *= La
+        np.subtract(sl20, B, out=B)              # sl2 = suml2 - w*L[i]*L[i]
+        np.multiply(Xa, B, out=C)
+        C /= A                                   # x[i]*sl2/slx: may be huge or NaN, so the exact
+        C += F32(12582912.0)                     # nearest_int bit trick, in place
+        Ci = C.view(np.int32)
+        Ci &= 0x007FFFFF
+        Ci -= 0x00400000
+        np.clip(Ci, -nmax, nmax - 1, out=I)
+        np.copyto(D, I, casting="unsafe")        # new_l
+        np.greater(A, F32(0.0), out=E)
+        np.not_equal(D, La, out=F)
+        E &= F
+        if p[live].any():
+            np.greater_equal(rows, p[live], out=F)
+            E &= F
+        np.multiply(WXa, D, out=C)
+        A += C                                   # slx += w*x[i]*new_l
+        np.multiply(Wa, D, out=C)
+        C *= D
+        B += C                                   # sl2 += w*new_l*new_l
+        np.greater(B, F32(0.0), out=F)
+        E &= F
+        np.multiply(A, A, out=C)
+        C *= sl20                                # slx*slx*suml2
+        np.multiply(B, slx0 * slx0, out=La)      # sumlx*sumlx*sl2 (La is free by now)
+        np.greater(C, La, out=F)
+        E &= F
+        np.multiply(E, rank, out=I)
+        first = n - np.maximum.reduce(I, axis=0)
+        hit = np.flatnonzero(first < n)
+        if hit.size:
+            i0 = first[hit]
+            ch = c[hit]
+            L[i0, ch] = D[i0, hit]
+            sumlx[ch] = A[i0, hit]
+            suml2[ch] = B[i0, hit]
+            p[live[hit]] = i0 + 1
+            changed[live[hit]] = True
+        # a sweep is over for columns without a hit, or whose hit was the last element
+        over = first >= n - 1
+        ol = live[over]
+        again = changed[ol] & (sweep[ol] < 4)
+        nxt = ol[again]
+        sweep[nxt] += 1
+        p[nxt] = 0
+        changed[nxt] = False
+        live = np.concatenate([live[~over], nxt]) if nxt.size else live[~over]
+
+
+def _make_q3(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
+    """make_q3_quants(n, nmax, x, L, do_rmse=true). Returns (scale, L + nmax as int32; 0 for all-zero
+    sub-blocks, which the C leaves at 0)."""
     n, S = X.shape
     amax, vmax = _first_absmax_cols(X)
     zero = amax < _EPS
     safe_max = np.where(zero, F32(1.0), vmax).astype(F32)
-    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-        iscale = F32(-nmax) / safe_max
-        V = X * iscale
-        Lf = nint_clip_f32(V, -nmax, nmax - 1, True)   # |iscale*x| <= nmax
-        W = X * X
-        WX = W * X
-        sumlx = seqsum0(WX * Lf)
-        suml2 = seqsum0((W * Lf) * Lf)
-        L = Lf.astype(np.int32)
-        active = np.flatnonzero(~zero)
-        for _ in range(5):
-            if active.size == 0:
-                break
-            x_a, w_a, wx_a, L_a = X[:, active], W[:, active], WX[:, active], L[:, active]
-            slx_a, sl2_a = sumlx[active], suml2[active]
-            changed = np.zeros(active.size, dtype=bool)
-            for i in range(n):
-                xi, wi, wxi, Li = x_a[i], w_a[i], wx_a[i], L_a[i]
-                Lif = Li.astype(F32)
-                slx = slx_a - wxi * Lif                       # sumlx - w*x[i]*L[i]
-                sl2 = sl2_a - (wi * Lif) * Lif                # suml2 - w*L[i]*L[i]
-                new_l = np.clip(nearest_int((xi * sl2) / slx), -nmax, nmax - 1)
-                cand = (slx > 0) & (new_l != Li)
-                if not cand.any():
-                    continue
-                nlf = new_l.astype(F32)
-                slx = slx + wxi * nlf
-                sl2 = sl2 + (wi * nlf) * nlf
-                ok = cand & (sl2 > 0) & ((slx * slx) * sl2_a > (slx_a * slx_a) * sl2)
-                if ok.any():
-                    Li[ok] = new_l[ok]
-                    slx_a[ok] = slx[ok]
-                    sl2_a[ok] = sl2[ok]
-                    changed |= ok
-            L[:, active] = L_a
-            sumlx[active] = slx_a
-            suml2[active] = sl2_a
-            active = active[changed]
-        scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(F32)
-    L += nmax
+    iscale = F32(-nmax) / safe_max
+    L = X * iscale
+    nint_clip_f32(L, -nmax, nmax - 1, True)          # |iscale*x| <= nmax: in range
+    W = X * X
+    WX = W * X
+    sumlx = seqsum0(WX * L)                          # sumlx += w*x[i]*l
+    t = W * L
+    t *= L
+    suml2 = seqsum0(t)                               # suml2 += w*l*l
+    _q3_refine(X, W, WX, L, sumlx, suml2, np.flatnonzero(~zero), nmax)
+    scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(F32)
+    Li = L.astype(np.int32)
+    Li += nmax
     if zero.any():
-        L[:, zero] = 0
+        Li[:, zero] = 0
         scale[zero] = F32(0.0)
-    return scale, L
+    return scale, Li
 
 
 def quantize_q3_k(x: np.ndarray) -> np.ndarray:
@@ -473,12 +533,11 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
     Lnew = nint_clip_f32(V, -4, 3, safe).astype(np.int32) + 4
     if keep.any():
         Lnew[:, keep] = L[:, keep]
-    Lb = _from_cols(Lnew.astype(np.uint8), nb)
-    hbit = (Lb > 3).astype(np.uint8).reshape(nb, 8, 32)     # element j -> hmask[j % 32] bit j // 32
-    hmask = np.zeros((nb, 32), dtype=np.uint8)
-    for b in range(8):
-        hmask |= hbit[:, b] << b
-    low = np.where(Lb > 3, Lb - 4, Lb).astype(np.uint8)
+    Lb = _from_cols(Lnew.astype(np.uint8), nb)              # levels 0..7
+    hbit = (Lb >> np.uint8(2)).reshape(nb, 8, 32)           # element j -> hmask[j % 32] bit j // 32
+    hmask = np.packbits(np.ascontiguousarray(hbit.transpose(0, 2, 1)), axis=2, bitorder="little")
+    hmask = hmask.reshape(nb, 32)
+    low = Lb & np.uint8(3)                                  # L > 3 ? L - 4 : L
     A = low.reshape(nb, 2, 4, 32)
     qs = (A[:, :, 0] | (A[:, :, 1] << 2) | (A[:, :, 2] << 4) | (A[:, :, 3] << 6)).reshape(nb, 64)
     lu = l.astype(np.uint8)
