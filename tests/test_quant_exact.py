@@ -198,7 +198,7 @@ _finite = st.floats(width=32, allow_nan=False, allow_infinity=False, allow_subno
 _scales = st.sampled_from([1.0, 0.02, 1e-6, 1e-30, 1e-39, 3e4, 1e8, 1e20])
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(base=hnp.arrays(F32, (2, 256), elements=_finite), scale=_scales,
        qtype=st.sampled_from(TYPES))
 def test_property_random_blocks_match_c_reference(ref, base, scale, qtype):
@@ -206,3 +206,34 @@ def test_property_random_blocks_match_c_reference(ref, base, scale, qtype):
         x = (base * F32(scale)).astype(F32)
     x[~np.isfinite(x)] = 0
     assert np.array_equal(Q.quantize(x, qtype), ref.quantize(x, qtype))
+
+
+def _mixed_rows(seed: int, rows: int, n: int) -> np.ndarray:
+    """Every row from a random family at a random scale: catches what the named corpus does not."""
+    rng = np.random.default_rng(seed)
+    out = np.empty((rows, n), dtype=F32)
+    for r in range(rows):
+        fam = rng.integers(0, 6)
+        if fam == 0:
+            v = rng.standard_normal(n)
+        elif fam == 1:
+            v = rng.standard_t(rng.uniform(1, 5), n)
+        elif fam == 2:
+            v = rng.uniform(-1, 1, n) + rng.uniform(-3, 3)
+        elif fam == 3:
+            v = rng.standard_normal(n) * (rng.random(n) < rng.uniform(0.05, 0.5))
+        elif fam == 4:
+            v = np.repeat(rng.standard_normal(n // 32), 32) + rng.standard_normal(n) * 1e-3
+        else:
+            v = np.round(rng.standard_normal(n) * rng.integers(1, 20)) / rng.integers(1, 8)
+        with np.errstate(over="ignore", under="ignore"):
+            out[r] = (v * 10.0 ** rng.uniform(-12, 8)).astype(F32)
+    return out
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_bulk_mixed_rows_match_c_reference(ref, qtype):
+    x = np.concatenate([_mixed_rows(seed, 256, 1024) for seed in range(4)])
+    assert np.isfinite(x).all()
+    ours, theirs = Q.quantize(x, qtype), ref.quantize(x, qtype)
+    assert np.array_equal(ours, theirs), f"{qtype.name}: {_mismatch(ours, theirs)}"
