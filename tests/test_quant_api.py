@@ -179,3 +179,40 @@ def test_importing_the_package_does_not_import_torch():
     code = "import sys, ktconvert.quant as q; q.byte_shape((2, 256), 'Q4_K'); print('torch' in sys.modules)"
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert res.stdout.strip() == "False"
+
+
+def test_read_only_memmap_input_quantizes_silently(tmp_path):
+    import warnings
+
+    x = np.random.default_rng(8).standard_normal((8, 512)).astype(np.float32)
+    x.tofile(tmp_path / "w.f32")
+    mm = np.memmap(tmp_path / "w.f32", dtype=np.float32, mode="r", shape=x.shape)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for qt in (T.F16, T.Q8_0, T.Q4_0, T.Q4_K):
+            assert np.array_equal(Q.quantize(mm, qt), Q.quantize(x, qt))
+
+
+@pytest.mark.parametrize("qtype", [T.Q8_0, T.Q6_K], ids=lambda t: t.name)
+def test_memory_stays_bounded_by_chunks_not_tensor_size(tmp_path, qtype):
+    """A 64 MiB memmapped tensor into a memmapped output: numpy's traced peak is a few chunks per worker
+    (about 8 MiB each for K-quants), not a copy of the tensor."""
+    import tracemalloc
+
+    rows, cols = 4096, 4096
+    src = np.lib.format.open_memmap(tmp_path / "w.npy", mode="w+", dtype=np.float32, shape=(rows, cols))
+    rng = np.random.default_rng(0)
+    for i in range(0, rows, 256):
+        src[i:i + 256] = rng.standard_normal((256, cols)).astype(np.float32)
+    src.flush()
+    x = np.load(tmp_path / "w.npy", mmap_mode="r")
+    out = np.lib.format.open_memmap(tmp_path / "q.npy", mode="w+", dtype=np.uint8,
+                                    shape=Q.byte_shape(x.shape, qtype))
+    tracemalloc.start()
+    try:
+        Q.quantize_parallel(x, qtype, workers=2, out=out)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < x.nbytes / 2, f"peak {peak / 2**20:.1f} MiB for a {x.nbytes / 2**20:.0f} MiB tensor"
+    assert np.array_equal(np.asarray(out[:4]), Q.quantize(np.asarray(x[:4]), qtype))

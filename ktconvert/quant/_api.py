@@ -119,7 +119,10 @@ class _Rows:
             import torch
 
             return part.to(torch.float32).contiguous().numpy()
-        return np.ascontiguousarray(part, dtype=np.float32)
+        x = np.ascontiguousarray(part, dtype=np.float32)
+        # a read-only source (a memmap opened "r") would make torch.from_numpy warn; kernels never write
+        # their input, but a chunk-sized copy is cheaper than an ambiguous warning on every run
+        return x if x.flags.writeable else x.copy()
 
     def first_non_finite(self, step: int) -> tuple[int, ...] | None:
         """Index of the first NaN/inf, scanning in bounded chunks; None if all are finite."""

@@ -535,8 +535,9 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
         Lnew[:, keep] = L[:, keep]
     Lb = _from_cols(Lnew.astype(np.uint8), nb)              # levels 0..7
     hbit = (Lb >> np.uint8(2)).reshape(nb, 8, 32)           # element j -> hmask[j % 32] bit j // 32
-    hmask = np.packbits(np.ascontiguousarray(hbit.transpose(0, 2, 1)), axis=2, bitorder="little")
-    hmask = hmask.reshape(nb, 32)
+    hmask = hbit[:, 0].copy()
+    for b in range(1, 8):
+        hmask |= hbit[:, b] << np.uint8(b)
     low = Lb & np.uint8(3)                                  # L > 3 ? L - 4 : L
     A = low.reshape(nb, 2, 4, 32)
     qs = (A[:, :, 0] | (A[:, :, 1] << 2) | (A[:, :, 2] << 4) | (A[:, :, 3] << 6)).reshape(nb, 64)
