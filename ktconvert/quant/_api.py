@@ -22,10 +22,12 @@ _LEGACY_CHUNK = 1 << 18
 _KQ_CHUNK = 1 << 18
 _FLOAT_CHUNK = 1 << 20
 
-_QUANT: dict[QType, tuple[Callable[[np.ndarray], np.ndarray], int]] = {
-    QType.F32: (G.quantize_f32, _FLOAT_CHUNK),
-    QType.F16: (G.quantize_f16, _FLOAT_CHUNK),
-    QType.BF16: (G.quantize_bf16, _FLOAT_CHUNK),
+# kernel(float32 (n_blocks, block_size)) -> uint8 (n_blocks, type_size); None: a float type, converted
+# straight into the output bytes by quantize()
+_QUANT: dict[QType, tuple[Callable[[np.ndarray], np.ndarray] | None, int]] = {
+    QType.F32: (None, _FLOAT_CHUNK),
+    QType.F16: (None, _FLOAT_CHUNK),
+    QType.BF16: (None, _FLOAT_CHUNK),
     QType.Q8_0: (G.quantize_q8_0, _LEGACY_CHUNK),
     QType.Q4_0: (G.quantize_q4_0, _LEGACY_CHUNK),
     QType.Q4_1: (G.quantize_q4_1, _LEGACY_CHUNK),
@@ -210,7 +212,7 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
     def run(item: tuple[int, int, int, int]) -> None:
         r0, r1, c0, c1 = item
         x = rows.get(r0, r1, c0, c1)
-        if bs == 1:  # float types: convert straight into the output bytes
+        if kernel is None:  # float types: convert straight into the output bytes
             dst = out2[r0:r1, c0 * ts:c1 * ts]
             if qt == QType.BF16:
                 np.copyto(dst.view(np.uint16), G.bf16_bits(x), casting="unsafe")

@@ -60,14 +60,6 @@ def cvtt_i32(v: np.ndarray) -> np.ndarray:
     return out
 
 
-def cast_i32(v: np.ndarray) -> np.ndarray:
-    """Truncating float -> int32 conversion with exact C/x86 semantics; one cheap range check decides
-    whether the plain numpy cast (identical in range) can be used."""
-    if v.size == 0 or all_within(v.max(), v.min()):
-        return v.astype(np.int32)
-    return cvtt_i32(v)
-
-
 def roundf(v: np.ndarray) -> np.ndarray:
     """C ``roundf`` (half away from zero), in place, exact for every float32.
 
@@ -97,23 +89,6 @@ def fp16_bits(v: np.ndarray) -> np.ndarray:
 def fp16_to_f32(h: np.ndarray) -> np.ndarray:
     """fp16 bits -> float32 (exact)."""
     return h.view(np.float16).astype(F32)
-
-
-def fp16_round(v: np.ndarray) -> np.ndarray:
-    """``GGML_FP16_TO_FP32(GGML_FP32_TO_FP16(v))``: the value a scale has once stored."""
-    return fp16_to_f32(fp16_bits(v))
-
-
-def first_absmax(x: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
-    """``amax`` and the signed value at its FIRST occurrence along ``axis``, as the C loops
-    ``if (amax < fabsf(v)) { amax = fabsf(v); max = v; }`` find them (0, +0.0 for an all-zero block)."""
-    a = np.abs(x)
-    idx = np.argmax(a, axis=axis)
-    idx_e = np.expand_dims(idx, axis)
-    amax = np.take_along_axis(a, idx_e, axis=axis).squeeze(axis)
-    vmax = np.take_along_axis(x, idx_e, axis=axis).squeeze(axis)
-    vmax = np.where(amax > 0, vmax, F32(0.0))  # the C never leaves its +0.0 start when all are zero
-    return amax, vmax
 
 
 def _seq_reduce(a: np.ndarray) -> np.ndarray:

@@ -220,16 +220,7 @@ def dequantize_q5_1(b: np.ndarray) -> np.ndarray:
 
 
 # ----------------------------------------------------------------------------------------------------
-# float types: element-wise, the kernels see the chunk as (n, 1)
-
-
-def quantize_f32(x: np.ndarray) -> np.ndarray:
-    return x.reshape(-1).view(np.uint8).reshape(-1, 4)
-
-
-def quantize_f16(x: np.ndarray) -> np.ndarray:
-    with np.errstate(over="ignore"):
-        return x.astype(np.float16).view(np.uint8).reshape(-1, 2)
+# float types (quantized straight into the output by _api; dequantized through (n, 1) "blocks")
 
 
 def bf16_bits(x: np.ndarray) -> np.ndarray:
@@ -241,10 +232,6 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     r += u
     r >>= np.uint32(16)
     return r
-
-
-def quantize_bf16(x: np.ndarray) -> np.ndarray:
-    return bf16_bits(np.ascontiguousarray(x).reshape(-1)).astype(np.uint16).view(np.uint8).reshape(-1, 2)
 
 
 def dequantize_f32(b: np.ndarray) -> np.ndarray:
