@@ -74,6 +74,9 @@ def corpus() -> list[tuple[str, np.ndarray]]:
     add("huge_1e15", rng.standard_normal((16, n)) * 1e15)
     add("huge_1e30", rng.standard_normal((16, n)) * 1e30)
     add("near_fp16_max", rng.uniform(-70000, 70000, (8, n)))
+    add("near_float_max", rng.uniform(-3.4e38, 3.4e38, (8, n)))       # x - min overflows to inf
+    add("positive_near_float_max", rng.uniform(0, 3.4e38, (8, n)))
+    add("squares_overflow_1e19", rng.standard_normal((8, n)) * 1e19)  # x*x overflows in the weights
     add("mixed_scales", rng.uniform(-1, 1, (32, n)) * 10.0 ** rng.integers(-30, 30, (32, 1)))
     x = rng.standard_normal((16, n)) * 0.02
     x[:, ::7] = 0.0

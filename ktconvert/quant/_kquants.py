@@ -71,19 +71,20 @@ def _torch():
 
 
 def _levels(tV, V: np.ndarray, tX, tmn, mn: np.ndarray, tisc, isc: np.ndarray, xmin: np.ndarray,
-            nmax: int, top: bool) -> np.ndarray:
+            xmax: np.ndarray, nmax: int, top: bool) -> np.ndarray:
     """``V = MAX(0, MIN(nmax, nearest_int(isc*(X - mn))))`` as float32, in place (numpy ``V``, torch ``tV``).
 
-    ``fl(isc*fl(x - mn))`` is monotone in x (isc > 0): its value at xmin bounds it from below and, as
-    isc = c/(max - min), the one at xmax is c*(1 +- 2^-23). So when the bound at xmin is finite and small,
+    ``fl(isc*fl(x - mn))`` is monotone in x (isc > 0), so its values at xmin and xmax bound every element;
+    as isc = c/(max - min), the one at xmax is c*(1 +- 2^-23). When both bounds are finite and small,
     round-half-even equals nearest_int and only the clamps that can bind run (``top``: c may round to
-    nmax + 1); otherwise the exact bit-trick path runs. An infinite iscale shows up as a NaN or inf bound.
+    nmax + 1); otherwise (an infinite iscale, an overflowed range) the exact bit-trick path runs.
     """
     _torch().sub(tX, tmn, out=tV)
     tV.mul_(tisc)
     lo = isc * (xmin - mn)
     lo_min, lo_max = lo.min(), lo.max()
-    if not (lo_min >= -SAFE_INT and lo_max <= SAFE_INT):
+    hi_max = (isc * (xmax - mn)).max()  # ~c, unless (max - min) overflowed: then 0*inf is NaN
+    if not (lo_min >= -SAFE_INT and lo_max <= SAFE_INT and hi_max <= SAFE_INT):
         return nint_clip_f32(V, 0, nmax, False)
     tV.round_()
     if lo_min < -0.5:
@@ -143,7 +144,7 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: flo
     rng += flat_f
     iscale = np.divide(fnmax, rng, out=H_iscale[0])
     H_scale[0] = F32(1.0) / iscale
-    _levels(tV, V, tX, tM[0], mn0, tH[0], iscale, xmin, nmax, True)
+    _levels(tV, V, tX, tM[0], mn0, tH[0], iscale, xmin, xmax, nmax, True)
     best = error(H_scale[0], tM[0])
 
     last = np.zeros(S, dtype=np.int32)    # row of H_* / M the column accepted last (0: initial)
@@ -153,7 +154,7 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: flo
         np.subtract(xmax, mn, out=rng)
         rng += flat_f
         isc = np.divide(c, rng, out=H_iscale[it + 1])
-        _levels(tV, V, tX, tM[it], mn, tH[it + 1], isc, xmin, nmax, c * F32(1.0000003) >= nmax + 0.5)
+        _levels(tV, V, tX, tM[it], mn, tH[it + 1], isc, xmin, xmax, nmax, c * F32(1.0000003) >= nmax + 0.5)
         np.multiply(W, V, out=WL)
         sum_l = seqsum0(WL)                            # sum_l  += w*l
         np.multiply(WL, V, out=T)
@@ -183,7 +184,7 @@ def _make_qkx2(X: np.ndarray, W: np.ndarray, nmax: int, rmin: float, rdelta: flo
     scale = H_scale[last, cols]
     sel_min = np.ascontiguousarray(M[np.maximum(last - 1, 0), cols])  # the min when that Laux was made
     sel_isc = np.ascontiguousarray(H_iscale[last, cols])
-    _levels(tV, V, tX, _tv(sel_min), sel_min, _tv(sel_isc), sel_isc, xmin, nmax, True)
+    _levels(tV, V, tX, _tv(sel_min), sel_min, _tv(sel_isc), sel_isc, xmin, xmax, nmax, True)
     if flat.any():
         V[:, flat] = F32(0.0)
         scale[flat] = F32(0.0)
