@@ -1,0 +1,332 @@
+"""Weights as the injected operators read them: one checkpoint, HF safetensors or GGUF.
+
+Two views, because upstream operators read weights two ways: :meth:`WeightSource.tensor` gives any tensor
+dequantized to float32 in the reference model's shape (what ``load_gguf_tensor`` hands the default modules,
+``KLinearTorch`` and ``KExpertsTorch``); :meth:`WeightSource.expert_blocks` gives a layer's expert tensors as
+stored, ggml blocks and all (what ``KExpertsCPU`` maps and the llamafile kernel reads).
+
+GGUF files follow llama.cpp's conventions and are read the way ktransformers' loader reads them: names through
+``rules/naming``, attention q/k rows of the ``llama`` architecture (Mixtral) un-permuted, ``kv_b_proj`` rebuilt
+from ``attn_k_b``/``attn_v_b`` where a newer DeepSeek GGUF stores it split. Safetensors checkpoints are loaded
+whole (per-expert, fused and Mixtral spellings through :mod:`ktconvert.model.weights`); that is fine for the
+models verify can run on a CPU.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from ktconvert.errors import InputError
+from ktconvert.model.config import MoeConfig
+
+PROJECTIONS = ("gate", "up", "down")
+
+
+@dataclass
+class Blocks:
+    """One projection of one layer's experts as stored: ``data`` is uint8 ``[E, rows, row_bytes]``."""
+
+    qtype: str  # ggml type name
+    data: np.ndarray
+    shape: tuple[int, int, int]  # elements: [E, rows, cols]
+    names: tuple[str, ...]  # the stored tensor(s) it came from
+
+    def expert(self, e: int) -> np.ndarray:
+        """Expert ``e`` dequantized to float32 ``[rows, cols]`` (each expert is whole blocks: rows hold them)."""
+        from ktconvert import quant
+
+        return quant.dequantize(self.data[e], self.qtype, name=self.names[0]).reshape(self.shape[1:])
+
+
+@dataclass
+class ExpertBlocks:
+    layer: int
+    gate: Blocks
+    up: Blocks
+    down: Blocks
+
+    def types(self) -> dict[str, str]:
+        return {p: getattr(self, p).qtype for p in PROJECTIONS}
+
+
+class MissingTensor(InputError):
+    """The checkpoint lacks a tensor an operator or module reads; ``names`` are the stored names looked for."""
+
+    def __init__(self, message: str, names: list[str], **kw):
+        self.names = list(names)
+        super().__init__(message, **kw)
+
+
+def _missing(path: str, names: list[str], what: str) -> MissingTensor:
+    more = f" (and {len(names) - 3} more)" if len(names) > 3 else ""
+    return MissingTensor(f"{what}: no tensor {', '.join(names[:3])}{more}", names, path=path,
+                         fix="the checkpoint lacks tensors this model needs; list them with ktconvert inspect")
+
+
+def _as_bytes(a: np.ndarray) -> np.ndarray:
+    a = np.ascontiguousarray(a)
+    return a.reshape(*a.shape[:-1], -1).view(np.uint8) if a.dtype != np.uint8 else a
+
+
+def _fit(name: str, arr: np.ndarray, shape: tuple[int, ...] | None, path: str) -> np.ndarray:
+    """Reshape a tensor to the reference shape when they differ only by size-1 axes (llama.cpp stores some
+    ``[1, H]`` gates as ``[H]``); any other difference is an error naming both shapes."""
+    if shape is None or tuple(arr.shape) == tuple(shape):
+        return arr
+    if [d for d in arr.shape if d != 1] == [d for d in shape if d != 1]:
+        return arr.reshape(shape)
+    raise InputError(f"shape {list(arr.shape)} does not fit the model's {list(shape)}", path=path, where=name,
+                     fix="is config.json the one these weights were converted from?")
+
+
+class WeightSource:
+    """A checkpoint the injected model reads from (``--weights``, ``--prefill-weights`` or the model directory)."""
+
+    def __init__(self, path: str | os.PathLike, cfg: MoeConfig):
+        self.path = str(path)
+        self.cfg = cfg
+        p = Path(path)
+        if not p.exists():
+            raise InputError("weights not found", path=self.path,
+                             fix="pass a .gguf file, a .safetensors file or a checkpoint directory")
+        if p.is_dir():
+            gguf = not any(p.glob("*.safetensors*")) and any(p.glob("*.gguf"))
+            if not gguf and not any(p.glob("*.safetensors*")):
+                raise InputError("no .gguf or .safetensors files", path=self.path,
+                                 fix="pass a checkpoint file or directory")
+        else:
+            gguf = p.suffix == ".gguf"
+        if gguf:
+            from ktconvert.formats import open_checkpoint
+
+            self.container = "gguf"
+            self._ck = open_checkpoint(p)
+            self._init_gguf()
+        else:
+            self.container = "safetensors"
+            self._init_safetensors()
+        self._blocks: dict[int, ExpertBlocks] = {}
+
+    # --- safetensors ------------------------------------------------------------------------------------------
+    def _init_safetensors(self) -> None:
+        from ktconvert.model.weights import to_reference_state
+
+        self.arch = self.cfg.family
+        self.raw = read_safetensors(self.path)
+        self._state = to_reference_state(self.cfg, self.raw)
+
+    # --- gguf -------------------------------------------------------------------------------------------------
+    def _init_gguf(self) -> None:
+        from ktconvert.formats import naming_map
+
+        ck = self._ck
+        self.arch = ck.architecture
+        want = naming_map(self.cfg.family)
+        if self.arch != want.arch:
+            raise InputError(f"GGUF architecture {self.arch!r} is not {want.arch!r}, which the config's "
+                             f"{self.cfg.family} needs", path=self.path,
+                             fix="pass the weights converted from this --model")
+        self._naming = want
+
+    def _kv_int(self, key: str, default: int) -> int:
+        value = self._ck.metadata.get(f"{self.arch}.{key}")
+        return int(value) if isinstance(value, (int, np.integer)) else default
+
+    def _read_gguf(self, gname: str) -> np.ndarray:
+        from ktconvert import quant
+
+        info = self._ck[gname]
+        raw = self._ck.read(gname)
+        if info.dtype in ("F32", "F16"):
+            out = np.array(raw, dtype=np.float32)
+        else:
+            out = quant.dequantize(raw, info.dtype, name=gname)
+        return out.reshape(info.shape)
+
+    def _gguf_tensor(self, name: str) -> np.ndarray:
+        m = self._naming.lookup(name)
+        if m is None or m.gguf_name is None:
+            raise MissingTensor(f"no llama.cpp name for {name}", [name], path=self.path, where=name,
+                                fix="rules/naming has no entry for this tensor")
+        if m.group == "experts":  # a per-expert HF name: slice the merged tensor
+            blocks = self.expert_blocks(m.layer)
+            return getattr(blocks, m.projection).expert(m.expert)
+        gname = m.gguf_name
+        if gname not in self._ck and gname.endswith(".attn_kv_b.weight"):
+            return self._kv_b_from_split(gname, name)
+        if gname not in self._ck:
+            raise _missing(self.path, [gname], f"tensor for {name}")
+        arr = self._read_gguf(gname)
+        if self.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
+            heads = self._kv_int("attention.head_count" if ".attn_q." in gname else "attention.head_count_kv",
+                                 self.cfg.num_attention_heads if ".attn_q." in gname else self.cfg.num_key_value_heads)
+            arr = unpermute_rope_rows(arr, heads)
+        return arr
+
+    def _kv_b_from_split(self, gname: str, name: str) -> np.ndarray:
+        """``kv_b_proj`` from llama.cpp's split form: ``attn_k_b [heads, rank, nope]`` (transposed per head) and
+        ``attn_v_b [heads, v, rank]``, interleaved back per head as ``[nope + v]`` rows."""
+        k_name, v_name = gname.replace("attn_kv_b", "attn_k_b"), gname.replace("attn_kv_b", "attn_v_b")
+        missing = [n for n in (gname, k_name, v_name) if n not in self._ck]
+        if k_name in missing or v_name in missing:
+            raise _missing(self.path, missing, f"tensor for {name}")
+        cfg = self.cfg
+        heads, nope, vdim, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        k_b = self._read_gguf(k_name).reshape(heads, rank, nope).transpose(0, 2, 1)
+        v_b = self._read_gguf(v_name).reshape(heads, vdim, rank)
+        return np.concatenate([k_b, v_b], axis=1).reshape(heads * (nope + vdim), rank)
+
+    def _gguf_experts(self, layer: int) -> ExpertBlocks:
+        cfg = self.cfg
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        want = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
+        nm, ck = self._naming, self._ck
+        out: dict[str, Blocks] = {}
+        merged = {p: nm.expert_name("gguf-merged", p, layer) for p in PROJECTIONS}
+        fused = nm.expert_name("gguf-merged", "gate_up", layer)
+        tried: list[str] = []
+        for p in PROJECTIONS:
+            name = merged[p]
+            if name in ck:
+                out[p] = self._merged_blocks(name, ck[name].dtype)
+                continue
+            tried.append(name)
+            if p in ("gate", "up") and fused and fused in ck:
+                whole = self._merged_blocks(fused, ck[fused].dtype)
+                half = whole.data.shape[1] // 2
+                part = whole.data[:, :half] if p == "gate" else whole.data[:, half:]
+                out[p] = Blocks(whole.qtype, part, (whole.shape[0], half, whole.shape[2]), (fused,))
+                continue
+            split = [nm.expert_name("gguf-split", p, layer, x) for x in range(e)]
+            if all(s in ck for s in split):
+                parts = [self._merged_blocks(s, ck[s].dtype) for s in split]
+                types = {b.qtype for b in parts}
+                if len(types) != 1:
+                    raise InputError(f"per-expert tensors of one projection have different types {sorted(types)}",
+                                     path=self.path, where=split[0])
+                data = np.stack([b.data for b in parts])
+                out[p] = Blocks(parts[0].qtype, data, (e, *parts[0].shape), tuple(split))
+                continue
+            tried.append(split[0])
+        if tried and len(out) < 3:
+            raise _missing(self.path, tried, f"experts of layer {layer}")
+        for p, b in out.items():
+            if tuple(b.shape) != want[p]:
+                raise InputError(f"{p} experts have shape {list(b.shape)} (numpy order), the config needs {list(want[p])} "
+                                 f"([E, I, H] for gate/up, [E, H, I] for down; ggml's ne lists the reverse)",
+                                 path=self.path, where=b.names[0],
+                                 fix="the tensor was written in the wrong axis order or for another config")
+        return ExpertBlocks(layer, out["gate"], out["up"], out["down"])
+
+    def _merged_blocks(self, name: str, qtype: str) -> Blocks:
+        info = self._ck[name]
+        raw = self._ck.read(name)
+        shape = tuple(info.shape)
+        if len(shape) == 2:  # one expert (legacy split form)
+            return Blocks(qtype, _as_bytes(np.asarray(raw)), shape, (name,))
+        if len(shape) != 3:
+            raise InputError(f"expert tensor has {len(shape)} axes, expected 3 ([E, rows, cols])", path=self.path, where=name)
+        return Blocks(qtype, _as_bytes(np.asarray(raw)), shape, (name,))
+
+    # --- public ----------------------------------------------------------------------------------------------
+    def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
+        """The tensor holding reference parameter ``name``, dequantized to float32 (``shape``: the parameter's)."""
+        if self.container == "safetensors":
+            t = self._state.get(name)
+            if t is None:
+                raise _missing(self.path, [name], "tensor")
+            import torch
+
+            arr = t.to(torch.float32).numpy()
+        else:
+            arr = self._gguf_tensor(name)
+        return _fit(name, arr, shape, self.path)
+
+    def stored_type(self, name: str) -> str:
+        """How ``name``'s tensor is stored (ggml type name, or the safetensors dtype), for the report."""
+        if self.container == "safetensors":
+            t = self._state.get(name)
+            return str(t.dtype).replace("torch.", "") if t is not None else "?"
+        m = self._naming.lookup(name)
+        gname = m.gguf_name if m else None
+        if gname and gname not in self._ck and gname.endswith(".attn_kv_b.weight"):
+            gname = gname.replace("attn_kv_b", "attn_k_b")
+        return self._ck[gname].dtype if gname and gname in self._ck else "?"
+
+    def expert_blocks(self, layer: int) -> ExpertBlocks:
+        """The experts of ``layer`` as stored (GGUF blocks, or stacked F32/F16/BF16 safetensors rows)."""
+        found = self._blocks.get(layer)
+        if found is None:
+            found = self._blocks[layer] = self._gguf_experts(layer) if self.container == "gguf" else self._st_experts(layer)
+        return found
+
+    def _st_experts(self, layer: int) -> ExpertBlocks:
+        import torch
+
+        cfg = self.cfg
+        names = dict(zip(PROJECTIONS, cfg.expert_proj_names))
+        prefix = f"model.layers.{layer}.{cfg.moe_block_name}.experts"
+        out = {}
+        for p in PROJECTIONS:
+            keys = [f"{prefix}.{x}.{names[p]}.weight" for x in range(cfg.num_experts)]
+            missing = [k for k in keys if k not in self._state]
+            if missing:
+                raise _missing(self.path, missing, f"experts of layer {layer}")
+            stacked = torch.stack([self._state[k] for k in keys])
+            qtype = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}.get(stacked.dtype)
+            if qtype is None:
+                raise InputError(f"experts stored as {stacked.dtype}; the CPU experts kernel reads F32, F16 or BF16 "
+                                 "safetensors only (upstream SafeTensorLoader)", path=self.path, where=keys[0],
+                                 fix="convert the experts to a GGUF type first (ktconvert quantize)")
+            raw = stacked.view(torch.uint16) if qtype == "BF16" else stacked
+            out[p] = Blocks(qtype, _as_bytes(raw.contiguous().numpy()), tuple(stacked.shape), (keys[0],))
+        return ExpertBlocks(layer, out["gate"], out["up"], out["down"])
+
+    def expert_types(self) -> dict[int, dict[str, str]]:
+        """``{layer: {projection: ggml type}}`` for every MoE layer (reads headers, not data, for GGUF)."""
+        return {layer: self.expert_blocks(layer).types() for layer in sorted(self.cfg.moe_layers)}
+
+
+SMALL_FILE = 1 << 30
+
+
+def read_safetensors(path: str | os.PathLike) -> dict:
+    """Every tensor of a safetensors checkpoint. Files under 1 GiB are read whole rather than memory-mapped:
+    faulting a mapping in page by page costs more than the read on small files (7x on the tiny models)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    from ktconvert.model.weights import checkpoint_files, read_tensors
+
+    files = checkpoint_files(path)
+    if sum(f.stat().st_size for f in files) >= SMALL_FILE:
+        return read_tensors(path)
+    out: dict = {}
+    for f in files:
+        try:
+            part = load(f.read_bytes())
+        except SafetensorError as exc:
+            raise InputError(f"not a readable safetensors file: {exc}", path=str(f)) from None
+        for key, value in part.items():
+            if key in out:
+                raise InputError("tensor appears in two shards", path=str(f), where=key)
+            out[key] = value
+    return out
+
+
+def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """Undo llama.cpp's q/k row permutation (its rope pairs adjacent rows; HF's rotates halves), per head."""
+    rows = w.shape[0]
+    if heads <= 0 or rows % (2 * heads):
+        raise InputError(f"cannot split {rows} rows into {heads} rope heads", where="attention q/k")
+    return w.reshape(heads, rows // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def permute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's q/k row permutation for the ``llama`` architecture (the inverse of :func:`unpermute_rope_rows`)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
