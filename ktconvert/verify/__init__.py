@@ -1,0 +1,33 @@
+"""``ktconvert verify``: run a model as an optimize-rule file injects it, on converted weights, against golden
+Hugging Face outputs, and say where and by how much it leaves them.
+
+Public API::
+
+    from ktconvert.verify import run_verify, load_profile, EmulationOptions
+    report = run_verify(model_dir, "rules/optimize/qwen3_moe.yaml", "golden/qwen3_moe",
+                        weights="model-q4_k.gguf", profile="q4_k")      # or profile="auto"
+    report.passed                       # the verdict
+    report.breaches                     # [Breach(phase, metric, value, limit, op, where)]
+    report.phase("decode").localization # {"layer": "layer 1", "module": "model.layers.1.mlp.experts", ...}
+    report.as_dict()                    # schemas/verify-report.schema.json
+
+Numeric regressions are a failing report, never an exception; unusable inputs raise
+:class:`ktconvert.errors.InputError`. Torch is imported when a run starts, not by this package.
+"""
+
+from __future__ import annotations
+
+from ktconvert.verify.profile import Breach, Profile, load_profile, shipped_profiles
+from ktconvert.verify.runner import PhaseResult, VerifyReport, run_verify
+
+
+def __getattr__(name: str):
+    if name == "EmulationOptions":  # lives with the injection (imports torch)
+        from ktconvert.model.inject import EmulationOptions
+
+        return EmulationOptions
+    raise AttributeError(f"module 'ktconvert.verify' has no attribute {name!r}")
+
+
+__all__ = ["Breach", "EmulationOptions", "PhaseResult", "Profile", "VerifyReport", "load_profile", "run_verify",
+           "shipped_profiles"]

@@ -1,0 +1,351 @@
+"""``run_verify``: the model as a rule file injects it, on converted weights, against golden outputs.
+
+Two phases, each from an empty KV cache:
+
+* **prefill**: the whole golden prompt in one forward. Layer-wise prefill (and so ``prefill_op``) runs when
+  the rules' model operator would run it for a prompt this long; otherwise ``generate_op`` serves.
+* **decode**: the same prompt one token per forward, each step attending to the cache the previous steps
+  wrote, with ``generate_op`` (a one-token forward never exceeds a layer-wise threshold). Every position's
+  logits must reproduce the golden's, so a fault only the decode path has shows at the position and layer
+  where it enters.
+
+Each phase compares logits per position and every layer's hidden state with the golden, and (when the
+model directory holds the original weights) every module with the plain reference model, to name the first
+layer and module where error jumps.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ktconvert.errors import InputError
+from ktconvert.verify.metrics import LogitStats, compare_logits, first_nonfinite, nmse
+from ktconvert.verify.profile import Breach, Profile, auto_profile, evaluate, load_profile
+
+
+@dataclass
+class PhaseResult:
+    name: str
+    layerwise: bool  # prefill ops ran (layer-wise prefill)
+    logits: LogitStats
+    layers: list[tuple[str, float]]  # ("embed", nmse), ("layer 0", nmse), ...
+    nonfinite: dict | None
+    modules: list | None  # ModuleError rows, execution order; None when no reference ran
+    localization: dict | None
+    breaches: list[Breach] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {
+            "ops": "prefill_op (layer-wise prefill)" if self.layerwise else "generate_op",
+            "logits": _clean(self.logits.summary()),
+            "positions": [_clean(p) for p in self.logits.per_position()],
+            "layers": [{"layer": name, "nmse": _num(v)} for name, v in self.layers],
+            "nonfinite": self.nonfinite,
+            "localization": self.localization,
+            "modules": None if self.modules is None else [m.as_dict() for m in self.modules],
+            "breaches": [b.as_dict() for b in self.breaches],
+        }
+
+
+def _num(v):
+    return float(v) if v is not None and math.isfinite(float(v)) else None
+
+
+def _clean(d: dict) -> dict:
+    return {k: (_num(v) if isinstance(v, float) else v) for k, v in d.items()}
+
+
+@contextmanager
+def _threads(n: int):
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def check_golden_matches(golden, model_dir: Path) -> list[str]:
+    """Refuse a golden made from another model (config hash, weight hashes); return what was not checkable."""
+    manifest = golden.manifest
+    cfg = model_dir / "config.json"
+    if not cfg.is_file():
+        raise InputError("config.json not found", path=str(cfg), fix="--model takes the Hugging Face model directory")
+    if _sha256(cfg) != manifest["model"]["config_sha256"]:
+        raise InputError(f"config.json differs from the one golden {manifest['name']!r} was made with "
+                         f"(config sha256 {manifest['model']['config_sha256'][:12]}…)", path=str(cfg),
+                         fix="pass the golden of this model, or the model this golden belongs to")
+    unchecked = []
+    for name, digest in manifest["model"]["files"].items():
+        if not name.endswith(".safetensors"):
+            continue
+        f = model_dir / name
+        if not f.is_file():
+            unchecked.append(f"{name} (not in the model directory)")
+            continue
+        if _sha256(f) != digest:
+            raise InputError(f"weights differ from those golden {manifest['name']!r} was made with "
+                             f"(sha256 {digest[:12]}…)", path=str(f),
+                             fix="the golden belongs to other weights: regenerate it or pass the original model")
+    return unchecked
+
+
+def _phase(name: str, injected, reference, golden, profile: Profile, layerwise: bool, tokens_per_step: int) -> PhaseResult:
+    import torch
+
+    from ktconvert.verify.tap import ModuleTap
+
+    ids = torch.from_numpy(np.ascontiguousarray(golden.input_ids)).to(torch.long)
+    t = ids.shape[1]
+    cand = injected.model
+    tap = ModuleTap(reference, cand) if reference is not None else None
+    cand_cache = cand.new_cache()
+    ref_cache = reference.new_cache() if reference is not None else None
+    injected.set_layerwise(layerwise)
+    logits, hidden = [], []
+    nonfinite = None
+    try:
+        with torch.no_grad():
+            for start in range(0, t, tokens_per_step):
+                step = ids[:, start:start + tokens_per_step]
+                if tap is not None:
+                    tap.step()
+                    reference(step, ref_cache)
+                out = cand(step, cand_cache)
+                lg = out.logits[0].to(torch.float32).numpy()
+                hs = [h[0].to(torch.float32).numpy() for h in out.hidden_states]
+                if nonfinite is None:
+                    for li, h in enumerate(hs):  # execution order within the step: embeddings, layers, logits
+                        bad = first_nonfinite(h)
+                        if bad is not None:
+                            nonfinite = {"where": "hidden_states", "layer": _layer_name(li),
+                                         "position": start + bad[0], "index": bad[1]}
+                            break
+                    if nonfinite is None and (bad := first_nonfinite(lg)) is not None:
+                        nonfinite = {"where": "logits", "layer": None, "position": start + bad[0], "index": bad[1]}
+                logits.append(lg)
+                hidden.append(hs)
+    finally:
+        injected.set_layerwise(False)
+        if tap is not None:
+            tap.close()
+    cand_logits = np.concatenate(logits, axis=0)
+    stats = compare_logits(golden.logits[0], cand_logits, profile.topk)
+    layers = []
+    for li in range(len(hidden[0])):
+        got = np.concatenate([h[li] for h in hidden], axis=0)
+        layers.append((_layer_name(li), nmse(golden.hidden_states[li, 0], got)))
+    result = PhaseResult(name, layerwise, stats, layers, nonfinite, tap.results() if tap else None, None)
+    result.breaches = evaluate(profile, name, stats.summary(), layers)
+    if nonfinite is not None:
+        result.breaches.insert(0, Breach(name, "nonfinite", None, None, "", _where_nonfinite(nonfinite)))
+    result.localization = _localize(result, profile)
+    return result
+
+
+def _layer_name(index: int) -> str:
+    return "embed" if index == 0 else f"layer {index - 1}"
+
+
+def _where_nonfinite(nf: dict) -> str:
+    at = f"position {nf['position']}, index {nf['index']}"
+    return f"{nf['layer']} output, {at}" if nf["where"] == "hidden_states" else f"logits, {at}"
+
+
+def _localize(result: PhaseResult, profile: Profile) -> dict | None:
+    """First layer over the hidden-state limit (or the head, when only logits break), and the first module,
+    in execution order up to it, that adds a significant share of the largest error any module adds."""
+    limit = profile.hidden_nmse
+    breach_layer: int | None = None  # index into result.layers
+    for i, (_, v) in enumerate(result.layers):
+        if limit is not None and not (v <= limit):
+            breach_layer = i
+            break
+    breached = bool(result.breaches)
+    if breach_layer is None and breached:
+        breach_layer = len(result.layers)  # the head: final norm / lm_head
+    out = {"breach": breached,
+           "layer": None if breach_layer is None else
+           (result.layers[breach_layer][0] if breach_layer < len(result.layers) else "head"),
+           "layer_nmse": None if breach_layer is None or breach_layer >= len(result.layers) else
+           _num(result.layers[breach_layer][1])}
+    if not result.modules:
+        out["module"] = None
+        out["note"] = "module-level localisation needs the original weights in --model" if result.modules is None else ""
+        return out
+
+    def layer_index(m) -> int:  # position in result.layers terms: embed 0, layer i -> i + 1, head last
+        return len(result.layers) if m.layer is None else m.layer + 1
+
+    pool = [m for m in result.modules if breach_layer is None or layer_index(m) <= breach_layer]
+    largest = max((m.added for m in pool), default=0.0)
+    chosen = None
+    if largest > 0:
+        chosen = next(m for m in pool if m.added >= profile.min_share * largest)
+    out["module"] = None if chosen is None else chosen.path
+    if chosen is not None:
+        out.update({"module_nmse_in": _num(chosen.nmse_in), "module_nmse_out": _num(chosen.nmse_out),
+                    "operator": None})
+    return out
+
+
+@dataclass
+class VerifyReport:
+    """Everything a run found; ``passed`` is the verdict, ``breaches`` say which limit broke where."""
+
+    model: dict
+    rules: str
+    weights: dict
+    golden: dict
+    profile: Profile
+    options: dict
+    injection: dict
+    phases: list[PhaseResult]
+    notes: list[str]
+    seconds: float
+    policy_breaches: list[Breach] = field(default_factory=list)
+
+    @property
+    def breaches(self) -> list[Breach]:
+        return [b for p in self.phases for b in p.breaches] + self.policy_breaches
+
+    @property
+    def passed(self) -> bool:
+        return not self.breaches
+
+    def phase(self, name: str) -> PhaseResult:
+        return next(p for p in self.phases if p.name == name)
+
+    def as_dict(self) -> dict:
+        return {
+            "kind": "verify-report",
+            "version": 1,
+            "verdict": "pass" if self.passed else "fail",
+            "model": self.model,
+            "rules": self.rules,
+            "weights": self.weights,
+            "golden": self.golden,
+            "profile": self.profile.as_dict(),
+            "options": self.options,
+            "injection": self.injection,
+            "phases": {p.name: p.as_dict() for p in self.phases},
+            "breaches": [b.as_dict() for b in self.breaches],
+            "notes": list(self.notes),
+            "seconds": round(self.seconds, 3),
+        }
+
+
+def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, profile="auto", options=None,
+               catalog=None, backend: str = "auto", localize: bool = True, threads: int | None = None) -> VerifyReport:
+    """Verify ``model_dir`` injected by ``rules`` (a rule file) on ``weights`` against the ``golden`` directory.
+
+    ``weights``: the converted checkpoint (.gguf, safetensors file or directory; default: ``model_dir``'s own
+    weights). ``prefill_weights``: what prefill ops read during layer-wise prefill (default: ``weights``).
+    ``profile``: a :class:`Profile`, a shipped profile's name, a profile file, or ``"auto"`` (the shipped
+    profile listing the experts' ggml type). ``options``: :class:`ktconvert.model.inject.EmulationOptions`.
+    ``threads``: torch threads for the run (default: the golden's producer threads, results differ at 1e-7
+    between thread counts). Raises :class:`~ktconvert.errors.InputError` for unusable inputs; a numeric
+    regression is no error but a report with ``passed == False``.
+    """
+    from ktconvert.golden import read_golden
+    from ktconvert.model import build_model, load_config, load_weights
+    from ktconvert.model.inject import EmulationOptions, inject
+    from ktconvert.model.ops.experts import torch_dtype
+    from ktconvert.model.ops.source import WeightSource, read_safetensors
+    from ktconvert.rules.apply import load_rules
+    from ktconvert.rules.catalog import load_catalog
+
+    began = time.perf_counter()
+    options = options or EmulationOptions()
+    model_dir = Path(model_dir)
+    if not model_dir.is_dir():
+        raise InputError("model directory not found", path=str(model_dir),
+                         fix="--model takes the Hugging Face model directory (config.json and its weights)")
+    gold = read_golden(golden)
+    notes = [f"weights not hashed against the golden: {u}" for u in check_golden_matches(gold, model_dir)]
+    if isinstance(profile, str) and profile != "auto":
+        profile = load_profile(profile)
+    cfg = load_config(model_dir)
+    catalog = catalog or load_catalog()
+    compiled = load_rules(rules, catalog, backend)
+    weights_path = weights if weights is not None else model_dir
+    source = WeightSource(weights_path, cfg)
+    pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
+    if profile == "auto":
+        profile = auto_profile({t for layer in source.expert_types().values() for t in layer.values()})
+    profile = profile.for_family(cfg.family)
+    prompt_len = int(gold.input_ids.shape[1])
+    reference = None
+    if localize:
+        try:
+            own = weights is None and source.container == "safetensors"
+            original = source.raw if own else read_safetensors(model_dir)
+            reference = build_model(cfg)
+            load_weights(reference, original)
+        except InputError as exc:
+            reference = None
+            notes.append(f"module-level localisation skipped: the original weights in --model are unusable ({exc.message})")
+    threads = threads or int(gold.manifest["producer"].get("threads", 1))
+    with _threads(threads):
+        model = build_model(cfg, dtype=torch_dtype(options.compute_dtype))
+        injected = inject(model, compiled, source, prefill_weights=pre_source, options=options, catalog=catalog,
+                          prompt_len=prompt_len)
+        phases = [
+            _phase("prefill", injected, reference, gold, profile, injected.layerwise(prompt_len), prompt_len),
+            _phase("decode", injected, reference, gold, profile, False, 1),
+        ]
+    uses = [u.as_dict() for u in injected.uses]
+    not_emulated = [u for u in injected.uses if not u.emulated]
+    report = VerifyReport(
+        model={"dir": str(model_dir), "family": cfg.family, "config_sha256": gold.manifest["model"]["config_sha256"]},
+        rules=str(rules),
+        weights={"path": str(weights_path), "container": source.container,
+                 "prefill_path": None if pre_source is None else str(prefill_weights),
+                 "expert_types": {str(k): v for k, v in source.expert_types().items()}},
+        golden={"dir": str(gold.path), "name": gold.manifest["name"], "positions": prompt_len},
+        profile=profile,
+        options=options.as_dict() | {"threads": threads},
+        injection={"model_operator": injected.model_operator,
+                   "layerwise_prefill_threshold": injected.layerwise_threshold,
+                   "layerwise_prefill": injected.layerwise(prompt_len),
+                   "operators": uses,
+                   "not_emulated": [u.as_dict() for u in not_emulated]},
+        phases=phases,
+        notes=notes,
+        seconds=0.0,
+    )
+    if not_emulated and profile.not_emulated_policy == "fail":
+        for u in not_emulated:
+            report.policy_breaches.append(Breach("injection", "not_emulated", None, None, "",
+                                                 f"{u.operator} {u.op or ''} on {len(u.modules)} module(s)".strip()))
+    for p in phases:
+        loc = p.localization
+        if loc and loc.get("module"):
+            loc["operator"] = _operator_of(injected, loc["module"])
+    report.seconds = time.perf_counter() - began
+    return report
+
+
+def _operator_of(injected, path: str) -> str | None:
+    for inj in injected.plan:
+        if inj.path == path:
+            return inj.replace_class
+    return None
+
