@@ -21,6 +21,7 @@ COMMANDS: dict[str, str] = {
     "tiny-model": "ktconvert.cli.tiny_model:command",
     "golden": "ktconvert.cli.golden:command",
     "inspect": "ktconvert.cli.inspect_cmd:command",
+    "verify": "ktconvert.cli.verify:command",
 }
 
 
