@@ -1,0 +1,105 @@
+"""``ktconvert quantize``: options -> :mod:`ktconvert.convert` -> rendering; nothing heavy imported before use."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import click
+
+
+def _list_recipes(ctx, _param, value):
+    if not value or ctx.resilient_parsing:
+        return
+    from ktconvert.convert import load_recipe, presets
+
+    for name in presets():
+        click.echo(f"{name:<18} {load_recipe(name).description}")
+    ctx.exit(0)
+
+
+def _bar(enabled: bool):
+    """A tqdm byte bar (MB/s, ETA) on stderr when it is a terminal; ``(callback, close)``."""
+    if not enabled or not sys.stderr.isatty():
+        return None, lambda: None
+    from tqdm import tqdm  # shipped with the gguf package
+
+    bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1000, desc="quantize", file=sys.stderr, leave=False,
+               dynamic_ncols=True)
+
+    def update(done: int, total: int) -> None:
+        if bar.total != total:
+            bar.total = total
+        bar.n = done
+        bar.refresh()
+
+    return update, bar.close
+
+
+@click.command("quantize")
+@click.argument("src", type=click.Path(path_type=str))
+@click.argument("out", type=click.Path(path_type=str))
+@click.option("--type", "qtype", metavar="T",
+              help="One type for every weight (routers, norms, biases stay F32): F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 "
+                   "Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K, or keep.")
+@click.option("--recipe", metavar="FILE|PRESET", help="A recipe file (schemas/convert-recipe.schema.json) or a preset "
+              "name (--list-recipes).")
+@click.option("--to", "to", type=click.Choice(["gguf", "safetensors"]),
+              help="Output container (default: the recipe's, else gguf).")
+@click.option("--config", metavar="FILE", type=click.Path(path_type=str),
+              help="config.json (default: the one beside the checkpoint).")
+@click.option("--shard-size", metavar="SIZE", help="Largest output file, e.g. 5GiB (0: one file).")
+@click.option("--max-memory", metavar="SIZE", default="2GiB", show_default=True,
+              help="Working-set budget for all jobs together (1GiB, 512MiB, ...).")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Worker processes.")
+@click.option("--dry-run", is_flag=True, help="Validate and print the plan; read no tensor data, write nothing.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted conversion to OUT (or start one).")
+@click.option("--force", is_flag=True, help="Replace an existing OUT; discard an interrupted run.")
+@click.option("--no-tokenizer", is_flag=True, help="Write tokenizer.ggml.model = none instead of converting "
+              "tokenizer.json (GGUF output).")
+@click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--list-recipes", is_flag=True, expose_value=False, is_eager=True, callback=_list_recipes,
+              help="List the preset recipes and exit.")
+@click.pass_context
+def command(ctx, src, out, qtype, recipe, to, config, shard_size, max_memory, jobs, dry_run, resume, force,
+            no_tokenizer, fmt):
+    """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
+
+    SRC: a .safetensors file, a shard directory or its index, a .gguf file or split GGUF set. OUT receives
+    model.gguf (llama.cpp names and metadata) or kernel-order safetensors shards, plus manifest.json with a
+    sha256 per file. OUT is built under a hidden temporary name and renamed when complete.
+
+    Exit codes: 0 done, 2 usage error, 3 input error (nothing written).
+    """
+    from ktconvert.convert import convert, plan_conversion, plan_text
+
+    obj = ctx.find_object(dict) or {}
+    if dry_run:
+        plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
+                               tokenizer=not no_tokenizer)
+        click.echo(json.dumps(plan.to_dict(), indent=2) if fmt == "json" else plan_text(plan), nl=fmt == "json")
+        return
+    update, close = _bar(obj.get("verbosity", 1) > 0)
+    try:
+        result = convert(src, out, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
+                         tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
+                         progress=update)
+    except KeyboardInterrupt:
+        from pathlib import Path
+
+        from ktconvert.convert import partial_dir
+
+        close()
+        click.echo(f"ktconvert: interrupted; rerun with --resume to continue ({partial_dir(Path(out))})", err=True)
+        ctx.exit(130)
+    finally:
+        close()
+    if fmt == "json":
+        m = result.manifest
+        click.echo(json.dumps({"out": str(result.out), "files": m["files"], "plan": m["plan"],
+                               "units": result.units, "units_resumed": result.units_resumed,
+                               "seconds": round(result.seconds, 3)}, indent=2))
+    elif obj.get("verbosity", 1) > 0:
+        from ktconvert.convert.execute import describe
+
+        click.echo(describe(result))

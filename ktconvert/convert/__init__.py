@@ -1,0 +1,50 @@
+"""``ktconvert quantize`` as a library: recipe -> plan (pure data, validated on shapes alone) -> execute
+(streaming, bounded memory, ``jobs`` processes, atomic write, manifest, resume).
+
+Public API (everything else in this package is an implementation detail):
+
+``convert(src, out, recipe=None, *, type=None, format=None, config=None, shard_size=None, tokenizer=True,
+max_memory="2GiB", jobs=1, resume=False, force=False, progress=None) -> RunResult``
+    Convert any checkpoint :func:`ktconvert.formats.open_checkpoint` reads into the directory ``out``:
+    ``model.gguf`` (llama.cpp names and metadata) or kernel-order safetensors shards, plus ``manifest.json``.
+    ``recipe`` is a :class:`Recipe`, a recipe file or a preset name (``"Q4_K_M"``); ``type="Q8_0"`` (or
+    ``"keep"``) is the one-type shorthand. Raises :class:`~ktconvert.errors.InputError` (exit 3) before
+    anything is written for bad input, a recipe problem or a type a tensor's rows cannot hold.
+
+``plan_conversion(src, recipe=None, *, type=None, format=None, config=None, shard_size=None, tokenizer=True) -> Plan``
+    The same validation, no data read, nothing written: ``Plan.to_dict()``, ``plan_text(plan)``.
+
+``RunResult``: ``out``, ``manifest`` (the dict written to ``manifest.json``), ``units``, ``units_resumed``,
+``seconds``, ``in_bytes``.
+
+``load_recipe(path_or_preset) -> Recipe``, ``recipe_for_type(T) -> Recipe``, ``presets() -> {name: path}``.
+
+``convert_lora(src, out, *, base_config=None, lora_alpha=None, force=False) -> LoraResult``
+    MoE LoRA adapters between kt-kernel's stacked form and per-expert PEFT form (see :mod:`ktconvert.convert.lora`).
+
+Importing this package is light (no numpy work, no torch); torch is imported only by quantizing workers.
+"""
+
+from __future__ import annotations
+
+from ktconvert.convert.api import DEFAULT_MAX_MEMORY, convert, plan_conversion, resolve_recipe
+from ktconvert.convert.execute import RunResult, partial_dir
+from ktconvert.convert.plan import Plan, PlanTensor, plan_text
+from ktconvert.convert.recipe import Recipe, Rule, load_recipe, presets, recipe_for_type
+
+__all__ = [
+    "DEFAULT_MAX_MEMORY",
+    "Plan",
+    "PlanTensor",
+    "Recipe",
+    "Rule",
+    "RunResult",
+    "convert",
+    "load_recipe",
+    "partial_dir",
+    "plan_conversion",
+    "plan_text",
+    "presets",
+    "recipe_for_type",
+    "resolve_recipe",
+]

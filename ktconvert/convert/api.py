@@ -1,0 +1,66 @@
+"""The two calls everything else uses: :func:`plan_conversion` (no data read, nothing written) and
+:func:`convert` (plan, check the paths, execute)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ktconvert.convert.execute import Progress, RunResult, check_paths, execute
+from ktconvert.convert.plan import Plan, build_plan
+from ktconvert.convert.recipe import Recipe, load_recipe, recipe_for_type
+from ktconvert.convert.sizes import parse_size
+from ktconvert.convert.source import analyze
+from ktconvert.errors import UsageProblem
+
+DEFAULT_MAX_MEMORY = "2GiB"
+
+
+def resolve_recipe(recipe: Recipe | str | Path | None = None, type: str | None = None) -> Recipe:
+    """A :class:`Recipe` from a recipe object, a file, a preset name, or ``type`` (``--type`` shorthand)."""
+    if recipe is not None and type is not None:
+        raise UsageProblem("give a recipe or a type, not both", fix="--type T is shorthand for a one-type recipe")
+    if isinstance(recipe, Recipe):
+        return recipe
+    if recipe is not None:
+        return load_recipe(recipe)
+    if type is not None:
+        return recipe_for_type(type)
+    raise UsageProblem("no recipe and no type given",
+                       fix="pass --type (e.g. --type Q8_0 or --type keep) or --recipe (a file or a preset such as Q4_K_M)")
+
+
+def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
+                    format: str | None = None, config: str | Path | dict | None = None,
+                    shard_size: int | str | None = None, tokenizer: bool = True) -> Plan:
+    """Validate everything that can be validated without reading tensor data and return the plan.
+
+    Raises :class:`~ktconvert.errors.InputError` (bad input, impossible type, recipe problem: exit 3) or
+    :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
+    """
+    r = resolve_recipe(recipe, type)
+    source = analyze(src, config)
+    shard = None if shard_size is None else parse_size(shard_size, what="--shard-size")
+    return build_plan(source, r, format=format, shard_size=shard, tokenizer=tokenizer)
+
+
+def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
+            format: str | None = None, config: str | Path | dict | None = None,
+            shard_size: int | str | None = None, tokenizer: bool = True,
+            max_memory: int | str = DEFAULT_MAX_MEMORY, jobs: int = 1, resume: bool = False, force: bool = False,
+            progress: Progress | None = None) -> RunResult:
+    """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
+
+    Example (a test converting a tiny model)::
+
+        from ktconvert.convert import convert
+        result = convert("tiny/qwen3_moe", tmp / "q8", type="Q8_0")
+        gguf_path = result.out / "model.gguf"
+    """
+    if jobs < 1:
+        raise UsageProblem(f"--jobs {jobs} must be at least 1")
+    budget = parse_size(max_memory, what="--max-memory")
+    plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
+                           tokenizer=tokenizer)
+    check_paths(Path(src), [Path(f) for f in plan.input_files], Path(out), force)
+    return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress)
+

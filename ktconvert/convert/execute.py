@@ -1,0 +1,364 @@
+"""Carry out a plan: bounded memory, ``jobs`` processes, written under a temporary name, resumable.
+
+The output directory is built as a hidden sibling, ``.NAME.ktconvert-partial``, and renamed to ``NAME`` only
+when every byte is written, checked and recorded in ``manifest.json``; nothing with the final name is ever
+partial. Every output file is laid out in full before any data (headers written, size set), so units of work
+(runs of rows of one tensor, sized from ``max_memory``) can be written at their offsets in any order, by any
+process. A journal in the partial directory records finished units, only after their bytes have been
+flushed to disk; ``resume`` re-checks the plan's fingerprint against the interrupted run's and does only the
+units the journal does not list.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ktconvert import __version__
+from ktconvert.convert.plan import Plan, PlanTensor
+from ktconvert.convert.sizes import format_size
+from ktconvert.convert.worker import Task, close_all, run_task, worker_init
+from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
+
+STATE_DIR = ".ktconvert"
+UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
+SYNC_EVERY_S = 1.0
+
+Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class Unit:
+    id: int
+    tensor: int
+    r0: int
+    r1: int
+    in_bytes: int
+
+
+@dataclass
+class RunResult:
+    """What a finished run did: the output directory, its manifest, and how much work this run did."""
+
+    out: Path
+    manifest: dict
+    units: int
+    units_resumed: int
+    seconds: float
+    in_bytes: int
+
+
+def partial_dir(out: Path) -> Path:
+    return out.parent / f".{out.name}.ktconvert-partial"
+
+
+def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
+    """Split every tensor into runs of rows whose working set fits ``max_memory / jobs`` (and :data:`UNIT_CAP`).
+
+    The working set of a converted row is its float32 copy twice (decode and assembly) plus its input and output
+    bytes; a copied row is its bytes once. The budget is halved once more for numpy's transient copies.
+    """
+    budget = max(1, min(UNIT_CAP, max_memory // max(1, jobs) // 2))
+    units = []
+    for ti, t in enumerate(plan.tensors):
+        rows = t.rows if t.shape else 1
+        if t.const is not None:
+            units.append(Unit(len(units), ti, 0, 1, 0))
+            continue
+        in_total = plan.segment_bytes(t)
+        in_row = in_total // rows if rows else 0
+        row_len = t.shape[-1] if t.shape else 1
+        per_row = (in_row + t.row_bytes) if t.copy_bytes else (8 * row_len + in_row + t.row_bytes)
+        step = max(1, budget // max(1, per_row))
+        for r0 in range(0, rows, step):
+            r1 = min(rows, r0 + step)
+            units.append(Unit(len(units), ti, r0, r1, in_row * (r1 - r0)))
+    return units
+
+
+def check_paths(src: Path, files: list[Path], out: Path, force: bool) -> None:
+    """Refuse to write inside the input, over an input file, or over an existing output without ``force``."""
+    out_r = out.resolve()
+    roots = {Path(f).resolve() for f in files}
+    src_r = src.resolve()
+    if src_r.is_dir():
+        roots.add(src_r)
+    elif len(files) > 1:
+        roots.add(Path(files[0]).resolve().parent)
+    for r in roots:
+        if out_r == r or r in out_r.parents:
+            raise UsageProblem("the output would be written inside the input", path=str(out),
+                               fix="choose an output directory outside the checkpoint")
+        if out_r in r.parents:
+            raise UsageProblem("the input lies inside the output directory, which --force would delete",
+                               path=str(out), fix="choose another output directory")
+    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not force:
+        raise UsageProblem("output already exists", path=str(out), fix="pass --force to replace it, or choose a new name")
+    if out.exists() and not out.is_dir():
+        raise UsageProblem("output exists and is not a directory", path=str(out), fix="choose another output path")
+
+
+class _State:
+    """The partial directory's bookkeeping: plan fingerprint, unit list, journal of finished units."""
+
+    def __init__(self, partial: Path):
+        self.dir = partial / STATE_DIR
+        self.state = self.dir / "state.json"
+        self.journal = self.dir / "journal"
+
+    def create(self, plan: Plan, units: list[Unit], fingerprint: str) -> None:
+        self.dir.mkdir(parents=True)
+        data = {"version": __version__, "fingerprint": fingerprint, "source": plan.source,
+                "units": [[u.tensor, u.r0, u.r1, u.in_bytes] for u in units]}
+        _write_durable(self.state, json.dumps(data).encode())
+        _write_durable(self.journal, b"")
+
+    def load(self, fingerprint: str, where: Path) -> tuple[list[Unit], set[int]]:
+        try:
+            data = json.loads(self.state.read_text())
+            units = [Unit(i, *u) for i, u in enumerate(data["units"])]
+            done = {int(x) for x in self.journal.read_text().split()}
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise InputError(f"the interrupted run's state is unreadable ({exc})", path=str(where),
+                             fix="start over with --force") from None
+        if data.get("fingerprint") != fingerprint:
+            raise InputError("the interrupted run was planned differently (other input, recipe, format or version)",
+                             path=str(where), fix="rerun it with the same options, or start over with --force")
+        return units, done
+
+    def record(self, ids: list[int]) -> None:
+        if not ids:
+            return
+        with open(self.journal, "a") as fh:
+            fh.write("".join(f"{i}\n" for i in ids))
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def _write_durable(path: Path, data: bytes) -> None:
+    with open(path, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _prepare_files(plan: Plan, partial: Path, fresh: bool) -> None:
+    for f in plan.files:
+        p = partial / f.name
+        if fresh:
+            with open(p, "wb") as fh:
+                fh.write(f.header)
+                fh.truncate(f.size)
+                fh.flush()
+                os.fsync(fh.fileno())
+        else:
+            ok = p.is_file() and p.stat().st_size == f.size
+            if ok:
+                with open(p, "rb") as fh:
+                    ok = fh.read(len(f.header)) == f.header
+            if not ok:
+                raise InputError("an output file of the interrupted run is missing or not the planned one",
+                                 path=str(p), fix="start over with --force")
+    for name, data in plan.extra.items():
+        _write_durable(partial / name, data)
+
+
+def sha256_file(path: Path, chunk: int = 16 * 1024**2) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while True:
+            b = fh.read(chunk)
+            if not b:
+                break
+            h.update(b)
+    return h.hexdigest()
+
+
+def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resume: bool = False,
+            force: bool = False, progress: Progress | None = None) -> RunResult:
+    """Write ``plan`` to the directory ``out``; see the module docstring for the guarantees.
+
+    ``resume``: continue an interrupted run of the same plan (or start one if there is none). ``force``: discard
+    an interrupted run and replace an existing ``out``. ``progress(done_bytes, total_bytes)`` counts input bytes.
+    """
+    out = Path(out)
+    partial = partial_dir(out)
+    state = _State(partial)
+    fingerprint = plan.fingerprint()
+    t0 = time.monotonic()
+    if partial.exists() and not resume:
+        if not force:
+            raise UsageProblem("an interrupted conversion to this output exists", path=str(partial),
+                               fix="pass --resume to continue it, or --force to start over")
+        shutil.rmtree(partial)
+    if partial.exists():
+        units, done = state.load(fingerprint, partial)
+        _prepare_files(plan, partial, fresh=False)
+    else:
+        units, done = make_units(plan, max_memory, jobs), set()
+        partial.mkdir(parents=True)
+        state.create(plan, units, fingerprint)
+        _prepare_files(plan, partial, fresh=True)
+        _fsync_dir(partial.parent)
+    resumed = len(done)
+    todo = [u for u in units if u.id not in done]
+    total = sum(u.in_bytes for u in units)
+    done_bytes = total - sum(u.in_bytes for u in todo)
+    if progress:
+        progress(done_bytes, total)
+    try:
+        _run_units(plan, partial, todo, jobs, state, progress, done_bytes, total)
+    except InputError:
+        close_all()
+        shutil.rmtree(partial, ignore_errors=True)  # bad input: nothing to resume
+        raise
+    finally:
+        close_all()
+    manifest = _finish(plan, partial, out, force, fingerprint)
+    return RunResult(out, manifest, len(todo), resumed, time.monotonic() - t0, sum(u.in_bytes for u in todo))
+
+
+def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _State, progress, done_bytes, total):
+    paths = [str(partial / f.name) for f in plan.files]
+
+    def task(u: Unit) -> Task:
+        t: PlanTensor = plan.tensors[u.tensor]
+        return Task(u.id, plan.source, paths[t.file], t, u.r0, u.r1)
+
+    by_id = {u.id: u for u in todo}
+    pending_journal: list[int] = []
+    last_sync = time.monotonic()
+
+    def finished(uid: int, force_sync: bool = False):
+        nonlocal done_bytes, last_sync
+        pending_journal.append(uid)
+        done_bytes += by_id[uid].in_bytes
+        now = time.monotonic()
+        if force_sync or now - last_sync >= SYNC_EVERY_S:
+            _sync(paths)
+            state.record(pending_journal)
+            pending_journal.clear()
+            last_sync = now
+        if progress:
+            progress(done_bytes, total)
+
+    if jobs <= 1 or len(todo) <= 1:
+        for u in todo:
+            finished(run_task(task(u)))
+    else:
+        import multiprocessing
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+
+        queue = deque(todo)
+        ctx = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init) as pool:
+            inflight = {}
+            try:
+                while queue or inflight:
+                    while queue and len(inflight) < 2 * jobs:
+                        u = queue.popleft()
+                        inflight[pool.submit(run_task, task(u))] = u.id
+                    ready, _ = wait(inflight, return_when=FIRST_COMPLETED)
+                    for f in ready:
+                        inflight.pop(f)
+                        finished(f.result())
+            except BaseException:
+                for f in inflight:
+                    f.cancel()
+                pool.shutdown(wait=True, cancel_futures=True)
+                _sync(paths)
+                state.record(pending_journal)
+                raise
+    _sync(paths)
+    state.record(pending_journal)
+
+
+def _sync(paths: list[str]) -> None:
+    for p in paths:
+        fd = os.open(p, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _finish(plan: Plan, partial: Path, out: Path, force: bool, fingerprint: str) -> dict:
+    files = {}
+    for f in plan.files:
+        p = partial / f.name
+        if p.stat().st_size != f.size:
+            raise EnvironmentProblem(f"{f.name} is {p.stat().st_size} bytes, planned {f.size}", path=str(p),
+                                     fix="the disk or another process changed it; start over with --force")
+        files[f.name] = {"bytes": f.size, "sha256": sha256_file(p)}
+    for name, data in plan.extra.items():
+        files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    manifest = build_manifest(plan, files, fingerprint)
+    _write_durable(partial / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
+    shutil.rmtree(partial / STATE_DIR)
+    _fsync_dir(partial)
+    old = None
+    if out.exists():
+        if not force and any(out.iterdir()):
+            raise UsageProblem("output appeared while converting", path=str(out), fix="pass --force to replace it")
+        old = out.parent / f".{out.name}.ktconvert-old"
+        if old.exists():
+            shutil.rmtree(old)
+        os.replace(out, old)
+    os.replace(partial, out)
+    _fsync_dir(out.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+    return manifest
+
+
+def build_manifest(plan: Plan, files: dict, fingerprint: str) -> dict:
+    """manifest.json: what was made, from what, how, with sha256 per file. Deterministic: no timestamps."""
+    s = plan.summary()
+    return {
+        "kind": "ktconvert-manifest",
+        "tool": {"name": "ktconvert", "version": __version__, "command": "quantize"},
+        "format": plan.format,
+        "layout": "kernel",
+        "source": {"path": plan.source, "container": plan.container, "arch": plan.arch,
+                   "model_type": plan.model_type, "files": plan.sources},
+        "recipe": plan.recipe.to_dict(),
+        "plan": {"fingerprint": fingerprint, "tensors": s["tensors"], "input_bytes": s["input_bytes"],
+                 "output_bytes": s["output_bytes"], "types": s["types"], "tokenizer": plan.tokenizer,
+                 "notes": plan.notes},
+        "files": files,
+        "tensors": [{"name": t.name, "type": t.type, "shape": list(t.shape), "file": plan.files[t.file].name,
+                     "offset": t.offset, "bytes": t.nbytes, **({"rule": t.rule} if t.rule is not None else {}),
+                     **({"fallback_from": t.fallback_from} if t.fallback_from else {})}
+                    for t in plan.tensors if t.const is None],
+    }
+
+
+def describe(result: RunResult) -> str:
+    rate = result.in_bytes / result.seconds / 1e6 if result.seconds > 0 else 0.0
+    resumed = f", {result.units_resumed} finished before resuming" if result.units_resumed else ""
+    return (f"wrote {result.out} ({len(result.manifest['files'])} file(s), "
+            f"{format_size(result.manifest['plan']['output_bytes'])}) in {result.seconds:.1f} s, "
+            f"{rate:.0f} MB/s read{resumed}")
+
+
+__all__ = ["RunResult", "Unit", "check_paths", "describe", "execute", "make_units", "partial_dir", "sha256_file"]

@@ -1,0 +1,162 @@
+"""The GGUF key/values an output carries: llama.cpp's hyperparameters for an HF input, everything for a GGUF one.
+
+For an HF input the keys and their value types are the ones llama.cpp's loaders read for ``qwen2moe``,
+``qwen3moe``, ``deepseek2`` and ``llama`` (Mixtral), written through gguf-py's ``GGUFWriter.add_*`` helpers so
+each key has the type llama.cpp expects (``convert_hf_to_gguf`` writes the same ones). DeepSeek is written in
+llama.cpp's non-MLA form (``attn_kv_b`` plus ``key_length``/``value_length`` of the decompressed heads), which
+llama.cpp still loads and which keeps ``kv_b_proj`` a plain rename. For a GGUF input every pair is copied as
+its original bytes, except the few that describe the container or the quantization (``general.file_type``,
+``general.quantization_version``, ``split.*``).
+"""
+
+from __future__ import annotations
+
+from ktconvert.convert.tokenizer import GgufVocab
+from ktconvert.formats.gguf_write import kv_pairs_from_writer, raw_kv_pairs
+
+#: keys whose values an output recomputes; every other pair of a GGUF input is copied byte for byte
+RECOMPUTED = ("general.file_type", "general.quantization_version", "split.no", "split.count", "split.tensors.count")
+
+_TYPE_TO_FTYPE = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", "Q8_0": "MOSTLY_Q8_0",
+                  "Q4_0": "MOSTLY_Q4_0", "Q4_1": "MOSTLY_Q4_1", "Q5_0": "MOSTLY_Q5_0", "Q5_1": "MOSTLY_Q5_1",
+                  "Q2_K": "MOSTLY_Q2_K", "Q3_K": "MOSTLY_Q3_K_M", "Q4_K": "MOSTLY_Q4_K_M", "Q5_K": "MOSTLY_Q5_K_M",
+                  "Q6_K": "MOSTLY_Q6_K"}
+QUANTIZATION_VERSION = 2  # ggml's GGML_QNT_VERSION
+
+
+def file_type(recipe_file_type: str | None, bytes_by_type: dict[str, int]) -> int:
+    """``general.file_type``: the recipe's, else derived from the type holding the most bytes."""
+    from gguf import LlamaFileType
+
+    if recipe_file_type:
+        key = recipe_file_type if recipe_file_type == "ALL_F32" else f"MOSTLY_{recipe_file_type}"
+        return int(LlamaFileType[key])
+    top = max(bytes_by_type.items(), key=lambda kv: kv[1])[0] if bytes_by_type else "F32"
+    return int(LlamaFileType[_TYPE_TO_FTYPE.get(top, "GUESSED")])
+
+
+def _writer(arch: str):
+    from gguf import GGUFWriter
+
+    return GGUFWriter(None, arch)
+
+
+def hf_kv(arch: str, config: dict, name: str, n_layers: int, n_vocab: int, vocab: GgufVocab | None,
+          ftype: int, quantized: bool) -> list[tuple[str, bytes]]:
+    """Encoded KV pairs for a GGUF made from an HF checkpoint of ``arch`` with ``config``."""
+    from gguf import ExpertGatingFuncType, RopeScalingType
+
+    from ktconvert.model.config import normalize_config
+
+    c = normalize_config(config)
+    w = _writer(arch)
+    w.add_name(name)
+    w.add_block_count(n_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.moe_intermediate_size if arch == "llama" else c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_rope_freq_base(c.rope.theta)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_expert_count(c.num_experts)
+    w.add_expert_used_count(c.num_experts_per_tok)
+    w.add_vocab_size(n_vocab)
+    w.add_file_type(ftype)
+    if quantized:
+        w.add_quantization_version(QUANTIZATION_VERSION)
+    if c.rope.kind == "linear":
+        w.add_rope_scaling_type(RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(c.rope.factor)
+    elif c.rope.kind == "yarn":
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(c.rope.factor)
+        w.add_rope_scaling_orig_ctx_len(c.rope.original_max_position_embeddings)
+        w.add_rope_scaling_yarn_beta_fast(c.rope.beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(c.rope.beta_slow)
+    if arch in ("qwen2moe", "qwen3moe"):
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if c.shared_expert_intermediate_size:
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+        if arch == "qwen3moe":
+            w.add_key_length(c.head_dim)
+            w.add_value_length(c.head_dim)
+    elif arch == "llama":
+        w.add_rope_dimension_count(c.head_dim)
+    elif arch == "deepseek2":
+        w.add_leading_dense_block_count(min(c.moe_layers) if c.moe_layers else n_layers)
+        w.add_q_lora_rank(c.q_lora_rank or 0)  # 0: no q LoRA (V2-Lite style q_proj); llama.cpp requires the key
+        w.add_kv_lora_rank(c.kv_lora_rank)
+        w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
+        w.add_value_length(c.v_head_dim)
+        w.add_rope_dimension_count(c.qk_rope_head_dim)
+        w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        w.add_expert_shared_count(c.n_shared_experts)
+        w.add_expert_weights_scale(c.routed_scaling_factor)
+        if c.norm_topk_prob:
+            w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if c.scoring_func == "sigmoid"
+                                 else ExpertGatingFuncType.SOFTMAX)
+        if c.n_group:
+            w.add_expert_group_count(c.n_group)
+        if c.topk_group:
+            w.add_expert_group_used_count(c.topk_group)
+        if c.rope.kind == "yarn" and c.rope.mscale_all_dim:
+            w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)  # llama.cpp divides by 0.1 again
+    if vocab is None:
+        w.add_tokenizer_model("none")
+    else:
+        w.add_tokenizer_model(vocab.model)
+        if vocab.pre:
+            w.add_tokenizer_pre(vocab.pre)
+        w.add_token_list(list(vocab.tokens))
+        w.add_token_types(list(vocab.token_types))
+        if vocab.merges:
+            w.add_token_merges(list(vocab.merges))
+        for value, add in ((vocab.bos_id, w.add_bos_token_id), (vocab.eos_id, w.add_eos_token_id),
+                           (vocab.pad_id, w.add_pad_token_id)):
+            if value is not None:
+                add(value)
+        if vocab.add_bos is not None:
+            w.add_add_bos_token(vocab.add_bos)
+        if vocab.add_eos is not None:
+            w.add_add_eos_token(vocab.add_eos)
+        if vocab.chat_template:
+            w.add_chat_template(vocab.chat_template)
+    return kv_pairs_from_writer(w)
+
+
+def carried_kv(path, arch: str, ftype: int | None, quantized: bool) -> list[tuple[str, bytes]]:
+    """The KV pairs of an input GGUF (its first shard), byte for byte, with the recomputed keys replaced in place
+    (or appended). ``ftype`` ``None`` keeps the input's ``general.file_type``."""
+    pairs = raw_kv_pairs(path)
+    w = _writer(arch)
+    if ftype is not None:
+        w.add_file_type(ftype)
+    if quantized:
+        w.add_quantization_version(QUANTIZATION_VERSION)
+    fresh = {k: b for k, b in kv_pairs_from_writer(w) if k != "general.architecture"}
+    out = []
+    for key, raw in pairs:
+        if key.startswith("split."):
+            continue
+        if key in fresh:
+            out.append((key, fresh.pop(key)))
+        else:
+            out.append((key, raw))
+    out.extend(fresh.items())
+    return out
+
+
+def split_kv(shard: int, count: int, n_tensors: int) -> list[tuple[str, bytes]]:
+    """``split.no``, ``split.count`` and ``split.tensors.count`` for one shard of a split GGUF (gguf-py's types)."""
+    from gguf import GGUFValueType, Keys
+
+    from ktconvert.formats.gguf_write import encode_kv
+
+    return [
+        (Keys.Split.LLM_KV_SPLIT_NO, encode_kv(Keys.Split.LLM_KV_SPLIT_NO, GGUFValueType.UINT16, shard)),
+        (Keys.Split.LLM_KV_SPLIT_COUNT, encode_kv(Keys.Split.LLM_KV_SPLIT_COUNT, GGUFValueType.UINT16, count)),
+        (Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT,
+         encode_kv(Keys.Split.LLM_KV_SPLIT_TENSORS_COUNT, GGUFValueType.INT32, n_tensors)),
+    ]

@@ -1,0 +1,469 @@
+"""recipe + analysed input -> the plan: every output tensor with its sources, operation, type, bytes, file and
+offset, every output file with its header. Pure data, computed from headers and shapes alone.
+
+All validation that does not need tensor data happens here (types the rows cannot hold, types that cannot be
+decoded, tensors no rule matches), so a conversion that would fail is refused before its output directory
+exists. The plan is also what ``--dry-run`` prints, what the manifest summarises and what ``--resume`` checks
+an interrupted run against.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ktconvert import __version__
+from ktconvert.convert.recipe import KEEP, Recipe
+from ktconvert.convert.sizes import format_size
+from ktconvert.convert.source import FLOAT_SAFETENSORS, Item, Segment, SourceModel
+from ktconvert.errors import InputError, UsageProblem
+
+FORMATS = ("gguf", "safetensors")
+DEFAULT_SAFETENSORS_SHARD = 5 * 1024**3
+
+
+@dataclass(frozen=True)
+class PlanTensor:
+    """One output tensor. ``type`` is a ggml type name; ``st_dtype``/``st_shape`` how a safetensors output
+    stores it (quantized types as U8 bytes); ``copy_bytes`` means its source bytes are copied unchanged;
+    ``const`` holds the bytes of a small generated tensor (the ``.ggml_type`` companions)."""
+
+    name: str
+    shape: tuple[int, ...]
+    type: str
+    nbytes: int
+    file: int
+    offset: int
+    segments: tuple[Segment, ...] = ()
+    copy_bytes: bool = False
+    rule: int | None = None
+    fallback_from: str | None = None
+    hf_name: str | None = None
+    group: str = ""
+    layer: int | None = None
+    src_dtype: str = ""
+    st_dtype: str | None = None
+    st_shape: tuple[int, ...] | None = None
+    const: bytes | None = None
+
+    @property
+    def rows(self) -> int:
+        n = 1
+        for d in self.shape[:-1]:
+            n *= d
+        return n
+
+    @property
+    def row_bytes(self) -> int:
+        return self.nbytes // self.rows if self.rows else 0
+
+    def operation(self) -> str:
+        if self.const is not None:
+            return "generated"
+        ops = Counter(s.op for s in self.segments)
+        n_src = len({s.source for s in self.segments})
+        if ops.get("transpose"):
+            what = f"transpose {ops['transpose']} expert slab(s)"
+        elif ops.get("permute"):
+            what = "reorder rows for llama.cpp's rope (q/k)"
+        elif n_src > 1:
+            what = f"stack {n_src} tensors"
+        elif len(self.segments) > 1:
+            what = f"gather {len(self.segments)} row ranges"
+        else:
+            what = "rename"
+        return f"{what}, {'copy bytes' if self.copy_bytes else f'{self.src_dtype} -> {self.type}'}"
+
+    def to_dict(self) -> dict:
+        d = {"name": self.name, "type": self.type, "shape": list(self.shape), "ne": list(reversed(self.shape)),
+             "bytes": self.nbytes, "file": self.file, "offset": self.offset, "operation": self.operation()}
+        if self.const is None:
+            d["sources"] = sorted({s.source for s in self.segments})
+            d["segments"] = [s.to_dict() for s in self.segments]
+            d["copy_bytes"] = self.copy_bytes
+        if self.rule is not None:
+            d["rule"] = self.rule
+        if self.fallback_from:
+            d["fallback_from"] = self.fallback_from
+        if self.st_dtype:
+            d["safetensors"] = {"dtype": self.st_dtype, "shape": list(self.st_shape)}
+        return d
+
+
+@dataclass(frozen=True)
+class OutFile:
+    """One output file: its name inside the output directory, the header written first, its final size."""
+
+    name: str
+    header: bytes
+    size: int
+
+
+@dataclass
+class Plan:
+    """Everything a conversion will do. ``extra`` are small files written verbatim (``name -> bytes``): the
+    copied ``config.json`` and tokenizer files of a safetensors output, and its shard index."""
+
+    source: str
+    container: str
+    arch: str
+    model_type: str | None
+    format: str
+    recipe: Recipe
+    tensors: list[PlanTensor]
+    files: list[OutFile]
+    extra: dict[str, bytes] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    sources: list[dict] = field(default_factory=list)
+    kv_keys: list[str] = field(default_factory=list)
+    tokenizer: str = ""
+    input_files: list[str] = field(default_factory=list)
+
+    @property
+    def in_bytes(self) -> int:
+        return sum(self.segment_bytes(t) for t in self.tensors)
+
+    @property
+    def out_bytes(self) -> int:
+        return sum(f.size for f in self.files) + sum(len(b) for b in self.extra.values())
+
+    def segment_bytes(self, t: PlanTensor) -> int:
+        return 0 if t.const is not None else self._in_bytes.get(t.name, 0)
+
+    _in_bytes: dict = field(default_factory=dict, repr=False)
+
+    def fingerprint(self) -> str:
+        """sha256 over everything that decides the output bytes (not over options that only change speed)."""
+        core = {
+            "version": __version__,
+            "format": self.format,
+            "sources": self.sources,
+            "files": [{"name": f.name, "size": f.size, "header": hashlib.sha256(f.header).hexdigest()} for f in self.files],
+            "tensors": [t.to_dict() for t in self.tensors],
+            "extra": {k: hashlib.sha256(v).hexdigest() for k, v in sorted(self.extra.items())},
+        }
+        return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
+
+    def summary(self) -> dict:
+        types: Counter = Counter()
+        counts: Counter = Counter()
+        for t in self.tensors:
+            if t.const is None:
+                types[t.type] += t.nbytes
+                counts[t.type] += 1
+        return {
+            "source": self.source, "container": self.container, "arch": self.arch, "model_type": self.model_type,
+            "format": self.format, "recipe": self.recipe.name, "recipe_source": self.recipe.source,
+            "tensors": sum(1 for t in self.tensors if t.const is None), "input_bytes": self.in_bytes,
+            "output_bytes": self.out_bytes, "files": [{"name": f.name, "bytes": f.size} for f in self.files]
+            + [{"name": k, "bytes": len(v)} for k, v in self.extra.items()],
+            "types": {k: {"tensors": counts[k], "bytes": v} for k, v in sorted(types.items())},
+            "tokenizer": self.tokenizer, "notes": list(self.notes),
+        }
+
+    def to_dict(self) -> dict:
+        return {**self.summary(), "recipe_rules": [
+            {"index": r.index, "match": r.match, "type": r.type, "fallback": list(r.fallback),
+             **({"layers": r.layers if isinstance(r.layers, str) else list(r.layers)} if r.layers else {}),
+             "where": r.where} for r in self.recipe.rules],
+            "output_tensors": [t.to_dict() for t in self.tensors]}
+
+
+# --- types -----------------------------------------------------------------------------------------------------------
+
+
+def _qt(name: str):
+    from ktconvert.quant import as_qtype
+
+    return as_qtype(name)
+
+
+def _block(name: str) -> tuple[int, int]:
+    from ktconvert.quant import block_size, type_size
+
+    return block_size(name), type_size(name)
+
+
+def _decodable(src_dtype: str, container: str) -> bool:
+    if container == "safetensors":
+        return src_dtype in FLOAT_SAFETENSORS
+    from ktconvert.quant import dequantizable
+
+    try:
+        return _qt(src_dtype) in dequantizable()
+    except Exception:
+        return False
+
+
+def _keep_type(item: Item, container: str) -> str | None:
+    if item.src_dtype == "mixed":
+        return None
+    if container == "safetensors":
+        return item.src_dtype if item.src_dtype in ("F32", "F16", "BF16") else None
+    return item.src_dtype
+
+
+def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str) -> tuple:
+    """``(type, rule, fallback_from, problem)`` for one item."""
+    names = (item.name, item.hf_name or "")
+    rule = next((r for r in recipe.rules if r.applies(names, item.layer, n_layers)), None)
+    if rule is None:
+        return None, None, None, (f"no rule of recipe {recipe.name} matches {item.name}", recipe.source,
+                                  "end the recipe with a catch-all rule such as {match: '.', type: keep}")
+    tried = []
+    for cand in (rule.type, *rule.fallback):
+        t = _keep_type(item, container) if cand == KEEP else cand
+        if t is None:
+            tried.append(f"keep ({item.src_dtype} cannot be written as is)")
+            continue
+        if cand == KEEP and item.reshaped and _block(t)[0] > 1:
+            tried.append(f"keep ({t} blocks cannot be reordered without requantizing)")
+            continue
+        bs = _block(t)[0]
+        if item.row_len % bs:
+            tried.append(f"{t} (rows of {item.row_len} are not a multiple of its {bs}-element block)")
+            continue
+        if t != item.src_dtype and not _decodable(item.src_dtype, container):
+            tried.append(f"{t} (cannot decode {item.src_dtype} to convert it)")
+            continue
+        return t, rule, (rule.type if cand != rule.type else None), None
+    fix = ("add `fallback: [Q8_0, F16]` to the rule, or a rule for this tensor before it"
+           if not rule.fallback else "add a usable type to the rule's fallback, or a rule for this tensor before it")
+    return None, rule, None, (f"{item.name} cannot be stored as " + "; nor as ".join(tried), rule.where, fix)
+
+
+# --- building --------------------------------------------------------------------------------------------------------
+
+
+def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, shard_size: int | None = None,
+               tokenizer: bool = True) -> Plan:
+    """The complete plan, or :class:`InputError` naming the first problem (recipe line, tensor, fix)."""
+    fmt = format or recipe.format or "gguf"
+    if fmt not in FORMATS:
+        raise UsageProblem(f"output format {fmt!r} is not one of {', '.join(FORMATS)}")
+    shard = shard_size if shard_size is not None else recipe.shard_size
+    if shard is None:
+        shard = 0 if fmt == "gguf" else DEFAULT_SAFETENSORS_SHARD
+    container = src.checkpoint.container
+    chosen = []
+    problems = []
+    for item in src.items:
+        t, rule, fb, prob = _choose(item, recipe, src.n_layers, container)
+        if prob:
+            problems.append(prob)
+        else:
+            chosen.append((item, t, rule, fb))
+    if problems:
+        msg, where, fix = problems[0]
+        more = f" (and {len(problems) - 1} more tensor(s) the recipe cannot place)" if len(problems) > 1 else ""
+        raise InputError(msg + more, path=where.split(":")[0] if ":" in where else where,
+                         where=":".join(where.split(":")[1:]) or None, fix=fix)
+
+    tensors: list[PlanTensor] = []
+    in_bytes: dict[str, int] = {}
+    ck = src.checkpoint
+    for item, t, rule, fb in chosen:
+        bs, ts = _block(t)
+        nbytes = item.rows * (item.row_len // bs) * ts
+        copy = t == item.src_dtype and not item.reshaped
+        in_bytes[item.name] = sum(ck[s.source].nbytes * s.rows // _rows_of(ck[s.source].shape) for s in item.segments)
+        st_dtype = st_shape = None
+        if fmt == "safetensors":
+            if bs == 1:
+                st_dtype, st_shape = t, item.shape
+            else:
+                st_dtype, st_shape = "U8", (*item.shape[:-1], item.row_len // bs * ts)
+        tensors.append(PlanTensor(
+            name=item.name, shape=item.shape, type=t, nbytes=nbytes, file=0, offset=0, segments=item.segments,
+            copy_bytes=copy, rule=rule.index, fallback_from=fb, hf_name=item.hf_name, group=item.group,
+            layer=item.layer, src_dtype=item.src_dtype, st_dtype=st_dtype, st_shape=st_shape))
+        if fmt == "safetensors":
+            tensors.append(_companion(item.name, t))
+
+    plan = Plan(source=str(src.path), container=container, arch=src.arch, model_type=src.model_type, format=fmt,
+                recipe=recipe, tensors=tensors, files=[], notes=list(src.notes), sources=fingerprints(ck),
+                input_files=[str(f) for f in ck.files])
+    plan._in_bytes = in_bytes
+    if fmt == "gguf":
+        _lay_out_gguf(plan, src, shard, tokenizer)
+    else:
+        _lay_out_safetensors(plan, src, shard)
+    return plan
+
+
+def _rows_of(shape) -> int:
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return n or 1
+
+
+def _companion(name: str, t: str) -> PlanTensor:
+    """``blk.L.ffn_gate_exps.ggml_type``: the scalar ktransformers' safetensors loader reads to learn a type."""
+    base = name[: -len(".weight")] if name.endswith(".weight") else name
+    value = int(_qt(t)).to_bytes(4, "little", signed=True)
+    return PlanTensor(name=f"{base}.ggml_type", shape=(), type="I32", nbytes=4, file=0, offset=0, const=value,
+                      st_dtype="I32", st_shape=())
+
+
+def _shards(sizes: list[int], limit: int) -> list[int]:
+    """Shard index of each tensor, in order, starting a new shard when the next tensor would pass ``limit``."""
+    out, cur, used = [], 0, 0
+    for n in sizes:
+        if limit and used and used + n > limit:
+            cur, used = cur + 1, 0
+        out.append(cur)
+        used += n
+    return out
+
+
+def _names(stem: str, ext: str, count: int) -> list[str]:
+    if count == 1:
+        return [f"{stem}.{ext}"]
+    return [f"{stem}-{i + 1:05d}-of-{count:05d}.{ext}" for i in range(count)]
+
+
+def _lay_out_gguf(plan: Plan, src: SourceModel, shard: int, tokenizer: bool) -> None:
+    from ktconvert.convert import metadata
+    from ktconvert.convert.tokenizer import convert_tokenizer
+    from ktconvert.formats.gguf_write import DEFAULT_ALIGNMENT, layout_gguf
+
+    ck = src.checkpoint
+    by_type: Counter = Counter()
+    for t in plan.tensors:
+        by_type[t.type] += t.nbytes
+    quantized = any(_block(t.type)[0] > 1 for t in plan.tensors)
+    alignment = DEFAULT_ALIGNMENT
+    if ck.container == "gguf":
+        unchanged = all(t.copy_bytes for t in plan.tensors)
+        ftype = None if unchanged and not plan.recipe.file_type else metadata.file_type(plan.recipe.file_type, by_type)
+        kv = metadata.carried_kv(ck.files[0], src.arch, ftype, quantized)
+        a = ck.metadata.get("general.alignment")
+        alignment = a if type(a) is int else DEFAULT_ALIGNMENT
+        plan.tokenizer = "carried over from the input GGUF" if "tokenizer.ggml.model" in ck.metadata else "none"
+    else:
+        embd = next((t for t in plan.tensors if t.name == "token_embd.weight"), None)
+        n_vocab = embd.shape[0] if embd else int(src.config.get("vocab_size", 0))
+        model_dir = src.path if src.path.is_dir() else src.path.parent
+        vocab = convert_tokenizer(model_dir, n_vocab, src.config) if tokenizer else None
+        plan.tokenizer = (f"{vocab.model} (pre {vocab.pre}, {len(vocab.tokens)} tokens, {len(vocab.merges)} merges)"
+                          if vocab else "none (tokenizer.ggml.model = none)")
+        ftype = metadata.file_type(plan.recipe.file_type, by_type)
+        name = src.path.name if src.path.is_dir() else src.path.parent.name
+        kv = metadata.hf_kv(src.arch, src.config, name, src.n_layers, n_vocab, vocab, ftype, quantized)
+    plan.kv_keys = [k for k, _ in kv]
+    idx = _shards([t.nbytes for t in plan.tensors], shard)
+    count = max(idx) + 1 if idx else 1
+    names = _names("model", "gguf", count)
+    files, placed = [], []
+    for f in range(count):
+        members = [t for t, i in zip(plan.tensors, idx) if i == f]
+        shard_kv = list(kv) if f == 0 else []
+        if count > 1:
+            shard_kv += metadata.split_kv(f, count, len(plan.tensors))
+        header, slots, size = layout_gguf(shard_kv, [(t.name, tuple(reversed(t.shape)) or (1,), int(_qt(t.type)), t.nbytes)
+                                                     for t in members], alignment)
+        files.append(OutFile(names[f], header, size))
+        for t, s in zip(members, slots):
+            placed.append(_at(t, f, s.offset))
+    plan.files = files
+    plan.tensors = placed
+
+
+def _at(t: PlanTensor, file: int, offset: int) -> PlanTensor:
+    return PlanTensor(**{**t.__dict__, "file": file, "offset": offset})
+
+
+def _lay_out_safetensors(plan: Plan, src: SourceModel, shard: int) -> None:
+    from ktconvert.formats.safetensors_write import layout_safetensors
+
+    # a tensor and its .ggml_type companion always share a shard
+    pairs: list[list[PlanTensor]] = []
+    for t in plan.tensors:
+        if t.const is not None and pairs:
+            pairs[-1].append(t)
+        else:
+            pairs.append([t])
+    idx = _shards([sum(t.nbytes for t in p) for p in pairs], shard)
+    count = max(idx) + 1 if idx else 1
+    names = _names("model", "safetensors", count)
+    meta = {"format": "ktconvert-kernel-order", "layout": "kernel", "architecture": plan.arch,
+            "ktconvert_version": __version__}
+    files, placed, weight_map = [], [], {}
+    for f in range(count):
+        members = [t for p, i in zip(pairs, idx) if i == f for t in p]
+        header, slots, size = layout_safetensors([(t.name, t.st_dtype, t.st_shape, t.nbytes) for t in members], meta)
+        files.append(OutFile(names[f], header, size))
+        for t, s in zip(members, slots):
+            placed.append(_at(t, f, s.offset))
+            weight_map[t.name] = names[f]
+    plan.files = files
+    plan.tensors = placed
+    if count > 1:
+        index = {"metadata": {"total_size": sum(t.nbytes for t in placed)}, "weight_map": weight_map}
+        plan.extra["model.safetensors.index.json"] = (json.dumps(index, indent=2) + "\n").encode()
+    model_dir = src.path if src.path.is_dir() else src.path.parent
+    if src.checkpoint.container == "safetensors":
+        for name in ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
+                     "special_tokens_map.json"):
+            p = model_dir / name
+            if p.is_file() and p.stat().st_size < 64 * 1024**2:
+                plan.extra[name] = p.read_bytes()
+    plan.tokenizer = "copied (tokenizer files)" if "tokenizer.json" in plan.extra else "none"
+
+
+# --- fingerprints ------------------------------------------------------------------------------------------------------
+
+
+def fingerprints(ck) -> list[dict]:
+    """Per input file: name, size, mtime and the sha256 of its header (everything before the first tensor byte).
+    Cheap on a 700 GB checkpoint, and enough to notice a file replaced or rewritten under an interrupted run."""
+    first: dict[Path, int] = {}
+    for info in ck.values():
+        first[info.file] = min(first.get(info.file, info.offset), info.offset)
+    out = []
+    for f in ck.files:
+        st = os.stat(f)
+        n = min(first.get(f, st.st_size), 64 * 1024**2)
+        h = hashlib.sha256()
+        with open(f, "rb") as fh:
+            h.update(fh.read(n))
+        out.append({"file": Path(f).name, "bytes": st.st_size, "mtime_ns": st.st_mtime_ns, "header_sha256": h.hexdigest()})
+    return out
+
+
+# --- text ----------------------------------------------------------------------------------------------------------
+
+
+def plan_text(plan: Plan, *, tensors: bool = True) -> str:
+    """The plan for humans (``--dry-run``): summary, files, types, then one line per output tensor."""
+    s = plan.summary()
+    lines = [
+        f"ktconvert quantize plan: {plan.source}",
+        f"  input         {plan.container}, {plan.arch}" + (f" ({plan.model_type})" if plan.model_type else ""),
+        f"  recipe        {plan.recipe.name} ({plan.recipe.source})",
+        f"  output        {plan.format}, kernel order, {len(plan.files)} data file(s), {format_size(s['output_bytes'])}"
+        f" from {format_size(s['input_bytes'])} read",
+        f"  tokenizer     {plan.tokenizer}",
+    ]
+    for f in s["files"]:
+        lines.append(f"    {f['name']:<40} {format_size(f['bytes']):>12}")
+    lines.append("  types")
+    for k, v in s["types"].items():
+        lines.append(f"    {k:<8} {v['tensors']:>6} tensor(s) {format_size(v['bytes']):>12}")
+    for n in plan.notes:
+        lines.append(f"  note: {n}")
+    if tensors:
+        lines.append("")
+        lines.append(f"  {'tensor':<34} {'type':<6} {'numpy shape':<18} {'ggml ne':<18} {'bytes':>10}  rule  operation")
+        for t in plan.tensors:
+            if t.const is not None:
+                continue
+            fb = f" (fallback from {t.fallback_from})" if t.fallback_from else ""
+            lines.append(f"  {t.name:<34} {t.type:<6} {str(list(t.shape)):<18} {str(list(reversed(t.shape))):<18} "
+                         f"{format_size(t.nbytes):>10}  {t.rule!s:>4}  {t.operation()}{fb}")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,209 @@
+"""Conversion recipes: which ggml type each output tensor gets, as data (``rules/convert/*.yaml``).
+
+A recipe is loaded safely (positions kept, so every error names ``file:line``), checked against
+``schemas/convert-recipe.schema.json`` and then for what a schema cannot say: regexes that do not compile and
+types ktconvert cannot write. ``--type T`` is shorthand for :func:`recipe_for_type`, the same rules a preset uses
+with one type everywhere.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ktconvert import resources
+from ktconvert.errors import InputError, UsageProblem
+from ktconvert.convert.sizes import parse_size
+
+#: Types a recipe may name; ``keep`` is the input tensor's own type.
+WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+KEEP = "keep"
+
+#: llama.cpp's fallbacks when a tensor's rows cannot hold the type (llama-quant.cpp), restricted to the types
+#: ktconvert writes (llama.cpp falls back from Q2_K/Q3_K to IQ4_NL, which ktconvert cannot write: Q4_0 here).
+FALLBACKS = {
+    "Q2_K": ("Q4_0", "F16"), "Q3_K": ("Q4_0", "F16"), "Q4_K": ("Q5_0", "F16"), "Q5_K": ("Q5_1", "F16"),
+    "Q6_K": ("Q8_0", "F16"), "Q8_0": ("F16",), "Q4_0": ("F16",), "Q4_1": ("F16",), "Q5_0": ("F16",),
+    "Q5_1": ("F16",),
+}
+
+#: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias): every preset and
+#: ``--type`` keep them in F32, as convert_hf_to_gguf and llama-quantize do.
+F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One recipe rule. ``where`` is ``file:line`` of the rule, for messages; ``index`` its position (0-based)."""
+
+    index: int
+    match: str
+    type: str
+    fallback: tuple[str, ...] = ()
+    layers: str | tuple[int, ...] | None = None
+    note: str = ""
+    where: str = ""
+
+    @property
+    def regex(self) -> re.Pattern:
+        return re.compile(self.match)
+
+    def applies(self, names: tuple[str, ...], layer: int | None, n_layers: int | None) -> bool:
+        if self.layers is not None:
+            if layer is None:
+                return False
+            if self.layers == "more_bits":
+                if not n_layers or not use_more_bits(layer, n_layers):
+                    return False
+            elif layer not in self.layers:
+                return False
+        rx = self.regex
+        return any(rx.search(n) for n in names)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A validated recipe. ``source`` is where it came from (a file path, ``preset NAME`` or ``--type T``)."""
+
+    name: str
+    rules: tuple[Rule, ...]
+    source: str
+    description: str = ""
+    file_type: str | None = None
+    format: str | None = None
+    shard_size: int | None = None
+    data: dict = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict:
+        """The recipe as plain data (what the manifest records)."""
+        return {"name": self.name, "source": self.source, **{k: v for k, v in self.data.items() if k != "kind"}}
+
+
+def use_more_bits(layer: int, n_layers: int) -> bool:
+    """llama.cpp's rule for the layers its _M mixes give more bits (llama-quant.cpp, integer arithmetic)."""
+    return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+def presets() -> dict[str, Path]:
+    """Shipped recipes (``rules/convert/*.yaml``) by name."""
+    out = {}
+    for f in sorted((resources.rules_dir() / "convert").glob("*.yaml")):
+        out[f.stem] = f
+    return out
+
+
+def load_recipe(spec: str | Path) -> Recipe:
+    """A recipe from a file path or a preset name (``Q4_K_M``). Raises :class:`InputError` with ``file:line``."""
+    p = Path(spec)
+    if not p.exists():
+        table = presets()
+        key = next((k for k in table if k.lower() == str(spec).lower()), None)
+        if key is None:
+            raise UsageProblem(
+                f"--recipe {spec!r} is neither a file nor a preset",
+                fix=f"give a recipe file or one of the presets: {', '.join(table)}",
+            )
+        p = table[key]
+        source, shown = f"preset {key}", f"rules/convert/{p.name}"
+    else:
+        source = shown = str(p)
+    from ktconvert.rules.yamlpos import YamlSyntaxError, load_text, read_text
+
+    text = read_text(p)
+    try:
+        loaded = load_text(text, shown)
+    except YamlSyntaxError as exc:
+        raise InputError(f"invalid YAML: {exc.message}", path=shown, where=f"{exc.line}:{exc.col}",
+                         fix="fix the recipe's YAML syntax") from None
+    for prob in loaded.problems:
+        raise InputError(prob.message, path=shown, where=f"{prob.line}:{prob.col}", fix=prob.fix or "fix the recipe")
+    return recipe_from_data(loaded.data, shown, source, loaded.where)
+
+
+def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
+    """Validate parsed recipe data. ``where(path_tuple) -> (line, col)`` locates values for messages."""
+
+    def at(*keys) -> str:
+        if where is None:
+            return "/".join(map(str, keys)) or "(top)"
+        line, col = where(tuple(str(k) for k in keys))
+        return f"{line}:{col}"
+
+    if not isinstance(data, dict):
+        raise InputError("a recipe is a YAML mapping with kind: convert-recipe", path=path, where=at(),
+                         fix="see rules/convert/ for examples")
+    # Types first: they get a message that says which types exist, not a schema enum dump.
+    for i, rule in enumerate(data.get("rules") or []):
+        if not isinstance(rule, dict):
+            continue
+        for key, values in (("type", [rule.get("type")]), ("fallback", rule.get("fallback") or [])):
+            for j, t in enumerate(values if isinstance(values, list) else []):
+                if isinstance(t, str) and t not in WRITABLE and t != KEEP:
+                    loc = at("rules", i, key) if key == "type" else at("rules", i, key, j)
+                    raise InputError(_type_message(t, i), path=path, where=loc,
+                                     fix=f"use one of {', '.join(WRITABLE)} or keep")
+    import jsonschema
+
+    validator = jsonschema.Draft202012Validator(resources.load_schema("convert-recipe"))
+    errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
+    if errors:
+        e = jsonschema.exceptions.best_match(errors)
+        raise InputError(f"recipe does not fit its schema: {e.message}", path=path, where=at(*e.absolute_path),
+                         fix="see schemas/convert-recipe.schema.json")
+    rules = []
+    for i, r in enumerate(data["rules"]):
+        try:
+            re.compile(r["match"])
+        except re.error as exc:
+            raise InputError(f"rule {i} match {r['match']!r} is not a valid regex: {exc}", path=path,
+                             where=at("rules", i, "match"), fix="fix the regular expression") from None
+        layers = r.get("layers")
+        rules.append(Rule(
+            index=i, match=r["match"], type=r["type"], fallback=tuple(r.get("fallback", ())),
+            layers=tuple(layers) if isinstance(layers, list) else layers, note=r.get("note", ""),
+            where=f"{path}:{at('rules', i)}",
+        ))
+    out = data.get("output", {})
+    shard = out.get("shard_size")
+    return Recipe(
+        name=data["name"], rules=tuple(rules), source=source, description=data.get("description", ""),
+        file_type=data.get("file_type"), format=out.get("format"),
+        shard_size=None if shard is None else parse_size(shard, what=f"{path}: output.shard_size"), data=data,
+    )
+
+
+def _type_message(t: str, index: int) -> str:
+    from gguf import GGMLQuantizationType
+
+    if t.upper() in WRITABLE:
+        return f"rule {index}: type {t!r} is spelled {t.upper()!r}"
+    if t.upper() in GGMLQuantizationType.__members__:
+        return (f"rule {index}: ktconvert cannot write {t.upper()} (it quantizes bit-exactly only to "
+                f"{', '.join(WRITABLE)})")
+    return f"rule {index}: {t!r} is not a ggml type"
+
+
+def recipe_for_type(type_name: str) -> Recipe:
+    """``--type T``: routers, norms and biases in F32, every other tensor ``T`` (with llama.cpp's fallbacks)."""
+    t = type_name if type_name == KEEP else type_name.upper()
+    if t not in WRITABLE and t != KEEP:
+        raise UsageProblem(_type_message(type_name, 0).replace("rule 0: ", "--type: "),
+                           fix=f"use one of {', '.join(WRITABLE)} or keep")
+    data = {
+        "kind": "convert-recipe",
+        "name": t,
+        "description": f"--type {t}: routers, norms and biases F32, everything else {t}",
+        "rules": [
+            {"match": F32_MATCH, "type": "F32", "note": "routers, norms, biases, score-correction bias"},
+            {"match": ".", "type": t, **({"fallback": list(FALLBACKS[t])} if t in FALLBACKS else {})},
+        ],
+    }
+    ft = {"F32": "ALL_F32", "F16": "F16", "BF16": "BF16"}.get(t, t if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q6_K") else None)
+    if ft:
+        data["file_type"] = ft
+    return recipe_from_data(data, f"--type {t}", f"--type {t}")
+
+
+__all__ = ["F32_MATCH", "FALLBACKS", "KEEP", "WRITABLE", "Recipe", "Rule", "load_recipe", "presets",
+           "recipe_for_type", "recipe_from_data", "use_more_bits"]

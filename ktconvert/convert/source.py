@@ -1,0 +1,342 @@
+"""What an input checkpoint holds, restated as the output tensors a conversion makes from it.
+
+Each output tensor is an :class:`Item`: its llama.cpp name, its element shape in kernel order, and the
+:class:`Segment` s that say which rows of which input tensors fill which of its rows. The segment vocabulary is
+deliberately small, and every layout reduces to it:
+
+* ``rows``: output rows are a contiguous run of the source's rows (renames, per-expert stacking, merged GGUF
+  slabs, the gate and up halves of an ``[E, 2I, H]`` fused tensor, legacy per-expert GGUF);
+* ``transpose``: output rows are columns of one expert's slab (the ``[E, H, 2I]`` fused orientation);
+* ``permute``: output rows are the source rows reordered within attention heads (llama.cpp's rope layout for
+  llama-arch q/k, the permutation ``convert_hf_to_gguf`` applies).
+
+Nothing here reads tensor data; everything comes from headers, ``config.json`` and the naming maps, so a bad
+input fails here, before any output exists.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ktconvert.errors import InputError
+from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map, open_checkpoint
+
+PROJ_ORDER = ("gate", "up", "down")
+FLOAT_SAFETENSORS = ("F32", "F16", "BF16", "F64")
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Output rows ``[start, start + rows)`` of an item come from input tensor ``source``.
+
+    ``rows``: from source flat rows starting at ``src_row``. ``transpose``: from columns ``src_col ..`` of the
+    2-D slab ``source[expert]``. ``permute``: from source rows reordered per llama.cpp's rope layout with
+    ``heads`` heads (``src_row`` is 0: the whole tensor is one segment).
+    """
+
+    start: int
+    rows: int
+    source: str
+    op: str = "rows"
+    src_row: int = 0
+    expert: int = 0
+    src_col: int = 0
+    heads: int = 0
+
+    def to_dict(self) -> dict:
+        d = {"rows": [self.start, self.start + self.rows], "source": self.source, "op": self.op}
+        if self.op == "rows":
+            d["source_rows"] = [self.src_row, self.src_row + self.rows]
+        elif self.op == "transpose":
+            d.update(expert=self.expert, source_cols=[self.src_col, self.src_col + self.rows])
+        else:
+            d["heads"] = self.heads
+        return d
+
+
+@dataclass(frozen=True)
+class Item:
+    """One output tensor before a type is chosen. ``shape`` is numpy order (ggml ``ne`` is its reverse);
+    ``src_dtype`` the storage type shared by every source (``"mixed"`` when they differ); ``hf_name`` the
+    canonical Hugging Face name recipes may match (``*`` for the expert of a stacked expert tensor)."""
+
+    name: str
+    hf_name: str | None
+    shape: tuple[int, ...]
+    segments: tuple[Segment, ...]
+    src_dtype: str
+    group: str
+    layer: int | None = None
+    projection: str | None = None
+
+    @property
+    def rows(self) -> int:
+        n = 1
+        for d in self.shape[:-1]:
+            n *= d
+        return n
+
+    @property
+    def row_len(self) -> int:
+        return self.shape[-1] if self.shape else 1
+
+    @property
+    def reshaped(self) -> bool:
+        """Whether rows are reordered (transpose/permute): then bytes cannot be copied block for block."""
+        return any(s.op != "rows" for s in self.segments)
+
+
+@dataclass
+class SourceModel:
+    """The analysed input: its checkpoint, architecture, config, layout report and output items."""
+
+    checkpoint: Checkpoint
+    path: Path
+    arch: str
+    model_type: str | None
+    config: dict | None
+    config_path: str | None
+    n_layers: int | None
+    layout: LayoutReport
+    items: list[Item]
+    notes: list[str] = field(default_factory=list)
+    skipped: list[str] = field(default_factory=list)
+
+
+def _fail(problems: list[tuple[str, str | None]], path: str, fix: str) -> InputError:
+    msg, where = problems[0]
+    more = f" (and {len(problems) - 1} more problem(s); ktconvert inspect lists them)" if len(problems) > 1 else ""
+    return InputError(msg + more, path=path, where=where, fix=fix)
+
+
+def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceModel:
+    """Open ``src`` (anything :func:`ktconvert.formats.open_checkpoint` reads) and derive the output items.
+
+    Raises :class:`InputError` for anything that would make a wrong or partial conversion: errors of the
+    layout detection (missing or extra experts, shapes that disagree with each other or with ``config.json``,
+    mixed layouts), an orientation the shapes and config cannot decide, kt-kernel AMX blobs (opaque), FP8
+    weights with block scales, tensor names no naming map knows.
+    """
+    ck = open_checkpoint(src)
+    shown = str(src)
+    cfg_dict, cfg_path = None, None
+    if isinstance(config, dict):
+        cfg_dict = config
+    elif config is not None:
+        from ktconvert.formats.config import load_config
+
+        cfg_dict, cfg_path = load_config(config), str(config)
+    elif ck.config is not None:
+        cfg_dict, cfg_path = ck.config, str(ck.config_path)
+    if ck.container == "safetensors" and cfg_dict is None:
+        raise InputError("no config.json beside the checkpoint: the hyperparameters and the expert geometry come "
+                         "from it", path=shown, fix="pass --config path/to/config.json")
+    report = detect_layout(ck, cfg_dict)
+    if report.arch is None:
+        raise InputError("cannot tell which architecture this is (no general.architecture, no model_type, and "
+                         "the tensor names fit no naming map)", path=shown,
+                         fix="pass --config with the model's config.json")
+    nm = naming_map(report.arch)
+    errors = [(p.message, f"layer {p.layer}" if p.layer is not None else None)
+              for p in report.all_problems
+              if p.severity == "error" or p.kind == "ambiguous-orientation"]
+    if errors:
+        raise _fail(errors, shown, "ktconvert inspect shows the layout problems; fix or re-download the checkpoint")
+    if "kt-amx" in report.layouts:
+        raise InputError("kt-kernel AMX blobs are tile-packed for one kernel version and cannot be converted",
+                         path=shown, fix="convert from the original Hugging Face or GGUF weights")
+    scales = [n for n, m in report.matches.items() if m.group == "expert_scales"] + [
+        n for n in ck if n.endswith("weight_scale_inv")]
+    fp8 = [n for n in ck if ck[n].dtype.startswith("F8_")]
+    if scales or fp8:
+        first = (scales or fp8)[0]
+        raise InputError("FP8 weights with block scales are not converted yet", path=shown, where=f"tensor {first}",
+                         fix="dequantize the checkpoint to BF16 first (e.g. DeepSeek's fp8_cast_bf16.py)")
+
+    model_type = report.dims.model_type
+    n_layers = report.dims.n_layers or report.n_layers
+    notes = [f"{p.kind}: {p.message}" for p in report.all_problems
+             if p.severity == "warning" and p.kind != "ambiguous-orientation"]
+    skipped: list[str] = []
+    hf = ck.container == "safetensors"
+    cfg = _heads(cfg_dict, ck) if report.arch == "llama" and hf else None
+
+    items: list[Item] = []
+    for name, m in report.matches.items():
+        if m.group in ("experts", "expert_scales"):
+            continue
+        if m.layer is not None and n_layers is not None and m.layer >= n_layers:
+            skipped.append(name)
+            continue
+        info = ck[name]
+        shape = info.shape or (1,)
+        seg = Segment(0, _rows(shape), name)
+        out = m.gguf_name
+        if out.endswith(".ffn_gate_inp_shexp.weight") and len(shape) == 2 and shape[0] == 1:
+            shape = shape[1:]  # llama.cpp and transformers' GGUF loader read Qwen2-MoE's [1, H] shared gate as [H]
+        if cfg is not None and m.side == "hf" and out.endswith((".attn_q.weight", ".attn_k.weight")):
+            heads = cfg[0] if out.endswith(".attn_q.weight") else cfg[1]
+            if shape[0] % (2 * heads):
+                raise InputError(f"{shape[0]} rows cannot be split into {heads} heads of rotary pairs",
+                                 path=shown, where=f"tensor {name}", fix="check num_attention_heads in config.json")
+            seg = Segment(0, shape[0], name, op="permute", heads=heads)
+        items.append(Item(out, m.hf_name, tuple(shape), (seg,), info.dtype, m.group, m.layer))
+    for name in report.unknown:
+        if name.endswith("rotary_emb.inv_freq"):
+            skipped.append(name)
+            continue
+        m_layer = _layer_of(name)
+        if m_layer is not None and n_layers is not None and m_layer >= n_layers:
+            skipped.append(name)
+            continue
+        raise InputError(f"no naming map knows this tensor, so it has no llama.cpp name", path=shown,
+                         where=f"tensor {name}",
+                         fix=f"add it to rules/naming/{report.arch}.yaml, or remove it from the checkpoint")
+    for ly in report.layers:
+        if ly.layout is None or (n_layers is not None and ly.layer >= n_layers):
+            if ly.layout is not None:
+                skipped.extend(t for p in ly.projections.values() for t in p.tensors)
+            continue
+        items.extend(_expert_items(ly, report, nm, ck, shown))
+    if skipped:
+        notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction) or "
+                     f"rotary caches are not converted, e.g. {skipped[0]}")
+    _check_unique(items, shown)
+    _check_config(items, report, shown)
+    items = _ordered(items, nm, ck)
+    return SourceModel(ck, Path(src), report.arch, model_type, cfg_dict, cfg_path, n_layers, report, items, notes,
+                       skipped)
+
+
+def _rows(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape[:-1]:
+        n *= d
+    return n
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    for a, b in zip(parts, parts[1:]):
+        if a in ("layers", "blk") and b.isdigit():
+            return int(b)
+    return None
+
+
+def _heads(cfg: dict | None, ck: Checkpoint) -> tuple[int, int]:
+    c = cfg or {}
+    if isinstance(c.get("text_config"), dict):
+        c = c["text_config"]
+    n = c.get("num_attention_heads")
+    if type(n) is not int or n <= 0:
+        raise InputError("config.json has no num_attention_heads; llama-arch q/k need it to reorder rotary pairs",
+                         path=str(ck.path), fix="pass --config with the model's config.json")
+    kv = c.get("num_key_value_heads")
+    return n, kv if type(kv) is int and kv > 0 else n
+
+
+def _expert_items(ly, report: LayoutReport, nm: NamingMap, ck: Checkpoint, shown: str) -> list[Item]:
+    L, E, I, H = ly.layer, ly.n_experts, ly.intermediate, ly.hidden
+    out: list[Item] = []
+
+    def names(p: str) -> tuple[str, str | None]:
+        return nm.expert_name("gguf-merged", p, L), nm.expert_name("hf-split", p, L, expert="*")
+
+    def dtype_of(srcs) -> str:
+        kinds = {ck[s].dtype for s in srcs}
+        return kinds.pop() if len(kinds) == 1 else "mixed"
+
+    if ly.layout in ("hf-split", "gguf-split"):
+        for p in PROJ_ORDER:
+            info = ly.projections[p]
+            by_expert = {report.matches[t].expert: t for t in info.tensors}
+            rows, cols = info.shape
+            segs = tuple(Segment(e * rows, rows, by_expert[e]) for e in range(E))
+            gname, hname = names(p)
+            out.append(Item(gname, hname, (E, rows, cols), segs, dtype_of(by_expert.values()), "experts", L, p))
+        return out
+    projs = ly.projections
+    if "gate_up" in projs:
+        gu = projs["gate_up"].tensors[0]
+        shape = ck[gu].shape
+        transposed = ly.layout == "hf-fused" and ly.orientation == "[E,H,2I]"
+        for k, p in enumerate(("gate", "up")):
+            gname, hname = names(p)
+            if transposed:  # [E, H, 2I]: expert e's gate rows are columns 0..I of its slab, up rows I..2I
+                segs = tuple(Segment(e * I, I, gu, op="transpose", expert=e, src_col=k * I) for e in range(E))
+            else:  # [E, 2I, H]: gate rows first, then up rows, per expert
+                segs = tuple(Segment(e * I, I, gu, src_row=e * shape[1] + k * I) for e in range(E))
+            out.append(Item(gname, hname, (E, I, H), segs, ck[gu].dtype, "experts", L, p))
+    else:
+        for p in ("gate", "up"):
+            t = projs[p].tensors[0]
+            gname, hname = names(p)
+            out.append(Item(gname, hname, (E, I, H), (Segment(0, E * I, t),), ck[t].dtype, "experts", L, p))
+    d = projs["down"].tensors[0]
+    gname, hname = names("down")
+    if ly.layout == "hf-fused" and ly.orientation == "[E,H,2I]":  # down stored [E, I, H]: transpose each expert
+        segs = tuple(Segment(e * H, H, d, op="transpose", expert=e) for e in range(E))
+    else:
+        segs = (Segment(0, E * H, d),)
+    out.append(Item(gname, hname, (E, H, I), segs, ck[d].dtype, "experts", L, "down"))
+    return out
+
+
+def _check_unique(items: list[Item], shown: str) -> None:
+    seen: dict[str, Item] = {}
+    for it in items:
+        if it.name in seen:
+            a, b = seen[it.name].segments[0].source, it.segments[0].source
+            raise InputError(f"tensors {a} and {b} both map to llama.cpp tensor {it.name}", path=shown,
+                             where=f"tensor {b}", fix="the checkpoint holds the same weight twice; remove one")
+        seen[it.name] = it
+
+
+def _check_config(items: list[Item], report: LayoutReport, shown: str) -> None:
+    """Non-expert shapes against config.json (layout detection already checked the experts)."""
+    dims = report.dims
+    H, E = dims.hidden_size, dims.n_experts
+    if H is None:
+        return
+    for it in items:
+        base = it.name.rsplit(".", 2)[-2] if it.name.count(".") >= 1 else it.name
+        want = None
+        if it.name in ("token_embd.weight", "output.weight") and it.shape[-1] != H:
+            want = f"[vocab, {H}]"
+        elif base in ("attn_norm", "ffn_norm", "output_norm") and it.shape != (H,):
+            want = f"[{H}]"
+        elif base == "ffn_gate_inp" and E and it.shape != (E, H):
+            want = f"[{E}, {H}]"
+        if want:
+            raise InputError(f"{it.name} is {list(it.shape)} but {dims.source} says {want}", path=shown,
+                             where=f"tensor {it.segments[0].source}",
+                             fix="the weights and config.json belong to different models")
+
+
+def _ordered(items: list[Item], nm: NamingMap, ck: Checkpoint) -> list[Item]:
+    """GGUF input keeps its tensor order; HF input gets llama.cpp's: embeddings, layers in order (naming-map
+    order within a layer, experts gate/up/down last), then the output norm and head."""
+    if ck.container == "gguf":
+        pos = {n: i for i, n in enumerate(ck)}
+        return sorted(items, key=lambda it: (min(pos[s.source] for s in it.segments), it.name))
+    order = {e.gguf: i for i, e in enumerate(nm.tensors)}
+
+    def key(it: Item):
+        if it.layer is None:
+            k = order.get(it.name, len(order))
+            return (0 if it.name == "token_embd.weight" else 2, 0, k, it.name)
+        if it.group == "experts":
+            return (1, it.layer, len(order) + PROJ_ORDER.index(it.projection), it.name)
+        template = it.name.replace(f"blk.{it.layer}.", "blk.{L}.", 1)
+        return (1, it.layer, order.get(template, len(order)), it.name)
+
+    return sorted(items, key=key)
+
+
+def group_by_layer(items: list[Item]) -> dict[int | None, list[Item]]:
+    out: dict[int | None, list[Item]] = defaultdict(list)
+    for it in items:
+        out[it.layer].append(it)
+    return out

@@ -1,0 +1,143 @@
+"""A Hugging Face ``tokenizer.json`` (byte-level BPE) as the GGUF ``tokenizer.ggml.*`` fields llama.cpp reads.
+
+llama.cpp needs, besides tokens and merges, the name of the pre-tokenizer (``tokenizer.ggml.pre``): it
+re-implements each one and picks it by that name. convert_hf_to_gguf identifies it by hashing a test
+tokenization; without the ``tokenizers`` runtime we identify it by the pre-tokenizer's own definition in
+``tokenizer.json``, for the pre-tokenizers of the families ktconvert converts. Anything else is refused with a
+way out (``--no-tokenizer`` writes ``tokenizer.ggml.model = none``, which llama.cpp loads as a vocabulary of
+``vocab_size`` placeholder tokens).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from ktconvert.errors import InputError
+
+NO_TOKENIZER_FIX = "pass --no-tokenizer to write tokenizer.ggml.model = none, or convert the tokenizer with llama.cpp"
+
+# The Split patterns of the pre-tokenizers ktconvert recognises (as tokenizer.json spells them), by llama.cpp name.
+_SPLIT_PATTERNS = {
+    ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",): "qwen2",
+    ("(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+",): "llama-bpe",
+    ("\\p{N}{1,3}", "[一-龥぀-ゟ゠-ヿ]+",
+     "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+| ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+"): "deepseek-v3",
+}
+
+
+@dataclass(frozen=True)
+class GgufVocab:
+    """What goes into ``tokenizer.ggml.*``. ``tokens`` has exactly ``n_vocab`` entries (the embedding rows)."""
+
+    model: str
+    pre: str | None
+    tokens: tuple[str, ...]
+    token_types: tuple[int, ...]
+    merges: tuple[str, ...]
+    bos_id: int | None = None
+    eos_id: int | None = None
+    pad_id: int | None = None
+    add_bos: bool | None = None
+    add_eos: bool | None = None
+    chat_template: str | None = None
+
+
+def _load(path: Path) -> dict:
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InputError(f"cannot read it as JSON: {exc}", path=str(path), fix=NO_TOKENIZER_FIX) from None
+    if not isinstance(obj, dict):
+        raise InputError("not a JSON object", path=str(path), fix=NO_TOKENIZER_FIX)
+    return obj
+
+
+def _pre_name(pre, path: Path) -> str:
+    if isinstance(pre, dict) and pre.get("type") == "Sequence":
+        steps = pre.get("pretokenizers") or []
+    else:
+        steps = [pre] if pre else []
+    splits, byte_level = [], None
+    for s in steps:
+        if not isinstance(s, dict):
+            break
+        if s.get("type") == "Split" and isinstance(s.get("pattern"), dict):
+            splits.append(s["pattern"].get("Regex") or s["pattern"].get("String"))
+        elif s.get("type") == "ByteLevel":
+            byte_level = s
+        else:
+            splits.append(f"<{s.get('type')}>")
+    if byte_level is not None and not splits and byte_level.get("use_regex", True):
+        return "gpt-2"
+    if byte_level is not None and not byte_level.get("use_regex", True):
+        name = _SPLIT_PATTERNS.get(tuple(splits))
+        if name:
+            return name
+    raise InputError("its pre-tokenizer is not one ktconvert can name for llama.cpp "
+                     f"({json.dumps(pre)[:120]}...)", path=str(path), where="pre_tokenizer", fix=NO_TOKENIZER_FIX)
+
+
+def convert_tokenizer(model_dir: Path, n_vocab: int, config: dict | None) -> GgufVocab | None:
+    """The GGUF vocabulary of the HF tokenizer in ``model_dir``; ``None`` when there is no ``tokenizer.json``.
+
+    ``n_vocab`` is the number of embedding rows: llama.cpp needs exactly that many tokens, so ids the tokenizer
+    does not use become ``[PAD<id>]`` placeholders of type UNUSED, as convert_hf_to_gguf writes them.
+    """
+    tj = model_dir / "tokenizer.json"
+    if not tj.is_file():
+        return None
+    data = _load(tj)
+    model = data.get("model") or {}
+    if model.get("type") != "BPE" or not isinstance(model.get("vocab"), dict):
+        raise InputError(f"tokenizer model is {model.get('type')!r}; ktconvert converts byte-level BPE tokenizers",
+                         path=str(tj), where="model.type", fix=NO_TOKENIZER_FIX)
+    if model.get("byte_fallback"):
+        raise InputError("a BPE tokenizer with byte_fallback is a SentencePiece tokenizer in disguise; llama.cpp "
+                         "needs its tokenizer.model scores", path=str(tj), where="model.byte_fallback",
+                         fix=NO_TOKENIZER_FIX)
+    pre = _pre_name(data.get("pre_tokenizer"), tj)
+    by_id: dict[int, tuple[str, int]] = {}
+    for tok, i in model["vocab"].items():
+        if type(i) is int and i >= 0:
+            by_id[i] = (tok, 1)  # NORMAL
+    for a in data.get("added_tokens") or []:
+        if isinstance(a, dict) and type(a.get("id")) is int and isinstance(a.get("content"), str):
+            by_id[a["id"]] = (a["content"], 3 if a.get("special") else 4)  # CONTROL / USER_DEFINED
+    top = max(by_id, default=-1) + 1
+    if top > n_vocab:
+        raise InputError(f"token id {top - 1} does not fit the {n_vocab} embedding rows", path=str(tj),
+                         where="model.vocab", fix="the tokenizer belongs to another model")
+    tokens, types = [], []
+    for i in range(n_vocab):
+        tok, ty = by_id.get(i, (f"[PAD{i}]", 5))  # UNUSED
+        tokens.append(tok)
+        types.append(ty)
+    merges = []
+    for m in model.get("merges") or []:
+        merges.append(" ".join(m) if isinstance(m, list) else str(m))
+    tc_path = model_dir / "tokenizer_config.json"
+    tc = _load(tc_path) if tc_path.is_file() else {}
+    ids = {tok: i for i, (tok, _) in by_id.items()}
+
+    def special(key: str, cfg_key: str) -> int | None:
+        v = tc.get(key)
+        if isinstance(v, dict):
+            v = v.get("content")
+        if isinstance(v, str) and v in ids:
+            return ids[v]
+        c = (config or {}).get(cfg_key)
+        return c if type(c) is int else None
+
+    def flag(key: str) -> bool | None:
+        v = tc.get(key)
+        return v if isinstance(v, bool) else None
+
+    tmpl = tc.get("chat_template")
+    return GgufVocab(
+        model="gpt2", pre=pre, tokens=tuple(tokens), token_types=tuple(types), merges=tuple(merges),
+        bos_id=special("bos_token", "bos_token_id"), eos_id=special("eos_token", "eos_token_id"),
+        pad_id=special("pad_token", "pad_token_id"), add_bos=flag("add_bos_token"), add_eos=flag("add_eos_token"),
+        chat_template=tmpl if isinstance(tmpl, str) else None,
+    )

@@ -1,0 +1,194 @@
+"""One unit of work: a run of rows of one output tensor, read from the input, converted, written at its offset.
+
+Runs in the main process (``jobs=1``) or in worker processes; it opens what it needs by path and caches it per
+process, so a task is only a few small objects. Everything a unit allocates is proportional to its rows, which
+the executor sizes from the memory budget; the input is read through short-lived memory maps that are released
+when the unit ends, so resident memory does not grow with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from ktconvert.convert.plan import PlanTensor
+from ktconvert.convert.source import Segment
+from ktconvert.errors import EnvironmentProblem, InputError
+
+
+@dataclass(frozen=True)
+class Task:
+    """What a worker needs for one unit; ``out_path`` is the output file (in the partial directory)."""
+
+    unit: int
+    src: str
+    out_path: str
+    tensor: PlanTensor
+    r0: int
+    r1: int
+
+
+_CHECKPOINTS: dict = {}
+_FDS: dict = {}
+
+
+def _checkpoint(path: str):
+    ck = _CHECKPOINTS.get(path)
+    if ck is None:
+        from ktconvert.formats import open_checkpoint
+
+        ck = _CHECKPOINTS[path] = open_checkpoint(path)
+    return ck
+
+
+def _fd(path: str) -> int:
+    fd = _FDS.get(path)
+    if fd is None:
+        fd = _FDS[path] = os.open(path, os.O_WRONLY)
+    return fd
+
+
+def close_all() -> None:
+    for fd in _FDS.values():
+        os.close(fd)
+    _FDS.clear()
+    _CHECKPOINTS.clear()
+
+
+def worker_init() -> None:
+    """Per worker process: one core each (the executor runs ``jobs`` processes side by side)."""
+    import torch
+
+    torch.set_num_threads(1)
+
+
+def run_task(task: Task) -> int:
+    """Convert and write one unit; returns the unit id. Raises :class:`InputError` for bad data (NaN/Inf)."""
+    try:
+        return _run(task)
+    except InputError as exc:
+        if exc.path is None:
+            raise InputError(exc.message, path=task.src, where=exc.where or f"tensor {task.tensor.name}",
+                             fix=exc.fix) from None
+        raise
+
+
+def _run(task: Task) -> int:
+    t = task.tensor
+    if t.const is not None:
+        data = np.frombuffer(t.const, dtype=np.uint8)
+    else:
+        ck = _checkpoint(task.src)
+        if t.copy_bytes:
+            data = _raw_rows(ck, t, task.r0, task.r1)
+        else:
+            from ktconvert.quant import quantize
+
+            x = _float_rows(ck, t, task.r0, task.r1)
+            data = quantize(x, t.type, workers=1, name=t.name).reshape(-1)
+            del x
+    offset = t.offset + task.r0 * t.row_bytes
+    expect = (task.r1 - task.r0) * t.row_bytes if t.const is None else t.nbytes
+    if data.nbytes != expect:
+        raise AssertionError(f"{t.name}: unit produced {data.nbytes} bytes, plan says {expect}")
+    _pwrite(task.out_path, data, offset)
+    return task.unit
+
+
+def _pwrite(path: str, data: np.ndarray, offset: int) -> None:
+    view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+    fd = _fd(path)
+    try:
+        while len(view):
+            n = os.pwrite(fd, view[: 1 << 30], offset)
+            view, offset = view[n:], offset + n
+    except OSError as exc:
+        raise EnvironmentProblem(f"cannot write: {exc.strerror}", path=path,
+                                 fix="free disk space (or fix permissions), then rerun with --resume") from None
+
+
+def _overlaps(t: PlanTensor, r0: int, r1: int):
+    """``(segment, first row inside the segment, rows, position in the unit)`` for segments meeting [r0, r1)."""
+    for s in t.segments:
+        a, b = max(r0, s.start), min(r1, s.start + s.rows)
+        if a < b:
+            yield s, a - s.start, b - a, a - r0
+
+
+def _rows2d(ck, name: str) -> np.ndarray:
+    raw = ck.read(name)
+    if raw.ndim == 0:
+        return raw.reshape(1, 1)
+    if raw.ndim == 1:
+        return raw.reshape(1, -1)
+    return raw.reshape(-1, raw.shape[-1])
+
+
+def _raw_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
+    """Rows ``r0..r1`` as stored bytes (the output type equals the input type, rows are only regrouped)."""
+    out = np.empty((r1 - r0, t.row_bytes), dtype=np.uint8)
+    for s, i, n, pos in _overlaps(t, r0, r1):
+        src = _rows2d(ck, s.source)
+        rows = np.ascontiguousarray(src[s.src_row + i: s.src_row + i + n]).view(np.uint8).reshape(n, -1)
+        if rows.shape[1] != t.row_bytes:
+            raise AssertionError(f"{s.source}: row of {rows.shape[1]} bytes, {t.name} needs {t.row_bytes}")
+        _check_finite_raw(rows, ck[s.source].dtype, s, i)
+        out[pos: pos + n] = rows
+        del src, rows
+    return out
+
+
+def _check_finite_raw(rows: np.ndarray, dtype: str, s: Segment, first: int) -> None:
+    if dtype not in ("F32", "F16", "BF16", "F64"):
+        return
+    x = _decode(rows.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}[dtype]), dtype)
+    _check_finite(x, s, first)
+
+
+def _check_finite(x: np.ndarray, s: Segment, first: int) -> None:
+    with np.errstate(invalid="ignore"):
+        if np.isfinite(x.max()) and np.isfinite(x.min()):
+            return
+    r, c = (int(v) for v in np.argwhere(~np.isfinite(x))[0])
+    raise InputError(f"non-finite value {x[r, c]} at row {s.src_row + first + r}, column {c}",
+                     path=None, where=f"tensor {s.source}",
+                     fix="the checkpoint is corrupt or was saved from a diverged run; fix or drop that tensor")
+
+
+def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
+    if dtype == "BF16":
+        return (np.asarray(raw, dtype=np.uint32) << 16).view(np.float32)
+    if dtype in ("F32", "F16", "F64"):
+        return np.asarray(raw, dtype=np.float32)
+    from ktconvert.quant import dequantize
+
+    return dequantize(np.asarray(raw), dtype)
+
+
+def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
+    """Rows ``r0..r1`` of the output tensor as float32, assembled from the segments."""
+    n_out = t.shape[-1] if t.shape else 1
+    x = np.empty((r1 - r0, n_out), dtype=np.float32)
+    for s, i, n, pos in _overlaps(t, r0, r1):
+        dtype = ck[s.source].dtype
+        if s.op == "rows":
+            src = _rows2d(ck, s.source)
+            part = _decode(src[s.src_row + i: s.src_row + i + n], dtype)
+        elif s.op == "transpose":
+            slab = ck.read(s.source)[s.expert]
+            part = _decode(slab[:, s.src_col + i: s.src_col + i + n], dtype).T
+        else:  # permute: llama.cpp's rope row order within each head (convert_hf_to_gguf's LlamaModel.permute)
+            src = _rows2d(ck, s.source)
+            half = s.rows // s.heads // 2
+            o = np.arange(i, i + n)
+            head, rem = np.divmod(o, 2 * half)
+            idx = head * 2 * half + (rem % 2) * half + rem // 2
+            part = _decode(src[idx], dtype)
+        part = part.reshape(n, -1)
+        if part.shape[1] != n_out:
+            raise AssertionError(f"{s.source}: rows of {part.shape[1]}, {t.name} needs {n_out}")
+        x[pos: pos + n] = part
+        del part
+    return x

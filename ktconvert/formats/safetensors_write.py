@@ -1,0 +1,73 @@
+"""safetensors output headers computed up front, and a streaming writer that never holds a whole tensor set.
+
+The header of a safetensors file lists every tensor's byte range, so a writer that knows the tensors' dtypes
+and shapes can write the header first and then the data piece by piece, in any order. The ``safetensors``
+package's own writers need every tensor in memory at once; these do not.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable
+
+DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
+               "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+
+
+@dataclass(frozen=True)
+class StSlot:
+    """Where one tensor's data lives in an output safetensors file: ``offset`` is absolute."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    offset: int
+
+
+def layout_safetensors(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
+                       ) -> tuple[bytes, list[StSlot], int]:
+    """``(header bytes, slots, file size)`` for ``[(name, dtype, shape, nbytes)]`` laid out back to back.
+
+    The JSON header is padded with spaces to a multiple of 8 bytes, as the ``safetensors`` package writes it.
+    """
+    head: dict = {}
+    if metadata:
+        head["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    rel = 0
+    rels = []
+    for name, dtype, shape, nbytes in tensors:
+        head[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [rel, rel + nbytes]}
+        rels.append(rel)
+        rel += nbytes
+    text = json.dumps(head, separators=(",", ":")).encode("utf-8")
+    text += b" " * (-len(text) % 8)
+    header = struct.pack("<Q", len(text)) + text
+    slots = [StSlot(n, d, tuple(s), nb, len(header) + r) for (n, d, s, nb), r in zip(tensors, rels)]
+    return header, slots, len(header) + rel
+
+
+def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, str, tuple[int, ...], int,
+                                                                   Callable[[], Iterable[bytes]]]],
+                      metadata: dict[str, str] | None = None) -> int:
+    """Write ``[(name, dtype, shape, nbytes, chunks)]`` to ``path``; ``chunks()`` yields the tensor's bytes in
+    pieces (e.g. one expert at a time), so memory stays at one piece. Returns the file size; the caller
+    provides atomicity (write into a temporary directory, then rename)."""
+    tensors = list(tensors)
+    header, slots, size = layout_safetensors([(n, d, s, nb) for n, d, s, nb, _ in tensors], metadata)
+    with open(path, "wb") as fh:
+        fh.write(header)
+        for (name, _, _, nbytes, chunks), slot in zip(tensors, slots):
+            written = 0
+            for piece in chunks():
+                fh.write(piece)
+                written += len(piece)
+            if written != nbytes:
+                raise ValueError(f"{name}: wrote {written} bytes, header says {nbytes}")
+        fh.flush()
+        os.fsync(fh.fileno())
+    return size
