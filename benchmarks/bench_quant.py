@@ -1,7 +1,8 @@
 """Quantizer throughput: ktconvert (one core and all cores) vs the ``gguf`` package vs ggml's C reference.
 
 MB/s are megabytes (1e6) of float32 input per second, best of ``--repeat`` runs after a warm-up, all
-measured in this one process on the same array. The C reference is ``ggml_quantize_chunk`` (no
+measured in this one process on the same array. Single-threaded columns divide by CPU seconds (the
+per-core speed, robust to other processes sharing the machine); the all-cores column by wall seconds. The C reference is ``ggml_quantize_chunk`` (no
 importance matrix) from the pinned ggml built by ``tests/ggml_ref.py``, called single-threaded through
 ctypes; torch is limited to one intra-op thread so "1 core" really is one core.
 
@@ -26,14 +27,20 @@ from ktconvert import quant as Q  # noqa: E402
 ALL = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
-def best_time(fn, repeat: int) -> float:
+def best_time(fn, repeat: int, clock=time.perf_counter) -> float:
     fn()  # warm-up (imports, allocator, caches)
     best = float("inf")
     for _ in range(repeat):
-        t0 = time.perf_counter()
+        t0 = clock()
         fn()
-        best = min(best, time.perf_counter() - t0)
+        best = min(best, clock() - t0)
     return best
+
+
+def cpu_time(fn, repeat: int) -> float:
+    """Best CPU seconds of this process: for single-threaded runs, MB per CPU-second is the per-core
+    speed even when other processes share the cores (wall time would count their turns too)."""
+    return best_time(fn, repeat, time.process_time)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -66,16 +73,20 @@ def main(argv: list[str] | None = None) -> int:
     def fmt(v: float | None, note: str = "-") -> str:
         return f"{v:9.1f}" if v is not None else f"{note:>9}"
 
+    import os
+
     print(f"input: float32 {args.rows}x{args.cols} ({mb:.1f} MB), gaussian*0.02, best of {args.repeat}; "
-          f"{ncores} cores; numpy {np.__version__}, torch {torch.__version__}")
+          f"{ncores} cores; numpy {np.__version__}, torch {torch.__version__}; "
+          f"load average {os.getloadavg()[0]:.2f} at start")
     print(f"C reference: {ref_note}")
+    print("single-threaded columns: MB per CPU-second (per-core speed); all-cores column: MB per wall second")
     head = (f"| {'type':5} | {'ours 1 core':>11} | {'ours ' + str(ncores) + ' cores':>12} | {'gguf':>9} | "
             f"{'C ref 1 thr':>11} | {'ours/C':>6} | {'ours/gguf':>9} |")
     print(head)
     print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
     for name in args.types.split(","):
         qt = Q.as_qtype(name)
-        ours1 = mb / best_time(lambda: Q.quantize(x, qt, workers=1), args.repeat)
+        ours1 = mb / cpu_time(lambda: Q.quantize(x, qt, workers=1), args.repeat)
         oursn = mb / best_time(lambda: Q.quantize_parallel(x, qt), args.repeat)
         gg = None
         gg_note = "-"
@@ -84,14 +95,15 @@ def main(argv: list[str] | None = None) -> int:
         else:
             try:
                 gq.quantize(x[:1], qt)
-                gg = mb / best_time(lambda: gq.quantize(x, qt), args.repeat)
+                gg = mb / cpu_time(lambda: gq.quantize(x, qt), args.repeat)
             except NotImplementedError:
                 pass
-        cr = mb / best_time(lambda: ref.quantize(x, qt), args.repeat) if ref is not None else None
+        cr = mb / cpu_time(lambda: ref.quantize(x, qt), args.repeat) if ref is not None else None
         r_c = f"{ours1 / cr:6.2f}" if cr else f"{'-':>6}"
         r_g = f"{ours1 / gg:9.2f}" if gg else f"{'-':>9}"
         print(f"| {qt.name:5} | {fmt(ours1):>11} | {fmt(oursn):>12} | {fmt(gg, gg_note)} | {fmt(cr):>11} | {r_c} | {r_g} |",
               flush=True)
+    print(f"load average {os.getloadavg()[0]:.2f} at end (other processes share these cores: all numbers move with it)")
     return 0
 
 
