@@ -49,11 +49,17 @@ def vec_dot_type(weight_type: str) -> str | None:
     return VEC_DOT_TYPE.get(weight_type)
 
 
+def _div(num: float, den: torch.Tensor) -> torch.Tensor:
+    """``num / den`` rounded once, as C's float division (torch's ``scalar / tensor`` multiplies by a
+    reciprocal, which can land one ulp away)."""
+    return torch.div(torch.full_like(den, num), den)
+
+
 def _q8_0(x: torch.Tensor) -> torch.Tensor:
     blocks = x.reshape(-1, 32)
     amax = blocks.abs().amax(dim=1, keepdim=True)
     d = (amax / 127.0).to(torch.float16).to(torch.float32)
-    inv = torch.where(amax > 0, 127.0 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
+    inv = torch.where(amax > 0, _div(127.0, torch.where(amax > 0, amax, torch.ones_like(amax))), torch.zeros_like(amax))
     q = torch.round(blocks * inv).clamp_(-127, 127)  # torch.round: half to even, as _mm256_round_ps
     return (q * d).reshape(x.shape)
 
@@ -63,9 +69,9 @@ def _q8_k(x: torch.Tensor) -> torch.Tensor:
     idx = blocks.abs().argmax(dim=1, keepdim=True)  # first index of the largest magnitude, as the C loop
     vmax = blocks.gather(1, idx)
     nonzero = vmax != 0
-    iscale = torch.where(nonzero, -127.0 / torch.where(nonzero, vmax, torch.ones_like(vmax)), torch.zeros_like(vmax))
+    iscale = torch.where(nonzero, _div(-127.0, torch.where(nonzero, vmax, torch.ones_like(vmax))), torch.zeros_like(vmax))
     q = torch.round(blocks * iscale).clamp_(max=127)  # nearest_int() is round half to even
-    d = torch.where(nonzero, 1.0 / torch.where(nonzero, iscale, torch.ones_like(iscale)), torch.zeros_like(iscale))
+    d = torch.where(nonzero, _div(1.0, torch.where(nonzero, iscale, torch.ones_like(iscale))), torch.zeros_like(iscale))
     return (q * d).reshape(x.shape)
 
 

@@ -1,0 +1,224 @@
+"""``ktconvert verify`` through the CLI: exit codes, text and JSON (against its schema), profiles as data, and a
+one-line error for every unusable input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+from click.testing import CliRunner
+
+from verify_helpers import Workspace
+from ktconvert import resources
+from ktconvert.cli import cli
+from ktconvert.verify import load_profile, shipped_profiles
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    return Workspace(tmp_path_factory.mktemp("verify-cli"))
+
+
+@pytest.fixture(scope="module")
+def validator():
+    import jsonschema
+
+    schema = resources.load_schema("verify-report")
+    jsonschema.Draft202012Validator.check_schema(schema)
+    return jsonschema.Draft202012Validator(schema)
+
+
+def _verify(ws, family, *extra, model=None, golden=None, rules=None):
+    args = ["verify", "--model", str(model or ws.model(family)), "--rules", str(rules or ws.rules(family)),
+            "--golden", str(golden or ws.golden(family)), *map(str, extra)]
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+def _error(res, code=3):
+    assert res.exit_code == code, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ktconvert: error: "), res.stderr
+    return lines[0]
+
+
+def test_pass_exits_0_with_text(ws):
+    res = _verify(ws, "qwen3_moe", "--weights", ws.gguf("qwen3_moe", "Q8_0"))
+    assert res.exit_code == 0, res.output
+    out = res.stdout
+    assert "profile q8_0" in out and "KExpertsCPU" in out and "cpu-experts-ggml" in out
+    assert "activations Q8_0/Q8_0/Q8_0, hidden bfloat16" in out
+    assert out.rstrip().splitlines()[-1].startswith("PASS")
+
+
+def test_fail_exits_1_and_json_matches_the_schema(ws, validator):
+    broken = ws.gguf("deepseek_v2", "Q4_K", faults=[("experts-ne-order", 2)])
+    res = _verify(ws, "deepseek_v2", "--weights", broken, "-o", "json")
+    assert res.exit_code == 1, res.output
+    report = json.loads(res.stdout)
+    validator.validate(report)
+    assert report["verdict"] == "fail" and report["profile"]["name"] == "q4_k"
+    assert report["profile"]["limits"]["hidden_states"]["nmse_max"] == 0.07  # the deepseek override applied
+    for phase in ("prefill", "decode"):
+        loc = report["phases"][phase]["localization"]
+        assert (loc["layer"], loc["module"]) == ("layer 2", "model.layers.2.mlp.experts")
+        assert loc["operator"] == "ktransformers.operators.experts.KTransformersExperts"
+        assert len(report["phases"][phase]["positions"]) == 31
+    assert {b["phase"] for b in report["breaches"]} == {"prefill", "decode"}
+
+
+def test_fail_text_names_breaches_and_the_jump(ws):
+    broken = ws.gguf("mixtral", "F32", faults=[("router-transposed", 0)])
+    res = _verify(ws, "mixtral", "--weights", broken, "--tolerance", "f32")
+    assert res.exit_code == 1
+    assert "decode: error jumps at layer 0, module model.layers.0.block_sparse_moe.gate (KTransformersLinear;" in res.stdout
+    assert "FAIL:" in res.stdout and "hidden_nmse" in res.stdout
+
+
+def test_json_of_a_passing_run_matches_the_schema(ws, validator):
+    res = _verify(ws, "qwen2_moe", "-o", "json", "--compute-dtype", "bfloat16", "--no-act-quant", "--tolerance", "q8_0")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    validator.validate(report)
+    assert report["options"] == {"compute_dtype": "bfloat16", "cpu_hidden_dtype": "bfloat16", "cpu_act_quant": False,
+                                 "threads": 1}
+    assert report["weights"]["container"] == "safetensors" and report["injection"]["not_emulated"] == []
+
+
+def test_profile_by_file_and_not_emulated_policy(ws, tmp_path):
+    """A profile file whose not_emulated is fail turns an op verify cannot emulate into a breach."""
+    profile = tmp_path / "strict.yaml"
+    profile.write_text((resources.rules_dir() / "tolerances" / "q8_0.yaml").read_text()
+                       .replace("name: q8_0", "name: strict").replace("not_emulated: warn", "not_emulated: fail"))
+    rules = tmp_path / "marlin.yaml"
+    rules.write_text(ws.rules("qwen3_moe").read_text().replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsMarlin"')
+                     .replace('generate_device: "cpu"', 'generate_device: "cuda"').replace('      out_device: "cuda"\n', ""))
+    res = _verify(ws, "qwen3_moe", "--weights", ws.gguf("qwen3_moe", "Q8_0"), "--tolerance", profile, "--rules", rules)
+    assert res.exit_code == 1, res.output
+    assert "NOT EMULATED" in res.stdout and "injection: not_emulated" in res.stdout
+    warn = _verify(ws, "qwen3_moe", "--weights", ws.gguf("qwen3_moe", "Q8_0"), "--tolerance", "q8_0", "--rules", rules)
+    assert warn.exit_code == 0 and "not emulated" in warn.stdout
+
+
+def test_shipped_profiles_are_valid_and_checked_by_check_rules():
+    names = set(shipped_profiles())
+    assert {"f32", "q8_0", "q4_k"} <= names
+    for name in names:
+        assert load_profile(name).name == name
+    res = CliRunner().invoke(cli, ["check-rules", "--strict", str(resources.rules_dir() / "tolerances")])
+    assert res.exit_code == 0, res.output
+
+
+# --- unusable inputs: one line, exit 3 (2 for usage) ----------------------------------------------------------
+def test_missing_golden(ws, tmp_path):
+    line = _error(_verify(ws, "qwen3_moe", golden=tmp_path / "nope"))
+    assert "manifest.yaml: golden manifest not found" in line
+
+
+def test_golden_of_another_model(ws):
+    line = _error(_verify(ws, "qwen3_moe", golden=ws.golden("qwen2_moe")))
+    assert "config.json differs from the one golden 'qwen2_moe' was made with" in line
+
+
+def test_golden_of_other_weights(ws, tmp_path):
+    model = tmp_path / "m"
+    shutil.copytree(ws.model("qwen3_moe"), model)
+    data = bytearray((model / "model.safetensors").read_bytes())
+    data[-1] ^= 0x01  # one weight's last byte: same config, different weights
+    (model / "model.safetensors").write_bytes(bytes(data))
+    line = _error(_verify(ws, "qwen3_moe", model=model))
+    assert "model.safetensors: weights differ from those golden 'qwen3_moe' was made with" in line
+
+
+def test_weights_missing_a_tensor(ws):
+    partial = ws.gguf("qwen2_moe", "Q8_0", drop=("blk.1.ffn_down_exps.weight",))
+    line = _error(_verify(ws, "qwen2_moe", "--weights", partial))
+    assert "experts of layer 1: no tensor blk.1.ffn_down_exps.weight" in line
+
+
+def test_weights_missing_a_non_expert_tensor(ws):
+    partial = ws.gguf("qwen2_moe", "Q8_0", drop=("blk.0.attn_norm.weight", "output_norm.weight"))
+    line = _error(_verify(ws, "qwen2_moe", "--weights", partial))
+    assert "2 tensor(s) the model needs are missing: blk.0.attn_norm.weight (model.layers.0.input_layernorm.weight)" in line
+
+
+def test_weights_not_found(ws, tmp_path):
+    line = _error(_verify(ws, "qwen2_moe", "--weights", tmp_path / "x.gguf"))
+    assert "weights not found" in line
+
+
+def test_bad_tolerance_file(ws, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("kind: tolerance-profile\nversion: 1\nname: bad\ndescription: x\nlogits:\n  kl_maxx: 1\n")
+    line = _error(_verify(ws, "qwen3_moe", "--tolerance", bad))
+    assert "bad.yaml:6:3: not a valid tolerance profile: Additional properties are not allowed ('kl_maxx'" in line
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("kind: tolerance-profile\nlogits: [\n")
+    assert "broken.yaml:" in _error(_verify(ws, "qwen3_moe", "--tolerance", broken))
+
+
+def test_unknown_profile_name(ws):
+    line = _error(_verify(ws, "qwen3_moe", "--tolerance", "q9_9"))
+    assert "no tolerance profile named 'q9_9' (shipped: f32, q4_k, q8_0)" in line
+
+
+def test_auto_profile_needs_one_expert_type(ws, tmp_path):
+    from verify_helpers import write_gguf
+    import gguf
+    import numpy as np
+
+    # a mixed file: F32 experts except layer 1's, which are Q8_0 (rewrite through the helper's writer)
+    mixed = tmp_path / "mixed.gguf"
+    write_gguf(ws.model("qwen3_moe"), mixed, "F32")
+    reader = gguf.GGUFReader(str(mixed))
+    writer = gguf.GGUFWriter(str(tmp_path / "mixed2.gguf"), "qwen3moe")
+    from ktconvert import quant
+
+    for t in reader.tensors:
+        data = np.array(t.data)
+        if t.name.startswith("blk.1.ffn_") and t.name.endswith("_exps.weight"):
+            writer.add_tensor(t.name, quant.quantize(data, "Q8_0"), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
+        else:
+            writer.add_tensor(t.name, data)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    line = _error(_verify(ws, "qwen3_moe", "--weights", tmp_path / "mixed2.gguf"), code=2)
+    assert "the experts mix types ['F32', 'Q8_0']" in line and "--tolerance" in line
+    assert _verify(ws, "qwen3_moe", "--weights", tmp_path / "mixed2.gguf", "--tolerance", "q8_0").exit_code == 0
+
+
+def test_rules_with_errors(ws, tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(ws.rules("qwen3_moe").read_text().replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertCPU"'))
+    line = _error(_verify(ws, "qwen3_moe", rules=bad))
+    assert "KT202" in line and "bad.yaml:" in line
+
+
+def test_plot_without_matplotlib_is_an_environment_error(ws, tmp_path):
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        line = _error(_verify(ws, "qwen3_moe", "--plot", tmp_path / "p.png"))
+        assert "--plot needs matplotlib, which is not installed (pip install matplotlib" in line
+        assert not (tmp_path / "p.png").exists()
+    else:
+        pytest.skip("matplotlib is installed; the plot test covers it")
+
+
+def test_plot_with_matplotlib(ws, tmp_path):
+    pytest.importorskip("matplotlib")
+    res = _verify(ws, "qwen3_moe", "--plot", tmp_path / "p.png")
+    assert res.exit_code == 0 and (tmp_path / "p.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_verify_does_not_import_torch_before_it_runs():
+    """The CLI group lists verify without importing torch (check-rules stays torch-free)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; from ktconvert.cli import cli; import ktconvert.cli.verify, ktconvert.verify; "
+            "print('torch' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"

@@ -1,0 +1,121 @@
+"""The must-shows of ``ktconvert verify`` on the five tiny models, through the library API.
+
+* correct conversions (F32, Q8_0, Q4_K) pass with the profile made for their type (``auto`` picks it);
+* broken conversions fail, and both phases name the layer and module the fault is in;
+* a decode-only fault (layer-wise prefill reading the original experts, decode reading broken ones) passes
+  prefill and fails decode at that layer's experts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from verify_helpers import FAMILIES, Workspace, experts_path, gate_path
+from ktconvert.verify import run_verify
+
+FAULT_LAYER = 1  # every tiny model has experts in layer 1 (DeepSeek's layer 0 is dense)
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    return Workspace(tmp_path_factory.mktemp("verify"))
+
+
+def _run(ws, family, weights, **kw):
+    return run_verify(ws.model(family), ws.rules(family), ws.golden(family), weights=weights, **kw)
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_correct_conversion_passes_with_its_profile(ws, family, qtype):
+    report = _run(ws, family, ws.gguf(family, qtype))
+    assert report.profile.name == qtype.lower()
+    assert report.passed, [b.line() for b in report.breaches]
+    for phase in report.phases:
+        s = phase.logits.summary()
+        assert s["positions"] == 31 and phase.nonfinite is None
+        assert not phase.localization["breach"]
+    used = {(u.slot, u.op): u for u in _uses(report)}
+    assert used[("generate_op", "KExpertsCPU")].emulation == "cpu-experts-ggml"
+    assert used[("generate_op", "KExpertsCPU")].emulated
+    assert not any(not u.emulated for u in _uses(report))
+
+
+def _uses(report):
+    from ktconvert.model.inject import OperatorUse
+
+    return [OperatorUse(**u) for u in report.injection["operators"]]
+
+
+FAULTS = [
+    ("experts-ne-order", experts_path),
+    ("gate-up-swapped", experts_path),
+    ("router-transposed", gate_path),
+]
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q4_K"])
+@pytest.mark.parametrize("fault,where", FAULTS, ids=[f for f, _ in FAULTS])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_broken_conversion_fails_at_the_broken_module(ws, family, fault, where, qtype):
+    report = _run(ws, family, ws.gguf(family, qtype, faults=[(fault, FAULT_LAYER)]))
+    assert not report.passed
+    for phase in report.phases:
+        loc = phase.localization
+        assert loc["breach"]
+        assert loc["layer"] == f"layer {FAULT_LAYER}", (phase.name, loc)
+        assert loc["module"] == where(family, FAULT_LAYER), (phase.name, loc)
+        assert loc["module_nmse_out"] > 10 * loc["module_nmse_in"]
+        # the layers before the fault are inside the limit: the error starts where the report says
+        limit = report.profile.hidden_nmse
+        assert all(v <= limit for name, v in phase.layers[: FAULT_LAYER + 1])
+        assert any(b.metric == "hidden_nmse" and b.where == f"layer {FAULT_LAYER}" for b in phase.breaches)
+
+
+def _layerwise_rules(ws, family, threshold=8):
+    text = ws.rules(family).read_text()
+    assert "per_layer_prefill_intput_threshold: 0" in text
+    path = ws.root / f"{family}-layerwise.yaml"
+    path.write_text(text.replace("per_layer_prefill_intput_threshold: 0", f"per_layer_prefill_intput_threshold: {threshold}"))
+    return path
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_decode_only_fault(ws, family):
+    """Prefill runs layer-wise (threshold 8 < 31 prompt tokens): prefill ops (KExpertsTorch, KLinearTorch)
+    read the original safetensors; decode runs KExpertsCPU on a GGUF whose layer-1 gate and up are swapped."""
+    broken = ws.gguf(family, "F32", faults=[("gate-up-swapped", FAULT_LAYER)])
+    report = run_verify(ws.model(family), _layerwise_rules(ws, family), ws.golden(family), weights=broken,
+                        prefill_weights=ws.model(family), profile="f32")
+    assert report.injection["layerwise_prefill"] is True
+    prefill, decode = report.phase("prefill"), report.phase("decode")
+    assert prefill.layerwise and not decode.layerwise
+    assert prefill.breaches == []
+    assert not report.passed and decode.breaches
+    loc = decode.localization
+    assert loc["layer"] == f"layer {FAULT_LAYER}" and loc["module"] == experts_path(family, FAULT_LAYER)
+    ops = {(u.slot, u.op, u.emulation) for u in _uses(report) if experts_path(family, FAULT_LAYER) in u.modules}
+    assert ops == {("generate_op", "KExpertsCPU", "cpu-experts-ggml"), ("prefill_op", "KExpertsTorch", "experts-dequant")}
+
+
+def test_layerwise_prefill_off_when_prompt_not_longer_than_threshold(ws):
+    """Upstream's condition is threshold < seq_len: a threshold of 31 (the prompt length) keeps generate_op,
+    so the broken experts show in prefill too."""
+    family = "qwen2_moe"
+    broken = ws.gguf(family, "F32", faults=[("gate-up-swapped", FAULT_LAYER)])
+    report = run_verify(ws.model(family), _layerwise_rules(ws, family, threshold=31), ws.golden(family),
+                        weights=broken, prefill_weights=ws.model(family), profile="f32")
+    assert report.injection["layerwise_prefill"] is False
+    assert report.phase("prefill").breaches and report.phase("decode").breaches
+    assert not any(u.slot == "prefill_op" for u in _uses(report))
+
+
+def test_nonfinite_weights_are_located(ws):
+    family = "qwen3_moe"
+    poisoned = ws.gguf(family, "F32", poison=("blk.1.attn_output.weight",))
+    report = _run(ws, family, poisoned)
+    assert not report.passed
+    for phase in report.phases:
+        assert phase.nonfinite == {"where": "hidden_states", "layer": "layer 1", "position": 0, "index": phase.nonfinite["index"]}
+        assert phase.breaches[0].metric == "nonfinite"
+        assert phase.localization["module"] == "model.layers.1.self_attn.o_proj"

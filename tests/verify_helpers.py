@@ -1,0 +1,146 @@
+"""Test-only converter: a GGUF of a tiny model with llama.cpp names and chosen ggml types, optionally broken.
+
+Written for the verify tests before ``ktconvert quantize`` existed; it follows llama.cpp's conventions
+(merged ``*_exps`` experts ``[E, rows, cols]``, F32 norms and routers, ``llama``-architecture q/k rows
+permuted for ggml's rope, a tensor whose rows a type cannot hold falls back to Q8_0 or F32) and uses
+``ktconvert.quant`` for the bytes. Faults reproduce real conversion bugs:
+
+* ``("experts-ne-order", L)``: layer L's expert tensors written in ggml ``ne`` order read as numpy order (the
+  ``[H, I, E]`` array's bytes under the ``[E, I, H]`` shape; the tiny models have ``H == I``, so the shape
+  still fits and only the numbers show it);
+* ``("gate-up-swapped", L)``: layer L's ``ffn_gate_exps`` holds the up projections and vice versa;
+* ``("router-transposed", L)``: layer L's ``ffn_gate_inp`` holds the transposed router's bytes under the
+  original shape.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+
+from ktconvert import quant
+from ktconvert.formats import naming_map
+from ktconvert.model import load_config
+from ktconvert.model.ops.source import permute_rope_rows
+from ktconvert.model.weights import read_tensors, to_reference_state
+
+PROJ = ("gate", "up", "down")
+
+
+def _row_type(want: str, row: int) -> str:
+    if quant.row_ok(row, want):
+        return want
+    return "Q8_0" if quant.row_ok(row, "Q8_0") else "F32"
+
+
+def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None = None, faults=(), drop=(),
+               split_kv_b: bool = False, poison=()) -> Path:
+    """``drop``: llama.cpp names to leave out; ``poison``: names written in F32 with a NaN as first element."""
+    cfg = load_config(Path(model_dir))
+    state = {k: v.float().numpy() for k, v in to_reference_state(cfg, read_tensors(model_dir)).items()}
+    nm = naming_map(cfg.family)
+    other = other_type or expert_type
+    faults = {(kind, layer) for kind, layer in faults}
+    tensors: dict[str, tuple[np.ndarray, str]] = {}
+
+    names = dict(zip(PROJ, cfg.expert_proj_names))
+    for layer in cfg.moe_layers:
+        prefix = f"model.layers.{layer}.{cfg.moe_block_name}.experts"
+        stacks = {p: np.stack([state.pop(f"{prefix}.{e}.{names[p]}.weight") for e in range(cfg.num_experts)])
+                  for p in PROJ}
+        if ("gate-up-swapped", layer) in faults:
+            stacks["gate"], stacks["up"] = stacks["up"], stacks["gate"]
+        if ("experts-ne-order", layer) in faults:
+            stacks = {p: np.ascontiguousarray(w.transpose(2, 1, 0)).reshape(w.shape) for p, w in stacks.items()}
+        for p, w in stacks.items():
+            tensors[nm.expert_name("gguf-merged", p, layer)] = (w, expert_type)
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    for name, w in state.items():
+        gname = nm.to_gguf(name)
+        assert gname is not None, name
+        if nm.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
+            w = permute_rope_rows(w, heads if ".attn_q." in gname else kv_heads)
+        if gname.endswith("ffn_gate_inp_shexp.weight"):
+            w = w.reshape(-1)  # llama.cpp stores the shared-expert gate as a vector
+        if gname.endswith("ffn_gate_inp.weight"):
+            layer = int(gname.split(".")[1])
+            if ("router-transposed", layer) in faults:
+                w = np.ascontiguousarray(w.T).reshape(w.shape)
+            tensors[gname] = (w, "F32")
+            continue
+        if split_kv_b and gname.endswith("attn_kv_b.weight"):
+            nope, vdim, rank = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+            kv = w.reshape(heads, nope + vdim, rank)
+            tensors[gname.replace("attn_kv_b", "attn_k_b")] = (np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), "F32")
+            tensors[gname.replace("attn_kv_b", "attn_v_b")] = (np.ascontiguousarray(kv[:, nope:]), "F32")
+            continue
+        tensors[gname] = (w, "F32" if w.ndim == 1 else _row_type(other, w.shape[-1]))
+
+    writer = gguf.GGUFWriter(str(out), nm.arch)
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_expert_count(cfg.num_experts)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    for gname, (w, qtype) in tensors.items():
+        if gname in drop:
+            continue
+        if gname in poison:  # the quantizers refuse NaN, as they should: write the floats as they are
+            bad = np.array(w, dtype=np.float32)
+            bad.reshape(-1)[0] = np.nan
+            writer.add_tensor(gname, bad)
+            continue
+        data = quant.quantize(np.ascontiguousarray(w, dtype=np.float32), qtype, name=gname)
+        writer.add_tensor(gname, data, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(out)
+
+
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+REPO = Path(__file__).resolve().parents[1]
+
+
+class Workspace:
+    """Tiny models and their GGUF conversions, each written once per test session (keyed by recipe)."""
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        self._ggufs: dict[tuple, Path] = {}
+
+    def model(self, family: str) -> Path:
+        from ktconvert.model.tiny import write_tiny_model
+
+        d = self.root / family
+        if not (d / "config.json").is_file():
+            write_tiny_model(family, d)
+        return d
+
+    def gguf(self, family: str, qtype: str, faults=(), **kw) -> Path:
+        key = (family, qtype, tuple(faults), tuple(sorted(kw.items())))
+        path = self._ggufs.get(key)
+        if path is None:
+            path = self.root / f"{family}-{qtype}-{len(self._ggufs)}.gguf"
+            write_gguf(self.model(family), path, qtype, faults=faults, **kw)
+            self._ggufs[key] = path
+        return path
+
+    @staticmethod
+    def rules(family: str) -> Path:
+        return REPO / "rules" / "optimize" / f"{family}.yaml"
+
+    @staticmethod
+    def golden(family: str) -> Path:
+        return REPO / "golden" / family
+
+
+def experts_path(family: str, layer: int) -> str:
+    return f"model.layers.{layer}.{'block_sparse_moe' if family == 'mixtral' else 'mlp'}.experts"
+
+
+def gate_path(family: str, layer: int) -> str:
+    return f"model.layers.{layer}.{'block_sparse_moe' if family == 'mixtral' else 'mlp'}.gate"
