@@ -22,6 +22,8 @@ COMMANDS: dict[str, str] = {
     "golden": "ktconvert.cli.golden:command",
     "inspect": "ktconvert.cli.inspect_cmd:command",
     "verify": "ktconvert.cli.verify:command",
+    "quantize": "ktconvert.cli.quantize:command",
+    "convert-lora": "ktconvert.cli.convert_lora:command",
 }
 
 

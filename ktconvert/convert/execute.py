@@ -263,8 +263,13 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
             progress(done_bytes, total)
 
     if jobs <= 1 or len(todo) <= 1:
-        for u in todo:
-            finished(run_task(task(u)))
+        try:
+            for u in todo:
+                finished(run_task(task(u)))
+        except BaseException:  # Ctrl-C, a full disk: what is done stays done for --resume
+            _sync(paths)
+            state.record(pending_journal)
+            raise
     else:
         import multiprocessing
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait

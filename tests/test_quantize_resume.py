@@ -1,0 +1,144 @@
+"""kill -9 in the middle of a conversion, then --resume: the result is byte-identical to an uninterrupted run,
+and no partial output ever carries the final name. Plus the rules around an interrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from click.testing import CliRunner
+
+from convert_helpers import tiny, tree_bytes
+from ktconvert.cli import cli
+
+# small units (about 20 rows of 256 each), so the run has hundreds of units and is interrupted mid-way
+ARGS = ["--type", "Q4_K", "--max-memory", "128KiB"]
+
+
+def _cmd(src, out, *extra):
+    return [sys.executable, "-m", "ktconvert", "quantize", str(src), str(out), *ARGS, *extra]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    root = tmp_path_factory.mktemp("resume")
+    src = tiny(root, "qwen3_moe")
+    ref = root / "ref"
+    subprocess.run(_cmd(src, ref), check=True, capture_output=True)
+    return src, ref
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_kill_9_then_resume_is_byte_identical(reference, tmp_path, jobs):
+    src, ref = reference
+    out = tmp_path / "out"
+    journal = tmp_path / ".out.ktconvert-partial" / ".ktconvert" / "journal"
+    proc = subprocess.Popen(_cmd(src, out, "--jobs", jobs), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            assert not out.exists(), "the final name appeared before the run finished"
+            if journal.exists() and len(journal.read_text().split()) >= 30:
+                break
+            assert proc.poll() is None, "the run finished before it could be interrupted"
+            time.sleep(0.01)
+        else:
+            pytest.fail("no progress recorded in time")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    time.sleep(0.5)  # orphaned --jobs workers notice the dead parent and exit
+    assert not out.exists()
+    done_before = len(journal.read_text().split())
+    assert done_before >= 30
+
+    res = subprocess.run(_cmd(src, out, "--jobs", jobs, "--resume", "-o", "json"), capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr
+    report = json.loads(res.stdout)
+    assert report["units_resumed"] >= done_before and report["units"] > 0
+    assert not (tmp_path / ".out.ktconvert-partial").exists()
+    assert tree_bytes(out) == tree_bytes(ref)
+
+
+def _interrupted(src, tmp_path):
+    """A partial directory as a killed run leaves it (the first units done)."""
+    from ktconvert.convert import execute as ex
+
+    calls = {"n": 0}
+    real = ex.run_task
+
+    def dying(task):
+        calls["n"] += 1
+        if calls["n"] > 5:  # after five units: as if the process died there
+            raise KeyboardInterrupt
+        return real(task)
+
+    ex.run_task = dying
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            from ktconvert.convert import convert
+
+            convert(src, tmp_path / "out", type="Q4_K", max_memory="4MiB")
+    finally:
+        ex.run_task = real
+    assert (tmp_path / ".out.ktconvert-partial").is_dir() and not (tmp_path / "out").exists()
+
+
+def test_interrupted_run_needs_resume_or_force(reference, tmp_path):
+    src, ref = reference
+    _interrupted(src, tmp_path)
+    res = CliRunner().invoke(cli, ["quantize", str(src), str(tmp_path / "out"), *ARGS])
+    assert res.exit_code == 2 and "an interrupted conversion to this output exists" in res.stderr
+    assert "--resume" in res.stderr and "--force" in res.stderr
+    # a different plan cannot continue it
+    res = CliRunner().invoke(cli, ["quantize", str(src), str(tmp_path / "out"), "--type", "Q6_K", "--resume"])
+    assert res.exit_code == 3 and "planned differently" in res.stderr
+    # --force starts over and gives the same bytes
+    res = CliRunner().invoke(cli, ["quantize", str(src), str(tmp_path / "out"), "--type", "Q4_K", "--force"])
+    assert res.exit_code == 0, res.stderr
+    assert tree_bytes(tmp_path / "out") == tree_bytes(ref)
+
+
+def test_resume_in_process_does_only_the_rest(reference, tmp_path):
+    from ktconvert.convert import convert
+
+    src, ref = reference
+    _interrupted(src, tmp_path)
+    result = convert(src, tmp_path / "out", type="Q4_K", max_memory="64KiB", resume=True)  # the units are the run's
+    assert result.units_resumed == 5 and result.units > 0
+    assert tree_bytes(tmp_path / "out") == tree_bytes(ref)
+
+
+def test_force_replaces_an_existing_output(reference, tmp_path):
+    src, ref = reference
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "old.txt").write_text("old")
+    res = CliRunner().invoke(cli, ["quantize", str(src), str(out), *ARGS])
+    assert res.exit_code == 2 and "output already exists" in res.stderr and (out / "old.txt").exists()
+    res = CliRunner().invoke(cli, ["quantize", str(src), str(out), "--type", "Q4_K", "--force"])
+    assert res.exit_code == 0 and tree_bytes(out) == tree_bytes(ref)
+
+
+def test_manifest_records_sha256_sources_and_recipe(reference):
+    import hashlib
+
+    src, ref = reference
+    m = json.loads((ref / "manifest.json").read_text())
+    assert m["tool"]["name"] == "ktconvert" and m["tool"]["version"]
+    for name, info in m["files"].items():
+        data = (ref / name).read_bytes()
+        assert len(data) == info["bytes"] and hashlib.sha256(data).hexdigest() == info["sha256"]
+    assert [f["file"] for f in m["source"]["files"]] == ["model.safetensors"]
+    assert len(m["source"]["files"][0]["header_sha256"]) == 64
+    assert m["recipe"]["name"] == "Q4_K" and m["recipe"]["rules"][-1]["type"] == "Q4_K"
+    assert m["layout"] == "kernel" and m["format"] == "gguf"
+    assert {t["name"] for t in m["tensors"]} >= {"blk.0.ffn_gate_exps.weight", "token_embd.weight"}
