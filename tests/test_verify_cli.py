@@ -162,18 +162,15 @@ def test_unknown_profile_name(ws):
     assert "no tolerance profile named 'q9_9' (shipped: f32, q4_k, q8_0)" in line
 
 
-def test_auto_profile_needs_one_expert_type(ws, tmp_path):
-    from verify_helpers import write_gguf
+def test_auto_profile_follows_the_least_precise_expert_type(ws, tmp_path):
     import gguf
     import numpy as np
 
-    # a mixed file: F32 experts except layer 1's, which are Q8_0 (rewrite through the helper's writer)
-    mixed = tmp_path / "mixed.gguf"
-    write_gguf(ws.model("qwen3_moe"), mixed, "F32")
-    reader = gguf.GGUFReader(str(mixed))
-    writer = gguf.GGUFWriter(str(tmp_path / "mixed2.gguf"), "qwen3moe")
     from ktconvert import quant
 
+    # F32 experts except layer 1's, which are Q8_0: auto holds the file to the Q8_0 limits
+    reader = gguf.GGUFReader(str(ws.gguf("qwen3_moe", "F32")))
+    writer = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "qwen3moe")
     for t in reader.tensors:
         data = np.array(t.data)
         if t.name.startswith("blk.1.ffn_") and t.name.endswith("_exps.weight"):
@@ -184,9 +181,13 @@ def test_auto_profile_needs_one_expert_type(ws, tmp_path):
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    line = _error(_verify(ws, "qwen3_moe", "--weights", tmp_path / "mixed2.gguf"), code=2)
-    assert "the experts mix types ['F32', 'Q8_0']" in line and "--tolerance" in line
-    assert _verify(ws, "qwen3_moe", "--weights", tmp_path / "mixed2.gguf", "--tolerance", "q8_0").exit_code == 0
+    res = _verify(ws, "qwen3_moe", "--weights", tmp_path / "mixed.gguf")
+    assert res.exit_code == 0 and "profile q8_0" in res.stdout, res.output
+
+
+def test_auto_profile_without_a_profile_for_the_type(ws):
+    line = _error(_verify(ws, "qwen3_moe", "--weights", ws.gguf("qwen3_moe", "Q6_K")), code=2)
+    assert "no shipped tolerance profile is meant for Q6_K experts" in line and "--tolerance" in line
 
 
 def test_rules_with_errors(ws, tmp_path):

@@ -28,7 +28,8 @@ def _run(ws, family, weights, **kw):
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0", "Q4_K"])
 @pytest.mark.parametrize("family", FAMILIES)
 def test_correct_conversion_passes_with_its_profile(ws, family, qtype):
-    report = _run(ws, family, ws.gguf(family, qtype))
+    """``ktconvert quantize --type T`` of each tiny model, verified with ``--tolerance auto``."""
+    report = _run(ws, family, ws.converted(family, qtype))
     assert report.profile.name == qtype.lower()
     assert report.passed, [b.line() for b in report.breaches]
     for phase in report.phases:
@@ -39,6 +40,14 @@ def test_correct_conversion_passes_with_its_profile(ws, family, qtype):
     assert used[("generate_op", "KExpertsCPU")].emulation == "cpu-experts-ggml"
     assert used[("generate_op", "KExpertsCPU")].emulated
     assert not any(not u.emulated for u in _uses(report))
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3"])
+def test_q4_k_m_mix_passes_with_the_profile_of_its_least_precise_type(ws, family):
+    report = _run(ws, family, ws.converted(family, "Q4_K_M"))
+    types = {t for layer in report.weights["expert_types"].values() for t in layer.values()}
+    assert "Q4_K" in types and report.profile.name == "q4_k"
+    assert report.passed, [b.line() for b in report.breaches]
 
 
 def _uses(report):

@@ -1,6 +1,7 @@
 """Test-only converter: a GGUF of a tiny model with llama.cpp names and chosen ggml types, optionally broken.
 
-Written for the verify tests before ``ktconvert quantize`` existed; it follows llama.cpp's conventions
+Correct conversions in the tests come from ``ktconvert quantize`` (:meth:`Workspace.converted`); this writer
+makes the broken ones, which the real converter cannot. It follows llama.cpp's conventions
 (merged ``*_exps`` experts ``[E, rows, cols]``, F32 norms and routers, ``llama``-architecture q/k rows
 permuted for ggml's rope, a tensor whose rows a type cannot hold falls back to Q8_0 or F32) and uses
 ``ktconvert.quant`` for the bytes. Faults reproduce real conversion bugs:
@@ -128,6 +129,16 @@ class Workspace:
             write_gguf(self.model(family), path, qtype, faults=faults, **kw)
             self._ggufs[key] = path
         return path
+
+    def converted(self, family: str, spec: str) -> Path:
+        """``ktconvert quantize``'s GGUF of the tiny model: ``spec`` is a type (``Q4_K``) or a preset (``Q4_K_M``)."""
+        from ktconvert.convert import convert, presets
+
+        out = self.root / f"{family}-quantize-{spec}"
+        if not (out / "model.gguf").is_file():
+            kw = {"recipe": spec} if spec in presets() else {"type": spec}
+            convert(self.model(family), out, **kw)
+        return out / "model.gguf"
 
     @staticmethod
     def rules(family: str) -> Path:

@@ -18,7 +18,7 @@ import click
               help="Golden directory (manifest.yaml + golden.safetensors) made from --model.")
 @click.option("--tolerance", "tolerance", default="auto", show_default=True, metavar="NAME|FILE|auto",
               help="Tolerance profile: a shipped name (rules/tolerances/), a YAML file, or auto (the profile for "
-                   "the experts' ggml type).")
+                   "the experts' least precise ggml type).")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False, path_type=str),
               help="Write per-layer hidden-state NMSE (prefill and decode) to this PNG (needs matplotlib).")

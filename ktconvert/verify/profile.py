@@ -137,13 +137,23 @@ def _load_file(path: Path) -> Profile:
     return Profile(name=data["name"], source=str(path), data=data)
 
 
+def _bits(qtype: str) -> float:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+    except KeyError:
+        return float("inf")
+    return 8.0 * size / block
+
+
 def auto_profile(expert_types: set[str]) -> Profile:
-    """The shipped profile whose ``ggml_types`` lists the experts' single type (``--tolerance auto``)."""
-    if len(expert_types) != 1:
-        raise UsageProblem(f"the experts mix types {sorted(expert_types)}; no single profile fits them",
-                           fix="pass --tolerance NAME|FILE")
-    (qtype,) = expert_types
-    for name, path in shipped_profiles().items():
+    """The shipped profile for the experts' least precise type (fewest bits per weight), for ``--tolerance
+    auto``: a Q4_K_M file (Q4_K gate/up, Q6_K down) is held to the Q4_K limits."""
+    if not expert_types:
+        raise UsageProblem("the model has no expert tensors to choose a profile by", fix="pass --tolerance NAME|FILE")
+    qtype = min(sorted(expert_types), key=_bits)
+    for path in shipped_profiles().values():
         prof = _load_file(path)
         if qtype in prof.data.get("ggml_types", []):
             return prof
