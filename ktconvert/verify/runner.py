@@ -280,30 +280,32 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
                          fix="--model takes the Hugging Face model directory (config.json and its weights)")
     gold = read_golden(golden)
     notes = [f"weights not hashed against the golden: {u}" for u in check_golden_matches(gold, model_dir)]
-    if isinstance(profile, str) and profile != "auto":
-        profile = load_profile(profile)
-    cfg = load_config(model_dir)
-    catalog = catalog or load_catalog()
-    compiled = load_rules(rules, catalog, backend)
-    weights_path = weights if weights is not None else model_dir
-    source = WeightSource(weights_path, cfg)
-    pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
-    if profile == "auto":
-        profile = auto_profile({t for layer in source.expert_types().values() for t in layer.values()})
-    profile = profile.for_family(cfg.family)
-    prompt_len = int(gold.input_ids.shape[1])
-    reference = None
-    if localize:
-        try:
-            own = weights is None and source.container == "safetensors"
-            original = source.raw if own else read_safetensors(model_dir)
-            reference = build_model(cfg)
-            load_weights(reference, original)
-        except InputError as exc:
-            reference = None
-            notes.append(f"module-level localisation skipped: the original weights in --model are unusable ({exc.message})")
+    # every torch op of the run at the golden's thread count: one thread is also the fastest on these small
+    # tensors (a contended machine makes each multi-threaded op wait for its workers)
     threads = threads or int(gold.manifest["producer"].get("threads", 1))
     with _threads(threads):
+        if isinstance(profile, str) and profile != "auto":
+            profile = load_profile(profile)
+        cfg = load_config(model_dir)
+        catalog = catalog or load_catalog()
+        compiled = load_rules(rules, catalog, backend)
+        weights_path = weights if weights is not None else model_dir
+        source = WeightSource(weights_path, cfg)
+        pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
+        if profile == "auto":
+            profile = auto_profile({t for layer in source.expert_types().values() for t in layer.values()})
+        profile = profile.for_family(cfg.family)
+        prompt_len = int(gold.input_ids.shape[1])
+        reference = None
+        if localize:
+            try:
+                own = weights is None and source.container == "safetensors"
+                original = source.raw if own else read_safetensors(model_dir)
+                reference = build_model(cfg)
+                load_weights(reference, original)
+            except InputError as exc:
+                reference = None
+                notes.append(f"module-level localisation skipped: the original weights in --model are unusable ({exc.message})")
         model = build_model(cfg, dtype=torch_dtype(options.compute_dtype))
         injected = inject(model, compiled, source, prefill_weights=pre_source, options=options, catalog=catalog,
                           prompt_len=prompt_len)
