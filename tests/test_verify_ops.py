@@ -236,3 +236,13 @@ def test_experts_left_default_load_per_expert_slices(ws):
     report = run_verify(ws.model("mixtral"), path, ws.golden("mixtral"), weights=ws.gguf("mixtral", "F32"), profile="f32")
     assert report.passed, [b.line() for b in report.breaches]
     assert not any(u["slot"] for u in report.injection["operators"] if "experts" in u["modules"][0])
+
+
+def test_cpu_experts_with_an_unknown_activation_type_are_not_emulated(ws, monkeypatch):
+    """A weight type whose vec_dot_type the table lacks runs without activation rounding and says so."""
+    from ktconvert.model.ops import experts
+
+    monkeypatch.setattr(experts, "vec_dot_type", lambda t: None if t == "Q8_0" else "F32")
+    inj = _injected(ws, "qwen3_moe", weights=ws.gguf("qwen3_moe", "Q8_0"))
+    (row,) = inj.not_emulated
+    assert row.op == "KExpertsCPU" and "activation type for Q8_0 weights is not known" in row.detail

@@ -203,6 +203,10 @@ def inject(model: nn.Module, rules, weights: WeightSource, *, prefill_weights: W
                 op = LinearDequant(torch.from_numpy(weight), None if bias is None else torch.from_numpy(bias),
                                    options.compute_dtype, source.stored_type(w_name))
             built[key] = op
+        unknown = sorted(set(getattr(op, "unknown_act", ())))
+        if unknown and emulated:
+            emulated = False
+            detail = f"the kernel's activation type for {', '.join(unknown)} weights is not known here; ran unrounded"
         desc = op.describe()
         if source is not weights:
             desc += f"; reads {source.path}"

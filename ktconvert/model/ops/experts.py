@@ -55,10 +55,12 @@ class CpuExpertsGGML(nn.Module):
         self.num_experts = blocks.gate.shape[0]
         self._cache: dict[tuple[str, int], torch.Tensor] = {}
         self.act_types = {}
+        self.unknown_act = []  # weight types whose activation rounding this table lacks: run unrounded, reported
         for p in PROJECTIONS:
             qtype = getattr(blocks, p).qtype
             act = vec_dot_type(qtype) if numerics.act_quant else "F32"
-            # an unknown weight type: no activation rounding (the report says act_quant is off for it)
+            if act is None:
+                self.unknown_act.append(qtype)
             self.act_types[p] = act or "F32"
         self.hidden = torch_dtype(numerics.hidden_dtype)
 
