@@ -1,0 +1,27 @@
+"""Regenerating a suite's goldens: a person's act, refused under CI and logged in every manifest it touches."""
+
+from __future__ import annotations
+
+import tempfile
+from pathlib import Path
+
+from ktconvert.gate.suite import Suite
+
+
+def regenerate_goldens(suite: Suite, reason: str, select: str | None = None) -> list[Path]:
+    """Rebuild the golden of every distinct (family, golden) the selected cases use, from the tiny models."""
+    from ktconvert.golden.generate import generate_golden, refuse_under_ci
+    from ktconvert.model.tiny import write_tiny_model
+
+    refuse_under_ci()  # before any work: a CI job must never make a regression green
+    done: list[Path] = []
+    with tempfile.TemporaryDirectory(prefix="ktconvert-regen-") as tmp:
+        for case in suite.select(select):
+            if case.golden in done:
+                continue
+            model = Path(tmp) / case.family
+            if not model.is_dir():
+                write_tiny_model(case.family, model)
+            generate_golden(model, case.golden, force=True, reason=reason)
+            done.append(case.golden)
+    return done

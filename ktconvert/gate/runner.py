@@ -1,0 +1,151 @@
+"""Runs gate cases: make the tiny model, convert it, verify the conversion; one result per case.
+
+Cases that share a family and a conversion share one converted checkpoint (converting is the slow part), so
+work is grouped by (family, conversion) and ``jobs`` processes take whole groups.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import tempfile
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from ktconvert.errors import KtError
+from ktconvert.gate.suite import Case, Suite
+
+SUMMARY_METRICS = ("max_abs_diff", "nmse_max", "kl_mean", "kl_max", "top1_agreement")
+
+
+@dataclass
+class CaseResult:
+    case: Case
+    passed: bool
+    seconds: float
+    breaches: list = field(default_factory=list)  # Breach.as_dict() rows
+    error: str | None = None  # the case could not run (bad input, missing dependency, internal error)
+    summary: dict = field(default_factory=dict)  # {phase: {metric: value}} for the report table
+    localization: dict | None = None
+    profile: str = ""
+
+    def as_dict(self) -> dict:
+        return {"name": self.case.name, "family": self.case.family, "rules": self.case.rules.name,
+                "conversion": self.case.conversion, "tolerance": self.profile or self.case.tolerance,
+                "verdict": "error" if self.error else ("pass" if self.passed else "fail"), "seconds": round(self.seconds, 3),
+                "breaches": self.breaches, "error": self.error, "summary": self.summary, "localization": self.localization}
+
+
+@dataclass
+class GateResult:
+    suite: Path
+    cases: list[CaseResult]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.cases)
+
+    def as_dict(self) -> dict:
+        return {"kind": "gate-report", "version": 1, "suite": str(self.suite), "verdict": "pass" if self.passed else "fail",
+                "seconds": round(self.seconds, 3),
+                "counts": {"cases": len(self.cases), "passed": sum(c.passed for c in self.cases),
+                           "failed": sum(not c.passed and not c.error for c in self.cases),
+                           "errors": sum(bool(c.error) for c in self.cases)},
+                "cases": [c.as_dict() for c in self.cases]}
+
+
+def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: str | Path | None = None,
+              progress: Callable[[CaseResult], None] | None = None) -> GateResult:
+    """Run the selected cases (``select`` as ``-k``); ``progress`` is called as each case finishes."""
+    cases = suite.select(select)
+    groups: dict[tuple, list[Case]] = {}
+    for case in cases:
+        groups.setdefault((case.family, case.conversion), []).append(case)
+    began = time.perf_counter()
+    results: dict[str, CaseResult] = {}
+    with tempfile.TemporaryDirectory(prefix="ktconvert-gate-", dir=workdir) as tmp:
+        made = {}  # the tiny models, made once before any worker starts (workers would race on them)
+        for case in cases:
+            if case.family not in made:
+                made[case.family] = _tiny_model(case.family, tmp)
+        if jobs <= 1 or len(groups) <= 1:
+            for group in groups.values():
+                for r in run_group(group, tmp):
+                    results[r.case.name] = r
+                    if progress:
+                        progress(r)
+        else:
+            ctx = multiprocessing.get_context("spawn")  # torch and forked workers do not mix
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+                futures = [pool.submit(run_group, group, tmp) for group in groups.values()]
+                for fut in as_completed(futures):
+                    for r in fut.result():
+                        results[r.case.name] = r
+                        if progress:
+                            progress(r)
+    return GateResult(suite.path, [results[c.name] for c in cases], time.perf_counter() - began)
+
+
+def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
+    """Convert once for the group, then verify each case against it (in this process)."""
+    from ktconvert.convert import convert
+
+    first = cases[0]
+    began = time.perf_counter()
+    try:
+        model_dir = Path(workdir) / "models" / first.family
+        if not model_dir.is_dir():
+            _tiny_model(first.family, workdir)
+        out = Path(workdir) / "converted" / f"{first.family}-{first.conversion.replace(':', '-').replace('/', '_')}"
+        result = convert(model_dir, out, first.recipe, type=first.type, force=True)
+        weights = _weights_path(result.out)
+    except Exception as exc:  # the whole group cannot run: every case in it reports why
+        message = _one_line(exc)
+        spent = time.perf_counter() - began
+        return [CaseResult(c, False, spent / len(cases), error=message) for c in cases]
+    convert_share = (time.perf_counter() - began) / len(cases)
+    return [verify_case(c, model_dir, weights, convert_share) for c in cases]
+
+
+def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float = 0.0) -> CaseResult:
+    from ktconvert.verify import run_verify
+
+    began = time.perf_counter()
+    try:
+        report = run_verify(model_dir, case.rules, case.golden, weights=weights, profile=case.tolerance)
+    except Exception as exc:
+        return CaseResult(case, False, time.perf_counter() - began + extra_seconds, error=_one_line(exc))
+    summary = {}
+    for phase in report.phases:
+        stats = phase.as_dict()["logits"]
+        summary[phase.name] = {k: stats.get(k) for k in SUMMARY_METRICS if k in stats}
+    loc = next((p.localization for p in report.phases if p.localization and not report.passed), None)
+    return CaseResult(case, report.passed, time.perf_counter() - began + extra_seconds,
+                      breaches=[b.as_dict() for b in report.breaches], summary=summary, localization=loc,
+                      profile=report.profile.name)
+
+
+def _tiny_model(family: str, workdir: str) -> Path | str:
+    """The family's deterministic tiny model under ``workdir``; a failure is kept as the message for its cases."""
+    from ktconvert.model.tiny import write_tiny_model
+
+    model_dir = Path(workdir) / "models" / family
+    try:
+        write_tiny_model(family, model_dir)
+    except Exception as exc:
+        return _one_line(exc)
+    return model_dir
+
+
+def _weights_path(out: Path) -> Path:
+    gguf = out / "model.gguf"
+    return gguf if gguf.is_file() else out
+
+
+def _one_line(exc: Exception) -> str:
+    if isinstance(exc, KtError):
+        return exc.one_line()
+    return f"internal error: {type(exc).__name__}: {exc}"

@@ -1,0 +1,121 @@
+"""Gate suites as data: cases of (family, rule file, conversion, golden, tolerance), validated with positions."""
+
+from __future__ import annotations
+
+import fnmatch
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import jsonschema
+
+from ktconvert.errors import InputError
+from ktconvert.resources import load_schema, rules_dir
+from ktconvert.rules import yamlpos
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    family: str
+    rules: Path
+    golden: Path
+    tolerance: str  # a shipped profile name or a file path
+    type: str | None = None
+    recipe: str | None = None
+    tags: tuple = ()
+
+    @property
+    def conversion(self) -> str:
+        """What ``ktconvert quantize`` is asked for: cases sharing it share one converted checkpoint."""
+        return f"recipe:{self.recipe}" if self.recipe else f"type:{self.type}"
+
+
+@dataclass
+class Suite:
+    path: Path
+    cases: list[Case] = field(default_factory=list)
+    description: str = ""
+
+    def select(self, pattern: str | None) -> list[Case]:
+        """``-k``: a substring or glob of case names and tags (``q4_k``, ``deepseek*``, ``serve``)."""
+        if not pattern:
+            return list(self.cases)
+        glob = any(c in pattern for c in "*?[")
+
+        def hit(text: str) -> bool:
+            return fnmatch.fnmatch(text, pattern) if glob else pattern in text
+
+        return [c for c in self.cases if hit(c.name) or any(hit(t) for t in c.tags)]
+
+
+def default_suite_path() -> Path:
+    from ktconvert.golden.paths import golden_root
+
+    return golden_root() / "suite.yaml"
+
+
+def load_suite(path: str | Path, check_profiles: bool = True) -> Suite:
+    """Read and validate a suite; every reference (rules, golden, profile) must resolve before anything runs.
+
+    ``check_profiles=False`` is for measuring a suite whose profiles are still to be written.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise InputError("gate suite not found", path=str(path), fix="pass a gate-suite YAML file (e.g. golden/suite.yaml)")
+    text = yamlpos.read_text(path)
+    try:
+        loaded = yamlpos.load_text(text, str(path))
+    except yamlpos.YamlSyntaxError as exc:
+        raise InputError(exc.message, path=str(path), where=f"{exc.line}:{exc.col}", fix="fix the YAML syntax") from None
+    if loaded.problems:
+        p = loaded.problems[0]
+        raise InputError(p.message, path=str(path), where=f"{p.line}:{p.col}", fix=p.fix)
+    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(load_schema("gate-suite")).iter_errors(loaded.data))
+    if error is not None:
+        line, col = loaded.where(tuple(str(p) for p in error.absolute_path))
+        raise InputError(f"not a valid gate suite: {error.message}", path=str(path), where=f"{line}:{col}",
+                         fix="see schemas/gate-suite.schema.json")
+    data = loaded.data
+    cases, seen = [], set()
+    for i, raw in enumerate(data["cases"]):
+        where = "{}:{}".format(*loaded.where(("cases", str(i))))
+        if raw["name"] in seen:
+            raise InputError(f"case name {raw['name']!r} is used twice", path=str(path), where=where, fix="give every case its own name")
+        seen.add(raw["name"])
+        cases.append(Case(
+            name=raw["name"], family=raw["family"], rules=_rules(raw["rules"], path, where),
+            golden=_golden(raw["golden"], path, where), tolerance=_tolerance(raw["tolerance"], path, where) if check_profiles else raw["tolerance"],
+            type=raw.get("type"), recipe=raw.get("recipe"), tags=tuple(raw.get("tags", ())),
+        ))
+    return Suite(path=path, cases=cases, description=data.get("description", ""))
+
+
+def _rules(ref: str, suite: Path, where: str) -> Path:
+    shipped = rules_dir() / "optimize" / f"{ref}.yaml"
+    for p in (shipped, (suite.parent / ref)):
+        if p.is_file():
+            return p
+    raise InputError(f"rule file {ref!r} is neither shipped (rules/optimize/{ref}.yaml) nor a file", path=str(suite),
+                     where=where, fix="name a shipped rule file or give a path relative to the suite")
+
+
+def _golden(ref: str, suite: Path, where: str) -> Path:
+    from ktconvert.golden.paths import golden_root
+
+    for p in (golden_root() / ref, suite.parent / ref):
+        if (p / "manifest.yaml").is_file():
+            return p
+    raise InputError(f"golden {ref!r} not found (no manifest.yaml)", path=str(suite), where=where,
+                     fix="name a golden under golden/ or a directory made by `ktconvert golden`")
+
+
+def _tolerance(ref: str, suite: Path, where: str) -> str:
+    from ktconvert.verify import shipped_profiles
+
+    if ref in shipped_profiles():
+        return ref
+    p = suite.parent / ref
+    if p.is_file():
+        return str(p)
+    raise InputError(f"tolerance profile {ref!r} is neither shipped nor a file", path=str(suite), where=where,
+                     fix=f"use one of {', '.join(sorted(shipped_profiles()))} or a profile file")
