@@ -9,7 +9,7 @@ import shutil
 import pytest
 from click.testing import CliRunner
 
-from verify_helpers import Workspace
+from verify_helpers import Workspace, rewrite_gguf
 from ktconvert import resources
 from ktconvert.cli import cli
 from ktconvert.verify import load_profile, shipped_profiles
@@ -163,26 +163,35 @@ def test_unknown_profile_name(ws):
 
 
 def test_auto_profile_follows_the_least_precise_expert_type(ws, tmp_path):
-    import gguf
-    import numpy as np
-
     from ktconvert import quant
 
-    # F32 experts except layer 1's, which are Q8_0: auto holds the file to the Q8_0 limits
-    reader = gguf.GGUFReader(str(ws.gguf("qwen3_moe", "F32")))
-    writer = gguf.GGUFWriter(str(tmp_path / "mixed.gguf"), "qwen3moe")
-    for t in reader.tensors:
-        data = np.array(t.data)
-        if t.name.startswith("blk.1.ffn_") and t.name.endswith("_exps.weight"):
-            writer.add_tensor(t.name, quant.quantize(data, "Q8_0"), raw_dtype=gguf.GGMLQuantizationType.Q8_0)
-        else:
-            writer.add_tensor(t.name, data)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    res = _verify(ws, "qwen3_moe", "--weights", tmp_path / "mixed.gguf")
+    def layer1_q8_0(name, data, qtype):  # F32 experts except layer 1's, which become Q8_0
+        if name.startswith("blk.1.ffn_") and name.endswith("_exps.weight"):
+            return quant.quantize(data, "Q8_0"), "Q8_0"
+        return data, qtype
+
+    mixed = rewrite_gguf(ws.gguf("qwen3_moe", "F32"), tmp_path / "mixed.gguf", layer1_q8_0)
+    res = _verify(ws, "qwen3_moe", "--weights", mixed)
     assert res.exit_code == 0 and "profile q8_0" in res.stdout, res.output
+
+
+def test_experts_of_another_shape(ws, tmp_path):
+    def four_experts(name, data, qtype):
+        return (data[:4], qtype) if name == "blk.1.ffn_gate_exps.weight" else (data, qtype)
+
+    bad = rewrite_gguf(ws.gguf("qwen3_moe", "Q8_0"), tmp_path / "four.gguf", four_experts)
+    line = _error(_verify(ws, "qwen3_moe", "--weights", bad))
+    assert ("four.gguf:blk.1.ffn_gate_exps.weight: gate experts have shape [4, 256, 256] (numpy order), "
+            "the config needs [8, 256, 256]") in line
+
+
+def test_non_expert_tensor_of_another_shape(ws, tmp_path):
+    def short_norm(name, data, qtype):
+        return (data[:128], qtype) if name == "blk.0.attn_norm.weight" else (data, qtype)
+
+    bad = rewrite_gguf(ws.gguf("qwen3_moe", "Q8_0"), tmp_path / "norm.gguf", short_norm)
+    line = _error(_verify(ws, "qwen3_moe", "--weights", bad))
+    assert "model.layers.0.input_layernorm.weight: shape [128] does not fit the model's [256]" in line
 
 
 def test_auto_profile_without_a_profile_for_the_type(ws, monkeypatch):

@@ -155,3 +155,25 @@ def experts_path(family: str, layer: int) -> str:
 
 def gate_path(family: str, layer: int) -> str:
     return f"model.layers.{layer}.{'block_sparse_moe' if family == 'mixtral' else 'mlp'}.gate"
+
+
+def rewrite_gguf(src, dst, change) -> Path:
+    """Copy a GGUF tensor by tensor; ``change(name, data, qtype) -> (data, qtype) | None`` may replace one
+    (``data`` as GGUFReader gives it: float arrays for F32/F16, block bytes otherwise) or drop it (None)."""
+    reader = gguf.GGUFReader(str(src))
+    arch = str(bytes(reader.fields["general.architecture"].parts[-1]), "utf-8")
+    writer = gguf.GGUFWriter(str(dst), arch)
+    for t in reader.tensors:
+        got = change(t.name, np.array(t.data), t.tensor_type.name)
+        if got is None:
+            continue
+        data, qtype = got
+        if qtype in ("F32", "F16") and data.dtype != np.uint8:
+            writer.add_tensor(t.name, data)
+        else:
+            writer.add_tensor(t.name, data, raw_dtype=gguf.GGMLQuantizationType[qtype])
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return Path(dst)

@@ -223,14 +223,12 @@ class WeightSource:
         return ExpertBlocks(layer, out["gate"], out["up"], out["down"])
 
     def _merged_blocks(self, name: str, qtype: str) -> Blocks:
-        info = self._ck[name]
-        raw = self._ck.read(name)
-        shape = tuple(info.shape)
-        if len(shape) == 2:  # one expert (legacy split form)
-            return Blocks(qtype, _as_bytes(np.asarray(raw)), shape, (name,))
-        if len(shape) != 3:
+        """A stored expert tensor as bytes: ``[E, rows, cols]`` merged, or ``[rows, cols]`` for one expert of
+        the legacy split form (the caller stacks those)."""
+        shape = tuple(self._ck[name].shape)
+        if len(shape) not in (2, 3):
             raise InputError(f"expert tensor has {len(shape)} axes, expected 3 ([E, rows, cols])", path=self.path, where=name)
-        return Blocks(qtype, _as_bytes(np.asarray(raw)), shape, (name,))
+        return Blocks(qtype, _as_bytes(np.asarray(self._ck.read(name))), shape, (name,))
 
     # --- public ----------------------------------------------------------------------------------------------
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
