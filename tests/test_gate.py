@@ -1,0 +1,161 @@
+"""The numeric regression gate: the shipped suite is green, and regressions a user cares about turn it red.
+
+The full suite runs once (about a minute on two cores); the injected regressions each run a few cases
+in process, with the converter or a quantizer deliberately broken the way real bugs break them.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ktconvert.cli import cli
+from ktconvert.errors import InputError
+from ktconvert.gate import default_suite_path, load_suite
+
+from conftest import REPO
+
+
+def run(*args):
+    return CliRunner().invoke(cli, [str(a) for a in args], catch_exceptions=False)
+
+
+def _junit_cases(path):
+    root = ET.parse(path).getroot()
+    return {tc.get("name"): tc for tc in root.iter("testcase")}
+
+
+def test_shipped_suite_covers_families_types_and_backends():
+    suite = load_suite(default_suite_path())
+    assert {c.family for c in suite.cases} == {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"}
+    assert {c.conversion for c in suite.cases} == {"type:F32", "type:BF16", "type:Q8_0", "recipe:Q4_K_M", "type:Q6_K"}
+    assert {c.rules.name for c in suite.cases} >= {"qwen3_moe.yaml", "qwen3_moe-serve.yaml", "deepseek_v3-serve.yaml"}
+
+
+def test_unmodified_tree_passes_the_whole_gate(tmp_path):
+    junit = tmp_path / "gate.xml"
+    r = run("gate", "--jobs", "2", "--junit", junit)
+    assert r.exit_code == 0, r.output
+    assert "31/31 cases passed" in r.output and "gate green" in r.output
+    cases = _junit_cases(junit)
+    assert len(cases) == 31 and not any(tc.find("failure") is not None or tc.find("error") is not None for tc in cases.values())
+
+
+# --- injected regressions ---------------------------------------------------------------------------------
+def _patch_converted_gguf(monkeypatch, edit):
+    """Wrap the converter so every GGUF it writes is edited in place before verify reads it."""
+    import ktconvert.convert as convert_pkg
+    from ktconvert.formats import open_checkpoint
+
+    original = convert_pkg.convert
+
+    def broken(*args, **kwargs):
+        result = original(*args, **kwargs)
+        path = result.out / "model.gguf"
+        ck = open_checkpoint(path)
+        with open(path, "r+b") as fh:
+            edit(ck, fh)
+        return result
+
+    monkeypatch.setattr(convert_pkg, "convert", broken)
+
+
+def _expert_bytes(info, e):
+    per = info.nbytes // info.shape[0]
+    return info.offset + e * per, per
+
+
+def _fail_names_case_and_metric(tmp_path, select, expect_case):
+    junit = tmp_path / "gate.xml"
+    r = run("gate", "-k", select, "--junit", junit)
+    assert r.exit_code == 1, r.output
+    assert "gate RED" in r.output
+    tc = _junit_cases(junit)[expect_case]
+    failure = tc.find("failure")
+    assert failure is not None, ET.tostring(tc)
+    assert expect_case in failure.get("message")
+    metrics = {"kl_mean", "kl_max", "kl_p99", "nmse_max", "max_abs_diff", "hidden_nmse", "top1_agreement", "topk_overlap_mean"}
+    assert any(m in failure.get("message") for m in metrics), failure.get("message")
+    return failure
+
+
+def test_two_experts_swapped_in_one_layer_turns_the_gate_red(monkeypatch, tmp_path):
+    def swap(ck, fh):
+        for proj in ("gate", "up", "down"):
+            info = ck[f"blk.1.ffn_{proj}_exps.weight"]
+            (a, n), (b, _) = _expert_bytes(info, 0), _expert_bytes(info, 1)
+            fh.seek(a); x = fh.read(n)
+            fh.seek(b); y = fh.read(n)
+            fh.seek(a); fh.write(y)
+            fh.seek(b); fh.write(x)
+
+    _patch_converted_gguf(monkeypatch, swap)
+    failure = _fail_names_case_and_metric(tmp_path, "qwen3_moe-q8_0", "qwen3_moe-q8_0")
+    assert "model.layers.1" in (failure.text or "")  # localised to the broken layer
+
+
+def test_quantizer_scales_off_by_three_percent_turn_the_gate_red(monkeypatch, tmp_path):
+    import ktconvert.quant as quant
+
+    original = quant.quantize
+
+    def off(data, qtype, *args, **kwargs):
+        out = original(data, qtype, *args, **kwargs)
+        if str(getattr(qtype, "name", qtype)).upper().endswith("Q8_0"):
+            blocks = out.reshape(-1, 34)
+            d = blocks[:, :2].copy().view(np.float16)
+            blocks[:, :2] = (d.astype(np.float32) * 1.03).astype(np.float16).view(np.uint8).reshape(-1, 2)
+        return out
+
+    monkeypatch.setattr(quant, "quantize", off)
+    _fail_names_case_and_metric(tmp_path, "deepseek_v2-q8_0", "deepseek_v2-q8_0")
+
+
+def test_router_score_bias_dropped_turns_the_gate_red(monkeypatch, tmp_path):
+    def drop(ck, fh):
+        for name, info in ck.items():
+            if name.endswith("exp_probs_b.bias"):
+                fh.seek(info.offset)
+                fh.write(b"\0" * info.nbytes)
+
+    _patch_converted_gguf(monkeypatch, drop)
+    _fail_names_case_and_metric(tmp_path, "deepseek_v3-f32", "deepseek_v3-f32")
+
+
+# --- options and bad input --------------------------------------------------------------------------------
+def test_select_list_and_json(tmp_path):
+    r = run("gate", "-k", "mixtral*", "--list")
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 5
+    r = run("gate", "-k", "q8_0", "--list")
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 8  # five families plus three serve files
+    r = run("gate", "-k", "nothing-like-this")
+    assert r.exit_code == 2 and "selects no case" in r.output
+
+
+def test_regen_is_refused_under_ci(monkeypatch):
+    monkeypatch.setenv("CI", "true")
+    r = run("gate", "-k", "qwen3_moe-f32", "--regen", "--reason", "test")
+    assert r.exit_code == 3 and "CI environment variable is set" in r.output
+    monkeypatch.delenv("CI")
+    assert run("gate", "--regen").exit_code == 2  # a regeneration must say why
+
+
+@pytest.mark.parametrize("text,needle", [
+    ("kind: gate-suite\nversion: 1\ncases: []\n", "not a valid gate suite"),
+    ("kind: gate-suite\nversion: 1\ncases:\n  - {name: a, family: qwen3_moe, rules: nope, type: F32, golden: qwen3_moe, tolerance: f32}\n",
+     "rule file 'nope'"),
+    ("kind: gate-suite\nversion: 1\ncases:\n  - {name: a, family: qwen3_moe, rules: qwen3_moe, type: F32, golden: qwen3_moe, tolerance: loose}\n",
+     "tolerance profile 'loose'"),
+    ("kind: gate-suite\nversion: 1\ncases:\n  - {name: a, family: qwen3_moe, rules: qwen3_moe, golden: qwen3_moe, tolerance: f32}\n",
+     "not a valid gate suite"),
+])
+def test_bad_suites_are_one_line_errors(tmp_path, text, needle):
+    p = tmp_path / "suite.yaml"
+    p.write_text(text)
+    with pytest.raises(InputError, match=needle):
+        load_suite(p)
+    r = run("gate", p)
+    assert r.exit_code == 3 and str(p) in r.output and "Traceback" not in r.output
