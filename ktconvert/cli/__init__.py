@@ -18,6 +18,7 @@ from ktconvert.errors import KtError
 
 COMMANDS: dict[str, str] = {
     "check-rules": "ktconvert.cli.check_rules:command",
+    "demo": "ktconvert.cli.demo:command",
     "gate": "ktconvert.cli.gate:command",
     "tiny-model": "ktconvert.cli.tiny_model:command",
     "golden": "ktconvert.cli.golden:command",
