@@ -20,6 +20,30 @@ from ktconvert.cli import cli
 ARGS = ["--type", "Q4_K", "--max-memory", "128KiB"]
 
 
+def _children(pid: int) -> list[int]:
+    """Worker processes of ``pid`` (spawned by its ProcessPoolExecutor), from /proc."""
+    out = []
+    for task in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{task}/children") as fh:
+            out.extend(int(c) for c in fh.read().split())
+    def is_worker(c: int) -> bool:
+        try:
+            with open(f"/proc/{c}/cmdline", "rb") as fh:
+                return b"spawn_main" in fh.read()
+        except FileNotFoundError:
+            return False
+
+    return [c for c in out if is_worker(c)]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _cmd(src, out, *extra):
     return [sys.executable, "-m", "ktconvert", "quantize", str(src), str(out), *ARGS, *extra]
 
@@ -49,13 +73,18 @@ def test_kill_9_then_resume_is_byte_identical(reference, tmp_path, jobs):
             time.sleep(0.01)
         else:
             pytest.fail("no progress recorded in time")
+        workers = _children(proc.pid)
+        assert len(workers) == (0 if jobs == "1" else 2)
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    time.sleep(0.5)  # orphaned --jobs workers notice the dead parent and exit
+    deadline = time.monotonic() + 10  # --jobs workers notice their parent died and exit: none is left behind
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not any(_alive(w) for w in workers)
     assert not out.exists()
     done_before = len(journal.read_text().split())
     assert done_before >= 30

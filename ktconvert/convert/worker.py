@@ -58,10 +58,23 @@ def close_all() -> None:
 
 
 def worker_init() -> None:
-    """Per worker process: one core each (the executor runs ``jobs`` processes side by side)."""
+    """Per worker process: one core each (the executor runs ``jobs`` processes side by side), and exit when the
+    converting process dies (a ``kill -9`` of it must not leave workers behind, blocked on their task queue)."""
+    import threading
+    import time
+
     import torch
 
     torch.set_num_threads(1)
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(0.2)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, name="ktconvert-parent-watch", daemon=True).start()
 
 
 def run_task(task: Task) -> int:
@@ -167,6 +180,18 @@ def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
     return dequantize(np.asarray(raw), dtype)
 
 
+def _decode_into(dst: np.ndarray, raw: np.ndarray, dtype: str) -> None:
+    """Decode ``raw`` straight into the float32 rows ``dst`` (no temporaries for the float types)."""
+    if dtype == "BF16":
+        bits = dst.view(np.uint32)
+        np.copyto(bits, raw.reshape(bits.shape), casting="unsafe")
+        np.left_shift(bits, 16, out=bits)
+    elif dtype in ("F32", "F16", "F64"):
+        np.copyto(dst, raw.reshape(dst.shape), casting="unsafe")
+    else:
+        dst[...] = _decode(raw, dtype).reshape(dst.shape)
+
+
 def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     """Rows ``r0..r1`` of the output tensor as float32, assembled from the segments."""
     n_out = t.shape[-1] if t.shape else 1
@@ -175,8 +200,10 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
         dtype = ck[s.source].dtype
         if s.op == "rows":
             src = _rows2d(ck, s.source)
-            part = _decode(src[s.src_row + i: s.src_row + i + n], dtype)
-        elif s.op == "transpose":
+            _decode_into(x[pos: pos + n], src[s.src_row + i: s.src_row + i + n], dtype)
+            del src
+            continue
+        if s.op == "transpose":
             slab = ck.read(s.source)[s.expert]
             part = _decode(slab[:, s.src_col + i: s.src_col + i + n], dtype).T
         else:  # permute: llama.cpp's rope row order within each head (convert_hf_to_gguf's LlamaModel.permute)
