@@ -50,6 +50,16 @@ def test_q4_k_m_mix_passes_with_the_profile_of_its_least_precise_type(ws, family
     assert report.passed, [b.line() for b in report.breaches]
 
 
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v2"])
+def test_kernel_order_safetensors_pass_like_the_gguf(ws, family):
+    """``ktconvert quantize --to safetensors`` (llama.cpp names, ggml blocks, ``.ggml_type`` beside each)."""
+    st = _run(ws, family, ws.converted(family, "Q4_K", fmt="safetensors"))
+    gg = _run(ws, family, ws.converted(family, "Q4_K"))
+    assert st.weights["container"] == "kernel-safetensors" and st.passed, [b.line() for b in st.breaches]
+    for a, b in zip(st.phases, gg.phases):
+        assert a.logits.summary() == b.logits.summary()
+
+
 def _uses(report):
     from ktconvert.model.inject import OperatorUse
 

@@ -130,15 +130,16 @@ class Workspace:
             self._ggufs[key] = path
         return path
 
-    def converted(self, family: str, spec: str) -> Path:
-        """``ktconvert quantize``'s GGUF of the tiny model: ``spec`` is a type (``Q4_K``) or a preset (``Q4_K_M``)."""
+    def converted(self, family: str, spec: str, fmt: str = "gguf") -> Path:
+        """``ktconvert quantize``'s output for the tiny model: ``spec`` is a type (``Q4_K``) or a preset
+        (``Q4_K_M``); ``fmt`` gguf (the ``model.gguf`` path) or safetensors (the output directory)."""
         from ktconvert.convert import convert, presets
 
-        out = self.root / f"{family}-quantize-{spec}"
-        if not (out / "model.gguf").is_file():
+        out = self.root / f"{family}-quantize-{spec}-{fmt}"
+        if not (out / "manifest.json").is_file():
             kw = {"recipe": spec} if spec in presets() else {"type": spec}
-            convert(self.model(family), out, **kw)
-        return out / "model.gguf"
+            convert(self.model(family), out, format=fmt, **kw)
+        return out / "model.gguf" if fmt == "gguf" else out
 
     @staticmethod
     def rules(family: str) -> Path:

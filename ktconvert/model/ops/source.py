@@ -100,15 +100,21 @@ class WeightSource:
                                  fix="pass a checkpoint file or directory")
         else:
             gguf = p.suffix == ".gguf"
-        if gguf:
-            from ktconvert.formats import open_checkpoint
+        from ktconvert.formats import open_checkpoint
 
+        if gguf:
             self.container = "gguf"
             self._ck = open_checkpoint(p)
-            self._init_gguf()
+            self._init_ggml_named()
         else:
-            self.container = "safetensors"
-            self._init_safetensors()
+            ck = open_checkpoint(p)
+            if any(n.endswith(".ggml_type") for n in ck):  # llama.cpp names, ggml blocks, types beside them
+                self.container = "kernel-safetensors"
+                self._ck = ck
+                self._init_ggml_named()
+            else:
+                self.container = "safetensors"
+                self._init_safetensors()
         self._blocks: dict[int, ExpertBlocks] = {}
 
     # --- safetensors ------------------------------------------------------------------------------------------
@@ -119,15 +125,39 @@ class WeightSource:
         self.raw = read_safetensors(self.path)
         self._state = to_reference_state(self.cfg, self.raw)
 
-    # --- gguf -------------------------------------------------------------------------------------------------
-    def _init_gguf(self) -> None:
+    # --- llama.cpp-named: GGUF, or kernel-order safetensors (ktransformers' "hybrid" form) -------------------
+    def _init_ggml_named(self) -> None:
+        """Index every stored tensor's ggml type and element shape. Kernel-order safetensors store ggml blocks
+        as uint8 rows with the type in a ``NAME.ggml_type`` scalar beside each tensor (what ktransformers'
+        SafeTensorLoader reads)."""
+        from ktconvert import quant
         from ktconvert.formats import naming_map
 
         ck = self._ck
-        self.arch = ck.architecture
+        self._types: dict[str, str] = {}
+        self._shapes: dict[str, tuple] = {}
+        if self.container == "gguf":
+            self.arch = ck.architecture
+            for name, info in ck.items():
+                self._types[name], self._shapes[name] = info.dtype, tuple(info.shape)
+        else:
+            self.arch = ck.metadata.get("architecture") or naming_map(self.cfg.family).arch
+            for name, info in ck.items():
+                if name.endswith(".ggml_type"):
+                    continue
+                base = name[: -len(".weight")] if name.endswith(".weight") else name
+                tname = f"{base}.ggml_type"
+                if tname not in ck:
+                    raise InputError("tensor has no .ggml_type beside it", path=self.path, where=name,
+                                     fix="kernel-order safetensors carry NAME.ggml_type for every tensor")
+                qtype = quant.as_qtype(int(np.asarray(ck.read(tname)).reshape(-1)[0])).name
+                shape = tuple(info.shape)
+                if info.dtype == "U8":
+                    shape = quant.elem_shape(shape, qtype)
+                self._types[name], self._shapes[name] = qtype, tuple(shape)
         want = naming_map(self.cfg.family)
         if self.arch != want.arch:
-            raise InputError(f"GGUF architecture {self.arch!r} is not {want.arch!r}, which the config's "
+            raise InputError(f"{self.container} architecture {self.arch!r} is not {want.arch!r}, which the config's "
                              f"{self.cfg.family} needs", path=self.path,
                              fix="pass the weights converted from this --model")
         self._naming = want
@@ -139,13 +169,13 @@ class WeightSource:
     def _read_gguf(self, gname: str) -> np.ndarray:
         from ktconvert import quant
 
-        info = self._ck[gname]
+        qtype, shape = self._types[gname], self._shapes[gname]
         raw = self._ck.read(gname)
-        if info.dtype in ("F32", "F16"):
+        if qtype in ("F32", "F16"):
             out = np.array(raw, dtype=np.float32)
         else:
-            out = quant.dequantize(raw, info.dtype, name=gname)
-        return out.reshape(info.shape)
+            out = quant.dequantize(raw, qtype, name=gname)
+        return out.reshape(shape)
 
     def _gguf_tensor(self, name: str) -> np.ndarray:
         m = self._naming.lookup(name)
@@ -156,9 +186,9 @@ class WeightSource:
             blocks = self.expert_blocks(m.layer)
             return getattr(blocks, m.projection).expert(m.expert)
         gname = m.gguf_name
-        if gname not in self._ck and gname.endswith(".attn_kv_b.weight"):
+        if gname not in self._types and gname.endswith(".attn_kv_b.weight"):
             return self._kv_b_from_split(gname, name)
-        if gname not in self._ck:
+        if gname not in self._types:
             raise _missing(self.path, [gname], f"tensor for {name}")
         arr = self._read_gguf(gname)
         if self.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
@@ -171,7 +201,7 @@ class WeightSource:
         """``kv_b_proj`` from llama.cpp's split form: ``attn_k_b [heads, rank, nope]`` (transposed per head) and
         ``attn_v_b [heads, v, rank]``, interleaved back per head as ``[nope + v]`` rows."""
         k_name, v_name = gname.replace("attn_kv_b", "attn_k_b"), gname.replace("attn_kv_b", "attn_v_b")
-        missing = [n for n in (gname, k_name, v_name) if n not in self._ck]
+        missing = [n for n in (gname, k_name, v_name) if n not in self._types]
         if k_name in missing or v_name in missing:
             raise _missing(self.path, missing, f"tensor for {name}")
         cfg = self.cfg
@@ -184,7 +214,7 @@ class WeightSource:
         cfg = self.cfg
         e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
         want = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
-        nm, ck = self._naming, self._ck
+        nm, ck = self._naming, self._types
         out: dict[str, Blocks] = {}
         merged = {p: nm.expert_name("gguf-merged", p, layer) for p in PROJECTIONS}
         fused = nm.expert_name("gguf-merged", "gate_up", layer)
@@ -192,18 +222,18 @@ class WeightSource:
         for p in PROJECTIONS:
             name = merged[p]
             if name in ck:
-                out[p] = self._merged_blocks(name, ck[name].dtype)
+                out[p] = self._merged_blocks(name, ck[name])
                 continue
             tried.append(name)
             if p in ("gate", "up") and fused and fused in ck:
-                whole = self._merged_blocks(fused, ck[fused].dtype)
+                whole = self._merged_blocks(fused, ck[fused])
                 half = whole.data.shape[1] // 2
                 part = whole.data[:, :half] if p == "gate" else whole.data[:, half:]
                 out[p] = Blocks(whole.qtype, part, (whole.shape[0], half, whole.shape[2]), (fused,))
                 continue
             split = [nm.expert_name("gguf-split", p, layer, x) for x in range(e)]
             if all(s in ck for s in split):
-                parts = [self._merged_blocks(s, ck[s].dtype) for s in split]
+                parts = [self._merged_blocks(s, ck[s]) for s in split]
                 types = {b.qtype for b in parts}
                 if len(types) != 1:
                     raise InputError(f"per-expert tensors of one projection have different types {sorted(types)}",
@@ -225,7 +255,7 @@ class WeightSource:
     def _merged_blocks(self, name: str, qtype: str) -> Blocks:
         """A stored expert tensor as bytes: ``[E, rows, cols]`` merged, or ``[rows, cols]`` for one expert of
         the legacy split form (the caller stacks those)."""
-        shape = tuple(self._ck[name].shape)
+        shape = self._shapes[name]
         if len(shape) not in (2, 3):
             raise InputError(f"expert tensor has {len(shape)} axes, expected 3 ([E, rows, cols])", path=self.path, where=name)
         return Blocks(qtype, _as_bytes(np.asarray(self._ck.read(name))), shape, (name,))
@@ -251,15 +281,16 @@ class WeightSource:
             return str(t.dtype).replace("torch.", "") if t is not None else "?"
         m = self._naming.lookup(name)
         gname = m.gguf_name if m else None
-        if gname and gname not in self._ck and gname.endswith(".attn_kv_b.weight"):
+        if gname and gname not in self._types and gname.endswith(".attn_kv_b.weight"):
             gname = gname.replace("attn_kv_b", "attn_k_b")
-        return self._ck[gname].dtype if gname and gname in self._ck else "?"
+        return self._types.get(gname, "?") if gname else "?"
 
     def expert_blocks(self, layer: int) -> ExpertBlocks:
         """The experts of ``layer`` as stored (GGUF blocks, or stacked F32/F16/BF16 safetensors rows)."""
         found = self._blocks.get(layer)
         if found is None:
-            found = self._blocks[layer] = self._gguf_experts(layer) if self.container == "gguf" else self._st_experts(layer)
+            found = self._blocks[layer] = (self._st_experts(layer) if self.container == "safetensors"
+                                           else self._gguf_experts(layer))
         return found
 
     def _st_experts(self, layer: int) -> ExpertBlocks:
