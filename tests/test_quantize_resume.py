@@ -171,3 +171,25 @@ def test_manifest_records_sha256_sources_and_recipe(reference):
     assert m["recipe"]["name"] == "Q4_K" and m["recipe"]["rules"][-1]["type"] == "Q4_K"
     assert m["layout"] == "kernel" and m["format"] == "gguf"
     assert {t["name"] for t in m["tensors"]} >= {"blk.0.ffn_gate_exps.weight", "token_embd.weight"}
+
+
+def test_killed_between_manifest_and_rename(reference, tmp_path):
+    """Everything written and checked, the process dies before the rename: --resume only renames."""
+    from ktconvert.convert import convert
+    from ktconvert.convert import execute as ex
+
+    src, ref = reference
+    real = ex._rename
+
+    def die(*a, **k):
+        raise KeyboardInterrupt
+
+    ex._rename = die
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            convert(src, tmp_path / "out", type="Q4_K")
+    finally:
+        ex._rename = real
+    assert not (tmp_path / "out").exists() and (tmp_path / ".out.ktconvert-partial" / "manifest.json").is_file()
+    result = convert(src, tmp_path / "out", type="Q4_K", resume=True)
+    assert result.units == 0 and tree_bytes(tmp_path / "out") == tree_bytes(ref)

@@ -92,10 +92,11 @@ def check_paths(src: Path, files: list[Path], out: Path, force: bool) -> None:
         roots.add(src_r)
     elif len(files) > 1:
         roots.add(Path(files[0]).resolve().parent)
-    for r in roots:
+    for r in sorted(roots):
         if out_r == r or r in out_r.parents:
             raise UsageProblem("the output would be written inside the input", path=str(out),
                                fix="choose an output directory outside the checkpoint")
+    for r in sorted(roots):
         if out_r in r.parents:
             raise UsageProblem("the input lies inside the output directory, which --force would delete",
                                path=str(out), fix="choose another output directory")
@@ -211,6 +212,8 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
             raise UsageProblem("an interrupted conversion to this output exists", path=str(partial),
                                fix="pass --resume to continue it, or --force to start over")
         shutil.rmtree(partial)
+    if partial.exists() and _finished(partial, fingerprint):  # killed between the manifest and the rename
+        return RunResult(out, _rename(partial, out, force, _read_manifest(partial)), 0, 0, time.monotonic() - t0, 0)
     if partial.exists():
         units, done = state.load(fingerprint, partial)
         _prepare_files(plan, partial, fresh=False)
@@ -321,6 +324,28 @@ def _finish(plan: Plan, partial: Path, out: Path, force: bool, fingerprint: str)
     _write_durable(partial / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
     shutil.rmtree(partial / STATE_DIR)
     _fsync_dir(partial)
+    return _rename(partial, out, force, manifest)
+
+
+def _read_manifest(partial: Path) -> dict:
+    return json.loads((partial / "manifest.json").read_text())
+
+
+def _finished(partial: Path, fingerprint: str) -> bool:
+    """A partial directory whose run completed (manifest written, bookkeeping removed) but was not yet renamed."""
+    if (partial / STATE_DIR).exists() or not (partial / "manifest.json").is_file():
+        return False
+    try:
+        m = _read_manifest(partial)
+    except (OSError, ValueError):
+        return False
+    if m.get("plan", {}).get("fingerprint") != fingerprint:
+        return False
+    return all((partial / n).is_file() and (partial / n).stat().st_size == f["bytes"] and sha256_file(partial / n) == f["sha256"]
+               for n, f in m.get("files", {}).items())
+
+
+def _rename(partial: Path, out: Path, force: bool, manifest: dict) -> dict:
     old = None
     if out.exists():
         if not force and any(out.iterdir()):

@@ -270,7 +270,7 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
         bs, ts = _block(t)
         nbytes = item.rows * (item.row_len // bs) * ts
         copy = t == item.src_dtype and not item.reshaped
-        in_bytes[item.name] = sum(ck[s.source].nbytes * s.rows // _rows_of(ck[s.source].shape) for s in item.segments)
+        in_bytes[item.name] = sum(_segment_bytes(ck[s.source], s) for s in item.segments)
         st_dtype = st_shape = None
         if fmt == "safetensors":
             if bs == 1:
@@ -295,11 +295,15 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     return plan
 
 
-def _rows_of(shape) -> int:
-    n = 1
+def _segment_bytes(info, s: Segment) -> int:
+    """Input bytes a segment reads: its rows of the source, or for a transpose its columns of one expert slab."""
+    shape = info.shape or (1,)
+    if s.op == "transpose":
+        return info.nbytes // shape[0] * s.rows // shape[-1]
+    rows = 1
     for d in shape[:-1]:
-        n *= d
-    return n or 1
+        rows *= d
+    return info.nbytes * s.rows // (rows or 1)
 
 
 def _companion(name: str, t: str) -> PlanTensor:
