@@ -1,0 +1,83 @@
+"""Runs llama.cpp (through llama-cpp-python, built from source into a cache) on a GGUF in a child process.
+
+The interop tier's independent check: if llama.cpp reads our GGUF and reproduces the golden logits, our
+tensor names, metadata and kernel order are llama.cpp's. The build takes minutes once and is cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+
+VERSION = "0.3.36"
+
+CHILD = r"""
+import json, sys
+import numpy as np
+from llama_cpp import Llama
+spec = json.loads(sys.argv[1])
+llm = Llama(model_path=spec["model"], n_ctx=128, n_threads=1, n_batch=128, logits_all=True, verbose=False,
+            seed=0, vocab_only=False)
+llm.eval(spec["ids"])
+scores = np.asarray(llm.scores[: len(spec["ids"])], dtype=np.float32)
+np.save(spec["out"], scores)
+"""
+
+
+class Unavailable(RuntimeError):
+    """llama-cpp-python could not be built here (the message says why)."""
+
+
+def target_dir() -> Path:
+    root = os.environ.get("KTCONVERT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ktconvert")
+    return Path(root) / "llama-cpp-python" / VERSION
+
+
+def ensure_built(timeout: int = 1500) -> Path:
+    """The cached install (built from the sdist on first use: about 4-5 minutes on two cores).
+
+    A lock file serialises concurrent test runs: the second waits for the first build instead of starting its own.
+    """
+    import fcntl
+
+    target = target_dir()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with open(target.parent / f".{VERSION}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _build(target, timeout)
+
+
+def _build(target: Path, timeout: int) -> Path:
+    if (target / "llama_cpp" / "__init__.py").is_file() and (target / ".complete").is_file():
+        return target
+    env = {**os.environ, "CMAKE_ARGS": "-DGGML_NATIVE=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"}
+    # --no-deps keeps the environment's numpy (a second copy in the target would shadow it); diskcache is the one
+    # dependency that torch and ktconvert do not already bring (jinja2, typing-extensions, numpy).
+    pip = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(target)]
+    for what, cmd in ((f"llama-cpp-python {VERSION}", pip + [f"llama-cpp-python=={VERSION}"]),
+                      ("diskcache", pip + ["diskcache>=5.6.1"])):
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise Unavailable(f"installing {what} failed: {exc}") from exc
+        if proc.returncode != 0:
+            raise Unavailable(f"installing {what} failed:\n" + "\n".join(proc.stderr.splitlines()[-10:]))
+    (target / ".complete").write_text("ok\n")
+    return target
+
+
+def logits(gguf: Path, ids: list[int], work: Path) -> np.ndarray:
+    """llama.cpp's logits for every position of ``ids`` (one thread, no sampling)."""
+    target = ensure_built()
+    out = work / "llama_logits.npy"
+    env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
+    spec = json.dumps({"model": str(gguf), "ids": [int(i) for i in ids], "out": str(out)})
+    proc = subprocess.run([sys.executable, "-c", CHILD, spec], env=env, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"llama.cpp could not run {gguf.name}:\n" + "\n".join(proc.stderr.splitlines()[-15:]))
+    return np.load(out)

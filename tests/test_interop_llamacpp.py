@@ -1,0 +1,50 @@
+"""Interop tier: llama.cpp itself loads the GGUF `ktconvert quantize` wrote and reproduces the golden logits.
+
+This is the independent proof that our names, metadata and kernel order are the kernel's. llama-cpp-python is
+built from source into a cache on first use (minutes); without it the tests skip with the reason, except under
+CI, where they must run.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import llamacpp_runner
+
+pytestmark = pytest.mark.interop
+
+
+@pytest.fixture(scope="session")
+def llama_built():
+    try:
+        return llamacpp_runner.ensure_built()
+    except llamacpp_runner.Unavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"llama.cpp interop tier required under CI: {exc}")
+        pytest.skip(str(exc))
+
+
+@pytest.mark.parametrize("qtype,profile_name", [("F32", "f32"), ("Q8_0", "q8_0"), ("Q4_K", "q4_k")])
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"])
+def test_llamacpp_reproduces_the_golden_from_our_gguf(llama_built, tmp_path, family, qtype, profile_name):
+    from ktconvert.convert import convert
+    from ktconvert.golden import read_golden
+    from ktconvert.golden.paths import golden_root
+    from ktconvert.model.tiny import write_tiny_model
+    from ktconvert.verify.metrics import compare_logits
+    from ktconvert.verify.profile import evaluate, load_profile
+
+    model = tmp_path / "model"
+    write_tiny_model(family, model)
+    gguf = convert(model, tmp_path / "converted", type=qtype).out / "model.gguf"
+    gold = read_golden(golden_root() / family)
+    ids = [int(i) for i in np.asarray(gold.input_ids).reshape(-1)]
+    got = llamacpp_runner.logits(gguf, ids, tmp_path)
+    want = np.asarray(gold.logits, dtype=np.float32).reshape(len(ids), -1)
+    assert got.shape == want.shape
+    profile = load_profile(profile_name).for_family(family)
+    stats = compare_logits(want, got, profile.topk).summary()
+    assert evaluate(profile, "llama.cpp", stats, []) == [], stats
