@@ -33,9 +33,13 @@ def tiny(root: Path, family: str) -> Path:
 
 
 def hf_tensors(model_dir: Path) -> dict[str, np.ndarray]:
-    from safetensors.numpy import load_file
+    """Every tensor of the checkpoint as float32 numpy (BF16 widened exactly), read by the safetensors package."""
+    from safetensors.torch import load_file
 
-    return load_file(model_dir / "model.safetensors")
+    out = {}
+    for f in sorted(model_dir.glob("*.safetensors")):
+        out.update({k: v.float().numpy() for k, v in load_file(f).items()})
+    return out
 
 
 def _permute(w: np.ndarray, n_head: int) -> np.ndarray:

@@ -170,7 +170,7 @@ class Plan:
             {"index": r.index, "match": r.match, "type": r.type, "fallback": list(r.fallback),
              **({"layers": r.layers if isinstance(r.layers, str) else list(r.layers)} if r.layers else {}),
              "where": r.where} for r in self.recipe.rules],
-            "output_tensors": [t.to_dict() for t in self.tensors]}
+            "output_tensors": [{**t.to_dict(), "file": self.files[t.file].name} for t in self.tensors]}
 
 
 # --- types -----------------------------------------------------------------------------------------------------------
