@@ -74,3 +74,19 @@ def test_reader_sees_kernel_order_experts(outputs):
     assert info.dtype == "U8" and info.shape == (8, 256, 256 // 256 * 144)
     report = detect_layout(ck)
     assert report.arch == "deepseek2"
+
+
+def test_gguf_input_to_safetensors(outputs, tmp_path):
+    """A GGUF goes to kernel-order safetensors with its tensors' bytes unchanged (type keep)."""
+    _, gguf, _ = outputs
+    st = convert(gguf / "model.gguf", tmp_path / "st", type="keep", format="safetensors").out
+    from safetensors import safe_open
+
+    g, _ = read_gguf(gguf / "model.gguf")
+    with safe_open(st / "model.safetensors", framework="pt") as f:
+        import torch
+
+        names = [n for n in f.keys() if not n.endswith(".ggml_type")]
+        assert set(names) == set(g)
+        for n in names:
+            assert f.get_tensor(n).contiguous().view(torch.uint8).numpy().tobytes() == g[n][1].tobytes(), n

@@ -138,3 +138,18 @@ def test_real_entry_point(root, tmp_path):
     res = subprocess.run([sys.executable, "-m", "ktconvert", "quantize", str(src), str(tmp_path / "o"), "--type",
                           "Q9_0"], capture_output=True, text=True)
     assert res.returncode == 2 and res.stderr.count("\n") == 1 and "not a ggml type" in res.stderr
+
+
+def test_config_option_for_a_bare_checkpoint(root, tmp_path):
+    src = tmp_path / "bare"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes((tiny(root, "qwen3_moe") / "model.safetensors").read_bytes())
+    res = _invoke("quantize", src, tmp_path / "out", "--type", "Q8_0", "--config", tiny(root, "qwen3_moe") / "config.json")
+    assert res.exit_code == 0, res.output
+    ref = _invoke("quantize", tiny(root, "qwen3_moe"), tmp_path / "ref", "--type", "Q8_0", "--no-tokenizer")
+    assert ref.exit_code == 0
+    a, ra = read_gguf(tmp_path / "out" / "model.gguf")
+    b, _ = read_gguf(tmp_path / "ref" / "model.gguf")
+    assert all(a[n][1].tobytes() == b[n][1].tobytes() for n in b) and set(a) == set(b)
+    assert ra.fields["tokenizer.ggml.model"].contents() == "none"  # no tokenizer.json beside it
+    assert ra.fields["qwen3moe.vocab_size"].contents() == 512
