@@ -171,3 +171,17 @@ def test_legacy_split_gguf_is_merged_into_exps(tmp_path):
             assert ttype == per[0][0]
             assert data.tobytes() == b"".join(d.tobytes() for _, d in per)
     assert not any(".ffn_gate.0." in n for n in b)
+
+
+def test_gguf_tensor_no_naming_map_knows_is_carried_through(tmp_path):
+    """A llama.cpp tensor outside the naming maps (rope_freqs) stays under its name, its bytes untouched."""
+    from formats_helpers import write_gguf
+
+    rng = np.random.default_rng(0)
+    src = write_gguf(tmp_path / "x.gguf", "qwen3moe", {"token_embd.weight": rng.standard_normal((16, 64), np.float32),
+                                                        "rope_freqs.weight": rng.standard_normal(32, np.float32)})
+    out = convert(src, tmp_path / "out", type="Q8_0").out / "model.gguf"
+    a, _ = read_gguf(src)
+    b, _ = read_gguf(out)
+    assert b["rope_freqs.weight"][1].tobytes() == a["rope_freqs.weight"][1].tobytes()
+    assert b["token_embd.weight"][0].name == "Q8_0"

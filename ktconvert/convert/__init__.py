@@ -22,24 +22,27 @@ max_memory="2GiB", jobs=1, resume=False, force=False, progress=None) -> RunResul
 ``convert_lora(src, out, *, base_config=None, lora_alpha=None, force=False) -> LoraResult``
     MoE LoRA adapters between kt-kernel's stacked form and per-expert PEFT form (see :mod:`ktconvert.convert.lora`).
 
-Importing this package is light (no numpy work, no torch); torch is imported only by quantizing workers.
+Importing this package does not import torch; the quantizing workers do.
 """
 
 from __future__ import annotations
 
 from ktconvert.convert.api import DEFAULT_MAX_MEMORY, convert, plan_conversion, resolve_recipe
 from ktconvert.convert.execute import RunResult, partial_dir
+from ktconvert.convert.lora import LoraResult, convert_lora
 from ktconvert.convert.plan import Plan, PlanTensor, plan_text
 from ktconvert.convert.recipe import Recipe, Rule, load_recipe, presets, recipe_for_type
 
 __all__ = [
     "DEFAULT_MAX_MEMORY",
+    "LoraResult",
     "Plan",
     "PlanTensor",
     "Recipe",
     "Rule",
     "RunResult",
     "convert",
+    "convert_lora",
     "load_recipe",
     "partial_dir",
     "plan_conversion",

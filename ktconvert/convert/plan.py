@@ -122,6 +122,7 @@ class Plan:
     kv_keys: list[str] = field(default_factory=list)
     tokenizer: str = ""
     input_files: list[str] = field(default_factory=list)
+    _in_bytes: dict = field(default_factory=dict, repr=False)  # input bytes read per output tensor
 
     @property
     def in_bytes(self) -> int:
@@ -133,8 +134,6 @@ class Plan:
 
     def segment_bytes(self, t: PlanTensor) -> int:
         return 0 if t.const is not None else self._in_bytes.get(t.name, 0)
-
-    _in_bytes: dict = field(default_factory=dict, repr=False)
 
     def fingerprint(self) -> str:
         """sha256 over everything that decides the output bytes (not over options that only change speed)."""

@@ -28,9 +28,9 @@ FALLBACKS = {
     "Q5_1": ("F16",),
 }
 
-#: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias): every preset and
+#: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies): every preset and
 #: ``--type`` keep them in F32, as convert_hf_to_gguf and llama-quantize do.
-F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$"
+F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$"
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,6 @@ input fails here, before any output exists.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -191,6 +190,11 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
         if m_layer is not None and n_layers is not None and m_layer >= n_layers:
             skipped.append(name)
             continue
+        if not hf:  # already a llama.cpp tensor (rope_freqs, ...): carried under its own name for the recipe
+            info = ck[name]
+            shape = info.shape or (1,)
+            items.append(Item(name, None, tuple(shape), (Segment(0, _rows(shape), name),), info.dtype, "other", m_layer))
+            continue
         raise InputError(f"no naming map knows this tensor, so it has no llama.cpp name", path=shown,
                          where=f"tensor {name}",
                          fix=f"add it to rules/naming/{report.arch}.yaml, or remove it from the checkpoint")
@@ -334,9 +338,3 @@ def _ordered(items: list[Item], nm: NamingMap, ck: Checkpoint) -> list[Item]:
 
     return sorted(items, key=key)
 
-
-def group_by_layer(items: list[Item]) -> dict[int | None, list[Item]]:
-    out: dict[int | None, list[Item]] = defaultdict(list)
-    for it in items:
-        out[it.layer].append(it)
-    return out
