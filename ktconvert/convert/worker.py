@@ -193,29 +193,44 @@ def _decode_into(dst: np.ndarray, raw: np.ndarray, dtype: str) -> None:
 
 
 def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
-    """Rows ``r0..r1`` of the output tensor as float32, assembled from the segments."""
+    """Rows ``r0..r1`` of the output tensor as float32, assembled from the segments; a NaN/Inf is reported at
+    its place in the input tensor, before anything is quantized or written."""
     n_out = t.shape[-1] if t.shape else 1
     x = np.empty((r1 - r0, n_out), dtype=np.float32)
+    placed = []
     for s, i, n, pos in _overlaps(t, r0, r1):
         dtype = ck[s.source].dtype
+        idx = None
         if s.op == "rows":
             src = _rows2d(ck, s.source)
             _decode_into(x[pos: pos + n], src[s.src_row + i: s.src_row + i + n], dtype)
             del src
-            continue
-        if s.op == "transpose":
-            slab = ck.read(s.source)[s.expert]
-            part = _decode(slab[:, s.src_col + i: s.src_col + i + n], dtype).T
-        else:  # permute: llama.cpp's rope row order within each head (convert_hf_to_gguf's LlamaModel.permute)
-            src = _rows2d(ck, s.source)
-            half = s.rows // s.heads // 2
-            o = np.arange(i, i + n)
-            head, rem = np.divmod(o, 2 * half)
-            idx = head * 2 * half + (rem % 2) * half + rem // 2
-            part = _decode(src[idx], dtype)
-        part = part.reshape(n, -1)
-        if part.shape[1] != n_out:
-            raise AssertionError(f"{s.source}: rows of {part.shape[1]}, {t.name} needs {n_out}")
-        x[pos: pos + n] = part
-        del part
+        else:
+            if s.op == "transpose":
+                slab = ck.read(s.source)[s.expert]
+                part = _decode(slab[:, s.src_col + i: s.src_col + i + n], dtype).T
+            else:  # permute: llama.cpp's rope row order within each head (convert_hf_to_gguf's LlamaModel.permute)
+                src = _rows2d(ck, s.source)
+                half = s.rows // s.heads // 2
+                o = np.arange(i, i + n)
+                head, rem = np.divmod(o, 2 * half)
+                idx = head * 2 * half + (rem % 2) * half + rem // 2
+                part = _decode(src[idx], dtype)
+            part = part.reshape(n, -1)
+            if part.shape[1] != n_out:
+                raise AssertionError(f"{s.source}: rows of {part.shape[1]}, {t.name} needs {n_out}")
+            x[pos: pos + n] = part
+            del part
+        placed.append((s, i, n, pos, idx))
+    with np.errstate(invalid="ignore"):
+        finite = np.isfinite(x.max()) and np.isfinite(x.min())
+    if not finite:
+        r, c = (int(v) for v in np.argwhere(~np.isfinite(x))[0])
+        s, i, n, pos, idx = next(p for p in placed if p[3] <= r < p[3] + p[2])
+        k = i + r - pos
+        at = {"rows": lambda: f"row {s.src_row + k}, column {c}",
+              "transpose": lambda: f"expert {s.expert}, row {c}, column {s.src_col + k}",
+              "permute": lambda: f"row {int(idx[r - pos])}, column {c}"}[s.op]()
+        raise InputError(f"non-finite value {x[r, c]} at {at}", path=None, where=f"tensor {s.source}",
+                         fix="the checkpoint is corrupt or was saved from a diverged run; fix or drop that tensor")
     return x
