@@ -143,6 +143,8 @@ def _edit(tmp_path, fn, alpha=16.0):
     ("missing-tensor", lambda t: t.pop("layers.1.experts.gate_lora_b"), ["layer 1 has no gate_lora_b"]),
     ("not-3d", lambda t: t.__setitem__("layers.0.experts.gate_lora_a", torch.zeros(R, H, dtype=torch.bfloat16)),
      ["layers.0.experts.gate_lora_a is [4, 256]; stacked LoRA tensors are 3-D"]),
+    ("unknown-expert-tensor", lambda t: t.__setitem__("layers.0.experts.gate_lora_c", torch.zeros(1, dtype=torch.bfloat16)),
+     ["tensor layers.0.experts.gate_lora_c", "an expert tensor of neither form"]),
 ])
 def test_inconsistent_stacked_adapter(tmp_path, base, case, edit, expect):
     src = _edit(tmp_path, edit)

@@ -153,8 +153,13 @@ def convert_lora(src: str | Path, out: str | Path, *, base_config=None, lora_alp
         raise InputError("no MoE expert LoRA tensors (neither layers.L.experts.{gate,up,down}_lora_{a,b} nor "
                          "...mlp.experts.E.{gate,up,down}_proj.lora_{A,B}.weight)", path=str(src),
                          fix="point at a MoE LoRA adapter")
-    _check_out(src, out, force)
     others = [t for t in tensors if not _STACKED.match(t.name) and not _PEFT.match(t.name)]
+    odd = next((t for t in others if re.match(r"^(?:base_model\.model\.)?(?:model\.)?layers\.\d+\.(?:mlp\.|block_sparse_moe\.)?experts\.", t.name)), None)
+    if odd is not None:
+        raise InputError("an expert tensor of neither form (stacked layers.L.experts.{gate,up,down}_lora_{a,b} or "
+                         "per-expert ...experts.E.{gate,up,down}_proj.lora_{A,B}.weight)", path=str(odd.file),
+                         where=f"tensor {odd.name}", fix="rename it or remove it from the adapter")
+    _check_out(src, out, force)
     if stacked:
         return _to_peft(stacked, others, cfg, dims, out, lora_alpha, str(src), force)
     return _to_stacked(peft_experts, others, cfg, dims, out, lora_alpha, str(src), force)
