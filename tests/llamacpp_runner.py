@@ -26,6 +26,9 @@ llm = Llama(model_path=spec["model"], n_ctx=128, n_threads=1, n_batch=128, logit
 llm.eval(spec["ids"])
 scores = np.asarray(llm.scores[: len(spec["ids"])], dtype=np.float32)
 np.save(spec["out"], scores)
+if spec.get("text") is not None:
+    with open(spec["out"] + ".tokens.json", "w") as fh:
+        json.dump(llm.tokenize(spec["text"].encode(), add_bos=False), fh)
 """
 
 
@@ -71,13 +74,14 @@ def _build(target: Path, timeout: int) -> Path:
     return target
 
 
-def logits(gguf: Path, ids: list[int], work: Path) -> np.ndarray:
-    """llama.cpp's logits for every position of ``ids`` (one thread, no sampling)."""
+def run(gguf: Path, ids: list[int], work: Path, text: str | None = None) -> tuple[np.ndarray, list[int] | None]:
+    """llama.cpp's logits for every position of ``ids`` (one thread, no sampling), and its tokens for ``text``."""
     target = ensure_built()
     out = work / "llama_logits.npy"
     env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
-    spec = json.dumps({"model": str(gguf), "ids": [int(i) for i in ids], "out": str(out)})
+    spec = json.dumps({"model": str(gguf), "ids": [int(i) for i in ids], "out": str(out), "text": text})
     proc = subprocess.run([sys.executable, "-c", CHILD, spec], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"llama.cpp could not run {gguf.name}:\n" + "\n".join(proc.stderr.splitlines()[-15:]))
-    return np.load(out)
+    tokens = json.loads(Path(str(out) + ".tokens.json").read_text()) if text is not None else None
+    return np.load(out), tokens

@@ -42,9 +42,27 @@ def test_llamacpp_reproduces_the_golden_from_our_gguf(llama_built, tmp_path, fam
     gguf = convert(model, tmp_path / "converted", type=qtype).out / "model.gguf"
     gold = read_golden(golden_root() / family)
     ids = [int(i) for i in np.asarray(gold.input_ids).reshape(-1)]
-    got = llamacpp_runner.logits(gguf, ids, tmp_path)
+    got, _ = llamacpp_runner.run(gguf, ids, tmp_path)
     want = np.asarray(gold.logits, dtype=np.float32).reshape(len(ids), -1)
     assert got.shape == want.shape
     profile = load_profile(profile_name).for_family(family)
     stats = compare_logits(want, got, profile.topk).summary()
     assert evaluate(profile, "llama.cpp", stats, []) == [], stats
+
+
+@pytest.mark.parametrize("family", ["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"])
+def test_llamacpp_tokenizes_like_the_hf_tokenizer(llama_built, tmp_path, family):
+    """The converted tokenizer.json (BPE) in our GGUF splits text exactly as the Hugging Face tokenizer does."""
+    from transformers import AutoTokenizer
+
+    from ktconvert.convert import convert
+    from ktconvert.model.tiny import write_tiny_model
+    from ktconvert.model.tinytok import PROMPT_TEXT
+
+    model = tmp_path / "model"
+    write_tiny_model(family, model)
+    gguf = convert(model, tmp_path / "converted", type="Q8_0").out / "model.gguf"
+    text = PROMPT_TEXT + " Experts, routers & norms: 42 tokens!"
+    _, tokens = llamacpp_runner.run(gguf, [1, 2, 3], tmp_path, text=text)
+    want = AutoTokenizer.from_pretrained(model)(text, add_special_tokens=False)["input_ids"]
+    assert tokens == want
