@@ -148,7 +148,7 @@ def _write_map(tmp_path, mutate):
 @pytest.mark.parametrize(
     "mutate, message",
     [
-        (lambda d: d.pop("arch"), "schema violation: 'arch' is a required property"),
+        (lambda d: d.pop("arch"), "not a valid naming map: 'arch' is a required property"),
         (lambda d: d["tensors"].append({"gguf": "blk.{L}.x.weight", "hf": "a.{Q}.b", "group": "norm"}), "schema"),
         (lambda d: d["tensors"].append({"gguf": "blk.{L}.x.weight", "hf": "m.12.b", "group": "norm"}), "schema"),
         (lambda d: d["tensors"].append({"gguf": "blk.{L}.attn_q.weight", "hf": "z.{L}", "group": "norm"}),

@@ -108,16 +108,9 @@ def load_recipe(spec: str | Path) -> Recipe:
         source, shown = f"preset {key}", f"rules/convert/{p.name}"
     else:
         source = shown = str(p)
-    from ktconvert.rules.yamlpos import YamlSyntaxError, load_text, read_text
+    from ktconvert.datafile import load_yaml
 
-    text = read_text(p)
-    try:
-        loaded = load_text(text, shown)
-    except YamlSyntaxError as exc:
-        raise InputError(f"invalid YAML: {exc.message}", path=shown, where=f"{exc.line}:{exc.col}",
-                         fix="fix the recipe's YAML syntax") from None
-    for prob in loaded.problems:
-        raise InputError(prob.message, path=shown, where=f"{prob.line}:{prob.col}", fix=prob.fix or "fix the recipe")
+    loaded = load_yaml(p, shown)
     return recipe_from_data(loaded.data, shown, source, loaded.where)
 
 
@@ -143,14 +136,9 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
                     loc = at("rules", i, key) if key == "type" else at("rules", i, key, j)
                     raise InputError(_type_message(t, i), path=path, where=loc,
                                      fix=f"use one of {', '.join(WRITABLE)} or keep")
-    import jsonschema
+    from ktconvert.datafile import validate
 
-    validator = jsonschema.Draft202012Validator(resources.load_schema("convert-recipe"))
-    errors = sorted(validator.iter_errors(data), key=lambda e: (len(e.absolute_path), list(map(str, e.absolute_path))))
-    if errors:
-        e = jsonschema.exceptions.best_match(errors)
-        raise InputError(f"recipe does not fit its schema: {e.message}", path=path, where=at(*e.absolute_path),
-                         fix="see schemas/convert-recipe.schema.json")
+    validate(data, where or (lambda keys: (1, 1)), "convert-recipe", path, "recipe")
     rules = []
     for i, r in enumerate(data["rules"]):
         try:

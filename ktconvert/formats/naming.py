@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-import yaml
 
 from ktconvert import resources
 from ktconvert.errors import InputError
@@ -253,21 +252,9 @@ def _forms(data: dict) -> dict[str, dict[str, tuple[str, ...]]]:
 
 def load_naming_map(path: str | Path) -> NamingMap:
     """Load one naming map YAML file, validated against ``naming-map.schema.json`` and for template collisions."""
-    import jsonschema  # imported lazily: only map loading needs it
+    from ktconvert.datafile import load_data_file
 
-    p = Path(path)
-    try:
-        data = yaml.safe_load(p.read_text(encoding="utf-8"))
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{mark.line + 1}:{mark.column + 1}" if mark else None
-        raise InputError(f"invalid YAML: {exc}", path=str(p), where=where, fix="fix the naming map") from None
-    validator = jsonschema.Draft202012Validator(resources.load_schema("naming-map"))
-    error = next(iter(sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))), None)
-    if error is not None:
-        where = "/".join(str(x) for x in error.absolute_path) or "(top)"
-        raise InputError(f"schema violation: {error.message}", path=str(p), where=where, fix="fix the naming map")
-    return NamingMap(data, str(p))
+    return NamingMap(load_data_file(path, "naming-map", "naming map").data, str(path))
 
 
 @lru_cache(maxsize=None)

@@ -6,11 +6,9 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import jsonschema
-
+from ktconvert.datafile import load_data_file
 from ktconvert.errors import InputError
-from ktconvert.resources import load_schema, rules_dir
-from ktconvert.rules import yamlpos
+from ktconvert.resources import rules_dir
 
 
 @dataclass(frozen=True)
@@ -62,19 +60,7 @@ def load_suite(path: str | Path, check_profiles: bool = True) -> Suite:
     path = Path(path)
     if not path.is_file():
         raise InputError("gate suite not found", path=str(path), fix="pass a gate-suite YAML file (e.g. golden/suite.yaml)")
-    text = yamlpos.read_text(path)
-    try:
-        loaded = yamlpos.load_text(text, str(path))
-    except yamlpos.YamlSyntaxError as exc:
-        raise InputError(exc.message, path=str(path), where=f"{exc.line}:{exc.col}", fix="fix the YAML syntax") from None
-    if loaded.problems:
-        p = loaded.problems[0]
-        raise InputError(p.message, path=str(path), where=f"{p.line}:{p.col}", fix=p.fix)
-    error = jsonschema.exceptions.best_match(jsonschema.Draft202012Validator(load_schema("gate-suite")).iter_errors(loaded.data))
-    if error is not None:
-        line, col = loaded.where(tuple(str(p) for p in error.absolute_path))
-        raise InputError(f"not a valid gate suite: {error.message}", path=str(path), where=f"{line}:{col}",
-                         fix="see schemas/gate-suite.schema.json")
+    loaded = load_data_file(path, "gate-suite", "gate suite")
     data = loaded.data
     cases, seen = [], set()
     for i, raw in enumerate(data["cases"]):

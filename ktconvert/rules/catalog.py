@@ -9,11 +9,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
-import jsonschema
-
 from ktconvert.errors import InputError
-from ktconvert.resources import load_schema, rules_dir
-from ktconvert.rules import yamlpos
+from ktconvert.resources import rules_dir
 
 SECTIONS = ("backends", "module_types", "ggml_type_sets", "ops", "kwarg_sets", "operators")
 
@@ -150,26 +147,10 @@ class Catalog:
         return sorted(name for name, spec in self.ops.items() if spec["kind"] == kind)
 
 
-def _validate(data, loaded: yamlpos.Loaded, path: str) -> None:
-    validator = jsonschema.Draft202012Validator(load_schema("operator-catalog"))
-    error = jsonschema.exceptions.best_match(validator.iter_errors(data))
-    if error is not None:
-        line, col = loaded.where(tuple(str(p) for p in error.absolute_path))
-        raise InputError(f"not a valid operator catalog: {error.message}", path=path, where=f"{line}:{col}",
-                         fix="see schemas/operator-catalog.schema.json")
-
-
 def _load_one(path: Path) -> dict:
-    text = yamlpos.read_text(path)
-    try:
-        loaded = yamlpos.load_text(text, str(path))
-    except yamlpos.YamlSyntaxError as exc:
-        raise InputError(exc.message, path=str(path), where=f"{exc.line}:{exc.col}", fix="fix the YAML syntax") from None
-    if loaded.problems:
-        p = loaded.problems[0]
-        raise InputError(p.message, path=str(path), where=f"{p.line}:{p.col}", fix=p.fix)
-    _validate(loaded.data, loaded, str(path))
-    return loaded.data
+    from ktconvert.datafile import load_data_file
+
+    return load_data_file(path, "operator-catalog", "operator catalog").data
 
 
 BUILTIN = "catalog/ktransformers.yaml"

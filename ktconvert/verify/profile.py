@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.errors import InputError, UsageProblem
-from ktconvert.resources import load_schema, rules_dir
+from ktconvert.resources import rules_dir
 
 KIND = "tolerance-profile"
 DEFAULT_MIN_SHARE = 0.1  # localisation heuristic when a profile does not set one (not a pass/fail limit)
@@ -108,32 +108,14 @@ def load_profile(name_or_path: str) -> Profile:
 
 
 def _load_file(path: Path) -> Profile:
-    import jsonschema
+    from ktconvert.datafile import load_yaml, validate
 
-    from ktconvert.rules import yamlpos
-
-    try:
-        text = yamlpos.read_text(path)
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", path=str(path)) from None
-    try:
-        loaded = yamlpos.load_text(text, str(path))
-    except yamlpos.YamlSyntaxError as exc:
-        raise InputError(exc.message, path=str(path), where=f"{exc.line}:{exc.col}", fix="fix the YAML syntax") from None
-    if loaded.problems:
-        pr = loaded.problems[0]
-        raise InputError(pr.message, path=str(path), where=f"{pr.line}:{pr.col}", fix=pr.fix or "fix the profile")
+    loaded = load_yaml(path)
     data = loaded.data
     if not isinstance(data, dict) or data.get("kind") != KIND:
         raise InputError(f"not a tolerance profile (needs `kind: {KIND}`)", path=str(path), where="1:1",
                          fix="see schemas/tolerance-profile.schema.json")
-    validator = jsonschema.Draft202012Validator(load_schema(KIND))
-    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
-    if errors:
-        err = errors[0]
-        line, col = loaded.where(tuple(str(x) for x in err.absolute_path))
-        raise InputError(f"not a valid tolerance profile: {err.message}", path=str(path), where=f"{line}:{col}",
-                         fix="see schemas/tolerance-profile.schema.json")
+    validate(data, loaded.where, KIND, str(path), "tolerance profile")
     return Profile(name=data["name"], source=str(path), data=data)
 
 
