@@ -16,7 +16,6 @@ from ktconvert.cli import cli
 from ktconvert.errors import InputError
 from ktconvert.gate import default_suite_path, load_suite
 
-from conftest import REPO
 
 
 def run(*args):

@@ -13,8 +13,6 @@ from ktconvert.rules.catalog import load_catalog
 
 @pytest.mark.parametrize("family", modeltree.FAMILIES)
 def test_same_paths_and_matching_classes(family):
-    import torch  # noqa: F401  (the reference model needs it; check-rules does not)
-
     from ktconvert.model import build_model, module_class_paths, normalize_config
 
     cfg = tiny_config(family)

@@ -195,7 +195,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
             shape = info.shape or (1,)
             items.append(Item(name, None, tuple(shape), (Segment(0, _rows(shape), name),), info.dtype, "other", m_layer))
             continue
-        raise InputError(f"no naming map knows this tensor, so it has no llama.cpp name", path=shown,
+        raise InputError("no naming map knows this tensor, so it has no llama.cpp name", path=shown,
                          where=f"tensor {name}",
                          fix=f"add it to rules/naming/{report.arch}.yaml, or remove it from the checkpoint")
     for ly in report.layers:
