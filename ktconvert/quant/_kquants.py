@@ -304,9 +304,10 @@ def quantize_q2_k(x: np.ndarray) -> np.ndarray:
 # Q6_K: make_qx_quants(16, 32, x, L, rmse_type=1, qw=NULL)
 
 
-def _make_qx_rmse1(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """Returns (scale, L + nmax as float32). The 18 trial scales do not depend on which one was taken,
-    so the search is a running arg-best over independent trials."""
+def _make_qx_rmse1(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Returns (scale, the iscale taken, max |x|) per column. The 18 trial scales do not depend on
+    which one was taken, so the search is a running arg-best over independent trials. The levels are
+    only needed where the re-quantization keeps them (:func:`_qx_levels`), so they are not built here."""
     n, S = X.shape
     amax, vmax = _first_absmax_cols(X)
     zero = amax < _EPS
@@ -349,19 +350,24 @@ def _make_qx_rmse1(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
                 scale = _blend(acc, new_scale, scale)
                 best = _blend(acc, new_scale * sumlx, best)
                 sel = _blend(acc, isc, sel)
-    np.multiply(X, sel, out=V)
-    L = nint_clip_f32(V, lo, hi, True)
-    L += fn
-    if zero.any():
-        L[:, zero] = F32(0.0)
-        scale[zero] = F32(0.0)
-    return scale, L
+    scale[zero] = F32(0.0)
+    return scale, sel, amax
+
+
+def _qx_levels(X: np.ndarray, sel: np.ndarray, amax: np.ndarray, nmax: int) -> np.ndarray:
+    """make_qx_quants' levels L + nmax (float32) for the columns of ``X``, from the iscale it took;
+    0 for an all-zero column."""
+    L = X * sel
+    nint_clip_f32(L, -nmax, nmax - 1, True)       # |iscale*x| <= (nmax+0.9)*(1+eps)
+    L += F32(nmax)
+    L[:, amax < _EPS] = F32(0.0)
+    return L
 
 
 def quantize_q6_k(x: np.ndarray) -> np.ndarray:
     nb = x.shape[0]
     X = _to_cols(x, 16)
-    scales, L = _make_qx_rmse1(X, 32)
+    scales, sel, amax = _make_qx_rmse1(X, 32)
     sc = scales.reshape(nb, 16)
     # max_scale: the signed scale at the first max |scale| (strict >, from 0)
     amax_s, max_scale = _first_absmax_cols(np.ascontiguousarray(sc.T))
@@ -374,14 +380,12 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
         d = (fp16_to_f32(d_bits)[:, None] * q_sc).astype(F32).reshape(-1)
         keep = d == 0
         ds = np.where(keep, F32(1.0), d).astype(F32)
-        V = X / ds
-        xmin = np.minimum.reduce(X, axis=0)
-        xmax = np.maximum.reduce(X, axis=0)
-        safe = all_within((xmin / ds)[~keep], (xmax / ds)[~keep])
+        V = np.divide(X, ds, out=scratch("q6V", X.shape))
+        safe = all_within((amax / np.abs(ds))[~keep])       # |x| <= amax
     Lnew = nint_clip_f32(V, -32, 31, safe)
     Lnew += F32(32.0)
     if keep.any():
-        Lnew[:, keep] = L[:, keep]
+        Lnew[:, keep] = _qx_levels(X[:, keep], sel[keep], amax[keep], 32)
     Lb = _from_cols(Lnew.astype(np.uint8), nb)
     A = Lb.reshape(nb, 2, 4, 32)                # [half of 128, group of 32, l]
     ql = ((A[:, :, 0:2] & 0x0F) | ((A[:, :, 2:4] & 0x0F) << 4)).reshape(nb, 128)
@@ -397,10 +401,11 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
 # Q3_K: make_q3_quants(16, 4, x, L, do_rmse=true)
 
 
-def _q3_refine(X: np.ndarray, W: np.ndarray, WX: np.ndarray, L: np.ndarray, sumlx: np.ndarray,
-               suml2: np.ndarray, cols: np.ndarray, nmax: int) -> None:
+def _q3_refine(X: np.ndarray, W: np.ndarray, WX: np.ndarray, L: np.ndarray, P: np.ndarray, Q: np.ndarray,
+               sumlx: np.ndarray, suml2: np.ndarray, cols: np.ndarray, nmax: int) -> None:
     """make_q3_quants' rmse refinement (up to 5 sweeps of element-by-element updates), in place on
-    ``L`` (float32 levels), ``sumlx``, ``suml2`` for the columns ``cols``.
+    ``L`` (float32 levels), ``sumlx``, ``suml2`` for the columns ``cols``. ``W`` = x*x and ``WX`` = w*x;
+    ``P`` = w*x*L and ``Q`` = w*L*L are the products the sums were made from.
 
     Each accepted change alters the sums the next element is tested against, so the C is sequential
     along the sub-block. It is evaluated speculatively instead: every remaining element of every live
@@ -409,78 +414,88 @@ def _q3_refine(X: np.ndarray, W: np.ndarray, WX: np.ndarray, L: np.ndarray, suml
     columns continue from the element after it. A sweep ends at the first round with no acceptance
     left; a column stops after a sweep without change or after 5 sweeps. Most columns accept 0-2 times,
     so the rounds shrink fast (about 1.7 full passes in total on gaussian data).
+
+    Only ``new_l`` is computed densely: the C tests acceptance only where ``slx > 0`` and
+    ``new_l != L[i]``, about 2% of the elements, so the acceptance test runs on those alone.
     """
     n, S = X.shape
-    rows = np.arange(n, dtype=np.int32)[:, None]
-    rank = (n - rows).astype(np.int32)          # first True row = n - max(ok * rank)
-    p = np.zeros(cols.size, dtype=np.int32)      # next element to test in the current sweep
-    sweep = np.zeros(cols.size, dtype=np.int32)
-    changed = np.zeros(cols.size, dtype=bool)
-    live = np.arange(cols.size)
-    while live.size:
-        c = cols[live]
+    c = cols                                     # live columns, and per live column:
+    p = np.zeros(c.size, dtype=np.int32)         # the next element to test in the current sweep,
+    sweep = np.zeros(c.size, dtype=np.int32)     # the sweep (0..4),
+    changed = np.zeros(c.size, dtype=bool)       # whether this sweep changed a level
+    size = n * c.size
+    fbuf = scratch("q3f", (8, size))
+    bbuf = scratch("q3b", (2, size), np.bool_)
+    first_round = c.size == S
+    while c.size:
         m = c.size
         sh = (n, m)
-        Xa, Wa, WXa, La, A, B, C, D = (scratch(f"q3r{k}", sh) for k in range(8))
-        E, F = (scratch(f"q3b{k}", sh, np.bool_) for k in range(2))
-        I = scratch("q3i", sh, np.int32)
-        if m == S:  # every column live (the first round, usually): no gather
-            Xa, Wa, WXa, La = X, W, WX, L.copy()
-        else:
-            for src, dst in ((X, Xa), (W, Wa), (WX, WXa), (L, La)):
-                np.take(src, c, axis=1, out=dst)
+        A, B, C, D, La, Xa, Wa, WXa = (fbuf[k, :n * m].reshape(sh) for k in range(8))
+        E, F = (bbuf[k, :n * m].reshape(sh) for k in range(2))
         slx0, sl20 = sumlx[c], suml2[c]
-        np.multiply(WXa, La, out=A)
-        np.subtract(slx0, A, out=A)              # slx = sumlx - w*x[i]*L[i]
-        np.multiply(Wa, La, out=B)
-        B *= La
-        np.subtract(sl20, B, out=B)              # sl2 = suml2 - w*L[i]*L[i]
+        if first_round:  # every column live: no gather, and the products of the sums are at hand
+            first_round = False
+            Xa, Wa, WXa, La = X, W, WX, L
+            np.subtract(slx0, P, out=A)          # slx = sumlx - w*x[i]*L[i]
+            np.subtract(sl20, Q, out=B)          # sl2 = suml2 - w*L[i]*L[i]
+        else:
+            np.take(X, c, axis=1, out=Xa, mode="clip")
+            np.multiply(Xa, Xa, out=Wa)          # recomputing w and w*x is cheaper than gathering them
+            np.multiply(Wa, Xa, out=WXa)
+            np.take(L, c, axis=1, out=La, mode="clip")
+            np.multiply(WXa, La, out=A)
+            np.subtract(slx0, A, out=A)
+            np.multiply(Wa, La, out=B)
+            B *= La
+            np.subtract(sl20, B, out=B)
         np.multiply(Xa, B, out=C)
         C /= A                                   # x[i]*sl2/slx: may be huge or NaN, so the exact
         C += F32(12582912.0)                     # nearest_int bit trick, in place
         Ci = C.view(np.int32)
         Ci &= 0x007FFFFF
         Ci -= 0x00400000
-        np.clip(Ci, -nmax, nmax - 1, out=I)
-        np.copyto(D, I, casting="unsafe")        # new_l
-        np.greater(A, F32(0.0), out=E)
+        np.clip(Ci, -nmax, nmax - 1, out=Ci)
+        np.copyto(D, Ci, casting="unsafe")       # new_l
+        np.greater(A, F32(0.0), out=E)           # if (slx > 0) ... if (new_l != L[i])
         np.not_equal(D, La, out=F)
         E &= F
-        if p[live].any():
-            np.greater_equal(rows, p[live], out=F)
-            E &= F
-        np.multiply(WXa, D, out=C)
-        A += C                                   # slx += w*x[i]*new_l
-        np.multiply(Wa, D, out=C)
-        C *= D
-        B += C                                   # sl2 += w*new_l*new_l
-        np.greater(B, F32(0.0), out=F)
-        E &= F
-        np.multiply(A, A, out=C)
-        C *= sl20                                # slx*slx*suml2
-        np.multiply(B, slx0 * slx0, out=La)      # sumlx*sumlx*sl2 (La is free by now)
-        np.greater(C, La, out=F)
-        E &= F
-        np.multiply(E, rank, out=I)
-        first = n - np.maximum.reduce(I, axis=0)
-        hit = np.flatnonzero(first < n)
-        if hit.size:
-            i0 = first[hit]
-            ch = c[hit]
-            L[i0, ch] = D[i0, hit]
-            sumlx[ch] = A[i0, hit]
-            suml2[ch] = B[i0, hit]
-            p[live[hit]] = i0 + 1
-            changed[live[hit]] = True
-        # a sweep is over for columns without a hit, or whose hit was the last element
+        # the candidates, in element-major order (row, then column), from element p on
+        idx = np.flatnonzero(E)
+        row, col = np.divmod(idx, m)
+        if p.any():
+            ge = row >= p[col]
+            idx, row, col = idx[ge], row[ge], col[ge]
+        d = D.ravel()[idx]
+        a = A.ravel()[idx]
+        a += WXa.ravel()[idx] * d                # slx += w*x[i]*new_l
+        b = Wa.ravel()[idx] * d
+        b *= d
+        b += B.ravel()[idx]                      # sl2 += w*new_l*new_l
+        s0 = slx0[col]
+        ok = a * a
+        ok *= sl20[col]                          # slx*slx*suml2 > sumlx*sumlx*sl2
+        ok = (ok > b * (s0 * s0)) & (b > F32(0.0))
+        k = np.flatnonzero(ok)
+        first = np.full(m, n, dtype=np.int64)
+        if k.size:
+            hc = col[k]
+            np.minimum.at(first, hc, row[k])     # the first acceptance per column: its lowest row
+            lowest = row[k] == first[hc]
+            k, hc = k[lowest], hc[lowest]
+            ch = c[hc]
+            L[row[k], ch] = d[k]
+            sumlx[ch] = a[k]
+            suml2[ch] = b[k]
+            changed[hc] = True
+        # a sweep is over for columns without a hit, or whose hit was the last element; a column
+        # whose sweep changed something starts the next one (at most 5), the others are done
         over = first >= n - 1
-        ol = live[over]
-        again = changed[ol] & (sweep[ol] < 4)
-        nxt = ol[again]
-        sweep[nxt] += 1
-        p[nxt] = 0
-        changed[nxt] = False
-        live = np.concatenate([live[~over], nxt]) if nxt.size else live[~over]
+        restart = over & changed & (sweep < 4)
+        keep = np.flatnonzero(~over | restart)
+        p = np.where(over, 0, first + 1).astype(np.int32)
+        changed &= ~over
+        sweep += restart
+        c, p, sweep, changed = c[keep], p[keep], sweep[keep], changed[keep]
 
 
 def _make_q3(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -493,13 +508,14 @@ def _make_q3(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     iscale = F32(-nmax) / safe_max
     L = X * iscale
     nint_clip_f32(L, -nmax, nmax - 1, True)          # |iscale*x| <= nmax: in range
-    W = X * X
-    WX = W * X
-    sumlx = seqsum0(WX * L)                          # sumlx += w*x[i]*l
-    t = W * L
-    t *= L
-    suml2 = seqsum0(t)                               # suml2 += w*l*l
-    _q3_refine(X, W, WX, L, sumlx, suml2, np.flatnonzero(~zero), nmax)
+    W = np.multiply(X, X, out=scratch("q3W", X.shape))
+    WX = np.multiply(W, X, out=scratch("q3WX", X.shape))
+    P = np.multiply(WX, L, out=scratch("q3P", X.shape))
+    sumlx = seqsum0(P)                               # sumlx += w*x[i]*l
+    Q = np.multiply(W, L, out=scratch("q3Q", X.shape))
+    Q *= L
+    suml2 = seqsum0(Q)                               # suml2 += w*l*l
+    _q3_refine(X, W, WX, L, P, Q, sumlx, suml2, np.flatnonzero(~zero), nmax)
     scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(F32)
     Li = L.astype(np.int32)
     Li += nmax
