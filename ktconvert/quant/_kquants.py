@@ -23,8 +23,13 @@ def _to_cols(x: np.ndarray, n: int) -> np.ndarray:
 
 
 def _from_cols(L: np.ndarray, nb: int) -> np.ndarray:
-    """(n, S) quant levels -> (nb, 256) uint8 in element order."""
-    return np.ascontiguousarray(L.T).reshape(nb, QK_K)
+    """(n, S) uint8 quant levels -> (nb, 256) uint8 in element order. One strided row copy per element
+    index: about 3x faster than numpy's transposing copy, which moves one n-byte run per call."""
+    n, S = L.shape
+    out = np.empty((S, n), dtype=np.uint8)
+    for i in range(n):
+        out[:, i] = L[i]
+    return out.reshape(nb, QK_K)
 
 
 def _blend(mask: np.ndarray, new: np.ndarray, old: np.ndarray) -> np.ndarray:
@@ -68,6 +73,17 @@ def _torch():
     import torch  # deferred: only the quantizers need it
 
     return torch
+
+
+def _round_clip(V: np.ndarray, lo: int, hi: int, safe: bool = True) -> np.ndarray:
+    """``nint_clip_f32`` with torch's in-place round/clamp (half to even, as np.rint), faster than
+    numpy's on these shapes; ``safe`` as there (every |v| <= SAFE_INT)."""
+    if not safe:
+        return nint_clip_f32(V, lo, hi, False)
+    t = _tv(V)
+    t.round_()
+    t.clamp_(lo, hi)
+    return V
 
 
 def _levels(tV, V: np.ndarray, tX, tmn, mn: np.ndarray, tisc, isc: np.ndarray, xmin: np.ndarray,
@@ -358,7 +374,7 @@ def _qx_levels(X: np.ndarray, sel: np.ndarray, amax: np.ndarray, nmax: int) -> n
     """make_qx_quants' levels L + nmax (float32) for the columns of ``X``, from the iscale it took;
     0 for an all-zero column."""
     L = X * sel
-    nint_clip_f32(L, -nmax, nmax - 1, True)       # |iscale*x| <= (nmax+0.9)*(1+eps)
+    _round_clip(L, -nmax, nmax - 1)               # |iscale*x| <= (nmax+0.9)*(1+eps)
     L += F32(nmax)
     L[:, amax < _EPS] = F32(0.0)
     return L
@@ -382,7 +398,7 @@ def quantize_q6_k(x: np.ndarray) -> np.ndarray:
         ds = np.where(keep, F32(1.0), d).astype(F32)
         V = np.divide(X, ds, out=scratch("q6V", X.shape))
         safe = all_within((amax / np.abs(ds))[~keep])       # |x| <= amax
-    Lnew = nint_clip_f32(V, -32, 31, safe)
+    Lnew = _round_clip(V, -32, 31, safe)
     Lnew += F32(32.0)
     if keep.any():
         Lnew[:, keep] = _qx_levels(X[:, keep], sel[keep], amax[keep], 32)
@@ -454,7 +470,7 @@ def _q3_refine(X: np.ndarray, W: np.ndarray, WX: np.ndarray, L: np.ndarray, P: n
         Ci = C.view(np.int32)
         Ci &= 0x007FFFFF
         Ci -= 0x00400000
-        np.clip(Ci, -nmax, nmax - 1, out=Ci)
+        _tv(Ci).clamp_(-nmax, nmax - 1)
         np.copyto(D, Ci, casting="unsafe")       # new_l
         np.greater(A, F32(0.0), out=E)           # if (slx > 0) ... if (new_l != L[i])
         np.not_equal(D, La, out=F)
@@ -498,16 +514,17 @@ def _q3_refine(X: np.ndarray, W: np.ndarray, WX: np.ndarray, L: np.ndarray, P: n
         c, p, sweep, changed = c[keep], p[keep], sweep[keep], changed[keep]
 
 
-def _make_q3(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
-    """make_q3_quants(n, nmax, x, L, do_rmse=true). Returns (scale, L + nmax as int32; 0 for all-zero
-    sub-blocks, which the C leaves at 0)."""
+def _make_q3(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """make_q3_quants(n, nmax, x, L, do_rmse=true). Returns (scale, L as float32 levels -nmax..nmax-1,
+    max |x|) per column; the levels of an all-zero column (max |x| < GROUP_MAX_EPS) are garbage, the
+    C leaves them at 0 (L + nmax)."""
     n, S = X.shape
     amax, vmax = _first_absmax_cols(X)
     zero = amax < _EPS
     safe_max = np.where(zero, F32(1.0), vmax).astype(F32)
     iscale = F32(-nmax) / safe_max
     L = X * iscale
-    nint_clip_f32(L, -nmax, nmax - 1, True)          # |iscale*x| <= nmax: in range
+    _round_clip(L, -nmax, nmax - 1)                  # |iscale*x| <= nmax: in range
     W = np.multiply(X, X, out=scratch("q3W", X.shape))
     WX = np.multiply(W, X, out=scratch("q3WX", X.shape))
     P = np.multiply(WX, L, out=scratch("q3P", X.shape))
@@ -517,18 +534,14 @@ def _make_q3(X: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     suml2 = seqsum0(Q)                               # suml2 += w*l*l
     _q3_refine(X, W, WX, L, P, Q, sumlx, suml2, np.flatnonzero(~zero), nmax)
     scale = np.where(suml2 > 0, sumlx / suml2, F32(0.0)).astype(F32)
-    Li = L.astype(np.int32)
-    Li += nmax
-    if zero.any():
-        Li[:, zero] = 0
-        scale[zero] = F32(0.0)
-    return scale, Li
+    scale[zero] = F32(0.0)
+    return scale, L, amax
 
 
 def quantize_q3_k(x: np.ndarray) -> np.ndarray:
     nb = x.shape[0]
     X = _to_cols(x, 16)
-    scales, L = _make_q3(X, 4)
+    scales, L, amax = _make_q3(X, 4)
     sc = scales.reshape(nb, 16)
     amax_s, max_scale = _first_absmax_cols(np.ascontiguousarray(sc.T))
     has = max_scale != 0
@@ -543,13 +556,13 @@ def quantize_q3_k(x: np.ndarray) -> np.ndarray:
         d = (fp16_to_f32(d_bits)[:, None] * sc_dec).astype(F32).reshape(-1)
         keep = d == 0
         ds = np.where(keep, F32(1.0), d).astype(F32)
-        V = X / ds
-        xmin = np.minimum.reduce(X, axis=0)
-        xmax = np.maximum.reduce(X, axis=0)
-        safe = all_within((xmin / ds)[~keep], (xmax / ds)[~keep])
-    Lnew = nint_clip_f32(V, -4, 3, safe).astype(np.int32) + 4
+        V = np.divide(X, ds, out=scratch("q3V", X.shape))
+        safe = all_within((amax / np.abs(ds))[~keep])       # |x| <= amax
+    Lnew = _round_clip(V, -4, 3, safe)
+    Lnew += F32(4.0)
     if keep.any():
-        Lnew[:, keep] = L[:, keep]
+        Lnew[:, keep] = L[:, keep] + F32(4.0)
+        Lnew[:, keep & (amax < _EPS)] = F32(0.0)
     Lb = _from_cols(Lnew.astype(np.uint8), nb)              # levels 0..7
     hbit = (Lb >> np.uint8(2)).reshape(nb, 8, 32)           # element j -> hmask[j % 32] bit j // 32
     hmask = hbit[:, 0].copy()
