@@ -36,14 +36,14 @@ def _first_absmax_cols(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Per column: max |x| and the signed value at its FIRST occurrence, as the C scan
     ``if (ax > amax) { amax = ax; max = x[i]; }`` from 0 finds them: +0.0 for an all-zero column,
     and a NaN (possible in scales computed from overflowing sums) is never taken."""
-    a = np.abs(x)
-    amax = np.fmax.reduce(a, axis=0, initial=F32(0.0)) + F32(0.0)
-    mx = np.fmax.reduce(x, axis=0)
+    mx = np.fmax.reduce(x, axis=0, initial=F32(0.0))     # two passes instead of |x| and its max
+    mn = np.fmin.reduce(x, axis=0, initial=F32(0.0))
+    amax = np.fmax(mx, -mn) + F32(0.0)
     vmax = np.where(mx == amax, mx, -amax).astype(F32)
-    both = (mx == amax) & (amax > 0) & (np.fmin.reduce(x, axis=0) == -amax)
+    both = (mx == amax) & (amax > 0) & (mn == -amax)
     if both.any():  # +a and -a in the same column: the first one wins
         cols = np.flatnonzero(both)
-        first = np.argmax(a[:, cols] == amax[cols], axis=0)
+        first = np.argmax(np.abs(x[:, cols]) == amax[cols], axis=0)
         vmax[cols] = x[first, cols]
     vmax[amax == 0] = F32(0.0)
     return amax, vmax
