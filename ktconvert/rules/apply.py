@@ -58,9 +58,7 @@ def load_rules(path: str | Path, catalog: Catalog | None = None, backend: str = 
     from ktconvert.rules import yamlpos
 
     data = yamlpos.load_text(yamlpos.read_text(Path(path))).data
-    ctx = lint._Ctx(str(path), "", lint.Options(backend=backend), catalog, lint.FileResult(str(path)))
-    ctx.loaded = yamlpos.Loaded(data)
-    return [c for c in (ctx._rule(i, r) for i, r in enumerate(data)) if c is not None]
+    return lint.compile_rules(data, catalog, str(path))
 
 
 def module_tree(model, catalog: Catalog) -> _Node:

@@ -589,11 +589,16 @@ class _Ctx:
                     break
 
     # --- explain ------------------------------------------------------------------------------------
+def compile_rules(rules_data: list, catalog: Catalog, file: str = "<rules>") -> list[engine.CompiledRule]:
+    """The rules of an already checked file, compiled for ``engine.resolve`` (rules too broken to compile are left out)."""
+    ctx = _Ctx(file, "", Options(), catalog, FileResult(file))
+    ctx.loaded = yamlpos.Loaded(rules_data)
+    return [c for c in (ctx._rule(i, r) for i, r in enumerate(rules_data)) if c is not None]
+
+
 def explain_plan(rules_data: list, catalog: Catalog, tree: modeltree.ModelTree) -> list[dict]:
     """The resolved injection plan: one row per visited module (what upstream's gen_optimize_config produces)."""
-    ctx = _Ctx("<explain>", "", Options(), catalog, FileResult("<explain>"))
-    ctx.loaded = yamlpos.Loaded(rules_data)
-    compiled = [c for c in (ctx._rule(i, r) for i, r in enumerate(rules_data)) if c is not None]
+    compiled = compile_rules(rules_data, catalog, "<explain>")
     rows = []
     for a in engine.resolve(tree.root, compiled, catalog.is_instance):
         if a.path == "":
