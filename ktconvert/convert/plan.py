@@ -9,6 +9,8 @@ an interrupted run against.
 
 from __future__ import annotations
 
+import math
+
 import hashlib
 import json
 import os
@@ -52,10 +54,7 @@ class PlanTensor:
 
     @property
     def rows(self) -> int:
-        n = 1
-        for d in self.shape[:-1]:
-            n *= d
-        return n
+        return math.prod(self.shape[:-1])
 
     @property
     def row_bytes(self) -> int:

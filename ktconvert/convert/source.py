@@ -16,6 +16,8 @@ input fails here, before any output exists.
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -72,10 +74,7 @@ class Item:
 
     @property
     def rows(self) -> int:
-        n = 1
-        for d in self.shape[:-1]:
-            n *= d
-        return n
+        return math.prod(self.shape[:-1])
 
     @property
     def row_len(self) -> int:
