@@ -75,16 +75,11 @@ def _make_model(state) -> Step:
 def _check_rules(state) -> Step:
     from ktconvert.rules import lint
     from ktconvert.rules.catalog import load_catalog
-    from ktconvert.rules.yamlpos import load_text, read_text
 
     rules = _rules_file(state["family"])
-    catalog = load_catalog()
-    report = lint.check_paths([rules], lint.Options(model=str(state["model"])), catalog)
+    report = lint.check_paths([rules], lint.Options(model=str(state["model"]), explain=True), load_catalog())
     errors, warnings = report.count("error"), report.count("warning")
-    from ktconvert.rules.modeltree import build_tree, load_config
-
-    cfg, where = load_config(state["model"])
-    plan = lint.explain_plan(load_text(read_text(rules)).data, catalog, build_tree(cfg, "model", where))
+    plan = report.files[0].plan or []
     experts = [r for r in plan if r["ops"].get("generate_op", "").startswith("KExperts")]
     ops = sorted({f"{r['operator']}" for r in plan if r["operator"] != "default"})
     state["rules"] = rules

@@ -57,14 +57,6 @@ def command(ctx, paths, backend, model, weights, catalogs, fmt, strict, select, 
     options = lint.Options(backend=backend, model=model, catalogs=tuple(catalogs), select=_ids(select), ignore=_ids(ignore),
                            explain=explain, weights=weights)
     result = lint.check_paths(paths, options, catalog)
-    if explain:
-        from ktconvert.rules import modeltree
-        cfg, where = modeltree.load_config(model)
-        tree = modeltree.build_tree(cfg, "model", where)
-        for r in result.files:
-            loaded = _loaded_rules(r.path)
-            if r.kind == "optimize-rules" and isinstance(loaded, list):
-                r.plan = lint.explain_plan(loaded, catalog, tree)
     elapsed = time.perf_counter() - started
     verbosity = ctx.find_object(dict).get("verbosity", 1)
     if fmt == "json":
@@ -80,13 +72,3 @@ def command(ctx, paths, backend, model, weights, catalogs, fmt, strict, select, 
             click.echo(text, color=color)
     ctx.exit(result.exit_code(strict))
 
-
-def _loaded_rules(path: str):
-    from pathlib import Path
-
-    from ktconvert.rules import yamlpos
-
-    try:
-        return yamlpos.load_text(yamlpos.read_text(Path(path))).data
-    except Exception:  # the check already reported why this file is unusable
-        return None

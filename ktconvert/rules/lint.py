@@ -194,6 +194,8 @@ class _Ctx:
         if tree is not None:
             self.result.tree = f"{tree.source}:{tree.family}"
             self._tree_checks(data, usable, tree)
+            if self.options.explain and tree.source == "model":
+                self.result.plan = plan_rows(usable, self.cat, tree)
             if self.checkpoint is not None:
                 from ktconvert.rules.weights import check_weights
 
@@ -597,8 +599,12 @@ def compile_rules(rules_data: list, catalog: Catalog, file: str = "<rules>") -> 
 
 
 def explain_plan(rules_data: list, catalog: Catalog, tree: modeltree.ModelTree) -> list[dict]:
-    """The resolved injection plan: one row per visited module (what upstream's gen_optimize_config produces)."""
-    compiled = compile_rules(rules_data, catalog, "<explain>")
+    """The resolved injection plan of a rule file's data (see ``plan_rows``)."""
+    return plan_rows(compile_rules(rules_data, catalog, "<explain>"), catalog, tree)
+
+
+def plan_rows(compiled: list[engine.CompiledRule], catalog: Catalog, tree: modeltree.ModelTree) -> list[dict]:
+    """One row per visited module (what upstream's gen_optimize_config produces): rule, operator, devices, ops."""
     rows = []
     for a in engine.resolve(tree.root, compiled, catalog.is_instance):
         if a.path == "":
