@@ -158,3 +158,16 @@ def test_bad_suites_are_one_line_errors(tmp_path, text, needle):
         load_suite(p)
     r = run("gate", p)
     assert r.exit_code == 3 and str(p) in r.output and "Traceback" not in r.output
+
+
+def test_a_tiny_model_that_cannot_be_made_fails_its_cases_with_the_reason(monkeypatch):
+    import ktconvert.model.tiny as tiny
+    from ktconvert.errors import EnvironmentProblem
+
+    def broken(family, out, **kw):
+        raise EnvironmentProblem("disk full", path=str(out), fix="free some space")
+
+    monkeypatch.setattr(tiny, "write_tiny_model", broken)
+    r = run("gate", "-k", "mixtral-f32")
+    assert r.exit_code == 3, r.output
+    assert "mixtral-f32: " in r.output and "disk full (free some space)" in r.output

@@ -67,10 +67,17 @@ def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: s
     began = time.perf_counter()
     results: dict[str, CaseResult] = {}
     with tempfile.TemporaryDirectory(prefix="ktconvert-gate-", dir=workdir) as tmp:
-        made = {}  # the tiny models, made once before any worker starts (workers would race on them)
-        for case in cases:
-            if case.family not in made:
-                made[case.family] = _tiny_model(case.family, tmp)
+        # The tiny models are made here, once, before any worker starts (workers would race on them); a family
+        # whose model cannot be made fails its cases with the reason, and its groups never run.
+        for family in dict.fromkeys(c.family for c in cases):
+            try:
+                _tiny_model(family, tmp)
+            except Exception as exc:
+                for key in [k for k in groups if k[0] == family]:
+                    for c in groups.pop(key):
+                        results[c.name] = CaseResult(c, False, 0.0, error=_one_line(exc))
+                        if progress:
+                            progress(results[c.name])
         if jobs <= 1 or len(groups) <= 1:
             for group in groups.values():
                 for r in run_group(group, tmp):
@@ -95,10 +102,8 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
 
     first = cases[0]
     began = time.perf_counter()
+    model_dir = _tiny_model_dir(first.family, workdir)
     try:
-        model_dir = Path(workdir) / "models" / first.family
-        if not model_dir.is_dir():
-            _tiny_model(first.family, workdir)
         out = Path(workdir) / "converted" / f"{first.family}-{first.conversion.replace(':', '-').replace('/', '_')}"
         result = convert(model_dir, out, first.recipe, type=first.type, force=True)
         weights = _weights_path(result.out)
@@ -128,16 +133,14 @@ def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float
                       profile=report.profile.name)
 
 
-def _tiny_model(family: str, workdir: str) -> Path | str:
-    """The family's deterministic tiny model under ``workdir``; a failure is kept as the message for its cases."""
+def _tiny_model_dir(family: str, workdir: str) -> Path:
+    return Path(workdir) / "models" / family
+
+
+def _tiny_model(family: str, workdir: str) -> None:
     from ktconvert.model.tiny import write_tiny_model
 
-    model_dir = Path(workdir) / "models" / family
-    try:
-        write_tiny_model(family, model_dir)
-    except Exception as exc:
-        return _one_line(exc)
-    return model_dir
+    write_tiny_model(family, _tiny_model_dir(family, workdir))
 
 
 def _weights_path(out: Path) -> Path:

@@ -7,9 +7,6 @@ from functools import lru_cache
 
 from ktconvert.resources import rules_dir
 
-SEVERITIES = ("error", "warning")
-
-
 @dataclass(frozen=True)
 class Check:
     id: str

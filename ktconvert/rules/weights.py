@@ -22,7 +22,6 @@ class Expected:
     hf: str  # HF parameter name
     stored: tuple[str, ...]  # names it may have in the checkpoint (first is canonical)
     module: str
-    experts_of_layer: int | None = None
 
 
 def _params(node, tree: ModelTree) -> list[str]:
