@@ -177,6 +177,14 @@ class Checkpoint(Mapping):
             raise InputError(f"no tensor named {name!r}", path=str(self.path), fix="list names with ktconvert inspect") from None
 
 
+def _add(tensors: dict, info: TensorInfo, fix: str) -> None:
+    """Shards must not repeat a tensor: which copy a loader takes would depend on file order."""
+    if info.name in tensors:
+        raise InputError(f"tensor also stored in {tensors[info.name].file.name}", path=str(info.file),
+                         where=f"tensor {info.name}", fix=fix)
+    tensors[info.name] = info
+
+
 def open_checkpoint(path: str | Path) -> Checkpoint:
     """Open a ``.safetensors`` file, a sharded directory or its ``*.safetensors.index.json``, a ``.gguf`` file, or a
     split GGUF set (any shard or the directory); validate every header; raise :class:`InputError` when unusable."""
@@ -201,14 +209,8 @@ def _open_safetensors(source: Source) -> tuple[dict[str, TensorInfo], dict, list
                 "the safetensors library and transformers refuse such files; re-export it"
             )
         for e in header.entries:
-            if e.name in tensors:
-                raise InputError(
-                    f"tensor also stored in {tensors[e.name].file.name}",
-                    path=str(f),
-                    where=f"tensor {e.name}",
-                    fix="two shards hold the same tensor; remove the stray file",
-                )
-            tensors[e.name] = TensorInfo(e.name, e.shape, e.dtype, None, f, e.begin, e.end - e.begin)
+            _add(tensors, TensorInfo(e.name, e.shape, e.dtype, None, f, e.begin, e.end - e.begin),
+                 "two shards hold the same tensor; remove the stray file")
     if source.weight_map is not None:
         for name, shard in source.weight_map.items():
             info = tensors.get(name)
@@ -249,16 +251,9 @@ def _open_gguf(source: Source) -> tuple[dict[str, TensorInfo], dict, list[str], 
                     fix="the shards come from different conversions; re-download the set",
                 )
         for t in header.tensors:
-            if t.name in tensors:
-                raise InputError(
-                    f"tensor also stored in {tensors[t.name].file.name}",
-                    path=str(f),
-                    where=f"tensor {t.name}",
-                    fix="two shards hold the same tensor; re-download the set",
-                )
-            tensors[t.name] = TensorInfo(
-                t.name, tuple(reversed(t.ne)), ggml_type_name(t.ggml_type), t.ggml_type, f, t.begin, t.nbytes
-            )
+            _add(tensors, TensorInfo(t.name, tuple(reversed(t.ne)), ggml_type_name(t.ggml_type), t.ggml_type, f,
+                                     t.begin, t.nbytes),
+                 "two shards hold the same tensor; re-download the set")
     expected = metadata.get("split.tensors.count")
     if count > 1 and type(expected) is int and expected != len(tensors):
         raise InputError(

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from ktconvert.errors import InputError
 from ktconvert.formats.dtypes import ggml_block, ggml_is_known, ggml_type_name
 from ktconvert.formats.sniff import RESAVE_FIX, describe, sniff
+from ktconvert.formats.spans import check_overlaps
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)
@@ -181,7 +182,8 @@ def parse_gguf_header(buf, path: str = "<buffer>") -> GGUFHeader:
                 fix="the file is truncated; re-download it (or the missing split shard)",
             )
         tensors.append(GGUFTensorSpec(name, ne, type_id, begin, nbytes))
-    _check_overlaps(tensors, path)
+    check_overlaps(((t.begin, t.begin + t.nbytes, t.name) for t in tensors), path,
+                   "the header is corrupt; re-convert the file")
     return GGUFHeader(version, alignment, data_start, cur.size, kv, tuple(tensors))
 
 
@@ -255,18 +257,6 @@ def _tensor_info(cur: _Cursor, seen: set[str], alignment: int):
     if rel % alignment:
         raise bad(f"data offset {rel} is not a multiple of the alignment {alignment}")
     return name, ne, type_id, rel, n // block * size, at
-
-
-def _check_overlaps(tensors: list[GGUFTensorSpec], path: str) -> None:
-    spans = sorted((t.begin, t.begin + t.nbytes, t.name) for t in tensors if t.nbytes)
-    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise InputError(
-                f"data overlaps tensor {n0} (bytes {b0}..{e0})",
-                path=path,
-                where=f"tensor {n1} @ byte {b1}",
-                fix="the header is corrupt; re-convert the file",
-            )
 
 
 def read_array(buf, arr: GGUFArray) -> list:

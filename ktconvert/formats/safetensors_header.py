@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ktconvert.errors import InputError
 from ktconvert.formats.dtypes import SAFETENSORS_DTYPES
 from ktconvert.formats.sniff import RESAVE_FIX, describe, sniff
+from ktconvert.formats.spans import check_overlaps
 
 # The reference implementation refuses headers above 100 MB; real ones are well under 10 MB.
 MAX_HEADER_BYTES = 100_000_000
@@ -129,7 +130,7 @@ def parse_safetensors_header(buf, path: str = "<buffer>") -> SafetensorsHeader:
 
     data_len = size - data_start
     entries = [_entry(name, spec, data_start, data_len, path) for name, spec in obj.items()]
-    _check_overlaps(entries, path)
+    check_overlaps(((e.begin, e.end, e.name) for e in entries), path, "the header is corrupt; re-export the file")
     return SafetensorsHeader(tuple(entries), dict(metadata), data_start, size, _uncovered(entries, data_start, size))
 
 
@@ -170,18 +171,6 @@ def _entry(name: str, spec, data_start: int, data_len: int, path: str) -> Safete
     if n * bits // 8 != end - begin:
         raise bad(f"shape {shape} of {dtype} is {n * bits // 8} bytes but data_offsets span {end - begin} bytes")
     return SafetensorsEntry(name, dtype, tuple(shape), data_start + begin, data_start + end)
-
-
-def _check_overlaps(entries: list[SafetensorsEntry], path: str) -> None:
-    spans = sorted((e.begin, e.end, e.name) for e in entries if e.end > e.begin)
-    for (b0, e0, n0), (b1, _e1, n1) in zip(spans, spans[1:]):
-        if b1 < e0:
-            raise InputError(
-                f"data overlaps tensor {n0} (bytes {b0}..{e0})",
-                path=path,
-                where=f"tensor {n1} @ byte {b1}",
-                fix="the header is corrupt; re-export the file",
-            )
 
 
 def _uncovered(entries: list[SafetensorsEntry], data_start: int, size: int) -> tuple[tuple[int, int], ...]:
