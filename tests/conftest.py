@@ -16,3 +16,15 @@ def corpus_dir() -> Path:
     if not CORPUS.is_dir():
         pytest.skip("the upstream rule corpus (../shared/corpus) is not beside this checkout")
     return CORPUS
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tmp_path_factory) -> Path:
+    """The five deterministic tiny models, written once for every test that reads them (none writes into them)."""
+    from ktconvert.model import FAMILIES
+    from ktconvert.model.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    for family in FAMILIES:
+        write_tiny_model(family, root / family)
+    return root

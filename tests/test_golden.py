@@ -18,18 +18,9 @@ from ktconvert.cli import cli
 from ktconvert.errors import InputError
 from ktconvert.golden import golden_root, load_tiny_hashes, read_golden, read_manifest, validate_manifest
 from ktconvert.model import FAMILIES
-from ktconvert.model.tiny import write_tiny_model
 from ktconvert.resources import load_schema, schemas_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    for family in FAMILIES:
-        write_tiny_model(family, root / family)
-    return root
 
 
 @pytest.fixture

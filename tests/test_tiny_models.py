@@ -29,19 +29,10 @@ from ktconvert.model.tiny import (
     tiny_files,
     tiny_tensors,
     token_codes,
-    write_tiny_model,
 )
 from ktconvert.model.tinytok import PROMPT_TEXT
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-
-
-@pytest.fixture(scope="module")
-def tiny_root(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tiny")
-    for family in FAMILIES:
-        write_tiny_model(family, root / family)
-    return root
 
 
 @pytest.fixture(scope="module")
