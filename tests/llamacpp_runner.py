@@ -16,13 +16,26 @@ import numpy as np
 
 VERSION = "0.3.36"
 
+# The child loads models without llama.cpp's extra CPU buffer types (use_extra_bufts = False). With them, a build
+# that reports AMX_INT8 = 1 (even GGML_NATIVE=OFF builds do) repacks quantized MoE tensors into AMX buffers and
+# segfaults in llama_decode on Intel CPUs with AMX, on GGUFs llama.cpp's own quantizer wrote as well as on ours.
+# The plain CPU buffers compute the same model on every CPU; llama-cpp-python's Llama() has no argument for the
+# flag, so the default-params factory it calls is wrapped before the model loads.
 CHILD = r"""
 import json, sys
 import numpy as np
+import llama_cpp.llama_cpp as native
 from llama_cpp import Llama
+_default_model_params = native.llama_model_default_params
+def _plain_cpu_buffers():
+    params = _default_model_params()
+    params.use_extra_bufts = False
+    return params
+native.llama_model_default_params = _plain_cpu_buffers
 spec = json.loads(sys.argv[1])
 llm = Llama(model_path=spec["model"], n_ctx=128, n_threads=1, n_batch=128, logits_all=True, verbose=False,
             seed=0, vocab_only=False)
+assert not llm.model_params.use_extra_bufts, "llama.cpp would load with extra buffer types"
 llm.eval(spec["ids"])
 scores = np.asarray(llm.scores[: len(spec["ids"])], dtype=np.float32)
 np.save(spec["out"], scores)
