@@ -50,7 +50,7 @@ def run_demo(workdir: str | Path, family: str = "qwen3_moe", recipe: str = "Q4_K
 
 
 def _rules_file(family: str) -> Path:
-    from ktconvert.resources import rules_dir
+    from ktconvert.io.resources import rules_dir
 
     return rules_dir() / "optimize" / f"{family}.yaml"
 

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from ktconvert.cli import cli
-from ktconvert.resources import load_schema
+from ktconvert.io.resources import load_schema
 from ktconvert.rules import modeltree
 
 from conftest import REPO

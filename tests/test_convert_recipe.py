@@ -18,7 +18,7 @@ def root(tmp_path_factory):
 
 
 def test_presets_pass_check_rules():
-    from ktconvert import resources
+    from ktconvert.io import resources
 
     res = CliRunner().invoke(cli, ["check-rules", str(resources.rules_dir() / "convert")])
     assert res.exit_code == 0, res.output

@@ -119,7 +119,7 @@ def test_gguf_keep_everything_is_a_byte_copy(root, tmp_path):
 
 def _save_fused(src, dst, transposed: bool):
     """The tiny checkpoint re-saved with transformers 5's fused experts ([E,2I,H] + [E,H,I]) or transposed."""
-    from ktconvert.model.stbytes import to_bytes
+    from ktconvert.formats.safetensors_write import to_bytes
 
     dst.mkdir()
     for f in ("config.json", "tokenizer.json", "tokenizer_config.json"):

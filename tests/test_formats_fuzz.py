@@ -15,7 +15,7 @@ from hypothesis import strategies as st
 from formats_helpers import gguf_bytes, gguf_str, gguf_tensor_info, st_bytes
 from ktconvert.errors import InputError
 from ktconvert.formats import open_checkpoint
-from ktconvert.formats.dtypes import SAFETENSORS_DTYPES
+from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 from ktconvert.formats.gguf_header import parse_gguf_header
 from ktconvert.formats.safetensors_header import parse_safetensors_header
 

@@ -6,7 +6,7 @@ import pytest
 import yaml
 
 from formats_helpers import FAMILIES, LAYERS, hf_checkpoint
-from ktconvert import resources
+from ktconvert.io import resources
 from ktconvert.errors import InputError
 from ktconvert.formats import guess_arch, load_naming_map, naming_map, naming_maps, open_checkpoint, to_gguf_name, to_hf_name
 

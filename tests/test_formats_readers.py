@@ -10,7 +10,7 @@ import pytest
 from formats_helpers import FAMILIES, H, I, gguf_from_hf, hf_checkpoint, write_gguf
 from ktconvert.errors import InputError
 from ktconvert.formats import open_checkpoint
-from ktconvert.formats.dtypes import decode_float32
+from ktconvert.io.dtypes import decode_float32
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,7 @@ from ktconvert.cli import cli
 from ktconvert.errors import InputError
 from ktconvert.golden import golden_root, load_tiny_hashes, read_golden, read_manifest, validate_manifest
 from ktconvert.model import FAMILIES
-from ktconvert.resources import load_schema, schemas_dir
+from ktconvert.io.resources import load_schema, schemas_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

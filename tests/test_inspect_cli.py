@@ -12,7 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from formats_helpers import FAMILIES, H, I, gguf_from_hf, hf_checkpoint, kt_amx_checkpoint, write_gguf
-from ktconvert import resources
+from ktconvert.io import resources
 from ktconvert.cli import cli
 
 

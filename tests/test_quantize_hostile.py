@@ -48,7 +48,7 @@ def _variant(models, tmp_path, family, edit=None, config=None):
     """A copy of the tiny model with its tensors and/or config.json edited."""
     from safetensors.numpy import load_file
 
-    from ktconvert.model.stbytes import to_bytes
+    from ktconvert.formats.safetensors_write import to_bytes
 
     src = tiny(models, family)
     dst = tmp_path / f"{family}-variant"

@@ -179,17 +179,17 @@ def test_killed_between_manifest_and_rename(reference, tmp_path):
     from ktconvert.convert import execute as ex
 
     src, ref = reference
-    real = ex._rename
+    real = ex._publish
 
     def die(*a, **k):
         raise KeyboardInterrupt
 
-    ex._rename = die
+    ex._publish = die
     try:
         with pytest.raises(KeyboardInterrupt):
             convert(src, tmp_path / "out", type="Q4_K")
     finally:
-        ex._rename = real
+        ex._publish = real
     assert not (tmp_path / "out").exists() and (tmp_path / ".out.ktconvert-partial" / "manifest.json").is_file()
     result = convert(src, tmp_path / "out", type="Q4_K", resume=True)
     assert result.units == 0 and tree_bytes(tmp_path / "out") == tree_bytes(ref)

@@ -16,7 +16,7 @@ CASES = [(p.stem.split("-")[0], p) for p in sorted((REPO / "rules" / "optimize")
 @pytest.mark.parametrize("family,rules", CASES, ids=[p.name for _, p in CASES])
 def test_plan_on_torch_model_equals_explain_on_tree(family, rules):
     from ktconvert.model import build_model, normalize_config
-    from ktconvert.rules import yamlpos
+    from ktconvert.io import yamlpos
 
     cfg = tiny_config(family)
     model = build_model(normalize_config(cfg), device="meta")

@@ -18,7 +18,7 @@ from ktconvert.cli import cli
 from ktconvert.golden.paths import golden_root, load_tiny_hashes
 from ktconvert.model import rng
 from ktconvert.model.config import FAMILIES, normalize_config
-from ktconvert.model.stbytes import to_bytes
+from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.model.tiny import (
     BOS_ID,
     EOS_ID,
@@ -120,8 +120,8 @@ def test_cli_writes_the_same_bytes_and_refuses_to_overwrite(tmp_path):
         assert hashlib.sha256((out / name).read_bytes()).hexdigest() == digest
         assert digest in res.output
     again = runner.invoke(cli, ["tiny-model", "mixtral", str(out)])
-    assert again.exit_code == 3
-    assert "not empty" in again.output and "--force" in again.output
+    assert again.exit_code == 2  # "OUT exists" is a usage error in every command
+    assert "output already exists" in again.output and "--force" in again.output
     forced = runner.invoke(cli, ["tiny-model", "mixtral", str(out), "--force", "-o", "json"])
     assert forced.exit_code == 0
     assert json.loads(forced.output)["sha256"] == recorded

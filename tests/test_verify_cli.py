@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from verify_helpers import Workspace, rewrite_gguf
-from ktconvert import resources
+from ktconvert.io import resources
 from ktconvert.cli import cli
 from ktconvert.verify import load_profile, shipped_profiles
 

@@ -49,7 +49,7 @@ def test_installed_wheel_checks_rules_from_its_own_data(wheel, tmp_path):
     deps = sysconfig.get_paths()["purelib"]
     with open(os.path.join(site, "_deps.pth"), "w") as fh:
         fh.write(deps + "\n" + sysconfig.get_paths()["platlib"] + "\n")
-    code = ("import ktconvert, ktconvert.resources as r; print(ktconvert.__file__); print(r.rules_dir());"
+    code = ("import ktconvert, ktconvert.io.resources as r; print(ktconvert.__file__); print(r.rules_dir());"
             "from ktconvert.cli import main; main(['check-rules', '--strict', str(r.rules_dir() / 'optimize')])")
     run = subprocess.run([py, "-c", code], capture_output=True, text=True, cwd=tmp_path, env={"PATH": os.environ["PATH"]})
     assert run.returncode == 0, run.stdout + run.stderr

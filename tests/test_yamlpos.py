@@ -1,7 +1,7 @@
 import pytest
 
 from ktconvert.errors import InputError
-from ktconvert.rules import yamlpos
+from ktconvert.io import yamlpos
 
 
 def test_positions_of_values_and_keys():

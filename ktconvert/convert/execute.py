@@ -26,6 +26,7 @@ from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.sizes import format_size
 from ktconvert.convert.worker import Task, close_all, run_task, worker_init
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
+from ktconvert.io.atomic import fsync_dir, guard_output, partial_dir, replace_dir, sha256_file, write_durable
 
 STATE_DIR = ".ktconvert"
 UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
@@ -55,10 +56,6 @@ class RunResult:
     in_bytes: int
 
 
-def partial_dir(out: Path) -> Path:
-    return out.parent / f".{out.name}.ktconvert-partial"
-
-
 def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
     """Split every tensor into runs of rows whose working set fits ``max_memory / jobs`` (and :data:`UNIT_CAP`).
 
@@ -85,25 +82,12 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
 
 def check_paths(src: Path, files: list[Path], out: Path, force: bool) -> None:
     """Refuse to write inside the input, over an input file, or over an existing output without ``force``."""
-    out_r = out.resolve()
-    roots = {Path(f).resolve() for f in files}
-    src_r = src.resolve()
-    if src_r.is_dir():
-        roots.add(src_r)
+    roots = list(files)
+    if src.resolve().is_dir():
+        roots.append(src)
     elif len(files) > 1:
-        roots.add(Path(files[0]).resolve().parent)
-    for r in sorted(roots):
-        if out_r == r or r in out_r.parents:
-            raise UsageProblem("the output would be written inside the input", path=str(out),
-                               fix="choose an output directory outside the checkpoint")
-    for r in sorted(roots):
-        if out_r in r.parents:
-            raise UsageProblem("the input lies inside the output directory, which --force would delete",
-                               path=str(out), fix="choose another output directory")
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not force:
-        raise UsageProblem("output already exists", path=str(out), fix="pass --force to replace it, or choose a new name")
-    if out.exists() and not out.is_dir():
-        raise UsageProblem("output exists and is not a directory", path=str(out), fix="choose another output path")
+        roots.append(Path(files[0]).parent)
+    guard_output(out, inputs=roots, force=force)
 
 
 class _State:
@@ -118,8 +102,8 @@ class _State:
         self.dir.mkdir(parents=True)
         data = {"version": __version__, "fingerprint": fingerprint, "source": plan.source,
                 "units": [[u.tensor, u.r0, u.r1, u.in_bytes] for u in units]}
-        _write_durable(self.state, json.dumps(data).encode())
-        _write_durable(self.journal, b"")
+        write_durable(self.state, json.dumps(data).encode())
+        write_durable(self.journal, b"")
 
     def load(self, fingerprint: str, where: Path) -> tuple[list[Unit], set[int]]:
         try:
@@ -143,26 +127,6 @@ class _State:
             os.fsync(fh.fileno())
 
 
-def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as fh:
-        fh.write(data)
-        fh.flush()
-        os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _prepare_files(plan: Plan, partial: Path, fresh: bool) -> None:
     for f in plan.files:
         p = partial / f.name
@@ -181,18 +145,7 @@ def _prepare_files(plan: Plan, partial: Path, fresh: bool) -> None:
                 raise InputError("an output file of the interrupted run is missing or not the planned one",
                                  path=str(p), fix="start over with --force")
     for name, data in plan.extra.items():
-        _write_durable(partial / name, data)
-
-
-def sha256_file(path: Path, chunk: int = 16 * 1024**2) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while True:
-            b = fh.read(chunk)
-            if not b:
-                break
-            h.update(b)
-    return h.hexdigest()
+        write_durable(partial / name, data)
 
 
 def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resume: bool = False,
@@ -213,7 +166,7 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
                                fix="pass --resume to continue it, or --force to start over")
         shutil.rmtree(partial)
     if partial.exists() and _finished(partial, fingerprint):  # killed between the manifest and the rename
-        return RunResult(out, _rename(partial, out, force, _read_manifest(partial)), 0, 0, time.monotonic() - t0, 0)
+        return RunResult(out, _publish(partial, out, force, _read_manifest(partial)), 0, 0, time.monotonic() - t0, 0)
     if partial.exists():
         units, done = state.load(fingerprint, partial)
         _prepare_files(plan, partial, fresh=False)
@@ -222,7 +175,7 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
         partial.mkdir(parents=True)
         state.create(plan, units, fingerprint)
         _prepare_files(plan, partial, fresh=True)
-        _fsync_dir(partial.parent)
+        fsync_dir(partial.parent)
     resumed = len(done)
     todo = [u for u in units if u.id not in done]
     total = sum(u.in_bytes for u in units)
@@ -321,10 +274,10 @@ def _finish(plan: Plan, partial: Path, out: Path, force: bool, fingerprint: str)
     for name, data in plan.extra.items():
         files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     manifest = build_manifest(plan, files, fingerprint)
-    _write_durable(partial / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
+    write_durable(partial / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
     shutil.rmtree(partial / STATE_DIR)
-    _fsync_dir(partial)
-    return _rename(partial, out, force, manifest)
+    fsync_dir(partial)
+    return _publish(partial, out, force, manifest)
 
 
 def _read_manifest(partial: Path) -> dict:
@@ -345,19 +298,8 @@ def _finished(partial: Path, fingerprint: str) -> bool:
                for n, f in m.get("files", {}).items())
 
 
-def _rename(partial: Path, out: Path, force: bool, manifest: dict) -> dict:
-    old = None
-    if out.exists():
-        if not force and any(out.iterdir()):
-            raise UsageProblem("output appeared while converting", path=str(out), fix="pass --force to replace it")
-        old = out.parent / f".{out.name}.ktconvert-old"
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(out, old)
-    os.replace(partial, out)
-    _fsync_dir(out.parent)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def _publish(partial: Path, out: Path, force: bool, manifest: dict) -> dict:
+    replace_dir(partial, out, force=force)
     return manifest
 
 

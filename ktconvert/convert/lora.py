@@ -16,9 +16,7 @@ directory and renamed into place when complete.
 from __future__ import annotations
 
 import json
-import os
 import re
-import shutil
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +24,11 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.errors import InputError, UsageProblem
+from ktconvert.formats import ModelDims, dims_from_hf_config, open_checkpoint
+from ktconvert.formats.config import load_config
+from ktconvert.formats.safetensors_write import write_safetensors
+from ktconvert.io.atomic import atomic_dir, guard_output
+from ktconvert.io.dtypes import DTYPE_BYTES
 
 PROJS = ("gate", "up", "down")
 STACKED_FILE = "fused_expert_lora.safetensors"
@@ -66,7 +69,6 @@ class _Tensor:
 
 def _read_dir(src: Path) -> tuple[list[_Tensor], dict, Path]:
     """Every tensor of the adapter (a file, or the *.safetensors of a directory) and its adapter_config.json."""
-    from ktconvert.formats import open_checkpoint
 
     if src.is_dir():
         files = sorted(src.glob("*.safetensors"))
@@ -105,8 +107,6 @@ def _read_dir(src: Path) -> tuple[list[_Tensor], dict, Path]:
 def _base_dims(base_config):
     if base_config is None:
         return None
-    from ktconvert.formats import ModelDims, dims_from_hf_config
-    from ktconvert.formats.config import load_config
 
     if isinstance(base_config, ModelDims):
         return base_config
@@ -166,16 +166,7 @@ def convert_lora(src: str | Path, out: str | Path, *, base_config=None, lora_alp
 
 
 def _check_out(src: Path, out: Path, force: bool) -> None:
-    s, o = src.resolve(), out.resolve()
-    root = s if s.is_dir() else s.parent
-    if o == root or root in o.parents:
-        raise UsageProblem("the output would be written inside the input", path=str(out),
-                           fix="choose an output directory outside the adapter")
-    if o in s.parents:
-        raise UsageProblem("the input lies inside the output directory, which --force would delete", path=str(out),
-                           fix="choose another output directory")
-    if out.exists() and not (out.is_dir() and not any(out.iterdir())) and not force:
-        raise UsageProblem("output already exists", path=str(out), fix="pass --force to replace it")
+    guard_output(out, inputs=[src if src.is_dir() else src.parent], force=force)
 
 
 def _rank_from(cfg: dict, r: int, where: str) -> None:
@@ -361,8 +352,6 @@ def _clean_others(others: list[_Tensor], taken: set[str], where: str) -> list[tu
 
 
 def _itemsize(dtype: str) -> int:
-    from ktconvert.formats.safetensors_write import DTYPE_BYTES
-
     if dtype not in DTYPE_BYTES:
         raise InputError(f"dtype {dtype} cannot be carried over", fix="re-save the adapter in F32, F16 or BF16")
     return DTYPE_BYTES[dtype]
@@ -388,23 +377,9 @@ def _experts(ts: list[_Tensor]):
 
 
 def _write(out: Path, force: bool, groups: dict, config: dict) -> list[str]:
-    from ktconvert.formats.safetensors_write import write_safetensors
-
-    tmp = out.parent / f".{out.name}.ktconvert-partial"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    try:
+    with atomic_dir(out, force=force) as tmp:
         for fname, make in groups.items():
             write_safetensors(tmp / fname, make(), {"format": "pt"})
         (tmp / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n", encoding="utf-8")
         files = sorted(p.name for p in tmp.iterdir())
-        if out.exists():
-            if any(out.iterdir()) and not force:
-                raise UsageProblem("output already exists", path=str(out), fix="pass --force to replace it")
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return files

@@ -21,8 +21,9 @@ from pathlib import Path
 from ktconvert import __version__
 from ktconvert.convert.recipe import KEEP, Recipe
 from ktconvert.convert.sizes import format_size
-from ktconvert.convert.source import FLOAT_SAFETENSORS, Item, Segment, SourceModel
+from ktconvert.convert.source import Item, Segment, SourceModel
 from ktconvert.errors import InputError, UsageProblem
+from ktconvert.io.dtypes import FLOAT_DTYPES
 
 FORMATS = ("gguf", "safetensors")
 DEFAULT_SAFETENSORS_SHARD = 5 * 1024**3
@@ -188,7 +189,7 @@ def _block(name: str) -> tuple[int, int]:
 
 def _decodable(src_dtype: str, container: str) -> bool:
     if container == "safetensors":
-        return src_dtype in FLOAT_SAFETENSORS
+        return src_dtype in FLOAT_DTYPES
     from ktconvert.quant import dequantizable
 
     try:

@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ktconvert import resources
+from ktconvert.io import resources
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.convert.sizes import parse_size
 
@@ -108,7 +108,7 @@ def load_recipe(spec: str | Path) -> Recipe:
         source, shown = f"preset {key}", f"rules/convert/{p.name}"
     else:
         source = shown = str(p)
-    from ktconvert.datafile import load_yaml
+    from ktconvert.io.datafile import load_yaml
 
     loaded = load_yaml(p, shown)
     return recipe_from_data(loaded.data, shown, source, loaded.where)
@@ -136,7 +136,7 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
                     loc = at("rules", i, key) if key == "type" else at("rules", i, key, j)
                     raise InputError(_type_message(t, i), path=path, where=loc,
                                      fix=f"use one of {', '.join(WRITABLE)} or keep")
-    from ktconvert.datafile import validate
+    from ktconvert.io.datafile import validate
 
     validate(data, where or (lambda keys: (1, 1)), "convert-recipe", path, "recipe")
     rules = []

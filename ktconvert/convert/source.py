@@ -25,7 +25,6 @@ from ktconvert.errors import InputError
 from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map, open_checkpoint
 
 PROJ_ORDER = ("gate", "up", "down")
-FLOAT_SAFETENSORS = ("F32", "F16", "BF16", "F64")
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ import numpy as np
 from ktconvert.convert.plan import PlanTensor
 from ktconvert.convert.source import Segment
 from ktconvert.errors import EnvironmentProblem, InputError
+from ktconvert.io.dtypes import FLOAT_DTYPES, decode_float32, raw_view
 
 
 @dataclass(frozen=True)
@@ -154,9 +155,9 @@ def _raw_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
 
 
 def _check_finite_raw(rows: np.ndarray, dtype: str, s: Segment, first: int) -> None:
-    if dtype not in ("F32", "F16", "BF16", "F64"):
+    if dtype not in FLOAT_DTYPES:
         return
-    x = _decode(rows.view({"F32": np.float32, "F16": np.float16, "BF16": np.uint16, "F64": np.float64}[dtype]), dtype)
+    x = _decode(raw_view(rows, dtype), dtype)
     _check_finite(x, s, first)
 
 
@@ -171,10 +172,8 @@ def _check_finite(x: np.ndarray, s: Segment, first: int) -> None:
 
 
 def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
-    if dtype == "BF16":
-        return (np.asarray(raw, dtype=np.uint32) << 16).view(np.float32)
-    if dtype in ("F32", "F16", "F64"):
-        return np.asarray(raw, dtype=np.float32)
+    if dtype in FLOAT_DTYPES:
+        return decode_float32(raw, dtype)
     from ktconvert.quant import dequantize
 
     return dequantize(np.asarray(raw), dtype)
@@ -186,7 +185,7 @@ def _decode_into(dst: np.ndarray, raw: np.ndarray, dtype: str) -> None:
         bits = dst.view(np.uint32)
         np.copyto(bits, raw.reshape(bits.shape), casting="unsafe")
         np.left_shift(bits, 16, out=bits)
-    elif dtype in ("F32", "F16", "F64"):
+    elif dtype in FLOAT_DTYPES:
         np.copyto(dst, raw.reshape(dst.shape), casting="unsafe")
     else:
         dst[...] = _decode(raw, dtype).reshape(dst.shape)

@@ -16,7 +16,7 @@ import numpy as np
 from ktconvert.errors import InputError
 from ktconvert.formats import gguf_header as gh
 from ktconvert.formats.config import ModelDims, dims_from_gguf, dims_from_hf_config, load_config
-from ktconvert.formats.dtypes import (
+from ktconvert.io.dtypes import (
     SAFETENSORS_DTYPES,
     decode_float32,
     ggml_decode_float32,

@@ -16,7 +16,7 @@ import struct
 from dataclasses import dataclass, field
 
 from ktconvert.errors import InputError
-from ktconvert.formats.dtypes import ggml_block, ggml_is_known, ggml_type_name
+from ktconvert.io.dtypes import ggml_block, ggml_is_known, ggml_type_name
 from ktconvert.formats.sniff import RESAVE_FIX, describe, sniff
 from ktconvert.formats.spans import check_overlaps
 

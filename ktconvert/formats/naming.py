@@ -13,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 
-from ktconvert import resources
+from ktconvert.io import resources
 from ktconvert.errors import InputError
 
 LAYOUTS = ("hf-split", "hf-fused", "gguf-merged", "gguf-split", "kt-amx")
@@ -252,7 +252,7 @@ def _forms(data: dict) -> dict[str, dict[str, tuple[str, ...]]]:
 
 def load_naming_map(path: str | Path) -> NamingMap:
     """Load one naming map YAML file, validated against ``naming-map.schema.json`` and for template collisions."""
-    from ktconvert.datafile import load_data_file
+    from ktconvert.io.datafile import load_data_file
 
     return NamingMap(load_data_file(path, "naming-map", "naming map").data, str(path))
 

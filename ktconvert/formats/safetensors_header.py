@@ -11,7 +11,7 @@ import json
 from dataclasses import dataclass
 
 from ktconvert.errors import InputError
-from ktconvert.formats.dtypes import SAFETENSORS_DTYPES
+from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 from ktconvert.formats.sniff import RESAVE_FIX, describe, sniff
 from ktconvert.formats.spans import check_overlaps
 

@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable
 
-DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1,
-               "U16": 2, "U32": 4, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1}
+import numpy as np
+
+from ktconvert.io.dtypes import st_dtype_of
 
 
 @dataclass(frozen=True)
@@ -29,11 +30,12 @@ class StSlot:
     offset: int
 
 
-def layout_safetensors(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None
-                       ) -> tuple[bytes, list[StSlot], int]:
+def layout_safetensors(tensors: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str] | None = None,
+                       *, sort_keys: bool = False) -> tuple[bytes, list[StSlot], int]:
     """``(header bytes, slots, file size)`` for ``[(name, dtype, shape, nbytes)]`` laid out back to back.
 
-    The JSON header is padded with spaces to a multiple of 8 bytes, as the ``safetensors`` package writes it.
+    The JSON header is padded with spaces to a multiple of 8 bytes, as the ``safetensors`` package writes it;
+    ``sort_keys`` sorts every JSON key (the canonical form :func:`to_bytes` writes).
     """
     head: dict = {}
     if metadata:
@@ -44,7 +46,7 @@ def layout_safetensors(tensors: list[tuple[str, str, tuple[int, ...], int]], met
         head[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [rel, rel + nbytes]}
         rels.append(rel)
         rel += nbytes
-    text = json.dumps(head, separators=(",", ":")).encode("utf-8")
+    text = json.dumps(head, separators=(",", ":"), sort_keys=sort_keys).encode("utf-8")
     text += b" " * (-len(text) % 8)
     header = struct.pack("<Q", len(text)) + text
     slots = [StSlot(n, d, tuple(s), nb, len(header) + r) for (n, d, s, nb), r in zip(tensors, rels)]
@@ -71,3 +73,20 @@ def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, str, tuple[
         fh.flush()
         os.fsync(fh.fileno())
     return size
+
+
+def to_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+    """Byte-exact safetensors for files whose sha256 is recorded (tiny models, goldens).
+
+    The ``safetensors`` package is free to change its header spacing, key order or padding between releases;
+    this form fixes all three (compact JSON, sorted keys, space padding to 8 bytes, data in name order), so a
+    file's hash depends only on the tensors. The result is an ordinary safetensors file any reader accepts.
+    """
+    names = sorted(tensors)
+    arrays = [np.ascontiguousarray(tensors[n]) for n in names]
+    try:
+        specs = [(n, st_dtype_of(a.dtype), a.shape, a.nbytes) for n, a in zip(names, arrays)]
+    except ValueError as exc:
+        raise ValueError(f"{exc} (writing {names})") from None
+    header, _, _ = layout_safetensors(specs, metadata, sort_keys=True)
+    return header + b"".join(a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes() for a in arrays)

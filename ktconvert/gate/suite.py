@@ -6,9 +6,9 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ktconvert.datafile import load_data_file
+from ktconvert.io.datafile import load_data_file
 from ktconvert.errors import InputError
-from ktconvert.resources import rules_dir
+from ktconvert.io.resources import rules_dir
 
 
 @dataclass(frozen=True)

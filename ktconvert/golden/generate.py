@@ -18,10 +18,16 @@ import numpy as np
 
 from ktconvert import __version__
 from ktconvert.errors import EnvironmentProblem, InputError
+from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.golden.manifest import MANIFEST_NAME, dump_manifest
-from ktconvert.golden.store import ENTRY_DESCRIPTIONS, TENSORS_NAME, read_golden, sha256_bytes
+from ktconvert.golden.store import (
+    ENTRY_DESCRIPTIONS,
+    TENSORS_NAME,
+    read_golden,
+    sha256_bytes,
+)
+from ktconvert.io.atomic import replace_files
 from ktconvert.model.config import load_config
-from ktconvert.model.stbytes import to_bytes
 from ktconvert.model.tinytok import PROMPT_TEXT
 
 ATTN_IMPLEMENTATION = "eager"
@@ -284,16 +290,6 @@ def generate_golden(
         "regenerations": log,
     }
     text_out = dump_manifest(manifest)
-    out.mkdir(parents=True, exist_ok=True)
-    tmp_t, tmp_m = out / (TENSORS_NAME + ".tmp"), out / (MANIFEST_NAME + ".tmp")
-    try:
-        tmp_t.write_bytes(data)
-        tmp_m.write_text(text_out, encoding="utf-8")
-        os.replace(tmp_t, out / TENSORS_NAME)
-        os.replace(tmp_m, out / MANIFEST_NAME)
-    finally:
-        for p in (tmp_t, tmp_m):
-            if p.exists():
-                p.unlink()
+    replace_files(out, {TENSORS_NAME: data, MANIFEST_NAME: text_out.encode("utf-8")})
     read_golden(out)  # what was written reads back and checks out
     return GoldenResult(out_dir=out, manifest=manifest, regenerated=previous is not None)

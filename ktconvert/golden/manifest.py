@@ -7,8 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from ktconvert.errors import InputError
-from ktconvert.resources import load_schema
+from ktconvert.io.datafile import load_data_file, validate
 
 MANIFEST_NAME = "manifest.yaml"
 SCHEMA_NAME = "golden-manifest"
@@ -16,33 +15,13 @@ SCHEMA_NAME = "golden-manifest"
 
 def validate_manifest(data: object, *, path: str | None = None) -> None:
     """Raise :class:`InputError` naming the first schema violation (with its location in the document)."""
-    import jsonschema
-
-    validator = jsonschema.Draft202012Validator(load_schema(SCHEMA_NAME))
-    errors = sorted(validator.iter_errors(data), key=lambda e: list(e.absolute_path))
-    if errors:
-        err = errors[0]
-        where = "/".join(str(p) for p in err.absolute_path) or "(top level)"
-        more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
-        raise InputError(f"golden manifest does not match its schema: {err.message}{more}", path=path, where=where)
+    validate(data, None, SCHEMA_NAME, path, "golden manifest")
 
 
 def read_manifest(golden_dir: str | os.PathLike) -> dict:
     path = Path(golden_dir) / MANIFEST_NAME
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError("golden manifest not found", path=str(path), fix="pass a directory written by `ktconvert golden`")
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", path=str(path))
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"{mark.line + 1}:{mark.column + 1}" if mark else None
-        raise InputError(f"not valid YAML: {getattr(exc, 'problem', exc)}", path=str(path), where=where)
-    validate_manifest(data, path=str(path))
-    return data
+    return load_data_file(path, SCHEMA_NAME, "golden manifest",
+                          missing_fix="pass a directory written by `ktconvert golden`").data
 
 
 class _Dumper(yaml.SafeDumper):

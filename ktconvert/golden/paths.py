@@ -8,9 +8,8 @@ from functools import lru_cache
 from importlib import resources
 from pathlib import Path
 
-import yaml
-
 from ktconvert.errors import EnvironmentProblem, InputError
+from ktconvert.io.datafile import load_data_file
 
 TINY_HASHES_NAME = "tiny-models.yaml"
 
@@ -35,13 +34,7 @@ def tiny_hashes_path() -> Path:
 
 @lru_cache(maxsize=1)
 def _load(path: str) -> dict[str, dict[str, str]]:
-    try:
-        data = yaml.safe_load(Path(path).read_text(encoding="utf-8"))
-    except (OSError, yaml.YAMLError) as exc:
-        raise InputError(f"cannot read the tiny-model hashes: {exc}", path=path)
-    models = data.get("models") if isinstance(data, dict) else None
-    if not isinstance(models, dict) or not all(isinstance(v, dict) for v in models.values()):
-        raise InputError("expected a mapping `models: {family: {file: sha256}}`", path=path)
+    models = load_data_file(path, "tiny-models", "tiny-model hash list").data["models"]
     return {str(k): {str(f): str(h) for f, h in v.items()} for k, v in models.items()}
 
 

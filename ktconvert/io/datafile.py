@@ -1,19 +1,25 @@
-"""Loading ktconvert's own YAML data files (catalogs, recipes, tolerance profiles, gate suites) the one way:
-safe YAML with positions, duplicate keys refused, then the file's JSON Schema, each failure one InputError that
-names the file, the line:column and where the schema is."""
+"""Loading data files the one way: ktconvert's own YAML (catalogs, recipes, tolerance profiles, gate suites,
+family specs, golden manifests) as safe YAML with positions, duplicate keys refused, then the file's JSON
+Schema; JSON companions (config.json, indexes, state files) with one clear error. Each failure is one
+InputError that names the file, the line:column (or JSON path) and the fix."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
+import jsonschema
+
 from ktconvert.errors import InputError
-from ktconvert.resources import load_schema
-from ktconvert.rules import yamlpos
+from ktconvert.io import yamlpos
+from ktconvert.io.resources import load_schema
 
 
-def load_yaml(path: str | Path, shown: str | None = None) -> yamlpos.Loaded:
+def load_yaml(path: str | Path, shown: str | None = None, *, missing_fix: str | None = None) -> yamlpos.Loaded:
     """Parse ``path``; ``shown`` is how messages name it (e.g. ``rules/convert/Q8_0.yaml`` for a preset)."""
     shown = shown or str(path)
+    if missing_fix and not Path(path).exists():
+        raise InputError("not found", path=shown, fix=missing_fix)
     text = yamlpos.read_text(Path(path))
     try:
         loaded = yamlpos.load_text(text, shown)
@@ -26,20 +32,52 @@ def load_yaml(path: str | Path, shown: str | None = None) -> yamlpos.Loaded:
     return loaded
 
 
-def validate(data, where, schema: str, shown: str, what: str) -> None:
-    """Raise for the most relevant schema error; ``where(path_tuple) -> (line, col)`` places it."""
-    import jsonschema
-
-    errors = jsonschema.Draft202012Validator(load_schema(schema)).iter_errors(data)
-    error = jsonschema.exceptions.best_match(errors)
-    if error is not None:
-        line, col = where(tuple(str(p) for p in error.absolute_path))
-        raise InputError(f"not a valid {what}: {error.message}", path=shown, where=f"{line}:{col}",
-                         fix=f"see schemas/{schema}.schema.json")
+def schema_errors(data, schema: str) -> list[jsonschema.ValidationError]:
+    """Every violation of ``schemas/<schema>.schema.json``, the most relevant first."""
+    errors = list(jsonschema.Draft202012Validator(load_schema(schema)).iter_errors(data))
+    best = jsonschema.exceptions.best_match(iter(errors))
+    return [best] + [e for e in errors if e is not best] if best is not None else []
 
 
-def load_data_file(path: str | Path, schema: str, what: str, shown: str | None = None) -> yamlpos.Loaded:
+def validate(data, where, schema: str, shown: str | None, what: str) -> None:
+    """Raise for the most relevant schema error. ``where(path_tuple) -> (line, col)`` places it in the source
+    text; without it (data built in memory) the place is the JSON path of the offending value."""
+    errors = schema_errors(data, schema)
+    if not errors:
+        return
+    error = errors[0]
+    path = tuple(str(p) for p in error.absolute_path)
+    if where is not None:
+        line, col = where(path)
+        place = f"{line}:{col}"
+    else:
+        place = "/".join(path) or "(top level)"
+    more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+    raise InputError(f"not a valid {what}: {error.message}{more}", path=shown, where=place,
+                     fix=f"see schemas/{schema}.schema.json")
+
+
+def load_data_file(path: str | Path, schema: str, what: str, shown: str | None = None, *,
+                   missing_fix: str | None = None) -> yamlpos.Loaded:
     """``load_yaml`` then ``validate`` against ``schemas/<schema>.schema.json``."""
-    loaded = load_yaml(path, shown)
+    loaded = load_yaml(path, shown, missing_fix=missing_fix)
     validate(loaded.data, loaded.where, schema, shown or str(path), what)
     return loaded
+
+
+def read_json(path: str | Path, what: str = "JSON file", *, shown: str | None = None, fix: str | None = None):
+    """A JSON document, or one InputError naming the file, the line:column of a syntax error and the fix."""
+    shown = shown or str(path)
+    try:
+        text = Path(path).read_bytes().decode("utf-8")
+    except FileNotFoundError:
+        raise InputError(f"{what} not found", path=shown, fix=fix) from None
+    except OSError as exc:
+        raise InputError(f"cannot read {what}: {exc.strerror}", path=shown, fix=fix) from None
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} is not UTF-8 text (byte {exc.start})", path=shown, fix=fix) from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise InputError(f"{what} is not valid JSON: {exc.msg}", path=shown, where=f"{exc.lineno}:{exc.colno}",
+                         fix=fix) from None

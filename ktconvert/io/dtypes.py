@@ -58,6 +58,29 @@ SAFETENSORS_DTYPES: dict[str, SafetensorsDtype] = {
     )
 }
 
+FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+"""Safetensors float dtypes every reader decodes exactly (float8/4/6 need their format's scales first)."""
+
+DTYPE_BYTES: dict[str, int] = {d.name: d.bits // 8 for d in SAFETENSORS_DTYPES.values() if d.bits % 8 == 0}
+
+# torch's names for the safetensors dtypes torch computes in (by name, so this module stays torch-free)
+TORCH_NAMES: dict[str, str] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+
+
+def st_dtype_of(dtype: np.dtype) -> str:
+    """The safetensors name of a numpy dtype that is its own value type (little-endian)."""
+    dt = np.dtype(dtype).newbyteorder("<") if np.dtype(dtype).byteorder == ">" else np.dtype(dtype)
+    for d in SAFETENSORS_DTYPES.values():
+        if d.native and d.raw == dt:
+            return d.name
+    raise ValueError(f"numpy dtype {dtype} has no safetensors name")
+
+
+def raw_view(raw: np.ndarray, dtype: str) -> np.ndarray:
+    """Bytes (or any view) of safetensors data seen as the raw element dtype ``read()`` hands out."""
+    return np.asarray(raw).view(SAFETENSORS_DTYPES[dtype].raw)
+
+
 # ggml types whose data numpy can view with a real element dtype (everything else is bytes, or BF16 bits).
 _GGML_NATIVE = {
     GGMLQuantizationType.F32: np.dtype("<f4"),

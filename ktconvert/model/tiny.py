@@ -2,7 +2,7 @@
 
 Every byte is a function of this file alone: configs are literal data in the spelling transformers 5.23
 writes, weights come from the frozen splitmix64 stream (:mod:`ktconvert.model.rng`), the safetensors bytes
-from a fixed serialiser (:mod:`ktconvert.model.stbytes`) and the tokenizer from a fixed BPE training run
+from a fixed serialiser (:func:`ktconvert.formats.safetensors_write.to_bytes`) and the tokenizer from a fixed BPE training run
 (:mod:`ktconvert.model.tinytok`). numpy is the only dependency; torch is not needed.
 
 Sizes: hidden 256, expert intermediate 256 (every expert row a multiple of 256, so K-quants apply), 8
@@ -24,17 +24,16 @@ import copy
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from ktconvert.errors import InputError, UsageProblem
+from ktconvert.errors import UsageProblem
+from ktconvert.formats.safetensors_write import to_bytes
+from ktconvert.io.atomic import atomic_dir, guard_output
 from ktconvert.model import rng
 from ktconvert.model.config import FAMILIES, MoeConfig, normalize_config
-from ktconvert.model.stbytes import to_bytes
 from ktconvert.model.tinytok import tokenizer_files
 
 SEED = "ktconvert-tiny-v1"
@@ -368,23 +367,11 @@ def write_tiny_model(family: str, out_dir: str | os.PathLike, *, force: bool = F
     Returns ``{file name: sha256}``. An existing non-empty ``out_dir`` is replaced only with ``force``.
     """
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise InputError("exists and is not a directory", path=str(out))
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise InputError("directory is not empty", path=str(out), fix="pass --force to replace it, or choose a new directory")
+    guard_output(out, force=force)
     files = tiny_files(family)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", dir=out.parent))
-    try:
-        tmp.chmod(0o755)  # mkdtemp makes it private; a checkpoint directory is not
+    with atomic_dir(out, force=force) as tmp:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())}
 
 

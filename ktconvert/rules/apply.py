@@ -55,7 +55,7 @@ def load_rules(path: str | Path, catalog: Catalog | None = None, backend: str = 
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise InputError(f"{f.id} {f.message}{more}", path=str(path), where=f"{f.line}:{f.col}",
                          fix=f"run ktconvert check-rules {path}")
-    from ktconvert.rules import yamlpos
+    from ktconvert.io import yamlpos
 
     data = yamlpos.load_text(yamlpos.read_text(Path(path))).data
     return lint.compile_rules(data, catalog, str(path))

@@ -5,7 +5,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
-from ktconvert.resources import rules_dir
+from ktconvert.io.datafile import load_data_file
+from ktconvert.io.resources import rules_dir
 
 @dataclass(frozen=True)
 class Check:
@@ -39,10 +40,7 @@ class Finding:
 @lru_cache(maxsize=1)
 def registry() -> dict[str, Check]:
     """All checks by ID, from ``rules/lint-checks.yaml``."""
-    import yaml
-
-    with open(rules_dir() / "lint-checks.yaml", encoding="utf-8") as fh:
-        data = yaml.safe_load(fh)
+    data = load_data_file(rules_dir() / "lint-checks.yaml", "lint-checks", "lint-check list").data
     return {
         c["id"]: Check(id=c["id"], severity=c["severity"], title=c["title"], needs=c.get("needs", ""),
                        bad=c["bad"], fixed=c["fixed"], backend=c.get("backend", "ktransformers"), model=c.get("model"),

@@ -15,8 +15,9 @@ from pathlib import Path
 import jsonschema
 
 from ktconvert.errors import InputError, UsageProblem
-from ktconvert.resources import load_schema, schemas_dir
-from ktconvert.rules import engine, modeltree, regexlint, yamlpos
+from ktconvert.io.resources import load_schema, schemas_dir
+from ktconvert.io import yamlpos
+from ktconvert.rules import engine, modeltree, regexlint
 from ktconvert.rules.catalog import Catalog, Operator
 from ktconvert.rules.findings import Finding, registry, selected
 

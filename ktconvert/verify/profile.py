@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.errors import InputError, UsageProblem
-from ktconvert.resources import rules_dir
+from ktconvert.io.resources import rules_dir
 
 KIND = "tolerance-profile"
 DEFAULT_MIN_SHARE = 0.1  # localisation heuristic when a profile does not set one (not a pass/fail limit)
@@ -108,7 +108,7 @@ def load_profile(name_or_path: str) -> Profile:
 
 
 def _load_file(path: Path) -> Profile:
-    from ktconvert.datafile import load_yaml, validate
+    from ktconvert.io.datafile import load_yaml, validate
 
     loaded = load_yaml(path)
     data = loaded.data
