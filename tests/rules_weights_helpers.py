@@ -8,7 +8,7 @@ import numpy as np
 from ktconvert.formats import naming_map
 from ktconvert.rules.catalog import load_catalog
 from ktconvert.rules.modeltree import ModelTree
-from ktconvert.rules.weights import expected_tensors
+from ktconvert.rules.checks.weights import expected_tensors
 
 _TYPES = {"F32": np.float32, "F16": np.float16}
 

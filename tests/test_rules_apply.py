@@ -15,12 +15,14 @@ CASES = [(p.stem.split("-")[0], p) for p in sorted((REPO / "rules" / "optimize")
 
 @pytest.mark.parametrize("family,rules", CASES, ids=[p.name for _, p in CASES])
 def test_plan_on_torch_model_equals_explain_on_tree(family, rules):
-    from ktconvert.model import build_model, normalize_config
     from ktconvert.io import yamlpos
+    from ktconvert.model import build_model, module_type_resolver, normalize_config
 
     cfg = tiny_config(family)
     model = build_model(normalize_config(cfg), device="meta")
-    torch_plan = {i.path: (i.rule_index, i.replace_class.rsplit(".", 1)[-1]) for i in injection_plan(model, load_rules(rules)) if i.path}
+    catalog = load_catalog()
+    plan = injection_plan(model, load_rules(rules), catalog, module_type_resolver(catalog))
+    torch_plan = {i.path: (i.rule_index, i.replace_class.rsplit(".", 1)[-1]) for i in plan if i.path}
     data = yamlpos.load_text(rules.read_text()).data
     tree_plan = {r["module"]: (r["rule"], r["operator"]) for r in lint.explain_plan(data, load_catalog(), modeltree.build_tree(cfg))}
     assert torch_plan == tree_plan

@@ -17,7 +17,7 @@ from click.testing import CliRunner
 from ktconvert.cli import cli
 from ktconvert.golden.paths import golden_root, load_tiny_hashes
 from ktconvert.model import rng
-from ktconvert.model.config import FAMILIES, normalize_config
+from ktconvert.families.config import FAMILIES, normalize_config
 from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.model.tiny import (
     BOS_ID,

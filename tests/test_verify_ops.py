@@ -10,12 +10,13 @@ import torch
 from verify_helpers import Workspace, experts_path
 from ktconvert import quant
 from ktconvert.errors import InputError
-from ktconvert.model import build_model, load_config
+from ktconvert.model import build_model, load_config, module_type_resolver
 from ktconvert.model.inject import EmulationOptions, inject
 from ktconvert.model.ops.actquant import round_trip, vec_dot_type
 from ktconvert.model.ops.experts import CpuExpertsGGML, CpuKernelNumerics, ExpertsDequant
 from ktconvert.model.ops.source import WeightSource, permute_rope_rows, unpermute_rope_rows
-from ktconvert.rules.apply import load_rules
+from ktconvert.rules.apply import injection_plan, load_rules
+from ktconvert.rules.catalog import load_catalog
 
 
 @pytest.fixture(scope="module")
@@ -179,8 +180,9 @@ def _injected(ws, family, rules_text=None, threshold=0, prompt_len=31, weights=N
     path = ws.root / f"{family}-inject-{threshold}.yaml"
     path.write_text(text)
     cfg = load_config(model_dir)
-    return inject(build_model(cfg), load_rules(path), WeightSource(weights or model_dir, cfg), prompt_len=prompt_len,
-                  options=EmulationOptions())
+    model, catalog = build_model(cfg), load_catalog()
+    plan = injection_plan(model, load_rules(path), catalog, module_type_resolver(catalog))
+    return inject(model, plan, WeightSource(weights or model_dir, cfg), prompt_len=prompt_len, options=EmulationOptions())
 
 
 def test_layerwise_prefill_switches_what_upstream_switches(ws):

@@ -7,6 +7,8 @@ import sys
 
 import click
 
+from ktconvert.quant import WRITABLE
+
 
 def _list_recipes(ctx, _param, value):
     if not value or ctx.resilient_parsing:
@@ -40,8 +42,7 @@ def _bar(enabled: bool):
 @click.argument("src", type=click.Path(path_type=str))
 @click.argument("out", type=click.Path(path_type=str))
 @click.option("--type", "qtype", metavar="T",
-              help="One type for every weight (routers, norms, biases stay F32): F32 F16 BF16 Q8_0 Q4_0 Q4_1 Q5_0 "
-                   "Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K, or keep.")
+              help=f"One type for every weight (routers, norms, biases stay F32): {' '.join(WRITABLE)}, or keep.")
 @click.option("--recipe", metavar="FILE|PRESET", help="A recipe file (schemas/convert-recipe.schema.json) or a preset "
               "name (--list-recipes).")
 @click.option("--to", "to", type=click.Choice(["gguf", "safetensors"]),

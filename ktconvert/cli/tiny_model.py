@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ktconvert.model.config import FAMILIES
+from ktconvert.families.config import FAMILIES
 
 
 @click.command("tiny-model")

@@ -46,7 +46,7 @@ def hf_kv(arch: str, config: dict, name: str, n_layers: int, n_vocab: int, vocab
     """Encoded KV pairs for a GGUF made from an HF checkpoint of ``arch`` with ``config``."""
     from gguf import ExpertGatingFuncType, RopeScalingType
 
-    from ktconvert.model.config import normalize_config
+    from ktconvert.families.config import normalize_config
 
     c = normalize_config(config)
     w = _writer(arch)

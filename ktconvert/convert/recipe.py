@@ -15,9 +15,9 @@ from pathlib import Path
 from ktconvert.io import resources
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.convert.sizes import parse_size
+from ktconvert.quant import WRITABLE
 
-#: Types a recipe may name; ``keep`` is the input tensor's own type.
-WRITABLE = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+#: A recipe may name any of ``WRITABLE``, or ``keep``: the input tensor's own type.
 KEEP = "keep"
 
 #: llama.cpp's fallbacks when a tensor's rows cannot hold the type (llama-quant.cpp), restricted to the types

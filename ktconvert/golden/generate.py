@@ -26,8 +26,9 @@ from ktconvert.golden.store import (
     read_golden,
     sha256_bytes,
 )
+from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import replace_files
-from ktconvert.model.config import load_config
+from ktconvert.families.config import load_config
 from ktconvert.model.tinytok import PROMPT_TEXT
 
 ATTN_IMPLEMENTATION = "eager"
@@ -161,10 +162,8 @@ def prompt_for(model_dir: str | os.PathLike, text: str | None, ids: list[int] | 
 
 def model_file_hashes(model_dir: str | os.PathLike) -> dict[str, str]:
     """sha256 of config.json, every weights file and the tokenizer files present."""
-    from ktconvert.model.weights import checkpoint_files
-
     root = Path(model_dir)
-    paths = [root / "config.json", *checkpoint_files(root)]
+    paths = [root / "config.json", *open_checkpoint(root).files]
     for name in ("model.safetensors.index.json", *_TOKENIZER_FILES):
         if (root / name).is_file():
             paths.append(root / name)

@@ -15,11 +15,12 @@ from ktconvert.io import yamlpos
 from ktconvert.io.resources import load_schema
 
 
-def load_yaml(path: str | Path, shown: str | None = None, *, missing_fix: str | None = None) -> yamlpos.Loaded:
+def load_yaml(path: str | Path, shown: str | None = None, *, missing_fix: str | None = None,
+              what: str = "file") -> yamlpos.Loaded:
     """Parse ``path``; ``shown`` is how messages name it (e.g. ``rules/convert/Q8_0.yaml`` for a preset)."""
     shown = shown or str(path)
     if missing_fix and not Path(path).exists():
-        raise InputError("not found", path=shown, fix=missing_fix)
+        raise InputError(f"{what} not found", path=shown, fix=missing_fix)
     text = yamlpos.read_text(Path(path))
     try:
         loaded = yamlpos.load_text(text, shown)
@@ -60,7 +61,7 @@ def validate(data, where, schema: str, shown: str | None, what: str) -> None:
 def load_data_file(path: str | Path, schema: str, what: str, shown: str | None = None, *,
                    missing_fix: str | None = None) -> yamlpos.Loaded:
     """``load_yaml`` then ``validate`` against ``schemas/<schema>.schema.json``."""
-    loaded = load_yaml(path, shown, missing_fix=missing_fix)
+    loaded = load_yaml(path, shown, missing_fix=missing_fix, what=what)
     validate(loaded.data, loaded.where, schema, shown or str(path), what)
     return loaded
 

@@ -64,7 +64,9 @@ FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
 DTYPE_BYTES: dict[str, int] = {d.name: d.bits // 8 for d in SAFETENSORS_DTYPES.values() if d.bits % 8 == 0}
 
 # torch's names for the safetensors dtypes torch computes in (by name, so this module stays torch-free)
-TORCH_NAMES: dict[str, str] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64"}
+TORCH_NAMES: dict[str, str] = {"F32": "float32", "F16": "float16", "BF16": "bfloat16", "F64": "float64",
+                               "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+COMPUTE_DTYPES = ("F32", "F16", "BF16", "F64")  # what the reference model can compute in
 
 
 def st_dtype_of(dtype: np.dtype) -> str:

@@ -1,6 +1,6 @@
 """Reference MoE models in plain torch, their configs, weights loading, and the deterministic tiny models.
 
-Importing this package does not import torch (rule checking reads :mod:`ktconvert.model.config` and
+Importing this package does not import torch (rule checking reads :mod:`ktconvert.families.config` and
 :mod:`ktconvert.model.hfnames` on a torch-free path); the torch-backed names below load on first use.
 
 Typical use::
@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import importlib
 
-from ktconvert.model.config import FAMILIES, MoeConfig, RopeSpec, load_config, normalize_config
+from ktconvert.families.config import FAMILIES, MoeConfig, RopeSpec, load_config, normalize_config
 
 _LAZY = {
     "build_model": "ktconvert.model.reference",
     "ReferenceCausalLM": "ktconvert.model.reference",
     "ForwardOutput": "ktconvert.model.reference",
     "module_class_paths": "ktconvert.model.reference",
+    "module_type_resolver": "ktconvert.model.reference",
     "KVCache": "ktconvert.model.modules",
     "load_weights": "ktconvert.model.weights",
     "LoadReport": "ktconvert.model.weights",

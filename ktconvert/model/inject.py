@@ -1,6 +1,7 @@
 """Apply an optimize-rule file to a reference model, with operators that reproduce upstream's numerics.
 
-The plan comes from :func:`ktconvert.rules.apply.injection_plan`, the engine check-rules uses, so a module is
+The plan comes from :func:`ktconvert.rules.apply.injection_plan`, the engine check-rules uses (the caller builds
+it with :func:`ktconvert.model.reference.module_type_resolver`), so a module is
 replaced here exactly when upstream's ``inject`` would replace it. What each operator computes is decided by
 its ``emulation`` in the operator catalog (see :mod:`ktconvert.model.ops`):
 
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from ktconvert.errors import InputError
+from ktconvert.rules.catalog import load_catalog
 from ktconvert.model.ops import EXPERT_OPS, FALLBACK, KEEP, LINEAR_OPS, WRAPPERS
 from ktconvert.model.ops.experts import CpuExpertsGGML, CpuKernelNumerics, ExpertsDequant, torch_dtype
 from ktconvert.model.ops.linear import LinearDequant
@@ -131,21 +133,18 @@ class _Uses:
         row.modules.append(path)
 
 
-def inject(model: nn.Module, rules, weights: WeightSource, *, prefill_weights: WeightSource | None = None,
+def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weights: WeightSource | None = None,
            options: EmulationOptions | None = None, catalog=None, prompt_len: int | None = None) -> Injected:
-    """Replace ``model``'s modules as the compiled ``rules`` say and load every weight from the sources.
+    """Replace ``model``'s modules as ``plan`` (:func:`ktconvert.rules.apply.injection_plan` of the compiled rules
+    over this model) says and load every weight from the sources.
 
     ``prompt_len``: the longest forward that will run; prefill ops are only built when layer-wise prefill
     can happen for it (upstream loads them only then), so a checkpoint lacking what an unused op would read
     is no error. Missing tensors of used ops are, before anything runs.
     """
-    from ktconvert.rules.apply import injection_plan
-    from ktconvert.rules.catalog import load_catalog
-
     options = options or EmulationOptions()
     catalog = catalog or load_catalog()
     torch_dtype(options.compute_dtype)  # an unknown name fails before any work
-    plan = injection_plan(model, rules, catalog)
 
     model_inj = next((i for i in plan if i.path == "model" and i.operator is not None and i.operator.role == "model"), None)
     model_operator = model_inj.replace_class if model_inj else None

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ktconvert.model.config import MoeConfig, RopeSpec
+from ktconvert.families.config import MoeConfig, RopeSpec
 
 
 class Tagged:

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 from torch import nn
 
 from ktconvert.model import hfnames
-from ktconvert.model.config import MoeConfig, load_config
+from ktconvert.families.config import MoeConfig, load_config
 from ktconvert.model.modules import (
     Attention,
     DeepseekMoE,
@@ -163,6 +164,20 @@ def build_model(config: MoeConfig | dict | str | os.PathLike, *, dtype: torch.dt
         for param in model.parameters():
             param.data = param.data.to(dtype)
     return model.eval()
+
+
+def module_type_resolver(catalog) -> Callable[[nn.Module], str]:
+    """``type_of(module)``: the operator catalog's module type of a reference module (``Module`` when the catalog
+    knows none of its class paths), for :func:`ktconvert.rules.apply.injection_plan`."""
+
+    def type_of(module: nn.Module) -> str:
+        for p in module_class_paths(module):
+            t = catalog.type_of_class(p)
+            if t:
+                return t
+        return "Module"
+
+    return type_of
 
 
 def module_class_paths(module: nn.Module) -> tuple[str, ...]:

@@ -31,9 +31,9 @@ import numpy as np
 
 from ktconvert.errors import UsageProblem
 from ktconvert.formats.safetensors_write import to_bytes
-from ktconvert.io.atomic import atomic_dir, guard_output
+from ktconvert.io.atomic import atomic_dir, guard_output, sha256_file
 from ktconvert.model import rng
-from ktconvert.model.config import FAMILIES, MoeConfig, normalize_config
+from ktconvert.families.config import FAMILIES, MoeConfig, normalize_config
 from ktconvert.model.tinytok import tokenizer_files
 
 SEED = "ktconvert-tiny-v1"
@@ -379,11 +379,4 @@ def file_hashes(model_dir: str | os.PathLike, names: list[str] | None = None) ->
     """sha256 of files of a checkpoint directory (all regular files when ``names`` is None)."""
     root = Path(model_dir)
     paths = [root / n for n in names] if names else sorted(p for p in root.iterdir() if p.is_file())
-    out = {}
-    for p in paths:
-        h = hashlib.sha256()
-        with open(p, "rb") as fh:
-            for chunk in iter(lambda: fh.read(1 << 20), b""):
-                h.update(chunk)
-        out[p.name] = h.hexdigest()
-    return out
+    return {p.name: sha256_file(p) for p in paths}

@@ -9,16 +9,17 @@ Mixtral keys under transformers 5's in-memory ``mlp.`` are renamed to the checkp
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from dataclasses import dataclass, field
-from pathlib import Path
 
+import numpy as np
 import torch
 
 from ktconvert.errors import InputError
-from ktconvert.model.config import MoeConfig
+from ktconvert.formats import open_checkpoint
+from ktconvert.io.dtypes import SAFETENSORS_DTYPES, TORCH_NAMES
+from ktconvert.families.config import MoeConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
@@ -34,45 +35,28 @@ class LoadReport:
     fused_layout: dict[str, str] = field(default_factory=dict)
 
 
-def checkpoint_files(model_dir: str | os.PathLike) -> list[Path]:
-    """The safetensors files of a checkpoint directory (from the index when there is one)."""
-    root = Path(model_dir)
-    if root.is_file():
-        return [root]
-    index = root / "model.safetensors.index.json"
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise InputError(f"unreadable safetensors index: {exc}", path=str(index))
-        files = sorted({root / name for name in weight_map.values()})
-        missing = [f for f in files if not f.is_file()]
-        if missing:
-            raise InputError("shard named by the index is missing", path=str(missing[0]), fix="re-download the checkpoint")
-        return files
-    files = sorted(root.glob("*.safetensors"))
-    if not files:
-        raise InputError("no *.safetensors files", path=str(root), fix="pass a Hugging Face checkpoint directory")
-    return files
-
-
 def read_tensors(model_dir: str | os.PathLike, report: LoadReport | None = None) -> dict[str, torch.Tensor]:
-    """Every tensor of the checkpoint by name; duplicate names across shards are an error."""
-    from safetensors import SafetensorError, safe_open
-
-    out: dict[str, torch.Tensor] = {}
-    for path in checkpoint_files(model_dir):
-        try:
-            with safe_open(str(path), framework="pt") as fh:
-                for key in fh.keys():
-                    if key in out:
-                        raise InputError("tensor appears in two shards", path=str(path), where=key)
-                    out[key] = fh.get_tensor(key)
-        except SafetensorError as exc:
-            raise InputError(f"not a readable safetensors file: {exc}", path=str(path))
-        if report is not None:
-            report.files.append(str(path))
+    """Every tensor of a safetensors checkpoint by name, read through :mod:`ktconvert.formats` (which validates the
+    headers, shards, index and duplicate names); each a writable torch tensor of the stored dtype."""
+    ck = open_checkpoint(model_dir)
+    if ck.container != "safetensors":
+        raise InputError(f"a {ck.container} checkpoint, not Hugging Face safetensors", path=str(model_dir),
+                         fix="pass the Hugging Face checkpoint directory")
+    out = {name: as_torch(arr, ck[name].dtype, name) for name, arr in ck.read_all().items()}
+    if report is not None:
+        report.files.extend(str(f) for f in ck.files)
     return out
+
+
+def as_torch(arr: np.ndarray, dtype: str, name: str = "") -> torch.Tensor:
+    """A stored array (numpy's raw view of a safetensors dtype) as the torch tensor of that dtype."""
+    t = torch.from_numpy(arr)
+    if SAFETENSORS_DTYPES[dtype].native:
+        return t
+    if dtype in TORCH_NAMES:  # numpy holds only the bits: reinterpret them
+        return t.view(getattr(torch, TORCH_NAMES[dtype]))
+    raise InputError(f"{dtype} tensors cannot be loaded into the reference model", where=name,
+                     fix="dequantize the checkpoint first (ktconvert quantize --type F32)")
 
 
 def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report: LoadReport | None = None) -> dict[str, torch.Tensor]:

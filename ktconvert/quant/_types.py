@@ -10,12 +10,11 @@ from .errors import QuantError
 
 QType = GGMLQuantizationType
 
-#: Types :func:`ktconvert.quant.quantize` produces, bit-exact with ggml's reference path.
-QUANTIZABLE: frozenset[QType] = frozenset({
-    QType.F32, QType.F16, QType.BF16,
-    QType.Q8_0, QType.Q4_0, QType.Q4_1, QType.Q5_0, QType.Q5_1,
-    QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K,
-})
+#: Names of the types :func:`ktconvert.quant.quantize` produces, bit-exact with ggml's reference path: what a
+#: recipe or ``--type`` may name, in the order users read them.
+WRITABLE: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
+                             "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZABLE: frozenset[QType] = frozenset(QType[name] for name in WRITABLE)
 
 
 def as_qtype(qtype: QType | int | str) -> QType:

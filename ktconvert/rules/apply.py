@@ -1,17 +1,20 @@
 """Applying a rule file to a live model: the injection plan verify builds on, from the same engine as check-rules.
 
-There is one implementation of the matching semantics (``engine.resolve``); this module only adapts a torch
-module tree to it and refuses rule files that check-rules finds errors in.
+There is one implementation of the matching semantics (``engine.resolve``); this module only adapts a module
+tree to it (the caller says what type each module is, so this package never imports the models) and refuses rule
+files that check-rules finds errors in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ktconvert.errors import InputError
 from ktconvert.rules import engine, lint
 from ktconvert.rules.catalog import Catalog, Operator, load_catalog
+from ktconvert.rules.compile import compile_rules
 
 
 @dataclass
@@ -43,7 +46,8 @@ class _Node:
 
 
 def load_rules(path: str | Path, catalog: Catalog | None = None, backend: str = "auto") -> list[engine.CompiledRule]:
-    """Compile a rule file for injection; a file with check-rules errors is refused with the first one."""
+    """Check a rule file and compile it from the same parse; a file with check-rules errors is refused with the
+    first one."""
     catalog = catalog or load_catalog()
     report = lint.check_paths([path], lint.Options(backend=backend), catalog)
     (result,) = report.files
@@ -55,22 +59,12 @@ def load_rules(path: str | Path, catalog: Catalog | None = None, backend: str = 
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise InputError(f"{f.id} {f.message}{more}", path=str(path), where=f"{f.line}:{f.col}",
                          fix=f"run ktconvert check-rules {path}")
-    from ktconvert.io import yamlpos
-
-    data = yamlpos.load_text(yamlpos.read_text(Path(path))).data
-    return lint.compile_rules(data, catalog, str(path))
+    return compile_rules(result.data or [], catalog)
 
 
-def module_tree(model, catalog: Catalog) -> _Node:
-    """Wrap a torch model as the tree ``engine.resolve`` walks; each module's type comes from its class paths."""
-    from ktconvert.model import module_class_paths
-
-    def type_of(module) -> str:
-        for p in module_class_paths(module):
-            t = catalog.type_of_class(p)
-            if t:
-                return t
-        return "Module"
+def module_tree(model, type_of: Callable[[object], str]) -> _Node:
+    """Wrap a module tree (anything with ``named_children()``) as the tree ``engine.resolve`` walks; ``type_of``
+    gives each module's catalog type (the caller knows its classes; the rules engine does not)."""
 
     def build(path: str, module) -> _Node:
         node = _Node(path, type_of(module), module)
@@ -81,11 +75,11 @@ def module_tree(model, catalog: Catalog) -> _Node:
     return build("", model)
 
 
-def injection_plan(model, rules: list[engine.CompiledRule], catalog: Catalog | None = None) -> list[Injection]:
+def injection_plan(model, rules: list[engine.CompiledRule], catalog: Catalog,
+                   type_of: Callable[[object], str]) -> list[Injection]:
     """One ``Injection`` per module upstream would visit, in visiting order (root first)."""
-    catalog = catalog or load_catalog()
     out = []
-    for a in engine.resolve(module_tree(model, catalog), rules, catalog.is_instance):
+    for a in engine.resolve(module_tree(model, type_of), rules, catalog.is_instance):
         rule = a.rule
         rclass = rule.replace_class if rule else "default"
         out.append(Injection(a.path, a.node.module, a.module_type, rule.index if rule else None, rclass,

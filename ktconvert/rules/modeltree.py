@@ -68,7 +68,7 @@ class ModelTree:
     num_layers: int
     dense_layers: list
     source: str  # "model" (from --model) or "probe"
-    moe_config: object = None  # ktconvert.model.config.MoeConfig
+    moe_config: object = None  # ktconvert.families.config.MoeConfig
 
     def __post_init__(self):
         self.nodes: list[Node] = list(self.root.walk())  # flattened once: checks scan it many times
@@ -110,10 +110,10 @@ def load_config(path: str | Path) -> tuple[dict, str]:
 def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> ModelTree:
     """Module tree for one of ``FAMILIES``; another model type is refused plainly.
 
-    The config is read by the same parser as the reference models (``ktconvert.model.config``), so both
+    The config is read by the same parser as the reference models (``ktconvert.families.config``), so both
     spellings (hub and transformers 5) give the same layers, dense layers and attention layout.
     """
-    from ktconvert.model.config import normalize_config
+    from ktconvert.families.config import normalize_config
 
     family = cfg.get("model_type")
     if family not in FAMILIES:

@@ -16,7 +16,6 @@ layer and module where error jumps.
 
 from __future__ import annotations
 
-import hashlib
 import math
 import time
 from contextlib import contextmanager
@@ -26,6 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.errors import InputError
+from ktconvert.io.atomic import sha256_file
 from ktconvert.verify.metrics import LogitStats, compare_logits, first_nonfinite, nmse
 from ktconvert.verify.profile import Breach, Profile, auto_profile, evaluate, load_profile
 
@@ -74,21 +74,13 @@ def _threads(n: int):
         torch.set_num_threads(before)
 
 
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for chunk in iter(lambda: fh.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def check_golden_matches(golden, model_dir: Path) -> list[str]:
     """Refuse a golden made from another model (config hash, weight hashes); return what was not checkable."""
     manifest = golden.manifest
     cfg = model_dir / "config.json"
     if not cfg.is_file():
         raise InputError("config.json not found", path=str(cfg), fix="--model takes the Hugging Face model directory")
-    if _sha256(cfg) != manifest["model"]["config_sha256"]:
+    if sha256_file(cfg) != manifest["model"]["config_sha256"]:
         raise InputError(f"config.json differs from the one golden {manifest['name']!r} was made with "
                          f"(config sha256 {manifest['model']['config_sha256'][:12]}…)", path=str(cfg),
                          fix="pass the golden of this model, or the model this golden belongs to")
@@ -100,7 +92,7 @@ def check_golden_matches(golden, model_dir: Path) -> list[str]:
         if not f.is_file():
             unchecked.append(f"{name} (not in the model directory)")
             continue
-        if _sha256(f) != digest:
+        if sha256_file(f) != digest:
             raise InputError(f"weights differ from those golden {manifest['name']!r} was made with "
                              f"(sha256 {digest[:12]}…)", path=str(f),
                              fix="the golden belongs to other weights: regenerate it or pass the original model")
@@ -265,11 +257,11 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     regression is no error but a report with ``passed == False``.
     """
     from ktconvert.golden import read_golden
-    from ktconvert.model import build_model, load_config, load_weights
+    from ktconvert.model import build_model, load_config, load_weights, module_type_resolver
     from ktconvert.model.inject import EmulationOptions, inject
     from ktconvert.model.ops.experts import torch_dtype
     from ktconvert.model.ops.source import WeightSource, read_safetensors
-    from ktconvert.rules.apply import load_rules
+    from ktconvert.rules.apply import injection_plan, load_rules
     from ktconvert.rules.catalog import load_catalog
 
     began = time.perf_counter()
@@ -307,7 +299,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
                 reference = None
                 notes.append(f"module-level localisation skipped: the original weights in --model are unusable ({exc.message})")
         model = build_model(cfg, dtype=torch_dtype(options.compute_dtype))
-        injected = inject(model, compiled, source, prefill_weights=pre_source, options=options, catalog=catalog,
+        plan = injection_plan(model, compiled, catalog, module_type_resolver(catalog))
+        injected = inject(model, plan, source, prefill_weights=pre_source, options=options, catalog=catalog,
                           prompt_len=prompt_len)
         phases = [
             _phase("prefill", injected, reference, gold, profile, injected.layerwise(prompt_len), prompt_len),

@@ -17,17 +17,17 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from ktconvert.io.dtypes import COMPUTE_DTYPES, TORCH_NAMES
 from ktconvert.model.ops.actquant import round_trip, vec_dot_type
 from ktconvert.model.ops.source import PROJECTIONS, ExpertBlocks
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
 def torch_dtype(name: str) -> torch.dtype:
-    try:
-        return _DTYPES[name]
-    except KeyError:
-        raise ValueError(f"unknown dtype {name!r} (known: {', '.join(_DTYPES)})") from None
+    """A compute dtype by torch's name (``float32``, ``bfloat16``, ...) or the safetensors one (``BF16``)."""
+    known = [TORCH_NAMES[d] for d in COMPUTE_DTYPES]
+    name = TORCH_NAMES[name] if name in COMPUTE_DTYPES else name
+    if name not in known:
+        raise ValueError(f"unknown dtype {name!r} (known: {', '.join(known)})")
+    return getattr(torch, name)
 
 
 def _check_ids(ids: torch.Tensor, n: int) -> list[int]:

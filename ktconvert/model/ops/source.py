@@ -19,9 +19,14 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import torch
 
+from ktconvert import quant
 from ktconvert.errors import InputError
-from ktconvert.model.config import MoeConfig
+from ktconvert.families.config import MoeConfig
+from ktconvert.formats import naming_map, open_checkpoint
+from ktconvert.io.dtypes import TORCH_NAMES
+from ktconvert.model.weights import read_tensors, to_reference_state
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -37,8 +42,6 @@ class Blocks:
 
     def expert(self, e: int) -> np.ndarray:
         """Expert ``e`` dequantized to float32 ``[rows, cols]`` (each expert is whole blocks: rows hold them)."""
-        from ktconvert import quant
-
         return quant.dequantize(self.data[e], self.qtype, name=self.names[0]).reshape(self.shape[1:])
 
 
@@ -100,8 +103,6 @@ class WeightSource:
                                  fix="pass a checkpoint file or directory")
         else:
             gguf = p.suffix == ".gguf"
-        from ktconvert.formats import open_checkpoint
-
         if gguf:
             self.container = "gguf"
             self._ck = open_checkpoint(p)
@@ -119,8 +120,6 @@ class WeightSource:
 
     # --- safetensors ------------------------------------------------------------------------------------------
     def _init_safetensors(self) -> None:
-        from ktconvert.model.weights import to_reference_state
-
         self.arch = self.cfg.family
         self.raw = read_safetensors(self.path)
         self._state = to_reference_state(self.cfg, self.raw)
@@ -130,9 +129,6 @@ class WeightSource:
         """Index every stored tensor's ggml type and element shape. Kernel-order safetensors store ggml blocks
         as uint8 rows with the type in a ``NAME.ggml_type`` scalar beside each tensor (what ktransformers'
         SafeTensorLoader reads)."""
-        from ktconvert import quant
-        from ktconvert.formats import naming_map
-
         ck = self._ck
         self._types: dict[str, str] = {}
         self._shapes: dict[str, tuple] = {}
@@ -167,8 +163,6 @@ class WeightSource:
         return int(value) if isinstance(value, (int, np.integer)) else default
 
     def _read_gguf(self, gname: str) -> np.ndarray:
-        from ktconvert import quant
-
         qtype, shape = self._types[gname], self._shapes[gname]
         raw = self._ck.read(gname)
         if qtype in ("F32", "F16"):
@@ -267,8 +261,6 @@ class WeightSource:
             t = self._state.get(name)
             if t is None:
                 raise _missing(self.path, [name], "tensor")
-            import torch
-
             arr = t.to(torch.float32).numpy()
         else:
             arr = self._gguf_tensor(name)
@@ -294,8 +286,6 @@ class WeightSource:
         return found
 
     def _st_experts(self, layer: int) -> ExpertBlocks:
-        import torch
-
         cfg = self.cfg
         names = dict(zip(PROJECTIONS, cfg.expert_proj_names))
         prefix = f"model.layers.{layer}.{cfg.moe_block_name}.experts"
@@ -306,7 +296,7 @@ class WeightSource:
             if missing:
                 raise _missing(self.path, missing, f"experts of layer {layer}")
             stacked = torch.stack([self._state[k] for k in keys])
-            qtype = {torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16"}.get(stacked.dtype)
+            qtype = {TORCH_NAMES[st]: st for st in ("F32", "F16", "BF16")}.get(str(stacked.dtype)[len("torch."):])
             if qtype is None:
                 raise InputError(f"experts stored as {stacked.dtype}; the CPU experts kernel reads F32, F16 or BF16 "
                                  "safetensors only (upstream SafeTensorLoader)", path=self.path, where=keys[0],
@@ -320,31 +310,9 @@ class WeightSource:
         return {layer: self.expert_blocks(layer).types() for layer in sorted(self.cfg.moe_layers)}
 
 
-SMALL_FILE = 1 << 30
-
-
 def read_safetensors(path: str | os.PathLike) -> dict:
-    """Every tensor of a safetensors checkpoint. Files under 1 GiB are read whole rather than memory-mapped:
-    faulting a mapping in page by page costs more than the read on small files (7x on the tiny models)."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load
-
-    from ktconvert.model.weights import checkpoint_files, read_tensors
-
-    files = checkpoint_files(path)
-    if sum(f.stat().st_size for f in files) >= SMALL_FILE:
-        return read_tensors(path)
-    out: dict = {}
-    for f in files:
-        try:
-            part = load(f.read_bytes())
-        except SafetensorError as exc:
-            raise InputError(f"not a readable safetensors file: {exc}", path=str(f)) from None
-        for key, value in part.items():
-            if key in out:
-                raise InputError("tensor appears in two shards", path=str(f), where=key)
-            out[key] = value
-    return out
+    """Every tensor of a safetensors checkpoint (through :mod:`ktconvert.formats`, small files read whole)."""
+    return read_tensors(path)
 
 
 def unpermute_rope_rows(w: np.ndarray, heads: int) -> np.ndarray:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ktconvert.errors import InputError
+from ktconvert.formats import naming_map
 from ktconvert.rules import engine
-from ktconvert.rules.catalog import Catalog
+from ktconvert.rules.checks import check
 from ktconvert.rules.modeltree import ModelTree
 
 _PROJECTIONS = ("gate", "up", "down")
@@ -87,11 +89,11 @@ def expert_tensors(layer: int, n_experts: int, container: str, names: set, namin
     return candidates[0][2]
 
 
-def check_weights(ctx, compiled: list, tree: ModelTree, checkpoint, catalog: Catalog) -> None:
-    """Emit KT501 (tensor missing) and KT502 (type the operator cannot run) through ``ctx.add``."""
-    from ktconvert.errors import InputError
-    from ktconvert.formats import naming_map
-
+@check("KT501", "KT502", stage="weights")
+def check_weights(ctx, compiled: list, tree: ModelTree, checkpoint) -> None:
+    """KT501 (a tensor an operator loads is missing) and KT502 (experts in a type their op cannot run), from one
+    walk that resolves which rule owns each module's weights."""
+    catalog = ctx.catalog
     names = set(checkpoint)
     container = checkpoint.container
     try:

@@ -1,0 +1,98 @@
+"""The package structure of DESIGN §8 holds: imports point one way, and each piece of infrastructure exists once.
+
+Read from the source (every import, module-level or not), so a new arrow that runs back up fails here before it
+becomes a tangle.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "ktconvert"
+
+#: A package may import only packages on a lower floor (same floor: never). ``__init__``/``__main__``/``demo``
+#: are the top-level modules.
+FLOORS = {
+    "errors": 0, "io": 1,
+    "families": 2, "quant": 2,
+    "formats": 3,
+    "rules": 4,
+    "convert": 5, "model": 5,
+    "golden": 6,
+    "verify": 7,
+    "gate": 8,
+    "demo": 9,
+    "cli": 10, "__main__": 11,
+}
+#: Packages that must stay light: check-rules, inspect and planning run without torch.
+NO_TORCH = ("io", "families", "formats", "rules")
+
+
+def _modules():
+    for f in sorted(PKG.rglob("*.py")):
+        rel = f.relative_to(PKG)
+        owner = rel.parts[0][:-3] if len(rel.parts) == 1 else rel.parts[0]
+        yield f, owner, ast.parse(f.read_text(encoding="utf-8"))
+
+
+def _imports(tree: ast.AST):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            yield node.module
+
+
+def _arrows() -> dict[tuple[str, str], list[str]]:
+    out: dict[tuple[str, str], list[str]] = {}
+    for f, owner, tree in _modules():
+        if owner == "__init__":
+            continue
+        for name in _imports(tree):
+            parts = name.split(".")
+            if parts[0] == "ktconvert" and len(parts) > 1 and parts[1] != owner:
+                out.setdefault((owner, parts[1]), []).append(str(f.relative_to(PKG.parent)))
+    return out
+
+
+def test_every_package_has_a_floor():
+    owners = {owner for _, owner, _ in _modules()} - {"__init__"}
+    assert owners <= set(FLOORS), owners - set(FLOORS)
+
+
+def test_imports_point_down_only():
+    wrong = {f"{a} -> {b} ({files[0]})" for (a, b), files in _arrows().items() if FLOORS[b] >= FLOORS[a]}
+    assert not wrong, sorted(wrong)
+
+
+@pytest.mark.parametrize("package", NO_TORCH)
+def test_light_packages_import_neither_torch_nor_the_models(package):
+    bad = []
+    for f, owner, tree in _modules():
+        if owner == package:
+            bad += [f"{f.relative_to(PKG.parent)}: {n}" for n in _imports(tree)
+                    if n.split(".")[0] in ("torch", "transformers") or n.startswith("ktconvert.model")]
+    assert not bad, bad
+
+
+# --- one definition each -------------------------------------------------------------------------------------------
+def _definitions(pattern: str) -> list[str]:
+    rx = re.compile(pattern, re.M)
+    return sorted(str(f.relative_to(PKG.parent)) for f, _, _ in _modules() if rx.search(f.read_text(encoding="utf-8")))
+
+
+@pytest.mark.parametrize("what,pattern,home", [
+    ("atomic rename of a file or directory", r"\bos\.replace\(", ["ktconvert/io/atomic.py"]),
+    ("the OUT-exists guard", r'"output already exists"', ["ktconvert/io/atomic.py"]),
+    ("a YAML parser call", r"\byaml\.(safe_load|load|compose)\(", ["ktconvert/io/yamlpos.py"]),
+    ("a JSON Schema validator", r"Draft202012Validator\(", ["ktconvert/io/datafile.py"]),
+    ("the ggml writable types", r'^WRITABLE\b.*=', ["ktconvert/quant/_types.py"]),
+    ("a safetensors dtype table", r'"BF16"[:,]\s*(\d|np\.|torch\.)|torch\.bfloat16\s*:', ["ktconvert/io/dtypes.py"]),
+    ("a file sha256", r"def \w*sha256\w*\(path", ["ktconvert/io/atomic.py"]),
+])
+def test_infrastructure_is_defined_once(what, pattern, home):
+    assert _definitions(pattern) == home, f"{what} is defined outside {home}"
