@@ -11,6 +11,15 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ktconvert.convert import convert
+from ktconvert.formats import open_checkpoint
+from ktconvert.golden.paths import golden_root, load_tiny_hashes
+from ktconvert.io.resources import rules_dir
+from ktconvert.model.tiny import file_hashes, write_tiny_model
+from ktconvert.rules import lint
+from ktconvert.rules.catalog import load_catalog
+from ktconvert.verify import run_verify
+
 
 @dataclass
 class Step:
@@ -50,14 +59,11 @@ def run_demo(workdir: str | Path, family: str = "qwen3_moe", recipe: str = "Q4_K
 
 
 def _rules_file(family: str) -> Path:
-    from ktconvert.io.resources import rules_dir
 
     return rules_dir() / "optimize" / f"{family}.yaml"
 
 
 def _make_model(state) -> Step:
-    from ktconvert.golden.paths import load_tiny_hashes
-    from ktconvert.model.tiny import file_hashes, write_tiny_model
 
     model = state["workdir"] / "model"
     write_tiny_model(state["family"], model)
@@ -73,8 +79,6 @@ def _make_model(state) -> Step:
 
 
 def _check_rules(state) -> Step:
-    from ktconvert.rules import lint
-    from ktconvert.rules.catalog import load_catalog
 
     rules = _rules_file(state["family"])
     report = lint.check_paths([rules], lint.Options(model=str(state["model"]), explain=True), load_catalog())
@@ -90,13 +94,11 @@ def _check_rules(state) -> Step:
 
 
 def _quantize(state) -> Step:
-    from ktconvert.convert import convert
 
     out = state["workdir"] / "converted"
     run = convert(state["model"], out, state["recipe"])
     gguf = out / "model.gguf"
     state["weights"] = gguf
-    from ktconvert.formats import open_checkpoint
 
     ck = open_checkpoint(gguf)
     hist: dict[str, int] = {}
@@ -108,8 +110,6 @@ def _quantize(state) -> Step:
 
 
 def _check_weights(state) -> Step:
-    from ktconvert.rules import lint
-    from ktconvert.rules.catalog import load_catalog
 
     report = lint.check_paths([state["rules"]], lint.Options(model=str(state["model"]), weights=str(state["weights"])),
                               load_catalog())
@@ -120,8 +120,6 @@ def _check_weights(state) -> Step:
 
 
 def _verify(state) -> Step:
-    from ktconvert.golden.paths import golden_root
-    from ktconvert.verify import run_verify
 
     report = run_verify(state["model"], state["rules"], golden_root() / state["family"], weights=state["weights"],
                         profile=state["recipe"].lower())

@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parents[1] / "ktconvert"
 #: A package may import only packages on a lower floor (same floor: never). ``__init__``/``__main__``/``demo``
 #: are the top-level modules.
 FLOORS = {
-    "errors": 0, "io": 1,
+    "errors": 0, "optional": 1, "io": 1,
     "families": 2, "quant": 2,
     "formats": 3,
     "rules": 4,
@@ -93,6 +93,7 @@ def _definitions(pattern: str) -> list[str]:
     ("the ggml writable types", r'^WRITABLE\b.*=', ["ktconvert/quant/_types.py"]),
     ("a safetensors dtype table", r'"BF16"[:,]\s*(\d|np\.|torch\.)|torch\.bfloat16\s*:', ["ktconvert/io/dtypes.py"]),
     ("a file sha256", r"def \w*sha256\w*\(path", ["ktconvert/io/atomic.py"]),
+    ("an optional-dependency import guard", r"except ImportError.*:\n\s*(top|raise)", ["ktconvert/optional.py"]),
 ])
 def test_infrastructure_is_defined_once(what, pattern, home):
     assert _definitions(pattern) == home, f"{what} is defined outside {home}"

@@ -46,10 +46,10 @@ def test_unmodified_tree_passes_the_whole_gate(tmp_path):
 # --- injected regressions ---------------------------------------------------------------------------------
 def _patch_converted_gguf(monkeypatch, edit):
     """Wrap the converter so every GGUF it writes is edited in place before verify reads it."""
-    import ktconvert.convert as convert_pkg
+    import ktconvert.gate.runner as gate_runner
     from ktconvert.formats import open_checkpoint
 
-    original = convert_pkg.convert
+    original = gate_runner.convert
 
     def broken(*args, **kwargs):
         result = original(*args, **kwargs)
@@ -59,7 +59,7 @@ def _patch_converted_gguf(monkeypatch, edit):
             edit(ck, fh)
         return result
 
-    monkeypatch.setattr(convert_pkg, "convert", broken)
+    monkeypatch.setattr(gate_runner, "convert", broken)
 
 
 def _expert_bytes(info, e):
@@ -97,9 +97,9 @@ def test_two_experts_swapped_in_one_layer_turns_the_gate_red(monkeypatch, tmp_pa
 
 
 def test_quantizer_scales_off_by_three_percent_turn_the_gate_red(monkeypatch, tmp_path):
-    import ktconvert.quant as quant
+    import ktconvert.convert.worker as worker
 
-    original = quant.quantize
+    original = worker.quantize
 
     def off(data, qtype, *args, **kwargs):
         out = original(data, qtype, *args, **kwargs)
@@ -109,7 +109,7 @@ def test_quantizer_scales_off_by_three_percent_turn_the_gate_red(monkeypatch, tm
             blocks[:, :2] = (d.astype(np.float32) * 1.03).astype(np.float16).view(np.uint8).reshape(-1, 2)
         return out
 
-    monkeypatch.setattr(quant, "quantize", off)
+    monkeypatch.setattr(worker, "quantize", off)
     _fail_names_case_and_metric(tmp_path, "deepseek_v2-q8_0", "deepseek_v2-q8_0")
 
 
@@ -161,13 +161,13 @@ def test_bad_suites_are_one_line_errors(tmp_path, text, needle):
 
 
 def test_a_tiny_model_that_cannot_be_made_fails_its_cases_with_the_reason(monkeypatch):
-    import ktconvert.model.tiny as tiny
+    import ktconvert.gate.runner as gate_runner
     from ktconvert.errors import EnvironmentProblem
 
     def broken(family, out, **kw):
         raise EnvironmentProblem("disk full", path=str(out), fix="free some space")
 
-    monkeypatch.setattr(tiny, "write_tiny_model", broken)
+    monkeypatch.setattr(gate_runner, "write_tiny_model", broken)
     r = run("gate", "-k", "mixtral-f32")
     assert r.exit_code == 3, r.output
     assert "mixtral-f32: " in r.output and "disk full (free some space)" in r.output

@@ -27,7 +27,12 @@ Importing this package does not import torch; the quantizing workers do.
 
 from __future__ import annotations
 
-from ktconvert.convert.api import DEFAULT_MAX_MEMORY, convert, plan_conversion, resolve_recipe
+from ktconvert.convert.api import (
+    DEFAULT_MAX_MEMORY,
+    convert,
+    plan_conversion,
+    resolve_recipe,
+)
 from ktconvert.convert.execute import RunResult, partial_dir
 from ktconvert.convert.lora import LoraResult, convert_lora
 from ktconvert.convert.plan import Plan, PlanTensor, plan_text

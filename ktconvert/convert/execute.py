@@ -26,7 +26,14 @@ from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.sizes import format_size
 from ktconvert.convert.worker import Task, close_all, run_task, worker_init
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
-from ktconvert.io.atomic import fsync_dir, guard_output, partial_dir, replace_dir, sha256_file, write_durable
+from ktconvert.io.atomic import (
+    fsync_dir,
+    guard_output,
+    partial_dir,
+    replace_dir,
+    sha256_file,
+    write_durable,
+)
 
 STATE_DIR = ".ktconvert"
 UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained

@@ -11,8 +11,18 @@ its original bytes, except the few that describe the container or the quantizati
 
 from __future__ import annotations
 
+from gguf import (
+    ExpertGatingFuncType,
+    GGUFValueType,
+    GGUFWriter,
+    Keys,
+    LlamaFileType,
+    RopeScalingType,
+)
+
 from ktconvert.convert.tokenizer import GgufVocab
-from ktconvert.formats.gguf_write import kv_pairs_from_writer, raw_kv_pairs
+from ktconvert.families.config import normalize_config
+from ktconvert.formats.gguf_write import encode_kv, kv_pairs_from_writer, raw_kv_pairs
 
 #: keys whose values an output recomputes; every other pair of a GGUF input is copied byte for byte
 RECOMPUTED = ("general.file_type", "general.quantization_version", "split.no", "split.count", "split.tensors.count")
@@ -26,7 +36,6 @@ QUANTIZATION_VERSION = 2  # ggml's GGML_QNT_VERSION
 
 def file_type(recipe_file_type: str | None, bytes_by_type: dict[str, int]) -> int:
     """``general.file_type``: the recipe's, else derived from the type holding the most bytes."""
-    from gguf import LlamaFileType
 
     if recipe_file_type:
         key = recipe_file_type if recipe_file_type == "ALL_F32" else f"MOSTLY_{recipe_file_type}"
@@ -36,7 +45,6 @@ def file_type(recipe_file_type: str | None, bytes_by_type: dict[str, int]) -> in
 
 
 def _writer(arch: str):
-    from gguf import GGUFWriter
 
     return GGUFWriter(None, arch)
 
@@ -44,9 +52,7 @@ def _writer(arch: str):
 def hf_kv(arch: str, config: dict, name: str, n_layers: int, n_vocab: int, vocab: GgufVocab | None,
           ftype: int, quantized: bool) -> list[tuple[str, bytes]]:
     """Encoded KV pairs for a GGUF made from an HF checkpoint of ``arch`` with ``config``."""
-    from gguf import ExpertGatingFuncType, RopeScalingType
 
-    from ktconvert.families.config import normalize_config
 
     c = normalize_config(config)
     w = _writer(arch)
@@ -150,9 +156,7 @@ def carried_kv(path, arch: str, ftype: int | None, quantized: bool) -> list[tupl
 
 def split_kv(shard: int, count: int, n_tensors: int) -> list[tuple[str, bytes]]:
     """``split.no``, ``split.count`` and ``split.tensors.count`` for one shard of a split GGUF (gguf-py's types)."""
-    from gguf import GGUFValueType, Keys
 
-    from ktconvert.formats.gguf_write import encode_kv
 
     return [
         (Keys.Split.LLM_KV_SPLIT_NO, encode_kv(Keys.Split.LLM_KV_SPLIT_NO, GGUFValueType.UINT16, shard)),

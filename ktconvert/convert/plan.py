@@ -9,21 +9,25 @@ an interrupted run against.
 
 from __future__ import annotations
 
-import math
-
 import hashlib
 import json
+import math
 import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ktconvert import __version__
+from ktconvert.convert import metadata
 from ktconvert.convert.recipe import KEEP, Recipe
 from ktconvert.convert.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
+from ktconvert.convert.tokenizer import convert_tokenizer
 from ktconvert.errors import InputError, UsageProblem
+from ktconvert.formats.gguf_write import DEFAULT_ALIGNMENT, layout_gguf
+from ktconvert.formats.safetensors_write import layout_safetensors
 from ktconvert.io.dtypes import FLOAT_DTYPES
+from ktconvert.quant import as_qtype, block_size, dequantizable, type_size
 
 FORMATS = ("gguf", "safetensors")
 DEFAULT_SAFETENSORS_SHARD = 5 * 1024**3
@@ -176,13 +180,11 @@ class Plan:
 
 
 def _qt(name: str):
-    from ktconvert.quant import as_qtype
 
     return as_qtype(name)
 
 
 def _block(name: str) -> tuple[int, int]:
-    from ktconvert.quant import block_size, type_size
 
     return block_size(name), type_size(name)
 
@@ -190,7 +192,6 @@ def _block(name: str) -> tuple[int, int]:
 def _decodable(src_dtype: str, container: str) -> bool:
     if container == "safetensors":
         return src_dtype in FLOAT_DTYPES
-    from ktconvert.quant import dequantizable
 
     try:
         return _qt(src_dtype) in dequantizable()
@@ -331,9 +332,6 @@ def _names(stem: str, ext: str, count: int) -> list[str]:
 
 
 def _lay_out_gguf(plan: Plan, src: SourceModel, shard: int, tokenizer: bool) -> None:
-    from ktconvert.convert import metadata
-    from ktconvert.convert.tokenizer import convert_tokenizer
-    from ktconvert.formats.gguf_write import DEFAULT_ALIGNMENT, layout_gguf
 
     ck = src.checkpoint
     by_type: Counter = Counter()
@@ -382,7 +380,6 @@ def _at(t: PlanTensor, file: int, offset: int) -> PlanTensor:
 
 
 def _lay_out_safetensors(plan: Plan, src: SourceModel, shard: int) -> None:
-    from ktconvert.formats.safetensors_write import layout_safetensors
 
     # a tensor and its .ggml_type companion always share a shard
     pairs: list[list[PlanTensor]] = []

@@ -12,9 +12,12 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ktconvert.io import resources
-from ktconvert.errors import InputError, UsageProblem
+from gguf import GGMLQuantizationType
+
 from ktconvert.convert.sizes import parse_size
+from ktconvert.errors import InputError, UsageProblem
+from ktconvert.io import resources
+from ktconvert.io.datafile import load_yaml, validate
 from ktconvert.quant import WRITABLE
 
 #: A recipe may name any of ``WRITABLE``, or ``keep``: the input tensor's own type.
@@ -108,7 +111,6 @@ def load_recipe(spec: str | Path) -> Recipe:
         source, shown = f"preset {key}", f"rules/convert/{p.name}"
     else:
         source = shown = str(p)
-    from ktconvert.io.datafile import load_yaml
 
     loaded = load_yaml(p, shown)
     return recipe_from_data(loaded.data, shown, source, loaded.where)
@@ -136,7 +138,6 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
                     loc = at("rules", i, key) if key == "type" else at("rules", i, key, j)
                     raise InputError(_type_message(t, i), path=path, where=loc,
                                      fix=f"use one of {', '.join(WRITABLE)} or keep")
-    from ktconvert.io.datafile import validate
 
     validate(data, where or (lambda keys: (1, 1)), "convert-recipe", path, "recipe")
     rules = []
@@ -162,7 +163,6 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
 
 
 def _type_message(t: str, index: int) -> str:
-    from gguf import GGMLQuantizationType
 
     if t.upper() in WRITABLE:
         return f"rule {index}: type {t!r} is spelled {t.upper()!r}"

@@ -17,12 +17,19 @@ input fails here, before any output exists.
 from __future__ import annotations
 
 import math
-
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from ktconvert.errors import InputError
-from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map, open_checkpoint
+from ktconvert.formats import (
+    Checkpoint,
+    LayoutReport,
+    NamingMap,
+    detect_layout,
+    naming_map,
+    open_checkpoint,
+)
+from ktconvert.formats.config import load_config
 
 PROJ_ORDER = ("gate", "up", "down")
 
@@ -122,7 +129,6 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     if isinstance(config, dict):
         cfg_dict = config
     elif config is not None:
-        from ktconvert.formats.config import load_config
 
         cfg_dict, cfg_path = load_config(config), str(config)
     elif ck.config is not None:

@@ -9,6 +9,7 @@ when the unit ends, so resident memory does not grow with the checkpoint.
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,7 +17,9 @@ import numpy as np
 from ktconvert.convert.plan import PlanTensor
 from ktconvert.convert.source import Segment
 from ktconvert.errors import EnvironmentProblem, InputError
+from ktconvert.formats import open_checkpoint
 from ktconvert.io.dtypes import FLOAT_DTYPES, decode_float32, raw_view
+from ktconvert.quant import dequantize, quantize
 
 
 @dataclass(frozen=True)
@@ -38,7 +41,6 @@ _FDS: dict = {}
 def _checkpoint(path: str):
     ck = _CHECKPOINTS.get(path)
     if ck is None:
-        from ktconvert.formats import open_checkpoint
 
         ck = _CHECKPOINTS[path] = open_checkpoint(path)
     return ck
@@ -62,7 +64,6 @@ def worker_init() -> None:
     """Per worker process: one core each (the executor runs ``jobs`` processes side by side), and exit when the
     converting process dies (a ``kill -9`` of it must not leave workers behind, blocked on their task queue)."""
     import threading
-    import time
 
     import torch
 
@@ -98,7 +99,6 @@ def _run(task: Task) -> int:
         if t.copy_bytes:
             data = _raw_rows(ck, t, task.r0, task.r1)
         else:
-            from ktconvert.quant import quantize
 
             x = _float_rows(ck, t, task.r0, task.r1)
             data = quantize(x, t.type, workers=1, name=t.name).reshape(-1)
@@ -174,7 +174,6 @@ def _check_finite(x: np.ndarray, s: Segment, first: int) -> None:
 def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
     if dtype in FLOAT_DTYPES:
         return decode_float32(raw, dtype)
-    from ktconvert.quant import dequantize
 
     return dequantize(np.asarray(raw), dtype)
 

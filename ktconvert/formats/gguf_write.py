@@ -16,6 +16,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf import GGUFValueType
+
 GGUF_MAGIC = b"GGUF"
 GGUF_VERSION = 3
 DEFAULT_ALIGNMENT = 32
@@ -67,7 +69,6 @@ def encode_kv(key: str, vtype: int, value, sub_type: int | None = None) -> bytes
 
 def kv_pairs_from_writer(writer) -> list[tuple[str, bytes]]:
     """Encode the KV pairs a ``gguf.GGUFWriter`` collected (its ``add_*`` helpers know each key's type)."""
-    from gguf import GGUFValueType
 
     out = []
     for key, v in writer.kv_data[0].items():

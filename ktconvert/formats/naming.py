@@ -12,9 +12,9 @@ from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
-
-from ktconvert.io import resources
 from ktconvert.errors import InputError
+from ktconvert.io import resources
+from ktconvert.io.datafile import load_data_file
 
 LAYOUTS = ("hf-split", "hf-fused", "gguf-merged", "gguf-split", "kt-amx")
 PROJECTIONS = ("gate", "up", "down", "gate_up")
@@ -252,7 +252,6 @@ def _forms(data: dict) -> dict[str, dict[str, tuple[str, ...]]]:
 
 def load_naming_map(path: str | Path) -> NamingMap:
     """Load one naming map YAML file, validated against ``naming-map.schema.json`` and for template collisions."""
-    from ktconvert.io.datafile import load_data_file
 
     return NamingMap(load_data_file(path, "naming-map", "naming map").data, str(path))
 

@@ -6,12 +6,12 @@ import tempfile
 from pathlib import Path
 
 from ktconvert.gate.suite import Suite
+from ktconvert.golden.generate import generate_golden, refuse_under_ci
+from ktconvert.model.tiny import write_tiny_model
 
 
 def regenerate_goldens(suite: Suite, reason: str, select: str | None = None) -> list[Path]:
     """Rebuild the golden of every distinct (family, golden) the selected cases use, from the tiny models."""
-    from ktconvert.golden.generate import generate_golden, refuse_under_ci
-    from ktconvert.model.tiny import write_tiny_model
 
     refuse_under_ci()  # before any work: a CI job must never make a regression green
     done: list[Path] = []

@@ -14,8 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ktconvert.convert import convert
 from ktconvert.errors import KtError
 from ktconvert.gate.suite import Case, Suite
+from ktconvert.model.tiny import write_tiny_model
+from ktconvert.verify import run_verify
 
 SUMMARY_METRICS = ("max_abs_diff", "nmse_max", "kl_mean", "kl_max", "top1_agreement")
 
@@ -98,7 +101,6 @@ def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: s
 
 def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
     """Convert once for the group, then verify each case against it (in this process)."""
-    from ktconvert.convert import convert
 
     first = cases[0]
     began = time.perf_counter()
@@ -116,7 +118,6 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
 
 
 def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float = 0.0) -> CaseResult:
-    from ktconvert.verify import run_verify
 
     began = time.perf_counter()
     try:
@@ -138,7 +139,6 @@ def _tiny_model_dir(family: str, workdir: str) -> Path:
 
 
 def _tiny_model(family: str, workdir: str) -> None:
-    from ktconvert.model.tiny import write_tiny_model
 
     write_tiny_model(family, _tiny_model_dir(family, workdir))
 

@@ -6,9 +6,11 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ktconvert.io.datafile import load_data_file
 from ktconvert.errors import InputError
+from ktconvert.golden.paths import golden_root
+from ktconvert.io.datafile import load_data_file
 from ktconvert.io.resources import rules_dir
+from ktconvert.verify import shipped_profiles
 
 
 @dataclass(frozen=True)
@@ -47,7 +49,6 @@ class Suite:
 
 
 def default_suite_path() -> Path:
-    from ktconvert.golden.paths import golden_root
 
     return golden_root() / "suite.yaml"
 
@@ -86,7 +87,6 @@ def _rules(ref: str, suite: Path, where: str) -> Path:
 
 
 def _golden(ref: str, suite: Path, where: str) -> Path:
-    from ktconvert.golden.paths import golden_root
 
     for p in (golden_root() / ref, suite.parent / ref):
         if (p / "manifest.yaml").is_file():
@@ -96,7 +96,6 @@ def _golden(ref: str, suite: Path, where: str) -> Path:
 
 
 def _tolerance(ref: str, suite: Path, where: str) -> str:
-    from ktconvert.verify import shipped_profiles
 
     if ref in shipped_profiles():
         return ref

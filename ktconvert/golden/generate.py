@@ -18,18 +18,20 @@ import numpy as np
 
 from ktconvert import __version__
 from ktconvert.errors import EnvironmentProblem, InputError
+from ktconvert.families.config import load_config
+from ktconvert.formats import open_checkpoint
 from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.golden.manifest import MANIFEST_NAME, dump_manifest
+from ktconvert.golden.paths import load_tiny_hashes
 from ktconvert.golden.store import (
     ENTRY_DESCRIPTIONS,
     TENSORS_NAME,
     read_golden,
     sha256_bytes,
 )
-from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import replace_files
-from ktconvert.families.config import load_config
 from ktconvert.model.tinytok import PROMPT_TEXT
+from ktconvert.optional import require
 
 ATTN_IMPLEMENTATION = "eager"
 EXPERTS_IMPLEMENTATION = "eager"
@@ -46,14 +48,8 @@ def refuse_under_ci() -> None:
 
 
 def import_transformers():
-    try:
-        import transformers
-    except ImportError:
-        raise EnvironmentProblem(
-            "`ktconvert golden` needs Hugging Face transformers, which is not installed",
-            fix='install the extra: pip install "ktconvert[golden]"',
-        )
-    return transformers
+    return require("transformers", needed_for="`ktconvert golden`",
+                   install='install the extra: pip install "ktconvert[golden]"')
 
 
 @dataclass
@@ -175,7 +171,6 @@ def model_file_hashes(model_dir: str | os.PathLike) -> dict[str, str]:
 
 def match_tiny_model(files: dict[str, str]) -> str | None:
     """The tiny-model family whose recorded hashes all these files match, if any."""
-    from ktconvert.golden.paths import load_tiny_hashes
 
     try:
         recorded = load_tiny_hashes()

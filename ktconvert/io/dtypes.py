@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
 
 @dataclass(frozen=True)
@@ -188,6 +188,5 @@ def ggml_decode_float32(raw: np.ndarray, type_id: int) -> np.ndarray:
         return (np.asarray(raw, dtype=np.uint32) << 16).view(np.float32)
     if t in _GGML_NATIVE:
         return np.asarray(raw, dtype=np.float32)
-    from gguf import quants  # imported lazily: only scans and conversions decode
 
     return quants.dequantize(np.asarray(raw), t)

@@ -10,6 +10,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ktconvert.errors import InputError
+from ktconvert.io.datafile import load_data_file
 from ktconvert.io.resources import rules_dir
 
 SECTIONS = ("backends", "module_types", "ggml_type_sets", "ops", "kwarg_sets", "operators")
@@ -148,7 +149,6 @@ class Catalog:
 
 
 def _load_one(path: Path) -> dict:
-    from ktconvert.io.datafile import load_data_file
 
     return load_data_file(path, "operator-catalog", "operator catalog").data
 

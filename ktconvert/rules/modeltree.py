@@ -13,6 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ktconvert.errors import InputError
+from ktconvert.families.config import normalize_config
 
 FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 
@@ -113,7 +114,6 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
     The config is read by the same parser as the reference models (``ktconvert.families.config``), so both
     spellings (hub and transformers 5) give the same layers, dense layers and attention layout.
     """
-    from ktconvert.families.config import normalize_config
 
     family = cfg.get("model_type")
     if family not in FAMILIES:

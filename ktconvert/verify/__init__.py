@@ -17,16 +17,24 @@ Numeric regressions are a failing report, never an exception; unusable inputs ra
 
 from __future__ import annotations
 
+import importlib
+
 from ktconvert.verify.profile import Breach, Profile, load_profile, shipped_profiles
-from ktconvert.verify.runner import PhaseResult, VerifyReport, run_verify
+
+# the run itself needs torch: these load on first use, so listing or checking never pays for it
+_LAZY = {
+    "run_verify": "ktconvert.verify.runner",
+    "PhaseResult": "ktconvert.verify.runner",
+    "VerifyReport": "ktconvert.verify.runner",
+    "EmulationOptions": "ktconvert.model.inject",
+}
 
 
 def __getattr__(name: str):
-    if name == "EmulationOptions":  # lives with the injection (imports torch)
-        from ktconvert.model.inject import EmulationOptions
-
-        return EmulationOptions
-    raise AttributeError(f"module 'ktconvert.verify' has no attribute {name!r}")
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ktconvert.verify' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)
 
 
 __all__ = ["Breach", "EmulationOptions", "PhaseResult", "Profile", "VerifyReport", "load_profile", "run_verify",

@@ -10,7 +10,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
 from ktconvert.errors import InputError, UsageProblem
+from ktconvert.io.datafile import load_yaml, validate
 from ktconvert.io.resources import rules_dir
 
 KIND = "tolerance-profile"
@@ -108,7 +111,6 @@ def load_profile(name_or_path: str) -> Profile:
 
 
 def _load_file(path: Path) -> Profile:
-    from ktconvert.io.datafile import load_yaml, validate
 
     loaded = load_yaml(path)
     data = loaded.data
@@ -120,7 +122,6 @@ def _load_file(path: Path) -> Profile:
 
 
 def _bits(qtype: str) -> float:
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import math
 
-from ktconvert.errors import EnvironmentProblem
+from ktconvert.optional import require
 
 
 def _g(v, digits: int = 3) -> str:
@@ -98,15 +98,9 @@ def render_text(report) -> str:
 
 def require_matplotlib():
     """matplotlib for ``--plot``, or a clear error naming the package (it is not a dependency)."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise EnvironmentProblem("--plot needs matplotlib, which is not installed",
-                                 fix="pip install matplotlib, or leave out --plot") from None
-    return plt
+    install = "pip install matplotlib, or leave out --plot"
+    require("matplotlib", needed_for="--plot", install=install).use("Agg")
+    return require("matplotlib.pyplot", needed_for="--plot", install=install)
 
 
 def plot(report, path: str) -> None:

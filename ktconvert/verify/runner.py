@@ -25,9 +25,23 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.errors import InputError
+from ktconvert.golden import read_golden
 from ktconvert.io.atomic import sha256_file
+from ktconvert.model import build_model, load_config, load_weights, module_type_resolver
+from ktconvert.model.inject import EmulationOptions, inject
+from ktconvert.model.ops.experts import torch_dtype
+from ktconvert.model.ops.source import WeightSource, read_safetensors
+from ktconvert.rules.apply import injection_plan, load_rules
+from ktconvert.rules.catalog import load_catalog
 from ktconvert.verify.metrics import LogitStats, compare_logits, first_nonfinite, nmse
-from ktconvert.verify.profile import Breach, Profile, auto_profile, evaluate, load_profile
+from ktconvert.verify.profile import (
+    Breach,
+    Profile,
+    auto_profile,
+    evaluate,
+    load_profile,
+)
+from ktconvert.verify.tap import ModuleTap
 
 
 @dataclass
@@ -102,7 +116,6 @@ def check_golden_matches(golden, model_dir: Path) -> list[str]:
 def _phase(name: str, injected, reference, golden, profile: Profile, layerwise: bool, tokens_per_step: int) -> PhaseResult:
     import torch
 
-    from ktconvert.verify.tap import ModuleTap
 
     ids = torch.from_numpy(np.ascontiguousarray(golden.input_ids)).to(torch.long)
     t = ids.shape[1]
@@ -256,13 +269,6 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     between thread counts). Raises :class:`~ktconvert.errors.InputError` for unusable inputs; a numeric
     regression is no error but a report with ``passed == False``.
     """
-    from ktconvert.golden import read_golden
-    from ktconvert.model import build_model, load_config, load_weights, module_type_resolver
-    from ktconvert.model.inject import EmulationOptions, inject
-    from ktconvert.model.ops.experts import torch_dtype
-    from ktconvert.model.ops.source import WeightSource, read_safetensors
-    from ktconvert.rules.apply import injection_plan, load_rules
-    from ktconvert.rules.catalog import load_catalog
 
     began = time.perf_counter()
     options = options or EmulationOptions()
