@@ -179,11 +179,11 @@ CASES = {
     "index-tensor-not-in-shard": ("x", lambda p: _index(p, {"a": "s.safetensors", "zz": "s.safetensors"},
                                                           [("s.safetensors", {"a": np.zeros(2, np.float32)})]),
                                   ["tensor zz", "index says shard s.safetensors holds this tensor, but no shard does"]),
-    "index-invalid-json": ("x", _broken_index, ["model.safetensors.index.json:byte 1: index is not valid JSON"]),
+    "index-invalid-json": ("x", _broken_index, ["model.safetensors.index.json:1:2: index is not valid JSON"]),
     "no-such-path": ("missing/none.safetensors", None, ["no such file or directory"]),
     "dir-with-only-pickles": ("x", _pickles_only, ["only PyTorch pickles such as pytorch_model.bin", "weights_only=True"]),
     "dir-with-unrelated-ggufs": ("x", _unrelated_ggufs, ["2 unrelated GGUF files", "pass the file"]),
-    "bad-config-json": ("w.safetensors", _bad_config, ["config.json:byte 1: not valid JSON"]),
+    "bad-config-json": ("w.safetensors", _bad_config, ["config.json:1:2: config.json is not valid JSON"]),
 }
 
 

@@ -28,6 +28,7 @@ from ktconvert.formats import ModelDims, dims_from_hf_config, open_checkpoint
 from ktconvert.formats.config import load_config
 from ktconvert.formats.safetensors_write import write_safetensors
 from ktconvert.io.atomic import atomic_dir, guard_output
+from ktconvert.io.datafile import read_json
 from ktconvert.io.dtypes import DTYPE_BYTES
 
 PROJS = ("gate", "up", "down")
@@ -95,12 +96,7 @@ def _read_dir(src: Path) -> tuple[list[_Tensor], dict, Path]:
     cfg_path = base / CONFIG_FILE
     cfg: dict = {}
     if cfg_path.is_file():
-        try:
-            cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
-        except (OSError, UnicodeDecodeError, ValueError) as exc:
-            raise InputError(f"not valid JSON: {exc}", path=str(cfg_path), fix="fix or remove adapter_config.json") from None
-        if not isinstance(cfg, dict):
-            raise InputError("adapter_config.json is not a JSON object", path=str(cfg_path), fix="fix it")
+        cfg = read_json(cfg_path, CONFIG_FILE, fix="fix or remove adapter_config.json")
     return tensors, cfg, base
 
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.errors import InputError
+from ktconvert.io.datafile import read_json
 
 NO_TOKENIZER_FIX = "pass --no-tokenizer to write tokenizer.ggml.model = none, or convert the tokenizer with llama.cpp"
 
@@ -45,13 +46,7 @@ class GgufVocab:
 
 
 def _load(path: Path) -> dict:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InputError(f"cannot read it as JSON: {exc}", path=str(path), fix=NO_TOKENIZER_FIX) from None
-    if not isinstance(obj, dict):
-        raise InputError("not a JSON object", path=str(path), fix=NO_TOKENIZER_FIX)
-    return obj
+    return read_json(path, path.name, fix=NO_TOKENIZER_FIX)
 
 
 def _pre_name(pre, path: Path) -> str:

@@ -9,13 +9,13 @@ in exactly one place. Pure Python: importing this never imports torch.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ktconvert.errors import InputError
+from ktconvert.io.datafile import read_json
 
 FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 
@@ -111,18 +111,7 @@ def load_config(source: str | os.PathLike | dict) -> MoeConfig:
     path = Path(source)
     if path.is_dir():
         path = path / "config.json"
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise InputError("config.json not found", path=str(path), fix="pass a model directory that holds config.json")
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", path=str(path))
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise InputError(f"not valid JSON: {exc.msg}", path=str(path), where=f"{exc.lineno}:{exc.colno}")
-    if not isinstance(raw, dict):
-        raise InputError("config.json must hold a JSON object", path=str(path))
+    raw = read_json(path, "config.json", fix="pass a model directory that holds config.json")
     return normalize_config(raw, path=str(path))
 
 

@@ -43,7 +43,13 @@ from ktconvert.formats.checkpoint import Checkpoint, open_checkpoint
 from ktconvert.formats.config import ModelDims, dims_from_gguf, dims_from_hf_config
 from ktconvert.formats.gguf_header import GGUFArray
 from ktconvert.formats.inspect_report import build_inspect_report
-from ktconvert.formats.layout import LayerLayout, LayoutReport, Problem, ProjectionInfo, detect_layout
+from ktconvert.formats.layout import (
+    LayerLayout,
+    LayoutReport,
+    Problem,
+    ProjectionInfo,
+    detect_layout,
+)
 from ktconvert.formats.naming import (
     LAYOUTS,
     PROJECTIONS,

@@ -15,7 +15,15 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats import gguf_header as gh
-from ktconvert.formats.config import ModelDims, dims_from_gguf, dims_from_hf_config, load_config
+from ktconvert.formats.config import (
+    ModelDims,
+    dims_from_gguf,
+    dims_from_hf_config,
+    load_config,
+)
+from ktconvert.formats.safetensors_header import parse_safetensors_header
+from ktconvert.formats.sources import Source, resolve
+from ktconvert.formats.tensor_info import TensorInfo
 from ktconvert.io.dtypes import (
     SAFETENSORS_DTYPES,
     decode_float32,
@@ -23,9 +31,6 @@ from ktconvert.io.dtypes import (
     ggml_type_name,
     ggml_view_dtype_and_shape,
 )
-from ktconvert.formats.safetensors_header import parse_safetensors_header
-from ktconvert.formats.sources import Source, resolve
-from ktconvert.formats.tensor_info import TensorInfo
 
 
 @contextmanager

@@ -7,11 +7,10 @@ multimodal configs nest the text model under ``text_config``; this module is the
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from ktconvert.errors import InputError
+from ktconvert.io.datafile import read_json
 
 # HF model_type -> llama.cpp architecture name (general.architecture) for the families ktconvert supports.
 HF_TO_GGUF_ARCH = {
@@ -47,17 +46,7 @@ def _int(v) -> int | None:
 
 
 def load_config(path: str | Path) -> dict:
-    p = Path(path)
-    try:
-        obj = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise InputError("no such file", path=str(p), fix="check the --config path") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        where = f"byte {exc.pos}" if isinstance(exc, json.JSONDecodeError) else None
-        raise InputError(f"not valid JSON: {exc}", path=str(p), where=where, fix="fix or re-download config.json") from None
-    if not isinstance(obj, dict):
-        raise InputError("config.json is not a JSON object", path=str(p), fix="fix or re-download config.json")
-    return obj
+    return read_json(path, "config.json", fix="fix or re-download it, or check the --config path")
 
 
 def dims_from_hf_config(cfg: dict, source: str = "config.json") -> ModelDims:

@@ -16,9 +16,9 @@ import struct
 from dataclasses import dataclass, field
 
 from ktconvert.errors import InputError
-from ktconvert.io.dtypes import ggml_block, ggml_is_known, ggml_type_name
 from ktconvert.formats.sniff import RESAVE_FIX, describe, sniff
 from ktconvert.formats.spans import check_overlaps
+from ktconvert.io.dtypes import ggml_block, ggml_is_known, ggml_type_name
 
 MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -14,7 +14,13 @@ from pathlib import Path
 
 from ktconvert.formats.checkpoint import Checkpoint
 from ktconvert.formats.config import ModelDims
-from ktconvert.formats.naming import LAYOUTS, NameMatch, NamingMap, guess_arch, naming_maps
+from ktconvert.formats.naming import (
+    LAYOUTS,
+    NameMatch,
+    NamingMap,
+    guess_arch,
+    naming_maps,
+)
 from ktconvert.formats.tensor_info import TensorInfo
 
 ORIENT_STD = "[E,2I,H]"

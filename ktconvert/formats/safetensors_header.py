@@ -11,9 +11,9 @@ import json
 from dataclasses import dataclass
 
 from ktconvert.errors import InputError
-from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 from ktconvert.formats.sniff import RESAVE_FIX, describe, sniff
 from ktconvert.formats.spans import check_overlaps
+from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 
 # The reference implementation refuses headers above 100 MB; real ones are well under 10 MB.
 MAX_HEADER_BYTES = 100_000_000

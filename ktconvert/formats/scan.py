@@ -9,8 +9,8 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats.checkpoint import Checkpoint
-from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 from ktconvert.formats.naming import NameMatch
+from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 
 CHUNK_BYTES = 16 << 20  # raw bytes per decoded block of a non-expert tensor (float32 output is up to 8x)
 

@@ -6,13 +6,13 @@ GGUF, or an incomplete shard set is refused with a message that says which file 
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ktconvert.errors import InputError
 from ktconvert.formats.sniff import RESAVE_FIX, describe, sniff
+from ktconvert.io.datafile import read_json
 
 SPLIT_GGUF = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -135,11 +135,7 @@ def _from_index(index: Path, config: Path | None) -> Source:
     size = index.stat().st_size
     if size > MAX_INDEX_BYTES:
         raise InputError(f"index is {size} bytes, too large to be an index", path=str(index), fix="check the file")
-    try:
-        obj = json.loads(index.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        where = f"byte {exc.pos}" if isinstance(exc, json.JSONDecodeError) else None
-        raise InputError(f"index is not valid JSON: {exc}", path=str(index), where=where, fix="re-download it") from None
+    obj = read_json(index, "index", fix="re-download it", obj=False)
     wm = obj.get("weight_map") if isinstance(obj, dict) else None
     if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items()):
         raise InputError(

@@ -66,19 +66,35 @@ def load_data_file(path: str | Path, schema: str, what: str, shown: str | None =
     return loaded
 
 
-def read_json(path: str | Path, what: str = "JSON file", *, shown: str | None = None, fix: str | None = None):
-    """A JSON document, or one InputError naming the file, the line:column of a syntax error and the fix."""
+MAX_JSON_BYTES = 64 * 1024**2
+"""config.json, indexes, tokenizer files and state files are small; anything larger is not one (refused unread)."""
+
+
+def read_json(path: str | Path, what: str = "JSON file", *, shown: str | None = None, fix: str | None = None,
+              obj: bool = True):
+    """A JSON document (a JSON object unless ``obj=False``), or one InputError naming the file, the line:column of
+    a syntax error and the fix. Every JSON companion file ktconvert reads comes through here."""
     shown = shown or str(path)
+    p = Path(path)
     try:
-        text = Path(path).read_bytes().decode("utf-8")
+        if p.stat().st_size > MAX_JSON_BYTES:
+            raise InputError(f"{what} is {p.stat().st_size} bytes, too large to be one", path=shown, fix=fix)
+        text = p.read_bytes().decode("utf-8")
     except FileNotFoundError:
         raise InputError(f"{what} not found", path=shown, fix=fix) from None
+    except IsADirectoryError:
+        raise InputError(f"{what} is a directory", path=shown, fix=fix) from None
     except OSError as exc:
         raise InputError(f"cannot read {what}: {exc.strerror}", path=shown, fix=fix) from None
     except UnicodeDecodeError as exc:
         raise InputError(f"{what} is not UTF-8 text (byte {exc.start})", path=shown, fix=fix) from None
     try:
-        return json.loads(text)
+        data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise InputError(f"{what} is not valid JSON: {exc.msg}", path=shown, where=f"{exc.lineno}:{exc.colno}",
                          fix=fix) from None
+    except RecursionError:
+        raise InputError(f"{what} nests too deeply to be real", path=shown, fix=fix) from None
+    if obj and not isinstance(data, dict):
+        raise InputError(f"{what} is not a JSON object", path=shown, fix=fix)
+    return data

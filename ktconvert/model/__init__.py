@@ -17,7 +17,13 @@ from __future__ import annotations
 
 import importlib
 
-from ktconvert.families.config import FAMILIES, MoeConfig, RopeSpec, load_config, normalize_config
+from ktconvert.families.config import (
+    FAMILIES,
+    MoeConfig,
+    RopeSpec,
+    load_config,
+    normalize_config,
+)
 
 _LAZY = {
     "build_model": "ktconvert.model.reference",

@@ -28,12 +28,17 @@ import torch
 from torch import nn
 
 from ktconvert.errors import InputError
-from ktconvert.rules.catalog import load_catalog
 from ktconvert.model.ops import EXPERT_OPS, FALLBACK, KEEP, LINEAR_OPS, WRAPPERS
-from ktconvert.model.ops.experts import CpuExpertsGGML, CpuKernelNumerics, ExpertsDequant, torch_dtype
+from ktconvert.model.ops.experts import (
+    CpuExpertsGGML,
+    CpuKernelNumerics,
+    ExpertsDequant,
+    torch_dtype,
+)
 from ktconvert.model.ops.linear import LinearDequant
 from ktconvert.model.ops.source import MissingTensor, WeightSource
 from ktconvert.model.ops.switch import PhaseSwitch
+from ktconvert.rules.catalog import load_catalog
 
 # upstream constructor default of the K*Model operators' per_layer_prefill_intput_threshold
 UPSTREAM_THRESHOLD_DEFAULT = 30000

@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from ktconvert.model import hfnames
 from ktconvert.families.config import MoeConfig, load_config
+from ktconvert.model import hfnames
 from ktconvert.model.modules import (
     Attention,
     DeepseekMoE,

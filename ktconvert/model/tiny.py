@@ -30,10 +30,10 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.errors import UsageProblem
+from ktconvert.families.config import FAMILIES, MoeConfig, normalize_config
 from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.io.atomic import atomic_dir, guard_output, sha256_file
 from ktconvert.model import rng
-from ktconvert.families.config import FAMILIES, MoeConfig, normalize_config
 from ktconvert.model.tinytok import tokenizer_files
 
 SEED = "ktconvert-tiny-v1"

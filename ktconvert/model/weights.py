@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from ktconvert.errors import InputError
+from ktconvert.families.config import MoeConfig
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.dtypes import SAFETENSORS_DTYPES, TORCH_NAMES
-from ktconvert.families.config import MoeConfig
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FUSED = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")

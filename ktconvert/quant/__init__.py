@@ -18,8 +18,18 @@ when a quantizer runs.
 from __future__ import annotations
 
 from ._api import cpu_count, dequantizable, dequantize, quantize, quantize_parallel
-from ._types import (QUANTIZABLE, WRITABLE, QType, as_qtype, block_size, byte_shape, check_row, elem_shape,
-                     row_ok, type_size)
+from ._types import (
+                     QUANTIZABLE,
+                     WRITABLE,
+                     QType,
+                     as_qtype,
+                     block_size,
+                     byte_shape,
+                     check_row,
+                     elem_shape,
+                     row_ok,
+                     type_size,
+)
 from .errors import QuantError
 
 __all__ = [

@@ -12,7 +12,15 @@ import numpy as np
 from . import _kquants as K
 from . import _legacy as G
 from ._fp import check_reduce_order
-from ._types import QUANTIZABLE, QType, as_qtype, block_size, check_row, elem_shape, type_size
+from ._types import (
+    QUANTIZABLE,
+    QType,
+    as_qtype,
+    block_size,
+    check_row,
+    elem_shape,
+    type_size,
+)
 from .errors import QuantError
 
 # Elements per kernel call: large enough to amortise numpy's per-call overhead over the small per-block

@@ -11,7 +11,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ._fp import F32, SAFE_INT, all_within, scratch, fp16_bits, fp16_to_f32, nearest_int, nint_clip_f32, seqsum0, seqsum_first
+from ._fp import (
+    F32,
+    SAFE_INT,
+    all_within,
+    fp16_bits,
+    fp16_to_f32,
+    nearest_int,
+    nint_clip_f32,
+    scratch,
+    seqsum0,
+    seqsum_first,
+)
 
 QK_K = 256
 _EPS = F32(1e-15)  # GROUP_MAX_EPS

@@ -8,6 +8,7 @@ from functools import lru_cache
 from ktconvert.io.datafile import load_data_file
 from ktconvert.io.resources import rules_dir
 
+
 @dataclass(frozen=True)
 class Check:
     id: str

@@ -20,6 +20,7 @@ from ktconvert.rules import checks, engine, modeltree
 from ktconvert.rules.catalog import Catalog
 from ktconvert.rules.compile import compile_rules, operator_of, view_rule
 from ktconvert.rules.findings import Finding, registry, selected
+
 _BACKEND_COMMENT = re.compile(r"#\s*ktconvert:\s*backend\s*=\s*([A-Za-z_]+)")
 YAML_SUFFIXES = (".yaml", ".yml")
 

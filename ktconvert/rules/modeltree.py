@@ -7,13 +7,13 @@ exactly as they would at injection time.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
 
 from ktconvert.errors import InputError
 from ktconvert.families.config import normalize_config
+from ktconvert.io.datafile import read_json
 
 FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
 
@@ -94,15 +94,7 @@ def load_config(path: str | Path) -> tuple[dict, str]:
         p = p / "config.json"
     if not p.is_file():
         raise InputError("no config.json here", path=str(path), fix="pass a model directory or its config.json to --model")
-    try:
-        cfg = json.loads(p.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError) as exc:
-        raise InputError(f"cannot read: {exc}", path=str(p)) from None
-    except json.JSONDecodeError as exc:
-        raise InputError(f"invalid JSON: {exc.msg}", path=str(p), where=f"{exc.lineno}:{exc.colno}",
-                         fix="fix the JSON syntax") from None
-    if not isinstance(cfg, dict):
-        raise InputError("config.json is not a JSON object", path=str(p))
+    cfg = read_json(p, "config.json", fix="fix the JSON syntax")
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
     return cfg, str(p)

@@ -21,6 +21,7 @@ from ktconvert.io.dtypes import COMPUTE_DTYPES, TORCH_NAMES
 from ktconvert.model.ops.actquant import round_trip, vec_dot_type
 from ktconvert.model.ops.source import PROJECTIONS, ExpertBlocks
 
+
 def torch_dtype(name: str) -> torch.dtype:
     """A compute dtype by torch's name (``float32``, ``bfloat16``, ...) or the safetensors one (``BF16``)."""
     known = [TORCH_NAMES[d] for d in COMPUTE_DTYPES]
