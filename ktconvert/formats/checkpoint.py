@@ -24,6 +24,7 @@ from ktconvert.formats.config import (
 from ktconvert.formats.safetensors_header import parse_safetensors_header
 from ktconvert.formats.sources import Source, resolve
 from ktconvert.formats.tensor_info import TensorInfo
+from ktconvert.io.files import regular_file_size
 from ktconvert.io.dtypes import (
     SAFETENSORS_DTYPES,
     decode_float32,
@@ -36,6 +37,7 @@ from ktconvert.io.dtypes import (
 @contextmanager
 def _mapped(path: Path):
     """The whole file as a read-only buffer (an mmap: touching the header does not page in the data)."""
+    regular_file_size(path, "checkpoint file")
     try:
         with open(path, "rb") as fh:
             size = fh.seek(0, 2)

@@ -13,6 +13,7 @@ from pathlib import Path, PurePosixPath
 from ktconvert.errors import InputError
 from ktconvert.formats.sniff import RESAVE_FIX, describe, sniff
 from ktconvert.io.datafile import read_json
+from ktconvert.io.files import regular_file_size
 
 SPLIT_GGUF = re.compile(r"^(?P<stem>.+)-(?P<no>\d{5})-of-(?P<count>\d{5})\.gguf$")
 INDEX_SUFFIX = ".safetensors.index.json"
@@ -37,6 +38,7 @@ def resolve(path: str | Path) -> Source:
         raise InputError("no such file or directory", path=str(p), fix="check the path")
     if p.is_dir():
         return _from_dir(p)
+    regular_file_size(p, "checkpoint file", fix="pass the checkpoint file or its directory")
     config = p.parent / "config.json"
     config = config if config.is_file() else None
     name = p.name
@@ -157,7 +159,7 @@ def _from_index(index: Path, config: Path | None) -> Source:
         if shard not in shards:
             shards.append(shard)
     files = [index.parent / s for s in shards]
-    missing = [s for s, f in zip(shards, files) if not f.is_file()]
+    missing = [s for s, f in zip(shards, files) if not f.exists()]
     if missing:
         first = next(t for t, s in wm.items() if s == missing[0])
         raise InputError(
@@ -167,4 +169,6 @@ def _from_index(index: Path, config: Path | None) -> Source:
             where=f"tensor {first}",
             fix="download the missing shards next to the index",
         )
+    for f in files:
+        regular_file_size(f, "shard", fix="the index must name shard files")
     return Source(index, "safetensors", tuple(files), index=index, weight_map=dict(wm), config=config)

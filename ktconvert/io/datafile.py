@@ -12,6 +12,7 @@ import jsonschema
 
 from ktconvert.errors import InputError
 from ktconvert.io import yamlpos
+from ktconvert.io.files import regular_file_size
 from ktconvert.io.resources import load_schema
 
 
@@ -77,13 +78,8 @@ def read_json(path: str | Path, what: str = "JSON file", *, shown: str | None = 
     shown = shown or str(path)
     p = Path(path)
     try:
-        if p.stat().st_size > MAX_JSON_BYTES:
-            raise InputError(f"{what} is {p.stat().st_size} bytes, too large to be one", path=shown, fix=fix)
+        regular_file_size(p, what, limit=MAX_JSON_BYTES, fix=fix)
         text = p.read_bytes().decode("utf-8")
-    except FileNotFoundError:
-        raise InputError(f"{what} not found", path=shown, fix=fix) from None
-    except IsADirectoryError:
-        raise InputError(f"{what} is a directory", path=shown, fix=fix) from None
     except OSError as exc:
         raise InputError(f"cannot read {what}: {exc.strerror}", path=shown, fix=fix) from None
     except UnicodeDecodeError as exc:

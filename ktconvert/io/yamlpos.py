@@ -14,6 +14,7 @@ from pathlib import Path
 import yaml
 
 from ktconvert.errors import InputError
+from ktconvert.io.files import regular_file_size
 
 try:  # libyaml is ~10x faster; the pure-Python composer gives the same nodes
     from yaml import CSafeLoader as _Loader
@@ -65,10 +66,7 @@ _SCALARS = yaml.constructor.SafeConstructor()
 
 def read_text(path: Path) -> str:
     """Read a small UTF-8 text file or raise an ``InputError`` that says what the file really is."""
-    try:
-        size = path.stat().st_size
-    except OSError as exc:
-        raise InputError(f"cannot read: {exc.strerror}", path=str(path)) from exc
+    size = regular_file_size(path)
     if size > MAX_BYTES:
         raise InputError(
             f"file is {size / 1e6:.1f} MB; rule and data files are small text files (limit {MAX_BYTES // (1024 * 1024)} MiB)",

@@ -92,9 +92,9 @@ def load_config(path: str | Path) -> tuple[dict, str]:
     p = Path(path)
     if p.is_dir():
         p = p / "config.json"
-    if not p.is_file():
+    if not p.exists():
         raise InputError("no config.json here", path=str(path), fix="pass a model directory or its config.json to --model")
-    cfg = read_json(p, "config.json", fix="fix the JSON syntax")
+    cfg = read_json(p, "config.json", fix="pass a model directory or its config.json to --model")
     if isinstance(cfg.get("text_config"), dict):
         cfg = {**cfg, **cfg["text_config"]}
     return cfg, str(p)
