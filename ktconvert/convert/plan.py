@@ -23,6 +23,7 @@ from ktconvert.convert.recipe import KEEP, Recipe
 from ktconvert.convert.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
 from ktconvert.errors import InputError, UsageProblem
+from ktconvert.formats.fp8 import FP8_DTYPE
 from ktconvert.io.dtypes import FLOAT_DTYPES
 
 FORMATS = ("gguf", "safetensors")
@@ -188,8 +189,8 @@ def _block(name: str) -> tuple[int, int]:
 
 
 def _decodable(src_dtype: str, container: str) -> bool:
-    if container == "safetensors":
-        return src_dtype in FLOAT_DTYPES
+    if container == "safetensors":  # FP8 reaches a plan only with its scales checked (formats.fp8)
+        return src_dtype in FLOAT_DTYPES or src_dtype == FP8_DTYPE
     from ktconvert.quant import dequantizable
 
     try:
