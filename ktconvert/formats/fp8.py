@@ -23,7 +23,6 @@ FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
 SCALE_DTYPES = ("F32", "BF16", "F16")
 DEFAULT_BLOCK = (128, 128)
-_CANDIDATE_BLOCKS = (16, 32, 64, 128, 256, 512)
 
 
 @dataclass(frozen=True)
@@ -152,14 +151,13 @@ def _check_shapes(fm: Fp8Map) -> None:
     if not wrong:
         return
     declared = f"weight_block_size {list(fm.block)} ({fm.block_source})"
-    if len(wrong) == len(fm.weights) and len(wrong) > 0:
-        other = next((b for b in ((m, n) for m in _CANDIDATE_BLOCKS for n in _CANDIDATE_BLOCKS)
-                      if all(_fits(w, b) for w in wrong)), None)
+    if len(wrong) == len(fm.weights):  # every weight disagrees: the declared block is wrong, not the scales
+        other = _block_from_scales(wrong)
         if other is not None:
             w = wrong[0]
             fm.problems.append(Fp8Problem(
                 w.name, f"{declared} does not fit the weights: {w.name} {list(w.shape)} has scales "
-                f"{list(w.scale_shape)}, which every FP8 weight here fits with a {list(other)} block",
+                f"{list(w.scale_shape)}, and every FP8 weight here fits a {list(other)} block",
                 f"set quantization_config.weight_block_size to {list(other)} in config.json"))
             return
     for w in wrong:
@@ -167,6 +165,26 @@ def _check_shapes(fm: Fp8Map) -> None:
             w.scale, f"scale shape {list(w.scale_shape)} does not match weight {w.name} {list(w.shape)}: "
             f"{declared} needs {list(scale_grid(w.shape, fm.block)) if len(w.shape) == 2 else '?'}",
             "the scale belongs to another weight or release; re-download the checkpoint"))
+
+
+def _block_from_scales(weights: list[Fp8Weight]) -> tuple[int, int] | None:
+    """The block every weight's scale grid agrees with, if one exists: per axis, ``ceil(n / b) == g`` holds for
+    ``b`` in ``[ceil(n / g), floor((n - 1) / (g - 1))]``; the intervals of all weights are intersected and a
+    multiple of 16 preferred (what releases use)."""
+    out = []
+    for axis in (0, 1):
+        lo, hi = 1, 1 << 62
+        for w in weights:
+            if len(w.scale_shape) != 2 or w.scale_shape[axis] < 1:
+                return None
+            n, g = w.shape[axis], w.scale_shape[axis]
+            lo = max(lo, math.ceil(n / g))
+            hi = min(hi, (n - 1) // (g - 1) if g > 1 else 1 << 62)
+        if lo > hi:
+            return None
+        pick = next((b for b in range(math.ceil(lo / 16) * 16, min(hi, lo + 4096) + 1, 16)), lo)
+        out.append(128 if lo <= 128 <= hi else pick)
+    return out[0], out[1]
 
 
 def require_fp8(ck, config: dict | None = None, path: str | None = None) -> Fp8Map:
