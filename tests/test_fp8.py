@@ -222,3 +222,78 @@ def test_dry_run_plan_names_scales(root):
     d = json.loads(json.dumps(plan.to_dict()))
     segs = [s for t in d["output_tensors"] for s in t.get("segments", []) if "scale" in s]
     assert segs and all(s["block"] == [96, 96] and s["scale"] == s["source"] + "_scale_inv" for s in segs)
+
+
+# --- --to hf ---------------------------------------------------------------------------------------------------------
+
+
+def _logits(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    ids = torch.tensor([[5, 77, 301, 12, 9, 400, 3, 250]])
+    with torch.no_grad():
+        return model(ids).logits.numpy()
+
+
+def test_to_hf_f32_loads_in_transformers_with_the_dequantized_logits(root):
+    """--to hf --type F32: HF names and layout, sharded with an index, config without quantization_config; every
+    tensor bit-exact with the reference dequantization; transformers' logits equal the dequantized model's."""
+    pytest.importorskip("transformers")
+    from safetensors.numpy import load_file
+
+    src = tiny_fp8(root, "deepseek_v3")
+    out = convert(src, root / "ds3-hf-f32", type="F32", format="hf", shard_size="2MiB").out
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1
+    cfg = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in cfg and cfg["dtype"] == "float32"
+    assert (out / "tokenizer.json").read_bytes() == (src / "tokenizer.json").read_bytes()
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["format"] == "hf" and set(manifest["files"]) >= set(index["weight_map"].values())
+    got = {}
+    for f in sorted(out.glob("model-*.safetensors")):
+        got.update(load_file(str(f)))
+    ref = reference_dequant(src)
+    assert set(got) == set(ref)
+    for name, want in ref.items():
+        assert got[name].dtype == np.float32 and np.array_equal(got[name].view(np.uint32), want.view(np.uint32)), name
+    refdir = write_reference_dir(src, root / "ds3-hf-ref")
+    assert np.array_equal(_logits(out), _logits(refdir))
+
+
+def test_to_hf_bf16_is_rne_and_loads(root):
+    pytest.importorskip("transformers")
+    import torch
+    from safetensors.torch import load_file
+
+    src = tiny_fp8(root, "qwen3_moe")
+    out = convert(src, root / "q3-hf-bf16", type="BF16", format="hf").out
+    got = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(load_file(str(f)))
+    ref = reference_dequant(src)
+    n_bf16 = 0
+    for name, want in ref.items():
+        if got[name].dtype == torch.bfloat16:
+            n_bf16 += 1
+            assert torch.equal(got[name].view(torch.int16), torch.from_numpy(want).to(torch.bfloat16).view(torch.int16)), name
+        else:  # not FP8 in the input: copied as stored
+            assert np.array_equal(got[name].numpy(), want), name
+    assert n_bf16 == 56
+    rounded = {n: (torch.from_numpy(w).to(torch.bfloat16).float().numpy() if got[n].dtype == torch.bfloat16 else w)
+               for n, w in ref.items()}
+    refdir = root / "q3-hf-ref"
+    write_reference_dir(src, refdir)
+    from safetensors.numpy import save_file
+
+    save_file(rounded, str(refdir / "model.safetensors"))
+    assert np.array_equal(_logits(out), _logits(refdir))
+
+
+def test_to_hf_refuses_quant_types(root):
+    from ktconvert.errors import UsageProblem
+
+    with pytest.raises(UsageProblem, match="--to hf writes BF16, F16, F32"):
+        plan_conversion(tiny_fp8(root, "qwen3_moe"), type="Q8_0", format="hf")

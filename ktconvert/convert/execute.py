@@ -310,7 +310,7 @@ def build_manifest(plan: Plan, files: dict, fingerprint: str) -> dict:
         "kind": "ktconvert-manifest",
         "tool": {"name": "ktconvert", "version": __version__, "command": "quantize"},
         "format": plan.format,
-        "layout": "kernel",
+        "layout": "hf" if plan.format == "hf" else "kernel",
         "source": {"path": plan.source, "container": plan.container, "arch": plan.arch,
                    "model_type": plan.model_type, "files": plan.sources},
         "recipe": plan.recipe.to_dict(),
