@@ -297,3 +297,27 @@ def test_to_hf_refuses_quant_types(root):
 
     with pytest.raises(UsageProblem, match="--to hf writes BF16, F16, F32"):
         plan_conversion(tiny_fp8(root, "qwen3_moe"), type="Q8_0", format="hf")
+
+
+# --- verify -----------------------------------------------------------------------------------------------------------
+
+
+def test_verify_runs_on_the_fp8_directory_as_its_dequantization(root, monkeypatch):
+    """verify --weights FP8_DIR: the injected model runs on the exact dequantization, so every metric equals a run
+    on the reference dequantization written as F32 (and the FP8 error against the original model's golden shows).
+    Tensors are cloned after loading: torch's matmuls round differently on differently aligned buffers (a
+    zero-copy slice of a shard vs a fresh array), which moved the last bits of the logits in an earlier run."""
+    import ktconvert.model.ops.source as weights_source
+    from convert_helpers import tiny
+    from ktconvert.verify import run_verify
+
+    read = weights_source.read_tensors
+    monkeypatch.setattr(weights_source, "read_tensors", lambda p, report=None: {k: v.clone() for k, v in read(p).items()})
+    family = "deepseek_v3"
+    src = tiny_fp8(root, family)
+    refdir = write_reference_dir(src, root / "ds3-verify-ref")
+    rules = f"rules/optimize/{family}.yaml"
+    runs = [run_verify(tiny(root, family), rules, f"golden/{family}", weights=w, profile="bf16").as_dict()
+            for w in (src, refdir)]
+    assert runs[0]["phases"] == runs[1]["phases"]
+    assert 0 < runs[0]["phases"]["decode"]["logits"]["max_abs_diff"] < 1.0
