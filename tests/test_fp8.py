@@ -321,3 +321,14 @@ def test_verify_runs_on_the_fp8_directory_as_its_dequantization(root, monkeypatc
             for w in (src, refdir)]
     assert runs[0]["phases"] == runs[1]["phases"]
     assert 0 < runs[0]["phases"]["decode"]["logits"]["max_abs_diff"] < 1.0
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tiny_fp8_files_match_the_recorded_sha256(family):
+    import hashlib
+
+    from ktconvert.golden.paths import load_tiny_hashes
+    from ktconvert.model.tiny import tiny_fp8_files
+
+    got = {name: hashlib.sha256(data).hexdigest() for name, data in tiny_fp8_files(family).items()}
+    assert got == load_tiny_hashes()[f"{family}-fp8"]
