@@ -332,3 +332,50 @@ def test_tiny_fp8_files_match_the_recorded_sha256(family):
 
     got = {name: hashlib.sha256(data).hexdigest() for name, data in tiny_fp8_files(family).items()}
     assert got == load_tiny_hashes()[f"{family}-fp8"]
+
+
+def test_small_units_and_resume_give_the_same_bytes(root):
+    """Units of a few rows (starting mid-block, ending in edge blocks) read their scale rows with them: a run under
+    a tiny --max-memory, interrupted and resumed, writes the same bytes as one unit per tensor."""
+    from convert_helpers import tree_bytes
+
+    src = tiny_fp8(root, "deepseek_v3")
+    whole = convert(src, root / "ds3-units-whole", type="Q8_0", max_memory="1GiB").out
+    calls = []
+
+    def stop_after_some(done, total):
+        calls.append(done)
+        if len(calls) == 40:
+            raise KeyboardInterrupt
+
+    out = root / "ds3-units-small"
+    with pytest.raises(KeyboardInterrupt):
+        convert(src, out, type="Q8_0", max_memory="96KiB", progress=stop_after_some)
+    assert not out.exists()
+    result = convert(src, out, type="Q8_0", max_memory="96KiB", resume=True)
+    assert result.units_resumed > 0 and result.units > 100
+    assert tree_bytes(out) == tree_bytes(whole)
+
+
+def test_f16_scales(root, expected):
+    """F16 scales (the third type releases use) dequantize exactly too."""
+    def to_f16(t, d, c):
+        for name in [n for n in t if n.endswith("_scale_inv")]:
+            t[name], d[name] = t[name].astype(np.float16), "F16"
+
+    src = rewrite(tiny_fp8(root, "deepseek_v3"), root / "ds3-f16-scales", to_f16)
+    assert open_checkpoint(src)["model.layers.0.self_attn.o_proj.weight_scale_inv"].dtype == "F16"
+    want = expected_gguf(write_reference_dir(src, root / "ref-f16-scales"), "deepseek_v3")
+    out = convert(src, root / "ds3-f16-f32", type="F32").out / "model.gguf"
+    for name, ref in want.items():
+        assert np.array_equal(_gguf_float(out, name).view(np.uint32), ref.view(np.uint32)), name
+
+
+def test_to_hf_keeps_the_mtp_layer_and_drops_every_scale(root):
+    src = reshard_with_mtp(tiny_fp8(root, "deepseek_v3"), root / "ds3-hf-mtp-src", n_layers=3)
+    out = convert(src, root / "ds3-hf-mtp", type="BF16", format="hf").out
+    ck = open_checkpoint(out)
+    assert not [n for n in ck if n.endswith("_scale_inv")]
+    assert ck["model.layers.3.mlp.experts.0.gate_proj.weight"].dtype == "BF16"
+    assert ck["model.layers.3.enorm.weight"].dtype == "F32"
+    assert len(ck) == len([n for n in open_checkpoint(src) if not n.endswith("_scale_inv")])
