@@ -65,7 +65,7 @@ def scan_checkpoint(
                 w = fp8.weights[fp8.scales[name]]
                 findings.extend(ScanFinding(f"scale-{k}", name, m.expert if m else None, c) for k, c in check_scale(ck, w))
             else:
-                skipped.append((name, "scale of no FP8 weight"))
+                skipped.append((name, "not checked: no usable FP8 weight for this scale (see the fp8-scale problems)"))
                 why = "skip"
             if why != "skip":
                 done_tensors += 1
