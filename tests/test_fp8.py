@@ -379,3 +379,17 @@ def test_to_hf_keeps_the_mtp_layer_and_drops_every_scale(root):
     assert ck["model.layers.3.mlp.experts.0.gate_proj.weight"].dtype == "BF16"
     assert ck["model.layers.3.enorm.weight"].dtype == "F32"
     assert len(ck) == len([n for n in open_checkpoint(src) if not n.endswith("_scale_inv")])
+
+
+def test_per_channel_fp8_is_named_not_misread(root):
+    """GLM-4.7-FP8's per-channel ``weight_scale`` is another format: refused as such, not as a missing block scale."""
+    name = "model.layers.0.self_attn.o_proj.weight"
+
+    def per_channel(t, d, c):
+        t.pop(name + "_scale_inv")
+        t[name + "_scale"], d[name + "_scale"] = np.ones((t[name].shape[0], 1), np.float32), "F32"
+
+    src = rewrite(tiny_fp8(root, "deepseek_v3"), root / "per-channel", per_channel)
+    with pytest.raises(InputError, match="per-channel") as exc:
+        plan_conversion(src, type="F32")
+    assert exc.value.where == f"tensor {name}"

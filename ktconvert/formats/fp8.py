@@ -116,8 +116,13 @@ def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
                                               "convert from a BF16 or F8_E4M3 block-scaled release"))
                 continue
             if scale not in names:
-                fm.problems.append(Fp8Problem(name, f"FP8 weight has no scale tensor {scale}",
-                                              "a shard or the index is missing; re-download the checkpoint"))
+                if name + "_scale" in names:  # compressed-tensors per-channel FP8 (GLM-4.7-FP8): another format
+                    fm.problems.append(Fp8Problem(name, f"FP8 weight with a per-channel {name}_scale, not a "
+                                                  f"block-scaled {SCALE_SUFFIX}: not supported yet",
+                                                  "convert from the BF16 release"))
+                else:
+                    fm.problems.append(Fp8Problem(name, f"FP8 weight has no scale tensor {scale}",
+                                                  "a shard or the index is missing; re-download the checkpoint"))
                 continue
             sinfo = ck[scale]
             fm.scales[scale] = name
