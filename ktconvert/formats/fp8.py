@@ -99,13 +99,13 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int
 def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
     """Pair every FP8 weight of ``ck`` with its scale and check both against the block size; problems are listed,
     never raised (``inspect`` shows them all; :func:`require_fp8` turns the first into an error)."""
+    if ck.container != "safetensors" or not any(ck[n].dtype.startswith("F8_") or n.endswith(SCALE_SUFFIX) for n in ck):
+        return Fp8Map(DEFAULT_BLOCK, "none (no FP8 tensors)")  # a config's quantization_config alone is not read
     if config is None:
         config = ck.config
     path = str(ck.config_path) if getattr(ck, "config_path", None) else str(ck.path)
     block, source = block_size(config, path)
     fm = Fp8Map(block, source)
-    if ck.container != "safetensors":
-        return fm
     names = set(ck)
     for name in ck:
         info = ck[name]
