@@ -393,3 +393,25 @@ def test_per_channel_fp8_is_named_not_misread(root):
     with pytest.raises(InputError, match="per-channel") as exc:
         plan_conversion(src, type="F32")
     assert exc.value.where == f"tensor {name}"
+
+
+def test_cli_tiny_model_fp8_inspect_and_quantize_to_hf(tmp_path):
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+    from ktconvert.golden.paths import load_tiny_hashes
+
+    run = CliRunner()
+    res = run.invoke(cli, ["tiny-model", "qwen3_moe", str(tmp_path / "m"), "--fp8", "-o", "json"], catch_exceptions=False)
+    assert res.exit_code == 0 and json.loads(res.output)["sha256"] == load_tiny_hashes()["qwen3_moe-fp8"]
+    res = run.invoke(cli, ["inspect", str(tmp_path / "m")], catch_exceptions=False)
+    assert res.exit_code == 0 and "fp8 block-scaled  56 F8_E4M3 weight(s) with 56 _scale_inv scale(s) (BF16 56)" in res.output
+    res = run.invoke(cli, ["quantize", str(tmp_path / "m"), str(tmp_path / "hf"), "--to", "hf", "--type", "F16"],
+                     catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    ck = open_checkpoint(tmp_path / "hf")
+    ref = reference_dequant(tmp_path / "m")
+    for name in ("model.layers.1.mlp.experts.7.down_proj.weight", "model.layers.0.self_attn.k_proj.weight"):
+        assert ck[name].dtype == "F16" and np.array_equal(np.asarray(ck.read(name)), ref[name].astype(np.float16))
+    res = run.invoke(cli, ["tiny-model", "mixtral", str(tmp_path / "x"), "--fp8"])
+    assert res.exit_code == 2 and "no FP8 variant" in res.output + (res.stderr or "")
