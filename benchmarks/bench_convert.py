@@ -12,7 +12,13 @@ tiny qwen3_moe model (interpreter, numpy, torch, the quantizers: no working set 
 ``--small-gib`` a second, smaller checkpoint is converted with the same budget, to show peak RSS does not grow
 with the checkpoint.
 
+With ``--fp8`` the checkpoint is an FP8 block-scaled release instead (as DeepSeek-V3 / Qwen3-FP8 ship: every
+linear weight but the router F8_E4M3 with an F32 ``_scale_inv`` per 128x128 block, the rest BF16, config.json
+with ``quantization_config``), so the run measures the exact dequantization on top of the conversion;
+``--to hf`` benchmarks the FP8 -> Hugging Face BF16 form (``--type BF16``) instead of GGUF.
+
     python benchmarks/bench_convert.py [--dir DIR] [--size-gib 8] [--small-gib 2] [--type Q8_0] [--jobs 1 2]
+                                       [--fp8] [--to gguf|hf]
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ import threading
 import time
 from pathlib import Path
 
+import math
+
 import numpy as np
 
 H, I, E, HEADS, KV_HEADS, HEAD_DIM, VOCAB = 2048, 768, 128, 32, 4, 128, 151936
@@ -35,8 +43,10 @@ SHARD = 4 << 30
 BLOCK = 64 << 20
 
 
-def _config(layers: int) -> dict:
-    return {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
+def _config(layers: int, fp8: bool = False) -> dict:
+    quant = {"quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                     "weight_block_size": [128, 128]}} if fp8 else {}
+    return {**quant, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
             "moe_intermediate_size": I, "intermediate_size": 6144, "num_experts": E, "num_experts_per_tok": 8,
             "num_hidden_layers": layers, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
             "head_dim": HEAD_DIM, "vocab_size": VOCAB, "max_position_embeddings": 40960, "rms_norm_eps": 1e-6,
@@ -62,45 +72,62 @@ def _tensors(layers: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-def _nbytes(shape) -> int:
-    return 2 * int(np.prod(shape))
+_SIZE = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
 
 
-def layers_for(size_gib: float) -> int:
+def _nbytes(shape, dtype: str = "BF16") -> int:
+    return _SIZE[dtype] * int(np.prod(shape))
+
+
+def _stored(layers: int, fp8: bool) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(name, dtype, shape)`` of every stored tensor: BF16, or FP8 weights each followed by its scale grid."""
+    out = []
+    for name, shape in _tensors(layers):
+        if fp8 and len(shape) == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")):
+            out += [(name, "F8_E4M3", shape),
+                    (name + "_scale_inv", "F32", (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)))]
+        else:
+            out.append((name, "BF16", shape))
+    return out
+
+
+def layers_for(size_gib: float, fp8: bool = False) -> int:
     layers = 1
-    while sum(_nbytes(s) for _, s in _tensors(layers)) < size_gib * (1 << 30):
+    while sum(_nbytes(s, d) for _, d, s in _stored(layers, fp8)) < size_gib * (1 << 30):
         layers += 1
     return layers
 
 
-def write_checkpoint(root: Path, layers: int) -> int:
-    """Sharded BF16 safetensors + index + config.json; returns the bytes of tensor data written."""
+def write_checkpoint(root: Path, layers: int, fp8: bool = False) -> int:
+    """Sharded safetensors + index + config.json; returns the bytes of tensor data written."""
     from ktconvert.formats.safetensors_write import write_safetensors
 
     root.mkdir(parents=True)
-    (root / "config.json").write_text(json.dumps(_config(layers), indent=2))
+    (root / "config.json").write_text(json.dumps(_config(layers, fp8), indent=2))
     rng = np.random.default_rng(0)
-    block = ((rng.standard_normal(BLOCK // 2, dtype=np.float32) * 0.02).view(np.uint32) >> 16).astype(np.uint16)
-    raw = block.view(np.uint8)
+    codes = rng.integers(0, 256, BLOCK, dtype=np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # E4M3FN's NaN codes
+    raws = {"BF16": ((rng.standard_normal(BLOCK // 2, dtype=np.float32) * 0.02).view(np.uint32) >> 16)
+            .astype(np.uint16).view(np.uint8),
+            "F8_E4M3": codes,
+            "F32": (rng.random(1 << 20, dtype=np.float32) * 1e-4 + 1e-4).view(np.uint8)}
     shards, cur, used = [], [], 0
-    for name, shape in _tensors(layers):
-        n = _nbytes(shape)
+    for name, dtype, shape in _stored(layers, fp8):
+        n = _nbytes(shape, dtype)
         if cur and used + n > SHARD:
             shards.append(cur)
             cur, used = [], 0
-        cur.append((name, shape))
+        cur.append((name, dtype, shape))
         used += n
     shards.append(cur)
     weight_map, total, pos = {}, 0, 0
 
-    def chunks(n: int):
-        nonlocal pos
-
+    def chunks(n: int, raw: np.ndarray):
         def gen():
             nonlocal pos
             left = n
             while left:
-                start = pos % len(raw)
+                start = (pos % len(raw)) & ~3  # keep F32 scales aligned to whole values
                 take = min(left, len(raw) - start)
                 yield raw[start:start + take].tobytes()
                 pos += take
@@ -109,11 +136,11 @@ def write_checkpoint(root: Path, layers: int) -> int:
 
     for i, members in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(root / fname, [(n, "BF16", s, _nbytes(s), chunks(_nbytes(s))) for n, s in members],
-                          {"format": "pt"})
-        for n, s in members:
+        write_safetensors(root / fname, [(n, d, s, _nbytes(s, d), chunks(_nbytes(s, d), raws[d]))
+                                         for n, d, s in members], {"format": "pt"})
+        for n, d, s in members:
             weight_map[n] = fname
-            total += _nbytes(s)
+            total += _nbytes(s, d)
     (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                    "weight_map": weight_map}))
     return total
@@ -148,9 +175,9 @@ def _drop_caches() -> bool:
         return False
 
 
-def run(src: Path, out: Path, qtype: str, jobs: int, budget: str) -> dict:
+def run(src: Path, out: Path, qtype: str, jobs: int, budget: str, to: str = "gguf") -> dict:
     cmd = [sys.executable, "-m", "ktconvert", "quantize", str(src), str(out), "--type", qtype, "--max-memory", budget,
-           "--jobs", str(jobs), "-o", "json"]
+           "--jobs", str(jobs), "--to", to, "-o", "json"]
     dropped = _drop_caches()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -193,6 +220,8 @@ def main(argv=None) -> None:
     ap.add_argument("--type", default="Q8_0")
     ap.add_argument("--max-memory", default="1GiB")
     ap.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
+    ap.add_argument("--fp8", action="store_true", help="an FP8 block-scaled checkpoint (F8_E4M3 + F32 _scale_inv)")
+    ap.add_argument("--to", choices=["gguf", "hf"], default="gguf", help="hf: the Hugging Face form (--type BF16)")
     args = ap.parse_args(argv)
 
     base = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.dir))
@@ -206,20 +235,20 @@ def main(argv=None) -> None:
         from ktconvert.model.tiny import write_tiny_model
 
         write_tiny_model("qwen3_moe", base / "tiny")
-        results["overhead"] = run(base / "tiny", base / "tiny-out", args.type, 1, args.max_memory)
+        results["overhead"] = run(base / "tiny", base / "tiny-out", args.type, 1, args.max_memory, args.to)
         shutil.rmtree(base / "tiny-out")
         sizes = [args.size_gib] + ([args.small_gib] if args.small_gib else [])
         for size in sizes:
             src = base / f"ckpt-{size:g}g"
-            layers = layers_for(size)
+            layers = layers_for(size, args.fp8)
             t0 = time.monotonic()
-            total = write_checkpoint(src, layers)
+            total = write_checkpoint(src, layers, args.fp8)
             gen = time.monotonic() - t0
             results["runs"].append({"checkpoint": {"layers": layers, "bytes": total, "gib": round(total / 2**30, 2),
                                                    "write_s": round(gen, 1)}})
             for jobs in (args.jobs if size == args.size_gib else [1]):
                 out = base / f"out-{size:g}g-j{jobs}"
-                r = run(src, out, args.type, jobs, args.max_memory)
+                r = run(src, out, args.type, jobs, args.max_memory, args.to)
                 shutil.rmtree(out)
                 results["runs"].append(r)
                 print(json.dumps(r), flush=True)

@@ -45,8 +45,9 @@ def _bar(enabled: bool):
               help=f"One type for every weight (routers, norms, biases stay F32): {' '.join(WRITABLE)}, or keep.")
 @click.option("--recipe", metavar="FILE|PRESET", help="A recipe file (schemas/convert-recipe.schema.json) or a preset "
               "name (--list-recipes).")
-@click.option("--to", "to", type=click.Choice(["gguf", "safetensors"]),
-              help="Output container (default: the recipe's, else gguf).")
+@click.option("--to", "to", type=click.Choice(["gguf", "safetensors", "hf"]),
+              help="Output container (default: the recipe's, else gguf). hf: the input's Hugging Face names and "
+              "layout, FP8 weights dequantized to --type BF16|F16|F32, loadable by transformers.")
 @click.option("--config", metavar="FILE", type=click.Path(path_type=str),
               help="config.json (default: the one beside the checkpoint).")
 @click.option("--shard-size", metavar="SIZE", help="Largest output file, e.g. 5GiB (0: one file).")

@@ -13,8 +13,10 @@ from ktconvert.families.config import FAMILIES
 @click.argument("family", type=click.Choice(FAMILIES), metavar="FAMILY")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it is not empty.")
+@click.option("--fp8", is_flag=True, help="The FP8 block-scaled variant (F8_E4M3 weights + _scale_inv; "
+              "deepseek_v3, qwen3_moe).")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def command(family: str, out_dir: str, force: bool, fmt: str) -> None:
+def command(family: str, out_dir: str, force: bool, fp8: bool, fmt: str) -> None:
     """Write a tiny FAMILY checkpoint (qwen2_moe, qwen3_moe, mixtral, deepseek_v2, deepseek_v3) (config.json, model.safetensors, BPE tokenizer) into OUT_DIR.
 
     The bytes depend on nothing but ktconvert's source: the sha256 of each file is recorded in
@@ -22,10 +24,10 @@ def command(family: str, out_dir: str, force: bool, fmt: str) -> None:
     """
     from ktconvert.model.tiny import write_tiny_model
 
-    hashes = write_tiny_model(family, out_dir, force=force)
+    hashes = write_tiny_model(family, out_dir, force=force, fp8=fp8)
     if fmt == "json":
         click.echo(json.dumps({"family": family, "out_dir": out_dir, "sha256": hashes}, indent=2))
         return
-    click.echo(f"wrote tiny {family} checkpoint to {out_dir}")
+    click.echo(f"wrote tiny {family}{' FP8' if fp8 else ''} checkpoint to {out_dir}")
     for name, digest in hashes.items():
         click.echo(f"  {digest}  {name}")

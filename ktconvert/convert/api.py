@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ktconvert.convert.execute import Progress, RunResult, check_paths, execute
+from ktconvert.convert.hf_out import build_hf_plan
 from ktconvert.convert.plan import Plan, build_plan
 from ktconvert.convert.recipe import Recipe, load_recipe, recipe_for_type
 from ktconvert.convert.sizes import parse_size
@@ -38,8 +39,10 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
     :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
     """
     r = resolve_recipe(recipe, type)
-    source = analyze(src, config)
     shard = None if shard_size is None else parse_size(shard_size, what="--shard-size")
+    if (format or r.format) == "hf":  # the input's own names and layout, FP8 dequantized (convert/hf_out.py)
+        return build_hf_plan(src, r, type, config=config, shard_size=shard)
+    source = analyze(src, config)
     return build_plan(source, r, format=format, shard_size=shard, tokenizer=tokenizer)
 
 

@@ -26,14 +26,8 @@ from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.sizes import format_size
 from ktconvert.convert.worker import Task, close_all, run_task, worker_init
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
-from ktconvert.io.atomic import (
-    fsync_dir,
-    guard_output,
-    partial_dir,
-    replace_dir,
-    sha256_file,
-    write_durable,
-)
+from ktconvert.io.atomic import fsync_dir, guard_output, partial_dir, replace_dir, sha256_file, write_durable
+from ktconvert.io.dtypes import FLOAT_DTYPES
 
 STATE_DIR = ".ktconvert"
 UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
@@ -67,7 +61,7 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
     """Split every tensor into runs of rows whose working set fits ``max_memory / jobs`` (and :data:`UNIT_CAP`).
 
     The working set of a converted row is its float32 copy twice (decode and assembly) plus its input and output
-    bytes; a copied row is its bytes once. The budget is halved once more for numpy's transient copies.
+    bytes; a copied row is its bytes once, plus two float32 copies when it is a float checked for NaN/Inf. The budget is halved once more for numpy's transient copies.
     """
     budget = max(1, min(UNIT_CAP, max_memory // max(1, jobs) // 2))
     units = []
@@ -80,6 +74,8 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
         in_row = in_total // rows if rows else 0
         row_len = t.shape[-1] if t.shape else 1
         per_row = (in_row + t.row_bytes) if t.copy_bytes else (8 * row_len + in_row + t.row_bytes)
+        if t.copy_bytes and t.src_dtype in FLOAT_DTYPES:  # copied floats are decoded once for the NaN/Inf check
+            per_row += 8 * row_len
         step = max(1, budget // max(1, per_row))
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
@@ -317,7 +313,7 @@ def build_manifest(plan: Plan, files: dict, fingerprint: str) -> dict:
         "kind": "ktconvert-manifest",
         "tool": {"name": "ktconvert", "version": __version__, "command": "quantize"},
         "format": plan.format,
-        "layout": "kernel",
+        "layout": "hf" if plan.format == "hf" else "kernel",
         "source": {"path": plan.source, "container": plan.container, "arch": plan.arch,
                    "model_type": plan.model_type, "files": plan.sources},
         "recipe": plan.recipe.to_dict(),

@@ -26,6 +26,7 @@ from ktconvert.convert.tokenizer import convert_tokenizer
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats.gguf_write import DEFAULT_ALIGNMENT, layout_gguf
 from ktconvert.formats.safetensors_write import layout_safetensors
+from ktconvert.formats.fp8 import FP8_DTYPE
 from ktconvert.io.dtypes import FLOAT_DTYPES
 from ktconvert.quant import as_qtype, block_size, dequantizable, type_size
 
@@ -190,8 +191,8 @@ def _block(name: str) -> tuple[int, int]:
 
 
 def _decodable(src_dtype: str, container: str) -> bool:
-    if container == "safetensors":
-        return src_dtype in FLOAT_DTYPES
+    if container == "safetensors":  # FP8 reaches a plan only with its scales checked (formats.fp8)
+        return src_dtype in FLOAT_DTYPES or src_dtype == FP8_DTYPE
 
     try:
         return _qt(src_dtype) in dequantizable()

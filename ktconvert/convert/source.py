@@ -17,18 +17,13 @@ input fails here, before any output exists.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ktconvert.errors import InputError
-from ktconvert.formats import (
-    Checkpoint,
-    LayoutReport,
-    NamingMap,
-    detect_layout,
-    naming_map,
-    open_checkpoint,
-)
+from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map, open_checkpoint
+from ktconvert.formats.fp8 import require_fp8
 from ktconvert.formats.config import load_config
 
 PROJ_ORDER = ("gate", "up", "down")
@@ -40,7 +35,8 @@ class Segment:
 
     ``rows``: from source flat rows starting at ``src_row``. ``transpose``: from columns ``src_col ..`` of the
     2-D slab ``source[expert]``. ``permute``: from source rows reordered per llama.cpp's rope layout with
-    ``heads`` heads (``src_row`` is 0: the whole tensor is one segment).
+    ``heads`` heads (``src_row`` is 0: the whole tensor is one segment). ``scale``/``block``: the source is an
+    FP8 weight dequantized with that ``_scale_inv`` tensor and block size.
     """
 
     start: int
@@ -51,6 +47,8 @@ class Segment:
     expert: int = 0
     src_col: int = 0
     heads: int = 0
+    scale: str = ""
+    block: tuple[int, ...] = ()
 
     def to_dict(self) -> dict:
         d = {"rows": [self.start, self.start + self.rows], "source": self.source, "op": self.op}
@@ -60,6 +58,8 @@ class Segment:
             d.update(expert=self.expert, source_cols=[self.src_col, self.src_col + self.rows])
         else:
             d["heads"] = self.heads
+        if self.scale:
+            d.update(scale=self.scale, block=list(self.block))
         return d
 
 
@@ -121,7 +121,8 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     Raises :class:`InputError` for anything that would make a wrong or partial conversion: errors of the
     layout detection (missing or extra experts, shapes that disagree with each other or with ``config.json``,
     mixed layouts), an orientation the shapes and config cannot decide, kt-kernel AMX blobs (opaque), FP8
-    weights with block scales, tensor names no naming map knows.
+    weights whose scales are missing or do not fit (:mod:`ktconvert.formats.fp8`), tensor names no naming map
+    knows.
     """
     ck = open_checkpoint(src)
     shown = str(src)
@@ -150,13 +151,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     if "kt-amx" in report.layouts:
         raise InputError("kt-kernel AMX blobs are tile-packed for one kernel version and cannot be converted",
                          path=shown, fix="convert from the original Hugging Face or GGUF weights")
-    scales = [n for n, m in report.matches.items() if m.group == "expert_scales"] + [
-        n for n in ck if n.endswith("weight_scale_inv")]
-    fp8 = [n for n in ck if ck[n].dtype.startswith("F8_")]
-    if scales or fp8:
-        first = (scales or fp8)[0]
-        raise InputError("FP8 weights with block scales are not converted yet", path=shown, where=f"tensor {first}",
-                         fix="dequantize the checkpoint to BF16 first (e.g. DeepSeek's fp8_cast_bf16.py)")
+    fp8 = require_fp8(ck, cfg_dict, shown)
 
     model_type = report.dims.model_type
     n_layers = report.dims.n_layers or report.n_layers
@@ -187,6 +182,8 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
             seg = Segment(0, shape[0], name, op="permute", heads=heads)
         items.append(Item(out, m.hf_name, tuple(shape), (seg,), info.dtype, m.group, m.layer))
     for name in report.unknown:
+        if name in fp8.scales:  # read with its FP8 weight
+            continue
         if name.endswith("rotary_emb.inv_freq"):
             skipped.append(name)
             continue
@@ -211,11 +208,22 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     if skipped:
         notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction) or "
                      f"rotary caches are not converted, e.g. {skipped[0]}")
+    if fp8.weights:
+        items = [_with_scales(it, fp8) for it in items]
     _check_unique(items, shown)
     _check_config(items, report, shown)
     items = _ordered(items, nm, ck)
     return SourceModel(ck, Path(src), report.arch, model_type, cfg_dict, cfg_path, n_layers, report, items, notes,
                        skipped)
+
+
+def _with_scales(item: Item, fp8) -> Item:
+    """Segments from an FP8 weight carry its scale and block: the worker dequantizes exactly those rows."""
+    if not any(s.source in fp8.weights for s in item.segments):
+        return item
+    segs = tuple(replace(s, scale=fp8.weights[s.source].scale, block=fp8.weights[s.source].block)
+                 if s.source in fp8.weights else s for s in item.segments)
+    return replace(item, segments=segs)
 
 
 def _rows(shape: tuple[int, ...]) -> int:

@@ -17,7 +17,7 @@ import numpy as np
 from ktconvert.convert.plan import PlanTensor
 from ktconvert.convert.source import Segment
 from ktconvert.errors import EnvironmentProblem, InputError
-from ktconvert.formats import open_checkpoint
+from ktconvert.formats import fp8, open_checkpoint
 from ktconvert.io.dtypes import FLOAT_DTYPES, decode_float32, raw_view
 from ktconvert.quant import dequantize, quantize
 
@@ -199,7 +199,18 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     for s, i, n, pos in _overlaps(t, r0, r1):
         dtype = ck[s.source].dtype
         idx = None
-        if s.op == "rows":
+        if s.scale:  # FP8 block-scaled: exact dequantization of these rows (and their scale rows) only
+            if s.op == "transpose":
+                raise AssertionError(f"{s.source}: FP8 weights are 2-D; nothing to transpose")
+            w = fp8.weight(ck, s.source, s.scale, s.block)
+            if s.op == "rows":
+                x[pos: pos + n] = fp8.read_rows(ck, w, s.src_row + i, s.src_row + i + n)
+            else:
+                half = s.rows // s.heads // 2
+                head, rem = np.divmod(np.arange(i, i + n), 2 * half)
+                idx = head * 2 * half + (rem % 2) * half + rem // 2
+                x[pos: pos + n] = fp8.read_row_ids(ck, w, idx)
+        elif s.op == "rows":
             src = _rows2d(ck, s.source)
             _decode_into(x[pos: pos + n], src[s.src_row + i: s.src_row + i + n], dtype)
             del src

@@ -32,8 +32,13 @@ Public API (everything else in this package is an implementation detail):
     expert=None, numa=None, scale=False)`` renders any expert tensor name; ``tensor_entries(model_type)`` lists the
     non-expert tensors a model type has.
 
-``scan_checkpoint(checkpoint, names=None, matches=None, progress=None) -> ScanResult``
-    Reads data one expert / one bounded chunk at a time; reports NaN, Inf and all-zero experts.
+``scan_checkpoint(checkpoint, names=None, matches=None, progress=None, fp8=None) -> ScanResult``
+    Reads data one expert / one bounded chunk at a time; reports NaN, Inf and all-zero experts (FP8 weights
+    dequantized, their scales checked for NaN, Inf, zero and negative values).
+
+``ktconvert.formats.fp8``: ``analyze_fp8(checkpoint, config=None) -> Fp8Map`` (FP8 block-scaled weights paired with
+    their ``_scale_inv``, the block size, problems), ``require_fp8`` (the same, raising the first problem),
+    ``read_rows(checkpoint, weight, r0, r1)`` / ``read_float32`` (exact float32 dequantization of a row range).
 
 ``build_inspect_report(path, config=None, tensors=None, scan=False, progress_factory=None) -> dict``
     What ``ktconvert inspect`` prints, as data matching ``schemas/inspect-report.schema.json``.

@@ -7,14 +7,19 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ktconvert import __version__
-from ktconvert.errors import UsageProblem
+from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats.checkpoint import open_checkpoint
+from ktconvert.formats.config import load_config
+from ktconvert.formats.fp8 import DEFAULT_BLOCK, Fp8Map, analyze_fp8
 from ktconvert.formats.layout import LayerLayout, Problem, detect_layout
 from ktconvert.formats.scan import scan_checkpoint
 
 MAX_LISTED_TENSORS = 50  # per problem, so that one broken layer of 256 experts does not drown the report
 
-_SCAN_SEVERITY = {"nan": ("nan", "error"), "inf": ("inf", "error"), "all-zero": ("zero-expert", "warning")}
+_SCAN_SEVERITY = {"nan": ("nan", "error"), "inf": ("inf", "error"), "all-zero": ("zero-expert", "warning"),
+                  **{f"scale-{k}": ("fp8-scale-values", "error") for k in ("nan", "inf", "zero", "negative")}}
+_SCALE_WHAT = {"scale-nan": "NaN scale(s)", "scale-inf": "Inf scale(s)", "scale-zero": "zero scale(s) (the block "
+               "decodes to zeros)", "scale-negative": "negative scale(s) (a scale is a magnitude)"}
 
 
 def compile_tensor_filter(pattern: str | None) -> re.Pattern | None:
@@ -42,15 +47,16 @@ def build_inspect_report(
     selector = compile_tensor_filter(tensors)
     ck = open_checkpoint(path)
     lay = detect_layout(ck, config)
+    fp8, fp8_problems = _fp8(ck, config)
     selected = [n for n in ck if selector.search(n)] if selector else None
 
-    problems = list(lay.all_problems)
+    problems = list(lay.all_problems) + fp8_problems
     scan_part = None
     if scan:
         names = selected if selected is not None else list(ck)
         total = sum(ck[n].nbytes for n in names)
         progress = progress_factory(total) if progress_factory else None
-        result = scan_checkpoint(ck, names, lay.matches, progress)
+        result = scan_checkpoint(ck, names, lay.matches, progress, fp8=fp8)
         scan_part = {
             "scanned_tensors": result.scanned_tensors,
             "scanned_bytes": result.scanned_bytes,
@@ -61,7 +67,8 @@ def build_inspect_report(
         }
         for f in result.findings:
             kind, severity = _SCAN_SEVERITY[f.kind]
-            what = f"{f.count} NaN value(s)" if f.kind == "nan" else f"{f.count} Inf value(s)" if f.kind == "inf" else "all zeros"
+            what = f"{f.count} NaN value(s)" if f.kind == "nan" else f"{f.count} Inf value(s)" if f.kind == "inf" else \
+                f"{f.count} {_SCALE_WHAT[f.kind]}" if f.kind in _SCALE_WHAT else "all zeros"
             m = lay.matches.get(f.tensor)
             problems.append(Problem(kind, severity, f"{f.where}: {what}", m.layer if m else None, (f.tensor,)))
 
@@ -73,7 +80,8 @@ def build_inspect_report(
         q["tensors"] += 1
         q["bytes"] += info.nbytes
         m = lay.matches.get(name)
-        g = groups.setdefault(m.group if m else "unknown", {"tensors": 0, "bytes": 0})
+        g = groups.setdefault(m.group if m else "fp8_scales" if name in fp8.scales else "unknown",
+                              {"tensors": 0, "bytes": 0})
         g["tensors"] += 1
         g["bytes"] += info.nbytes
 
@@ -105,10 +113,11 @@ def build_inspect_report(
         "quant_types": dict(sorted(quant.items(), key=lambda kv: -kv[1]["bytes"])),
         "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])),
         "problems": [_problem(p) for p in problems],
+        "fp8": fp8.summary() if fp8 else None,
         "scan": scan_part,
     }
     if selected is not None:
-        report["tensors"] = [_tensor(ck[n], lay.matches.get(n)) for n in selected]
+        report["tensors"] = [_tensor(ck[n], lay.matches.get(n), fp8) for n in selected]
     return report
 
 
@@ -154,7 +163,24 @@ def _problem(p: Problem) -> dict:
     }
 
 
-def _tensor(info, m) -> dict:
+def _fp8(ck, config) -> tuple[Fp8Map, list[Problem]]:
+    """FP8 weights and scales, and their problems as findings (a bad ``weight_block_size`` is one too)."""
+    cfg = load_config(config) if isinstance(config, (str, Path)) else config
+    try:
+        fm = analyze_fp8(ck, cfg)
+    except InputError as exc:
+        fm = Fp8Map(DEFAULT_BLOCK, "default (declared block unusable)")
+        return fm, [Problem("fp8-scale", "error", f"{exc.where}: {exc.message} ({exc.fix})")]
+    return fm, [Problem("fp8-scale", "error", f"{p.tensor}: {p.message} ({p.fix})", _layer_of(p.tensor), (p.tensor,))
+                for p in fm.problems]
+
+
+def _layer_of(name: str) -> int | None:
+    parts = name.split(".")
+    return next((int(b) for a, b in zip(parts, parts[1:]) if a == "layers" and b.isdigit()), None)
+
+
+def _tensor(info, m, fp8: Fp8Map) -> dict:
     return {
         "name": info.name,
         "dtype": info.dtype,
@@ -163,9 +189,10 @@ def _tensor(info, m) -> dict:
         "bytes": info.nbytes,
         "offset": info.offset,
         "file": info.file.name,
-        "group": m.group if m else "unknown",
+        "group": m.group if m else "fp8_scales" if info.name in fp8.scales else "unknown",
         "layer": m.layer if m else None,
         "expert": m.expert if m else None,
         "gguf_name": m.gguf_name if m else None,
         "hf_name": m.hf_name if m else None,
+        "fp8_scale": fp8.weights[info.name].scale if info.name in fp8.weights else None,
     }

@@ -105,6 +105,13 @@ def render_text(report: dict, style=lambda s, **kw: s) -> str:
     for name, g in r["groups"].items():
         lines.append(f"  {name:<15} {g['tensors']:>7} tensor(s) {human_bytes(g['bytes']):>12}")
 
+    if r.get("fp8"):
+        f = r["fp8"]
+        dts = ", ".join(f"{k} {v}" for k, v in sorted(f["scale_dtypes"].items()))
+        lines.append(style("fp8 block-scaled", bold=True)
+                     + f"  {f['weights']} F8_E4M3 weight(s) with {f['scales']} _scale_inv scale(s) ({dts}), "
+                     f"block {f['block'][0]}x{f['block'][1]} ({f['block_source']}); read as exact float32")
+
     if "tensors" in r:
         lines.append("")
         lines.append(style(f"tensors ({len(r['tensors'])} matching)", bold=True) + f"  ({SHAPE_LEGEND})")
@@ -112,6 +119,7 @@ def render_text(report: dict, style=lambda s, **kw: s) -> str:
             lines.append(
                 f"  {t['name']}  {t['dtype']}  numpy {t['numpy_shape']}  ggml ne {t['ggml_ne']}  "
                 f"{human_bytes(t['bytes'])}  @ {t['file']}:{t['offset']}"
+                + (f"  scale {t['fp8_scale']}" if t.get("fp8_scale") else "")
             )
 
     if r["scan"] is not None:

@@ -14,13 +14,8 @@ from pathlib import Path
 
 from ktconvert.formats.checkpoint import Checkpoint
 from ktconvert.formats.config import ModelDims
-from ktconvert.formats.naming import (
-    LAYOUTS,
-    NameMatch,
-    NamingMap,
-    guess_arch,
-    naming_maps,
-)
+from ktconvert.formats.fp8 import SCALE_SUFFIX
+from ktconvert.formats.naming import LAYOUTS, NameMatch, NamingMap, guess_arch, naming_maps
 from ktconvert.formats.tensor_info import TensorInfo
 
 ORIENT_STD = "[E,2I,H]"
@@ -123,7 +118,8 @@ def detect_layout(checkpoint: Checkpoint, config: str | Path | dict | None = Non
                     m = cand
                     break
         if m is None:
-            unknown.append(name)
+            if not _is_fp8_scale(checkpoint, name):  # an FP8 weight's scale is read with it (formats.fp8)
+                unknown.append(name)
         else:
             matches[name] = m
 
@@ -159,6 +155,11 @@ def detect_layout(checkpoint: Checkpoint, config: str | Path | dict | None = Non
         )
     problems = _global_problems(layers, dims, n_layers, unknown, checkpoint)
     return LayoutReport(arch, arch_source, dims, n_layers, tuple(layers), tuple(problems), matches, tuple(unknown))
+
+
+def _is_fp8_scale(ck: Checkpoint, name: str) -> bool:
+    base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
+    return base is not None and base in ck and ck[base].dtype.startswith("F8_")
 
 
 def _architecture(ck: Checkpoint, dims: ModelDims) -> tuple[str | None, str]:

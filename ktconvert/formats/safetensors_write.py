@@ -75,17 +75,19 @@ def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, str, tuple[
     return size
 
 
-def to_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None) -> bytes:
+def to_bytes(tensors: dict[str, np.ndarray], metadata: dict[str, str] | None = None,
+             dtypes: dict[str, str] | None = None) -> bytes:
     """Byte-exact safetensors for files whose sha256 is recorded (tiny models, goldens).
 
     The ``safetensors`` package is free to change its header spacing, key order or padding between releases;
     this form fixes all three (compact JSON, sorted keys, space padding to 8 bytes, data in name order), so a
     file's hash depends only on the tensors. The result is an ordinary safetensors file any reader accepts.
+    ``dtypes`` names the stored type of arrays that hold raw bits (``F8_E4M3`` codes as uint8, BF16 as uint16).
     """
     names = sorted(tensors)
     arrays = [np.ascontiguousarray(tensors[n]) for n in names]
     try:
-        specs = [(n, st_dtype_of(a.dtype), a.shape, a.nbytes) for n, a in zip(names, arrays)]
+        specs = [(n, (dtypes or {}).get(n) or st_dtype_of(a.dtype), a.shape, a.nbytes) for n, a in zip(names, arrays)]
     except ValueError as exc:
         raise ValueError(f"{exc} (writing {names})") from None
     header, _, _ = layout_safetensors(specs, metadata, sort_keys=True)

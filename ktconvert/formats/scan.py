@@ -9,6 +9,7 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats.checkpoint import Checkpoint
+from ktconvert.formats.fp8 import Fp8Map, Fp8Weight, check_scale, read_rows
 from ktconvert.formats.naming import NameMatch
 from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 
@@ -43,9 +44,12 @@ def scan_checkpoint(
     matches: dict[str, NameMatch] | None = None,
     progress: Callable[[int], None] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
+    fp8: Fp8Map | None = None,
 ) -> ScanResult:
     """Scan ``names`` (default: every tensor). ``matches`` (from :func:`detect_layout`) says which tensors are
-    experts, so that all-zero checks run per expert; ``progress`` is called with the bytes done after each unit."""
+    experts, so that all-zero checks run per expert; ``progress`` is called with the bytes done after each unit.
+    ``fp8`` (from :func:`~ktconvert.formats.fp8.analyze_fp8`): its weights are scanned dequantized (a NaN or zero
+    scale shows in the values) and its scales checked for NaN, Inf, zero and negative values."""
     matches = matches or {}
     findings: list[ScanFinding] = []
     skipped: list[tuple[str, str]] = []
@@ -54,7 +58,19 @@ def scan_checkpoint(
         info = ck[name]
         m = matches.get(name)
         why = _undecodable(info)
-        if why and not (m is not None and m.layout == "kt-amx" and m.group == "experts"):
+        if fp8 is not None and (name in fp8.weights or name in fp8.scales):
+            if name in fp8.weights:
+                findings.extend(_scan_fp8(ck, fp8.weights[name], m, chunk_bytes))
+            elif fp8.scales[name] in fp8.weights:
+                w = fp8.weights[fp8.scales[name]]
+                findings.extend(ScanFinding(f"scale-{k}", name, m.expert if m else None, c) for k, c in check_scale(ck, w))
+            else:
+                skipped.append((name, "not checked: no usable FP8 weight for this scale (see the fp8-scale problems)"))
+                why = "skip"
+            if why != "skip":
+                done_tensors += 1
+                done_bytes += info.nbytes
+        elif why and not (m is not None and m.layout == "kt-amx" and m.group == "experts"):
             skipped.append((name, why))
         else:
             try:
@@ -129,6 +145,21 @@ def _scan_plain(ck: Checkpoint, name: str, chunk_bytes: int) -> list[ScanFinding
     found = []
     for start in range(0, rows, step):
         found.extend(_check(_decode(ck, name, slice(start, start + step)), name, None, False))
+    return _merge(found)
+
+
+def _scan_fp8(ck: Checkpoint, w: Fp8Weight, m: NameMatch | None, chunk_bytes: int) -> list[ScanFinding]:
+    """An FP8 weight dequantized exactly, a bounded run of rows at a time; an expert is also checked for all zeros."""
+    rows, k = w.shape
+    step = max(1, chunk_bytes // max(1, k))
+    found, nonzero = [], False
+    expert = m.expert if m is not None and m.group == "experts" else None
+    for start in range(0, rows, step):
+        x = read_rows(ck, w, start, min(rows, start + step))
+        found.extend(_check(x, w.name, expert, False))
+        nonzero = nonzero or bool(x.any())
+    if expert is not None and not nonzero:
+        found.append(ScanFinding("all-zero", w.name, expert, rows * k))
     return _merge(found)
 
 

@@ -361,14 +361,65 @@ def tiny_files(family: str) -> dict[str, bytes]:
     return files
 
 
-def write_tiny_model(family: str, out_dir: str | os.PathLike, *, force: bool = False) -> dict[str, str]:
-    """Write the tiny checkpoint into ``out_dir`` (atomically: a sibling temp dir renamed into place).
+# FP8 block-scaled variants, as the releases of these families ship: (weight_block_size, scale dtype). The blocks
+# are smaller than the releases' 128x128 and do not divide every tiny dimension, so edge blocks are exercised
+# (deepseek_v3: 80-row kv_a_proj, 256/128/64-column matrices against 48-column blocks; qwen3_moe: every dim).
+FP8_VARIANTS: dict[str, tuple[tuple[int, int], str]] = {"deepseek_v3": ((32, 48), "F32"),
+                                                        "qwen3_moe": ((96, 96), "BF16")}
+
+
+def _is_fp8_weight(spec: TensorSpec) -> bool:
+    """The linear layers FP8 releases store in FP8: attention, dense and expert MLPs; not the router, the shared
+    expert's scalar gate, embeddings, head or norms."""
+    return spec.kind in ("linear", "out_linear") and len(spec.shape) == 2 and not spec.name.endswith("_gate.weight")
+
+
+def tiny_fp8_config(family: str) -> dict:
+    if family not in FP8_VARIANTS:
+        raise UsageProblem(f"no FP8 variant of the tiny {family} model",
+                           fix=f"choose one of {', '.join(FP8_VARIANTS)}")
+    cfg = tiny_config(family)
+    cfg["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                  "weight_block_size": list(FP8_VARIANTS[family][0])}
+    return cfg
+
+
+def tiny_fp8_files(family: str) -> dict[str, bytes]:
+    """The tiny model quantized to FP8 block-scaled weights with ``_scale_inv`` companions (amax/448 per block,
+    round-to-nearest-even codes); every other tensor stays F32."""
+    from ktconvert.formats import fp8
+
+    cfg_json = tiny_fp8_config(family)
+    block, scale_dtype = FP8_VARIANTS[family]
+    cfg = normalize_config(tiny_config(family))
+    tensors, dtypes = {}, {}
+    for spec in tensor_specs(cfg):
+        x = _fill(family, cfg, spec)
+        if not _is_fp8_weight(spec):
+            tensors[spec.name] = x
+            continue
+        codes, scale = fp8.quantize(x, block, scale_dtype)
+        tensors[spec.name], dtypes[spec.name] = codes, fp8.FP8_DTYPE
+        sname = spec.name + fp8.SCALE_SUFFIX
+        tensors[sname] = fp8.to_bits(scale, scale_dtype)
+        dtypes[sname] = scale_dtype
+    files = {"config.json": (json.dumps(cfg_json, indent=2, sort_keys=True) + "\n").encode("utf-8")}
+    files["model.safetensors"] = to_bytes(tensors, {"format": "pt"}, dtypes)
+    for name, text in tokenizer_files(VOCAB).items():
+        files[name] = text.encode("utf-8")
+    return files
+
+
+def write_tiny_model(family: str, out_dir: str | os.PathLike, *, force: bool = False,
+                     fp8: bool = False) -> dict[str, str]:
+    """Write the tiny checkpoint into ``out_dir`` (atomically: a sibling temp dir renamed into place); with
+    ``fp8`` its FP8 block-scaled variant (:func:`tiny_fp8_files`).
 
     Returns ``{file name: sha256}``. An existing non-empty ``out_dir`` is replaced only with ``force``.
     """
     out = Path(out_dir)
     guard_output(out, force=force)
-    files = tiny_files(family)
+    files = tiny_fp8_files(family) if fp8 else tiny_files(family)
     with atomic_dir(out, force=force) as tmp:
         for name, data in files.items():
             (tmp / name).write_bytes(data)
