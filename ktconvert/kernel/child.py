@@ -109,6 +109,16 @@ class Child:
             cfg.gate_scales, cfg.up_scales, cfg.down_scales = zeros, zeros, zeros
             cls = getattr(moe_mod, "AMXBF16_MOE", None) or getattr(moe_mod, "AVX2BF16_MOE")
             moe = cls(cfg)
+        elif method in ("AMXINT8", "AMXINT4") and req.get("save"):  # the kernel's own quantizer writes a .kt tree
+            arrays = {p: np.ascontiguousarray(np.load(req["arrays"][p])) for p in ("gate", "up", "down")}
+            keep += list(arrays.values())
+            cfg.gate_proj, cfg.up_proj, cfg.down_proj = (_ptr(arrays[p]) for p in ("gate", "up", "down"))
+            cfg.save = True
+            cfg.load = False
+            for n in range(self.threadpools):  # the C++ writer opens files in these folders, it does not make them
+                os.makedirs(os.path.join(req["save"], f"_layer_{cfg.layer_idx}", f"_numa_{n}"), exist_ok=True)
+            cfg.path = req["save"]
+            moe = getattr(moe_mod, "AMXInt8_MOE" if method == "AMXINT8" else "AMXInt4_MOE")(cfg)
         elif method in ("AMXINT8", "AMXINT4"):
             from ktconvert.kernel.ktamx_names import tensor_name
 
@@ -123,7 +133,7 @@ class Child:
             moe = getattr(moe_mod, "AMXInt8_MOE" if method == "AMXINT8" else "AMXInt4_MOE")(cfg)
         else:
             raise ValueError(f"method {method} is not driven by this runner")
-        ident = np.arange(e, dtype=np.int32)
+        ident = np.arange(e, dtype=np.int64)  # the C++ reads it as uint64
         keep.append(ident)
         self._pool().submit(moe.load_weights_task(_ptr(ident)))
         self._pool().sync()

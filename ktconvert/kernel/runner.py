@@ -172,7 +172,7 @@ class KernelSession:
                "arrays": {p: self._save(np.ascontiguousarray(getattr(blocks, p).data)) for p in ("gate", "up", "down")},
                "types": {p: int(as_qtype(t).value) for p, t in types.items()}}
         self._call(req, f"loading layer {blocks.layer} ({'/'.join(types.values())})")
-        self.loaded[key] = {"layer": blocks.layer, "H": h, "E": e, "types": types}
+        self.loaded[key] = {"layer": blocks.layer, "H": h, "E": e, "types": types, "max_len": max_len}
 
     def load_bf16_layer(self, key: str, layer: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray, top_k: int,
                         *, max_len: int = 64) -> None:
@@ -185,7 +185,7 @@ class KernelSession:
                           "up": self._save(np.ascontiguousarray(up, dtype=np.uint16)),
                           "down": self._save(np.ascontiguousarray(down, dtype=np.uint16))}}
         self._call(req, f"loading layer {layer} (BF16)")
-        self.loaded[key] = {"layer": layer, "H": h, "E": e, "types": {"gate": "BF16", "up": "BF16", "down": "BF16"}}
+        self.loaded[key] = {"layer": layer, "H": h, "E": e, "types": {"gate": "BF16", "up": "BF16", "down": "BF16"}, "max_len": max_len}
 
     def load_ktamx_layer(self, key: str, directory, layer: int, *, experts: int, top_k: int, hidden: int, inter: int,
                          max_len: int = 64) -> None:
@@ -194,7 +194,7 @@ class KernelSession:
         req = {"op": "load", "key": key, "method": self.method, "E": experts, "top_k": top_k, "H": hidden,
                "I": inter, "layer": layer, "max_len": max_len, "dir": str(directory), "parts": self.threadpools}
         self._call(req, f"loading layer {layer} of {directory}")
-        self.loaded[key] = {"layer": layer, "H": hidden, "E": experts, "types": {}}
+        self.loaded[key] = {"layer": layer, "H": hidden, "E": experts, "types": {}, "max_len": max_len}
 
     def forward(self, key: str, hidden_bf16: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:
         """One MoE forward: hidden states (bf16 bits ``[T, H]``), expert ids ``[T, k]``, routing weights
@@ -203,6 +203,10 @@ class KernelSession:
         ids = np.ascontiguousarray(ids, dtype=np.int64)
         if ids.size and not (0 <= ids.min() and ids.max() < info["E"]):
             raise KernelRefused(f"expert ids {ids.min()}..{ids.max()} outside 0..{info['E'] - 1}")
+        step = info["max_len"]
+        if ids.shape[0] > step:  # the kernel's buffers hold max_len tokens
+            return np.concatenate([self.forward(key, hidden_bf16[a:a + step], ids[a:a + step], weights[a:a + step])
+                                   for a in range(0, ids.shape[0], step)])
         out = self._dir / "out.npy"
         self._call({"op": "forward", "key": key, "hidden": self._save(np.ascontiguousarray(hidden_bf16, dtype=np.uint16)),
                     "ids": self._save(ids), "weights": self._save(np.ascontiguousarray(weights, dtype=np.float32)),
@@ -250,3 +254,18 @@ def probe_kernel(refresh: bool = False) -> dict:
     except KtError as exc:
         _PROBE = {"available": False, "version": None, "variant": None, "methods": [], "error": exc.message}
     return _PROBE
+
+
+def quantize_ktamx_layer(session: KernelSession, tree_dir, layer: int, gate: np.ndarray, up: np.ndarray,
+                         down: np.ndarray, top_k: int) -> None:
+    """Have kt-kernel's own AMX quantizer write one layer (bf16 bits, HF orientation) as a ``.kt`` tree under
+    ``tree_dir`` (``_layer_L/_numa_N/``), the path upstream's converter takes before merging to safetensors."""
+    if session.method not in ("AMXINT8", "AMXINT4"):
+        raise KernelRefused(f"{session.method} has no quantizer", fix="use an AMXINT8 or AMXINT4 session")
+    e, i, h = gate.shape
+    session._check(hidden=h, inter=i, types=None, where=f"layer {layer}")
+    req = {"op": "load", "key": f"save{layer}", "method": session.method, "E": e, "top_k": top_k, "H": h, "I": i,
+           "layer": layer, "max_len": 64, "save": str(tree_dir),
+           "arrays": {p: session._save(np.ascontiguousarray(a, dtype=np.uint16))
+                      for p, a in (("gate", gate), ("up", up), ("down", down))}}
+    session._call(req, f"quantizing layer {layer} to {session.method}")
