@@ -26,6 +26,7 @@ COMMANDS: dict[str, str] = {
     "verify": "ktconvert.cli.verify:command",
     "quantize": "ktconvert.cli.quantize:command",
     "convert-lora": "ktconvert.cli.convert_lora:command",
+    "doctor": "ktconvert.cli.doctor:command",
 }
 
 
