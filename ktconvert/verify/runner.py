@@ -221,6 +221,7 @@ class VerifyReport:
     notes: list[str]
     seconds: float
     policy_breaches: list[Breach] = field(default_factory=list)
+    kernel: dict | None = None  # verify --kernel: kernel, method, variant (and agreement) per layer
 
     @property
     def breaches(self) -> list[Breach]:
@@ -249,11 +250,12 @@ class VerifyReport:
             "breaches": [b.as_dict() for b in self.breaches],
             "notes": list(self.notes),
             "seconds": round(self.seconds, 3),
-        }
+        } | ({"kernel": self.kernel} if self.kernel is not None else {})
 
 
 def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, profile="auto", options=None,
-               catalog=None, backend: str = "auto", localize: bool = True, threads: int | None = None) -> VerifyReport:
+               catalog=None, backend: str = "auto", localize: bool = True, threads: int | None = None,
+               kt_weights=None) -> VerifyReport:
     """Verify ``model_dir`` injected by ``rules`` (a rule file) on ``weights`` against the ``golden`` directory.
 
     ``weights``: the converted checkpoint (.gguf, safetensors file or directory; default: ``model_dir``'s own
@@ -261,7 +263,9 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     ``profile``: a :class:`Profile`, a shipped profile's name, a profile file, or ``"auto"`` (the shipped
     profile listing the experts' ggml type). ``options``: :class:`ktconvert.model.inject.EmulationOptions`.
     ``threads``: torch threads for the run (default: the golden's producer threads, results differ at 1e-7
-    between thread counts). Raises :class:`~ktconvert.errors.InputError` for unusable inputs; a numeric
+    between thread counts). ``kt_weights``: a kt-amx directory the kernel's CPU experts read under
+    ``options.kernel`` kt-kernel/both (AMXINT8/AMXINT4).
+    Raises :class:`~ktconvert.errors.InputError` for unusable inputs; a numeric
     regression is no error but a report with ``passed == False``.
     """
     from ktconvert.golden import read_golden
@@ -274,6 +278,21 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
 
     began = time.perf_counter()
     options = options or EmulationOptions()
+    if kt_weights is not None and options.kernel == "emulate":
+        from ktconvert.errors import UsageProblem
+
+        raise UsageProblem("--kt-weights is read by the real kernel only", fix="add --kernel kt-kernel or both")
+    if options.kernel != "emulate" and options.kernel_runtime is None:  # the real kernel: children per method
+        from ktconvert.kernel.verify_op import KernelRuntime
+
+        options.kernel_runtime = KernelRuntime(options.kernel, kt_weights=kt_weights)
+        try:
+            return run_verify(model_dir, rules, golden, weights=weights, prefill_weights=prefill_weights,
+                              profile=profile, options=options, catalog=catalog, backend=backend, localize=localize,
+                              threads=threads)
+        finally:
+            options.kernel_runtime.close()
+            options.kernel_runtime = None
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise InputError("model directory not found", path=str(model_dir),
@@ -341,6 +360,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         loc = p.localization
         if loc and loc.get("module"):
             loc["operator"] = _operator_of(injected, loc["module"])
+    if options.kernel_runtime is not None:
+        report.kernel = options.kernel_runtime.summary()
     report.seconds = time.perf_counter() - began
     return report
 

@@ -1,0 +1,126 @@
+"""``verify --kernel kt-kernel|both``: the CPU experts computed by the real kt-kernel in a child process.
+
+Correct Q8_0, Q4_K and BF16 GGUFs from ``ktconvert quantize`` pass under their profiles (LLAMAFILE), HF bf16
+experts pass (BF16), a GGUF whose experts of one layer are in the wrong order fails at that layer, and ``both``
+reports emulation-vs-kernel agreement per layer. The verify process itself never imports kt_kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kernel_helpers import require_kernel
+from ktconvert.cli import cli
+from ktconvert.model.inject import EmulationOptions
+from ktconvert.verify import run_verify
+from verify_helpers import Workspace
+
+FAMILY = "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def ws(tiny_root, tmp_path_factory):
+    w = Workspace(tmp_path_factory.mktemp("vk"))
+    w.model = lambda family: tiny_root / family  # the session's tiny models
+    return w
+
+
+def _verify(ws, weights, kernel="kt-kernel", **kw):
+    return run_verify(ws.model(FAMILY), ws.rules(FAMILY), ws.golden(FAMILY), weights=weights,
+                      options=EmulationOptions(kernel=kernel), **kw)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "BF16"])
+def test_correct_gguf_passes_through_the_kernel(ws, qtype):
+    info = require_kernel()
+    report = _verify(ws, ws.converted(FAMILY, qtype))
+    assert report.passed, [b.line() for b in report.breaches]
+    rows = report.kernel["layers"]
+    assert [r["layer"] for r in rows] == [0, 1]
+    assert {(r["kernel"], r["method"], r["variant"]) for r in rows} == {("kt-kernel", "LLAMAFILE", info["variant"])}
+    assert "kt_kernel" not in sys.modules and "kt_kernel_ext" not in sys.modules
+
+
+def _experts_reordered(src, dst, layer):
+    """A copy of ``src`` whose experts of ``layer`` are stored in reverse order (every projection)."""
+    from ktconvert.formats import open_checkpoint
+
+    data = bytearray(open(src, "rb").read())
+    ck = open_checkpoint(src)
+    for proj in ("gate", "up", "down"):
+        info = ck[f"blk.{layer}.ffn_{proj}_exps.weight"]
+        per = info.nbytes // info.shape[0]
+        block = bytes(data[info.offset:info.offset + info.nbytes])
+        experts = [block[e * per:(e + 1) * per] for e in range(info.shape[0])]
+        data[info.offset:info.offset + info.nbytes] = b"".join(reversed(experts))
+    open(dst, "wb").write(bytes(data))
+    return dst
+
+
+def test_experts_in_the_wrong_order_fail_at_their_layer(ws, tmp_path):
+    require_kernel()
+    bad = _experts_reordered(ws.converted(FAMILY, "Q8_0"), tmp_path / "reordered.gguf", 1)
+    report = _verify(ws, bad)
+    assert not report.passed
+    for phase in report.phases:
+        assert phase.localization["layer"] == "layer 1", phase.localization
+        assert phase.localization["module"] == "model.layers.1.mlp.experts"
+
+
+def test_both_reports_agreement_per_layer(ws):
+    require_kernel()
+    report = _verify(ws, ws.converted(FAMILY, "Q8_0"), kernel="both")
+    assert report.passed
+    for row in report.kernel["layers"]:
+        # measured: <= 5e-5 for Q8_0 (the emulation reproduces the kernel's activation rounding)
+        assert set(row["agreement"]) == {"prefill", "decode"}
+        assert all(v < 5e-4 for v in row["agreement"].values()), row
+
+
+def test_hf_bf16_experts_run_the_bf16_method(ws, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    require_kernel()
+    src = ws.model(FAMILY)
+    out = tmp_path / "bf16"
+    out.mkdir()
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_bytes((src / "config.json").read_bytes())
+    report = _verify(ws, out)
+    assert report.passed, [b.line() for b in report.breaches]
+    assert {r["method"] for r in report.kernel["layers"]} == {"BF16"}
+
+
+def test_refusals_before_anything_runs(ws):
+    r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)),
+                                 "--golden", str(ws.golden(FAMILY)), "--kt-weights", str(ws.model(FAMILY))])
+    assert r.exit_code == 2 and "--kt-weights is read by the real kernel only" in r.output, r.output
+    require_kernel()
+    # float32 HF experts: no kt-kernel method reads them
+    r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)),
+                                 "--golden", str(ws.golden(FAMILY)), "--kernel", "kt-kernel"])
+    assert r.exit_code == 2, r.output
+    assert "kt-kernel has no method for F32 HF experts (layer 0)" in r.output
+
+
+def test_json_report_names_the_kernel_and_fits_the_schema(ws):
+    import jsonschema
+
+    from ktconvert import resources
+
+    require_kernel()
+    r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)),
+                                 "--golden", str(ws.golden(FAMILY)), "--weights", str(ws.converted(FAMILY, "Q4_K")),
+                                 "--kernel", "both", "-o", "json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    jsonschema.Draft202012Validator(resources.load_schema("verify-report")).validate(d)
+    assert d["options"]["kernel"] == "both" and d["kernel"]["layers"][0]["method"] == "LLAMAFILE"
+    assert np.isfinite(d["kernel"]["layers"][0]["agreement"]["decode"])
