@@ -116,11 +116,13 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
 
 
 def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float = 0.0) -> CaseResult:
+    from ktconvert.model.inject import EmulationOptions
     from ktconvert.verify import run_verify
 
     began = time.perf_counter()
     try:
-        report = run_verify(model_dir, case.rules, case.golden, weights=weights, profile=case.tolerance)
+        report = run_verify(model_dir, case.rules, case.golden, weights=weights, profile=case.tolerance,
+                            options=EmulationOptions(kernel=case.kernel))
     except Exception as exc:
         return CaseResult(case, False, time.perf_counter() - began + extra_seconds, error=_one_line(exc))
     summary = {}

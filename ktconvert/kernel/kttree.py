@@ -47,3 +47,25 @@ def merge_kt_tree(tree, out_dir) -> list[Path]:
         save_file(dict(sorted(tensors.items())), str(path))
         files.append(path)
     return files
+
+
+def ktamx_by_kernel(model_dir, out_dir, method: str = "AMXINT8", threadpools: int = 2) -> list[Path]:
+    """A kt-amx directory of ``model_dir``'s routed experts quantized by kt-kernel's own AMX quantizer (in a
+    child process): every MoE layer's experts as bf16, written as a ``.kt`` tree, merged to safetensors. The
+    reference the kt-amx writer is compared with, and AMX input for ``verify --kernel``."""
+    import tempfile
+
+    from ktconvert.kernel.runner import KernelSession, f32_to_bf16_bits, quantize_ktamx_layer
+    from ktconvert.model import load_config
+    from ktconvert.model.ops.source import WeightSource
+
+    cfg = load_config(Path(model_dir))
+    src = WeightSource(model_dir, cfg)
+    with tempfile.TemporaryDirectory(prefix="ktconvert-kt-tree-") as tree, \
+            KernelSession(method, threadpools=threadpools, threads=threadpools) as s:
+        for layer in sorted(cfg.moe_layers):
+            b = src.expert_blocks(layer)
+            bits = {p: f32_to_bf16_bits(np.stack([getattr(b, p).expert(e) for e in range(cfg.num_experts)]))
+                    for p in ("gate", "up", "down")}
+            quantize_ktamx_layer(s, tree, layer, bits["gate"], bits["up"], bits["down"], cfg.num_experts_per_tok)
+        return merge_kt_tree(tree, out_dir)
