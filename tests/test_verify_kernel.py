@@ -124,3 +124,49 @@ def test_json_report_names_the_kernel_and_fits_the_schema(ws):
     jsonschema.Draft202012Validator(resources.load_schema("verify-report")).validate(d)
     assert d["options"]["kernel"] == "both" and d["kernel"]["layers"][0]["method"] == "LLAMAFILE"
     assert np.isfinite(d["kernel"]["layers"][0]["agreement"]["decode"])
+
+
+@pytest.fixture(scope="module")
+def ktamx_dirs(ws, tmp_path_factory):
+    """kt-amx directories (2 numa parts) of the tiny model's experts, written by kt-kernel's own quantizer."""
+    from ktconvert.kernel.kttree import ktamx_by_kernel
+
+    require_kernel()
+    root = tmp_path_factory.mktemp("amx")
+    return {m: (ktamx_by_kernel(ws.model(FAMILY), root / m, m, 2), root / m)[1] for m in ("AMXINT8", "AMXINT4")}
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+def test_ktamx_dir_passes_through_the_amx_method(ws, ktamx_dirs, method):
+    report = _verify(ws, None, kt_weights=ktamx_dirs[method], profile=f"kt-{method.lower()}")
+    assert report.passed, [b.line() for b in report.breaches]
+    assert {(r["method"], r["threadpools"]) for r in report.kernel["layers"]} == {(method, 2)}
+
+
+def test_ktamx_dir_with_swapped_numa_parts_fails_at_that_layer(ws, ktamx_dirs, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "swapped"
+    bad.mkdir()
+    for f in sorted(ktamx_dirs["AMXINT8"].glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for e in range(8):
+            a, b = f"blk.1.ffn_gate_exps.{e}.numa.0.weight", f"blk.1.ffn_gate_exps.{e}.numa.1.weight"
+            if a in tensors:
+                tensors[a], tensors[b] = tensors[b], tensors[a]
+        save_file(tensors, str(bad / f.name))
+    report = _verify(ws, None, kt_weights=bad, profile="kt-amxint8")
+    assert not report.passed
+    for phase in report.phases:
+        assert phase.localization["layer"] == "layer 1", phase.localization
+
+
+def test_incomplete_ktamx_dir_is_refused_before_loading(ws, ktamx_dirs, tmp_path):
+    from ktconvert.kernel import KernelRefused
+
+    bad = tmp_path / "partial"
+    bad.mkdir()
+    first = sorted(ktamx_dirs["AMXINT8"].glob("*.safetensors"))[0]
+    (bad / first.name).write_bytes(first.read_bytes())  # layer 0 only
+    with pytest.raises(KernelRefused, match="the kt-amx directory has no layer 1"):
+        _verify(ws, None, kt_weights=bad, profile="kt-amxint8")
