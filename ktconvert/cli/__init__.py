@@ -27,6 +27,7 @@ COMMANDS: dict[str, str] = {
     "quantize": "ktconvert.cli.quantize:command",
     "convert-lora": "ktconvert.cli.convert_lora:command",
     "doctor": "ktconvert.cli.doctor:command",
+    "preflight": "ktconvert.cli.preflight:command",
 }
 
 
