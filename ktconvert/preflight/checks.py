@@ -262,7 +262,7 @@ def _check_gguf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
         return
     e, i, h = dims.n_experts, dims.moe_intermediate_size, dims.hidden_size
     want = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
-    missing, shown = [], False
+    missing, shown, typed = [], False, False
     for layer in sorted(dims.moe_layers):
         types = {}
         for p in PROJS:
@@ -276,10 +276,11 @@ def _check_gguf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
                 shown = True
                 out.append(Finding("PF140", ERROR, f"shape {list(info.shape)} (numpy order), the config needs "
                                    f"{list(want[p])}", "convert from this --model-path (ktconvert quantize)", name))
-        if ctx.method == "LLAMAFILE":
-            for prob in type_problems("LLAMAFILE", types):
-                out.append(Finding("PF141", ERROR, prob.what, prob.fix, f"blk.{layer}.ffn_*_exps.weight"))
-                break
+        if ctx.method == "LLAMAFILE" and not typed:
+            probs = type_problems("LLAMAFILE", types)
+            if probs:
+                typed = True
+                out.append(Finding("PF141", ERROR, probs[0].what, probs[0].fix, f"blk.{layer}.ffn_*_exps.weight"))
     if missing:
         out.append(Finding("PF142", ERROR, f"{len(missing)} expert tensor(s) of the MoE layers missing, first "
                            f"{missing[0]}", "convert the whole model", str(path)))
