@@ -98,17 +98,18 @@ def _fail_names_case_and_metric(tmp_path, select, expect_case):
     return failure
 
 
-def test_two_experts_swapped_in_one_layer_turns_the_gate_red(monkeypatch, tmp_path):
-    def swap(ck, fh):
-        for proj in ("gate", "up", "down"):
-            info = ck[f"blk.1.ffn_{proj}_exps.weight"]
-            (a, n), (b, _) = _expert_bytes(info, 0), _expert_bytes(info, 1)
-            fh.seek(a); x = fh.read(n)
-            fh.seek(b); y = fh.read(n)
-            fh.seek(a); fh.write(y)
-            fh.seek(b); fh.write(x)
+def _swap_experts_0_1_of_layer_1(ck, fh):
+    for proj in ("gate", "up", "down"):
+        info = ck[f"blk.1.ffn_{proj}_exps.weight"]
+        (a, n), (b, _) = _expert_bytes(info, 0), _expert_bytes(info, 1)
+        fh.seek(a); x = fh.read(n)
+        fh.seek(b); y = fh.read(n)
+        fh.seek(a); fh.write(y)
+        fh.seek(b); fh.write(x)
 
-    _patch_converted_gguf(monkeypatch, swap)
+
+def test_two_experts_swapped_in_one_layer_turns_the_gate_red(monkeypatch, tmp_path):
+    _patch_converted_gguf(monkeypatch, _swap_experts_0_1_of_layer_1)
     failure = _fail_names_case_and_metric(tmp_path, "qwen3_moe-q8_0", "qwen3_moe-q8_0")
     assert "model.layers.1" in (failure.text or "")  # localised to the broken layer
 
@@ -117,17 +118,7 @@ def test_two_experts_swapped_turn_the_kernel_case_red(monkeypatch, tmp_path):
     from kernel_helpers import require_kernel
 
     require_kernel()
-
-    def swap(ck, fh):
-        for proj in ("gate", "up", "down"):
-            info = ck[f"blk.1.ffn_{proj}_exps.weight"]
-            (a, n), (b, _) = _expert_bytes(info, 0), _expert_bytes(info, 1)
-            fh.seek(a); x = fh.read(n)
-            fh.seek(b); y = fh.read(n)
-            fh.seek(a); fh.write(y)
-            fh.seek(b); fh.write(x)
-
-    _patch_converted_gguf(monkeypatch, swap)
+    _patch_converted_gguf(monkeypatch, _swap_experts_0_1_of_layer_1)
     failure = _fail_names_case_and_metric(tmp_path, "qwen3_moe-kt-q8_0", "qwen3_moe-kt-q8_0")
     assert "model.layers.1" in (failure.text or "")
 
@@ -165,7 +156,7 @@ def test_select_list_and_json(tmp_path):
     r = run("gate", "-k", "mixtral*", "--list")
     assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 5
     r = run("gate", "-k", "q8_0", "--list")
-    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 8  # five families plus three serve files
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 10  # five families, three serve files, two kt-kernel
     r = run("gate", "-k", "nothing-like-this")
     assert r.exit_code == 2 and "selects no case" in r.output
 

@@ -77,10 +77,18 @@ def looks_like_ktamx(path) -> bool:
     return p.is_dir() and any(p.rglob("*.safetensors")) and not any(p.glob("*.gguf"))
 
 
-def scan_ktamx_dir(path) -> KtAmxDir:
-    """Read every ``*.safetensors`` header under ``path`` (recursively, as kt-kernel walks it)."""
+def header_entries(f: Path) -> tuple:
+    """The tensor entries of one safetensors file's header (validated against the file size; no data read)."""
     from ktconvert.formats.safetensors_header import parse_safetensors_header
 
+    if f.stat().st_size == 0:
+        raise InputError("empty file", path=str(f), fix="the conversion did not finish: write it again")
+    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+        return parse_safetensors_header(mm, str(f)).entries
+
+
+def scan_ktamx_dir(path) -> KtAmxDir:
+    """Read every ``*.safetensors`` header under ``path`` (recursively, as kt-kernel walks it)."""
     root = Path(path)
     if not root.is_dir():
         raise InputError("not a directory", path=str(root), fix="a kt-amx weight path is a directory of .safetensors")
@@ -91,13 +99,7 @@ def scan_ktamx_dir(path) -> KtAmxDir:
     layers: dict[int, KtAmxLayer] = {}
     other = 0
     for f in files:
-        with open(f, "rb") as fh:
-            size = f.stat().st_size
-            if size == 0:
-                raise InputError("empty file", path=str(f), fix="the conversion did not finish: write it again")
-            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-                header = parse_safetensors_header(mm, str(f))
-        for entry in header.entries:
+        for entry in header_entries(f):
             name = parse_ktamx_name(entry.name)
             if name is None:
                 other += 1

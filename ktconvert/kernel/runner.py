@@ -53,11 +53,11 @@ class KernelInfo:
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns (uint16), round to nearest even, as torch's ``.to(bfloat16)``."""
-    b = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
-    rounded = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
-    nan = np.isnan(np.asarray(x, dtype=np.float32))
-    out = rounded.astype(np.uint16)
-    out[nan] = 0x7FC0
+    from ktconvert.quant._legacy import bf16_bits
+
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    out = bf16_bits(x).astype(np.uint16)
+    out[np.isnan(x)] = 0x7FC0  # bf16_bits is for finite input; a broken model's NaN stays NaN
     return out
 
 

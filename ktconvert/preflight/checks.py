@@ -193,12 +193,9 @@ def _detect_format(path: Path) -> str | None:
 
 
 def _safetensors_names(f: Path) -> list[str]:
-    import mmap
+    from ktconvert.kernel.ktamx_dir import header_entries
 
-    from ktconvert.formats.safetensors_header import parse_safetensors_header
-
-    with open(f, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
-        return [e.name for e in parse_safetensors_header(mm, str(f)).entries]
+    return [e.name for e in header_entries(f)]
 
 
 def check_weights(ctx: Ctx, out: list[Finding]) -> None:
