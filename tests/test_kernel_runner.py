@@ -173,3 +173,12 @@ def test_probe_names_the_variant_of_this_cpu():
     for m in ("LLAMAFILE", "AMXINT8", "AMXINT4", "BF16"):
         assert m in info["methods"]
     json.dumps(info)
+
+
+def test_a_child_that_does_not_answer_is_killed_and_reported(tmp_path):
+    import os
+
+    (tmp_path / "kt_kernel.py").write_text("import time\ntime.sleep(60)\n")  # hangs at import
+    env = {"PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
+    with pytest.raises(KernelCrashed, match="no answer within 2 s while starting kt-kernel"):
+        KernelSession("LLAMAFILE", env=env, timeout=2)

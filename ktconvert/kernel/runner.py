@@ -79,8 +79,11 @@ class KernelSession:
     ``threads``: worker threads in all.
     """
 
-    def __init__(self, method: str | None, *, threadpools: int = 1, threads: int = 1, env: dict | None = None):
-        """``method=None`` starts a child that only answers what kt-kernel is (``info``)."""
+    def __init__(self, method: str | None, *, threadpools: int = 1, threads: int = 1, env: dict | None = None,
+                 timeout: float = 600.0):
+        """``method=None`` starts a child that only answers what kt-kernel is (``info``); ``timeout``: seconds
+        one request may take before the child is killed and reported."""
+        self.timeout = timeout
         if method is not None and method not in METHODS:
             raise KernelRefused(f"unknown kt-kernel method {method!r}", fix=f"use one of {', '.join(METHODS)}")
         if method is not None and not METHODS[method].driven:
@@ -98,9 +101,15 @@ class KernelSession:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=full_env, text=True)
         self._n = 0
         self.loaded: dict[str, dict] = {}
+        try:
+            self._start(method)
+        except BaseException:
+            self.close()  # no stray child, temp dir or open log, whatever the reason
+            raise
+
+    def _start(self, method: str | None) -> None:
         first = self._read("starting kt-kernel")
         if not first.get("ok"):
-            self.close()
             raise KernelUnavailable(f"kt-kernel cannot be loaded in a child process: {first.get('error')}",
                                     fix="pip install --no-deps kt-kernel==0.7.2 (see README: kt-kernel)")
         hello = self._call({"op": "hello"}, "asking kt-kernel what it is")
@@ -108,7 +117,6 @@ class KernelSession:
                                tuple(hello.get("classes", ())))
         if method is not None and not runs_here(method, self.info.classes):
             variant = self.info.variant
-            self.close()
             raise KernelRefused(f"{method} has no kernel in kt-kernel's {variant} variant on this CPU",
                                 fix="run on a CPU whose variant has it (ktconvert doctor lists the methods that run)")
 
@@ -123,7 +131,15 @@ class KernelSession:
             return ""
 
     def _read(self, doing: str) -> dict:
-        line = self._proc.stdout.readline() if self._proc.stdout else ""
+        import select
+
+        ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout)
+        if not ready:  # a hung kernel: kill it rather than wait forever
+            self._proc.kill()
+            self._proc.wait()
+            raise KernelCrashed(f"the kt-kernel child ({self.method}) gave no answer within {self.timeout:.0f} s while "
+                                f"{doing}; it was killed", fix="rerun with fewer tokens or threads, or report it")
+        line = self._proc.stdout.readline()
         if line:
             return json.loads(line)
         rc = self._proc.wait(timeout=30)
