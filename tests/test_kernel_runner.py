@@ -47,7 +47,10 @@ def _bf16_experts(q3, layer):
 
 
 def test_llamafile_runs_quantize_output_like_the_emulation(q3, quantized):
-    require_kernel()
+    """Kernel vs float32 MoE holds for any correct kernel; kernel vs emulation was measured on the avx512_bf16
+    variant (AMD Zen 5) and is asserted there only: the amx variant (Intel with AMX) may take other LLAMAFILE
+    code paths whose activation rounding has not been measured."""
+    info = require_kernel()
     cfg = load_config(q3)
     x, ids, w = batch()
     # kernel vs ktconvert's emulation, and vs a float32 MoE on the stored weights (measured: see module doc)
@@ -59,7 +62,8 @@ def test_llamafile_runs_quantize_output_like_the_emulation(q3, quantized):
                 b = src.expert_blocks(layer)
                 s.load_gguf_layer(f"L{layer}", b, cfg.num_experts_per_tok)
                 out = bf16_bits_to_f32(s.forward(f"L{layer}", f32_to_bf16_bits(x), ids, w))
-                assert rel(out, emulated(b, x, ids, w)) < to_emu, (qtype, layer)
+                if info["variant"] == "avx512_bf16":
+                    assert rel(out, emulated(b, x, ids, w)) < to_emu, (qtype, layer)
                 assert rel(out, f32_moe(b, x, ids, w)) < to_f32, (qtype, layer)
     assert "kt_kernel" not in sys.modules and "kt_kernel_ext" not in sys.modules
 
