@@ -32,7 +32,7 @@ def _llama_cpp_paths() -> list[str]:
     """Where llama-cpp-python may be: this environment, then the tests' source build cache."""
     root = os.environ.get("KTCONVERT_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "ktconvert")
     cached = sorted((Path(root) / "llama-cpp-python").glob("*/llama_cpp/__init__.py"))
-    return [str(p.parent.parent) for p in cached]
+    return [str(p.parent.parent) for p in cached if (p.parent.parent / ".complete").is_file()]  # finished builds
 
 
 def probe_llama_cpp(timeout: float = 60) -> dict:
@@ -58,8 +58,9 @@ def probe_llama_cpp(timeout: float = 60) -> dict:
             return {"importable": True, "error": None, "version": out["version"], "from": extra or "this environment",
                     "system_info": info,
                     "amx_in_build": "AMX_INT8 = 1" in info,
-                    "note": ("ktconvert runs llama.cpp (tests) without extra buffer types (use_extra_bufts=False): "
-                             "the AMX repack path crashed on quantized MoE GGUFs" if "AMX_INT8 = 1" in info else None)}
+                    "note": ("this build has llama.cpp's AMX buffer types, whose repack path segfaulted on quantized "
+                             "MoE GGUFs (issue 21): load models with use_extra_bufts=False"
+                             if "AMX_INT8 = 1" in info else None)}
         last = (res.stderr.strip().splitlines() or [f"exit {res.returncode}"])[-1]
     return {"importable": False, "error": last, "version": None, "system_info": None}
 
