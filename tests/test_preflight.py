@@ -245,6 +245,11 @@ def test_pasted_command_after_double_dash(env):
     res = CliRunner().invoke(cli, ["preflight", "-o", "json", "--", *cmd])
     assert res.exit_code == 1, res.output
     d = json.loads(res.output)
+    import jsonschema
+
+    from ktconvert import resources
+
+    jsonschema.Draft202012Validator(resources.load_schema("preflight-report")).validate(d)
     found = {f["id"]: f for f in d["findings"]}
     assert set(found) == {"PF115", "PF117"}
     assert found["PF115"]["fix"] == "did you mean --kt-max-deferred-experts-per-token?"
