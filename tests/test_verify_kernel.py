@@ -172,3 +172,41 @@ def test_incomplete_ktamx_dir_is_refused_before_loading(ws, ktamx_dirs, tmp_path
     (bad / first.name).write_bytes(first.read_bytes())  # layer 0 only
     with pytest.raises(KernelRefused, match="the kt-amx directory has no layer 1"):
         _verify(ws, None, kt_weights=bad, profile="kt-amxint8")
+
+
+def test_unusable_kt_weights_are_one_line_errors_before_any_child(ws, tmp_path):
+    args = ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)), "--golden",
+            str(ws.golden(FAMILY)), "--kernel", "kt-kernel", "--kt-weights"]
+    f = tmp_path / "file.safetensors"
+    f.write_bytes(b"")
+    r = CliRunner().invoke(cli, [*args, str(f)])
+    assert r.exit_code == 3 and f"{f}: not a directory" in r.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = CliRunner().invoke(cli, [*args, str(empty)])
+    assert r.exit_code == 3 and "no .safetensors files" in r.output and "pass the directory the kt-amx converter wrote" in r.output
+
+
+def test_ktamx_scan_and_kt_tree_errors_name_the_file(tmp_path):
+    from safetensors.numpy import save_file
+
+    from ktconvert.errors import InputError
+    from ktconvert.kernel.ktamx_dir import scan_ktamx_dir
+    from ktconvert.kernel.kttree import merge_kt_tree
+
+    d = tmp_path / "dup"
+    d.mkdir()
+    for i in (0, 1):
+        save_file({"blk.0.ffn_up_exps.0.numa.0.weight": np.zeros(4, np.int8)}, str(d / f"s{i}.safetensors"))
+    with pytest.raises(InputError, match=r"s1\.safetensors:blk\.0\.ffn_up_exps\.0\.numa\.0\.weight: tensor also in"):
+        scan_ktamx_dir(d)
+    tree = tmp_path / "tree" / "_layer_0" / "_numa_0"
+    tree.mkdir(parents=True)
+    (tree / "INT8_up_0_64Byte_quant_.kt").write_bytes(b"\0" * 10)
+    with pytest.raises(InputError, match="10 bytes, the name says 64"):
+        merge_kt_tree(tmp_path / "tree", tmp_path / "out")
+    (tree / "INT8_up_0_64Byte_quant_.kt").unlink()
+    (tree / "stray.kt").write_bytes(b"")
+    with pytest.raises(InputError, match="not a kt-kernel .kt file name"):
+        merge_kt_tree(tmp_path / "tree", tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written on a bad tree
