@@ -110,6 +110,11 @@ def test_refusals_before_anything_runs(ws):
                                  "--golden", str(ws.golden(FAMILY)), "--kernel", "kt-kernel"])
     assert r.exit_code == 2, r.output
     assert "kt-kernel has no method for F32 HF experts (layer 0)" in r.output
+    # ktconvert's kernel-order safetensors: LLAMAFILE reads .gguf only
+    st = ws.converted(FAMILY, "Q8_0", fmt="safetensors")
+    r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)),
+                                 "--golden", str(ws.golden(FAMILY)), "--weights", str(st), "--kernel", "both"])
+    assert r.exit_code == 2 and "does not read ktconvert's kernel-order safetensors" in r.output, r.output
 
 
 def test_json_report_names_the_kernel_and_fits_the_schema(ws):
