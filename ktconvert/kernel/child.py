@@ -49,6 +49,7 @@ class Child:
         self.threadpools = threadpools
         self.threads = threads
         self.layers: dict[str, _Layer] = {}
+        self._indexes: dict[str, dict[str, str]] = {}
         self.cpu = None
         import kt_kernel  # selects the variant for this CPU and registers kt_kernel_ext
 
@@ -149,14 +150,21 @@ class Child:
         np = self.np
         want = {(p, x, n, kind): tensor_name(layer, p, x, n, kind)
                 for p in ("gate", "up", "down") for x in range(e) for n in range(parts) for kind in ("weight", "scale")}
-        by_name = {v: key for key, v in want.items()}
+        index = self._indexes.get(directory)
+        if index is None:  # name -> file, once per directory (real conversions have a shard per layer)
+            index = self._indexes[directory] = {}
+            for f in sorted(Path(directory).rglob("*.safetensors")):
+                with safe_open(str(f), framework="numpy") as fh:
+                    index.update(dict.fromkeys(fh.keys(), str(f)))
         out = {}
-        for f in sorted(Path(directory).rglob("*.safetensors")):
-            with safe_open(str(f), framework="numpy") as fh:
-                for name in fh.keys():
-                    key = by_name.get(name)
-                    if key is not None:
-                        out[key] = np.ascontiguousarray(fh.get_tensor(name))
+        files: dict[str, list] = {}
+        for key, name in want.items():
+            if name in index:
+                files.setdefault(index[name], []).append((key, name))
+        for f, items in files.items():
+            with safe_open(f, framework="numpy") as fh:
+                for key, name in items:
+                    out[key] = np.ascontiguousarray(fh.get_tensor(name))
         missing = [want[k] for k in want if k not in out]
         if missing:
             raise KeyError(f"{len(missing)} kt-amx tensor(s) missing, first {missing[0]}")
