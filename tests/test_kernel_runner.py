@@ -85,7 +85,6 @@ def test_amx_methods_on_a_ktamx_dir_the_kernel_wrote(q3, tmp_path):
     from safetensors.numpy import load_file, save_file
 
     from ktconvert.kernel.kttree import merge_kt_tree
-    from ktconvert.kernel.runner import quantize_ktamx_layer
 
     require_kernel()
     b, st = _bf16_experts(q3, 0)
@@ -94,7 +93,7 @@ def test_amx_methods_on_a_ktamx_dir_the_kernel_wrote(q3, tmp_path):
     for method, limit in (("AMXINT8", 0.06), ("AMXINT4", 0.4)):
         tree, amx = tmp_path / f"tree-{method}", tmp_path / f"amx-{method}"
         with KernelSession(method, threadpools=2, threads=2) as s:
-            quantize_ktamx_layer(s, tree, 0, st["gate"], st["up"], st["down"], 2)
+            s.quantize_ktamx_layer(tree, 0, st["gate"], st["up"], st["down"], 2)
         files = merge_kt_tree(tree, amx)
         with KernelSession(method, threadpools=2, threads=2) as s:
             s.load_ktamx_layer("L0", amx, 0, experts=8, top_k=2, hidden=256, inter=256)

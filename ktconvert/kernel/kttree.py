@@ -1,6 +1,6 @@
 """kt-kernel's ``.kt`` tree (``_layer_L/_numa_N/{INT8|INT4}_{proj}_{E}_{S}Byte_{quant|scale}_.kt``, raw bytes)
 merged into kt-amx safetensors, the second step of upstream's converter. With
-:func:`ktconvert.kernel.runner.quantize_ktamx_layer` it gives kt-amx directories made by the kernel's own
+:meth:`ktconvert.kernel.runner.KernelSession.quantize_ktamx_layer` it gives kt-amx directories made by the kernel's own
 quantizer, which the tests use as the reference for the kt-amx format.
 """
 
@@ -55,7 +55,7 @@ def ktamx_by_kernel(model_dir, out_dir, method: str = "AMXINT8", threadpools: in
     reference the kt-amx writer is compared with, and AMX input for ``verify --kernel``."""
     import tempfile
 
-    from ktconvert.kernel.runner import KernelSession, f32_to_bf16_bits, quantize_ktamx_layer
+    from ktconvert.kernel.runner import KernelSession, f32_to_bf16_bits
     from ktconvert.model import load_config
     from ktconvert.model.ops.source import WeightSource
 
@@ -67,5 +67,5 @@ def ktamx_by_kernel(model_dir, out_dir, method: str = "AMXINT8", threadpools: in
             b = src.expert_blocks(layer)
             bits = {p: f32_to_bf16_bits(np.stack([getattr(b, p).expert(e) for e in range(cfg.num_experts)]))
                     for p in ("gate", "up", "down")}
-            quantize_ktamx_layer(s, tree, layer, bits["gate"], bits["up"], bits["down"], cfg.num_experts_per_tok)
+            s.quantize_ktamx_layer(tree, layer, bits["gate"], bits["up"], bits["down"], cfg.num_experts_per_tok)
         return merge_kt_tree(tree, out_dir)

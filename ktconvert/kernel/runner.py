@@ -232,6 +232,20 @@ class KernelSession:
             f.unlink()
         return res
 
+    def quantize_ktamx_layer(self, tree_dir, layer: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                             top_k: int) -> None:
+        """Have kt-kernel's own AMX quantizer write one layer (bf16 bits, HF orientation) as a ``.kt`` tree under
+        ``tree_dir`` (``_layer_L/_numa_N/``), the path upstream's converter takes before merging to safetensors."""
+        if self.method not in ("AMXINT8", "AMXINT4"):
+            raise KernelRefused(f"{self.method} has no quantizer", fix="use an AMXINT8 or AMXINT4 session")
+        e, i, h = gate.shape
+        self._check(hidden=h, inter=i, types=None, where=f"layer {layer}")
+        req = {"op": "load", "key": f"save{layer}", "method": self.method, "E": e, "top_k": top_k, "H": h, "I": i,
+               "layer": layer, "max_len": 64, "save": str(tree_dir),
+               "arrays": {p: self._save(np.ascontiguousarray(a, dtype=np.uint16))
+                          for p, a in (("gate", gate), ("up", up), ("down", down))}}
+        self._call(req, f"quantizing layer {layer} to {self.method}")
+
     def close(self) -> None:
         proc = getattr(self, "_proc", None)
         if proc is not None and proc.poll() is None:
@@ -271,17 +285,3 @@ def probe_kernel(refresh: bool = False) -> dict:
         _PROBE = {"available": False, "version": None, "variant": None, "methods": [], "error": exc.message}
     return _PROBE
 
-
-def quantize_ktamx_layer(session: KernelSession, tree_dir, layer: int, gate: np.ndarray, up: np.ndarray,
-                         down: np.ndarray, top_k: int) -> None:
-    """Have kt-kernel's own AMX quantizer write one layer (bf16 bits, HF orientation) as a ``.kt`` tree under
-    ``tree_dir`` (``_layer_L/_numa_N/``), the path upstream's converter takes before merging to safetensors."""
-    if session.method not in ("AMXINT8", "AMXINT4"):
-        raise KernelRefused(f"{session.method} has no quantizer", fix="use an AMXINT8 or AMXINT4 session")
-    e, i, h = gate.shape
-    session._check(hidden=h, inter=i, types=None, where=f"layer {layer}")
-    req = {"op": "load", "key": f"save{layer}", "method": session.method, "E": e, "top_k": top_k, "H": h, "I": i,
-           "layer": layer, "max_len": 64, "save": str(tree_dir),
-           "arrays": {p: session._save(np.ascontiguousarray(a, dtype=np.uint16))
-                      for p, a in (("gate", gate), ("up", up), ("down", down))}}
-    session._call(req, f"quantizing layer {layer} to {session.method}")

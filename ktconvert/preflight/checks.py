@@ -14,8 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.kernel.methods import METHODS, shape_problems, type_problems
-from ktconvert.preflight.launch import (SEED_FLAGS, SGLANG_METHOD_DEFAULT, SGLANG_THREADPOOLS_DEFAULT, Launch,
-                                        nearest_flag)
+from ktconvert.preflight.launch import SGLANG_METHOD_DEFAULT, SGLANG_THREADPOOLS_DEFAULT, Launch, nearest_flag
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 PROJS = ("gate", "up", "down")
@@ -611,4 +610,4 @@ def run_checks(launch: Launch, rules: str | None = None) -> list[Finding]:
     return out
 
 
-__all__ = ["Finding", "run_checks", "SEED_FLAGS"]
+__all__ = ["Finding", "run_checks"]
