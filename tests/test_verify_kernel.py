@@ -145,7 +145,8 @@ def ktamx_dirs(ws, tmp_path_factory):
 
 @pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
 def test_ktamx_dir_passes_through_the_amx_method(ws, ktamx_dirs, method):
-    report = _verify(ws, None, kt_weights=ktamx_dirs[method], profile=f"kt-{method.lower()}")
+    report = _verify(ws, None, kt_weights=ktamx_dirs[method])  # --tolerance auto: the method's profile
+    assert report.profile.name == f"kt-{method.lower()}"
     assert report.passed, [b.line() for b in report.breaches]
     assert {(r["method"], r["threadpools"]) for r in report.kernel["layers"]} == {(method, 2)}
 

@@ -33,6 +33,14 @@ class KernelRuntime:
         self.sessions: dict[tuple[str, int], KernelSession] = {}
         self.rows: list[dict] = []
 
+    def auto_profile(self, cfg) -> str | None:
+        """``--tolerance auto`` for a kt-amx ``kt_weights`` run: the profile measured for its method (the
+        experts of ``--weights`` do not say what the kernel reads)."""
+        if self._ktamx is None:
+            return None
+        bits = self._ktamx.bits(cfg.hidden_size, cfg.moe_intermediate_size)
+        return {8: "kt-amxint8", 4: "kt-amxint4"}.get(bits)
+
     def _session(self, method: str, parts: int) -> KernelSession:
         key = (method, parts)
         if key not in self.sessions:

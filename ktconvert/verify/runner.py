@@ -311,6 +311,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         weights_path = weights if weights is not None else model_dir
         source = WeightSource(weights_path, cfg)
         pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
+        if profile == "auto" and options.kernel_runtime is not None and options.kernel_runtime.auto_profile(cfg):
+            profile = load_profile(options.kernel_runtime.auto_profile(cfg))  # a kt-amx dir: its method's profile
         if profile == "auto":
             profile = auto_profile({t for layer in source.expert_types().values() for t in layer.values()})
         profile = profile.for_family(cfg.family)
