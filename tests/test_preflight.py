@@ -280,3 +280,18 @@ def test_an_unreadable_weight_file_is_one_line_exit_3(env, tmp_path):
                                    "--kt-method", "LLAMAFILE", "--kt-cpuinfer", "1", "--kt-threadpool-count", "1",
                                    "--kt-num-gpu-experts", "0"])
     assert res.exit_code == 3 and str(bad) in res.output
+
+
+@pytest.mark.parametrize("name", [
+    "blk.3.ffn_gate_exps.0.numa.1.weight", "blk.10.ffn_down_exps.255.numa.0.scale", "blk.3.ffn_gate_exps.0.numa.1.bias",
+    "blk.3.ffn_gateup_exps.0.numa.1.weight", "blk.x.ffn_up_exps.0.numa.0.weight", "blk.3.ffn_up_exps.0.numa.0",
+    "model.layers.3.mlp.experts.0.up_proj.weight", "blk.3.ffn_up_exps.0.numa.0.weight.x", "blk.3.ffn_up_exps.².numa.0.weight",
+    "blk.3.ffn_up_exps.weight", "xblk.3.ffn_up_exps.0.numa.0.weight"])
+def test_ktamx_name_parser_agrees_with_the_pattern(name):
+    from ktconvert.kernel.ktamx_names import NAME_PATTERN, parse_ktamx_name
+
+    m = NAME_PATTERN.match(name)
+    want = None if m is None or not all(g.isascii() for g in m.groups()) else \
+        (int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4)), m.group(5))
+    got = parse_ktamx_name(name)
+    assert (tuple(got) if got else None) == want
