@@ -80,7 +80,9 @@ def render_text(report) -> str:
                 where += (f", module {mod} ({(loc.get('operator') or 'default').rsplit('.', 1)[-1]}; "
                           f"NMSE in {_g(loc.get('module_nmse_in'))} -> out {_g(loc.get('module_nmse_out'))})")
             lines.append(f"{name}: error jumps at {where}")
-    if d.get("kernel"):
+    if d.get("kernel") and not d["kernel"]["layers"]:
+        lines.append("CPU experts by kt-kernel: none (no module runs a CPU experts op under this rule file)")
+    elif d.get("kernel"):
         lines.append(f"CPU experts by kt-kernel ({d['kernel']['mode']}):")
         for r in d["kernel"]["layers"]:
             agree = ""
