@@ -216,3 +216,16 @@ def test_ktamx_scan_and_kt_tree_errors_name_the_file(tmp_path):
     with pytest.raises(InputError, match="not a kt-kernel .kt file name"):
         merge_kt_tree(tmp_path / "tree", tmp_path / "out")
     assert not (tmp_path / "out").exists()  # nothing written on a bad tree
+
+
+def test_a_rule_file_without_cpu_experts_runs_nothing_in_the_kernel_and_says_so(ws, tmp_path):
+    require_kernel()
+    rules = tmp_path / "torch-experts.yaml"
+    text = ws.rules(FAMILY).read_text().replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsTorch"')
+    rules.write_text(text.replace('generate_device: "cpu"\n      generate_op: "KExpertsTorch"\n      out_device: "cuda"',
+                                  'generate_device: "cuda"\n      generate_op: "KExpertsTorch"'))
+    r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(rules), "--golden",
+                                 str(ws.golden(FAMILY)), "--weights", str(ws.converted(FAMILY, "Q8_0")),
+                                 "--kernel", "kt-kernel"])
+    assert r.exit_code == 0, r.output
+    assert "CPU experts by kt-kernel: none" in r.output
