@@ -336,21 +336,19 @@ def _check_ktamx_sizes(ctx: Ctx, d, parts: int, bits: int | None, out: list[Find
     h, i = dims.hidden_size, dims.moe_intermediate_size
     if bits is None or i % parts:
         return
-    ip = i // parts
-    for la in d.layers.values():
-        for name, (dtype, nbytes, f) in sorted(la.tensors.items()):
-            rows = ip if name.proj in ("gate", "up") else h
-            if name.kind == "weight":
-                want, wdt = rows * (h if name.proj != "down" else ip) * bits // 8, "I8"
-            else:
-                want, wdt = rows * 4, "F32"
-            if dtype != wdt or nbytes != want:
-                from ktconvert.kernel.ktamx_names import tensor_name
+    from ktconvert.kernel.ktamx_names import tensor_name
 
-                out.append(Finding("PF157", ERROR, f"{dtype}, {nbytes} bytes; INT{bits} with {parts} part(s) needs "
-                                   f"{wdt}, {want} bytes", "the tensor was written for another shape: convert again",
-                                   tensor_name(*name)))
-                return
+    ip = i // parts
+    weight = {p: ((ip if p != "down" else h) * (h if p != "down" else ip) * bits // 8, "I8") for p in PROJS}
+    scale = {p: ((ip if p != "down" else h) * 4, "F32") for p in PROJS}
+    bad = [(name, dtype, nbytes) for la in d.layers.values() for name, (dtype, nbytes, _f) in la.tensors.items()
+           if (dtype != (want := (weight if name.kind == "weight" else scale)[name.proj])[1] or nbytes != want[0])]
+    if bad:
+        name, dtype, nbytes = min(bad)
+        want = (weight if name.kind == "weight" else scale)[name.proj]
+        out.append(Finding("PF157", ERROR, f"{dtype}, {nbytes} bytes; INT{bits} with {parts} part(s) needs "
+                           f"{want[1]}, {want[0]} bytes", "the tensor was written for another shape: convert again",
+                           tensor_name(*name)))
 
 
 def _check_kt_tree(ctx: Ctx, path: Path, out: list[Finding]) -> None:
