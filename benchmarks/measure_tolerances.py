@@ -30,6 +30,7 @@ def main() -> None:
     from ktconvert.convert import convert
     from ktconvert.gate import default_suite_path, load_suite
     from ktconvert.model.tiny import write_tiny_model
+    from ktconvert.model.inject import EmulationOptions
     from ktconvert.verify import run_verify
 
     ap = argparse.ArgumentParser()
@@ -50,7 +51,8 @@ def main() -> None:
             if key not in converted:
                 out = convert(model, Path(tmp) / "c" / f"{case.family}-{len(converted)}", case.recipe, type=case.type)
                 converted[key] = out.out / "model.gguf"
-            report = run_verify(model, case.rules, case.golden, weights=converted[key], profile=str(profile))
+            report = run_verify(model, case.rules, case.golden, weights=converted[key], profile=str(profile),
+                                options=EmulationOptions(kernel=case.kernel))
             row = {}
             for phase in report.phases:
                 stats = phase.as_dict()["logits"]

@@ -34,13 +34,30 @@ def test_shipped_suite_covers_families_types_and_backends():
     assert {c.rules.name for c in suite.cases} >= {"qwen3_moe.yaml", "qwen3_moe-serve.yaml", "deepseek_v3-serve.yaml"}
 
 
+def _suite_without_kernel_cases(tmp_path):
+    """The shipped suite minus its kt-kernel cases, for a machine where kt-kernel cannot be imported."""
+    import yaml
+
+    data = yaml.safe_load(default_suite_path().read_text())
+    data["cases"] = [c for c in data["cases"] if c.get("kernel", "emulate") == "emulate"]
+    path = tmp_path / "suite.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
 def test_unmodified_tree_passes_the_whole_gate(tmp_path):
+    from ktconvert.kernel import probe_kernel
+
     junit = tmp_path / "gate.xml"
-    r = run("gate", "--jobs", "2", "--junit", junit)
+    expect = 37  # 31 emulated cases + 6 through the real kt-kernel
+    extra = []
+    if not probe_kernel()["available"]:  # the kernel cases need kt-kernel; the rest of the gate still runs
+        extra, expect = [_suite_without_kernel_cases(tmp_path)], 31
+    r = run("gate", *extra, "--jobs", "2", "--junit", junit)
     assert r.exit_code == 0, r.output
-    assert "31/31 cases passed" in r.output and "gate green" in r.output
+    assert f"{expect}/{expect} cases passed" in r.output and "gate green" in r.output
     cases = _junit_cases(junit)
-    assert len(cases) == 31 and not any(tc.find("failure") is not None or tc.find("error") is not None for tc in cases.values())
+    assert len(cases) == expect and not any(tc.find("failure") is not None or tc.find("error") is not None for tc in cases.values())
 
 
 # --- injected regressions ---------------------------------------------------------------------------------
@@ -81,19 +98,29 @@ def _fail_names_case_and_metric(tmp_path, select, expect_case):
     return failure
 
 
-def test_two_experts_swapped_in_one_layer_turns_the_gate_red(monkeypatch, tmp_path):
-    def swap(ck, fh):
-        for proj in ("gate", "up", "down"):
-            info = ck[f"blk.1.ffn_{proj}_exps.weight"]
-            (a, n), (b, _) = _expert_bytes(info, 0), _expert_bytes(info, 1)
-            fh.seek(a); x = fh.read(n)
-            fh.seek(b); y = fh.read(n)
-            fh.seek(a); fh.write(y)
-            fh.seek(b); fh.write(x)
+def _swap_experts_0_1_of_layer_1(ck, fh):
+    for proj in ("gate", "up", "down"):
+        info = ck[f"blk.1.ffn_{proj}_exps.weight"]
+        (a, n), (b, _) = _expert_bytes(info, 0), _expert_bytes(info, 1)
+        fh.seek(a); x = fh.read(n)
+        fh.seek(b); y = fh.read(n)
+        fh.seek(a); fh.write(y)
+        fh.seek(b); fh.write(x)
 
-    _patch_converted_gguf(monkeypatch, swap)
+
+def test_two_experts_swapped_in_one_layer_turns_the_gate_red(monkeypatch, tmp_path):
+    _patch_converted_gguf(monkeypatch, _swap_experts_0_1_of_layer_1)
     failure = _fail_names_case_and_metric(tmp_path, "qwen3_moe-q8_0", "qwen3_moe-q8_0")
     assert "model.layers.1" in (failure.text or "")  # localised to the broken layer
+
+
+def test_two_experts_swapped_turn_the_kernel_case_red(monkeypatch, tmp_path):
+    from kernel_helpers import require_kernel
+
+    require_kernel()
+    _patch_converted_gguf(monkeypatch, _swap_experts_0_1_of_layer_1)
+    failure = _fail_names_case_and_metric(tmp_path, "qwen3_moe-kt-q8_0", "qwen3_moe-kt-q8_0")
+    assert "model.layers.1" in (failure.text or "")
 
 
 def test_quantizer_scales_off_by_three_percent_turn_the_gate_red(monkeypatch, tmp_path):
@@ -129,7 +156,7 @@ def test_select_list_and_json(tmp_path):
     r = run("gate", "-k", "mixtral*", "--list")
     assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 5
     r = run("gate", "-k", "q8_0", "--list")
-    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 8  # five families plus three serve files
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 10  # five families, three serve files, two kt-kernel
     r = run("gate", "-k", "nothing-like-this")
     assert r.exit_code == 2 and "selects no case" in r.output
 

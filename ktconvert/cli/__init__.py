@@ -26,6 +26,8 @@ COMMANDS: dict[str, str] = {
     "verify": "ktconvert.cli.verify:command",
     "quantize": "ktconvert.cli.quantize:command",
     "convert-lora": "ktconvert.cli.convert_lora:command",
+    "doctor": "ktconvert.cli.doctor:command",
+    "preflight": "ktconvert.cli.preflight:command",
 }
 
 

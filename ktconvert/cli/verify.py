@@ -33,9 +33,15 @@ import click
 @click.option("--backend", type=click.Choice(["auto", "ktransformers", "balance_serve"]), default="auto", show_default=True,
               help="Backend the rule file is checked for (auto: from the file name, as check-rules).")
 @click.option("--threads", type=click.IntRange(min=1), help="torch threads (default: the golden's).")
+@click.option("--kernel", type=click.Choice(["emulate", "kt-kernel", "both"]), default="emulate", show_default=True,
+              help="Who computes the CPU experts: ktconvert's emulation, the real kt-kernel (in a child process, "
+                   "LLAMAFILE for a GGUF, BF16 for HF bf16 experts, AMXINT8/4 for --kt-weights), or both, reporting "
+                   "their agreement per layer.")
+@click.option("--kt-weights", type=click.Path(path_type=str),
+              help="A kt-amx directory the kernel's CPU experts read (as --kt-weight-path at launch); needs --kernel.")
 @click.pass_context
 def command(ctx, model_dir, rules, weights, prefill_weights, golden, tolerance, fmt, plot_path, compute_dtype,
-            cpu_hidden_dtype, act_quant, catalogs, backend, threads):
+            cpu_hidden_dtype, act_quant, catalogs, backend, threads, kernel, kt_weights):
     """Run the model as --rules injects it, on --weights, against --golden: prefill over the golden prompt,
     then token-by-token decode with a KV cache; per position max |diff|, NMSE, KL, top-1/top-k agreement;
     per-layer hidden-state NMSE per phase; the first layer and module where error jumps.
@@ -51,9 +57,11 @@ def command(ctx, model_dir, rules, weights, prefill_weights, golden, tolerance, 
     from ktconvert.rules.catalog import load_catalog
     from ktconvert.verify import run_verify
 
-    options = EmulationOptions(compute_dtype=compute_dtype, cpu_hidden_dtype=cpu_hidden_dtype, cpu_act_quant=act_quant)
+    options = EmulationOptions(compute_dtype=compute_dtype, cpu_hidden_dtype=cpu_hidden_dtype, cpu_act_quant=act_quant,
+                               kernel=kernel)
     report = run_verify(model_dir, rules, golden, weights=weights, prefill_weights=prefill_weights, profile=tolerance,
-                        options=options, catalog=load_catalog(catalogs), backend=backend, threads=threads)
+                        options=options, catalog=load_catalog(catalogs), backend=backend, threads=threads,
+                        kt_weights=kt_weights)
     if plot_path:
         from ktconvert.verify.report import plot
 

@@ -18,7 +18,7 @@ from ktconvert.convert import convert
 from ktconvert.errors import KtError
 from ktconvert.gate.suite import Case, Suite
 from ktconvert.model.tiny import write_tiny_model
-from ktconvert.verify import run_verify
+from ktconvert.verify import EmulationOptions, run_verify
 
 SUMMARY_METRICS = ("max_abs_diff", "nmse_max", "kl_mean", "kl_max", "top1_agreement")
 
@@ -121,7 +121,8 @@ def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float
 
     began = time.perf_counter()
     try:
-        report = run_verify(model_dir, case.rules, case.golden, weights=weights, profile=case.tolerance)
+        report = run_verify(model_dir, case.rules, case.golden, weights=weights, profile=case.tolerance,
+                            options=EmulationOptions(kernel=case.kernel))
     except Exception as exc:
         return CaseResult(case, False, time.perf_counter() - began + extra_seconds, error=_one_line(exc))
     summary = {}

@@ -23,6 +23,7 @@ class Case:
     type: str | None = None
     recipe: str | None = None
     tags: tuple = ()
+    kernel: str = "emulate"  # verify --kernel: emulate, kt-kernel or both
 
     @property
     def conversion(self) -> str:
@@ -73,6 +74,7 @@ def load_suite(path: str | Path, check_profiles: bool = True) -> Suite:
             name=raw["name"], family=raw["family"], rules=_rules(raw["rules"], path, where),
             golden=_golden(raw["golden"], path, where), tolerance=_tolerance(raw["tolerance"], path, where) if check_profiles else raw["tolerance"],
             type=raw.get("type"), recipe=raw.get("recipe"), tags=tuple(raw.get("tags", ())),
+            kernel=raw.get("kernel", "emulate"),
         ))
     return Suite(path=path, cases=cases, description=data.get("description", ""))
 

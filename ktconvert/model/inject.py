@@ -67,10 +67,12 @@ class EmulationOptions:
     compute_dtype: str = "float32"
     cpu_hidden_dtype: str = "bfloat16"  # upstream passes hidden_type = BF16 to the llamafile kernel
     cpu_act_quant: bool = True  # activations converted to the weight type's vec_dot_type, as the kernel does
+    kernel: str = "emulate"  # emulate | kt-kernel | both: who computes the CPU experts (ktconvert.kernel)
+    kernel_runtime: object = field(default=None, repr=False, compare=False)  # a KernelRuntime when not emulate
 
     def as_dict(self) -> dict:
         return {"compute_dtype": self.compute_dtype, "cpu_hidden_dtype": self.cpu_hidden_dtype,
-                "cpu_act_quant": self.cpu_act_quant}
+                "cpu_act_quant": self.cpu_act_quant} | ({"kernel": self.kernel} if self.kernel != "emulate" else {})
 
 
 @dataclass
@@ -195,6 +197,8 @@ def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weigh
                 blocks = source.expert_blocks(layer)
                 if run == "cpu-experts-ggml":
                     op = CpuExpertsGGML(blocks, CpuKernelNumerics(options.cpu_hidden_dtype, options.cpu_act_quant))
+                    if options.kernel_runtime is not None:  # the real kernel, in its child process
+                        op = options.kernel_runtime.wrap(op, source, blocks, source.cfg, inj.path)
                 else:
                     op = ExpertsDequant(blocks, options.compute_dtype)
             else:
@@ -207,6 +211,8 @@ def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weigh
                 op = LinearDequant(torch.from_numpy(weight), None if bias is None else torch.from_numpy(bias),
                                    options.compute_dtype, source.stored_type(w_name))
             built[key] = op
+        if getattr(op, "emulation", None) == "kt-kernel":
+            run, emulated, detail = "kt-kernel", True, ""
         unknown = sorted(set(getattr(op, "unknown_act", ())))
         if unknown and emulated:
             emulated = False

@@ -80,6 +80,16 @@ def render_text(report) -> str:
                 where += (f", module {mod} ({(loc.get('operator') or 'default').rsplit('.', 1)[-1]}; "
                           f"NMSE in {_g(loc.get('module_nmse_in'))} -> out {_g(loc.get('module_nmse_out'))})")
             lines.append(f"{name}: error jumps at {where}")
+    if d.get("kernel") and not d["kernel"]["layers"]:
+        lines.append("CPU experts by kt-kernel: none (no module runs a CPU experts op under this rule file)")
+    elif d.get("kernel"):
+        lines.append(f"CPU experts by kt-kernel ({d['kernel']['mode']}):")
+        for r in d["kernel"]["layers"]:
+            agree = ""
+            if r.get("agreement") is not None:
+                agree = "; vs emulation " + ", ".join(f"{ph} {_g(v)}" for ph, v in r["agreement"].items())
+            lines.append(f"  layer {r['layer']:<3} {r['kernel']} {r['version']} {r['method']} "
+                         f"({r['variant']}, {r['threadpools']} threadpool(s)){agree}")
     for n in d["notes"]:
         lines.append(f"note: {n}")
     ne = inj["not_emulated"]

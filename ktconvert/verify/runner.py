@@ -226,6 +226,7 @@ class VerifyReport:
     notes: list[str]
     seconds: float
     policy_breaches: list[Breach] = field(default_factory=list)
+    kernel: dict | None = None  # verify --kernel: kernel, method, variant (and agreement) per layer
 
     @property
     def breaches(self) -> list[Breach]:
@@ -254,11 +255,12 @@ class VerifyReport:
             "breaches": [b.as_dict() for b in self.breaches],
             "notes": list(self.notes),
             "seconds": round(self.seconds, 3),
-        }
+        } | ({"kernel": self.kernel} if self.kernel is not None else {})
 
 
 def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, profile="auto", options=None,
-               catalog=None, backend: str = "auto", localize: bool = True, threads: int | None = None) -> VerifyReport:
+               catalog=None, backend: str = "auto", localize: bool = True, threads: int | None = None,
+               kt_weights=None) -> VerifyReport:
     """Verify ``model_dir`` injected by ``rules`` (a rule file) on ``weights`` against the ``golden`` directory.
 
     ``weights``: the converted checkpoint (.gguf, safetensors file or directory; default: ``model_dir``'s own
@@ -266,12 +268,29 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     ``profile``: a :class:`Profile`, a shipped profile's name, a profile file, or ``"auto"`` (the shipped
     profile listing the experts' ggml type). ``options``: :class:`ktconvert.model.inject.EmulationOptions`.
     ``threads``: torch threads for the run (default: the golden's producer threads, results differ at 1e-7
-    between thread counts). Raises :class:`~ktconvert.errors.InputError` for unusable inputs; a numeric
+    between thread counts). ``kt_weights``: a kt-amx directory the kernel's CPU experts read under
+    ``options.kernel`` kt-kernel/both (AMXINT8/AMXINT4).
+    Raises :class:`~ktconvert.errors.InputError` for unusable inputs; a numeric
     regression is no error but a report with ``passed == False``.
     """
 
     began = time.perf_counter()
     options = options or EmulationOptions()
+    if kt_weights is not None and options.kernel == "emulate":
+        from ktconvert.errors import UsageProblem
+
+        raise UsageProblem("--kt-weights is read by the real kernel only", fix="add --kernel kt-kernel or both")
+    if options.kernel != "emulate" and options.kernel_runtime is None:  # the real kernel: children per method
+        from ktconvert.kernel.verify_op import KernelRuntime
+
+        options.kernel_runtime = KernelRuntime(options.kernel, kt_weights=kt_weights)
+        try:
+            return run_verify(model_dir, rules, golden, weights=weights, prefill_weights=prefill_weights,
+                              profile=profile, options=options, catalog=catalog, backend=backend, localize=localize,
+                              threads=threads)
+        finally:
+            options.kernel_runtime.close()
+            options.kernel_runtime = None
     model_dir = Path(model_dir)
     if not model_dir.is_dir():
         raise InputError("model directory not found", path=str(model_dir),
@@ -290,6 +309,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         weights_path = weights if weights is not None else model_dir
         source = WeightSource(weights_path, cfg)
         pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
+        if profile == "auto" and options.kernel_runtime is not None and options.kernel_runtime.auto_profile(cfg):
+            profile = load_profile(options.kernel_runtime.auto_profile(cfg))  # a kt-amx dir: its method's profile
         if profile == "auto":
             profile = auto_profile({t for layer in source.expert_types().values() for t in layer.values()})
         profile = profile.for_family(cfg.family)
@@ -340,6 +361,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         loc = p.localization
         if loc and loc.get("module"):
             loc["operator"] = _operator_of(injected, loc["module"])
+    if options.kernel_runtime is not None:
+        report.kernel = options.kernel_runtime.summary()
     report.seconds = time.perf_counter() - began
     return report
 

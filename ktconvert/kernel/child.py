@@ -1,0 +1,224 @@
+"""The child process that holds kt-kernel: ``python -m ktconvert.kernel.child THREADPOOLS THREADS``.
+
+Why a child: importing ``kt_kernel`` flushes subnormal floats to zero for the whole process and some kernel
+failures abort it, so nothing exact may share its process and a crash must not take the caller down. One
+child runs one method (the loader and worker pool are per-process singletons upstream).
+
+Protocol: one JSON object per line on stdin, one JSON answer per line on a private copy of the original
+stdout (fd 1 itself is pointed at stderr, because the C++ side prints its own logs there). Arrays travel as
+``.npy`` files in a directory the parent owns. Requests:
+
+* ``{"op": "hello"}`` -> version, variant, the MoE classes compiled into this variant.
+* ``{"op": "load", "key", "method", "E", "top_k", "H", "I", "layer", "max_len", ...}`` with, per method,
+  ``LLAMAFILE``: ``arrays`` {gate, up, down: npy of the merged ggml blocks [E, rows, row_bytes]} and
+  ``types`` {gate, up, down: ggml type id}; ``BF16``: ``arrays`` of uint16 bf16 bits [E, rows, cols];
+  ``AMXINT8``/``AMXINT4``: ``dir``, a kt-amx directory, read here by tensor name.
+* ``{"op": "forward", "key", "hidden", "ids", "weights", "out"}``: npy paths; writes bf16 bits [T, H] to out.
+* ``{"op": "quit"}``.
+
+This module imports only the standard library and numpy before kt_kernel, and nothing of ktconvert beyond
+:mod:`ktconvert.kernel.ktamx_names` (pure string code).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def _ptr(a) -> int:
+    return int(a.ctypes.data)
+
+
+class _Layer:
+    """A loaded MoE layer and every buffer whose pointer the C++ side holds (kept alive here)."""
+
+    def __init__(self, moe, keep, spec):
+        self.moe = moe
+        self.keep = keep
+        self.spec = spec
+
+
+class Child:
+    def __init__(self, threadpools: int, threads: int):
+        import numpy as np
+
+        self.np = np
+        self.threadpools = threadpools
+        self.threads = threads
+        self.layers: dict[str, _Layer] = {}
+        self._indexes: dict[str, dict[str, str]] = {}
+        self.cpu = None
+        import kt_kernel  # selects the variant for this CPU and registers kt_kernel_ext
+
+        self.kt_kernel = kt_kernel
+        import kt_kernel_ext
+
+        self.ext = kt_kernel_ext
+
+    def hello(self, req):
+        moe = self.ext.moe
+        return {"version": getattr(self.kt_kernel, "__version__", None),
+                "variant": getattr(self.kt_kernel, "__cpu_variant__", None),
+                "int8_kernel": getattr(self.kt_kernel, "__int8_kernel__", None),
+                "int8_layout": getattr(self.kt_kernel, "__int8_weight_layout__", None),
+                "classes": sorted(n for n in dir(moe) if not n.startswith("_"))}
+
+    def _pool(self):
+        if self.cpu is None:
+            cfg = self.ext.WorkerPoolConfig()
+            p, n = self.threadpools, self.threads
+            cfg.subpool_count = p
+            cfg.subpool_numa_map = [0] * p  # one NUMA node here; the map only pins memory
+            cfg.subpool_thread_count = [n // p + (1 if i < n % p else 0) for i in range(p)]
+            self.cpu = self.ext.CPUInfer(cfg)
+        return self.cpu
+
+    def load(self, req):
+        np = self.np
+        moe_mod = self.ext.moe
+        method = req["method"]
+        e, k, h, i = int(req["E"]), int(req["top_k"]), int(req["H"]), int(req["I"])
+        mask = np.zeros(e, dtype=np.bool_)  # every expert on the CPU
+        cfg = moe_mod.MOEConfig(e, k, h, i, _ptr(mask))
+        cfg.layer_idx = int(req["layer"])
+        cfg.pool = self._pool().backend_
+        max_len = int(req.get("max_len", 64))
+        cfg.max_len = max_len
+        keep = [mask]
+        if method == "LLAMAFILE":
+            arrays = {p: np.ascontiguousarray(np.load(req["arrays"][p])) for p in ("gate", "up", "down")}
+            keep += list(arrays.values())
+            cfg.m_block = 32
+            cfg.group_min_len = 10
+            cfg.group_max_len = max_len
+            cfg.gate_proj, cfg.up_proj, cfg.down_proj = (_ptr(arrays[p]) for p in ("gate", "up", "down"))
+            types = req["types"]
+            gt = self.ext.kvcache.ggml_type
+            by_id = {int(getattr(gt, n)): getattr(gt, n) for n in dir(gt) if not n.startswith("_") and n[0].isupper()}
+            cfg.gate_type, cfg.up_type, cfg.down_type = (by_id[int(types[p])] for p in ("gate", "up", "down"))
+            cfg.hidden_type = gt.BF16
+            moe = moe_mod.MOE(cfg)
+        elif method == "BF16":
+            arrays = {p: np.ascontiguousarray(np.load(req["arrays"][p])) for p in ("gate", "up", "down")}
+            keep += list(arrays.values())
+            ptrs = {p: [[_ptr(a) + x * a.strides[0] for x in range(e)]] for p, a in arrays.items()}
+            cfg.gate_projs, cfg.up_projs, cfg.down_projs = ptrs["gate"], ptrs["up"], ptrs["down"]
+            zeros = [[0] * e]
+            cfg.gate_scales, cfg.up_scales, cfg.down_scales = zeros, zeros, zeros
+            cls = getattr(moe_mod, "AMXBF16_MOE", None) or getattr(moe_mod, "AVX2BF16_MOE")
+            moe = cls(cfg)
+        elif method in ("AMXINT8", "AMXINT4") and req.get("save"):  # the kernel's own quantizer writes a .kt tree
+            arrays = {p: np.ascontiguousarray(np.load(req["arrays"][p])) for p in ("gate", "up", "down")}
+            keep += list(arrays.values())
+            cfg.gate_proj, cfg.up_proj, cfg.down_proj = (_ptr(arrays[p]) for p in ("gate", "up", "down"))
+            cfg.save = True
+            cfg.load = False
+            for n in range(self.threadpools):  # the C++ writer opens files in these folders, it does not make them
+                os.makedirs(os.path.join(req["save"], f"_layer_{cfg.layer_idx}", f"_numa_{n}"), exist_ok=True)
+            cfg.path = req["save"]
+            moe = getattr(moe_mod, "AMXInt8_MOE" if method == "AMXINT8" else "AMXInt4_MOE")(cfg)
+        elif method in ("AMXINT8", "AMXINT4"):
+            from ktconvert.kernel.ktamx_names import tensor_name
+
+            parts = int(req["parts"])
+            layer = int(req["layer"])
+            tensors = self._read_ktamx(req["dir"], layer, e, parts, tensor_name)
+            keep.append(tensors)
+            for proj in ("gate", "up", "down"):
+                setattr(cfg, f"{proj}_projs", [[_ptr(tensors[(proj, x, n, "weight")]) for x in range(e)] for n in range(parts)])
+                setattr(cfg, f"{proj}_scales", [[_ptr(tensors[(proj, x, n, "scale")]) for x in range(e)] for n in range(parts)])
+            cfg.load = True
+            moe = getattr(moe_mod, "AMXInt8_MOE" if method == "AMXINT8" else "AMXInt4_MOE")(cfg)
+        else:
+            raise ValueError(f"method {method} is not driven by this runner")
+        ident = np.arange(e, dtype=np.int64)  # the C++ reads it as uint64
+        keep.append(ident)
+        self._pool().submit(moe.load_weights_task(_ptr(ident)))
+        self._pool().sync()
+        self.layers[req["key"]] = _Layer(moe, keep, req)
+        return {"loaded": req["key"]}
+
+    def _read_ktamx(self, directory, layer, e, parts, tensor_name):
+        """Every tensor of one layer from a kt-amx directory, found by name in any of its safetensors files."""
+        from pathlib import Path
+
+        from safetensors import safe_open
+
+        np = self.np
+        want = {(p, x, n, kind): tensor_name(layer, p, x, n, kind)
+                for p in ("gate", "up", "down") for x in range(e) for n in range(parts) for kind in ("weight", "scale")}
+        index = self._indexes.get(directory)
+        if index is None:  # name -> file, once per directory (real conversions have a shard per layer)
+            index = self._indexes[directory] = {}
+            for f in sorted(Path(directory).rglob("*.safetensors")):
+                with safe_open(str(f), framework="numpy") as fh:
+                    index.update(dict.fromkeys(fh.keys(), str(f)))
+        out = {}
+        files: dict[str, list] = {}
+        for key, name in want.items():
+            if name in index:
+                files.setdefault(index[name], []).append((key, name))
+        for f, items in files.items():
+            with safe_open(f, framework="numpy") as fh:
+                for key, name in items:
+                    out[key] = np.ascontiguousarray(fh.get_tensor(name))
+        missing = [want[k] for k in want if k not in out]
+        if missing:
+            raise KeyError(f"{len(missing)} kt-amx tensor(s) missing, first {missing[0]}")
+        return out
+
+    def forward(self, req):
+        np = self.np
+        layer = self.layers[req["key"]]
+        hidden = np.ascontiguousarray(np.load(req["hidden"]), dtype=np.uint16)
+        ids = np.ascontiguousarray(np.load(req["ids"]), dtype=np.int64)
+        w = np.ascontiguousarray(np.load(req["weights"]), dtype=np.float32)
+        t, k = ids.shape
+        out = np.zeros_like(hidden)
+        bsz = np.array([t], dtype=np.int32)
+        task = layer.moe.forward_task(_ptr(bsz), k, _ptr(ids), _ptr(w), _ptr(hidden), _ptr(out), False)
+        self._pool().submit(task)
+        self._pool().sync()
+        np.save(req["out"], out)
+        return {"tokens": t}
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    threadpools, threads = int(argv[0]), int(argv[1])
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # the kernel's own prints go to stderr, never into the protocol
+    sys.stdout = sys.stderr
+
+    def answer(obj):
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    try:
+        child = Child(threadpools, threads)
+    except Exception as exc:  # kt-kernel missing or unloadable: say so, then exit
+        answer({"ok": False, "error": f"{type(exc).__name__}: {exc}", "fatal": True})
+        return 3
+    answer({"ok": True, "ready": True})
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        req = json.loads(line)
+        op = req.get("op")
+        if op == "quit":
+            answer({"ok": True})
+            return 0
+        try:
+            result = getattr(child, op)(req)
+            answer({"ok": True, **result})
+        except Exception as exc:
+            traceback.print_exc()
+            answer({"ok": False, "error": f"{type(exc).__name__}: {exc}"})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

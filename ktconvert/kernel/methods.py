@@ -1,0 +1,96 @@
+"""What each kt-kernel method reads and which launches it cannot run, as data and pure checks.
+
+Known from running kt-kernel 0.7.2 here and from its C++ asserts (see the kt-kernel facts): none of these
+combinations is caught by the kernel before weights load; some abort the process, some give silent garbage.
+Shared by the kernel runner (refuse before loading) and ``preflight`` (refuse before a launch).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+QK_K = 256
+
+# ggml types LLAMAFILE ran on here, and the ones that abort the process (SIGABRT)
+LLAMAFILE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_0", "Q3_K", "Q2_K")
+LLAMAFILE_ABORTS = ("Q4_1", "Q5_1")
+
+
+@dataclass(frozen=True)
+class Method:
+    name: str
+    reads: str  # the weight format, in words
+    fmt: str  # gguf | kt-amx-int8 | kt-amx-int4 | hf-bf16 | hf-fp8 | hf-release
+    classes: tuple[str, ...]  # kt_kernel_ext.moe classes any of which runs it
+    driven: bool  # the ktconvert runner drives it (verify --kernel)
+
+
+METHODS = {m.name: m for m in (
+    Method("LLAMAFILE", "GGUF merged experts (blk.L.ffn_{gate,up,down}_exps.weight)", "gguf", ("MOE",), True),
+    Method("AMXINT8", "kt-amx directory, INT8", "kt-amx-int8", ("AMXInt8_MOE",), True),
+    Method("AMXINT4", "kt-amx directory, INT4", "kt-amx-int4", ("AMXInt4_MOE",), True),
+    Method("BF16", "HF bf16 safetensors as released", "hf-bf16", ("AMXBF16_MOE", "AVX2BF16_MOE"), True),
+    Method("FP8", "HF FP8 block-128 safetensors as released", "hf-fp8", ("AMXFP8_MOE", "AVX2FP8_MOE"), False),
+    Method("FP8_PERCHANNEL", "HF per-channel FP8 as released", "hf-release", ("AMXFP8PerChannel_MOE",), False),
+    Method("RAWINT4", "compressed-tensors INT4 as released", "hf-release",
+           ("AMXInt4_KGroup_MOE", "AVX2RawInt4_MOE", "AVXVNNI256RawInt4_MOE"), False),
+    Method("GPTQ_INT4", "GPTQ INT4 as released", "hf-release",
+           ("AVX2GPTQInt4_MOE", "AVXVNNI256GPTQInt4_MOE"), False),
+    Method("MXFP4", "MXFP4 (DeepSeek-V4 names) as released", "hf-release", ("AVX2MXFP4_MOE", "AMXFP4_KGroup_MOE"), False),
+    Method("MXFP8", "MXFP8 as released", "hf-release", ("AVX2MXFP8_MOE", "AMXMXFP8_KGroup_MOE"), False),
+    Method("NVFP4", "NVFP4 as released", "hf-release", ("AVX2MXFP4_MOE",), False),
+)}
+
+
+def runs_here(method: str, classes: list[str] | tuple[str, ...]) -> bool:
+    """Whether the loaded kt_kernel_ext variant (its MoE class names) has a class for ``method``."""
+    m = METHODS.get(method)
+    return m is not None and any(c in classes for c in m.classes)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why a method cannot run a given layer shape or weight type, and what to do."""
+
+    what: str
+    fix: str
+
+
+def shape_problems(method: str, *, hidden: int, inter: int, parts: int = 1) -> list[Problem]:
+    """The alignment rules the kernel's C++ enforces (by throwing or aborting), for H, I and P parts."""
+    out: list[Problem] = []
+    if parts < 1:
+        return [Problem(f"threadpool count {parts} is not positive", "pass a threadpool count of 1 or more")]
+    if method == "LLAMAFILE":
+        if inter % QK_K:
+            out.append(Problem(f"LLAMAFILE needs I % 256 == 0, I = {inter}",
+                               "use a method without this rule (BF16, AMXINT8) or a model whose I is a multiple of 256"))
+        elif inter // QK_K < parts:
+            out.append(Problem(f"LLAMAFILE needs I / 256 >= threadpool count, I = {inter}, threadpools = {parts}",
+                               f"use at most {inter // QK_K} threadpool(s)"))
+    elif method in ("AMXINT8", "AMXINT4"):
+        align = 64 if method == "AMXINT8" else 128
+        if inter % parts:
+            out.append(Problem(f"{method} needs I % threadpools == 0, I = {inter}, threadpools = {parts}",
+                               "pick a threadpool count that divides I"))
+        elif (inter // parts) % align:
+            out.append(Problem(f"{method} needs (I / threadpools) % {align} == 0, I / {parts} = {inter // parts}",
+                               "use fewer threadpools or another method"))
+        if hidden % align:
+            out.append(Problem(f"{method} needs H % {align} == 0, H = {hidden}", "use another method (LLAMAFILE, BF16)"))
+    return out
+
+
+def type_problems(method: str, types: dict[str, str]) -> list[Problem]:
+    """Weight types a method cannot run: LLAMAFILE aborts on Q4_1/Q5_1 and is unmeasured on others."""
+    out: list[Problem] = []
+    if method != "LLAMAFILE":
+        return out
+    for proj, t in types.items():
+        if t in LLAMAFILE_ABORTS:
+            out.append(Problem(f"LLAMAFILE aborts the process (SIGABRT) on {t} weights ({proj})",
+                               "requantize the experts to Q4_0/Q5_0/Q4_K/Q5_K/Q8_0 (ktconvert quantize --type)"))
+        elif t not in LLAMAFILE_TYPES:
+            out.append(Problem(f"LLAMAFILE has not been run here on {t} weights ({proj})",
+                               f"use one of {', '.join(LLAMAFILE_TYPES)}"))
+    return out

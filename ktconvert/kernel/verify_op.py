@@ -1,0 +1,144 @@
+"""``verify --kernel kt-kernel|both``: the CPU experts operator computed by the real kt-kernel.
+
+:class:`KernelRuntime` belongs to one verify run: it picks the method that reads the weights (LLAMAFILE for a
+GGUF, BF16 for HF bf16 experts, AMXINT8/AMXINT4 for a kt-amx directory given as ``kt_weights``), starts one
+child per method, loads each layer once and feeds batches over the pipe. With ``both`` every forward also
+runs the emulation, and the runtime keeps emulation-vs-kernel agreement per layer and phase
+(‖kernel − emulation‖ / ‖emulation‖ over the whole phase); the kernel's output is what flows on.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from torch import nn
+
+from ktconvert.kernel.runner import KernelRefused, KernelSession, bf16_bits_to_f32, f32_to_bf16_bits
+
+MODES = ("emulate", "kt-kernel", "both")
+
+
+class KernelRuntime:
+    def __init__(self, mode: str, *, kt_weights=None, threads: int = 1):
+        if mode not in MODES[1:]:
+            raise KernelRefused(f"unknown kernel mode {mode!r}", fix="use emulate, kt-kernel or both")
+        self.mode = mode
+        self.threads = threads
+        self.kt_weights = kt_weights
+        self._ktamx = None
+        if kt_weights is not None:
+            from ktconvert.kernel.ktamx_dir import scan_ktamx_dir
+
+            self._ktamx = scan_ktamx_dir(kt_weights)
+        self.sessions: dict[tuple[str, int], KernelSession] = {}
+        self.rows: list[dict] = []
+
+    def auto_profile(self, cfg) -> str | None:
+        """``--tolerance auto`` for a kt-amx ``kt_weights`` run: the profile measured for its method (the
+        experts of ``--weights`` do not say what the kernel reads)."""
+        if self._ktamx is None:
+            return None
+        bits = self._ktamx.bits(cfg.hidden_size, cfg.moe_intermediate_size)
+        return {8: "kt-amxint8", 4: "kt-amxint4"}.get(bits)
+
+    def _session(self, method: str, parts: int) -> KernelSession:
+        key = (method, parts)
+        if key not in self.sessions:
+            self.sessions[key] = KernelSession(method, threadpools=parts, threads=max(self.threads, parts))
+        return self.sessions[key]
+
+    def choose(self, source, blocks, cfg) -> tuple[str, int]:
+        """The method (and threadpool count) for this layer's weights, or a refusal saying what would fit."""
+        if self._ktamx is not None:
+            d = self._ktamx
+            la = d.layers.get(blocks.layer)
+            if la is None:
+                raise KernelRefused(f"the kt-amx directory has no layer {blocks.layer}", fix="pass the whole conversion")
+            bits = d.bits(cfg.hidden_size, cfg.moe_intermediate_size)
+            if bits is None:
+                raise KernelRefused("kt-amx tensor sizes fit neither INT8 nor INT4 for this config's H and I",
+                                    fix="pass the kt-amx directory written from this --model")
+            parts = la.parts
+            missing = d.missing(blocks.layer, cfg.num_experts, parts)
+            if missing:
+                raise KernelRefused(f"the kt-amx directory lacks {len(missing)} tensor(s) of layer {blocks.layer}, "
+                                    f"first {missing[0]}", fix="the conversion is incomplete: write it again")
+            return ("AMXINT8" if bits == 8 else "AMXINT4"), parts
+        if source.container == "gguf":
+            return "LLAMAFILE", 1
+        types = set(blocks.types().values())
+        if source.container == "safetensors" and types == {"BF16"}:
+            return "BF16", 1
+        if source.container == "safetensors":
+            raise KernelRefused(f"kt-kernel has no method for {'/'.join(sorted(types))} HF experts (layer "
+                                f"{blocks.layer}); BF16 reads bf16 releases",
+                                fix="verify a GGUF (LLAMAFILE), bf16 safetensors (BF16) or pass --kt-weights KT_AMX_DIR")
+        raise KernelRefused("kt-kernel does not read ktconvert's kernel-order safetensors (LLAMAFILE reads .gguf)",
+                            fix="convert with ktconvert quantize --to gguf, or verify with --kernel emulate")
+
+    def wrap(self, emulation: nn.Module, source, blocks, cfg, path: str) -> "KernelExperts":
+        method, parts = self.choose(source, blocks, cfg)
+        s = self._session(method, parts)
+        key = f"{path}@{id(source)}"
+        top_k = cfg.num_experts_per_tok
+        if method == "LLAMAFILE":
+            s.load_gguf_layer(key, blocks, top_k)
+        elif method == "BF16":
+            bits = {p: getattr(blocks, p).data.view(np.uint16).reshape(getattr(blocks, p).shape)
+                    for p in ("gate", "up", "down")}
+            s.load_bf16_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], top_k)
+        else:
+            s.load_ktamx_layer(key, self.kt_weights, blocks.layer, experts=cfg.num_experts, top_k=top_k,
+                               hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
+        row = {"module": path, "layer": blocks.layer, "kernel": "kt-kernel", "version": s.info.version,
+               "method": method, "variant": s.info.variant, "threadpools": parts,
+               "weights": "kt-amx " + str(self.kt_weights) if self._ktamx is not None else source.path,
+               "agreement": {} if self.mode == "both" else None}
+        self.rows.append(row)
+        return KernelExperts(self, s, key, emulation, row)
+
+    def summary(self) -> dict:
+        layers = []
+        for r in self.rows:
+            out = {k: v for k, v in r.items() if not k.startswith("_")}
+            if r["agreement"] is not None:
+                out["agreement"] = {ph: (float(np.sqrt(d / n)) if n > 0 else 0.0)
+                                    for ph, (d, n) in sorted(r["agreement"].items())}
+            layers.append(out)
+        return {"mode": self.mode, "layers": layers}
+
+    def close(self) -> None:
+        for s in self.sessions.values():
+            s.close()
+        self.sessions.clear()
+
+
+class KernelExperts(nn.Module):
+    """``forward(hidden [N, H], topk_ids [N, K], topk_weights [N, K])`` computed by kt-kernel."""
+
+    emulation = "kt-kernel"
+
+    def __init__(self, runtime: KernelRuntime, session: KernelSession, key: str, emulation: nn.Module, row: dict):
+        super().__init__()
+        self.runtime, self.session, self.key, self.row = runtime, session, key, row
+        self.emulated_op = emulation  # kept for ``both`` and for describe()
+
+    def describe(self) -> str:
+        r = self.row
+        both = "; emulation also run for agreement" if self.runtime.mode == "both" else ""
+        return (f"kt-kernel {r['version']} {r['method']} ({r['variant']} variant, {r['threadpools']} threadpool(s)); "
+                f"emulation would be: {self.emulated_op.describe()}{both}")
+
+    def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        x = hidden.detach().to(torch.float32).reshape(-1, hidden.shape[-1]).numpy()
+        ids = topk_ids.detach().to(torch.int64).numpy()
+        w = topk_weights.detach().to(torch.float32).numpy()
+        out = bf16_bits_to_f32(self.session.forward(self.key, f32_to_bf16_bits(x), ids, w))
+        result = torch.from_numpy(out.copy()).reshape(hidden.shape)
+        if self.runtime.mode == "both":
+            emu = self.emulated_op(hidden, topk_ids, topk_weights).to(torch.float32)
+            phase = "decode" if ids.shape[0] == 1 else "prefill"
+            d, n = self.row["agreement"].get(phase, (0.0, 0.0))
+            diff = (result - emu).double()
+            self.row["agreement"][phase] = (d + float((diff * diff).sum()), n + float((emu.double() ** 2).sum()))
+        return result.to(hidden.dtype)

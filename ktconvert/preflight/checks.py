@@ -1,0 +1,611 @@
+"""Preflight checks for a kt-kernel launch: one function per concern, each returning findings.
+
+Everything reads headers only (config.json, GGUF and safetensors headers, file names and sizes), except the
+MoE LoRA file, whose values are read to check they are finite (adapters are small). What each check guards
+against is in the kt-kernel facts §6-§7 and the LoRA facts §3: none of these is caught by the launch before
+the weights load, some crash, some run and print garbage, some silently run without kt.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ktconvert.kernel.methods import METHODS, shape_problems, type_problems
+from ktconvert.preflight.launch import SGLANG_METHOD_DEFAULT, SGLANG_THREADPOOLS_DEFAULT, Launch, nearest_flag
+
+ERROR, WARNING, INFO = "error", "warning", "info"
+PROJS = ("gate", "up", "down")
+# methods whose SFT (LoRA) classes exist in kt-kernel 0.7.2 (AMXBF16/AMXInt8/AMXInt4/AMXInt4_KGroup/AMXFP8/MXFP4 _SFT_MOE)
+SFT_METHODS = ("BF16", "AMXINT8", "AMXINT4", "RAWINT4", "FP8", "MXFP4")
+OTHER_METHODS = ("MOE_INT4", "MOE_INT8", "SYCL_GPTQ_INT4")  # valid upstream, not in the 0.7.2 wheel / not here
+
+
+@dataclass
+class Finding:
+    id: str
+    severity: str
+    message: str
+    fix: str
+    where: str | None = None  # the flag, file or tensor it is about
+
+    def line(self) -> str:
+        at = f"{self.where}: " if self.where else ""
+        return f"{self.severity} {self.id} {at}{self.message} (fix: {self.fix})"
+
+    def as_dict(self) -> dict:
+        return {"id": self.id, "severity": self.severity, "where": self.where, "message": self.message, "fix": self.fix}
+
+
+@dataclass
+class Ctx:
+    """What the checks share: the launch, typed numbers, the model's dims and the weight dir's format."""
+
+    launch: Launch
+    method: str
+    threadpools: int | None
+    cpuinfer: int | None
+    gpu_experts: int | None
+    dims: object | None = None  # ktconvert.formats.config.ModelDims
+    weights_format: str | None = None  # gguf | kt-amx | kt-tree | hf | None
+    ktamx: object | None = None  # KtAmxDir
+    amx_bits: int | None = None
+
+
+def _int(flag: str, value, out: list[Finding]) -> int | None:
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except (TypeError, ValueError):
+        out.append(Finding("PF101", ERROR, f"{value!r} is not an integer", f"pass a whole number to {flag}", flag))
+        return None
+
+
+def check_flags(launch: Launch, out: list[Finding]) -> Ctx:
+    method = (launch.method or SGLANG_METHOD_DEFAULT).upper()
+    if launch.method is None and launch.weight_path:
+        out.append(Finding("PF102", WARNING, f"--kt-method not given: sglang-kt uses {SGLANG_METHOD_DEFAULT}",
+                           "name the method that reads your --kt-weight-path", "--kt-method"))
+    if method not in METHODS and method not in OTHER_METHODS:
+        near = [m for m in METHODS if m.startswith(method[:4])]
+        out.append(Finding("PF103", ERROR, f"unknown kt-kernel method {launch.method!r}",
+                           f"use one of {', '.join(near or METHODS)}", "--kt-method"))
+    elif method in OTHER_METHODS:
+        out.append(Finding("PF104", ERROR, f"{method} is not in the kt-kernel 0.7.2 wheel",
+                           "use AMXINT4/AMXINT8 with a kt-amx dir, or LLAMAFILE with a GGUF", "--kt-method"))
+    threadpools = _int("--kt-threadpool-count", launch.threadpools, out)
+    if threadpools is None and launch.threadpools is None:
+        threadpools = SGLANG_THREADPOOLS_DEFAULT
+    cpuinfer = _int("--kt-cpuinfer", launch.cpuinfer, out)
+    gpu = _int("--kt-num-gpu-experts", launch.gpu_experts, out)
+    ctx = Ctx(launch, method, threadpools, cpuinfer, gpu)
+    if not launch.weight_path:
+        out.append(Finding("PF105", ERROR, "no --kt-weight-path: kt-kernel is off for this launch",
+                           "pass the CPU expert weights (kt-amx dir, GGUF, or the HF dir for BF16/FP8)", "--kt-weight-path"))
+    if launch.cpuinfer is None:
+        out.append(Finding("PF106", ERROR, "--kt-cpuinfer not given: None reaches the kt wrapper (TypeError at load, "
+                           "after the model has loaded)", "pass --kt-cpuinfer N (CPU threads for the experts)",
+                           "--kt-cpuinfer"))
+    if launch.gpu_experts is None and launch.gpu_ratio is None:
+        out.append(Finding("PF107", ERROR, "neither --kt-num-gpu-experts nor --kt-gpu-experts-ratio: sglang-kt warns "
+                           "and does not install the kt wrapper (the model runs without kt-kernel)",
+                           "pass --kt-num-gpu-experts N (0 for all experts on the CPU)", "--kt-num-gpu-experts"))
+    if gpu is not None and gpu < 0:
+        out.append(Finding("PF108", ERROR, f"--kt-num-gpu-experts {gpu} is negative", "pass 0 or more",
+                           "--kt-num-gpu-experts"))
+    if launch.gpu_ratio is not None:
+        try:
+            ratio = float(launch.gpu_ratio)
+            if not 0.0 <= ratio <= 1.0:
+                raise ValueError
+        except ValueError:
+            out.append(Finding("PF109", ERROR, f"--kt-gpu-experts-ratio {launch.gpu_ratio!r} is not in 0..1",
+                               "pass a fraction between 0 and 1", "--kt-gpu-experts-ratio"))
+    if threadpools is not None and threadpools < 1:
+        out.append(Finding("PF110", ERROR, f"--kt-threadpool-count {threadpools} is not positive", "pass 1 or more",
+                           "--kt-threadpool-count"))
+        ctx.threadpools = None
+    if cpuinfer is not None and ctx.threadpools:
+        if cpuinfer < ctx.threadpools:
+            out.append(Finding("PF111", ERROR, f"--kt-cpuinfer {cpuinfer} < --kt-threadpool-count {ctx.threadpools}: "
+                               "a threadpool would get no thread", "give every threadpool at least one thread",
+                               "--kt-cpuinfer"))
+        elif cpuinfer % ctx.threadpools:
+            out.append(Finding("PF112", WARNING, f"--kt-cpuinfer {cpuinfer} does not divide into {ctx.threadpools} "
+                               "threadpools: the first pools get one thread more",
+                               f"use a multiple of {ctx.threadpools}", "--kt-cpuinfer"))
+        cores = os.cpu_count() or 0
+        if cores and cpuinfer > cores:
+            out.append(Finding("PF113", WARNING, f"--kt-cpuinfer {cpuinfer} is above the {cores} CPUs here",
+                               f"use at most {cores} (fewer if the GPU side needs CPU threads)", "--kt-cpuinfer"))
+    if launch.numa_nodes is not None and ctx.threadpools and len(launch.numa_nodes) != ctx.threadpools:
+        out.append(Finding("PF114", ERROR, f"{len(launch.numa_nodes)} --kt-numa-nodes for {ctx.threadpools} threadpools",
+                           "give one NUMA node per threadpool", "--kt-numa-nodes"))
+    for flag in launch.unknown_flags:
+        near = nearest_flag(flag)
+        out.append(Finding("PF115", ERROR, f"{flag} is not a flag of sglang-kt 0.7.2 (argparse refuses the launch)",
+                           f"did you mean {near}?" if near else "remove it", flag))
+    for pair in launch.abbreviated:
+        short, full = pair.split("=")
+        out.append(Finding("PF117", WARNING, f"{short} is an abbreviation that argparse reads as {full}",
+                           f"write {full} in full (an abbreviation breaks when a longer flag is added)", short))
+    if launch.seed_flags:
+        out.append(Finding("PF116", WARNING, f"{', '.join(sorted(launch.seed_flags))}: seed-era MoE-LoRA flags of the "
+                           "development branch; sglang-kt 0.7.2 has no such flags and refuses them",
+                           "on 0.7.2 serve the converted adapter with --kt-expert-lora-path (expert-only) or "
+                           "--lora-paths (merged): ktconvert convert-lora", sorted(launch.seed_flags)[0]))
+    return ctx
+
+
+def check_model(ctx: Ctx, out: list[Finding]) -> None:
+    from ktconvert.formats.config import dims_from_hf_config, load_config
+
+    mp = ctx.launch.model_path
+    if not mp:
+        out.append(Finding("PF120", ERROR, "no --model-path: the model's H, I, E and MoE layers cannot be checked",
+                           "pass --model-path HF_DIR (the launch needs it too)", "--model-path"))
+        return
+    cfg_path = Path(mp) / "config.json"
+    if not cfg_path.is_file():
+        out.append(Finding("PF121", ERROR, "no config.json", "--model-path takes the Hugging Face model directory",
+                           str(cfg_path)))
+        return
+    dims = dims_from_hf_config(load_config(cfg_path), str(cfg_path))
+    if not (dims.hidden_size and dims.moe_intermediate_size and dims.n_experts and dims.moe_layers):
+        out.append(Finding("PF122", ERROR, "config.json does not give H, I, the expert count and the MoE layers",
+                           "is this a MoE model's config?", str(cfg_path)))
+        return
+    ctx.dims = dims
+    if ctx.gpu_experts is not None and ctx.gpu_experts > dims.n_experts:
+        out.append(Finding("PF123", ERROR, f"--kt-num-gpu-experts {ctx.gpu_experts} > the model's {dims.n_experts} "
+                           "experts per layer", f"pass 0..{dims.n_experts}", "--kt-num-gpu-experts"))
+    if ctx.method in METHODS and ctx.threadpools:
+        for p in shape_problems(ctx.method, hidden=dims.hidden_size, inter=dims.moe_intermediate_size,
+                                parts=ctx.threadpools):
+            out.append(Finding("PF124", ERROR, p.what, p.fix, "--kt-method"))
+
+
+def _detect_format(path: Path) -> str | None:
+    from ktconvert.kernel.ktamx_names import parse_ktamx_name
+
+    if path.is_file():
+        return "gguf" if path.suffix == ".gguf" else None
+    if not path.is_dir():
+        return None
+    if any(path.glob("*.gguf")):
+        return "gguf"
+    st = sorted(path.rglob("*.safetensors"))
+    if st:
+        try:
+            names = _safetensors_names(st[0])
+        except Exception:
+            names = []
+        if any(parse_ktamx_name(n) for n in names) or any(".numa." in n for n in names):
+            return "kt-amx"
+        return "hf"
+    if any(path.glob("_layer_*/_numa_*/*.kt")):
+        return "kt-tree"
+    return None
+
+
+def _safetensors_names(f: Path) -> list[str]:
+    from ktconvert.kernel.ktamx_dir import header_entries
+
+    return [e.name for e in header_entries(f)]
+
+
+def check_weights(ctx: Ctx, out: list[Finding]) -> None:
+    wp = ctx.launch.weight_path
+    if not wp:
+        return
+    path = Path(wp)
+    if not path.exists():
+        out.append(Finding("PF130", ERROR, "the weight path does not exist", "pass the converted expert weights",
+                           wp))
+        return
+    fmt = _detect_format(path)
+    ctx.weights_format = fmt
+    m = ctx.method
+    want = METHODS[m].fmt if m in METHODS else None
+    if fmt is None:
+        out.append(Finding("PF131", ERROR, "neither a GGUF, a kt-amx dir, a .kt tree nor a safetensors checkpoint",
+                           "pass the directory the converter wrote", wp))
+        return
+    if want == "gguf" and fmt != "gguf":
+        out.append(Finding("PF132", ERROR, f"LLAMAFILE reads .gguf files; this is {_format_words(fmt)} "
+                           "(the launch fails: no .gguf found)",
+                           _method_for(fmt), wp))
+        return
+    if want and want.startswith("kt-amx") and fmt not in ("kt-amx", "kt-tree"):
+        out.append(Finding("PF133", ERROR, f"{m} reads a kt-amx directory; this is {_format_words(fmt)} "
+                           "(it would look for _layer_L/_numa_N/*.kt files and fail)", _method_for(fmt), wp))
+        return
+    if want in ("hf-bf16", "hf-fp8", "hf-release") and fmt != "hf":
+        out.append(Finding("PF134", ERROR, f"{m} reads the HF checkpoint as released; this is {_format_words(fmt)}",
+                           _method_for(fmt), wp))
+        return
+    if fmt == "gguf":
+        _check_gguf(ctx, path, out)
+    elif fmt == "kt-amx":
+        _check_ktamx(ctx, path, out)
+    elif fmt == "kt-tree":
+        _check_kt_tree(ctx, path, out)
+    elif fmt == "hf":
+        _check_hf(ctx, path, out)
+
+
+def _format_words(fmt: str) -> str:
+    return {"gguf": "a GGUF", "kt-amx": "a kt-amx directory", "kt-tree": "a kt-kernel .kt tree",
+            "hf": "a Hugging Face safetensors checkpoint"}[fmt]
+
+
+def _method_for(fmt: str) -> str:
+    return {"gguf": "use --kt-method LLAMAFILE for a GGUF",
+            "kt-amx": "use --kt-method AMXINT8 or AMXINT4 (as the dir was written) for a kt-amx dir",
+            "kt-tree": "use --kt-method AMXINT8 or AMXINT4 for a .kt tree",
+            "hf": "use --kt-method BF16 (bf16 release) or FP8 (FP8 release) for an HF checkpoint, or convert it"}[fmt]
+
+
+def _check_gguf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
+    from ktconvert.formats.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(path)
+    dims = ctx.dims
+    if dims is None:
+        return
+    e, i, h = dims.n_experts, dims.moe_intermediate_size, dims.hidden_size
+    want = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
+    missing, shown, typed = [], False, False
+    for layer in sorted(dims.moe_layers):
+        types = {}
+        for p in PROJS:
+            name = f"blk.{layer}.ffn_{p}_exps.weight"
+            if name not in ck:
+                missing.append(name)
+                continue
+            info = ck[name]
+            types[p] = info.dtype
+            if tuple(info.shape) != want[p] and not shown:
+                shown = True
+                out.append(Finding("PF140", ERROR, f"shape {list(info.shape)} (numpy order), the config needs "
+                                   f"{list(want[p])}", "convert from this --model-path (ktconvert quantize)", name))
+        if ctx.method == "LLAMAFILE" and not typed:
+            probs = type_problems("LLAMAFILE", types)
+            if probs:
+                typed = True
+                out.append(Finding("PF141", ERROR, probs[0].what, probs[0].fix, f"blk.{layer}.ffn_*_exps.weight"))
+    if missing:
+        out.append(Finding("PF142", ERROR, f"{len(missing)} expert tensor(s) of the MoE layers missing, first "
+                           f"{missing[0]}", "convert the whole model", str(path)))
+
+
+def _check_ktamx(ctx: Ctx, path: Path, out: list[Finding]) -> None:
+    from ktconvert.kernel.ktamx_dir import scan_ktamx_dir
+
+    d = scan_ktamx_dir(path)
+    ctx.ktamx = d
+    parts = d.parts
+    if len(parts) > 1:
+        out.append(Finding("PF150", ERROR, f"layers were written for different numa part counts {sorted(parts)}",
+                           "write the whole directory with one threadpool count", str(path)))
+    p_disk = max(parts) if parts else 0
+    if ctx.threadpools and p_disk and p_disk != ctx.threadpools:
+        what = ("runs and prints garbage (measured rel. error 1.35)" if ctx.threadpools < p_disk
+                else "crashes (segfault) at load")
+        out.append(Finding("PF151", ERROR, f"the dir holds {p_disk} numa part(s) per expert, --kt-threadpool-count is "
+                           f"{ctx.threadpools}: kt-kernel does not check this and {what}",
+                           f"launch with --kt-threadpool-count {p_disk}, or convert again for {ctx.threadpools}",
+                           "--kt-threadpool-count"))
+    dims = ctx.dims
+    if dims is None:
+        return
+    bits = d.bits(dims.hidden_size, dims.moe_intermediate_size)
+    ctx.amx_bits = bits
+    name_hint = next((b for b in (8, 4) if f"INT{b}" in path.name.upper()), None)
+    if bits is None:
+        out.append(Finding("PF152", ERROR, "expert tensor sizes fit neither INT8 nor INT4 for this model's H and I",
+                           "pass the kt-amx dir converted from this --model-path", str(path)))
+    elif ctx.method in ("AMXINT8", "AMXINT4") and int(ctx.method[-1]) != bits:
+        what = ("crashes (segfault)" if bits == 4 else "runs and prints garbage (measured rel. error 3.0)")
+        out.append(Finding("PF153", ERROR, f"an INT{bits} kt-amx dir under --kt-method {ctx.method}: kt-kernel {what}",
+                           f"use --kt-method AMXINT{bits}, or the INT{8 if bits == 4 else 4} conversion",
+                           "--kt-method"))
+    if bits is not None and name_hint is not None and name_hint != bits:
+        out.append(Finding("PF154", WARNING, f"the directory name says INT{name_hint} but the tensors are INT{bits}",
+                           "rename the directory after what it holds", str(path)))
+    if p_disk:
+        missing = []
+        for layer in sorted(dims.moe_layers):
+            missing += d.missing(layer, dims.n_experts, p_disk)
+        extra = sorted(set(d.layers) - set(dims.moe_layers))
+        if missing:
+            out.append(Finding("PF155", ERROR, f"{len(missing)} kt-amx tensor(s) missing, first {missing[0]}",
+                               "the conversion is incomplete: write it again", str(path)))
+        if extra:
+            out.append(Finding("PF156", WARNING, f"layers {extra} are not MoE layers of this model",
+                               "is this the conversion of --model-path?", str(path)))
+        _check_ktamx_sizes(ctx, d, p_disk, bits, out)
+
+
+def _check_ktamx_sizes(ctx: Ctx, d, parts: int, bits: int | None, out: list[Finding]) -> None:
+    """dtype and byte size of every tensor: the C++ copies fixed sizes without checking the lengths."""
+    dims = ctx.dims
+    h, i = dims.hidden_size, dims.moe_intermediate_size
+    if bits is None or i % parts:
+        return
+    from ktconvert.kernel.ktamx_names import tensor_name
+
+    ip = i // parts
+    weight = {p: ((ip if p != "down" else h) * (h if p != "down" else ip) * bits // 8, "I8") for p in PROJS}
+    scale = {p: ((ip if p != "down" else h) * 4, "F32") for p in PROJS}
+    bad = [(name, dtype, nbytes) for la in d.layers.values() for name, (dtype, nbytes, _f) in la.tensors.items()
+           if (dtype != (want := (weight if name.kind == "weight" else scale)[name.proj])[1] or nbytes != want[0])]
+    if bad:
+        name, dtype, nbytes = min(bad)
+        want = (weight if name.kind == "weight" else scale)[name.proj]
+        out.append(Finding("PF157", ERROR, f"{dtype}, {nbytes} bytes; INT{bits} with {parts} part(s) needs "
+                           f"{want[1]}, {want[0]} bytes", "the tensor was written for another shape: convert again",
+                           tensor_name(*name)))
+
+
+def _check_kt_tree(ctx: Ctx, path: Path, out: list[Finding]) -> None:
+    numa = {p.name for p in path.glob("_layer_*/_numa_*")}
+    parts = len(numa)
+    kinds = {f.name.split("_", 1)[0] for f in path.glob("_layer_*/_numa_*/*.kt")}
+    if ctx.threadpools and parts != ctx.threadpools:
+        out.append(Finding("PF151", ERROR, f"the .kt tree has {parts} numa part(s), --kt-threadpool-count is "
+                           f"{ctx.threadpools}", f"launch with --kt-threadpool-count {parts}", "--kt-threadpool-count"))
+    if ctx.method in ("AMXINT8", "AMXINT4") and kinds and kinds != {ctx.method[3:]}:
+        out.append(Finding("PF153", ERROR, f"a .kt tree of {'/'.join(sorted(kinds))} files under --kt-method {ctx.method}",
+                           f"use --kt-method AMX{sorted(kinds)[0]}", "--kt-method"))
+
+
+def _check_hf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
+    from ktconvert.formats.checkpoint import open_checkpoint
+
+    ck = open_checkpoint(path)
+    experts = {n: info for n, info in ck.items() if ".experts." in n and not n.endswith("_scale_inv")}
+    if not experts:
+        out.append(Finding("PF160", ERROR, "no expert tensors (…experts…) in this checkpoint",
+                           "pass the MoE checkpoint", str(path)))
+        return
+    dtypes = {info.dtype for info in experts.values() if info.name.endswith("weight") or "proj" in info.name}
+    if ctx.method == "BF16" and dtypes != {"BF16"}:
+        out.append(Finding("PF161", ERROR, f"BF16 reads bf16 experts; these are {'/'.join(sorted(dtypes))}",
+                           "use the bf16 release, or convert (ktconvert quantize) for LLAMAFILE", str(path)))
+    if ctx.method == "FP8":
+        if "F8_E4M3" not in dtypes or not any(n.endswith("_scale_inv") for n in ck):
+            out.append(Finding("PF162", ERROR, "FP8 reads F8_E4M3 experts with weight_scale_inv block scales; "
+                               f"these are {'/'.join(sorted(dtypes))}", "use the FP8 release", str(path)))
+    if ctx.dims is not None:
+        layers = {int(n.split(".")[2]) for n in experts if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
+        lacking = sorted(set(ctx.dims.moe_layers) - layers)
+        if lacking:
+            out.append(Finding("PF163", ERROR, f"MoE layers {lacking[:5]} have no expert tensors",
+                               "pass the whole checkpoint", str(path)))
+
+
+def check_lora(ctx: Ctx, out: list[Finding]) -> None:
+    lc = ctx.launch
+    if lc.kt_lora_path and lc.expert_lora_path and lc.kt_lora_path != lc.expert_lora_path:
+        out.append(Finding("PF170", ERROR, "--kt-lora-path and --kt-expert-lora-path point to different adapters",
+                           "pass one: --kt-expert-lora-path (--kt-lora-path is its deprecated alias)", "--kt-lora-path"))
+    expert = lc.expert_lora_path or lc.kt_lora_path
+    if expert:
+        _check_expert_adapter(ctx, Path(expert), out)
+        if lc.lora_paths:
+            out.append(Finding("PF171", ERROR, "--kt-expert-lora-path cannot be combined with --lora-paths",
+                               "serve a merged adapter with --lora-paths alone, or the expert-only one alone",
+                               "--lora-paths"))
+        if ctx.gpu_experts not in (None, 0):
+            out.append(Finding("PF172", ERROR, f"expert LoRA needs --kt-num-gpu-experts 0, not {ctx.gpu_experts}",
+                               "pass --kt-num-gpu-experts 0", "--kt-num-gpu-experts"))
+        if ctx.method not in SFT_METHODS:
+            out.append(Finding("PF173", ERROR, f"expert LoRA runs through kt-kernel's SFT path, which {ctx.method} has not",
+                               f"use one of {', '.join(SFT_METHODS)} with the weights it reads", "--kt-method"))
+    for entry in lc.lora_paths or []:
+        p = Path(entry.split("=", 1)[-1])
+        if p.is_file():
+            out.append(Finding("PF174", ERROR, "--lora-paths expects an adapter directory, not a file",
+                               "pass the directory holding adapter_config.json", str(p)))
+        elif (p / "fused_expert_lora.safetensors").is_file():
+            out.append(Finding("PF175", ERROR, "a raw KT training adapter (fused_expert_lora.safetensors)",
+                               "convert it first: ktconvert convert-lora", str(p)))
+    if lc.moe_lora_path:
+        _check_stacked_lora(ctx, Path(lc.moe_lora_path), out)
+    if lc.moe_sft_method:
+        sft = lc.moe_sft_method.upper()
+        if sft not in SFT_METHODS:
+            out.append(Finding("PF176", ERROR, f"--kt-moe-sft-method {lc.moe_sft_method}: kt-kernel has no SFT path for it",
+                               f"use one of {', '.join(SFT_METHODS)}", "--kt-moe-sft-method"))
+        elif ctx.weights_format and METHODS[sft].fmt.split("-int")[0] != _family(ctx):
+            out.append(Finding("PF177", ERROR, f"--kt-moe-sft-method {sft} reads {METHODS[sft].reads}; the weights are "
+                               f"{_format_words(ctx.weights_format)}", _method_for(ctx.weights_format),
+                               "--kt-moe-sft-method"))
+        elif sft in ("AMXINT8", "AMXINT4") and ctx.amx_bits and int(sft[-1]) != ctx.amx_bits:
+            out.append(Finding("PF177", ERROR, f"--kt-moe-sft-method {sft} on an INT{ctx.amx_bits} kt-amx dir",
+                               f"use AMXINT{ctx.amx_bits}", "--kt-moe-sft-method"))
+
+
+def _family(ctx: Ctx) -> str:
+    fmt = ctx.weights_format
+    return {"kt-amx": "kt-amx", "kt-tree": "kt-amx", "gguf": "gguf"}.get(fmt, "hf")
+
+
+def _check_expert_adapter(ctx: Ctx, p: Path, out: list[Finding]) -> None:
+    if not ctx.launch.weight_path:
+        out.append(Finding("PF178", ERROR, "--kt-expert-lora-path needs --kt-weight-path", "pass the expert weights",
+                           "--kt-expert-lora-path"))
+    if p.is_file():
+        out.append(Finding("PF179", ERROR, "is a file; pass the converted expert adapter directory",
+                           "ktconvert convert-lora writes it", str(p)))
+        return
+    if (p / "fused_expert_lora.safetensors").is_file():
+        out.append(Finding("PF175", ERROR, "a raw KT training adapter (fused_expert_lora.safetensors)",
+                           "convert it first: ktconvert convert-lora RAW OUT --base-config config.json", str(p)))
+        return
+    model = p / "adapter_model.safetensors"
+    if not (p / "adapter_config.json").is_file() or not model.is_file():
+        out.append(Finding("PF180", ERROR, "must contain adapter_config.json and adapter_model.safetensors",
+                           "pass the converted adapter directory", str(p)))
+        return
+    if _not_safetensors(model, out):
+        return
+    names = _safetensors_names(model)
+    expert = [n for n in names if ".mlp.experts." in n and any(f".{x}_proj." in n for x in PROJS)]
+    if not expert:
+        out.append(Finding("PF181", ERROR, "contains no converted per-expert gate_proj/up_proj/down_proj tensors",
+                           "convert the adapter for kt (ktconvert convert-lora)", str(model)))
+    elif len(expert) != len(names):
+        out.append(Finding("PF182", ERROR, "holds non-expert tensors too: --kt-expert-lora-path expects an expert-only "
+                           "adapter", "pass the merged adapter through --lora-paths instead", str(model)))
+
+
+def _not_safetensors(f: Path, out: list[Finding]) -> bool:
+    from ktconvert.formats.sniff import describe, sniff
+
+    with open(f, "rb") as fh:
+        kind = sniff(fh.read(16))
+    if kind in ("pickle", "zip"):
+        out.append(Finding("PF183", ERROR, f"is {describe(kind)} under a .safetensors name (the launch fails with "
+                           "'header too large')", "save it with safetensors.torch.save_file (never load pickles "
+                           "you did not write)", str(f)))
+        return True
+    return False
+
+
+def _check_stacked_lora(ctx: Ctx, f: Path, out: list[Finding]) -> None:
+    """The seed-era ``--kt-moe-lora-path``: kt-kernel's stacked file ``layers.L.experts.{p}_lora_{a,b}``."""
+    import re
+
+    if not f.is_file():
+        out.append(Finding("PF184", ERROR, "no such file", "pass the stacked MoE LoRA .safetensors", str(f)))
+        return
+    if _not_safetensors(f, out):
+        return
+    try:
+        from safetensors.numpy import load_file
+
+        tensors = load_file(str(f))
+    except Exception as exc:
+        out.append(Finding("PF185", ERROR, f"not a readable safetensors file: {exc}", "write it again", str(f)))
+        return
+    key = re.compile(r"^layers\.(\d+)\.experts\.(gate|up|down)_lora_(a|b)$")
+    found: dict[tuple[int, str, str], tuple] = {}
+    stray = []
+    for name, arr in tensors.items():
+        m = key.match(name)
+        if m is None:
+            stray.append(name)
+        else:
+            found[(int(m.group(1)), m.group(2), m.group(3))] = arr
+    if not found:
+        out.append(Finding("PF186", ERROR, "not kt-kernel's stacked MoE LoRA form (layers.L.experts.{gate,up,down}_lora_"
+                           "{a,b})", "convert it: ktconvert convert-lora", str(f)))
+        return
+    if stray:
+        out.append(Finding("PF187", WARNING, f"{len(stray)} tensor(s) outside the stacked form, first {stray[0]}",
+                           "remove them (the kernel ignores them)", str(f)))
+    ranks = {arr.shape[1] for (_, p, ab), arr in found.items() if ab == "a" and arr.ndim == 3}
+    rank = _int("--kt-moe-lora-rank", ctx.launch.moe_lora_rank, out)
+    if len(ranks) > 1:
+        out.append(Finding("PF188", ERROR, f"tensors disagree on the rank: {sorted(ranks)}", "write it again", str(f)))
+    elif rank is not None and ranks and rank not in ranks:
+        out.append(Finding("PF189", ERROR, f"--kt-moe-lora-rank {rank}, the file's rank is {ranks.pop()}",
+                           "pass the adapter's rank", "--kt-moe-lora-rank"))
+    r = rank if rank is not None else (min(ranks) if ranks else None)
+    dims = ctx.dims
+    if dims is not None and r is not None:
+        e, h, i = dims.n_experts, dims.hidden_size, dims.moe_intermediate_size
+        want = {("gate", "a"): (e, r, h), ("up", "a"): (e, r, h), ("gate", "b"): (e, i, r), ("up", "b"): (e, i, r),
+                ("down", "a"): (e, r, i), ("down", "b"): (e, h, r)}
+        for layer in sorted(dims.moe_layers):
+            for (p, ab), shape in want.items():
+                arr = found.get((layer, p, ab))
+                name = f"layers.{layer}.experts.{p}_lora_{ab}"
+                if arr is None:
+                    out.append(Finding("PF190", ERROR, "missing: the server raises KeyError at load",
+                                       "train or convert the adapter for every MoE layer", name))
+                    return
+                if tuple(arr.shape) != shape:
+                    out.append(Finding("PF191", ERROR, f"shape {list(arr.shape)}, the model needs {list(shape)} "
+                                       "([E, r, H] / [E, I, r] / [E, r, I] / [E, H, r])",
+                                       "is this the adapter of --model-path?", name))
+                    return
+    import numpy as np
+
+    for (layer, p, ab), arr in sorted(found.items()):
+        if not np.all(np.isfinite(arr.astype(np.float32))):
+            out.append(Finding("PF192", ERROR, "holds NaN/Inf (nothing in the stack checks this)",
+                               "the training diverged: use an earlier checkpoint", f"layers.{layer}.experts.{p}_lora_{ab}"))
+            break
+    cfg_path = f.parent / "adapter_config.json"
+    if cfg_path.is_file():
+        try:
+            cfg = json.loads(cfg_path.read_text())
+        except ValueError as exc:
+            out.append(Finding("PF193", ERROR, f"not valid JSON: {exc}", "fix the adapter config", str(cfg_path)))
+            return
+        cr, ca = cfg.get("r"), cfg.get("lora_alpha")
+        if r is not None and isinstance(cr, int) and cr != r:
+            out.append(Finding("PF194", ERROR, f"adapter_config.json r = {cr}, the launch/file rank is {r}",
+                               "pass the rank the adapter was trained with", "--kt-moe-lora-rank"))
+        alpha = ctx.launch.moe_lora_alpha
+        if alpha is not None and isinstance(ca, (int, float)):
+            try:
+                if float(alpha) != float(ca):
+                    out.append(Finding("PF195", ERROR, f"--kt-moe-lora-alpha {alpha}, adapter_config.json lora_alpha = "
+                                       f"{ca}: the scaling alpha/r would differ from training",
+                                       f"pass --kt-moe-lora-alpha {ca}", "--kt-moe-lora-alpha"))
+            except ValueError:
+                out.append(Finding("PF101", ERROR, f"{alpha!r} is not a number", "pass a number",
+                                   "--kt-moe-lora-alpha"))
+    elif ctx.launch.moe_lora_alpha is None:
+        out.append(Finding("PF196", WARNING, "no --kt-moe-lora-alpha and no adapter_config.json: alpha defaults to r",
+                           "pass the alpha the adapter was trained with", "--kt-moe-lora-alpha"))
+
+
+_BACKENDS = {"llamafile": "LLAMAFILE", "amxint8": "AMXINT8", "amxint4": "AMXINT4", "amxbf16": "BF16"}
+
+
+def check_rules(ctx: Ctx, rules: str, out: list[Finding]) -> None:
+    """The rule file's CPU experts ``backend`` kwarg names the same kernel method as the launch."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(rules).read_text())
+    except (OSError, yaml.YAMLError) as exc:
+        out.append(Finding("PF200", ERROR, f"cannot read the rule file: {exc}".splitlines()[0],
+                           "check it with ktconvert check-rules", rules))
+        return
+    seen = set()
+    for i, rule in enumerate(data if isinstance(data, list) else []):
+        kwargs = ((rule or {}).get("replace") or {}).get("kwargs") or {}
+        backend = kwargs.get("backend")
+        if isinstance(backend, str):
+            seen.add((i, backend))
+    for i, backend in sorted(seen):
+        method = _BACKENDS.get(backend.lower())
+        if method and ctx.method in METHODS and method != ctx.method:
+            out.append(Finding("PF201", ERROR, f"rule {i} runs the CPU experts with backend {backend} ({method}), the "
+                               f"launch with --kt-method {ctx.method}", "make the rule file and the launch agree",
+                               f"{rules}:rule {i}"))
+
+
+def run_checks(launch: Launch, rules: str | None = None) -> list[Finding]:
+    """Every finding for ``launch`` (and the rule file, if given), in check order."""
+    out: list[Finding] = []
+    ctx = check_flags(launch, out)
+    check_model(ctx, out)
+    if ctx.method in METHODS or ctx.method in OTHER_METHODS:
+        check_weights(ctx, out)
+    check_lora(ctx, out)
+    if rules:
+        check_rules(ctx, rules, out)
+    return out
+
+
+__all__ = ["Finding", "run_checks"]

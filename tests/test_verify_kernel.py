@@ -1,0 +1,231 @@
+"""``verify --kernel kt-kernel|both``: the CPU experts computed by the real kt-kernel in a child process.
+
+Correct Q8_0, Q4_K and BF16 GGUFs from ``ktconvert quantize`` pass under their profiles (LLAMAFILE), HF bf16
+experts pass (BF16), a GGUF whose experts of one layer are in the wrong order fails at that layer, and ``both``
+reports emulation-vs-kernel agreement per layer. The verify process itself never imports kt_kernel.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from kernel_helpers import require_kernel
+from ktconvert.cli import cli
+from ktconvert.model.inject import EmulationOptions
+from ktconvert.verify import run_verify
+from verify_helpers import Workspace
+
+FAMILY = "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def ws(tiny_root, tmp_path_factory):
+    w = Workspace(tmp_path_factory.mktemp("vk"))
+    w.model = lambda family: tiny_root / family  # the session's tiny models
+    return w
+
+
+def _verify(ws, weights, kernel="kt-kernel", **kw):
+    return run_verify(ws.model(FAMILY), ws.rules(FAMILY), ws.golden(FAMILY), weights=weights,
+                      options=EmulationOptions(kernel=kernel), **kw)
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_K", "BF16"])
+def test_correct_gguf_passes_through_the_kernel(ws, qtype):
+    info = require_kernel()
+    report = _verify(ws, ws.converted(FAMILY, qtype))
+    assert report.passed, [b.line() for b in report.breaches]
+    rows = report.kernel["layers"]
+    assert [r["layer"] for r in rows] == [0, 1]
+    assert {(r["kernel"], r["method"], r["variant"]) for r in rows} == {("kt-kernel", "LLAMAFILE", info["variant"])}
+    assert "kt_kernel" not in sys.modules and "kt_kernel_ext" not in sys.modules
+
+
+def _experts_reordered(src, dst, layer):
+    """A copy of ``src`` whose experts of ``layer`` are stored in reverse order (every projection)."""
+    from ktconvert.formats import open_checkpoint
+
+    data = bytearray(open(src, "rb").read())
+    ck = open_checkpoint(src)
+    for proj in ("gate", "up", "down"):
+        info = ck[f"blk.{layer}.ffn_{proj}_exps.weight"]
+        per = info.nbytes // info.shape[0]
+        block = bytes(data[info.offset:info.offset + info.nbytes])
+        experts = [block[e * per:(e + 1) * per] for e in range(info.shape[0])]
+        data[info.offset:info.offset + info.nbytes] = b"".join(reversed(experts))
+    open(dst, "wb").write(bytes(data))
+    return dst
+
+
+def test_experts_in_the_wrong_order_fail_at_their_layer(ws, tmp_path):
+    require_kernel()
+    bad = _experts_reordered(ws.converted(FAMILY, "Q8_0"), tmp_path / "reordered.gguf", 1)
+    report = _verify(ws, bad)
+    assert not report.passed
+    for phase in report.phases:
+        assert phase.localization["layer"] == "layer 1", phase.localization
+        assert phase.localization["module"] == "model.layers.1.mlp.experts"
+
+
+def test_both_reports_agreement_per_layer(ws):
+    info = require_kernel()
+    report = _verify(ws, ws.converted(FAMILY, "Q8_0"), kernel="both")
+    assert report.passed
+    for row in report.kernel["layers"]:
+        assert set(row["agreement"]) == {"prefill", "decode"}
+        # measured on the avx512_bf16 variant: <= 5e-5 for Q8_0 (the emulation reproduces the kernel's activation
+        # rounding); other variants (amx on Intel) are not measured, so only a finite agreement is required there
+        limit = 5e-4 if info["variant"] == "avx512_bf16" else float("inf")
+        assert all(0 <= v < limit for v in row["agreement"].values()), row
+
+
+def test_hf_bf16_experts_run_the_bf16_method(ws, tmp_path):
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    require_kernel()
+    src = ws.model(FAMILY)
+    out = tmp_path / "bf16"
+    out.mkdir()
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_bytes((src / "config.json").read_bytes())
+    report = _verify(ws, out)
+    assert report.passed, [b.line() for b in report.breaches]
+    assert {r["method"] for r in report.kernel["layers"]} == {"BF16"}
+
+
+def test_refusals_before_anything_runs(ws):
+    r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)),
+                                 "--golden", str(ws.golden(FAMILY)), "--kt-weights", str(ws.model(FAMILY))])
+    assert r.exit_code == 2 and "--kt-weights is read by the real kernel only" in r.output, r.output
+    require_kernel()
+    # float32 HF experts: no kt-kernel method reads them
+    r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)),
+                                 "--golden", str(ws.golden(FAMILY)), "--kernel", "kt-kernel"])
+    assert r.exit_code == 2, r.output
+    assert "kt-kernel has no method for F32 HF experts (layer 0)" in r.output
+    # ktconvert's kernel-order safetensors: LLAMAFILE reads .gguf only
+    st = ws.converted(FAMILY, "Q8_0", fmt="safetensors")
+    r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)),
+                                 "--golden", str(ws.golden(FAMILY)), "--weights", str(st), "--kernel", "both"])
+    assert r.exit_code == 2 and "does not read ktconvert's kernel-order safetensors" in r.output, r.output
+
+
+def test_json_report_names_the_kernel_and_fits_the_schema(ws):
+    import jsonschema
+
+    from ktconvert import resources
+
+    require_kernel()
+    r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)),
+                                 "--golden", str(ws.golden(FAMILY)), "--weights", str(ws.converted(FAMILY, "Q4_K")),
+                                 "--kernel", "both", "-o", "json"])
+    assert r.exit_code == 0, r.output
+    d = json.loads(r.output)
+    jsonschema.Draft202012Validator(resources.load_schema("verify-report")).validate(d)
+    assert d["options"]["kernel"] == "both" and d["kernel"]["layers"][0]["method"] == "LLAMAFILE"
+    assert np.isfinite(d["kernel"]["layers"][0]["agreement"]["decode"])
+
+
+@pytest.fixture(scope="module")
+def ktamx_dirs(ws, tmp_path_factory):
+    """kt-amx directories (2 numa parts) of the tiny model's experts, written by kt-kernel's own quantizer."""
+    from ktconvert.kernel.kttree import ktamx_by_kernel
+
+    require_kernel()
+    root = tmp_path_factory.mktemp("amx")
+    return {m: (ktamx_by_kernel(ws.model(FAMILY), root / m, m, 2), root / m)[1] for m in ("AMXINT8", "AMXINT4")}
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+def test_ktamx_dir_passes_through_the_amx_method(ws, ktamx_dirs, method):
+    report = _verify(ws, None, kt_weights=ktamx_dirs[method])  # --tolerance auto: the method's profile
+    assert report.profile.name == f"kt-{method.lower()}"
+    assert report.passed, [b.line() for b in report.breaches]
+    assert {(r["method"], r["threadpools"]) for r in report.kernel["layers"]} == {(method, 2)}
+
+
+def test_ktamx_dir_with_swapped_numa_parts_fails_at_that_layer(ws, ktamx_dirs, tmp_path):
+    from safetensors.numpy import load_file, save_file
+
+    bad = tmp_path / "swapped"
+    bad.mkdir()
+    for f in sorted(ktamx_dirs["AMXINT8"].glob("*.safetensors")):
+        tensors = load_file(str(f))
+        for e in range(8):
+            a, b = f"blk.1.ffn_gate_exps.{e}.numa.0.weight", f"blk.1.ffn_gate_exps.{e}.numa.1.weight"
+            if a in tensors:
+                tensors[a], tensors[b] = tensors[b], tensors[a]
+        save_file(tensors, str(bad / f.name))
+    report = _verify(ws, None, kt_weights=bad, profile="kt-amxint8")
+    assert not report.passed
+    for phase in report.phases:
+        assert phase.localization["layer"] == "layer 1", phase.localization
+
+
+def test_incomplete_ktamx_dir_is_refused_before_loading(ws, ktamx_dirs, tmp_path):
+    from ktconvert.kernel import KernelRefused
+
+    bad = tmp_path / "partial"
+    bad.mkdir()
+    first = sorted(ktamx_dirs["AMXINT8"].glob("*.safetensors"))[0]
+    (bad / first.name).write_bytes(first.read_bytes())  # layer 0 only
+    with pytest.raises(KernelRefused, match="the kt-amx directory has no layer 1"):
+        _verify(ws, None, kt_weights=bad, profile="kt-amxint8")
+
+
+def test_unusable_kt_weights_are_one_line_errors_before_any_child(ws, tmp_path):
+    args = ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)), "--golden",
+            str(ws.golden(FAMILY)), "--kernel", "kt-kernel", "--kt-weights"]
+    f = tmp_path / "file.safetensors"
+    f.write_bytes(b"")
+    r = CliRunner().invoke(cli, [*args, str(f)])
+    assert r.exit_code == 3 and f"{f}: not a directory" in r.output
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    r = CliRunner().invoke(cli, [*args, str(empty)])
+    assert r.exit_code == 3 and "no .safetensors files" in r.output and "pass the directory the kt-amx converter wrote" in r.output
+
+
+def test_ktamx_scan_and_kt_tree_errors_name_the_file(tmp_path):
+    from safetensors.numpy import save_file
+
+    from ktconvert.errors import InputError
+    from ktconvert.kernel.ktamx_dir import scan_ktamx_dir
+    from ktconvert.kernel.kttree import merge_kt_tree
+
+    d = tmp_path / "dup"
+    d.mkdir()
+    for i in (0, 1):
+        save_file({"blk.0.ffn_up_exps.0.numa.0.weight": np.zeros(4, np.int8)}, str(d / f"s{i}.safetensors"))
+    with pytest.raises(InputError, match=r"s1\.safetensors:blk\.0\.ffn_up_exps\.0\.numa\.0\.weight: tensor also in"):
+        scan_ktamx_dir(d)
+    tree = tmp_path / "tree" / "_layer_0" / "_numa_0"
+    tree.mkdir(parents=True)
+    (tree / "INT8_up_0_64Byte_quant_.kt").write_bytes(b"\0" * 10)
+    with pytest.raises(InputError, match="10 bytes, the name says 64"):
+        merge_kt_tree(tmp_path / "tree", tmp_path / "out")
+    (tree / "INT8_up_0_64Byte_quant_.kt").unlink()
+    (tree / "stray.kt").write_bytes(b"")
+    with pytest.raises(InputError, match="not a kt-kernel .kt file name"):
+        merge_kt_tree(tmp_path / "tree", tmp_path / "out")
+    assert not (tmp_path / "out").exists()  # nothing written on a bad tree
+
+
+def test_a_rule_file_without_cpu_experts_runs_nothing_in_the_kernel_and_says_so(ws, tmp_path):
+    require_kernel()
+    rules = tmp_path / "torch-experts.yaml"
+    text = ws.rules(FAMILY).read_text().replace('generate_op: "KExpertsCPU"', 'generate_op: "KExpertsTorch"')
+    rules.write_text(text.replace('generate_device: "cpu"\n      generate_op: "KExpertsTorch"\n      out_device: "cuda"',
+                                  'generate_device: "cuda"\n      generate_op: "KExpertsTorch"'))
+    r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(rules), "--golden",
+                                 str(ws.golden(FAMILY)), "--weights", str(ws.converted(FAMILY, "Q8_0")),
+                                 "--kernel", "kt-kernel"])
+    assert r.exit_code == 0, r.output
+    assert "CPU experts by kt-kernel: none" in r.output
