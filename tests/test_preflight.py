@@ -247,7 +247,7 @@ def test_pasted_command_after_double_dash(env):
     d = json.loads(res.output)
     import jsonschema
 
-    from ktconvert import resources
+    from ktconvert.io import resources
 
     jsonschema.Draft202012Validator(resources.load_schema("preflight-report")).validate(d)
     found = {f["id"]: f for f in d["findings"]}

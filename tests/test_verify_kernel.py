@@ -120,7 +120,7 @@ def test_refusals_before_anything_runs(ws):
 def test_json_report_names_the_kernel_and_fits_the_schema(ws):
     import jsonschema
 
-    from ktconvert import resources
+    from ktconvert.io import resources
 
     require_kernel()
     r = CliRunner().invoke(cli, ["verify", "--model", str(ws.model(FAMILY)), "--rules", str(ws.rules(FAMILY)),

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ktconvert.kernel.doctor import REQUIREMENTS
+from ktconvert.kernel.doctor import REQUIREMENTS, doctor, missing
 
 
 def _yes(v) -> str:
@@ -61,7 +61,6 @@ def command(ctx, fmt, required, no_llama_cpp):
     kt-kernel and llama.cpp are each imported in a child process, never in this one.
     Exit codes: 0 fine, 3 something --require names is missing.
     """
-    from ktconvert.kernel.doctor import doctor, missing
 
     want = [r.upper() if r.upper() in REQUIREMENTS else r.lower() for r in required]
     report = doctor(llama=not no_llama_cpp or "llama-cpp" in want)

@@ -6,6 +6,8 @@ import json
 
 import click
 
+from ktconvert.preflight import Launch, parse_command, preflight
+
 
 @click.command("preflight", context_settings={"ignore_unknown_options": False})
 @click.option("--model-path", help="The HF model directory the launch passes as --model-path.")
@@ -41,7 +43,6 @@ def command(ctx, model_path, kt_weight_path, kt_method, kt_cpuinfer, kt_threadpo
     Flags given to preflight override the pasted command's. One line per finding with its fix.
     Exit codes: 0 no errors (warnings allowed), 1 an error finding, 2 usage error, 3 an unreadable file.
     """
-    from ktconvert.preflight import Launch, parse_command, preflight
 
     explicit = Launch(model_path=model_path, weight_path=kt_weight_path, method=kt_method, cpuinfer=kt_cpuinfer,
                       threadpools=kt_threadpool_count, numa_nodes=list(kt_numa_nodes) or None,

@@ -5,9 +5,23 @@
 package never imports kt_kernel.
 """
 
-from ktconvert.kernel.methods import METHODS, Problem, runs_here, shape_problems, type_problems
-from ktconvert.kernel.runner import (KernelCrashed, KernelInfo, KernelRefused, KernelSession, KernelUnavailable,
-                                     bf16_bits_to_f32, f32_to_bf16_bits, probe_kernel)
+from ktconvert.kernel.methods import (
+                                     METHODS,
+                                     Problem,
+                                     runs_here,
+                                     shape_problems,
+                                     type_problems,
+)
+from ktconvert.kernel.runner import (
+                                     KernelCrashed,
+                                     KernelInfo,
+                                     KernelRefused,
+                                     KernelSession,
+                                     KernelUnavailable,
+                                     bf16_bits_to_f32,
+                                     f32_to_bf16_bits,
+                                     probe_kernel,
+)
 
 __all__ = ["METHODS", "Problem", "runs_here", "shape_problems", "type_problems", "KernelCrashed", "KernelInfo",
            "KernelRefused", "KernelSession", "KernelUnavailable", "bf16_bits_to_f32", "f32_to_bf16_bits",

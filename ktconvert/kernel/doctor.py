@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ktconvert.kernel.cpu import cpu_features
 from ktconvert.kernel.methods import METHODS
+from ktconvert.kernel.runner import probe_kernel
 
 REQUIREMENTS = ("kt-kernel", "llama-cpp", "avx512", "amx", *METHODS)
 
@@ -81,7 +82,6 @@ def _method_rows(cpu: dict, kernel: dict) -> list[dict]:
 
 def doctor(*, llama: bool = True) -> dict:
     """The whole report: ``{"cpu", "kt_kernel", "methods", "llama_cpp"}``."""
-    from ktconvert.kernel.runner import probe_kernel
 
     cpu = cpu_features()
     installed = importlib.util.find_spec("kt_kernel") is not None

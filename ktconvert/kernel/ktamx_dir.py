@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ktconvert.errors import InputError
+from ktconvert.formats.safetensors_header import parse_safetensors_header
 from ktconvert.kernel.ktamx_names import KtAmxName, parse_ktamx_name, tensor_name
 
 PROJS = ("gate", "up", "down")
@@ -81,7 +82,6 @@ def looks_like_ktamx(path) -> bool:
 
 def header_entries(f: Path) -> tuple:
     """The tensor entries of one safetensors file's header (validated against the file size; no data read)."""
-    from ktconvert.formats.safetensors_header import parse_safetensors_header
 
     if f.stat().st_size == 0:
         raise InputError("empty file", path=str(f), fix="the conversion did not finish: write it again")

@@ -7,12 +7,16 @@ quantizer, which the tests use as the reference for the kt-amx format.
 from __future__ import annotations
 
 import re
+import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.kernel.ktamx_names import tensor_name
+from ktconvert.kernel.runner import KernelSession, f32_to_bf16_bits
+from ktconvert.model import load_config
+from ktconvert.model.ops.source import WeightSource
 
 _FILE = re.compile(r"^(INT8|INT4)_(gate|up|down)_(\d+)_(\d+)Byte_(quant|scale)_\.kt$")
 _DIR = re.compile(r"^_(layer|numa)_(\d+)$")
@@ -53,11 +57,7 @@ def ktamx_by_kernel(model_dir, out_dir, method: str = "AMXINT8", threadpools: in
     """A kt-amx directory of ``model_dir``'s routed experts quantized by kt-kernel's own AMX quantizer (in a
     child process): every MoE layer's experts as bf16, written as a ``.kt`` tree, merged to safetensors. The
     reference the kt-amx writer is compared with, and AMX input for ``verify --kernel``."""
-    import tempfile
 
-    from ktconvert.kernel.runner import KernelSession, f32_to_bf16_bits
-    from ktconvert.model import load_config
-    from ktconvert.model.ops.source import WeightSource
 
     cfg = load_config(Path(model_dir))
     src = WeightSource(model_dir, cfg)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import shutil
 import signal
 import subprocess
@@ -22,6 +23,8 @@ import numpy as np
 
 from ktconvert.errors import EnvironmentProblem, KtError, UsageProblem
 from ktconvert.kernel.methods import METHODS, runs_here, shape_problems, type_problems
+from ktconvert.quant import as_qtype
+from ktconvert.quant._legacy import bf16_bits
 
 
 class KernelUnavailable(EnvironmentProblem):
@@ -53,7 +56,6 @@ class KernelInfo:
 
 def f32_to_bf16_bits(x: np.ndarray) -> np.ndarray:
     """float32 -> bf16 bit patterns (uint16), round to nearest even, as torch's ``.to(bfloat16)``."""
-    from ktconvert.quant._legacy import bf16_bits
 
     x = np.ascontiguousarray(x, dtype=np.float32)
     out = bf16_bits(x).astype(np.uint16)
@@ -131,7 +133,6 @@ class KernelSession:
             return ""
 
     def _read(self, doing: str) -> dict:
-        import select
 
         ready, _, _ = select.select([self._proc.stdout], [], [], self.timeout)
         if not ready:  # a hung kernel: kill it rather than wait forever
@@ -177,7 +178,6 @@ class KernelSession:
 
     def load_gguf_layer(self, key: str, blocks, top_k: int, *, max_len: int = 64) -> None:
         """LLAMAFILE on one layer's merged ggml blocks (:class:`ktconvert.model.ops.source.ExpertBlocks`)."""
-        from ktconvert.quant import as_qtype
 
         gate = blocks.gate
         e, i, h = gate.shape

@@ -13,7 +13,13 @@ import numpy as np
 import torch
 from torch import nn
 
-from ktconvert.kernel.runner import KernelRefused, KernelSession, bf16_bits_to_f32, f32_to_bf16_bits
+from ktconvert.kernel.ktamx_dir import scan_ktamx_dir
+from ktconvert.kernel.runner import (
+    KernelRefused,
+    KernelSession,
+    bf16_bits_to_f32,
+    f32_to_bf16_bits,
+)
 
 MODES = ("emulate", "kt-kernel", "both")
 
@@ -27,7 +33,6 @@ class KernelRuntime:
         self.kt_weights = kt_weights
         self._ktamx = None
         if kt_weights is not None:
-            from ktconvert.kernel.ktamx_dir import scan_ktamx_dir
 
             self._ktamx = scan_ktamx_dir(kt_weights)
         self.sessions: dict[tuple[str, int], KernelSession] = {}

@@ -8,13 +8,27 @@ the weights load, some crash, some run and print garbage, some silently run with
 
 from __future__ import annotations
 
-import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
+
+from ktconvert.errors import InputError
+from ktconvert.formats.checkpoint import open_checkpoint
+from ktconvert.formats.config import dims_from_hf_config, load_config
+from ktconvert.formats.sniff import describe, sniff
+from ktconvert.io.datafile import load_yaml, read_json
+from ktconvert.kernel.ktamx_dir import header_entries, scan_ktamx_dir
+from ktconvert.kernel.ktamx_names import parse_ktamx_name, tensor_name
 from ktconvert.kernel.methods import METHODS, shape_problems, type_problems
-from ktconvert.preflight.launch import SGLANG_METHOD_DEFAULT, SGLANG_THREADPOOLS_DEFAULT, Launch, nearest_flag
+from ktconvert.preflight.launch import (
+    SGLANG_METHOD_DEFAULT,
+    SGLANG_THREADPOOLS_DEFAULT,
+    Launch,
+    nearest_flag,
+)
 
 ERROR, WARNING, INFO = "error", "warning", "info"
 PROJS = ("gate", "up", "down")
@@ -141,7 +155,6 @@ def check_flags(launch: Launch, out: list[Finding]) -> Ctx:
 
 
 def check_model(ctx: Ctx, out: list[Finding]) -> None:
-    from ktconvert.formats.config import dims_from_hf_config, load_config
 
     mp = ctx.launch.model_path
     if not mp:
@@ -169,7 +182,6 @@ def check_model(ctx: Ctx, out: list[Finding]) -> None:
 
 
 def _detect_format(path: Path) -> str | None:
-    from ktconvert.kernel.ktamx_names import parse_ktamx_name
 
     if path.is_file():
         return "gguf" if path.suffix == ".gguf" else None
@@ -192,7 +204,6 @@ def _detect_format(path: Path) -> str | None:
 
 
 def _safetensors_names(f: Path) -> list[str]:
-    from ktconvert.kernel.ktamx_dir import header_entries
 
     return [e.name for e in header_entries(f)]
 
@@ -250,7 +261,6 @@ def _method_for(fmt: str) -> str:
 
 
 def _check_gguf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
-    from ktconvert.formats.checkpoint import open_checkpoint
 
     ck = open_checkpoint(path)
     dims = ctx.dims
@@ -283,7 +293,6 @@ def _check_gguf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
 
 
 def _check_ktamx(ctx: Ctx, path: Path, out: list[Finding]) -> None:
-    from ktconvert.kernel.ktamx_dir import scan_ktamx_dir
 
     d = scan_ktamx_dir(path)
     ctx.ktamx = d
@@ -336,7 +345,6 @@ def _check_ktamx_sizes(ctx: Ctx, d, parts: int, bits: int | None, out: list[Find
     h, i = dims.hidden_size, dims.moe_intermediate_size
     if bits is None or i % parts:
         return
-    from ktconvert.kernel.ktamx_names import tensor_name
 
     ip = i // parts
     weight = {p: ((ip if p != "down" else h) * (h if p != "down" else ip) * bits // 8, "I8") for p in PROJS}
@@ -364,7 +372,6 @@ def _check_kt_tree(ctx: Ctx, path: Path, out: list[Finding]) -> None:
 
 
 def _check_hf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
-    from ktconvert.formats.checkpoint import open_checkpoint
 
     ck = open_checkpoint(path)
     experts = {n: info for n, info in ck.items() if ".experts." in n and not n.endswith("_scale_inv")}
@@ -465,7 +472,6 @@ def _check_expert_adapter(ctx: Ctx, p: Path, out: list[Finding]) -> None:
 
 
 def _not_safetensors(f: Path, out: list[Finding]) -> bool:
-    from ktconvert.formats.sniff import describe, sniff
 
     with open(f, "rb") as fh:
         kind = sniff(fh.read(16))
@@ -479,7 +485,6 @@ def _not_safetensors(f: Path, out: list[Finding]) -> bool:
 
 def _check_stacked_lora(ctx: Ctx, f: Path, out: list[Finding]) -> None:
     """The seed-era ``--kt-moe-lora-path``: kt-kernel's stacked file ``layers.L.experts.{p}_lora_{a,b}``."""
-    import re
 
     if not f.is_file():
         out.append(Finding("PF184", ERROR, "no such file", "pass the stacked MoE LoRA .safetensors", str(f)))
@@ -535,7 +540,6 @@ def _check_stacked_lora(ctx: Ctx, f: Path, out: list[Finding]) -> None:
                                        "([E, r, H] / [E, I, r] / [E, r, I] / [E, H, r])",
                                        "is this the adapter of --model-path?", name))
                     return
-    import numpy as np
 
     for (layer, p, ab), arr in sorted(found.items()):
         if not np.all(np.isfinite(arr.astype(np.float32))):
@@ -545,9 +549,9 @@ def _check_stacked_lora(ctx: Ctx, f: Path, out: list[Finding]) -> None:
     cfg_path = f.parent / "adapter_config.json"
     if cfg_path.is_file():
         try:
-            cfg = json.loads(cfg_path.read_text())
-        except ValueError as exc:
-            out.append(Finding("PF193", ERROR, f"not valid JSON: {exc}", "fix the adapter config", str(cfg_path)))
+            cfg = read_json(cfg_path, "adapter_config.json")
+        except InputError as exc:
+            out.append(Finding("PF193", ERROR, exc.message, "fix the adapter config", str(cfg_path)))
             return
         cr, ca = cfg.get("r"), cfg.get("lora_alpha")
         if r is not None and isinstance(cr, int) and cr != r:
@@ -573,12 +577,10 @@ _BACKENDS = {"llamafile": "LLAMAFILE", "amxint8": "AMXINT8", "amxint4": "AMXINT4
 
 def check_rules(ctx: Ctx, rules: str, out: list[Finding]) -> None:
     """The rule file's CPU experts ``backend`` kwarg names the same kernel method as the launch."""
-    import yaml
-
     try:
-        data = yaml.safe_load(Path(rules).read_text())
-    except (OSError, yaml.YAMLError) as exc:
-        out.append(Finding("PF200", ERROR, f"cannot read the rule file: {exc}".splitlines()[0],
+        data = load_yaml(rules).data
+    except InputError as exc:
+        out.append(Finding("PF200", ERROR, f"cannot read the rule file: {exc.message}",
                            "check it with ktconvert check-rules", rules))
         return
     seen = set()
