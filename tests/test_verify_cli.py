@@ -236,3 +236,10 @@ def test_verify_does_not_import_torch_before_it_runs():
             "print('torch' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
     assert out == "False"
+
+
+def test_rules_written_for_another_family_are_refused(ws):
+    """deepseek_v3 rules on a qwen3_moe model used to PASS: their classes match nothing and everything stays default."""
+    line = _error(_verify(ws, "qwen3_moe", rules=ws.rules("deepseek_v3")))
+    assert "the rules are written for deepseek_v3 (their match classes), the model is qwen3_moe" in line
+    assert "deepseek_v3.yaml:rule " in line and "rules/optimize/qwen3_moe.yaml" in line

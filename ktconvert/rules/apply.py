@@ -45,9 +45,11 @@ class _Node:
     children: list = field(default_factory=list)
 
 
-def load_rules(path: str | Path, catalog: Catalog | None = None, backend: str = "auto") -> list[engine.CompiledRule]:
+def load_rules(path: str | Path, catalog: Catalog | None = None, backend: str = "auto",
+               family: str | None = None) -> list[engine.CompiledRule]:
     """Check a rule file and compile it from the same parse; a file with check-rules errors is refused with the
-    first one."""
+    first one, and so is a file whose match classes belong to other families than ``family`` (the model's): its
+    rules would silently match nothing and the run would pass on the defaults."""
     catalog = catalog or load_catalog()
     report = lint.check_paths([path], lint.Options(backend=backend), catalog)
     (result,) = report.files
@@ -59,6 +61,13 @@ def load_rules(path: str | Path, catalog: Catalog | None = None, backend: str = 
         more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
         raise InputError(f"{f.id} {f.message}{more}", path=str(path), where=f"{f.line}:{f.col}",
                          fix=f"run ktconvert check-rules {path}")
+    families = lint.rule_families(result.data, catalog)
+    if family is not None and families and family not in families:
+        other = ", ".join(sorted(families))
+        first = next(iter(families.values()))
+        raise InputError(f"the rules are written for {other} (their match classes), the model is {family}",
+                         path=str(path), where=f"rule {first}",
+                         fix=f"use a rule file for {family}, such as rules/optimize/{family}.yaml")
     return compile_rules(result.data or [], catalog)
 
 

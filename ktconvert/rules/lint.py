@@ -224,18 +224,24 @@ def _lint(ctx: LintContext, tree) -> None:
         _run("weights", ctx, rules, tree, ctx.checkpoint)
 
 
-def probe_family(data: list, catalog: Catalog) -> str | None:
-    """The one family whose module classes a file's rules match, when they name exactly one (for a probe tree)."""
-    families = set()
-    for rule in data:
+def rule_families(data: list, catalog: Catalog) -> dict[str, int]:
+    """``{family: index of the first rule naming one of its module classes}`` over a file's ``match.class`` entries."""
+    families: dict[str, int] = {}
+    for i, rule in enumerate(data or []):
         match = rule.get("match") if isinstance(rule, dict) else None
         cls = match.get("class") if isinstance(match, dict) else None
         t = catalog.type_of_class(cls) if isinstance(cls, str) else None
         # rotary classes are shared across families upstream (Qwen3 files match Qwen2MoeRotaryEmbedding)
         fam = modeltree.family_of_type(t) if t and catalog.role_of(t) != "rope" else None
         if fam:
-            families.add(fam)
-    return families.pop() if len(families) == 1 else None
+            families.setdefault(fam, i)
+    return families
+
+
+def probe_family(data: list, catalog: Catalog) -> str | None:
+    """The one family whose module classes a file's rules match, when they name exactly one (for a probe tree)."""
+    families = rule_families(data, catalog)
+    return next(iter(families)) if len(families) == 1 else None
 
 
 def explain_plan(rules_data: list, catalog: Catalog, tree: modeltree.ModelTree) -> list[dict]:

@@ -305,7 +305,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
             profile = load_profile(profile)
         cfg = load_config(model_dir)
         catalog = catalog or load_catalog()
-        compiled = load_rules(rules, catalog, backend)
+        compiled = load_rules(rules, catalog, backend, family=cfg.family)
         weights_path = weights if weights is not None else model_dir
         source = WeightSource(weights_path, cfg)
         pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
