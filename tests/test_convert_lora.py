@@ -223,3 +223,15 @@ def test_safetensors_header_length_that_looks_like_a_pickle_opcode(tmp_path):
     write_safetensors(p, [(*tensors[0], lambda: iter([bytes(8)]))], {"p": "x" * pad})
     assert p.read_bytes()[:2] == b"\x80\x04"
     assert list(open_checkpoint(p)) == ["w"]
+
+
+def test_nonfinite_adapter_is_refused_unless_allowed(tmp_path):
+    def poison(t):
+        t["layers.1.experts.up_lora_b"][3, 7, 2] = float("nan")
+
+    src = _edit(tmp_path, poison)
+    _refused(tmp_path, _run(src, tmp_path / "out"), "tensor layers.1.experts.up_lora_b", "non-finite value nan",
+             "at index [3, 7, 2]", "--allow-nonfinite")
+    res = _run(src, tmp_path / "out", "--allow-nonfinite")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.suffix for p in (tmp_path / "out").iterdir()) == [".json", ".safetensors"]

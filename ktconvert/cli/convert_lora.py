@@ -14,9 +14,10 @@ import click
               help="The base model's config.json: check experts, H, I and MoE layers against it.")
 @click.option("--lora-alpha", type=float, help="LoRA alpha, when the input has no adapter_config.json saying it.")
 @click.option("--force", is_flag=True, help="Replace an existing OUT.")
+@click.option("--allow-nonfinite", is_flag=True, help="Convert an adapter holding NaN/Inf (refused by default).")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.pass_context
-def command(ctx, src, out, base_config, lora_alpha, force, fmt):
+def command(ctx, src, out, base_config, lora_alpha, force, allow_nonfinite, fmt):
     """Convert a MoE LoRA adapter between kt-kernel's stacked form and the per-expert PEFT form.
 
     The direction follows from SRC's tensor names: layers.L.experts.{gate,up,down}_lora_{a,b} ([E,r,H],
@@ -27,7 +28,8 @@ def command(ctx, src, out, base_config, lora_alpha, force, fmt):
     """
     from ktconvert.convert.lora import convert_lora
 
-    r = convert_lora(src, out, base_config=base_config, lora_alpha=lora_alpha, force=force)
+    r = convert_lora(src, out, base_config=base_config, lora_alpha=lora_alpha, force=force,
+                     allow_nonfinite=allow_nonfinite)
     obj = ctx.find_object(dict) or {}
     if fmt == "json":
         click.echo(json.dumps({"direction": r.direction, "out": str(r.out), "files": r.files, "rank": r.rank,

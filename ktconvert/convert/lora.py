@@ -29,7 +29,7 @@ from ktconvert.formats.config import load_config
 from ktconvert.formats.safetensors_write import write_safetensors
 from ktconvert.io.atomic import atomic_dir, guard_output
 from ktconvert.io.datafile import read_json
-from ktconvert.io.dtypes import DTYPE_BYTES
+from ktconvert.io.dtypes import DTYPE_BYTES, FLOAT_DTYPES
 
 PROJS = ("gate", "up", "down")
 STACKED_FILE = "fused_expert_lora.safetensors"
@@ -129,11 +129,12 @@ def _check_geometry(layer: int, E: int, r: int, H: int, I: int, dims, where: str
 
 
 def convert_lora(src: str | Path, out: str | Path, *, base_config=None, lora_alpha: float | None = None,
-                 force: bool = False) -> LoraResult:
+                 force: bool = False, allow_nonfinite: bool = False) -> LoraResult:
     """Convert the adapter at ``src`` (direction detected from its tensor names) into the directory ``out``.
 
     ``base_config``: the base model's ``config.json`` (path or dict); when given, E, H, I and MoE layers are
-    checked against it. ``lora_alpha`` is used when the input has no ``adapter_config.json`` saying it.
+    checked against it. ``lora_alpha`` is used when the input has no ``adapter_config.json`` saying it. A NaN or
+    Inf in any tensor is an error naming it (an adapter from a diverged run), unless ``allow_nonfinite``.
     """
     src, out = Path(src), Path(out)
     if not src.exists():
@@ -155,10 +156,29 @@ def convert_lora(src: str | Path, out: str | Path, *, base_config=None, lora_alp
         raise InputError("an expert tensor of neither form (stacked layers.L.experts.{gate,up,down}_lora_{a,b} or "
                          "per-expert ...experts.E.{gate,up,down}_proj.lora_{A,B}.weight)", path=str(odd.file),
                          where=f"tensor {odd.name}", fix="rename it or remove it from the adapter")
+    if not allow_nonfinite:
+        for t in tensors:
+            _check_finite(t)
     _check_out(src, out, force)
     if stacked:
         return _to_peft(stacked, others, cfg, dims, out, lora_alpha, str(src), force)
     return _to_stacked(peft_experts, others, cfg, dims, out, lora_alpha, str(src), force)
+
+
+def _check_finite(t: _Tensor) -> None:
+    """A NaN/Inf anywhere in ``t``, reported at its first element (read one slice of the first axis at a time)."""
+    if t.dtype not in FLOAT_DTYPES:
+        return
+    for i in range(t.shape[0] if len(t.shape) > 1 else 1):
+        x = t.ck.read_float32(t.name, i if len(t.shape) > 1 else None)
+        bad = ~np.isfinite(x)
+        if bad.any():
+            at = tuple(int(v) for v in np.argwhere(bad)[0])
+            index = ((i,) + at) if len(t.shape) > 1 else at
+            raise InputError(f"non-finite value {x[at]} at index {list(index)}", path=str(t.file),
+                             where=f"tensor {t.name}",
+                             fix="the adapter comes from a diverged run; retrain it, or pass --allow-nonfinite "
+                                 "to convert it anyway")
 
 
 def _check_out(src: Path, out: Path, force: bool) -> None:
