@@ -44,8 +44,11 @@ def _bar(enabled: bool):
                    "Q5_1 Q2_K Q3_K Q4_K Q5_K Q6_K, or keep.")
 @click.option("--recipe", metavar="FILE|PRESET", help="A recipe file (schemas/convert-recipe.schema.json) or a preset "
               "name (--list-recipes).")
-@click.option("--to", "to", type=click.Choice(["gguf", "safetensors"]),
-              help="Output container (default: the recipe's, else gguf).")
+@click.option("--to", "to", type=click.Choice(["gguf", "safetensors", "kt-amx"]),
+              help="Output container (default: the recipe's, else gguf). kt-amx: kt-kernel's AMXINT8/AMXINT4 expert "
+                   "directory (--type AMXINT8|AMXINT4).")
+@click.option("--threadpool-count", type=click.IntRange(min=1), default=2, show_default=True,
+              help="kt-amx: parts per expert; must equal the launch's --kt-threadpool-count.")
 @click.option("--config", metavar="FILE", type=click.Path(path_type=str),
               help="config.json (default: the one beside the checkpoint).")
 @click.option("--shard-size", metavar="SIZE", help="Largest output file, e.g. 5GiB (0: one file).")
@@ -61,8 +64,8 @@ def _bar(enabled: bool):
 @click.option("--list-recipes", is_flag=True, expose_value=False, is_eager=True, callback=_list_recipes,
               help="List the preset recipes and exit.")
 @click.pass_context
-def command(ctx, src, out, qtype, recipe, to, config, shard_size, max_memory, jobs, dry_run, resume, force,
-            no_tokenizer, fmt):
+def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_size, max_memory, jobs, dry_run,
+            resume, force, no_tokenizer, fmt):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
     SRC: a .safetensors file, a shard directory or its index, a .gguf file or split GGUF set. OUT receives
@@ -76,14 +79,14 @@ def command(ctx, src, out, qtype, recipe, to, config, shard_size, max_memory, jo
     obj = ctx.find_object(dict) or {}
     if dry_run:
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
-                               tokenizer=not no_tokenizer)
+                               tokenizer=not no_tokenizer, threadpool_count=threadpool_count)
         click.echo(json.dumps(plan.to_dict(), indent=2) if fmt == "json" else plan_text(plan), nl=fmt == "json")
         return
     update, close = _bar(obj.get("verbosity", 1) > 0)
     try:
         result = convert(src, out, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
-                         progress=update)
+                         progress=update, threadpool_count=threadpool_count)
     except KeyboardInterrupt:
         from pathlib import Path
 
@@ -103,3 +106,6 @@ def command(ctx, src, out, qtype, recipe, to, config, shard_size, max_memory, jo
         from ktconvert.convert.execute import describe
 
         click.echo(describe(result))
+        for note in result.manifest["plan"]["notes"]:
+            if note.startswith("kt-amx"):
+                click.echo(f"note: {note}")

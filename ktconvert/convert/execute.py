@@ -72,6 +72,11 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
         if t.const is not None:
             units.append(Unit(len(units), ti, 0, 1, 0))
             continue
+        if t.written_by is not None:  # kt-amx: its group's lead unit writes it
+            continue
+        if t.kt_pack is not None:  # kt-amx: one expert projection, all parts, is one unit
+            units.append(Unit(len(units), ti, 0, 1, plan.segment_bytes(t)))
+            continue
         in_total = plan.segment_bytes(t)
         in_row = in_total // rows if rows else 0
         row_len = t.shape[-1] if t.shape else 1

@@ -24,7 +24,7 @@ from ktconvert.convert.sizes import format_size
 from ktconvert.convert.source import FLOAT_SAFETENSORS, Item, Segment, SourceModel
 from ktconvert.errors import InputError, UsageProblem
 
-FORMATS = ("gguf", "safetensors")
+FORMATS = ("gguf", "safetensors", "kt-amx")
 DEFAULT_SAFETENSORS_SHARD = 5 * 1024**3
 
 
@@ -51,6 +51,8 @@ class PlanTensor:
     st_dtype: str | None = None
     st_shape: tuple[int, ...] | None = None
     const: bytes | None = None
+    kt_pack: tuple | None = None  # kt-amx: (method, proj, parts, rows, cols, group bytes) of a group's lead tensor
+    written_by: str | None = None  # kt-amx: the lead tensor whose unit writes this one
 
     @property
     def rows(self) -> int:
@@ -63,6 +65,10 @@ class PlanTensor:
     def operation(self) -> str:
         if self.const is not None:
             return "generated"
+        if self.written_by is not None:
+            return f"written with {self.written_by}"
+        if self.kt_pack is not None:
+            return f"kt-kernel {self.kt_pack[0]} pack into {self.kt_pack[2]} part(s), {self.src_dtype} -> bf16 -> {self.type}"
         ops = Counter(s.op for s in self.segments)
         n_src = len({s.source for s in self.segments})
         if ops.get("transpose"):
@@ -88,6 +94,10 @@ class PlanTensor:
             d["rule"] = self.rule
         if self.fallback_from:
             d["fallback_from"] = self.fallback_from
+        if self.kt_pack is not None:
+            d["kt_pack"] = list(self.kt_pack)
+        if self.written_by is not None:
+            d["written_by"] = self.written_by
         if self.st_dtype:
             d["safetensors"] = {"dtype": self.st_dtype, "shape": list(self.st_shape)}
         return d
@@ -241,6 +251,8 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
                tokenizer: bool = True) -> Plan:
     """The complete plan, or :class:`InputError` naming the first problem (recipe line, tensor, fix)."""
     fmt = format or recipe.format or "gguf"
+    if fmt == "kt-amx":
+        raise UsageProblem("--to kt-amx takes its method from --type", fix="pass --type AMXINT8 or --type AMXINT4")
     if fmt not in FORMATS:
         raise UsageProblem(f"output format {fmt!r} is not one of {', '.join(FORMATS)}")
     shard = shard_size if shard_size is not None else recipe.shard_size

@@ -90,6 +90,12 @@ def run_task(task: Task) -> int:
 
 def _run(task: Task) -> int:
     t = task.tensor
+    if t.kt_pack is not None:
+        from ktconvert.convert.kt_amx_io import pack_group
+
+        data = pack_group(_checkpoint(task.src), t, _float_rows)
+        _pwrite(task.out_path, data, t.offset)
+        return task.unit
     if t.const is not None:
         data = np.frombuffer(t.const, dtype=np.uint8)
     else:

@@ -49,22 +49,25 @@ def _bf16(path: str) -> np.ndarray:
 
 
 def pack(job: dict) -> dict:
+    """``job["layers"]``: ``[{layer, gate, up, down}]`` (.npy of bf16-valued float32), all with the same geometry."""
     import kt_kernel  # noqa: F401  (registers kt_kernel_ext)
     import kt_kernel_ext
     from kt_kernel_ext import moe
 
     cpu = _pool(kt_kernel_ext, job["P"], job.get("threads", job["P"]))
     mask = np.zeros(job["E"], dtype=np.bool_)
-    gate, up, down = (_bf16(job[k]) for k in ("gate", "up", "down"))
-    cfg = _config(moe, cpu, job, mask)
-    cfg.save, cfg.load = True, False
-    cfg.gate_proj, cfg.up_proj, cfg.down_proj = gate.ctypes.data, up.ctypes.data, down.ctypes.data
-    cfg.path = job["out"]
-    t0 = time.perf_counter()
-    m = _moe_class(moe, job["method"])(cfg)
     ident = np.arange(job["E"], dtype=np.int64)
-    cpu.submit(m.load_weights_task(ident.ctypes.data))
-    cpu.sync()
+    t0 = time.perf_counter()
+    for ly in job["layers"]:
+        gate, up, down = (_bf16(ly[k]) for k in ("gate", "up", "down"))
+        cfg = _config(moe, cpu, {**job, "layer": ly["layer"]}, mask)
+        cfg.save, cfg.load = True, False
+        cfg.gate_proj, cfg.up_proj, cfg.down_proj = gate.ctypes.data, up.ctypes.data, down.ctypes.data
+        cfg.path = job["out"]
+        m = _moe_class(moe, job["method"])(cfg)
+        cpu.submit(m.load_weights_task(ident.ctypes.data))
+        cpu.sync()
+        del m, gate, up, down
     return {"seconds": time.perf_counter() - t0}
 
 

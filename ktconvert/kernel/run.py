@@ -44,19 +44,26 @@ def probe(python: str | None = None) -> str | None:
     return None
 
 
-def kernel_pack_layer(gate: np.ndarray, up: np.ndarray, down: np.ndarray, *, method: str, parts: int, layer: int,
-                      workdir: Path, threads: int | None = None) -> dict[str, np.ndarray]:
-    """kt-kernel's own packer on one layer (float32 arrays of bf16 values ``[E,I,H]``, ``[E,I,H]``, ``[E,H,I]``):
-    ``{kt-amx tensor name: array}`` read back from the ``.kt`` tree it saves, named as upstream's merge names them."""
+def kernel_pack(layers: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]], *, method: str, parts: int,
+                workdir: Path, threads: int | None = None) -> dict[str, np.ndarray]:
+    """kt-kernel's own packer, driven as upstream's converter drives it, on ``{layer: (gate, up, down)}`` (float32
+    arrays of bf16 values ``[E,I,H]``, ``[E,I,H]``, ``[E,H,I]``): ``{kt-amx tensor name: array}`` read back from
+    the ``.kt`` tree it saves, named as upstream's merge step names them."""
     workdir.mkdir(parents=True, exist_ok=True)
-    E, I, H = gate.shape
-    job = {"job": "pack", "method": method, "E": E, "H": H, "I": I, "P": parts, "layer": layer,
-           "threads": threads or parts, "out": str(workdir / "kt")}
-    for k, a in (("gate", gate), ("up", up), ("down", down)):
-        job[k] = str(workdir / f"{k}.npy")
-        np.save(job[k], np.ascontiguousarray(a, dtype=np.float32))
+    E, I, H = next(iter(layers.values()))[0].shape
+    job = {"job": "pack", "method": method, "E": E, "H": H, "I": I, "P": parts, "threads": threads or parts,
+           "out": str(workdir / "kt"), "layers": []}
+    for L, arrays in layers.items():
+        ly = {"layer": L}
+        for k, a in zip(("gate", "up", "down"), arrays):
+            ly[k] = str(workdir / f"{L}.{k}.npy")
+            np.save(ly[k], np.ascontiguousarray(a, dtype=np.float32))
+        job["layers"].append(ly)
     run_child(job)
-    return read_kt_tree(workdir / "kt", layer)
+    out = {}
+    for L in layers:
+        out.update(read_kt_tree(workdir / "kt", L))
+    return out
 
 
 def read_kt_tree(root: Path, layer: int) -> dict[str, np.ndarray]:

@@ -1,0 +1,193 @@
+"""kt-amx (kt-kernel AMXINT8 / AMXINT4): ktconvert's numpy packing against kt-kernel's own compiled packer, byte
+for byte, and ``quantize --to kt-amx`` end to end.
+
+kt-kernel only ever runs in child processes (``ktconvert.kernel.run``): importing it flushes subnormal floats to
+zero for the whole process. Tests that need it skip with the reason when a child cannot import it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from ktconvert.cli import cli
+from ktconvert.errors import InputError
+from ktconvert.formats import kt_amx as ka
+
+
+@pytest.fixture(scope="session")
+def kt_kernel():
+    from ktconvert.kernel.run import probe
+
+    why = probe()
+    if why is not None:
+        pytest.skip(f"kt-kernel cannot be imported in a child process: {why}")
+
+
+def _bf16(rng, shape, scale=0.05):
+    return ka.to_bf16_f32(rng.standard_normal(shape).astype(np.float32) * scale)
+
+
+def _layer(seed: int, E: int, I: int, H: int):
+    """Random bf16 experts with the awkward rows: all zero, one outlier, tiny values whose scale is subnormal
+    (flushed to zero by the kernel), and values at the rounding boundary of the scale."""
+    rng = np.random.default_rng(seed)
+    g, u, d = _bf16(rng, (E, I, H)), _bf16(rng, (E, I, H)), _bf16(rng, (E, H, I))
+    g[0, 3] = 0
+    u[0, :, 5] = 0
+    g[1 % E, 5, 7] = 40.0
+    d[E - 1, 9] = ka.to_bf16_f32(np.full(I, 1e-37, np.float32))  # amax normal, amax/127 subnormal
+    d[0, 2, 3] = -7.0
+    u[E - 1, 1] = ka.to_bf16_f32(np.linspace(-1, 1, H, dtype=np.float32))
+    return g, u, d
+
+
+def _ours(layers, m, parts) -> dict[str, np.ndarray]:
+    out = {}
+    for L, (g, u, d) in layers.items():
+        for e in range(g.shape[0]):
+            for p, w in (("gate", g[e]), ("up", u[e]), ("down", d[e])):
+                for n, (wt, sc) in enumerate(ka.pack_expert(w, p, m, parts)):
+                    out[ka.tensor_name(L, p, e, n, "weight")] = wt
+                    out[ka.tensor_name(L, p, e, n, "scale")] = sc
+    return out
+
+
+def _assert_same(ours: dict, ref: dict):
+    assert sorted(ours) == sorted(ref)
+    bad = [n for n in ref if ours[n].dtype != ref[n].dtype or ours[n].tobytes() != ref[n].tobytes()]
+    assert not bad, f"{len(bad)} of {len(ref)} tensors differ, first {bad[0]}"
+
+
+# --- pure numpy ----------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("m", [ka.INT8, ka.INT4])
+@pytest.mark.parametrize("n,k", [(32, 128), (96, 256), (64, 3584 + 256), (160, 7168)])
+def test_unpack_inverts_pack(m, n, k):
+    """Several row blocks (a partial last one), several K blocks: unpacking gives the quantized values back."""
+    rng = np.random.default_rng(n + k)
+    w = _bf16(rng, (n, k))
+    w[1] = 0
+    packed, scale = ka.pack_matrix(w, m)
+    assert packed.dtype == np.int8 and packed.size == n * k * m.bits // 8 and scale.shape == (n,)
+    q, d = ka.quantize_rows(w, m)
+    assert np.array_equal(ka.unpack_matrix(packed, n, k, m), q) and np.array_equal(scale, d)
+    assert np.array_equal(ka.dequantize_matrix(packed, scale, n, k, m), ka.dequantize_values(w, m))
+    if m is ka.INT4:
+        assert np.all(q % 16 == 0) and np.abs(q).max() <= 112
+
+
+def test_scale_rules():
+    """INT8 scales are amax times the float32 reciprocal of 127, INT4 a true division by 112 (they differ)."""
+    amax = np.float32(0.7)
+    w = np.zeros((32, 128), np.float32)
+    w[:, 0] = amax
+    _, d8 = ka.quantize_rows(w, ka.INT8)
+    _, d4 = ka.quantize_rows(w, ka.INT4)
+    assert d8[0] == amax * (np.float32(1) / np.float32(127))
+    assert d4[0] == amax / np.float32(112)
+
+
+@pytest.mark.parametrize("method,H,I,P,want", [
+    ("AMXINT4", 256, 256, 4, "I/P=64 not a multiple of 128"),
+    ("AMXINT8", 256, 192, 2, "I/P=96 not a multiple of 64"),
+    ("AMXINT8", 96, 256, 1, "H=96 not a multiple of 64"),
+    ("AMXINT8", 256, 256, 3, "not divisible by the threadpool count 3"),
+])
+def test_alignment_errors(method, H, I, P, want):
+    with pytest.raises(InputError) as exc:
+        ka.check_alignment(ka.method(method), H, I, P, path="model", where="layer 1")
+    assert want in str(exc.value) and "(" in str(exc.value)
+
+
+# --- against kt-kernel's packer ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+@pytest.mark.parametrize("parts", [1, 2, 4])
+def test_byte_equal_with_kt_kernel(kt_kernel, tmp_path, method, parts):
+    """Two layers; H = 3712 gives gate/up two K blocks (3584 + 128); outliers, zero and subnormal-scale rows."""
+    from ktconvert.kernel.run import kernel_pack
+
+    E, I, H = 2, 512, 3712
+    layers = {1: _layer(1, E, I, H), 4: _layer(4, E, I, H)}
+    ref = kernel_pack(layers, method=method, parts=parts, workdir=tmp_path)
+    assert len(ref) == 2 * E * 3 * parts * 2
+    _assert_same(_ours(layers, ka.method(method), parts), ref)
+
+
+def test_byte_equal_with_two_threads_per_pool(kt_kernel, tmp_path):
+    from ktconvert.kernel.run import kernel_pack
+
+    layers = {0: _layer(7, 2, 256, 256)}
+    ref = kernel_pack(layers, method="AMXINT8", parts=1, workdir=tmp_path, threads=2)
+    _assert_same(_ours(layers, ka.INT8, 1), ref)
+
+
+def _read_dir(out: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    got = {}
+    for f in sorted(out.glob("*.safetensors")):
+        got.update(load_file(str(f)))
+    return got
+
+
+def _hf_layers(model: Path) -> dict[int, tuple]:
+    """Each MoE layer's experts of a tiny per-expert HF model, as bf16-valued float32 stacks."""
+    from ktconvert.convert.source import analyze
+    from ktconvert.formats import open_checkpoint
+
+    src = analyze(model)
+    ck = open_checkpoint(model)
+    layers: dict[int, dict] = {}
+    for it in src.items:
+        if it.group == "experts":
+            rows = [ck.read_float32(s.source) for s in it.segments]
+            layers.setdefault(it.layer, {})[it.projection] = ka.to_bf16_f32(np.stack(rows))
+    return {L: (p["gate"], p["up"], p["down"]) for L, p in layers.items()}
+
+
+FAMILY_CASES = [("qwen2_moe", "AMXINT8", 2), ("qwen3_moe", "AMXINT4", 2), ("mixtral", "AMXINT8", 4),
+                ("deepseek_v2", "AMXINT4", 1), ("deepseek_v3", "AMXINT8", 1)]
+
+
+@pytest.mark.parametrize("family,method,parts", FAMILY_CASES)
+def test_quantize_to_kt_amx_equals_kt_kernel(kt_kernel, tiny_root, tmp_path, family, method, parts):
+    """``ktconvert quantize --to kt-amx`` on the tiny models: every tensor equals kt-kernel's packer's."""
+    from ktconvert.kernel.run import kernel_pack
+
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["quantize", str(tiny_root / family), str(out), "--to", "kt-amx", "--type",
+                                    method, "--threadpool-count", str(parts)])
+    assert res.exit_code == 0, res.output
+    assert "--model-path" in res.output
+    ref = kernel_pack(_hf_layers(tiny_root / family), method=method, parts=parts, workdir=tmp_path / "k")
+    _assert_same(_read_dir(out), ref)
+    man = json.loads((out / "manifest.json").read_text())
+    assert man["format"] == "kt-amx" and set(man["files"]) >= {"model.safetensors.index.json"}
+
+
+def test_unaligned_is_refused_before_any_work(tiny_root, tmp_path):
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["quantize", str(tiny_root / "qwen3_moe"), str(out), "--to", "kt-amx", "--type",
+                                    "AMXINT4", "--threadpool-count", "4"])
+    assert res.exit_code == 3
+    line = res.stderr.strip()
+    assert "\n" not in line and "I/P=64 not a multiple of 128" in line and "layer 0" in line
+    assert "--threadpool-count 2" in line and "model.layers.0.mlp.experts" in line
+    assert not out.exists() and not any(tmp_path.iterdir())
+
+
+def test_type_needs_kt_amx_method(tiny_root, tmp_path):
+    res = CliRunner().invoke(cli, ["quantize", str(tiny_root / "qwen3_moe"), str(tmp_path / "o"), "--to", "kt-amx",
+                                    "--type", "Q8_0"])
+    assert res.exit_code == 2 and "--type AMXINT8 or --type AMXINT4" in res.stderr
+    res = CliRunner().invoke(cli, ["quantize", str(tiny_root / "qwen3_moe"), str(tmp_path / "o"), "--type", "AMXINT8"])
+    assert res.exit_code == 2 and "add --to kt-amx" in res.stderr
+    assert not (tmp_path / "o").exists()
