@@ -191,3 +191,137 @@ def test_type_needs_kt_amx_method(tiny_root, tmp_path):
     res = CliRunner().invoke(cli, ["quantize", str(tiny_root / "qwen3_moe"), str(tmp_path / "o"), "--type", "AMXINT8"])
     assert res.exit_code == 2 and "add --to kt-amx" in res.stderr
     assert not (tmp_path / "o").exists()
+
+
+# --- kt-amx as input, round trip, scan -----------------------------------------------------------------------------
+
+
+def _quantize(*args):
+    return CliRunner().invoke(cli, ["quantize", *map(str, args)])
+
+
+@pytest.mark.parametrize("family,method,parts", [("qwen3_moe", "AMXINT8", 2), ("deepseek_v3", "AMXINT4", 1)])
+def test_round_trip_equals_dequantization(tiny_root, tmp_path, family, method, parts):
+    """HF -> kt-amx -> F32 safetensors: every expert equals the INT8/INT4 dequantization of the bf16-rounded
+    source exactly; the non-expert tensors of the kt-amx dir's config-only neighbourhood are not invented."""
+    from safetensors.numpy import load_file
+
+    amx, back = tmp_path / "amx", tmp_path / "back"
+    assert _quantize(tiny_root / family, amx, "--to", "kt-amx", "--type", method, "--threadpool-count", parts).exit_code == 0
+    res = _quantize(amx, back, "--type", "F32", "--to", "safetensors")
+    assert res.exit_code == 0, res.output
+    got = {}
+    for f in back.glob("*.safetensors"):
+        got.update(load_file(str(f)))
+    m = ka.method(method)
+    layers = _hf_layers(tiny_root / family)
+    assert sorted(n for n in got if "_exps.weight" in n) == sorted(
+        f"blk.{L}.ffn_{p}_exps.weight" for L in layers for p in ("gate", "up", "down"))
+    for L, mats in layers.items():
+        for p, w in zip(("gate", "up", "down"), mats):
+            want = np.stack([ka.dequantize_values(w[e], m) if p != "down" else
+                             np.concatenate([ka.dequantize_values(np.ascontiguousarray(ka.part_of(w[e], p, n, parts)), m)
+                                             for n in range(parts)], axis=1) for e in range(w.shape[0])])
+            assert np.array_equal(got[f"blk.{L}.ffn_{p}_exps.weight"], want), (L, p)
+
+
+def test_kt_amx_to_gguf_and_scan(tiny_root, tmp_path):
+    """A kt-amx dir converts to a BF16 GGUF; inspect --scan dequantizes it and finds an all-zero expert part."""
+    import shutil
+
+    amx = tmp_path / "amx"
+    assert _quantize(tiny_root / "qwen2_moe", amx, "--to", "kt-amx", "--type", "AMXINT8").exit_code == 0
+    res = _quantize(amx, tmp_path / "gguf", "--type", "BF16")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "gguf" / "model.gguf").stat().st_size > 0
+    res = CliRunner().invoke(cli, ["inspect", str(amx), "--scan", "-o", "json"])
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert [ly["quant"] for ly in rep["layers"]] == ["AMXINT8", "AMXINT8"]
+    assert [ly["numa_parts"] for ly in rep["layers"]] == [2, 2]
+    # zero one expert part's scales: its dequantized weights are all zero
+    bad = tmp_path / "bad"
+    shutil.copytree(amx, bad)
+    _patch_tensor(bad, "blk.1.ffn_up_exps.3.numa.1.scale", lambda a: np.zeros_like(a))
+    res = CliRunner().invoke(cli, ["inspect", str(bad), "--scan"])
+    assert "[zero-expert] blk.1.ffn_up_exps.3.numa.1.weight[expert 3]: all zeros" in res.output
+
+
+def _patch_tensor(d: Path, name: str, fn):
+    """Rewrite one tensor's bytes in place (same size)."""
+    from ktconvert.formats import open_checkpoint
+
+    info = open_checkpoint(d)[name]
+    dt = {"F32": np.float32, "I8": np.int8}[info.dtype]
+    with open(info.file, "r+b") as fh:
+        fh.seek(info.offset)
+        a = np.frombuffer(fh.read(info.nbytes), dtype=dt)
+        fh.seek(info.offset)
+        fh.write(fn(a).astype(dt).tobytes())
+
+
+def test_nan_scale_is_reported_by_scan_and_refused_by_quantize(tiny_root, tmp_path):
+    import shutil
+
+    amx = tmp_path / "amx"
+    assert _quantize(tiny_root / "qwen3_moe", amx, "--to", "kt-amx", "--type", "AMXINT4").exit_code == 0
+    bad = tmp_path / "bad"
+    shutil.copytree(amx, bad)
+    _patch_tensor(bad, "blk.0.ffn_down_exps.5.numa.0.scale", lambda a: np.where(np.arange(a.size) == 7, np.nan, a))
+    res = CliRunner().invoke(cli, ["inspect", str(bad), "--scan"])
+    assert res.exit_code == 1 and "blk.0.ffn_down_exps.5.numa.0.scale" in res.output
+    res = _quantize(bad, tmp_path / "out", "--type", "Q8_0")
+    assert res.exit_code == 3 and "blk.0.ffn_down_exps.5.numa.0.weight" in res.stderr and "non-finite" in res.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_part_and_truncated_blob(tiny_root, tmp_path):
+    """A kt-amx dir missing one part's tensors, or with a scale shorter than its weight needs: one line naming
+    the file and what is wrong, nothing written."""
+    from safetensors.numpy import load_file, save_file
+
+    amx = tmp_path / "amx"
+    assert _quantize(tiny_root / "qwen3_moe", amx, "--to", "kt-amx", "--type", "AMXINT8").exit_code == 0
+    shard = amx / "model-00002-of-00002.safetensors"
+    t = load_file(str(shard))
+    del t["blk.1.ffn_gate_exps.6.numa.1.weight"]
+    save_file(t, str(shard))
+    res = _quantize(amx, tmp_path / "o1", "--type", "Q8_0")
+    assert res.exit_code == 3 and "model.safetensors.index.json" in res.stderr  # the index names the lost tensor
+    (amx / "model.safetensors.index.json").unlink()  # kt-kernel walks the files; the index is optional
+    res = _quantize(amx, tmp_path / "o1", "--type", "Q8_0")
+    assert res.exit_code == 3 and "layer 1 gate: 1 of 16 (expert, NUMA part) weight blobs missing" in res.stderr
+    assert res.stderr.count("\n") == 1 and not (tmp_path / "o1").exists()
+    t = load_file(str(amx / "model-00001-of-00002.safetensors"))
+    t["blk.0.ffn_up_exps.2.numa.0.scale"] = t["blk.0.ffn_up_exps.2.numa.0.scale"][:-32]
+    save_file(t, str(amx / "model-00001-of-00002.safetensors"))
+    res = CliRunner().invoke(cli, ["inspect", str(amx)])
+    assert res.exit_code == 1 and "layer 0" in res.output
+
+
+def test_hf_source_with_nan_is_refused_with_nothing_written(tiny_root, tmp_path):
+    import shutil
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_root / "mixtral", src)
+    name = "model.layers.1.block_sparse_moe.experts.4.w2.weight"
+    from ktconvert.formats import open_checkpoint
+
+    info = open_checkpoint(src)[name]
+    with open(info.file, "r+b") as fh:
+        fh.seek(info.offset + 4 * 100)
+        fh.write(np.array([np.inf], np.float32).tobytes() if info.dtype == "F32" else b"\x80\x7f")
+    res = _quantize(src, tmp_path / "out", "--to", "kt-amx", "--type", "AMXINT8")
+    assert res.exit_code == 3 and name in res.stderr and "non-finite" in res.stderr
+    assert not (tmp_path / "out").exists() and not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+
+
+def test_gguf_and_fused_sources_give_the_same_bytes(tiny_root, tmp_path):
+    """An F32 GGUF of the model and the HF checkpoint convert to identical kt-amx tensors."""
+    hf, gg = tmp_path / "hf", tmp_path / "gg"
+    assert _quantize(tiny_root / "qwen3_moe", tmp_path / "f32", "--type", "F32").exit_code == 0
+    assert _quantize(tiny_root / "qwen3_moe", hf, "--to", "kt-amx", "--type", "AMXINT4").exit_code == 0
+    res = _quantize(tmp_path / "f32" / "model.gguf", gg, "--to", "kt-amx", "--type", "AMXINT4")
+    assert res.exit_code == 0, res.output
+    a, b = _read_dir(hf), _read_dir(gg)
+    assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a)

@@ -197,6 +197,8 @@ def _block(name: str) -> tuple[int, int]:
 
 
 def _decodable(src_dtype: str, container: str) -> bool:
+    if src_dtype in ("AMXINT8", "AMXINT4"):  # kt-amx experts: unpacked and dequantized
+        return True
     if container == "safetensors":
         return src_dtype in FLOAT_SAFETENSORS
     from ktconvert.quant import dequantizable
@@ -308,6 +310,8 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
 def _segment_bytes(info, s: Segment) -> int:
     """Input bytes a segment reads: its rows of the source, or for a transpose its columns of one expert slab."""
     shape = info.shape or (1,)
+    if s.op == "kt-amx":  # one whole expert projection: every part's weight bytes
+        return info.nbytes * s.parts
     if s.op == "transpose":
         return info.nbytes // shape[0] * s.rows // shape[-1]
     rows = 1

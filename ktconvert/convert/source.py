@@ -45,10 +45,14 @@ class Segment:
     expert: int = 0
     src_col: int = 0
     heads: int = 0
+    parts: int = 0  # kt-amx: the expert projection's part count (``source`` names part 0's weight)
+    method: str = ""  # kt-amx: AMXINT8 / AMXINT4
 
     def to_dict(self) -> dict:
         d = {"rows": [self.start, self.start + self.rows], "source": self.source, "op": self.op}
-        if self.op == "rows":
+        if self.op == "kt-amx":
+            d.update(parts=self.parts, method=self.method, source_rows=[self.src_row, self.src_row + self.rows])
+        elif self.op == "rows":
             d["source_rows"] = [self.src_row, self.src_row + self.rows]
         elif self.op == "transpose":
             d.update(expert=self.expert, source_cols=[self.src_col, self.src_col + self.rows])
@@ -114,7 +118,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
 
     Raises :class:`InputError` for anything that would make a wrong or partial conversion: errors of the
     layout detection (missing or extra experts, shapes that disagree with each other or with ``config.json``,
-    mixed layouts), an orientation the shapes and config cannot decide, kt-kernel AMX blobs (opaque), FP8
+    mixed layouts), an orientation the shapes and config cannot decide, FP8
     weights with block scales, tensor names no naming map knows.
     """
     ck = open_checkpoint(src)
@@ -142,10 +146,8 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
               if p.severity == "error" or p.kind == "ambiguous-orientation"]
     if errors:
         raise _fail(errors, shown, "ktconvert inspect shows the layout problems; fix or re-download the checkpoint")
-    if "kt-amx" in report.layouts:
-        raise InputError("kt-kernel AMX blobs are tile-packed for one kernel version and cannot be converted",
-                         path=shown, fix="convert from the original Hugging Face or GGUF weights")
-    scales = [n for n, m in report.matches.items() if m.group == "expert_scales"] + [
+    kt = "kt-amx" in report.layouts
+    scales = [n for n, m in report.matches.items() if m.group == "expert_scales" and m.layout != "kt-amx"] + [
         n for n in ck if n.endswith("weight_scale_inv")]
     fp8 = [n for n in ck if ck[n].dtype.startswith("F8_")]
     if scales or fp8:
@@ -182,6 +184,15 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
             seg = Segment(0, shape[0], name, op="permute", heads=heads)
         items.append(Item(out, m.hf_name, tuple(shape), (seg,), info.dtype, m.group, m.layer))
     for name in report.unknown:
+        if kt:  # upstream's converter copies non-expert tensors under shortened HF names (model.layers. -> blk.)
+            from ktconvert.convert.kt_amx_io import nonexpert_item
+
+            it = nonexpert_item(name, nm, ck)
+            if it is not None and not (it.layer is not None and n_layers is not None and it.layer >= n_layers):
+                items.append(it)
+            else:
+                skipped.append(name)
+            continue
         if name.endswith("rotary_emb.inv_freq"):
             skipped.append(name)
             continue
@@ -243,6 +254,10 @@ def _heads(cfg: dict | None, ck: Checkpoint) -> tuple[int, int]:
 def _expert_items(ly, report: LayoutReport, nm: NamingMap, ck: Checkpoint, shown: str) -> list[Item]:
     L, E, I, H = ly.layer, ly.n_experts, ly.intermediate, ly.hidden
     out: list[Item] = []
+    if ly.layout == "kt-amx":
+        from ktconvert.convert.kt_amx_io import expert_items
+
+        return expert_items(ly, nm)
 
     def names(p: str) -> tuple[str, str | None]:
         return nm.expert_name("gguf-merged", p, L), nm.expert_name("hf-split", p, L, expert="*")

@@ -212,7 +212,11 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
             _decode_into(x[pos: pos + n], src[s.src_row + i: s.src_row + i + n], dtype)
             del src
         else:
-            if s.op == "transpose":
+            if s.op == "kt-amx":
+                from ktconvert.convert.kt_amx_io import dequant_rows
+
+                part = dequant_rows(ck, s, i, n)
+            elif s.op == "transpose":
                 slab = ck.read(s.source)[s.expert]
                 part = _decode(slab[:, s.src_col + i: s.src_col + i + n], dtype).T
             else:  # permute: llama.cpp's rope row order within each head (convert_hf_to_gguf's LlamaModel.permute)
@@ -236,6 +240,7 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
         k = i + r - pos
         at = {"rows": lambda: f"row {s.src_row + k}, column {c}",
               "transpose": lambda: f"expert {s.expert}, row {c}, column {s.src_col + k}",
+              "kt-amx": lambda: f"row {s.src_row + k}, column {c} (dequantized)",
               "permute": lambda: f"row {int(idx[r - pos])}, column {c}"}[s.op]()
         raise InputError(f"non-finite value {x[r, c]} at {at}", path=None, where=f"tensor {s.source}",
                          fix="the checkpoint is corrupt or was saved from a diverged run; fix or drop that tensor")

@@ -290,3 +290,23 @@ __all__ = [
     "dequantize_matrix", "dequantize_values", "method", "pack_expert", "pack_matrix", "parse_name", "part_of",
     "part_shape", "quantize_rows", "tensor_name", "to_bf16_f32", "unpack_expert", "unpack_matrix",
 ]
+
+
+def scan_dequantized(ck, name: str) -> np.ndarray | None:
+    """One part's weight blob dequantized for ``inspect --scan``, its method told by its size against the scale
+    lengths (a gate/up part's ``k`` is the down scale's length H, a down part's the gate scale's length I/P);
+    ``None`` when the sizes fit no method (layout detection reports that)."""
+    parsed = parse_name(name)
+    if parsed is None:
+        return None
+    L, proj, e, part, _ = parsed
+    other = tensor_name(L, "gate" if proj == "down" else "down", e, part, "scale")
+    own = tensor_name(L, proj, e, part, "scale")
+    try:
+        n, k, size = ck[own].n_elements, ck[other].n_elements, ck[name].nbytes
+    except KeyError:
+        return None
+    m = {8: INT8, 4: INT4}.get(size * 8 // (n * k) if n * k and (size * 8) % (n * k) == 0 else 0)
+    if m is None or n % TILE_ROWS or k % m.k_align:
+        return None
+    return dequantize_matrix(ck.read(name), ck.read(own), n, k, m)
