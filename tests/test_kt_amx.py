@@ -325,3 +325,67 @@ def test_gguf_and_fused_sources_give_the_same_bytes(tiny_root, tmp_path):
     assert res.exit_code == 0, res.output
     a, b = _read_dir(hf), _read_dir(gg)
     assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a)
+
+
+# --- streaming guarantees ------------------------------------------------------------------------------------------
+
+_KILLER = """
+import os, signal, sys
+from ktconvert.convert import execute
+execute.SYNC_EVERY_S = 0  # journal every finished unit, so the kill lands after recorded progress
+from ktconvert.convert import convert
+calls = [0]
+def progress(done, total):
+    calls[0] += 1
+    if calls[0] == int(sys.argv[4]):
+        os.kill(os.getpid(), signal.SIGKILL)
+convert(sys.argv[1], sys.argv[2], type="AMXINT4", format="kt-amx", threadpool_count=2, jobs=int(sys.argv[3]),
+        max_memory="1MiB", progress=progress)
+"""
+
+
+@pytest.mark.parametrize("jobs", [1, 2])
+def test_kill_9_then_resume_is_byte_identical(tiny_root, tmp_path, jobs):
+    import subprocess
+    import sys
+
+    from convert_helpers import tree_bytes
+
+    src = tiny_root / "qwen3_moe"
+    ref, out = tmp_path / "ref", tmp_path / "out"
+    assert _quantize(src, ref, "--to", "kt-amx", "--type", "AMXINT4").exit_code == 0
+    proc = subprocess.run([sys.executable, "-c", _KILLER, str(src), str(out), str(jobs), "20"], capture_output=True)
+    assert proc.returncode == -9, proc.stderr.decode()[-500:]
+    partial = tmp_path / ".out.ktconvert-partial"
+    assert not out.exists() and partial.is_dir()
+    assert len((partial / ".ktconvert" / "journal").read_text().split()) >= 10
+    res = _quantize(src, out, "--to", "kt-amx", "--type", "AMXINT4", "--resume", "-o", "json")
+    assert res.exit_code == 0, res.output
+    rep = json.loads(res.stdout)
+    assert rep["units_resumed"] >= 10 and rep["units"] + rep["units_resumed"] == 48
+    assert tree_bytes(out) == tree_bytes(ref) and not partial.exists()
+
+
+def test_jobs_and_memory_budget_do_not_change_bytes(tiny_root, tmp_path):
+    from convert_helpers import tree_bytes
+
+    src = tiny_root / "deepseek_v2"
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert _quantize(src, a, "--to", "kt-amx", "--type", "AMXINT8", "--threadpool-count", "4").exit_code == 0
+    assert _quantize(src, b, "--to", "kt-amx", "--type", "AMXINT8", "--threadpool-count", "4", "-j", "2",
+                     "--max-memory", "64KiB").exit_code == 0
+    assert tree_bytes(a) == tree_bytes(b)
+
+
+def test_dry_run_plans_sizes_and_writes_nothing(tiny_root, tmp_path):
+    res = _quantize(tiny_root / "deepseek_v3", tmp_path / "o", "--to", "kt-amx", "--type", "AMXINT4", "--dry-run",
+                    "-o", "json")
+    assert res.exit_code == 0, res.output
+    plan = json.loads(res.stdout)
+    assert plan["format"] == "kt-amx" and not (tmp_path / "o").exists()
+    # deepseek_v3 tiny: layers 1 and 2 are MoE, 16 experts, H = 256, I = 128, one part: 16 KiB of INT4 each
+    assert [f["name"] for f in plan["files"]][:2] == ["model-00001-of-00002.safetensors",
+                                                      "model-00002-of-00002.safetensors"]
+    assert plan["types"]["AMXINT4"] == {"tensors": 96, "bytes": 96 * 128 * 256 // 2}
+    assert plan["types"]["F32"] == {"tensors": 96, "bytes": 2 * 16 * (128 + 128 + 256) * 4}
+    assert any("--model-path" in n for n in plan["notes"])
