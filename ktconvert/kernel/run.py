@@ -82,3 +82,18 @@ def read_kt_tree(root: Path, layer: int) -> dict[str, np.ndarray]:
             name = f"blk.{layer}.ffn_{proj}_exps.{e}.numa.{n}.{'weight' if kind == 'quant' else 'scale'}"
             out[name] = np.frombuffer(data, dtype=np.int8 if kind == "quant" else np.float32)
     return out
+
+
+def kernel_moe(kt_dir: Path, *, layer: int, method: str, parts: int, x: np.ndarray, ids: np.ndarray,
+               weights: np.ndarray, E: int, H: int, I: int, workdir: Path, threads: int | None = None) -> np.ndarray:
+    """kt-kernel's ``method`` MoE forward on one layer of the kt-amx directory ``kt_dir`` (loaded by pointer, as
+    upstream's loader does): ``x`` ``[T, H]`` (bf16 values), ``ids``/``weights`` ``[T, k]``; float32 ``[T, H]``."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    job = {"job": "moe", "method": method, "E": E, "H": H, "I": I, "P": parts, "layer": layer,
+           "top_k": int(ids.shape[1]), "max_len": max(64, int(ids.shape[0])), "threads": threads or parts,
+           "dir": str(kt_dir), "out": str(workdir / "y.npy")}
+    for k, a in (("x", x), ("ids", ids), ("weights", weights)):
+        job[k] = str(workdir / f"{k}.npy")
+        np.save(job[k], a)
+    run_child(job)
+    return np.load(workdir / "y.npy")
