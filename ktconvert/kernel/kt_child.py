@@ -7,7 +7,8 @@ the way upstream's converter and loader configure it, for three jobs:
 * ``probe``: import kt-kernel and print its variant (tests use it to decide whether to skip);
 * ``pack``: quantize one layer's bf16 experts with the kernel's own packer and save its ``.kt`` tree
   (``_layer_L/_numa_N/{INT8|INT4}_{proj}_{e}_{S}Byte_{quant|scale}_.kt``), as upstream's converter does;
-* ``moe``: load a kt-amx directory's layer by pointer and run the MoE forward on given tokens.
+* ``moe``: load a kt-amx directory's layer by pointer and run the MoE forward on given tokens;
+* ``upstream``: upstream's whole converter flow on a per-expert bf16 checkpoint (the benchmark's baseline).
 
 The job file is JSON; array inputs and outputs are ``.npy`` files named in it. Prints one JSON line on success.
 """
@@ -127,6 +128,73 @@ def run_moe(job: dict) -> dict:
     return {"tokens": int(T)}
 
 
+def upstream(job: dict) -> dict:
+    """Upstream's converter path (``convert_cpu_weights.py``, per-expert bf16 input, merged safetensors output),
+    reproduced step for step for the benchmark: per MoE layer, every expert loaded with ``safe_open(framework="pt")``
+    and ``.to(torch.bfloat16)``, stacked into ``[E, I, H]`` / ``[E, H, I]``, quantized and saved by the kernel into
+    a tmpfs scratch ``.kt`` tree, read back and written as one safetensors shard per layer, scratch removed."""
+    import os
+    import shutil
+
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    import kt_kernel  # noqa: F401
+    import kt_kernel_ext
+    from kt_kernel_ext import moe
+
+    where = {}
+    for root, _, files in os.walk(job["src"]):
+        for f in files:
+            if f.endswith(".safetensors"):
+                path = os.path.join(root, f)
+                with safe_open(path, framework="pt") as fh:
+                    for k in fh.keys():
+                        where[k] = path
+    cpu = _pool(kt_kernel_ext, job["P"], job.get("threads", job["P"]))
+    mask = torch.zeros(job["E"], dtype=torch.bool)
+    ident = torch.arange(job["E"], dtype=torch.int64)
+    scratch, out = job["scratch"], job["out"]
+    os.makedirs(out, exist_ok=True)
+    tag = "INT8" if job["method"] == "AMXINT8" else "INT4"
+    n = len(job["layers"])
+    t0 = time.perf_counter()
+    for i, L in enumerate(job["layers"]):
+        stacks = {}
+        for p in ("gate", "up", "down"):
+            mats = []
+            for e in range(job["E"]):
+                key = f"model.layers.{L}.mlp.experts.{e}.{p}_proj.weight"
+                with safe_open(where[key], framework="pt") as fh:
+                    mats.append(fh.get_tensor(key).to(torch.bfloat16))
+            stacks[p] = torch.stack(mats, dim=0).contiguous()
+            del mats
+        cfg = moe.MOEConfig(job["E"], job.get("top_k", 8), job["H"], job["I"], mask.data_ptr())
+        cfg.layer_idx, cfg.pool, cfg.max_len = L, cpu.backend_, 512
+        cfg.save, cfg.load = True, False
+        cfg.gate_proj, cfg.up_proj, cfg.down_proj = (stacks[p].data_ptr() for p in ("gate", "up", "down"))
+        cfg.path = scratch
+        m = _moe_class(moe, job["method"])(cfg)
+        cpu.submit(m.load_weights_task(ident.data_ptr()))
+        cpu.sync()
+        del m, stacks
+        tensors = {}
+        for part in range(job["P"]):
+            folder = os.path.join(scratch, f"_layer_{L}", f"_numa_{part}")
+            for f in os.listdir(folder):
+                kind_tag, p, e = f.split("_")[0:3]
+                if kind_tag != tag:
+                    continue
+                kind = "weight" if f.endswith("_quant_.kt") else "scale"
+                data = np.fromfile(os.path.join(folder, f), dtype=np.int8 if kind == "weight" else np.float32)
+                tensors[f"blk.{L}.ffn_{p}_exps.{e}.numa.{part}.{kind}"] = torch.from_numpy(data)
+        save_file(tensors, os.path.join(out, f"model-{i + 1:05d}-of-{n:05d}.safetensors"))
+        del tensors
+        shutil.rmtree(os.path.join(scratch, f"_layer_{L}"))
+    return {"seconds": time.perf_counter() - t0}
+
+
 def main(argv: list[str]) -> int:
     job = json.loads(Path(argv[0]).read_text()) if argv else {"job": "probe"}
     kind = job.get("job", "probe")
@@ -136,7 +204,7 @@ def main(argv: list[str]) -> int:
         print(json.dumps({"variant": getattr(kt_kernel, "__cpu_variant__", None),
                           "version": getattr(kt_kernel, "__version__", None)}))
         return 0
-    result = {"pack": pack, "moe": run_moe}[kind](job)
+    result = {"pack": pack, "moe": run_moe, "upstream": upstream}[kind](job)
     print(json.dumps(result))
     return 0
 
