@@ -43,6 +43,9 @@ def _layer(seed: int, E: int, I: int, H: int):
     d[E - 1, 9] = ka.to_bf16_f32(np.full(I, 1e-37, np.float32))  # amax normal, amax/127 subnormal
     d[0, 2, 3] = -7.0
     u[E - 1, 1] = ka.to_bf16_f32(np.linspace(-1, 1, H, dtype=np.float32))
+    row = np.full(H, 1e-38, np.float32)  # subnormal inputs in a row whose scale is normal: DAZ makes them 0
+    row[0] = 2e-36
+    u[0, 7] = ka.to_bf16_f32(row)
     return g, u, d
 
 

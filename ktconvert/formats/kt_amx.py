@@ -138,22 +138,34 @@ def _flush(x: np.ndarray) -> np.ndarray:
 
 
 def quantize_rows(w: np.ndarray, m: Method) -> tuple[np.ndarray, np.ndarray]:
-    """``(q, d)``: int8 values (INT4: multiples of 16) and float32 per-row scales of the bf16-valued ``w``."""
-    x = _flush(np.asarray(w, dtype=np.float32))
-    amax = np.max(np.abs(x), axis=1) if x.shape[1] else np.zeros(x.shape[0], np.float32)
-    if m.bits == 8:
-        d = amax * _INV127
-    else:
-        d = amax / _F112
-    d = _flush(d.astype(np.float32))
+    """``(q, d)``: int8 values (INT4: multiples of 16) and float32 per-row scales of the bf16-valued ``w``.
+
+    The kernel runs with flush-to-zero and denormals-are-zero: a subnormal scale is 0 (so is its row), and a
+    subnormal input counts as 0. The latter can only change a code where ``1/d`` is huge, i.e. in rows whose
+    amax is below 1e-30; only those rows are flushed (exactly what DAZ does, without a pass over every row).
+    """
+    x = np.asarray(w, dtype=np.float32)
+    if x.shape[1] == 0:
+        return np.zeros(x.shape, np.int8), np.zeros(x.shape[0], np.float32)
+    amax = np.maximum(x.max(axis=1), -x.min(axis=1))
+    d = _flush(amax * _INV127 if m.bits == 8 else amax / _F112)
     with np.errstate(divide="ignore"):
         r = np.where(d != 0, np.float32(1) / np.where(d != 0, d, np.float32(1)), np.float32(0)).astype(np.float32)
-    y = np.rint(x * r[:, None])
-    q = np.clip(y, -128, 127).astype(np.int8)
-    if m.bits == 4:
-        a = (np.abs(q.astype(np.int16)) + 8) & 0xF0
-        q = np.where(q < 0, -a, a).astype(np.int8)
-    return q, d.astype(np.float32)
+    small = amax < np.float32(1e-30)
+    if small.any():
+        x = x.copy()
+        x[small] = _flush(x[small])
+    y = x * r[:, None]
+    np.rint(y, out=y)
+    np.clip(y, -128, 127, out=y)
+    if m.bits == 4:  # to a multiple of 16, half away from zero: (|q| + 8) & 0xF0, sign restored
+        t = np.abs(y)
+        t += 8
+        t *= np.float32(1 / 16)
+        np.floor(t, out=t)
+        t *= 16
+        np.copysign(t, y, out=y)
+    return y.astype(np.int8), d.astype(np.float32)
 
 
 def _tile(b: np.ndarray, nb: int, kb: int) -> np.ndarray:
@@ -262,9 +274,11 @@ def part_of(mat: np.ndarray, proj: str, part: int, parts: int) -> np.ndarray:
     return mat[part * ip:(part + 1) * ip]
 
 
-def pack_expert(mat: np.ndarray, proj: str, m: Method, parts: int) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``[(weight, scale)]`` per part of one expert's projection (float32 input, rounded to bf16 here)."""
-    x = to_bf16_f32(mat)
+def pack_expert(mat: np.ndarray, proj: str, m: Method, parts: int, *, is_bf16: bool = False
+                ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """``[(weight, scale)]`` per part of one expert's projection (float32 input, rounded to bf16 here unless
+    ``is_bf16`` says its values already are bf16)."""
+    x = np.asarray(mat, dtype=np.float32) if is_bf16 else to_bf16_f32(mat)
     return [pack_matrix(np.ascontiguousarray(part_of(x, proj, n, parts)), m) for n in range(parts)]
 
 
