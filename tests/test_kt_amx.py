@@ -320,14 +320,64 @@ def test_hf_source_with_nan_is_refused_with_nothing_written(tiny_root, tmp_path)
 
 
 def test_gguf_and_fused_sources_give_the_same_bytes(tiny_root, tmp_path):
-    """An F32 GGUF of the model and the HF checkpoint convert to identical kt-amx tensors."""
-    hf, gg = tmp_path / "hf", tmp_path / "gg"
-    assert _quantize(tiny_root / "qwen3_moe", tmp_path / "f32", "--type", "F32").exit_code == 0
-    assert _quantize(tiny_root / "qwen3_moe", hf, "--to", "kt-amx", "--type", "AMXINT4").exit_code == 0
-    res = _quantize(tmp_path / "f32" / "model.gguf", gg, "--to", "kt-amx", "--type", "AMXINT4")
-    assert res.exit_code == 0, res.output
-    a, b = _read_dir(hf), _read_dir(gg)
-    assert sorted(a) == sorted(b) and all(a[n].tobytes() == b[n].tobytes() for n in a)
+    """An F32 GGUF of the model, and fused checkpoints in both orientations ([E,2I,H] + [E,H,I] as transformers 5
+    keeps them, [E,H,2I] + [E,I,H] as some releases store them), convert to the HF checkpoint's kt-amx bytes; a
+    Q8_0 GGUF converts to the packing of its dequantized values."""
+    import shutil
+
+    import torch
+    from safetensors.torch import save_file
+
+    from convert_helpers import hf_tensors
+    from ktconvert.formats import open_checkpoint
+
+    src = tiny_root / "qwen3_moe"
+    hf = tmp_path / "hf"
+    assert _quantize(src, hf, "--to", "kt-amx", "--type", "AMXINT4").exit_code == 0
+    want = _read_dir(hf)
+    assert _quantize(src, tmp_path / "f32", "--type", "F32").exit_code == 0
+    srcs = {"gguf": tmp_path / "f32" / "model.gguf"}
+    t = hf_tensors(src)
+    for orient in ("std", "transposed"):
+        fused = {}
+        for name, a in t.items():
+            if ".mlp.experts." not in name:
+                fused[name] = torch.from_numpy(a).to(torch.bfloat16)
+        for L in (0, 1):
+            p = f"model.layers.{L}.mlp.experts"
+            g, u, d = (np.stack([t[f"{p}.{e}.{k}_proj.weight"] for e in range(8)]) for k in ("gate", "up", "down"))
+            gu = np.concatenate([g, u], axis=1)  # [E, 2I, H]
+            if orient == "transposed":
+                gu, d = gu.transpose(0, 2, 1), d.transpose(0, 2, 1)
+            fused[f"{p}.gate_up_proj"] = torch.from_numpy(np.ascontiguousarray(gu)).to(torch.bfloat16)
+            fused[f"{p}.down_proj"] = torch.from_numpy(np.ascontiguousarray(d)).to(torch.bfloat16)
+        d_ = tmp_path / f"fused-{orient}"
+        d_.mkdir()
+        save_file(fused, str(d_ / "model.safetensors"))
+        shutil.copy(src / "config.json", d_ / "config.json")
+        srcs[orient] = d_
+    for what, path in srcs.items():
+        out = tmp_path / f"out-{what}"
+        res = _quantize(path, out, "--to", "kt-amx", "--type", "AMXINT4")
+        assert res.exit_code == 0, (what, res.output)
+        got = _read_dir(out)
+        assert sorted(got) == sorted(want) and all(got[n].tobytes() == want[n].tobytes() for n in want), what
+    assert _quantize(src, tmp_path / "q8", "--type", "Q8_0").exit_code == 0
+    q8 = tmp_path / "q8" / "model.gguf"
+    assert _quantize(q8, tmp_path / "amx-q8", "--to", "kt-amx", "--type", "AMXINT8", "--threadpool-count", "1"
+                     ).exit_code == 0
+    ck = open_checkpoint(q8)
+    layers = {L: tuple(ka.to_bf16_f32(ck.read_float32(f"blk.{L}.ffn_{p}_exps.weight")) for p in ("gate", "up", "down"))
+              for L in (0, 1)}
+    _assert_same(_read_dir(tmp_path / "amx-q8"), _ours(layers, ka.INT8, 1))
+
+
+def test_kt_kernel_never_imported_in_this_process():
+    """The kernel ran in children only: this process still has subnormal floats."""
+    import sys
+
+    assert "kt_kernel" not in sys.modules and "kt_kernel_ext" not in sys.modules
+    assert np.float32(2.0**-127) != 0 and np.float32(1e-38) * np.float32(0.5) != 0
 
 
 # --- streaming guarantees ------------------------------------------------------------------------------------------
