@@ -524,3 +524,25 @@ def test_kt_kernel_on_random_normal_experts(kt_kernel, tmp_path, method):
         errs[which] = float(np.linalg.norm(y - ref) / np.linalg.norm(ref))
     print(f"random normal {method} P={P}: relative error {errs['ok']:.4f}, gate parts swapped {errs['bad']:.3f}")
     assert errs["ok"] < RANDOM_BOUND[method] and errs["bad"] > 0.5
+
+
+def test_upstream_style_directory_as_input(tmp_path):
+    """A directory as upstream's converter lays it out (layer shards, a shard of non-expert tensors under
+    shortened names, an index, config.json): its non-expert tensors are carried byte for byte, its experts
+    dequantized part by part."""
+    from safetensors.numpy import load_file
+
+    from formats_helpers import kt_amx_checkpoint
+    from ktconvert.formats import open_checkpoint
+
+    src = kt_amx_checkpoint(tmp_path, bits=4)
+    res = _quantize(src, tmp_path / "out", "--type", "F32", "--to", "safetensors")
+    assert res.exit_code == 0, res.output
+    got = load_file(str(tmp_path / "out" / "model.safetensors"))
+    ck = open_checkpoint(src)
+    assert np.array_equal(got["blk.1.attn_output.weight"], np.asarray(ck.read("blk.1.self_attn.o_proj.weight")))
+    assert np.array_equal(got["token_embd.weight"], np.asarray(ck.read("embed_tokens.weight")))
+    down = got["blk.2.ffn_down_exps.weight"]  # [E, H, I]: part n holds columns n*I/P..
+    part = ka.dequantize_matrix(ck.read("blk.2.ffn_down_exps.3.numa.1.weight"),
+                                ck.read("blk.2.ffn_down_exps.3.numa.1.scale"), 128, 128, ka.INT4)
+    assert np.array_equal(down[3][:, 128:], part)

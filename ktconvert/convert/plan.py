@@ -71,7 +71,9 @@ class PlanTensor:
             return f"kt-kernel {self.kt_pack[0]} pack into {self.kt_pack[2]} part(s), {self.src_dtype} -> bf16 -> {self.type}"
         ops = Counter(s.op for s in self.segments)
         n_src = len({s.source for s in self.segments})
-        if ops.get("transpose"):
+        if ops.get("kt-amx"):
+            what = f"unpack {ops['kt-amx']} kt-amx expert(s)"
+        elif ops.get("transpose"):
             what = f"transpose {ops['transpose']} expert slab(s)"
         elif ops.get("permute"):
             what = "reorder rows for llama.cpp's rope (q/k)"
