@@ -546,3 +546,29 @@ def test_upstream_style_directory_as_input(tmp_path):
     part = ka.dequantize_matrix(ck.read("blk.2.ffn_down_exps.3.numa.1.weight"),
                                 ck.read("blk.2.ffn_down_exps.3.numa.1.scale"), 128, 128, ka.INT4)
     assert np.array_equal(down[3][:, 128:], part)
+
+
+def test_truncated_or_incomplete_source_is_refused(tiny_root, tmp_path):
+    """A truncated shard or a missing expert in the source: exit 3, one line naming the file and the fix, and
+    no output (not even a partial directory)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    for case in ("truncated", "missing"):
+        src = tmp_path / case
+        shutil.copytree(tiny_root / "qwen2_moe", src)
+        st = src / "model.safetensors"
+        if case == "truncated":
+            with open(st, "r+b") as fh:
+                fh.truncate(st.stat().st_size - 4096)
+        else:
+            t = load_file(str(st))
+            del t["model.layers.1.mlp.experts.5.up_proj.weight"]
+            save_file(t, str(st))
+        out = tmp_path / f"out-{case}"
+        res = _quantize(src, out, "--to", "kt-amx", "--type", "AMXINT8")
+        line = res.stderr.strip()
+        assert res.exit_code == 3 and "\n" not in line and str(src) in line and "(" in line, line
+        assert ("layer 1" in line) if case == "missing" else ("model.safetensors" in line)
+        assert not out.exists() and not (tmp_path / f".out-{case}.ktconvert-partial").exists()
