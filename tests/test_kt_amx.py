@@ -176,14 +176,18 @@ def test_quantize_to_kt_amx_equals_kt_kernel(kt_kernel, tiny_root, tmp_path, fam
     assert man["format"] == "kt-amx" and set(man["files"]) >= {"model.safetensors.index.json"}
 
 
-def test_unaligned_is_refused_before_any_work(tiny_root, tmp_path):
+@pytest.mark.parametrize("method,parts,want,fix", [
+    ("AMXINT4", "4", "I/P=64 not a multiple of 128", "--threadpool-count 2"),
+    ("AMXINT8", "3", "I=256 is not divisible by the threadpool count 3", "--threadpool-count 4"),
+])
+def test_unaligned_is_refused_before_any_work(tiny_root, tmp_path, method, parts, want, fix):
     out = tmp_path / "out"
     res = CliRunner().invoke(cli, ["quantize", str(tiny_root / "qwen3_moe"), str(out), "--to", "kt-amx", "--type",
-                                    "AMXINT4", "--threadpool-count", "4"])
+                                    method, "--threadpool-count", parts])
     assert res.exit_code == 3
     line = res.stderr.strip()
-    assert "\n" not in line and "I/P=64 not a multiple of 128" in line and "layer 0" in line
-    assert "--threadpool-count 2" in line and "model.layers.0.mlp.experts" in line
+    assert "\n" not in line and want in line and "layer 0" in line
+    assert fix in line and "model.layers.0.mlp.experts" in line and str(tiny_root / "qwen3_moe") in line
     assert not out.exists() and not any(tmp_path.iterdir())
 
 
@@ -300,6 +304,9 @@ def test_missing_part_and_truncated_blob(tiny_root, tmp_path):
     save_file(t, str(amx / "model-00001-of-00002.safetensors"))
     res = CliRunner().invoke(cli, ["inspect", str(amx)])
     assert res.exit_code == 1 and "layer 0" in res.output
+    res = _quantize(amx, tmp_path / "o2", "--type", "Q8_0")
+    assert res.exit_code == 3 and "layer 0" in res.stderr and res.stderr.count("\n") == 1
+    assert not (tmp_path / "o2").exists()
 
 
 def test_hf_source_with_nan_is_refused_with_nothing_written(tiny_root, tmp_path):
