@@ -414,8 +414,10 @@ def test_kill_9_then_resume_is_byte_identical(tiny_root, tmp_path, jobs):
     src = tiny_root / "qwen3_moe"
     ref, out = tmp_path / "ref", tmp_path / "out"
     assert _quantize(src, ref, "--to", "kt-amx", "--type", "AMXINT4").exit_code == 0
-    proc = subprocess.run([sys.executable, "-c", _KILLER, str(src), str(out), str(jobs), "20"], capture_output=True)
-    assert proc.returncode == -9, proc.stderr.decode()[-500:]
+    with open(tmp_path / "log", "wb") as log:  # a file, not a pipe: nothing the killed run leaves can hold it open
+        proc = subprocess.run([sys.executable, "-c", _KILLER, str(src), str(out), str(jobs), "20"], stdout=log,
+                              stderr=subprocess.STDOUT, timeout=300)
+    assert proc.returncode == -9, (tmp_path / "log").read_text()[-500:]
     partial = tmp_path / ".out.ktconvert-partial"
     assert not out.exists() and partial.is_dir()
     assert len((partial / ".ktconvert" / "journal").read_text().split()) >= 10

@@ -284,7 +284,8 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
 
         queue = deque(todo)
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init) as pool:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init,
+                                 initargs=(os.getpid(),)) as pool:
             inflight = {}
             try:
                 while queue or inflight:

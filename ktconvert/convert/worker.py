@@ -57,16 +57,23 @@ def close_all() -> None:
     _CHECKPOINTS.clear()
 
 
-def worker_init() -> None:
+def worker_init(parent: int | None = None) -> None:
     """Per worker process: one core each (the executor runs ``jobs`` processes side by side), and exit when the
-    converting process dies (a ``kill -9`` of it must not leave workers behind, blocked on their task queue)."""
+    converting process dies (a ``kill -9`` of it must not leave workers behind, blocked on their task queue).
+
+    ``parent`` is the converting process's pid, passed in: a worker still starting up when its parent is killed
+    would otherwise take its new parent (init) for the one to watch, and wait on its queue forever.
+    """
     import threading
     import time
+
+    parent = parent or os.getppid()
+    if os.getppid() != parent:
+        os._exit(1)
 
     import torch
 
     torch.set_num_threads(1)
-    parent = os.getppid()
 
     def watch() -> None:
         while True:
