@@ -635,3 +635,12 @@ def test_peak_rss_stays_within_budget_plus_overhead(tiny_root, tmp_path):
     print(f"peak RSS: tiny {tiny:.0f} MiB, {size / 2**20:.0f} MiB checkpoint {big:.0f} MiB (budget 32 MiB)")
     # fixed costs the tiny run cannot show: the manifest's 16 MiB sha256 read chunk (its files are 1.5 MiB)
     assert big < tiny + 32 + 16
+
+
+def test_threadpool_count_needs_kt_amx_and_expert_only_input_is_noted(tiny_root, tmp_path):
+    res = _quantize(tiny_root / "qwen3_moe", tmp_path / "o", "--type", "Q8_0", "--threadpool-count", "2")
+    assert res.exit_code == 2 and "--threadpool-count only applies to --to kt-amx" in res.stderr
+    amx = tmp_path / "amx"
+    assert _quantize(tiny_root / "qwen3_moe", amx, "--to", "kt-amx", "--type", "AMXINT8").exit_code == 0
+    res = _quantize(amx, tmp_path / "back", "--type", "BF16", "--dry-run")
+    assert res.exit_code == 0 and "holds only routed experts" in res.output

@@ -47,8 +47,8 @@ def _bar(enabled: bool):
 @click.option("--to", "to", type=click.Choice(["gguf", "safetensors", "kt-amx"]),
               help="Output container (default: the recipe's, else gguf). kt-amx: kt-kernel's AMXINT8/AMXINT4 expert "
                    "directory (--type AMXINT8|AMXINT4).")
-@click.option("--threadpool-count", type=click.IntRange(min=1), default=2, show_default=True,
-              help="kt-amx: parts per expert; must equal the launch's --kt-threadpool-count.")
+@click.option("--threadpool-count", type=click.IntRange(min=1), default=None,
+              help="kt-amx: parts per expert (default 2); must equal the launch's --kt-threadpool-count.")
 @click.option("--config", metavar="FILE", type=click.Path(path_type=str),
               help="config.json (default: the one beside the checkpoint).")
 @click.option("--shard-size", metavar="SIZE", help="Largest output file, e.g. 5GiB (0: one file).")

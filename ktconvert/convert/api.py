@@ -33,11 +33,11 @@ def resolve_recipe(recipe: Recipe | str | Path | None = None, type: str | None =
 
 def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
                     format: str | None = None, config: str | Path | dict | None = None,
-                    shard_size: int | str | None = None, tokenizer: bool = True, threadpool_count: int = 2) -> Plan:
+                    shard_size: int | str | None = None, tokenizer: bool = True, threadpool_count: int | None = None) -> Plan:
     """Validate everything that can be validated without reading tensor data and return the plan.
 
     ``format="kt-amx"`` with ``type="AMXINT8"``/``"AMXINT4"`` plans kt-kernel's expert directory for
-    ``threadpool_count`` parts (:mod:`ktconvert.convert.kt_amx_plan`).
+    ``threadpool_count`` parts (default 2; :mod:`ktconvert.convert.kt_amx_plan`).
 
     Raises :class:`~ktconvert.errors.InputError` (bad input, impossible type, recipe problem: exit 3) or
     :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
@@ -47,7 +47,10 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
 
         if recipe is not None or type is None:
             raise UsageProblem("--to kt-amx needs --type AMXINT8 or --type AMXINT4 (and no recipe)")
-        return build_kt_amx_plan(analyze(src, config), type, threadpool_count)
+        return build_kt_amx_plan(analyze(src, config), type, 2 if threadpool_count is None else threadpool_count)
+    if threadpool_count is not None:
+        raise UsageProblem("--threadpool-count only applies to --to kt-amx",
+                           fix="drop it, or add --to kt-amx --type AMXINT8|AMXINT4")
     r = resolve_recipe(recipe, type)
     source = analyze(src, config)
     shard = None if shard_size is None else parse_size(shard_size, what="--shard-size")
@@ -58,7 +61,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
             format: str | None = None, config: str | Path | dict | None = None,
             shard_size: int | str | None = None, tokenizer: bool = True,
             max_memory: int | str = DEFAULT_MAX_MEMORY, jobs: int = 1, resume: bool = False, force: bool = False,
-            progress: Progress | None = None, threadpool_count: int = 2) -> RunResult:
+            progress: Progress | None = None, threadpool_count: int | None = None) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
 
     Example (a test converting a tiny model)::

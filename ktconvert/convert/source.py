@@ -214,6 +214,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                 skipped.extend(t for p in ly.projections.values() for t in p.tensors)
             continue
         items.extend(_expert_items(ly, report, nm, ck, shown))
+    if kt and not any(it.group != "experts" for it in items):
+        notes.append("the kt-amx input holds only routed experts (kt-kernel takes everything else from the original "
+                     "checkpoint): the output has no attention, router, norm or embedding weights")
     if skipped:
         notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction) or "
                      f"rotary caches are not converted, e.g. {skipped[0]}")

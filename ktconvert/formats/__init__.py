@@ -35,6 +35,10 @@ Public API (everything else in this package is an implementation detail):
 ``scan_checkpoint(checkpoint, names=None, matches=None, progress=None) -> ScanResult``
     Reads data one expert / one bounded chunk at a time; reports NaN, Inf and all-zero experts.
 
+``ktconvert.formats.kt_amx``
+    kt-kernel's AMXINT8/AMXINT4 expert format in numpy: ``pack_matrix``/``pack_expert`` (bytes equal to kt-kernel's
+    packer), ``unpack_matrix``, ``dequantize_matrix``, ``check_alignment``, ``tensor_name``.
+
 ``build_inspect_report(path, config=None, tensors=None, scan=False, progress_factory=None) -> dict``
     What ``ktconvert inspect`` prints, as data matching ``schemas/inspect-report.schema.json``.
 """
