@@ -644,3 +644,16 @@ def test_threadpool_count_needs_kt_amx_and_expert_only_input_is_noted(tiny_root,
     assert _quantize(tiny_root / "qwen3_moe", amx, "--to", "kt-amx", "--type", "AMXINT8").exit_code == 0
     res = _quantize(amx, tmp_path / "back", "--type", "BF16", "--dry-run")
     assert res.exit_code == 0 and "holds only routed experts" in res.output
+
+
+def test_check_rules_weights_on_a_kt_amx_directory(tiny_root, tmp_path):
+    """Optimize-rule operators never read kt-amx directories (the AMX backends of ktransformers' own operators
+    quantize BF16 experts at load): one finding says so and how the directory is served, not a list of misses."""
+    amx = tmp_path / "amx"
+    assert _quantize(tiny_root / "qwen3_moe", amx, "--to", "kt-amx", "--type", "AMXINT4").exit_code == 0
+    rules = Path(__file__).resolve().parents[1] / "rules" / "optimize" / "qwen3_moe.yaml"
+    res = CliRunner().invoke(cli, ["check-rules", "--weights", str(amx), str(rules)])
+    assert res.exit_code == 1
+    lines = [ln for ln in res.output.splitlines() if " KT5" in ln]
+    assert len(lines) == 1 and "is a kt-amx directory" in lines[0] and "2 part(s)" in lines[0]
+    assert "--kt-weight-path DIR --kt-method AMXINT8|AMXINT4 --kt-threadpool-count 2" in res.output
