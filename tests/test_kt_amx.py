@@ -173,7 +173,8 @@ def test_quantize_to_kt_amx_equals_kt_kernel(kt_kernel, tiny_root, tmp_path, fam
     ref = kernel_pack(_hf_layers(tiny_root / family), method=method, parts=parts, workdir=tmp_path / "k")
     _assert_same(_read_dir(out), ref)
     man = json.loads((out / "manifest.json").read_text())
-    assert man["format"] == "kt-amx" and set(man["files"]) >= {"model.safetensors.index.json"}
+    assert man["format"] == man["layout"] == "kt-amx" and set(man["files"]) >= {"model.safetensors.index.json"}
+    assert man["kt_amx"] == {"method": method, "threadpool_count": parts}
 
 
 @pytest.mark.parametrize("method,parts,want,fix", [

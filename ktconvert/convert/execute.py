@@ -370,11 +370,14 @@ def _rename(partial: Path, out: Path, force: bool, manifest: dict) -> dict:
 def build_manifest(plan: Plan, files: dict, fingerprint: str) -> dict:
     """manifest.json: what was made, from what, how, with sha256 per file. Deterministic: no timestamps."""
     s = plan.summary()
+    lead = next((t.kt_pack for t in plan.tensors if t.kt_pack is not None), None)
+    extra = {"kt_amx": {"method": lead[0], "threadpool_count": lead[2]}} if lead else {}
     return {
         "kind": "ktconvert-manifest",
         "tool": {"name": "ktconvert", "version": __version__, "command": "quantize"},
         "format": plan.format,
-        "layout": "kernel",
+        "layout": "kt-amx" if lead else "kernel",
+        **extra,
         "source": {"path": plan.source, "container": plan.container, "arch": plan.arch,
                    "model_type": plan.model_type, "files": plan.sources},
         "recipe": plan.recipe.to_dict(),
