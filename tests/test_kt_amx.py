@@ -658,3 +658,22 @@ def test_check_rules_weights_on_a_kt_amx_directory(tiny_root, tmp_path):
     lines = [ln for ln in res.output.splitlines() if " KT5" in ln]
     assert len(lines) == 1 and "is a kt-amx directory" in lines[0] and "2 part(s)" in lines[0]
     assert "--kt-weight-path DIR --kt-method AMXINT8|AMXINT4 --kt-threadpool-count 2" in res.output
+
+
+def test_kt_amx_repacked_for_another_threadpool_count(tiny_root, tmp_path):
+    """A P = 2 directory re-packed for P = 1 (a launch with another --kt-threadpool-count): says it is not
+    lossless, and its values stay within a fraction of a code of the original's."""
+    from safetensors.numpy import load_file
+
+    p2, p1 = tmp_path / "p2", tmp_path / "p1"
+    assert _quantize(tiny_root / "qwen3_moe", p2, "--to", "kt-amx", "--type", "AMXINT8").exit_code == 0
+    res = _quantize(p2, p1, "--to", "kt-amx", "--type", "AMXINT8", "--threadpool-count", "1")
+    assert res.exit_code == 0 and "not lossless" in res.output
+    assert all(ka.parse_name(n)[3] == 0 for n in _read_dir(p1))
+    a, b = tmp_path / "a", tmp_path / "b"
+    for d, o in ((p2, a), (p1, b)):
+        assert _quantize(d, o, "--type", "F32", "--to", "safetensors").exit_code == 0
+    x, y = load_file(str(a / "model.safetensors")), load_file(str(b / "model.safetensors"))
+    worst = max(np.linalg.norm(x[n] - y[n]) / np.linalg.norm(x[n]) for n in x if n.endswith("_exps.weight"))
+    print(f"re-packed P=2 -> P=1: worst relative difference {worst:.2e}")
+    assert worst < 0.01

@@ -106,6 +106,6 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
         from ktconvert.convert.execute import describe
 
         click.echo(describe(result))
-        for note in result.manifest["plan"]["notes"]:
-            if note.startswith("kt-amx"):
+        if result.manifest.get("layout") == "kt-amx":
+            for note in result.manifest["plan"]["notes"]:
                 click.echo(f"note: {note}")

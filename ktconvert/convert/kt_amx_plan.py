@@ -47,6 +47,9 @@ def _expert_segments(item, e: int, rows: int) -> tuple[Segment, ...]:
             out.append(Segment(a - lo, b - a, s.source, "rows", src_row=s.src_row + shift))
         elif s.op == "transpose":
             out.append(Segment(a - lo, b - a, s.source, "transpose", expert=s.expert, src_col=s.src_col + shift))
+        elif s.op == "kt-amx":  # a kt-amx input: dequantized, then packed again (for another part count)
+            out.append(Segment(a - lo, b - a, s.source, "kt-amx", src_row=s.src_row + shift, parts=s.parts,
+                               method=s.method))
         else:
             raise InputError(f"expert tensor {s.source} cannot be read row by row ({s.op})")
     return tuple(out)
@@ -114,9 +117,13 @@ def build_kt_amx_plan(src: SourceModel, method: str, parts: int) -> Plan:
             tensors.append(PlanTensor(name=sname, shape=(n,), type="F32", nbytes=sbytes, file=L, offset=0,
                                       group="experts", layer=L, st_dtype="F32", st_shape=(n,), written_by=lead))
 
+    notes = [n for n in src.notes if "holds only routed experts" not in n]
+    if "kt-amx" in src.layout.layouts:
+        notes.append("the input is already kt-amx: its dequantized values are rounded to bf16 and quantized again, "
+                     "which is close but not lossless; convert from the original checkpoint when you have it")
     plan = Plan(source=str(src.path), container=ck.container, arch=src.arch, model_type=src.model_type,
                 format="kt-amx", recipe=kt_amx_recipe(m.name), tensors=tensors, files=[],
-                notes=[*src.notes, LAUNCH_NOTE.format(method=m.name, parts=parts)], sources=fingerprints(ck),
+                notes=[*notes, LAUNCH_NOTE.format(method=m.name, parts=parts)], sources=fingerprints(ck),
                 input_files=[str(f) for f in ck.files])
     plan._in_bytes = in_bytes
     _lay_out(plan, src, m, parts)
