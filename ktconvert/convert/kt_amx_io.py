@@ -57,6 +57,11 @@ def _part(ck, name: str, m: kt_amx.Method) -> tuple[np.ndarray, np.ndarray, int,
         raise InputError(f"{w.size} weight bytes cannot hold {n} rows of {m.name}", where=f"tensor {name}",
                          fix=f"its scale {scale_name} and weight disagree; reconvert this expert")
     k = w.size * 8 // (m.bits * n)
+    bad = np.flatnonzero(~np.isfinite(s))
+    if bad.size:
+        raise InputError(f"non-finite scale {s[bad[0]]} at row {int(bad[0])} ({bad.size} in all)",
+                         where=f"tensor {scale_name}",
+                         fix="the directory is corrupt; reconvert this layer from the original checkpoint")
     return w, s, n, k
 
 
