@@ -45,9 +45,12 @@ def _bar(enabled: bool):
               help=f"One type for every weight (routers, norms, biases stay F32): {' '.join(WRITABLE)}, or keep.")
 @click.option("--recipe", metavar="FILE|PRESET", help="A recipe file (schemas/convert-recipe.schema.json) or a preset "
               "name (--list-recipes).")
-@click.option("--to", "to", type=click.Choice(["gguf", "safetensors", "hf"]),
+@click.option("--to", "to", type=click.Choice(["gguf", "safetensors", "hf", "kt-amx"]),
               help="Output container (default: the recipe's, else gguf). hf: the input's Hugging Face names and "
-              "layout, FP8 weights dequantized to --type BF16|F16|F32, loadable by transformers.")
+              "layout, FP8 weights dequantized to --type BF16|F16|F32, loadable by transformers. kt-amx: kt-kernel's "
+              "AMXINT8/AMXINT4 expert directory (--type AMXINT8|AMXINT4).")
+@click.option("--threadpool-count", type=click.IntRange(min=1), default=None,
+              help="kt-amx: parts per expert (default 2); must equal the launch's --kt-threadpool-count.")
 @click.option("--config", metavar="FILE", type=click.Path(path_type=str),
               help="config.json (default: the one beside the checkpoint).")
 @click.option("--shard-size", metavar="SIZE", help="Largest output file, e.g. 5GiB (0: one file).")
@@ -63,8 +66,8 @@ def _bar(enabled: bool):
 @click.option("--list-recipes", is_flag=True, expose_value=False, is_eager=True, callback=_list_recipes,
               help="List the preset recipes and exit.")
 @click.pass_context
-def command(ctx, src, out, qtype, recipe, to, config, shard_size, max_memory, jobs, dry_run, resume, force,
-            no_tokenizer, fmt):
+def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_size, max_memory, jobs, dry_run,
+            resume, force, no_tokenizer, fmt):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
     SRC: a .safetensors file, a shard directory or its index, a .gguf file or split GGUF set. OUT receives
@@ -78,14 +81,14 @@ def command(ctx, src, out, qtype, recipe, to, config, shard_size, max_memory, jo
     obj = ctx.find_object(dict) or {}
     if dry_run:
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
-                               tokenizer=not no_tokenizer)
+                               tokenizer=not no_tokenizer, threadpool_count=threadpool_count)
         click.echo(json.dumps(plan.to_dict(), indent=2) if fmt == "json" else plan_text(plan), nl=fmt == "json")
         return
     update, close = _bar(obj.get("verbosity", 1) > 0)
     try:
         result = convert(src, out, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
-                         progress=update)
+                         progress=update, threadpool_count=threadpool_count)
     except KeyboardInterrupt:
         from pathlib import Path
 
@@ -105,3 +108,6 @@ def command(ctx, src, out, qtype, recipe, to, config, shard_size, max_memory, jo
         from ktconvert.convert.execute import describe
 
         click.echo(describe(result))
+        if result.manifest.get("layout") == "kt-amx":
+            for note in result.manifest["plan"]["notes"]:
+                click.echo(f"note: {note}")

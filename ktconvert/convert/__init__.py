@@ -14,6 +14,10 @@ max_memory="2GiB", jobs=1, resume=False, force=False, progress=None) -> RunResul
 ``plan_conversion(src, recipe=None, *, type=None, format=None, config=None, shard_size=None, tokenizer=True) -> Plan``
     The same validation, no data read, nothing written: ``Plan.to_dict()``, ``plan_text(plan)``.
 
+``format="kt-amx", type="AMXINT8"|"AMXINT4", threadpool_count=P`` (both calls): kt-kernel's AMX expert directory
+    (experts only, one shard per MoE layer, byte-identical to kt-kernel's own packer); a kt-amx directory is also
+    accepted as ``src`` (unpacked and dequantized). Packing itself: :mod:`ktconvert.formats.kt_amx`.
+
 ``RunResult``: ``out``, ``manifest`` (the dict written to ``manifest.json``), ``units``, ``units_resumed``,
 ``seconds``, ``in_bytes``.
 

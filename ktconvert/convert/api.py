@@ -25,6 +25,8 @@ def resolve_recipe(recipe: Recipe | str | Path | None = None, type: str | None =
     if recipe is not None:
         return load_recipe(recipe)
     if type is not None:
+        if str(type).upper() in ("AMXINT8", "AMXINT4"):
+            raise UsageProblem(f"--type {type} is a kt-kernel method, not a ggml type", fix="add --to kt-amx")
         return recipe_for_type(type)
     raise UsageProblem("no recipe and no type given",
                        fix="pass --type (e.g. --type Q8_0 or --type keep) or --recipe (a file or a preset such as Q4_K_M)")
@@ -32,12 +34,24 @@ def resolve_recipe(recipe: Recipe | str | Path | None = None, type: str | None =
 
 def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
                     format: str | None = None, config: str | Path | dict | None = None,
-                    shard_size: int | str | None = None, tokenizer: bool = True) -> Plan:
+                    shard_size: int | str | None = None, tokenizer: bool = True, threadpool_count: int | None = None) -> Plan:
     """Validate everything that can be validated without reading tensor data and return the plan.
+
+    ``format="kt-amx"`` with ``type="AMXINT8"``/``"AMXINT4"`` plans kt-kernel's expert directory for
+    ``threadpool_count`` parts (default 2; :mod:`ktconvert.convert.kt_amx_plan`).
 
     Raises :class:`~ktconvert.errors.InputError` (bad input, impossible type, recipe problem: exit 3) or
     :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
     """
+    if format == "kt-amx":
+        from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
+
+        if recipe is not None or type is None:
+            raise UsageProblem("--to kt-amx needs --type AMXINT8 or --type AMXINT4 (and no recipe)")
+        return build_kt_amx_plan(analyze(src, config), type, 2 if threadpool_count is None else threadpool_count)
+    if threadpool_count is not None:
+        raise UsageProblem("--threadpool-count only applies to --to kt-amx",
+                           fix="drop it, or add --to kt-amx --type AMXINT8|AMXINT4")
     r = resolve_recipe(recipe, type)
     shard = None if shard_size is None else parse_size(shard_size, what="--shard-size")
     if (format or r.format) == "hf":  # the input's own names and layout, FP8 dequantized (convert/hf_out.py)
@@ -50,7 +64,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
             format: str | None = None, config: str | Path | dict | None = None,
             shard_size: int | str | None = None, tokenizer: bool = True,
             max_memory: int | str = DEFAULT_MAX_MEMORY, jobs: int = 1, resume: bool = False, force: bool = False,
-            progress: Progress | None = None) -> RunResult:
+            progress: Progress | None = None, threadpool_count: int | None = None) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
 
     Example (a test converting a tiny model)::
@@ -63,7 +77,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
         raise UsageProblem(f"--jobs {jobs} must be at least 1")
     budget = parse_size(max_memory, what="--max-memory")
     plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
-                           tokenizer=tokenizer)
+                           tokenizer=tokenizer, threadpool_count=threadpool_count)
     check_paths(Path(src), [Path(f) for f in plan.input_files], Path(out), force)
     return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress)
 

@@ -70,6 +70,11 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
         if t.const is not None:
             units.append(Unit(len(units), ti, 0, 1, 0))
             continue
+        if t.written_by is not None:  # kt-amx: its group's lead unit writes it
+            continue
+        if t.kt_pack is not None:  # kt-amx: one expert projection, all parts, is one unit
+            units.append(Unit(len(units), ti, 0, 1, plan.segment_bytes(t)))
+            continue
         in_total = plan.segment_bytes(t)
         in_row = in_total // rows if rows else 0
         row_len = t.shape[-1] if t.shape else 1
@@ -235,7 +240,8 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
 
         queue = deque(todo)
         ctx = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init) as pool:
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init,
+                                 initargs=(os.getpid(),)) as pool:
             inflight = {}
             try:
                 while queue or inflight:
@@ -309,11 +315,14 @@ def _publish(partial: Path, out: Path, force: bool, manifest: dict) -> dict:
 def build_manifest(plan: Plan, files: dict, fingerprint: str) -> dict:
     """manifest.json: what was made, from what, how, with sha256 per file. Deterministic: no timestamps."""
     s = plan.summary()
+    lead = next((t.kt_pack for t in plan.tensors if t.kt_pack is not None), None)
+    extra = {"kt_amx": {"method": lead[0], "threadpool_count": lead[2]}} if lead else {}
     return {
         "kind": "ktconvert-manifest",
         "tool": {"name": "ktconvert", "version": __version__, "command": "quantize"},
         "format": plan.format,
-        "layout": "hf" if plan.format == "hf" else "kernel",
+        "layout": "kt-amx" if lead else ("hf" if plan.format == "hf" else "kernel"),
+        **extra,
         "source": {"path": plan.source, "container": plan.container, "arch": plan.arch,
                    "model_type": plan.model_type, "files": plan.sources},
         "recipe": plan.recipe.to_dict(),

@@ -30,7 +30,7 @@ from ktconvert.formats.fp8 import FP8_DTYPE
 from ktconvert.io.dtypes import FLOAT_DTYPES
 from ktconvert.quant import as_qtype, block_size, dequantizable, type_size
 
-FORMATS = ("gguf", "safetensors")
+FORMATS = ("gguf", "safetensors", "kt-amx")
 DEFAULT_SAFETENSORS_SHARD = 5 * 1024**3
 
 
@@ -57,6 +57,8 @@ class PlanTensor:
     st_dtype: str | None = None
     st_shape: tuple[int, ...] | None = None
     const: bytes | None = None
+    kt_pack: tuple | None = None  # kt-amx: (method, proj, parts, rows, cols, group bytes) of a group's lead tensor
+    written_by: str | None = None  # kt-amx: the lead tensor whose unit writes this one
 
     @property
     def rows(self) -> int:
@@ -69,9 +71,15 @@ class PlanTensor:
     def operation(self) -> str:
         if self.const is not None:
             return "generated"
+        if self.written_by is not None:
+            return f"written with {self.written_by}"
+        if self.kt_pack is not None:
+            return f"kt-kernel {self.kt_pack[0]} pack into {self.kt_pack[2]} part(s), {self.src_dtype} -> bf16 -> {self.type}"
         ops = Counter(s.op for s in self.segments)
         n_src = len({s.source for s in self.segments})
-        if ops.get("transpose"):
+        if ops.get("kt-amx"):
+            what = f"unpack {ops['kt-amx']} kt-amx expert(s)"
+        elif ops.get("transpose"):
             what = f"transpose {ops['transpose']} expert slab(s)"
         elif ops.get("permute"):
             what = "reorder rows for llama.cpp's rope (q/k)"
@@ -94,6 +102,10 @@ class PlanTensor:
             d["rule"] = self.rule
         if self.fallback_from:
             d["fallback_from"] = self.fallback_from
+        if self.kt_pack is not None:
+            d["kt_pack"] = list(self.kt_pack)
+        if self.written_by is not None:
+            d["written_by"] = self.written_by
         if self.st_dtype:
             d["safetensors"] = {"dtype": self.st_dtype, "shape": list(self.st_shape)}
         return d
@@ -191,6 +203,8 @@ def _block(name: str) -> tuple[int, int]:
 
 
 def _decodable(src_dtype: str, container: str) -> bool:
+    if src_dtype in ("AMXINT8", "AMXINT4"):  # kt-amx experts: unpacked and dequantized
+        return True
     if container == "safetensors":  # FP8 reaches a plan only with its scales checked (formats.fp8)
         return src_dtype in FLOAT_DTYPES or src_dtype == FP8_DTYPE
 
@@ -244,6 +258,8 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
                tokenizer: bool = True) -> Plan:
     """The complete plan, or :class:`InputError` naming the first problem (recipe line, tensor, fix)."""
     fmt = format or recipe.format or "gguf"
+    if fmt == "kt-amx":
+        raise UsageProblem("--to kt-amx takes its method from --type", fix="pass --type AMXINT8 or --type AMXINT4")
     if fmt not in FORMATS:
         raise UsageProblem(f"output format {fmt!r} is not one of {', '.join(FORMATS)}")
     shard = shard_size if shard_size is not None else recipe.shard_size
@@ -299,6 +315,8 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
 def _segment_bytes(info, s: Segment) -> int:
     """Input bytes a segment reads: its rows of the source, or for a transpose its columns of one expert slab."""
     shape = info.shape or (1,)
+    if s.op == "kt-amx":  # one whole expert projection: every part's weight bytes
+        return info.nbytes * s.parts
     if s.op == "transpose":
         return info.nbytes // shape[0] * s.rows // shape[-1]
     rows = 1

@@ -49,10 +49,14 @@ class Segment:
     heads: int = 0
     scale: str = ""
     block: tuple[int, ...] = ()
+    parts: int = 0  # kt-amx: the expert projection's part count (``source`` names part 0's weight)
+    method: str = ""  # kt-amx: AMXINT8 / AMXINT4
 
     def to_dict(self) -> dict:
         d = {"rows": [self.start, self.start + self.rows], "source": self.source, "op": self.op}
-        if self.op == "rows":
+        if self.op == "kt-amx":
+            d.update(parts=self.parts, method=self.method, source_rows=[self.src_row, self.src_row + self.rows])
+        elif self.op == "rows":
             d["source_rows"] = [self.src_row, self.src_row + self.rows]
         elif self.op == "transpose":
             d.update(expert=self.expert, source_cols=[self.src_col, self.src_col + self.rows])
@@ -120,9 +124,8 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
 
     Raises :class:`InputError` for anything that would make a wrong or partial conversion: errors of the
     layout detection (missing or extra experts, shapes that disagree with each other or with ``config.json``,
-    mixed layouts), an orientation the shapes and config cannot decide, kt-kernel AMX blobs (opaque), FP8
-    weights whose scales are missing or do not fit (:mod:`ktconvert.formats.fp8`), tensor names no naming map
-    knows.
+    mixed layouts), an orientation the shapes and config cannot decide, FP8 weights whose scales are missing or
+    do not fit (:mod:`ktconvert.formats.fp8`), tensor names no naming map knows.
     """
     ck = open_checkpoint(src)
     shown = str(src)
@@ -148,9 +151,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
               if p.severity == "error" or p.kind == "ambiguous-orientation"]
     if errors:
         raise _fail(errors, shown, "ktconvert inspect shows the layout problems; fix or re-download the checkpoint")
-    if "kt-amx" in report.layouts:
-        raise InputError("kt-kernel AMX blobs are tile-packed for one kernel version and cannot be converted",
-                         path=shown, fix="convert from the original Hugging Face or GGUF weights")
+    kt = "kt-amx" in report.layouts
     fp8 = require_fp8(ck, cfg_dict, shown)
 
     model_type = report.dims.model_type
@@ -184,6 +185,15 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     for name in report.unknown:
         if name in fp8.scales:  # read with its FP8 weight
             continue
+        if kt:  # upstream's converter copies non-expert tensors under shortened HF names (model.layers. -> blk.)
+            from ktconvert.convert.kt_amx_io import nonexpert_item
+
+            it = nonexpert_item(name, nm, ck)
+            if it is not None and not (it.layer is not None and n_layers is not None and it.layer >= n_layers):
+                items.append(it)
+            else:
+                skipped.append(name)
+            continue
         if name.endswith("rotary_emb.inv_freq"):
             skipped.append(name)
             continue
@@ -205,6 +215,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                 skipped.extend(t for p in ly.projections.values() for t in p.tensors)
             continue
         items.extend(_expert_items(ly, report, nm, ck, shown))
+    if kt and not any(it.group != "experts" for it in items):
+        notes.append("the kt-amx input holds only routed experts (kt-kernel takes everything else from the original "
+                     "checkpoint): the output has no attention, router, norm or embedding weights")
     if skipped:
         notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction) or "
                      f"rotary caches are not converted, e.g. {skipped[0]}")
@@ -256,6 +269,10 @@ def _heads(cfg: dict | None, ck: Checkpoint) -> tuple[int, int]:
 def _expert_items(ly, report: LayoutReport, nm: NamingMap, ck: Checkpoint, shown: str) -> list[Item]:
     L, E, I, H = ly.layer, ly.n_experts, ly.intermediate, ly.hidden
     out: list[Item] = []
+    if ly.layout == "kt-amx":
+        from ktconvert.convert.kt_amx_io import expert_items
+
+        return expert_items(ly, nm)
 
     def names(p: str) -> tuple[str, str | None]:
         return nm.expert_name("gguf-merged", p, L), nm.expert_name("hf-split", p, L, expert="*")

@@ -60,15 +60,22 @@ def close_all() -> None:
     _CHECKPOINTS.clear()
 
 
-def worker_init() -> None:
+def worker_init(parent: int | None = None) -> None:
     """Per worker process: one core each (the executor runs ``jobs`` processes side by side), and exit when the
-    converting process dies (a ``kill -9`` of it must not leave workers behind, blocked on their task queue)."""
+    converting process dies (a ``kill -9`` of it must not leave workers behind, blocked on their task queue).
+
+    ``parent`` is the converting process's pid, passed in: a worker still starting up when its parent is killed
+    would otherwise take its new parent (init) for the one to watch, and wait on its queue forever.
+    """
     import threading
+
+    parent = parent or os.getppid()
+    if os.getppid() != parent:
+        os._exit(1)
 
     import torch
 
     torch.set_num_threads(1)
-    parent = os.getppid()
 
     def watch() -> None:
         while True:
@@ -92,6 +99,12 @@ def run_task(task: Task) -> int:
 
 def _run(task: Task) -> int:
     t = task.tensor
+    if t.kt_pack is not None:
+        from ktconvert.convert.kt_amx_io import pack_group
+
+        data = pack_group(_checkpoint(task.src), t, _float_rows)
+        _pwrite(task.out_path, data, t.offset)
+        return task.unit
     if t.const is not None:
         data = np.frombuffer(t.const, dtype=np.uint8)
     else:
@@ -215,7 +228,11 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
             _decode_into(x[pos: pos + n], src[s.src_row + i: s.src_row + i + n], dtype)
             del src
         else:
-            if s.op == "transpose":
+            if s.op == "kt-amx":
+                from ktconvert.convert.kt_amx_io import dequant_rows
+
+                part = dequant_rows(ck, s, i, n)
+            elif s.op == "transpose":
                 slab = ck.read(s.source)[s.expert]
                 part = _decode(slab[:, s.src_col + i: s.src_col + i + n], dtype).T
             else:  # permute: llama.cpp's rope row order within each head (convert_hf_to_gguf's LlamaModel.permute)
@@ -239,6 +256,7 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
         k = i + r - pos
         at = {"rows": lambda: f"row {s.src_row + k}, column {c}",
               "transpose": lambda: f"expert {s.expert}, row {c}, column {s.src_col + k}",
+              "kt-amx": lambda: f"row {s.src_row + k}, column {c} (dequantized)",
               "permute": lambda: f"row {int(idx[r - pos])}, column {c}"}[s.op]()
         raise InputError(f"non-finite value {x[r, c]} at {at}", path=None, where=f"tensor {s.source}",
                          fix="the checkpoint is corrupt or was saved from a diverged run; fix or drop that tensor")

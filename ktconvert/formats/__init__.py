@@ -40,6 +40,10 @@ Public API (everything else in this package is an implementation detail):
     their ``_scale_inv``, the block size, problems), ``require_fp8`` (the same, raising the first problem),
     ``read_rows(checkpoint, weight, r0, r1)`` / ``read_float32`` (exact float32 dequantization of a row range).
 
+``ktconvert.formats.kt_amx``
+    kt-kernel's AMXINT8/AMXINT4 expert format in numpy: ``pack_matrix``/``pack_expert`` (bytes equal to kt-kernel's
+    packer), ``unpack_matrix``, ``dequantize_matrix``, ``check_alignment``, ``tensor_name``.
+
 ``build_inspect_report(path, config=None, tensors=None, scan=False, progress_factory=None) -> dict``
     What ``ktconvert inspect`` prints, as data matching ``schemas/inspect-report.schema.json``.
 """

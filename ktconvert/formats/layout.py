@@ -548,8 +548,9 @@ def _global_problems(layers, dims: ModelDims, n_layers, unknown, ck: Checkpoint)
             Problem(
                 "opaque-layout",
                 "info",
-                "kt-amx blobs are kt-kernel's tile-packed AMX format: sizes are checked, contents are opaque, and "
-                "the NUMA part count must equal kt-kernel's threadpool_count at run time",
+                "kt-amx blobs are kt-kernel's tile-packed AMX format: sizes are checked here, --scan dequantizes "
+                "them, quantize unpacks them; the NUMA part count must equal the launch's --kt-threadpool-count "
+                "(nothing on disk records it, and a mismatch runs silently wrong)",
             )
         )
     rows = _row_lengths([ly for ly in layers if ly.layout != "kt-amx"])

@@ -125,8 +125,11 @@ def _decode(ck: Checkpoint, name: str, index) -> np.ndarray:
 
 
 def _scan_expert_tensor(ck: Checkpoint, name: str, m: NameMatch) -> list[ScanFinding]:
-    if m.layout == "kt-amx":  # opaque packed integers: only an all-zero blob is meaningful
-        return _check(np.asarray(ck.read(name)), name, m.expert, True)
+    if m.layout == "kt-amx":  # unpacked and dequantized with its scales (codes x scale)
+        from ktconvert.formats.kt_amx import scan_dequantized
+
+        x = scan_dequantized(ck, name)
+        return _check(np.asarray(ck.read(name)) if x is None else x, name, m.expert, True)
     if m.expert is not None:  # one tensor per expert
         return _check(_decode(ck, name, None), name, m.expert, True)
     out = []

@@ -96,6 +96,8 @@ def check_weights(ctx, compiled: list, tree: ModelTree, checkpoint) -> None:
     catalog = ctx.catalog
     names = set(checkpoint)
     container = checkpoint.container
+    if _kt_amx_finding(ctx, checkpoint, names):
+        return
     try:
         naming = naming_map(checkpoint.architecture or tree.family) if container == "gguf" else naming_map(tree.family)
     except InputError:
@@ -184,6 +186,25 @@ def check_weights(ctx, compiled: list, tree: ModelTree, checkpoint) -> None:
                 f"which {op_name}{why} ({slot_name} of rule {index}) cannot run (it runs {', '.join(allowed)}); "
                 "upstream raises at load (ggml_type not implemented)",
                 f"requantize the experts to one of {', '.join(allowed)}, or choose another {slot_name}")
+
+
+def _kt_amx_finding(ctx, checkpoint, names: set) -> bool:
+    """A kt-amx directory (kt-kernel's AMXINT8/AMXINT4 experts) is read by SGLang's kt-kernel integration, never by
+    an optimize-rule operator: say so once instead of listing every tensor the operators would miss."""
+    from ktconvert.formats.kt_amx import parse_name
+
+    amx = [n for n in names if parse_name(n) is not None]
+    if not amx:
+        return False
+    parts = 1 + max(parse_name(n)[3] for n in amx)
+    wfile = checkpoint.files[0].parent if checkpoint.files else "weights"
+    ctx.add("KT501", (), f"{wfile} is a kt-amx directory (kt-kernel AMXINT8/AMXINT4 experts, {parts} part(s)): no "
+            "operator of this rule file reads it (ktransformers' operators load GGUF or Hugging Face weights, and "
+            "this directory holds only packed experts)",
+            "point --weights at the GGUF or Hugging Face checkpoint; serve this directory with sglang "
+            f"--kt-weight-path DIR --kt-method AMXINT8|AMXINT4 --kt-threadpool-count {parts} --model-path HF_DIR",
+            at=(1, 1))
+    return True
 
 
 def _prefill_threshold(compiled: list) -> int:
