@@ -3,7 +3,7 @@
 
 The checkpoint is bench_convert.py's Qwen3-30B-A3B-shaped BF16 model (H=2048, 128 experts of I=768, per-expert
 tensors, 4 GiB shards), with as many layers as ``--size-gib`` needs. Upstream's path is
-``ktconvert.kernel.kt_child``'s ``upstream`` job: convert_cpu_weights.py's flow step for step (per layer:
+``benchmarks/kt_upstream_flow.py``: convert_cpu_weights.py's flow step for step (per layer:
 every expert loaded with safetensors' torch reader and cast to bf16, stacked, quantized and saved by kt-kernel's
 compiled packer into a /dev/shm scratch tree, read back, one safetensors shard per layer). Neither side writes
 the non-expert shard. Each run is a fresh process; RSS is sampled every 20 ms over its process tree, and the
@@ -91,7 +91,7 @@ def run_upstream(src: Path, out: Path, method: str, parts: int, threads: int, la
     with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as fh:
         json.dump(job, fh)
     try:
-        r = _measure([sys.executable, "-m", "ktconvert.kernel.kt_child", fh.name], scratch)
+        r = _measure([sys.executable, str(Path(__file__).with_name("kt_upstream_flow.py")), fh.name], scratch)
     finally:
         os.unlink(fh.name)
         shutil.rmtree(scratch, ignore_errors=True)

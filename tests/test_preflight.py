@@ -288,7 +288,8 @@ def test_an_unreadable_weight_file_is_one_line_exit_3(env, tmp_path):
     "model.layers.3.mlp.experts.0.up_proj.weight", "blk.3.ffn_up_exps.0.numa.0.weight.x", "blk.3.ffn_up_exps.².numa.0.weight",
     "blk.3.ffn_up_exps.weight", "xblk.3.ffn_up_exps.0.numa.0.weight"])
 def test_ktamx_name_parser_agrees_with_the_pattern(name):
-    from ktconvert.kernel.ktamx_names import NAME_PATTERN, parse_ktamx_name
+    from ktconvert.formats.kt_amx import NAME_RE as NAME_PATTERN
+    from ktconvert.formats.kt_amx import parse_name as parse_ktamx_name
 
     m = NAME_PATTERN.match(name)
     want = None if m is None or not all(g.isascii() for g in m.groups()) else \

@@ -197,7 +197,7 @@ def test_ktamx_scan_and_kt_tree_errors_name_the_file(tmp_path):
     from safetensors.numpy import save_file
 
     from ktconvert.errors import InputError
-    from ktconvert.kernel.ktamx_dir import scan_ktamx_dir
+    from ktconvert.formats.kt_amx_dir import scan_ktamx_dir
     from ktconvert.kernel.kttree import merge_kt_tree
 
     d = tmp_path / "dup"

@@ -4,16 +4,26 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import click
+from tqdm import tqdm
 
+from ktconvert.convert import (
+    convert,
+    load_recipe,
+    partial_dir,
+    plan_conversion,
+    plan_text,
+    presets,
+)
+from ktconvert.convert.execute import describe
 from ktconvert.quant import WRITABLE
 
 
 def _list_recipes(ctx, _param, value):
     if not value or ctx.resilient_parsing:
         return
-    from ktconvert.convert import load_recipe, presets
 
     for name in presets():
         click.echo(f"{name:<18} {load_recipe(name).description}")
@@ -24,7 +34,6 @@ def _bar(enabled: bool):
     """A tqdm byte bar (MB/s, ETA) on stderr when it is a terminal; ``(callback, close)``."""
     if not enabled or not sys.stderr.isatty():
         return None, lambda: None
-    from tqdm import tqdm  # shipped with the gguf package
 
     bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1000, desc="quantize", file=sys.stderr, leave=False,
                dynamic_ncols=True)
@@ -76,7 +85,6 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
 
     Exit codes: 0 done, 2 usage error, 3 input error (nothing written).
     """
-    from ktconvert.convert import convert, plan_conversion, plan_text
 
     obj = ctx.find_object(dict) or {}
     if dry_run:
@@ -90,9 +98,7 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
                          progress=update, threadpool_count=threadpool_count)
     except KeyboardInterrupt:
-        from pathlib import Path
 
-        from ktconvert.convert import partial_dir
 
         close()
         click.echo(f"ktconvert: interrupted; rerun with --resume to continue ({partial_dir(Path(out))})", err=True)
@@ -105,7 +111,6 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
                                "units": result.units, "units_resumed": result.units_resumed,
                                "seconds": round(result.seconds, 3)}, indent=2))
     elif obj.get("verbosity", 1) > 0:
-        from ktconvert.convert.execute import describe
 
         click.echo(describe(result))
         if result.manifest.get("layout") == "kt-amx":

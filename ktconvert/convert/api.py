@@ -12,6 +12,7 @@ from ktconvert.convert.recipe import Recipe, load_recipe, recipe_for_type
 from ktconvert.convert.sizes import parse_size
 from ktconvert.convert.source import analyze
 from ktconvert.errors import UsageProblem
+from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
 
 DEFAULT_MAX_MEMORY = "2GiB"
 
@@ -44,7 +45,6 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
     :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
     """
     if format == "kt-amx":
-        from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
 
         if recipe is not None or type is None:
             raise UsageProblem("--to kt-amx needs --type AMXINT8 or --type AMXINT4 (and no recipe)")

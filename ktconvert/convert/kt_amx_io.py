@@ -8,6 +8,8 @@ import dataclasses
 import numpy as np
 
 from ktconvert.formats import kt_amx
+from ktconvert.convert.source import Item, Segment
+from ktconvert.errors import InputError
 
 
 def pack_group(ck, t, float_rows) -> np.ndarray:
@@ -33,7 +35,6 @@ def pack_group(ck, t, float_rows) -> np.ndarray:
 def expert_items(ly, nm) -> list:
     """A kt-amx layer's experts as the stacked llama.cpp-order items every other layout becomes: one segment per
     expert (all its parts), decoded by :func:`dequant_rows`."""
-    from ktconvert.convert.source import Item, Segment
 
     L, E, I, H, P, method = ly.layer, ly.n_experts, ly.intermediate, ly.hidden, ly.numa_parts, ly.quant
     out = []
@@ -48,7 +49,6 @@ def expert_items(ly, nm) -> list:
 
 def _part(ck, name: str, m: kt_amx.Method) -> tuple[np.ndarray, np.ndarray, int, int]:
     """``(weight, scale, n, k)`` of one part, sizes checked against each other."""
-    from ktconvert.errors import InputError
 
     scale_name = name[: -len("weight")] + "scale"
     w, s = ck.read(name), ck.read(scale_name)
@@ -90,7 +90,6 @@ def dequant_rows(ck, seg, first: int, count: int) -> np.ndarray:
 def nonexpert_item(name: str, nm, ck):
     """An Item for a non-expert tensor as upstream's converter copies it into a kt-amx directory (``model.layers.``
     -> ``blk.``, other ``model.`` stripped), or ``None`` when no naming map knows it under its HF name."""
-    from ktconvert.convert.source import Item, Segment
 
     if name.startswith("blk."):
         hf = "model.layers." + name[len("blk."):]

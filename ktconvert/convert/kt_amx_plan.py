@@ -22,6 +22,7 @@ from ktconvert.convert.recipe import Recipe
 from ktconvert.convert.source import Segment, SourceModel
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats import kt_amx
+from ktconvert.formats.safetensors_write import layout_safetensors
 
 LAUNCH_NOTE = ("kt-amx output holds the routed experts only: launch with --kt-weight-path OUT --kt-method {method} "
                "--kt-threadpool-count {parts} and --model-path pointing at the original Hugging Face checkpoint "
@@ -132,7 +133,6 @@ def build_kt_amx_plan(src: SourceModel, method: str, parts: int) -> Plan:
 
 
 def _lay_out(plan: Plan, src: SourceModel, m: kt_amx.Method, parts: int) -> None:
-    from ktconvert.formats.safetensors_write import layout_safetensors
 
     layers = sorted({t.layer for t in plan.tensors})
     count = len(layers)

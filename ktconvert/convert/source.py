@@ -186,7 +186,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
         if name in fp8.scales:  # read with its FP8 weight
             continue
         if kt:  # upstream's converter copies non-expert tensors under shortened HF names (model.layers. -> blk.)
-            from ktconvert.convert.kt_amx_io import nonexpert_item
+            from ktconvert.convert.kt_amx_io import nonexpert_item  # builds on this module's Item: imported late
 
             it = nonexpert_item(name, nm, ck)
             if it is not None and not (it.layer is not None and n_layers is not None and it.layer >= n_layers):
@@ -270,7 +270,7 @@ def _expert_items(ly, report: LayoutReport, nm: NamingMap, ck: Checkpoint, shown
     L, E, I, H = ly.layer, ly.n_experts, ly.intermediate, ly.hidden
     out: list[Item] = []
     if ly.layout == "kt-amx":
-        from ktconvert.convert.kt_amx_io import expert_items
+        from ktconvert.convert.kt_amx_io import expert_items  # builds on this module's Item: imported late
 
         return expert_items(ly, nm)
 

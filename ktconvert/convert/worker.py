@@ -20,6 +20,8 @@ from ktconvert.errors import EnvironmentProblem, InputError
 from ktconvert.formats import fp8, open_checkpoint
 from ktconvert.io.dtypes import FLOAT_DTYPES, decode_float32, raw_view
 from ktconvert.quant import dequantize, quantize
+from ktconvert.convert.kt_amx_io import dequant_rows
+from ktconvert.convert.kt_amx_io import pack_group
 
 
 @dataclass(frozen=True)
@@ -100,7 +102,6 @@ def run_task(task: Task) -> int:
 def _run(task: Task) -> int:
     t = task.tensor
     if t.kt_pack is not None:
-        from ktconvert.convert.kt_amx_io import pack_group
 
         data = pack_group(_checkpoint(task.src), t, _float_rows)
         _pwrite(task.out_path, data, t.offset)
@@ -229,7 +230,6 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
             del src
         else:
             if s.op == "kt-amx":
-                from ktconvert.convert.kt_amx_io import dequant_rows
 
                 part = dequant_rows(ck, s, i, n)
             elif s.op == "transpose":

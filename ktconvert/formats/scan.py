@@ -12,6 +12,7 @@ from ktconvert.formats.checkpoint import Checkpoint
 from ktconvert.formats.fp8 import Fp8Map, Fp8Weight, check_scale, read_rows
 from ktconvert.formats.naming import NameMatch
 from ktconvert.io.dtypes import SAFETENSORS_DTYPES
+from ktconvert.formats.kt_amx import scan_dequantized
 
 CHUNK_BYTES = 16 << 20  # raw bytes per decoded block of a non-expert tensor (float32 output is up to 8x)
 
@@ -126,7 +127,6 @@ def _decode(ck: Checkpoint, name: str, index) -> np.ndarray:
 
 def _scan_expert_tensor(ck: Checkpoint, name: str, m: NameMatch) -> list[ScanFinding]:
     if m.layout == "kt-amx":  # unpacked and dequantized with its scales (codes x scale)
-        from ktconvert.formats.kt_amx import scan_dequantized
 
         x = scan_dequantized(ck, name)
         return _check(np.asarray(ck.read(name)) if x is None else x, name, m.expert, True)

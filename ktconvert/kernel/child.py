@@ -17,7 +17,7 @@ stdout (fd 1 itself is pointed at stderr, because the C++ side prints its own lo
 * ``{"op": "quit"}``.
 
 This module imports only the standard library and numpy before kt_kernel, and nothing of ktconvert beyond
-:mod:`ktconvert.kernel.ktamx_names` (pure string code).
+:mod:`ktconvert.formats.kt_amx` (its names).
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ class Child:
             cfg.path = req["save"]
             moe = getattr(moe_mod, "AMXInt8_MOE" if method == "AMXINT8" else "AMXInt4_MOE")(cfg)
         elif method in ("AMXINT8", "AMXINT4"):
-            from ktconvert.kernel.ktamx_names import tensor_name
+            from ktconvert.formats.kt_amx import tensor_name
 
             parts = int(req["parts"])
             layer = int(req["layer"])

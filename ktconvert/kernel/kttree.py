@@ -11,9 +11,10 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+from safetensors.numpy import save_file
 
 from ktconvert.errors import InputError
-from ktconvert.kernel.ktamx_names import tensor_name
+from ktconvert.formats.kt_amx import tensor_name
 from ktconvert.kernel.runner import KernelSession, f32_to_bf16_bits
 from ktconvert.model import load_config
 from ktconvert.model.ops.source import WeightSource
@@ -22,11 +23,9 @@ _FILE = re.compile(r"^(INT8|INT4)_(gate|up|down)_(\d+)_(\d+)Byte_(quant|scale)_\
 _DIR = re.compile(r"^_(layer|numa)_(\d+)$")
 
 
-def merge_kt_tree(tree, out_dir) -> list[Path]:
-    """Write one ``model-LLLLL.safetensors`` per layer of ``tree`` into ``out_dir``; return the files."""
-    from safetensors.numpy import save_file
-
-    tree, out_dir = Path(tree), Path(out_dir)
+def read_kt_tree(tree) -> dict[int, dict[str, np.ndarray]]:
+    """``{layer: {kt-amx tensor name: array}}`` of every ``.kt`` file under ``tree`` (weight I8, scale F32)."""
+    tree = Path(tree)
     layers: dict[int, dict[str, np.ndarray]] = {}
     for f in sorted(tree.glob("_layer_*/_numa_*/*.kt")):
         m = _FILE.match(f.name)
@@ -44,9 +43,15 @@ def merge_kt_tree(tree, out_dir) -> list[Path]:
         layers.setdefault(layer, {})[tensor_name(layer, m.group(2), int(m.group(3)), int(nm.group(2)), kind)] = arr
     if not layers:
         raise InputError("no .kt files under _layer_*/_numa_*", path=str(tree), fix="pass the tree kt-kernel wrote")
+    return layers
+
+
+def merge_kt_tree(tree, out_dir) -> list[Path]:
+    """Write one ``model-LLLLL.safetensors`` per layer of ``tree`` into ``out_dir``; return the files."""
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
-    for layer, tensors in sorted(layers.items()):
+    for layer, tensors in sorted(read_kt_tree(tree).items()):
         path = out_dir / f"model-{layer:05d}.safetensors"
         save_file(dict(sorted(tensors.items())), str(path))
         files.append(path)

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ktconvert.kernel.ktamx_dir import scan_ktamx_dir
+from ktconvert.formats.kt_amx_dir import scan_ktamx_dir
 from ktconvert.kernel.runner import (
     KernelRefused,
     KernelSession,

@@ -20,8 +20,9 @@ from ktconvert.formats.checkpoint import open_checkpoint
 from ktconvert.formats.config import dims_from_hf_config, load_config
 from ktconvert.formats.sniff import describe, sniff
 from ktconvert.io.datafile import load_yaml, read_json
-from ktconvert.kernel.ktamx_dir import header_entries, scan_ktamx_dir
-from ktconvert.kernel.ktamx_names import parse_ktamx_name, tensor_name
+from ktconvert.formats.kt_amx_dir import header_entries, scan_ktamx_dir
+from ktconvert.formats.kt_amx import parse_name as parse_ktamx_name
+from ktconvert.formats.kt_amx import tensor_name
 from ktconvert.kernel.methods import METHODS, shape_problems, type_problems
 from ktconvert.preflight.launch import (
     SGLANG_METHOD_DEFAULT,

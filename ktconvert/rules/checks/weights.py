@@ -15,6 +15,7 @@ from ktconvert.formats import naming_map
 from ktconvert.rules import engine
 from ktconvert.rules.checks import check
 from ktconvert.rules.modeltree import ModelTree
+from ktconvert.formats.kt_amx import parse_name
 
 _PROJECTIONS = ("gate", "up", "down")
 
@@ -191,7 +192,6 @@ def check_weights(ctx, compiled: list, tree: ModelTree, checkpoint) -> None:
 def _kt_amx_finding(ctx, checkpoint, names: set) -> bool:
     """A kt-amx directory (kt-kernel's AMXINT8/AMXINT4 experts) is read by SGLang's kt-kernel integration, never by
     an optimize-rule operator: say so once instead of listing every tensor the operators would miss."""
-    from ktconvert.formats.kt_amx import parse_name
 
     amx = [n for n in names if parse_name(n) is not None]
     if not amx:

@@ -3,7 +3,7 @@ byte size of every expert tensor, and whether it is INT8 or INT4 (which nothing 
 part do: INT8 = rows x cols, INT4 = half).
 
 Used by preflight (is this the dir the method and threadpool count expect?) and by verify (which method, how
-many threadpools). Names are parsed by :func:`ktconvert.kernel.ktamx_names.parse_ktamx_name` alone.
+many threadpools). Names are parsed by :func:`ktconvert.formats.kt_amx.parse_name` alone.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ from pathlib import Path
 
 from ktconvert.errors import InputError
 from ktconvert.formats.safetensors_header import parse_safetensors_header
-from ktconvert.kernel.ktamx_names import KtAmxName, parse_ktamx_name, tensor_name
+from ktconvert.formats.kt_amx import KtAmxName, tensor_name
+from ktconvert.formats.kt_amx import parse_name as parse_ktamx_name
 
 PROJS = ("gate", "up", "down")
 
