@@ -229,3 +229,21 @@ def test_a_rule_file_without_cpu_experts_runs_nothing_in_the_kernel_and_says_so(
                                  "--kernel", "kt-kernel"])
     assert r.exit_code == 0, r.output
     assert "CPU experts by kt-kernel: none" in r.output
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+def test_ktconverts_own_kt_amx_output_passes_through_the_kernel(ws, ktamx_dirs, tmp_path, method):
+    """End to end: `quantize --to kt-amx` writes what kt-kernel's quantizer writes, and the kernel runs it within
+    the method's profile."""
+    from ktconvert.convert import convert
+    from ktconvert.formats import open_checkpoint
+
+    out = tmp_path / method
+    convert(ws.model(FAMILY), out, type=method, format="kt-amx", threadpool_count=2)
+    ours, theirs = open_checkpoint(out), open_checkpoint(ktamx_dirs[method])
+    experts = sorted(n for n in theirs if ".numa." in n)
+    assert experts and sorted(n for n in ours if ".numa." in n) == experts
+    assert all(np.array_equal(ours.read(n), theirs.read(n)) for n in experts)
+    report = _verify(ws, None, kt_weights=out)
+    assert report.passed, [b.line() for b in report.breaches]
+    assert {(r["method"], r["threadpools"]) for r in report.kernel["layers"]} == {(method, 2)}

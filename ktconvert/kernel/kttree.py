@@ -48,10 +48,11 @@ def read_kt_tree(tree) -> dict[int, dict[str, np.ndarray]]:
 
 def merge_kt_tree(tree, out_dir) -> list[Path]:
     """Write one ``model-LLLLL.safetensors`` per layer of ``tree`` into ``out_dir``; return the files."""
+    layers = read_kt_tree(tree)  # a bad tree is refused before anything is written
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     files = []
-    for layer, tensors in sorted(read_kt_tree(tree).items()):
+    for layer, tensors in sorted(layers.items()):
         path = out_dir / f"model-{layer:05d}.safetensors"
         save_file(dict(sorted(tensors.items())), str(path))
         files.append(path)
