@@ -20,6 +20,8 @@ from ktconvert.gate.suite import Case, Suite
 from ktconvert.model.tiny import write_tiny_model
 from ktconvert.verify import EmulationOptions, run_verify
 
+KT_AMX_PARTS = 2  # threadpool parts of a kt-amx case (the launch default, --kt-threadpool-count 2)
+
 SUMMARY_METRICS = ("max_abs_diff", "nmse_max", "kl_mean", "kl_max", "top1_agreement")
 
 
@@ -107,7 +109,10 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
     model_dir = _tiny_model_dir(first.family, workdir)
     try:
         out = Path(workdir) / "converted" / f"{first.family}-{first.conversion.replace(':', '-').replace('/', '_')}"
-        result = convert(model_dir, out, first.recipe, type=first.type, force=True)
+        if first.to == "kt-amx":
+            result = convert(model_dir, out, type=first.type, format="kt-amx", threadpool_count=KT_AMX_PARTS, force=True)
+        else:
+            result = convert(model_dir, out, first.recipe, type=first.type, force=True)
         weights = _weights_path(result.out)
     except Exception as exc:  # the whole group cannot run: every case in it reports why
         message = _one_line(exc)
@@ -120,9 +125,11 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
 def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float = 0.0) -> CaseResult:
 
     began = time.perf_counter()
+    # a kt-amx directory holds the experts only: the rest comes from the model, as in a kt-kernel launch
+    where = {"kt_weights": weights} if case.to == "kt-amx" else {"weights": weights}
     try:
-        report = run_verify(model_dir, case.rules, case.golden, weights=weights, profile=case.tolerance,
-                            options=EmulationOptions(kernel=case.kernel))
+        report = run_verify(model_dir, case.rules, case.golden, profile=case.tolerance,
+                            options=EmulationOptions(kernel=case.kernel), **where)
     except Exception as exc:
         return CaseResult(case, False, time.perf_counter() - began + extra_seconds, error=_one_line(exc))
     summary = {}

@@ -24,11 +24,13 @@ class Case:
     recipe: str | None = None
     tags: tuple = ()
     kernel: str = "emulate"  # verify --kernel: emulate, kt-kernel or both
+    to: str = "gguf"  # quantize --to: gguf, or kt-amx (verified as --kt-weights)
 
     @property
     def conversion(self) -> str:
         """What ``ktconvert quantize`` is asked for: cases sharing it share one converted checkpoint."""
-        return f"recipe:{self.recipe}" if self.recipe else f"type:{self.type}"
+        what = f"recipe:{self.recipe}" if self.recipe else f"type:{self.type}"
+        return what if self.to == "gguf" else f"{self.to}:{what}"
 
 
 @dataclass
@@ -74,7 +76,7 @@ def load_suite(path: str | Path, check_profiles: bool = True) -> Suite:
             name=raw["name"], family=raw["family"], rules=_rules(raw["rules"], path, where),
             golden=_golden(raw["golden"], path, where), tolerance=_tolerance(raw["tolerance"], path, where) if check_profiles else raw["tolerance"],
             type=raw.get("type"), recipe=raw.get("recipe"), tags=tuple(raw.get("tags", ())),
-            kernel=raw.get("kernel", "emulate"),
+            kernel=raw.get("kernel", "emulate"), to=raw.get("to", "gguf"),
         ))
     return Suite(path=path, cases=cases, description=data.get("description", ""))
 
