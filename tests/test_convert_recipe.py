@@ -44,7 +44,9 @@ def test_q4_k_m_mix(root):
     assert (t["blk.0.ffn_down.weight"], t["blk.1.ffn_down_exps.weight"], t["blk.2.ffn_down_exps.weight"]) == ("Q4_K", "Q4_K", "Q6_K")
     assert t["blk.2.ffn_down_shexp.weight"] == "Q6_K" and t["blk.2.ffn_up_exps.weight"] == "Q4_K"
     assert t["blk.1.ffn_gate_inp.weight"] == t["blk.2.exp_probs_b.bias"] == t["blk.0.attn_kv_a_norm.weight"] == "F32"
-    assert t["blk.0.attn_kv_b.weight"] == "Q5_0"  # kv_lora_rank 64: llama.cpp's fallback for Q4_K
+    # 8 experts: llama.cpp treats attn_kv_b like attn_v (Q8_0), attn_k Q8_0 and attn_output Q5_K (rows of 128:
+    # its fallback Q5_1); these changed from Q5_0 / Q5_0 when the preset was made to equal llama-quantize's choice
+    assert t["blk.0.attn_kv_b.weight"] == "Q8_0" and t["blk.0.attn_output.weight"] == "Q5_1"
     assert plan.kv_keys.count("general.file_type") == 1
 
 
@@ -74,6 +76,7 @@ def test_first_match_wins_and_fallback_is_recorded(root, tmp_path):
 def test_type_shorthand():
     r = recipe_for_type("q4_k")
     assert r.name == "Q4_K" and [x.type for x in r.rules] == ["F32", "Q4_K"] and r.rules[1].fallback == ("Q5_0", "F16")
+    assert r.file_type == "Q4_K_S"  # what llama-quantize --pure writes for one type everywhere, not Q4_K_M
     assert recipe_for_type("keep").rules[1].type == "keep"
     assert load_recipe("q8_0").name == "Q8_0"  # preset names are case-insensitive
     assert set(presets()) == {"Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "cpu-experts-Q4_K"}

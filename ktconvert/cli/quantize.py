@@ -59,12 +59,14 @@ def _bar(enabled: bool):
 @click.option("--force", is_flag=True, help="Replace an existing OUT; discard an interrupted run.")
 @click.option("--no-tokenizer", is_flag=True, help="Write tokenizer.ggml.model = none instead of converting "
               "tokenizer.json (GGUF output).")
+@click.option("--allow-requantize", is_flag=True, help="Quantize tensors already in a quantized type to another "
+              "quantized type (llama-quantize's flag of the same name; refused without it).")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--list-recipes", is_flag=True, expose_value=False, is_eager=True, callback=_list_recipes,
               help="List the preset recipes and exit.")
 @click.pass_context
 def command(ctx, src, out, qtype, recipe, to, config, shard_size, max_memory, jobs, dry_run, resume, force,
-            no_tokenizer, fmt):
+            no_tokenizer, allow_requantize, fmt):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
     SRC: a .safetensors file, a shard directory or its index, a .gguf file or split GGUF set. OUT receives
@@ -78,14 +80,14 @@ def command(ctx, src, out, qtype, recipe, to, config, shard_size, max_memory, jo
     obj = ctx.find_object(dict) or {}
     if dry_run:
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
-                               tokenizer=not no_tokenizer)
+                               tokenizer=not no_tokenizer, allow_requantize=allow_requantize)
         click.echo(json.dumps(plan.to_dict(), indent=2) if fmt == "json" else plan_text(plan), nl=fmt == "json")
         return
     update, close = _bar(obj.get("verbosity", 1) > 0)
     try:
         result = convert(src, out, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
-                         progress=update)
+                         progress=update, allow_requantize=allow_requantize)
     except KeyboardInterrupt:
         from pathlib import Path
 

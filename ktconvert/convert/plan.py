@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ktconvert import __version__
 from ktconvert.convert import metadata
-from ktconvert.convert.recipe import KEEP, Recipe
+from ktconvert.convert.recipe import KEEP, ModelFacts, Recipe
 from ktconvert.convert.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
 from ktconvert.convert.tokenizer import convert_tokenizer
@@ -200,6 +200,14 @@ def _decodable(src_dtype: str, container: str) -> bool:
         return False
 
 
+def _lossy(type_name: str) -> bool:
+    """A quantized ggml type (blocks with scales), not a float or integer one."""
+    try:
+        return _block(type_name)[0] > 1
+    except Exception:
+        return False
+
+
 def _keep_type(item: Item, container: str) -> str | None:
     if item.src_dtype == "mixed":
         return None
@@ -208,10 +216,17 @@ def _keep_type(item: Item, container: str) -> str | None:
     return item.src_dtype
 
 
-def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str) -> tuple:
+def model_facts(src: SourceModel) -> ModelFacts:
+    """The facts recipe rules may depend on (``when``, ``more_bits_counted``), from the analysed input."""
+    n_experts = src.layout.dims.n_experts or max((ly.n_experts or 0 for ly in src.layout.layers), default=0) or None
+    names = tuple(sorted((it.name for it in src.items), key=ModelFacts.order_key))
+    return ModelFacts(expert_count=n_experts, tied_embeddings="output.weight" not in names, names=names)
+
+
+def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str, facts: ModelFacts | None = None) -> tuple:
     """``(type, rule, fallback_from, problem)`` for one item."""
     names = (item.name, item.hf_name or "")
-    rule = next((r for r in recipe.rules if r.applies(names, item.layer, n_layers)), None)
+    rule = next((r for r in recipe.rules if r.applies(names, item.layer, n_layers, facts)), None)
     if rule is None:
         return None, None, None, (f"no rule of recipe {recipe.name} matches {item.name}", recipe.source,
                                   "end the recipe with a catch-all rule such as {match: '.', type: keep}")
@@ -241,8 +256,13 @@ def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str) ->
 
 
 def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, shard_size: int | None = None,
-               tokenizer: bool = True) -> Plan:
-    """The complete plan, or :class:`InputError` naming the first problem (recipe line, tensor, fix)."""
+               tokenizer: bool = True, allow_requantize: bool = False) -> Plan:
+    """The complete plan, or :class:`InputError` naming the first problem (recipe line, tensor, fix).
+
+    As ``llama-quantize`` does, a tensor stored in a quantized (lossy) type is not quantized again to another
+    quantized type unless ``allow_requantize`` (``--allow-requantize``): the errors of two roundings add
+    up. Copying it (the same type) or decoding it to F32/F16/BF16 needs no permission.
+    """
     fmt = format or recipe.format or "gguf"
     if fmt not in FORMATS:
         raise UsageProblem(f"output format {fmt!r} is not one of {', '.join(FORMATS)}")
@@ -252,12 +272,21 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     container = src.checkpoint.container
     chosen = []
     problems = []
+    facts = model_facts(src)
     for item in src.items:
-        t, rule, fb, prob = _choose(item, recipe, src.n_layers, container)
+        t, rule, fb, prob = _choose(item, recipe, src.n_layers, container, facts)
         if prob:
             problems.append(prob)
         else:
             chosen.append((item, t, rule, fb))
+    if not problems and not allow_requantize:
+        for item, t, rule, fb in chosen:
+            if _lossy(item.src_dtype) and _lossy(t) and (t != item.src_dtype or item.reshaped):
+                raise InputError(
+                    f"already {item.src_dtype}; quantizing it again to {t} (rule {rule.index} of {recipe.name}) adds a "
+                    "second rounding, which llama-quantize refuses too",
+                    path=str(src.path), where=f"tensor {item.name}",
+                    fix="pass --allow-requantize to requantize anyway, or convert from the F32/F16/BF16 original")
     if problems:
         msg, where, fix = problems[0]
         more = f" (and {len(problems) - 1} more tensor(s) the recipe cannot place)" if len(problems) > 1 else ""
