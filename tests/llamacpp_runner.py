@@ -110,21 +110,25 @@ params.ftype = spec["ftype"]
 params.nthread = 1
 params.pure = spec["pure"]
 params.allow_requantize = spec["allow_requantize"]
+params.dry_run = spec["dry_run"]
 rc = llama_cpp.llama_model_quantize(spec["inp"].encode(), spec["out"].encode(), params)
 sys.exit(0 if rc == 0 else 7)
 """
 
 
-def quantize(inp: Path, out: Path, ftype: int, *, pure: bool = False, allow_requantize: bool = False) -> None:
-    """``llama-quantize [--pure] [--allow-requantize] inp out FTYPE`` through llama.cpp's C API (no imatrix).
+def quantize(inp: Path, out: Path, ftype: int, *, pure: bool = False, allow_requantize: bool = False,
+             dry_run: bool = False) -> str:
+    """``llama-quantize [--pure] [--allow-requantize] [--dry-run] inp out FTYPE`` through llama.cpp's C API (no
+    imatrix); returns its log (stderr).
 
     Raises :class:`AssertionError` with llama.cpp's last log lines when it refuses or fails."""
     target = ensure_built()
     env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
     spec = json.dumps({"inp": str(inp), "out": str(out), "ftype": int(ftype), "pure": pure,
-                       "allow_requantize": allow_requantize})
+                       "allow_requantize": allow_requantize, "dry_run": dry_run})
     proc = subprocess.run([sys.executable, "-c", QUANTIZE_CHILD, spec], env=env, capture_output=True, text=True,
                           timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"llama.cpp could not quantize {Path(inp).name}:\n"
                              + "\n".join((proc.stderr + proc.stdout).splitlines()[-8:]))
+    return proc.stderr

@@ -172,3 +172,29 @@ def test_requantize_follows_allow_requantize(models, tmp_path):
     llamacpp_runner.quantize(q8, want, _ftype("Q4_K_M"), allow_requantize=True)
     got = convert(q8, tmp_path / "ours", "Q4_K_M", allow_requantize=True).out / "model.gguf"
     assert differences(want, got) == []
+
+
+def _table(log: str) -> list[str]:
+    keep = ("[", "warning: ", "llama_model_quantize_impl: model size", "llama_model_quantize_impl: quant size",
+            "llama_model_quantize_impl: WARNING")
+    return [line.rstrip() for line in log.splitlines() if line.startswith(keep)]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+@pytest.mark.parametrize("variant", ["deepseek_v3", "qwen3_moe-4x", "mixtral-4x-tied"])
+def test_dry_run_prints_llama_quantizes_table(models, tmp_path, variant, preset):
+    """quantize --dry-run -o llama prints, line for line, what llama-quantize --dry-run logs for the same file."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+    from ktconvert.convert import load_recipe
+
+    hf, f32 = models[variant]
+    log = llamacpp_runner.quantize(f32, tmp_path / "dry.gguf", _ftype(load_recipe(preset).file_type), dry_run=True)
+    want = _table(log)
+    assert len(want) > 20
+    for src in (f32, hf):
+        res = CliRunner().invoke(cli, ["quantize", str(src), str(tmp_path / "o"), "--recipe", preset, "--dry-run",
+                                       "-o", "llama"])
+        assert res.exit_code == 0, res.output
+        assert res.output.splitlines() == want

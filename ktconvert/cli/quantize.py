@@ -61,7 +61,8 @@ def _bar(enabled: bool):
               "tokenizer.json (GGUF output).")
 @click.option("--allow-requantize", is_flag=True, help="Quantize tensors already in a quantized type to another "
               "quantized type (llama-quantize's flag of the same name; refused without it).")
-@click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("-o", "--format", "fmt", type=click.Choice(["text", "json", "llama"]), default="text", show_default=True,
+              help="llama (with --dry-run): the per-tensor table llama-quantize --dry-run prints for the same choice.")
 @click.option("--list-recipes", is_flag=True, expose_value=False, is_eager=True, callback=_list_recipes,
               help="List the preset recipes and exit.")
 @click.pass_context
@@ -78,9 +79,16 @@ def command(ctx, src, out, qtype, recipe, to, config, shard_size, max_memory, jo
     from ktconvert.convert import convert, plan_conversion, plan_text
 
     obj = ctx.find_object(dict) or {}
+    if fmt == "llama" and not dry_run:
+        raise click.UsageError("-o llama prints llama-quantize's --dry-run table; add --dry-run")
     if dry_run:
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                                tokenizer=not no_tokenizer, allow_requantize=allow_requantize)
+        if fmt == "llama":
+            from ktconvert.convert import plan_llama_text
+
+            click.echo(plan_llama_text(plan), nl=False)
+            return
         click.echo(json.dumps(plan.to_dict(), indent=2) if fmt == "json" else plan_text(plan), nl=fmt == "json")
         return
     update, close = _bar(obj.get("verbosity", 1) > 0)

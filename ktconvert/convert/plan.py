@@ -497,3 +497,54 @@ def plan_text(plan: Plan, *, tensors: bool = True) -> str:
             lines.append(f"  {t.name:<34} {t.type:<6} {str(list(t.shape)):<18} {str(list(reversed(t.shape))):<18} "
                          f"{format_size(t.nbytes):>10}  {t.rule!s:>4}  {t.operation()}{fb}")
     return "\n".join(lines) + "\n"
+
+
+def ggml_type_name(t: str) -> str:
+    """ggml's own spelling of a type (``ggml_type_name``): q4_K, q8_0, f32, bf16."""
+    return t.lower().replace("_k", "_K")
+
+
+def plan_llama_text(plan: Plan) -> str:
+    """The plan as ``llama-quantize --dry-run`` prints it: its fallback warnings, then one line per tensor in its
+    order (layer, then name) with the type it reads and the type it writes, then the totals.
+
+    The input side is what llama-quantize would read: the GGUF itself for a GGUF input, for a Hugging Face input
+    the F32 GGUF ``ktconvert quantize --type F32`` (or convert_hf_to_gguf ``--outtype f32``) makes of it.
+    """
+    from ktconvert.convert.recipe import ModelFacts
+
+    gguf_in = plan.container == "gguf"
+    tensors = sorted((t for t in plan.tensors if t.const is None), key=lambda t: ModelFacts.order_key(t.name))
+    lines, table = [], []
+    size_org = size_new = n_elements = n_fallback = 0
+    for i, t in enumerate(tensors, 1):
+        src = t.src_dtype if gguf_in else "F32"
+        ne = list(reversed(t.shape)) + [1] * (4 - len(t.shape))
+        n = math.prod(t.shape)
+        bs, ts = _block(src)
+        org = n // bs * ts
+        n_elements += n
+        if t.fallback_from:
+            n_fallback += 1
+            lines.append(f"warning: {t.name:<36} - ncols {ne[0]:6d} not divisible by {_block(t.fallback_from)[0]:3d} "
+                         f"(required for type {ggml_type_name(t.fallback_from):>7s}) "
+                         + ("(WARNING: must use F16 due to unusual shape) " if t.type == "F16" else "")
+                         + f"-> falling back to {ggml_type_name(t.type):>7s}")
+        head = (f"[{i:4d}/{len(tensors):4d}] {t.name:<36} - [{', '.join(f'{d:6d}' for d in ne)}], "
+                f"type = {ggml_type_name(src):>6s}, ")
+        if t.type != src:
+            table.append(head + f"size = {org / 1048576:8.2f} MiB -> {t.nbytes / 1048576:8.2f} MiB "
+                         f"({ggml_type_name(t.type)})")
+        else:
+            table.append(head + f"size = {org / 1048576:8.3f} MiB")
+        size_org += org
+        size_new += t.nbytes if t.type != src else org
+    lines += table
+    lines.append(f"llama_model_quantize_impl: model size  = {size_org / 1048576:8.2f} MiB "
+                 f"({size_org * 8.0 / n_elements:.2f} BPW)")
+    lines.append(f"llama_model_quantize_impl: quant size  = {size_new / 1048576:8.2f} MiB "
+                 f"({size_new * 8.0 / n_elements:.2f} BPW)")
+    if n_fallback:
+        lines.append(f"llama_model_quantize_impl: WARNING: {n_fallback} of {len(tensors)} tensor(s) required "
+                     "fallback quantization")
+    return "\n".join(lines) + "\n"
