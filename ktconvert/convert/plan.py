@@ -384,8 +384,8 @@ def _lay_out_gguf(plan: Plan, src: SourceModel, shard: int, tokenizer: bool) -> 
         plan.tokenizer = (f"{vocab.model} (pre {vocab.pre}, {len(vocab.tokens)} tokens, {len(vocab.merges)} merges)"
                           if vocab else "none (tokenizer.ggml.model = none)")
         ftype = metadata.file_type(plan.recipe.file_type, by_type)
-        name = src.path.name if src.path.is_dir() else src.path.parent.name
-        kv = metadata.hf_kv(src.arch, src.config, name, src.n_layers, n_vocab, vocab, ftype, quantized)
+        card = metadata.model_card(model_dir, [(t.name, t.shape) for t in plan.tensors if t.const is None])
+        kv = metadata.hf_kv(src.arch, src.config, card, src.n_layers, n_vocab, vocab, ftype, quantized)
     plan.kv_keys = [k for k, _ in kv]
     idx = _shards([t.nbytes for t in plan.tensors], shard)
     count = max(idx) + 1 if idx else 1
