@@ -34,6 +34,7 @@ VARIANTS = {
     "deepseek_v3-4x": ("deepseek_v3", 4, False),  # attn_kv_b counted like attn_v
     "qwen2_moe-tied": ("qwen2_moe", None, True),  # token_embd takes output's type
     "mixtral-4x-tied": ("mixtral", 4, True),
+    "Qwen3-Tiny-Chat": ("qwen3_moe", None, False),  # model card, chat_template.jinja, add_bos: general.*, tokenizer keys
 }
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -55,6 +56,11 @@ def make_variant(family: str, out: Path, experts: int | None, tied: bool) -> Pat
     from ktconvert.model.tiny import write_tiny_model
 
     write_tiny_model(family, out)
+    if out.name == "Qwen3-Tiny-Chat":
+        (out / "README.md").write_text("---\nlicense: mit\ntags: [moe]\n---\n# tiny\n")
+        (out / "chat_template.jinja").write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}")
+        tc = json.loads((out / "tokenizer_config.json").read_text())
+        (out / "tokenizer_config.json").write_text(json.dumps({**tc, "add_bos_token": True, "add_eos_token": False}))
     if experts is None and not tied:
         return out
     cfg = json.loads((out / "config.json").read_text())
