@@ -97,3 +97,34 @@ def test_keep_refuses_reordering_quant_blocks(root, tmp_path):
     with pytest.raises(InputError, match="b.yaml:4:5") as e:
         plan_conversion(tiny(root, "deepseek_v2"), bad)
     assert "and " in str(e.value) and "more tensor(s) the recipe cannot place" in str(e.value)
+
+
+def test_when_and_counted_layers(root, tmp_path):
+    """when: {expert_count, tied_embeddings} and layers: more_bits_counted, as data."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "kind: convert-recipe\nname: r\nrules:\n"
+        "  - {match: 'attn_v\\.weight', when: {expert_count: [4, 16]}, type: Q4_0}\n"      # not 8 experts: skipped
+        "  - {match: 'attn_k\\.weight', when: {expert_count: 8, tied_embeddings: false}, type: Q5_0}\n"
+        "  - {match: '^token_embd', when: {tied_embeddings: true}, type: Q6_K}\n"
+        "  - {match: 'attn_v\\.weight', layers: more_bits_counted, type: Q6_K}\n"           # 2 layers: the 2nd
+        "  - {match: '.', type: Q8_0}\n")
+    t = _types(plan_conversion(tiny(root, "qwen3_moe"), recipe))
+    assert (t["blk.0.attn_v.weight"], t["blk.1.attn_v.weight"]) == ("Q8_0", "Q6_K")
+    assert t["blk.0.attn_k.weight"] == "Q5_0" and t["token_embd.weight"] == "Q8_0"
+
+
+def test_bad_when_is_a_one_line_error(root, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("kind: convert-recipe\nname: r\nrules:\n"
+                      "  - {match: '.', when: {experts: 8}, type: Q8_0}\n")
+    res = CliRunner().invoke(cli, ["quantize", str(tiny(root, "qwen3_moe")), str(tmp_path / "o"), "--recipe",
+                                   str(recipe), "--dry-run"])
+    assert res.exit_code == 3, res.output
+    assert "\n" not in res.output.strip() and f"{recipe}:4" in res.output and "experts" in res.output
+
+
+def test_llama_format_needs_dry_run(root, tmp_path):
+    res = CliRunner().invoke(cli, ["quantize", str(tiny(root, "qwen3_moe")), str(tmp_path / "o"), "--type", "Q8_0",
+                                   "-o", "llama"])
+    assert res.exit_code == 2 and "--dry-run" in res.output and not (tmp_path / "o").exists()
