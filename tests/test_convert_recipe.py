@@ -128,3 +128,18 @@ def test_llama_format_needs_dry_run(root, tmp_path):
     res = CliRunner().invoke(cli, ["quantize", str(tiny(root, "qwen3_moe")), str(tmp_path / "o"), "--type", "Q8_0",
                                    "-o", "llama"])
     assert res.exit_code == 2 and "--dry-run" in res.output and not (tmp_path / "o").exists()
+
+
+def test_base_preset_with_overrides(root, tmp_path):
+    """A recipe can be llama.cpp's mix except where it says otherwise: its own rules first, then the preset's."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("kind: convert-recipe\nname: mine\nbase: Q4_K_M\nrules:\n"
+                      "  - {match: 'ffn_.*_exps', type: Q8_0}\n")
+    plan = plan_conversion(tiny(root, "deepseek_v3"), recipe)
+    t, ref = _types(plan), _types(plan_conversion(tiny(root, "deepseek_v3"), "Q4_K_M"))
+    assert plan.recipe.file_type == "Q4_K_M"
+    assert all(t[n] == ("Q8_0" if "_exps" in n and "ffn_" in n else ref[n]) for n in ref)
+    recipe.write_text("kind: convert-recipe\nname: mine\nbase: Q9_K\nrules:\n  - {match: '.', type: F32}\n")
+    res = CliRunner().invoke(cli, ["quantize", str(tiny(root, "qwen3_moe")), str(tmp_path / "o"), "--recipe",
+                                   str(recipe), "--dry-run"])
+    assert res.exit_code == 3 and f"{recipe}:3" in res.output and "not a preset" in res.output, res.output

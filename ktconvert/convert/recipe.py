@@ -9,7 +9,7 @@ with one type everywhere.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gguf import GGMLQuantizationType
@@ -206,11 +206,24 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
             layers=tuple(layers) if isinstance(layers, list) else layers, note=r.get("note", ""),
             where=f"{path}:{at('rules', i)}", when=when,
         ))
+    file_type = data.get("file_type")
+    if "base" in data:  # this recipe's rules first, then the preset's: "as llama.cpp, except ..."
+        table = presets()
+        key = next((k for k in table if k.lower() == str(data["base"]).lower()), None)
+        if key is None:
+            raise InputError(f"base {data['base']!r} is not a preset", path=path, where=at("base"),
+                             fix=f"use one of {', '.join(table)}")
+        base = load_recipe(key)
+        if "base" in base.data:
+            raise InputError(f"preset {key} has a base of its own", path=path, where=at("base"),
+                             fix="a base is a preset without one")
+        rules += [replace(r, index=len(rules) + j) for j, r in enumerate(base.rules)]
+        file_type = file_type or base.file_type
     out = data.get("output", {})
     shard = out.get("shard_size")
     return Recipe(
         name=data["name"], rules=tuple(rules), source=source, description=data.get("description", ""),
-        file_type=data.get("file_type"), format=out.get("format"),
+        file_type=file_type, format=out.get("format"),
         shard_size=None if shard is None else parse_size(shard, what=f"{path}: output.shard_size"), data=data,
     )
 
