@@ -173,6 +173,7 @@ class Plan:
         return {**self.summary(), "recipe_rules": [
             {"index": r.index, "match": r.match, "type": r.type, "fallback": list(r.fallback),
              **({"layers": r.layers if isinstance(r.layers, str) else list(r.layers)} if r.layers else {}),
+             **({"when": {k: list(v) if isinstance(v, tuple) else v for k, v in r.when}} if r.when else {}),
              "where": r.where} for r in self.recipe.rules],
             "output_tensors": [{**t.to_dict(), "file": self.files[t.file].name} for t in self.tensors]}
 
