@@ -35,6 +35,7 @@ VARIANTS = {
     "qwen2_moe-tied": ("qwen2_moe", None, True),  # token_embd takes output's type
     "mixtral-4x-tied": ("mixtral", 4, True),
     "Qwen3-Tiny-Chat": ("qwen3_moe", None, False),  # model card, chat_template.jinja, add_bos: general.*, tokenizer keys
+    "qwen3_moe-h160": ("qwen3_moe", None, False),   # hidden 160: rows K-quants cannot hold, llama.cpp's fallbacks
 }
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
 
@@ -61,6 +62,8 @@ def make_variant(family: str, out: Path, experts: int | None, tied: bool) -> Pat
         (out / "chat_template.jinja").write_text("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}")
         tc = json.loads((out / "tokenizer_config.json").read_text())
         (out / "tokenizer_config.json").write_text(json.dumps({**tc, "add_bos_token": True, "add_eos_token": False}))
+    if out.name.endswith("-h160"):
+        _narrow_hidden(out, 160)
     if experts is None and not tied:
         return out
     cfg = json.loads((out / "config.json").read_text())
@@ -91,6 +94,26 @@ def make_variant(family: str, out: Path, experts: int | None, tied: bool) -> Pat
     (out / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(keep, str(out / "model.safetensors"))
     return out
+
+
+def _narrow_hidden(out: Path, h: int) -> None:
+    """Keep the first ``h`` hidden dimensions of a tiny qwen3_moe (every tensor's hidden axis, by name)."""
+    from safetensors.numpy import load_file, save_file
+
+    cfg = json.loads((out / "config.json").read_text())
+    H = cfg["hidden_size"]
+    tensors = {}
+    for name, a in load_file(out / "model.safetensors").items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            a = a[:h]
+        elif a.ndim == 2 and a.shape[1] == H:
+            a = a[:, :h]
+        elif a.ndim == 1 and a.shape[0] == H:
+            a = a[:h]
+        tensors[name] = np.ascontiguousarray(a)
+    cfg["hidden_size"] = h
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(tensors, str(out / "model.safetensors"))
 
 
 @pytest.fixture(scope="module")
@@ -189,7 +212,7 @@ def _table(log: str) -> list[str]:
 
 
 @pytest.mark.parametrize("preset", PRESETS)
-@pytest.mark.parametrize("variant", ["deepseek_v3", "qwen3_moe-4x", "mixtral-4x-tied"])
+@pytest.mark.parametrize("variant", ["deepseek_v3", "qwen3_moe-4x", "mixtral-4x-tied", "qwen3_moe-h160"])
 def test_dry_run_prints_llama_quantizes_table(models, tmp_path, variant, preset):
     """quantize --dry-run -o llama prints, line for line, what llama-quantize --dry-run logs for the same file."""
     from click.testing import CliRunner

@@ -513,10 +513,13 @@ def plan_llama_text(plan: Plan) -> str:
     The input side is what llama-quantize would read: the GGUF itself for a GGUF input, for a Hugging Face input
     the F32 GGUF ``ktconvert quantize --type F32`` (or convert_hf_to_gguf ``--outtype f32``) makes of it.
     """
-    from ktconvert.convert.recipe import ModelFacts
+    from ktconvert.convert.recipe import FILE_TYPE_DEFAULT, ModelFacts
 
     gguf_in = plan.container == "gguf"
     tensors = sorted((t for t in plan.tensors if t.const is None), key=lambda t: ModelFacts.order_key(t.name))
+    default = FILE_TYPE_DEFAULT.get(plan.recipe.file_type or "")
+    tied = not any(t.name == "output.weight" for t in tensors)
+    output_like = {"output.weight"} | ({"token_embd.weight", "per_layer_token_embd.weight"} if tied else set())
     lines, table = [], []
     size_org = size_new = n_elements = n_fallback = 0
     for i, t in enumerate(tensors, 1):
@@ -526,10 +529,15 @@ def plan_llama_text(plan: Plan) -> str:
         bs, ts = _block(src)
         org = n // bs * ts
         n_elements += n
-        if t.fallback_from:
+        fallback_from = t.fallback_from
+        if (fallback_from and t.name in output_like and default and _block(default)[0] > 1
+                and ne[0] % _block(default)[0]):
+            # llama.cpp gives an output tensor whose rows its ftype's type cannot hold Q8_0 outright (no warning)
+            fallback_from = "Q8_0" if t.type != "Q8_0" else None
+        if fallback_from:
             n_fallback += 1
-            lines.append(f"warning: {t.name:<36} - ncols {ne[0]:6d} not divisible by {_block(t.fallback_from)[0]:3d} "
-                         f"(required for type {ggml_type_name(t.fallback_from):>7s}) "
+            lines.append(f"warning: {t.name:<36} - ncols {ne[0]:6d} not divisible by {_block(fallback_from)[0]:3d} "
+                         f"(required for type {ggml_type_name(fallback_from):>7s}) "
                          + ("(WARNING: must use F16 due to unusual shape) " if t.type == "F16" else "")
                          + f"-> falling back to {ggml_type_name(t.type):>7s}")
         head = (f"[{i:4d}/{len(tensors):4d}] {t.name:<36} - [{', '.join(f'{d:6d}' for d in ne)}], "

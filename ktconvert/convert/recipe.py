@@ -38,6 +38,12 @@ PURE_FILE_TYPE = {"F32": "ALL_F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0"
                   "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S",
                   "Q5_K": "Q5_K_S", "Q6_K": "Q6_K"}
 
+#: llama.cpp's default type of each ftype (``llama_ftype_get_default_type``), for the file types a recipe may state
+FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
+                     "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K",
+                     "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
+                     "Q6_K": "Q6_K"}
+
 #: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies): every preset and
 #: ``--type`` keep them in F32, as convert_hf_to_gguf and llama-quantize do.
 F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$"
@@ -259,5 +265,5 @@ def recipe_for_type(type_name: str) -> Recipe:
     return recipe_from_data(data, f"--type {t}", f"--type {t}")
 
 
-__all__ = ["F32_MATCH", "FALLBACKS", "KEEP", "PURE_FILE_TYPE", "WRITABLE", "ModelFacts", "Recipe", "Rule", "load_recipe", "presets",
+__all__ = ["F32_MATCH", "FALLBACKS", "FILE_TYPE_DEFAULT", "KEEP", "PURE_FILE_TYPE", "WRITABLE", "ModelFacts", "Recipe", "Rule", "load_recipe", "presets",
            "recipe_for_type", "recipe_from_data", "use_more_bits"]
