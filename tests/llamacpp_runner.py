@@ -98,3 +98,37 @@ def run(gguf: Path, ids: list[int], work: Path, text: str | None = None) -> tupl
         raise AssertionError(f"llama.cpp could not run {gguf.name}:\n" + "\n".join(proc.stderr.splitlines()[-15:]))
     tokens = json.loads(Path(str(out) + ".tokens.json").read_text()) if text is not None else None
     return np.load(out), tokens
+
+
+# llama.cpp's own quantizer (llama_model_quantize: the C entry point llama-quantize calls), in a child process.
+QUANTIZE_CHILD = r"""
+import json, sys
+import llama_cpp
+spec = json.loads(sys.argv[1])
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = spec["ftype"]
+params.nthread = 1
+params.pure = spec["pure"]
+params.allow_requantize = spec["allow_requantize"]
+params.dry_run = spec["dry_run"]
+rc = llama_cpp.llama_model_quantize(spec["inp"].encode(), spec["out"].encode(), params)
+sys.exit(0 if rc == 0 else 7)
+"""
+
+
+def quantize(inp: Path, out: Path, ftype: int, *, pure: bool = False, allow_requantize: bool = False,
+             dry_run: bool = False) -> str:
+    """``llama-quantize [--pure] [--allow-requantize] [--dry-run] inp out FTYPE`` through llama.cpp's C API (no
+    imatrix); returns its log (stderr).
+
+    Raises :class:`AssertionError` with llama.cpp's last log lines when it refuses or fails."""
+    target = ensure_built()
+    env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
+    spec = json.dumps({"inp": str(inp), "out": str(out), "ftype": int(ftype), "pure": pure,
+                       "allow_requantize": allow_requantize, "dry_run": dry_run})
+    proc = subprocess.run([sys.executable, "-c", QUANTIZE_CHILD, spec], env=env, capture_output=True, text=True,
+                          timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"llama.cpp could not quantize {Path(inp).name}:\n"
+                             + "\n".join((proc.stderr + proc.stdout).splitlines()[-8:]))
+    return proc.stderr

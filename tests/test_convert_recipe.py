@@ -44,7 +44,9 @@ def test_q4_k_m_mix(root):
     assert (t["blk.0.ffn_down.weight"], t["blk.1.ffn_down_exps.weight"], t["blk.2.ffn_down_exps.weight"]) == ("Q4_K", "Q4_K", "Q6_K")
     assert t["blk.2.ffn_down_shexp.weight"] == "Q6_K" and t["blk.2.ffn_up_exps.weight"] == "Q4_K"
     assert t["blk.1.ffn_gate_inp.weight"] == t["blk.2.exp_probs_b.bias"] == t["blk.0.attn_kv_a_norm.weight"] == "F32"
-    assert t["blk.0.attn_kv_b.weight"] == "Q5_0"  # kv_lora_rank 64: llama.cpp's fallback for Q4_K
+    # 8 experts: llama.cpp treats attn_kv_b like attn_v (Q8_0), attn_k Q8_0 and attn_output Q5_K (rows of 128:
+    # its fallback Q5_1); these changed from Q5_0 / Q5_0 when the preset was made to equal llama-quantize's choice
+    assert t["blk.0.attn_kv_b.weight"] == "Q8_0" and t["blk.0.attn_output.weight"] == "Q5_1"
     assert plan.kv_keys.count("general.file_type") == 1
 
 
@@ -74,6 +76,7 @@ def test_first_match_wins_and_fallback_is_recorded(root, tmp_path):
 def test_type_shorthand():
     r = recipe_for_type("q4_k")
     assert r.name == "Q4_K" and [x.type for x in r.rules] == ["F32", "Q4_K"] and r.rules[1].fallback == ("Q5_0", "F16")
+    assert r.file_type == "Q4_K_S"  # what llama-quantize --pure writes for one type everywhere, not Q4_K_M
     assert recipe_for_type("keep").rules[1].type == "keep"
     assert load_recipe("q8_0").name == "Q8_0"  # preset names are case-insensitive
     assert set(presets()) == {"Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "cpu-experts-Q4_K"}
@@ -94,3 +97,49 @@ def test_keep_refuses_reordering_quant_blocks(root, tmp_path):
     with pytest.raises(InputError, match="b.yaml:4:5") as e:
         plan_conversion(tiny(root, "deepseek_v2"), bad)
     assert "and " in str(e.value) and "more tensor(s) the recipe cannot place" in str(e.value)
+
+
+def test_when_and_counted_layers(root, tmp_path):
+    """when: {expert_count, tied_embeddings} and layers: more_bits_counted, as data."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        "kind: convert-recipe\nname: r\nrules:\n"
+        "  - {match: 'attn_v\\.weight', when: {expert_count: [4, 16]}, type: Q4_0}\n"      # not 8 experts: skipped
+        "  - {match: 'attn_k\\.weight', when: {expert_count: 8, tied_embeddings: false}, type: Q5_0}\n"
+        "  - {match: '^token_embd', when: {tied_embeddings: true}, type: Q6_K}\n"
+        "  - {match: 'attn_v\\.weight', layers: more_bits_counted, type: Q6_K}\n"           # 2 layers: the 2nd
+        "  - {match: '.', type: Q8_0}\n")
+    t = _types(plan_conversion(tiny(root, "qwen3_moe"), recipe))
+    assert (t["blk.0.attn_v.weight"], t["blk.1.attn_v.weight"]) == ("Q8_0", "Q6_K")
+    assert t["blk.0.attn_k.weight"] == "Q5_0" and t["token_embd.weight"] == "Q8_0"
+
+
+def test_bad_when_is_a_one_line_error(root, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("kind: convert-recipe\nname: r\nrules:\n"
+                      "  - {match: '.', when: {experts: 8}, type: Q8_0}\n")
+    res = CliRunner().invoke(cli, ["quantize", str(tiny(root, "qwen3_moe")), str(tmp_path / "o"), "--recipe",
+                                   str(recipe), "--dry-run"])
+    assert res.exit_code == 3, res.output
+    assert "\n" not in res.output.strip() and f"{recipe}:4" in res.output and "experts" in res.output
+
+
+def test_llama_format_needs_dry_run(root, tmp_path):
+    res = CliRunner().invoke(cli, ["quantize", str(tiny(root, "qwen3_moe")), str(tmp_path / "o"), "--type", "Q8_0",
+                                   "-o", "llama"])
+    assert res.exit_code == 2 and "--dry-run" in res.output and not (tmp_path / "o").exists()
+
+
+def test_base_preset_with_overrides(root, tmp_path):
+    """A recipe can be llama.cpp's mix except where it says otherwise: its own rules first, then the preset's."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("kind: convert-recipe\nname: mine\nbase: Q4_K_M\nrules:\n"
+                      "  - {match: 'ffn_.*_exps', type: Q8_0}\n")
+    plan = plan_conversion(tiny(root, "deepseek_v3"), recipe)
+    t, ref = _types(plan), _types(plan_conversion(tiny(root, "deepseek_v3"), "Q4_K_M"))
+    assert plan.recipe.file_type == "Q4_K_M"
+    assert all(t[n] == ("Q8_0" if "_exps" in n and "ffn_" in n else ref[n]) for n in ref)
+    recipe.write_text("kind: convert-recipe\nname: mine\nbase: Q9_K\nrules:\n  - {match: '.', type: F32}\n")
+    res = CliRunner().invoke(cli, ["quantize", str(tiny(root, "qwen3_moe")), str(tmp_path / "o"), "--recipe",
+                                   str(recipe), "--dry-run"])
+    assert res.exit_code == 3 and f"{recipe}:3" in res.output and "not a preset" in res.output, res.output

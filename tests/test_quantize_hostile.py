@@ -163,3 +163,25 @@ def test_recipe_with_impossible_type_fails_before_output(models, tmp_path, case)
 def test_bad_flags_are_usage_errors(models, tmp_path, args, expect):
     code, line = _quantize(tmp_path, tiny(models, "qwen3_moe"), *args)
     assert code == 2 and expect in line, line
+
+
+def test_requantizing_a_lossy_gguf_needs_allow_requantize(tmp_path):
+    """llama-quantize's rule: a Q8_0 tensor is not quantized again to Q4_K unless asked; one line, nothing written;
+    copying it (keep) or decoding it to F32 needs no permission."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+    from ktconvert.convert import convert
+    from ktconvert.model.tiny import write_tiny_model
+
+    write_tiny_model("qwen3_moe", tmp_path / "hf")
+    src = convert(tmp_path / "hf", tmp_path / "q8", type="Q8_0").out / "model.gguf"
+    res = CliRunner().invoke(cli, ["quantize", str(src), str(tmp_path / "out"), "--recipe", "Q4_K_M"])
+    assert res.exit_code == 3, res.output
+    line = res.output.strip()
+    assert "\n" not in line and str(src) in line and "tensor " in line and "already Q8_0" in line
+    assert "--allow-requantize" in line and not (tmp_path / "out").exists()
+    assert not any(p.name.startswith(".out") for p in tmp_path.iterdir())
+    for extra in (["--type", "keep"], ["--type", "F32"], ["--recipe", "Q4_K_M", "--allow-requantize"]):
+        res = CliRunner().invoke(cli, ["quantize", str(src), str(tmp_path / "ok"), *extra, "--force"])
+        assert res.exit_code == 0, (extra, res.output)

@@ -71,12 +71,15 @@ def _bar(enabled: bool):
 @click.option("--force", is_flag=True, help="Replace an existing OUT; discard an interrupted run.")
 @click.option("--no-tokenizer", is_flag=True, help="Write tokenizer.ggml.model = none instead of converting "
               "tokenizer.json (GGUF output).")
-@click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
+@click.option("--allow-requantize", is_flag=True, help="Quantize tensors already in a quantized type to another "
+              "quantized type (llama-quantize's flag of the same name; refused without it).")
+@click.option("-o", "--format", "fmt", type=click.Choice(["text", "json", "llama"]), default="text", show_default=True,
+              help="llama (with --dry-run): the per-tensor table llama-quantize --dry-run prints for the same choice.")
 @click.option("--list-recipes", is_flag=True, expose_value=False, is_eager=True, callback=_list_recipes,
               help="List the preset recipes and exit.")
 @click.pass_context
 def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_size, max_memory, jobs, dry_run,
-            resume, force, no_tokenizer, fmt):
+            resume, force, no_tokenizer, allow_requantize, fmt):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
     SRC: a .safetensors file, a shard directory or its index, a .gguf file or split GGUF set. OUT receives
@@ -87,16 +90,24 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
     """
 
     obj = ctx.find_object(dict) or {}
+    if fmt == "llama" and not dry_run:
+        raise click.UsageError("-o llama prints llama-quantize's --dry-run table; add --dry-run")
     if dry_run:
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
-                               tokenizer=not no_tokenizer, threadpool_count=threadpool_count)
+                               tokenizer=not no_tokenizer, threadpool_count=threadpool_count,
+                               allow_requantize=allow_requantize)
+        if fmt == "llama":
+            from ktconvert.convert import plan_llama_text
+
+            click.echo(plan_llama_text(plan), nl=False)
+            return
         click.echo(json.dumps(plan.to_dict(), indent=2) if fmt == "json" else plan_text(plan), nl=fmt == "json")
         return
     update, close = _bar(obj.get("verbosity", 1) > 0)
     try:
         result = convert(src, out, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
-                         progress=update, threadpool_count=threadpool_count)
+                         progress=update, threadpool_count=threadpool_count, allow_requantize=allow_requantize)
     except KeyboardInterrupt:
 
 

@@ -39,7 +39,7 @@ from ktconvert.convert.api import (
 )
 from ktconvert.convert.execute import RunResult, partial_dir
 from ktconvert.convert.lora import LoraResult, convert_lora
-from ktconvert.convert.plan import Plan, PlanTensor, plan_text
+from ktconvert.convert.plan import Plan, PlanTensor, plan_llama_text, plan_text
 from ktconvert.convert.recipe import Recipe, Rule, load_recipe, presets, recipe_for_type
 
 __all__ = [
@@ -55,6 +55,7 @@ __all__ = [
     "load_recipe",
     "partial_dir",
     "plan_conversion",
+    "plan_llama_text",
     "plan_text",
     "presets",
     "recipe_for_type",

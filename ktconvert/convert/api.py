@@ -35,7 +35,8 @@ def resolve_recipe(recipe: Recipe | str | Path | None = None, type: str | None =
 
 def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
                     format: str | None = None, config: str | Path | dict | None = None,
-                    shard_size: int | str | None = None, tokenizer: bool = True, threadpool_count: int | None = None) -> Plan:
+                    shard_size: int | str | None = None, tokenizer: bool = True, threadpool_count: int | None = None,
+                    allow_requantize: bool = False) -> Plan:
     """Validate everything that can be validated without reading tensor data and return the plan.
 
     ``format="kt-amx"`` with ``type="AMXINT8"``/``"AMXINT4"`` plans kt-kernel's expert directory for
@@ -57,14 +58,16 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
     if (format or r.format) == "hf":  # the input's own names and layout, FP8 dequantized (convert/hf_out.py)
         return build_hf_plan(src, r, type, config=config, shard_size=shard)
     source = analyze(src, config)
-    return build_plan(source, r, format=format, shard_size=shard, tokenizer=tokenizer)
+    return build_plan(source, r, format=format, shard_size=shard, tokenizer=tokenizer,
+                      allow_requantize=allow_requantize)
 
 
 def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
             format: str | None = None, config: str | Path | dict | None = None,
             shard_size: int | str | None = None, tokenizer: bool = True,
             max_memory: int | str = DEFAULT_MAX_MEMORY, jobs: int = 1, resume: bool = False, force: bool = False,
-            progress: Progress | None = None, threadpool_count: int | None = None) -> RunResult:
+            progress: Progress | None = None, threadpool_count: int | None = None,
+            allow_requantize: bool = False) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
 
     Example (a test converting a tiny model)::
@@ -77,7 +80,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
         raise UsageProblem(f"--jobs {jobs} must be at least 1")
     budget = parse_size(max_memory, what="--max-memory")
     plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
-                           tokenizer=tokenizer, threadpool_count=threadpool_count)
+                           tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize)
     check_paths(Path(src), [Path(f) for f in plan.input_files], Path(out), force)
     return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress)
 

@@ -11,16 +11,24 @@ its original bytes, except the few that describe the container or the quantizati
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import numpy as np
 from gguf import (
     ExpertGatingFuncType,
+    GGUFType,
     GGUFValueType,
     GGUFWriter,
     Keys,
     LlamaFileType,
+    Metadata,
     RopeScalingType,
+    size_label,
 )
 
-from ktconvert.convert.tokenizer import GgufVocab
+from ktconvert.convert.tokenizer import GgufVocab, quiet_gguf
+from ktconvert.errors import InputError
+from ktconvert.io.files import regular_file_size
 from ktconvert.families.config import normalize_config
 from ktconvert.formats.gguf_write import encode_kv, kv_pairs_from_writer, raw_kv_pairs
 
@@ -49,14 +57,48 @@ def _writer(arch: str):
     return GGUFWriter(None, arch)
 
 
-def hf_kv(arch: str, config: dict, name: str, n_layers: int, n_vocab: int, vocab: GgufVocab | None,
+#: the files gguf-py's Metadata.load reads beside the weights (model card, config, generation config)
+CARD_FILES = ("README.md", "config.json", "generation_config.json")
+
+
+def model_card(model_dir: Path, tensors: list[tuple[str, tuple[int, ...]]]) -> Metadata:
+    """``general.*`` as convert_hf_to_gguf derives them, with gguf-py's own code: ``Metadata.load`` (model card
+    front matter, config.json's ``_name_or_path``, the directory name, generation_config.json's sampling
+    settings: name, basename, finetune, version, size label, license, ...), the directory name when nothing
+    names the model, and the size label from the output tensors (``GGUFWriter.get_total_parameter_count``:
+    ``8x1.2M`` style for MoE models). ``tensors`` are ``(gguf name, numpy shape)``."""
+    w = GGUFWriter(None, "none")
+    for name, shape in tensors:
+        w.add_tensor_info(name, shape, np.dtype(np.float32), 4 * int(np.prod(shape, dtype=np.int64)))
+    total, shared, expert, count = w.get_total_parameter_count()
+    for f in CARD_FILES:
+        p = model_dir / f
+        if p.exists() or p.is_symlink():
+            regular_file_size(p, f, limit=64 * 1024**2, fix=f"remove or replace {f}")
+    try:
+        with quiet_gguf():
+            meta = Metadata.load(None, model_dir, None, total)
+    except Exception as exc:  # a model card whose front matter gguf-py cannot read
+        raise InputError(f"cannot derive general.* metadata from the model card: {type(exc).__name__}: "
+                         f"{str(exc).splitlines()[0] if str(exc) else ''}", path=str(model_dir / "README.md"),
+                         fix="fix the YAML front matter of README.md (between the --- lines) or remove it") from None
+    if meta.name is None:
+        meta.name = model_dir.name
+    if meta.size_label is None and total > 0:
+        meta.size_label = size_label(total, shared, expert, count)
+    return meta
+
+
+def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, vocab: GgufVocab | None,
           ftype: int, quantized: bool) -> list[tuple[str, bytes]]:
-    """Encoded KV pairs for a GGUF made from an HF checkpoint of ``arch`` with ``config``."""
+    """Encoded KV pairs for a GGUF made from an HF checkpoint of ``arch`` with ``config``; ``card`` is
+    :func:`model_card`'s ``general.*``."""
 
 
     c = normalize_config(config)
     w = _writer(arch)
-    w.add_name(name)
+    w.add_type(GGUFType.MODEL)
+    card.set_gguf_meta_model(w)
     w.add_block_count(n_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -117,18 +159,8 @@ def hf_kv(arch: str, config: dict, name: str, n_layers: int, n_vocab: int, vocab
             w.add_tokenizer_pre(vocab.pre)
         w.add_token_list(list(vocab.tokens))
         w.add_token_types(list(vocab.token_types))
-        if vocab.merges:
-            w.add_token_merges(list(vocab.merges))
-        for value, add in ((vocab.bos_id, w.add_bos_token_id), (vocab.eos_id, w.add_eos_token_id),
-                           (vocab.pad_id, w.add_pad_token_id)):
-            if value is not None:
-                add(value)
-        if vocab.add_bos is not None:
-            w.add_add_bos_token(vocab.add_bos)
-        if vocab.add_eos is not None:
-            w.add_add_eos_token(vocab.add_eos)
-        if vocab.chat_template:
-            w.add_chat_template(vocab.chat_template)
+        with quiet_gguf():
+            vocab.special.add_to_gguf(w, quiet=True)  # merges, special ids, add_bos/eos/sep, chat template
     return kv_pairs_from_writer(w)
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ktconvert import __version__
 from ktconvert.convert import metadata
-from ktconvert.convert.recipe import KEEP, Recipe
+from ktconvert.convert.recipe import KEEP, ModelFacts, Recipe
 from ktconvert.convert.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
 from ktconvert.convert.tokenizer import convert_tokenizer
@@ -185,6 +185,7 @@ class Plan:
         return {**self.summary(), "recipe_rules": [
             {"index": r.index, "match": r.match, "type": r.type, "fallback": list(r.fallback),
              **({"layers": r.layers if isinstance(r.layers, str) else list(r.layers)} if r.layers else {}),
+             **({"when": {k: list(v) if isinstance(v, tuple) else v for k, v in r.when}} if r.when else {}),
              "where": r.where} for r in self.recipe.rules],
             "output_tensors": [{**t.to_dict(), "file": self.files[t.file].name} for t in self.tensors]}
 
@@ -214,6 +215,14 @@ def _decodable(src_dtype: str, container: str) -> bool:
         return False
 
 
+def _lossy(type_name: str) -> bool:
+    """A quantized ggml type (blocks with scales), not a float or integer one."""
+    try:
+        return _block(type_name)[0] > 1
+    except Exception:
+        return False
+
+
 def _keep_type(item: Item, container: str) -> str | None:
     if item.src_dtype == "mixed":
         return None
@@ -222,10 +231,17 @@ def _keep_type(item: Item, container: str) -> str | None:
     return item.src_dtype
 
 
-def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str) -> tuple:
+def model_facts(src: SourceModel) -> ModelFacts:
+    """The facts recipe rules may depend on (``when``, ``more_bits_counted``), from the analysed input."""
+    n_experts = src.layout.dims.n_experts or max((ly.n_experts or 0 for ly in src.layout.layers), default=0) or None
+    names = tuple(sorted((it.name for it in src.items), key=ModelFacts.order_key))
+    return ModelFacts(expert_count=n_experts, tied_embeddings="output.weight" not in names, names=names)
+
+
+def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str, facts: ModelFacts | None = None) -> tuple:
     """``(type, rule, fallback_from, problem)`` for one item."""
     names = (item.name, item.hf_name or "")
-    rule = next((r for r in recipe.rules if r.applies(names, item.layer, n_layers)), None)
+    rule = next((r for r in recipe.rules if r.applies(names, item.layer, n_layers, facts)), None)
     if rule is None:
         return None, None, None, (f"no rule of recipe {recipe.name} matches {item.name}", recipe.source,
                                   "end the recipe with a catch-all rule such as {match: '.', type: keep}")
@@ -255,8 +271,13 @@ def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str) ->
 
 
 def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, shard_size: int | None = None,
-               tokenizer: bool = True) -> Plan:
-    """The complete plan, or :class:`InputError` naming the first problem (recipe line, tensor, fix)."""
+               tokenizer: bool = True, allow_requantize: bool = False) -> Plan:
+    """The complete plan, or :class:`InputError` naming the first problem (recipe line, tensor, fix).
+
+    As ``llama-quantize`` does, a tensor stored in a quantized (lossy) type is not quantized again to another
+    quantized type unless ``allow_requantize`` (``--allow-requantize``): the errors of two roundings add
+    up. Copying it (the same type) or decoding it to F32/F16/BF16 needs no permission.
+    """
     fmt = format or recipe.format or "gguf"
     if fmt == "kt-amx":
         raise UsageProblem("--to kt-amx takes its method from --type", fix="pass --type AMXINT8 or --type AMXINT4")
@@ -268,12 +289,21 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     container = src.checkpoint.container
     chosen = []
     problems = []
+    facts = model_facts(src)
     for item in src.items:
-        t, rule, fb, prob = _choose(item, recipe, src.n_layers, container)
+        t, rule, fb, prob = _choose(item, recipe, src.n_layers, container, facts)
         if prob:
             problems.append(prob)
         else:
             chosen.append((item, t, rule, fb))
+    if not problems and not allow_requantize:
+        for item, t, rule, fb in chosen:
+            if _lossy(item.src_dtype) and _lossy(t) and (t != item.src_dtype or item.reshaped):
+                raise InputError(
+                    f"already {item.src_dtype}; quantizing it again to {t} (rule {rule.index} of {recipe.name}) adds a "
+                    "second rounding, which llama-quantize refuses too",
+                    path=str(src.path), where=f"tensor {item.name}",
+                    fix="pass --allow-requantize to requantize anyway, or convert from the F32/F16/BF16 original")
     if problems:
         msg, where, fix = problems[0]
         more = f" (and {len(problems) - 1} more tensor(s) the recipe cannot place)" if len(problems) > 1 else ""
@@ -373,8 +403,9 @@ def _lay_out_gguf(plan: Plan, src: SourceModel, shard: int, tokenizer: bool) -> 
         plan.tokenizer = (f"{vocab.model} (pre {vocab.pre}, {len(vocab.tokens)} tokens, {len(vocab.merges)} merges)"
                           if vocab else "none (tokenizer.ggml.model = none)")
         ftype = metadata.file_type(plan.recipe.file_type, by_type)
-        name = src.path.name if src.path.is_dir() else src.path.parent.name
-        kv = metadata.hf_kv(src.arch, src.config, name, src.n_layers, n_vocab, vocab, ftype, quantized)
+        card = metadata.model_card(model_dir, [(t.name, t.shape) for t in plan.tensors if t.const is None])
+        # general.quantization_version always, as convert_hf_to_gguf writes it (also for F32/F16/BF16 outputs)
+        kv = metadata.hf_kv(src.arch, src.config, card, src.n_layers, n_vocab, vocab, ftype, True)
     plan.kv_keys = [k for k, _ in kv]
     idx = _shards([t.nbytes for t in plan.tensors], shard)
     count = max(idx) + 1 if idx else 1
@@ -485,4 +516,63 @@ def plan_text(plan: Plan, *, tensors: bool = True) -> str:
             fb = f" (fallback from {t.fallback_from})" if t.fallback_from else ""
             lines.append(f"  {t.name:<34} {t.type:<6} {str(list(t.shape)):<18} {str(list(reversed(t.shape))):<18} "
                          f"{format_size(t.nbytes):>10}  {t.rule!s:>4}  {t.operation()}{fb}")
+    return "\n".join(lines) + "\n"
+
+
+def ggml_type_name(t: str) -> str:
+    """ggml's own spelling of a type (``ggml_type_name``): q4_K, q8_0, f32, bf16."""
+    return t.lower().replace("_k", "_K")
+
+
+def plan_llama_text(plan: Plan) -> str:
+    """The plan as ``llama-quantize --dry-run`` prints it: its fallback warnings, then one line per tensor in its
+    order (layer, then name) with the type it reads and the type it writes, then the totals.
+
+    The input side is what llama-quantize would read: the GGUF itself for a GGUF input, for a Hugging Face input
+    the F32 GGUF ``ktconvert quantize --type F32`` (or convert_hf_to_gguf ``--outtype f32``) makes of it.
+    """
+    from ktconvert.convert.recipe import FILE_TYPE_DEFAULT, ModelFacts
+
+    gguf_in = plan.container == "gguf"
+    tensors = sorted((t for t in plan.tensors if t.const is None), key=lambda t: ModelFacts.order_key(t.name))
+    default = FILE_TYPE_DEFAULT.get(plan.recipe.file_type or "")
+    tied = not any(t.name == "output.weight" for t in tensors)
+    output_like = {"output.weight"} | ({"token_embd.weight", "per_layer_token_embd.weight"} if tied else set())
+    lines, table = [], []
+    size_org = size_new = n_elements = n_fallback = 0
+    for i, t in enumerate(tensors, 1):
+        src = t.src_dtype if gguf_in else "F32"
+        ne = list(reversed(t.shape)) + [1] * (4 - len(t.shape))
+        n = math.prod(t.shape)
+        bs, ts = _block(src)
+        org = n // bs * ts
+        n_elements += n
+        fallback_from = t.fallback_from
+        if (fallback_from and t.name in output_like and default and _block(default)[0] > 1
+                and ne[0] % _block(default)[0]):
+            # llama.cpp gives an output tensor whose rows its ftype's type cannot hold Q8_0 outright (no warning)
+            fallback_from = "Q8_0" if t.type != "Q8_0" else None
+        if fallback_from:
+            n_fallback += 1
+            lines.append(f"warning: {t.name:<36} - ncols {ne[0]:6d} not divisible by {_block(fallback_from)[0]:3d} "
+                         f"(required for type {ggml_type_name(fallback_from):>7s}) "
+                         + ("(WARNING: must use F16 due to unusual shape) " if t.type == "F16" else "")
+                         + f"-> falling back to {ggml_type_name(t.type):>7s}")
+        head = (f"[{i:4d}/{len(tensors):4d}] {t.name:<36} - [{', '.join(f'{d:6d}' for d in ne)}], "
+                f"type = {ggml_type_name(src):>6s}, ")
+        if t.type != src:
+            table.append(head + f"size = {org / 1048576:8.2f} MiB -> {t.nbytes / 1048576:8.2f} MiB "
+                         f"({ggml_type_name(t.type)})")
+        else:
+            table.append(head + f"size = {org / 1048576:8.3f} MiB")
+        size_org += org
+        size_new += t.nbytes if t.type != src else org
+    lines += table
+    lines.append(f"llama_model_quantize_impl: model size  = {size_org / 1048576:8.2f} MiB "
+                 f"({size_org * 8.0 / n_elements:.2f} BPW)")
+    lines.append(f"llama_model_quantize_impl: quant size  = {size_new / 1048576:8.2f} MiB "
+                 f"({size_new * 8.0 / n_elements:.2f} BPW)")
+    if n_fallback:
+        lines.append(f"llama_model_quantize_impl: WARNING: {n_fallback} of {len(tensors)} tensor(s) required "
+                     "fallback quantization")
     return "\n".join(lines) + "\n"

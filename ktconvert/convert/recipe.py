@@ -9,7 +9,7 @@ with one type everywhere.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from gguf import GGMLQuantizationType
@@ -31,6 +31,19 @@ FALLBACKS = {
     "Q5_1": ("F16",),
 }
 
+#: ``general.file_type`` of ``--type T``: what ``llama-quantize --pure`` writes for the ftype whose default type is T
+#: (one type everywhere, with the same fallbacks), so ``--type Q4_K`` is labelled Q4_K_S, not Q4_K_M (whose mix is
+#: different). ``keep`` has none: it is derived from the types used.
+PURE_FILE_TYPE = {"F32": "ALL_F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
+                  "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S",
+                  "Q5_K": "Q5_K_S", "Q6_K": "Q6_K"}
+
+#: llama.cpp's default type of each ftype (``llama_ftype_get_default_type``), for the file types a recipe may state
+FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
+                     "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K",
+                     "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
+                     "Q6_K": "Q6_K"}
+
 #: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies): every preset and
 #: ``--type`` keep them in F32, as convert_hf_to_gguf and llama-quantize do.
 F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$"
@@ -47,22 +60,67 @@ class Rule:
     layers: str | tuple[int, ...] | None = None
     note: str = ""
     where: str = ""
+    when: tuple[tuple[str, object], ...] = ()
 
     @property
     def regex(self) -> re.Pattern:
         return re.compile(self.match)
 
-    def applies(self, names: tuple[str, ...], layer: int | None, n_layers: int | None) -> bool:
-        if self.layers is not None:
-            if layer is None:
+    def applies(self, names: tuple[str, ...], layer: int | None, n_layers: int | None,
+                model: "ModelFacts | None" = None) -> bool:
+        """Whether this rule places the tensor ``names[0]`` (its llama.cpp name; ``names[1]`` the HF one)."""
+        facts = model or ModelFacts()
+        for key, want in self.when:
+            have = facts.get(key)
+            if have is None or (have not in want if isinstance(want, tuple) else have != want):
                 return False
-            if self.layers == "more_bits":
+        if self.layers is not None:
+            if self.layers == "more_bits_counted":
+                pos = facts.counted(self.match, names[0])
+                if pos is None or not use_more_bits(*pos):
+                    return False
+            elif layer is None:
+                return False
+            elif self.layers == "more_bits":
                 if not n_layers or not use_more_bits(layer, n_layers):
                     return False
             elif layer not in self.layers:
                 return False
         rx = self.regex
         return any(rx.search(n) for n in names)
+
+
+@dataclass(frozen=True)
+class ModelFacts:
+    """What a rule's ``when`` and ``layers: more_bits_counted`` look at, for one output model.
+
+    ``expert_count`` (routed experts per MoE layer), ``tied_embeddings`` (the output has no ``output.weight``:
+    llama.cpp then gives ``token_embd.weight`` the output's type) and ``names``: every output tensor name, in
+    llama.cpp's order (layer, then name), which ``more_bits_counted`` counts in.
+    """
+
+    expert_count: int | None = None
+    tied_embeddings: bool | None = None
+    names: tuple[str, ...] = ()
+    _hits: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def get(self, key: str):
+        return getattr(self, key, None) if key in ("expert_count", "tied_embeddings") else None
+
+    def counted(self, match: str, name: str) -> tuple[int, int] | None:
+        """``(i, n)``: ``name`` is the i-th of the n output tensors ``match`` finds, in llama.cpp's order."""
+        if match not in self._hits:
+            rx = re.compile(match)
+            hits = [n for n in self.names if rx.search(n)]
+            self._hits[match] = ({n: i for i, n in enumerate(hits)}, len(hits))
+        where, n = self._hits[match]
+        return (where[name], n) if name in where else None
+
+    @staticmethod
+    def order_key(name: str) -> tuple[int, str]:
+        """llama.cpp's tensor order (llama-model-loader's weights_map): ``blk.N.`` by N (others first), then name."""
+        m = re.match(r"blk\.(\d+)\.", name)
+        return (int(m.group(1)) if m else -1, name)
 
 
 @dataclass(frozen=True)
@@ -148,16 +206,30 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
             raise InputError(f"rule {i} match {r['match']!r} is not a valid regex: {exc}", path=path,
                              where=at("rules", i, "match"), fix="fix the regular expression") from None
         layers = r.get("layers")
+        when = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (r.get("when") or {}).items()))
         rules.append(Rule(
             index=i, match=r["match"], type=r["type"], fallback=tuple(r.get("fallback", ())),
             layers=tuple(layers) if isinstance(layers, list) else layers, note=r.get("note", ""),
-            where=f"{path}:{at('rules', i)}",
+            where=f"{path}:{at('rules', i)}", when=when,
         ))
+    file_type = data.get("file_type")
+    if "base" in data:  # this recipe's rules first, then the preset's: "as llama.cpp, except ..."
+        table = presets()
+        key = next((k for k in table if k.lower() == str(data["base"]).lower()), None)
+        if key is None:
+            raise InputError(f"base {data['base']!r} is not a preset", path=path, where=at("base"),
+                             fix=f"use one of {', '.join(table)}")
+        base = load_recipe(key)
+        if "base" in base.data:
+            raise InputError(f"preset {key} has a base of its own", path=path, where=at("base"),
+                             fix="a base is a preset without one")
+        rules += [replace(r, index=len(rules) + j) for j, r in enumerate(base.rules)]
+        file_type = file_type or base.file_type
     out = data.get("output", {})
     shard = out.get("shard_size")
     return Recipe(
         name=data["name"], rules=tuple(rules), source=source, description=data.get("description", ""),
-        file_type=data.get("file_type"), format=out.get("format"),
+        file_type=file_type, format=out.get("format"),
         shard_size=None if shard is None else parse_size(shard, what=f"{path}: output.shard_size"), data=data,
     )
 
@@ -187,11 +259,11 @@ def recipe_for_type(type_name: str) -> Recipe:
             {"match": ".", "type": t, **({"fallback": list(FALLBACKS[t])} if t in FALLBACKS else {})},
         ],
     }
-    ft = {"F32": "ALL_F32", "F16": "F16", "BF16": "BF16"}.get(t, t if t in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q6_K") else None)
+    ft = PURE_FILE_TYPE.get(t)
     if ft:
         data["file_type"] = ft
     return recipe_from_data(data, f"--type {t}", f"--type {t}")
 
 
-__all__ = ["F32_MATCH", "FALLBACKS", "KEEP", "WRITABLE", "Recipe", "Rule", "load_recipe", "presets",
+__all__ = ["F32_MATCH", "FALLBACKS", "FILE_TYPE_DEFAULT", "KEEP", "PURE_FILE_TYPE", "WRITABLE", "ModelFacts", "Recipe", "Rule", "load_recipe", "presets",
            "recipe_for_type", "recipe_from_data", "use_more_bits"]

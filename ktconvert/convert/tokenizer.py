@@ -11,6 +11,8 @@ way out (``--no-tokenizer`` writes ``tokenizer.ggml.model = none``, which llama.
 from __future__ import annotations
 
 import json
+import logging
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,19 +32,31 @@ _SPLIT_PATTERNS = {
 
 @dataclass(frozen=True)
 class GgufVocab:
-    """What goes into ``tokenizer.ggml.*``. ``tokens`` has exactly ``n_vocab`` entries (the embedding rows)."""
+    """What goes into ``tokenizer.ggml.*``. ``tokens`` has exactly ``n_vocab`` entries (the embedding rows).
+
+    ``special`` is gguf-py's ``SpecialVocab`` of the model directory, the object convert_hf_to_gguf writes the
+    merges, special token ids, ``add_bos``/``add_eos``/``add_sep`` flags (from tokenizer_config.json and the
+    tokenizer's post-processor) and chat template (tokenizer_config.json, else ``chat_template.jinja`` with
+    ``additional_chat_templates/``, else ``chat_template.json``) with; ``add_to_gguf`` writes them."""
 
     model: str
     pre: str | None
     tokens: tuple[str, ...]
     token_types: tuple[int, ...]
     merges: tuple[str, ...]
-    bos_id: int | None = None
-    eos_id: int | None = None
-    pad_id: int | None = None
-    add_bos: bool | None = None
-    add_eos: bool | None = None
-    chat_template: str | None = None
+    special: object = None
+
+    @property
+    def chat_template(self):
+        return getattr(self.special, "chat_template", None)
+
+    @property
+    def add_special(self) -> dict:
+        return dict(getattr(self.special, "add_special_token", {}) or {})
+
+    @property
+    def special_ids(self) -> dict:
+        return dict(getattr(self.special, "special_token_ids", {}) or {})
 
 
 def _load(path: Path) -> dict:
@@ -112,27 +126,53 @@ def convert_tokenizer(model_dir: Path, n_vocab: int, config: dict | None) -> Ggu
     merges = []
     for m in model.get("merges") or []:
         merges.append(" ".join(m) if isinstance(m, list) else str(m))
-    tc_path = model_dir / "tokenizer_config.json"
-    tc = _load(tc_path) if tc_path.is_file() else {}
-    ids = {tok: i for i, (tok, _) in by_id.items()}
+    sv = _special_vocab(model_dir, n_vocab)
+    return GgufVocab(model="gpt2", pre=pre, tokens=tuple(tokens), token_types=tuple(types),
+                     merges=tuple(sv.merges) if sv.merges else tuple(merges), special=sv)
 
-    def special(key: str, cfg_key: str) -> int | None:
-        v = tc.get(key)
-        if isinstance(v, dict):
-            v = v.get("content")
-        if isinstance(v, str) and v in ids:
-            return ids[v]
-        c = (config or {}).get(cfg_key)
-        return c if type(c) is int else None
 
-    def flag(key: str) -> bool | None:
-        v = tc.get(key)
-        return v if isinstance(v, bool) else None
+def _special_vocab(model_dir: Path, n_vocab: int):
+    """gguf-py's ``SpecialVocab`` (what convert_hf_to_gguf uses), after every file it opens has been read through
+    ktconvert's checks, so that a malformed or non-regular one is a one-line error naming it, not a traceback."""
+    from gguf import SpecialVocab
 
-    tmpl = tc.get("chat_template")
-    return GgufVocab(
-        model="gpt2", pre=pre, tokens=tuple(tokens), token_types=tuple(types), merges=tuple(merges),
-        bos_id=special("bos_token", "bos_token_id"), eos_id=special("eos_token", "eos_token_id"),
-        pad_id=special("pad_token", "pad_token_id"), add_bos=flag("add_bos_token"), add_eos=flag("add_eos_token"),
-        chat_template=tmpl if isinstance(tmpl, str) else None,
-    )
+    from ktconvert.io.files import regular_file_size
+
+    for name in ("tokenizer_config.json", "config.json", "chat_template.json"):
+        p = model_dir / name
+        if p.exists() or p.is_symlink():
+            data = read_json(p, name, fix=NO_TOKENIZER_FIX)
+            tmpl = data.get("chat_template")
+            if name != "config.json" and tmpl is not None and not isinstance(tmpl, (str, list)):
+                raise InputError("chat_template is neither a string nor a list of named templates",
+                                 path=str(p), where="chat_template", fix="fix chat_template, or remove it")
+    jinja = [model_dir / "chat_template.jinja"]
+    if jinja[0].exists() or jinja[0].is_symlink():
+        extra = model_dir / "additional_chat_templates"
+        jinja += sorted(extra.glob("*.jinja")) if extra.is_dir() else []
+    for p in jinja:
+        if p.exists() or p.is_symlink():
+            regular_file_size(p, p.name, limit=64 * 1024**2, fix="remove or replace the template file")
+            try:
+                p.read_bytes().decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise InputError(f"the chat template is not UTF-8 text (byte {exc.start})", path=str(p),
+                                 fix="save the template as UTF-8") from None
+    try:
+        with quiet_gguf():
+            return SpecialVocab(model_dir, load_merges=True, n_vocab=n_vocab)
+    except Exception as exc:  # what gguf-py refuses (a negative special token id, merges of an unknown form)
+        raise InputError(f"gguf-py cannot read its special tokens: {exc}", path=str(model_dir / "tokenizer.json"),
+                         fix=NO_TOKENIZER_FIX) from None
+
+
+@contextmanager
+def quiet_gguf():
+    """gguf-py's informational warnings (logging, which would reach stderr) held back while its readers run."""
+    log = logging.getLogger("gguf")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        log.setLevel(level)
