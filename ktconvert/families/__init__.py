@@ -9,10 +9,19 @@ from ktconvert.families.config import (
     load_config,
     normalize_config,
 )
-from ktconvert.families.registry import FamilySpec, families, family_of_class, find, gguf_arch, spec
+from ktconvert.families.registry import (
+    FamilySpec,
+    families,
+    family_of_class,
+    find,
+    gguf_arch,
+    permutes_qk,
+    spec,
+    spec_for_arch,
+)
 
 #: The family the demo and the examples use when none is named.
 DEFAULT_FAMILY = "qwen3_moe"
 
 __all__ = ["DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "MoeConfig", "RopeSpec", "families", "family_of_class", "find",
-           "gguf_arch", "load_config", "normalize_config", "spec"]
+           "gguf_arch", "load_config", "normalize_config", "permutes_qk", "spec", "spec_for_arch"]

@@ -143,6 +143,24 @@ def family_of_class(type_id: str) -> str | None:
     return None
 
 
+def spec_for_arch(family: str, arch: str) -> FamilySpec:
+    """The spec whose GGUF facts describe ``arch``: ``family``'s own, else the first family written as ``arch``
+    (what llama.cpp reads depends on the architecture, not on which family the checkpoint came from)."""
+    own = spec(family)
+    if own.gguf_arch == arch:
+        return own
+    for s in _registry().values():
+        if s.gguf_arch == arch:
+            return s
+    raise UsageProblem(f"no family is written as llama.cpp architecture {arch!r}",
+                       fix=f"choose one of {', '.join(sorted({s.gguf_arch for s in _registry().values()}))}")
+
+
+def permutes_qk(arch: str) -> bool:
+    """llama.cpp's converter for ``arch`` reorders q/k rows into rotary pairs per head (its llama architecture)."""
+    return any(s.gguf_arch == arch and s.section("gguf").get("permute_qk") for s in _registry().values())
+
+
 def gguf_arch(family: Any) -> str | None:
     s = find(family)
     return s.gguf_arch if s else None
