@@ -85,3 +85,49 @@ def test_a_malformed_spec_names_its_file_and_line(tmp_path, monkeypatch):
 def test_an_unknown_family_is_a_usage_problem():
     with pytest.raises(Exception, match="unknown family"):
         families.spec("not_a_family")
+
+
+def test_a_malformed_spec_stops_a_command_with_one_error(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    model = _probe_config(tmp_path)
+    bad = tmp_path / "families"
+    shutil.copytree(rules_dir() / "families", bad)
+    text = (bad / "mixtral.yaml").read_text(encoding="utf-8")
+    (bad / "mixtral.yaml").write_text(text.replace("block: block_sparse_moe", "block: [x]"), encoding="utf-8")
+    line = next(i for i, ln in enumerate(text.splitlines(), 1) if "block: block_sparse_moe" in ln)
+    monkeypatch.setattr(registry, "rules_dir", lambda: tmp_path)
+    registry._registry.cache_clear()
+    try:
+        res = CliRunner().invoke(cli, ["check-rules", str(rules_dir() / "optimize" / "mixtral.yaml"),
+                                       "--model", str(model)])
+    finally:
+        registry._registry.cache_clear()
+    assert res.exit_code == 3, res.output
+    assert f"rules/families/mixtral.yaml:{line}:" in res.output
+    assert "Traceback" not in res.output
+
+
+def _probe_config(tmp_path: Path) -> Path:
+    import json
+
+    from ktconvert.rules import modeltree
+
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps(modeltree.PROBE_CONFIGS["mixtral"]), encoding="utf-8")
+    return cfg
+
+
+def test_spec_facts_agree_with_the_code_and_the_naming_maps():
+    from ktconvert.convert.metadata import _ARCH_KEYS
+    from ktconvert.formats import naming_map
+    from ktconvert.io.resources import load_schema
+
+    gguf = load_schema("family-spec")["properties"]["gguf"]["properties"]
+    assert set(gguf["metadata"]["items"]["enum"]) == set(_ARCH_KEYS)
+    for f in families.FAMILIES:
+        sp = families.spec(f)
+        m = naming_map(sp.gguf_arch)
+        assert m.arch == sp.gguf_arch and f in m.hf_model_types, f"{sp.shown}: {sp.naming_map} does not list {f}"

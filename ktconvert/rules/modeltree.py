@@ -97,6 +97,8 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
     try:
         mc = normalize_config(dict(cfg))
     except InputError as exc:
+        if exc.path is not None:  # about another file (a family spec), already placed there
+            raise
         raise InputError(exc.message, path=where, where=exc.where, fix=exc.fix) from None
     sp = mc.spec
     pre = sp.prefix
