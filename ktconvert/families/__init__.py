@@ -13,6 +13,7 @@ from ktconvert.families.registry import (
     FamilySpec,
     families,
     family_of_class,
+    ffn_is_expert_width,
     find,
     gguf_arch,
     permutes_qk,
@@ -23,5 +24,8 @@ from ktconvert.families.registry import (
 #: The family the demo and the examples use when none is named.
 DEFAULT_FAMILY = "qwen3_moe"
 
-__all__ = ["DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "MoeConfig", "RopeSpec", "families", "family_of_class", "find",
-           "gguf_arch", "load_config", "normalize_config", "permutes_qk", "spec", "spec_for_arch"]
+__all__ = [
+    "DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "MoeConfig", "RopeSpec", "families", "family_of_class",
+    "ffn_is_expert_width", "find", "gguf_arch", "load_config", "normalize_config", "permutes_qk", "spec",
+    "spec_for_arch",
+]

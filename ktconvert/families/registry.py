@@ -161,6 +161,12 @@ def permutes_qk(arch: str) -> bool:
     return any(s.gguf_arch == arch and s.section("gguf").get("permute_qk") for s in _registry().values())
 
 
+def ffn_is_expert_width(arch: str) -> bool:
+    """``{arch}.feed_forward_length`` holds the routed experts' width (a family spec of ``arch`` says so)."""
+    return any(s.gguf_arch == arch and s.section("gguf")["feed_forward_length"] == "moe_intermediate_size"
+               for s in _registry().values())
+
+
 def gguf_arch(family: Any) -> str | None:
     s = find(family)
     return s.gguf_arch if s else None

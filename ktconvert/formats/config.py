@@ -96,7 +96,7 @@ def dims_from_gguf(kv: dict, source: str = "GGUF metadata") -> ModelDims:
     n_layers = get("block_count")
     n_experts = get("expert_count")
     inter = get("expert_feed_forward_length")
-    if inter is None and arch == "llama":  # Mixtral GGUFs give the expert width as the plain FFN length
+    if inter is None and families.ffn_is_expert_width(arch):  # e.g. Mixtral GGUFs give it as the plain FFN length
         inter = get("feed_forward_length")
     moe_layers = None
     if n_layers is not None and n_experts:
