@@ -1,9 +1,8 @@
 """Deterministic tiny checkpoints of the five MoE families, for conversion tests, goldens and demos.
 
 Every byte is a function of this file and the family specs alone: configs are literal data (each spec's
-``tiny.config``) in the spelling transformers 5.23
-writes, weights come from the frozen splitmix64 stream (:mod:`ktconvert.model.rng`), the safetensors bytes
-from a fixed serialiser (:func:`ktconvert.formats.safetensors_write.to_bytes`) and the tokenizer from a fixed BPE training run
+``tiny.config`` in ``rules/families/``) in the spelling transformers 5.23 writes, weights come from the
+frozen splitmix64 stream (:mod:`ktconvert.model.rng`), the safetensors bytes from a fixed serialiser (:func:`ktconvert.formats.safetensors_write.to_bytes`) and the tokenizer from a fixed BPE training run
 (:mod:`ktconvert.model.tinytok`). numpy is the only dependency; torch is not needed.
 
 Sizes: hidden 256, expert intermediate 256 (every expert row a multiple of 256, so K-quants apply), 8
