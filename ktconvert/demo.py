@@ -11,6 +11,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ktconvert.families import DEFAULT_FAMILY
 from ktconvert.convert import convert
 from ktconvert.formats import open_checkpoint
 from ktconvert.golden.paths import golden_root, load_tiny_hashes
@@ -40,7 +41,7 @@ class DemoResult:
         return all(s.ok for s in self.steps)
 
 
-def run_demo(workdir: str | Path, family: str = "qwen3_moe", recipe: str = "Q4_K_M", on_step=None) -> DemoResult:
+def run_demo(workdir: str | Path, family: str = DEFAULT_FAMILY, recipe: str = "Q4_K_M", on_step=None) -> DemoResult:
     """Run every step in ``workdir`` (created; the caller owns and removes it). A failed step stops the run."""
     workdir = Path(workdir)
     result = DemoResult(family, workdir)

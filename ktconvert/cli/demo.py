@@ -8,10 +8,12 @@ from pathlib import Path
 
 import click
 
+from ktconvert import families
+
 
 @click.command("demo")
-@click.option("--family", type=click.Choice(["qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"]),
-              default="qwen3_moe", show_default=True, help="Which tiny model to run the job on.")
+@click.option("--family", type=click.Choice(families.FAMILIES),
+              default=families.DEFAULT_FAMILY, show_default=True, help="Which tiny model to run the job on.")
 @click.option("--keep", metavar="DIR", type=click.Path(file_okay=False, path_type=str),
               help="Keep the model, the conversion and the reports in DIR (must not exist) instead of a temp dir.")
 @click.pass_context

@@ -6,18 +6,20 @@ import json
 
 import click
 
+from ktconvert import families
 from ktconvert.families.config import FAMILIES
+
+_FP8 = ", ".join(f for f in FAMILIES if families.spec(f).tiny.get("fp8"))
 
 
 @click.command("tiny-model")
 @click.argument("family", type=click.Choice(FAMILIES), metavar="FAMILY")
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it is not empty.")
-@click.option("--fp8", is_flag=True, help="The FP8 block-scaled variant (F8_E4M3 weights + _scale_inv; "
-              "deepseek_v3, qwen3_moe).")
+@click.option("--fp8", is_flag=True, help=f"The FP8 block-scaled variant (F8_E4M3 weights + _scale_inv; {_FP8}).")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 def command(family: str, out_dir: str, force: bool, fp8: bool, fmt: str) -> None:
-    """Write a tiny FAMILY checkpoint (qwen2_moe, qwen3_moe, mixtral, deepseek_v2, deepseek_v3) (config.json, model.safetensors, BPE tokenizer) into OUT_DIR.
+    """Write a tiny FAMILY checkpoint (any family with a spec in rules/families/) (config.json, model.safetensors, BPE tokenizer) into OUT_DIR.
 
     The bytes depend on nothing but ktconvert's source: the sha256 of each file is recorded in
     golden/tiny-models.yaml and checked by the tests.

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ktconvert import families
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats import ModelDims, dims_from_hf_config, open_checkpoint
 from ktconvert.formats.config import load_config
@@ -239,9 +240,9 @@ def _to_peft(stacked, others, cfg, dims, out: Path, lora_alpha, where: str, forc
         _check_geometry(L, e, r, H, I, dims, where)
     _rank_from(cfg, rank, where)
     alpha = _alpha(cfg, lora_alpha, where)
-    mixtral = dims is not None and dims.model_type == "mixtral"
-    names = {"gate": "w1", "up": "w3", "down": "w2"} if mixtral else {p: f"{p}_proj" for p in PROJS}
-    block = "block_sparse_moe" if mixtral else "mlp"
+    sp = families.find(dims.model_type) if dims is not None else None  # another model type: the common names
+    names = dict(zip(PROJS, sp.expert_proj_names)) if sp else {p: f"{p}_proj" for p in PROJS}
+    block = sp.moe_block_name if sp else "mlp"
     items = []
     for L in sorted(layers):
         for p in PROJS:

@@ -26,6 +26,7 @@ from gguf import (
     size_label,
 )
 
+from ktconvert import families
 from ktconvert.convert.tokenizer import GgufVocab, quiet_gguf
 from ktconvert.errors import InputError
 from ktconvert.io.files import regular_file_size
@@ -50,6 +51,40 @@ def file_type(recipe_file_type: str | None, bytes_by_type: dict[str, int]) -> in
         return int(LlamaFileType[key])
     top = max(bytes_by_type.items(), key=lambda kv: kv[1])[0] if bytes_by_type else "F32"
     return int(LlamaFileType[_TYPE_TO_FTYPE.get(top, "GUESSED")])
+
+
+def _if(cond, add) -> None:
+    if cond:
+        add()
+
+
+# The architecture-specific keys a family spec's gguf.metadata lists, each computed from the normalised config
+# (w: the writer, c: MoeConfig, n: block count); the spec fixes which and in what order.
+_ARCH_KEYS = {
+    "expert_feed_forward_length": lambda w, c, n: w.add_expert_feed_forward_length(c.moe_intermediate_size),
+    "expert_shared_feed_forward_length": lambda w, c, n: _if(
+        c.shared_expert_intermediate_size, lambda: w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)),
+    "key_length": lambda w, c, n: w.add_key_length(c.head_dim),
+    "value_length": lambda w, c, n: w.add_value_length(c.head_dim),
+    "rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.head_dim),
+    "leading_dense_block_count": lambda w, c, n: w.add_leading_dense_block_count(min(c.moe_layers) if c.moe_layers else n),
+    # 0: no q LoRA (V2-Lite style q_proj); llama.cpp requires the key
+    "q_lora_rank": lambda w, c, n: w.add_q_lora_rank(c.q_lora_rank or 0),
+    "kv_lora_rank": lambda w, c, n: w.add_kv_lora_rank(c.kv_lora_rank),
+    "mla_key_length": lambda w, c, n: w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim),
+    "mla_value_length": lambda w, c, n: w.add_value_length(c.v_head_dim),
+    "mla_rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.qk_rope_head_dim),
+    "expert_shared_count": lambda w, c, n: w.add_expert_shared_count(c.n_shared_experts),
+    "expert_weights_scale": lambda w, c, n: w.add_expert_weights_scale(c.routed_scaling_factor),
+    "expert_weights_norm": lambda w, c, n: _if(c.norm_topk_prob, lambda: w.add_expert_weights_norm(True)),
+    "expert_gating_func": lambda w, c, n: w.add_expert_gating_func(
+        ExpertGatingFuncType.SIGMOID if c.scoring_func == "sigmoid" else ExpertGatingFuncType.SOFTMAX),
+    "expert_group_count": lambda w, c, n: _if(c.n_group, lambda: w.add_expert_group_count(c.n_group)),
+    "expert_group_used_count": lambda w, c, n: _if(c.topk_group, lambda: w.add_expert_group_used_count(c.topk_group)),
+    # llama.cpp divides by 0.1 again
+    "rope_scaling_yarn_log_mul": lambda w, c, n: _if(
+        c.rope.kind == "yarn" and c.rope.mscale_all_dim, lambda: w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)),
+}
 
 
 def _writer(arch: str):
@@ -96,13 +131,14 @@ def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, 
 
 
     c = normalize_config(config)
+    spec = families.spec_for_arch(c.family, arch)
     w = _writer(arch)
     w.add_type(GGUFType.MODEL)
     card.set_gguf_meta_model(w)
     w.add_block_count(n_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(c.moe_intermediate_size if arch == "llama" else c.intermediate_size)
+    w.add_feed_forward_length(getattr(c, spec.section("gguf")["feed_forward_length"]))
     w.add_head_count(c.num_attention_heads)
     w.add_head_count_kv(c.num_key_value_heads)
     w.add_rope_freq_base(c.rope.theta)
@@ -122,35 +158,8 @@ def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, 
         w.add_rope_scaling_orig_ctx_len(c.rope.original_max_position_embeddings)
         w.add_rope_scaling_yarn_beta_fast(c.rope.beta_fast)
         w.add_rope_scaling_yarn_beta_slow(c.rope.beta_slow)
-    if arch in ("qwen2moe", "qwen3moe"):
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        if c.shared_expert_intermediate_size:
-            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
-        if arch == "qwen3moe":
-            w.add_key_length(c.head_dim)
-            w.add_value_length(c.head_dim)
-    elif arch == "llama":
-        w.add_rope_dimension_count(c.head_dim)
-    elif arch == "deepseek2":
-        w.add_leading_dense_block_count(min(c.moe_layers) if c.moe_layers else n_layers)
-        w.add_q_lora_rank(c.q_lora_rank or 0)  # 0: no q LoRA (V2-Lite style q_proj); llama.cpp requires the key
-        w.add_kv_lora_rank(c.kv_lora_rank)
-        w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim)
-        w.add_value_length(c.v_head_dim)
-        w.add_rope_dimension_count(c.qk_rope_head_dim)
-        w.add_expert_feed_forward_length(c.moe_intermediate_size)
-        w.add_expert_shared_count(c.n_shared_experts)
-        w.add_expert_weights_scale(c.routed_scaling_factor)
-        if c.norm_topk_prob:
-            w.add_expert_weights_norm(True)
-        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if c.scoring_func == "sigmoid"
-                                 else ExpertGatingFuncType.SOFTMAX)
-        if c.n_group:
-            w.add_expert_group_count(c.n_group)
-        if c.topk_group:
-            w.add_expert_group_used_count(c.topk_group)
-        if c.rope.kind == "yarn" and c.rope.mscale_all_dim:
-            w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)  # llama.cpp divides by 0.1 again
+    for key in spec.section("gguf")["metadata"]:
+        _ARCH_KEYS[key](w, c, n_layers)
     if vocab is None:
         w.add_tokenizer_model("none")
     else:

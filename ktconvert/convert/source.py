@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from ktconvert import families
 from ktconvert.errors import InputError
 from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map, open_checkpoint
 from ktconvert.formats.fp8 import require_fp8
@@ -160,7 +161,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
              if p.severity == "warning" and p.kind != "ambiguous-orientation"]
     skipped: list[str] = []
     hf = ck.container == "safetensors"
-    cfg = _heads(cfg_dict, ck) if report.arch == "llama" and hf else None
+    cfg = _heads(cfg_dict, ck) if hf and families.permutes_qk(report.arch) else None
 
     items: list[Item] = []
     for name, m in report.matches.items():

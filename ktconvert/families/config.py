@@ -15,17 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from ktconvert.errors import InputError
+from ktconvert.families import registry
 from ktconvert.io.datafile import read_json
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
-
-_ARCH_TO_FAMILY = {
-    "Qwen2MoeForCausalLM": "qwen2_moe",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    "MixtralForCausalLM": "mixtral",
-    "DeepseekV2ForCausalLM": "deepseek_v2",
-    "DeepseekV3ForCausalLM": "deepseek_v3",
-}
+FAMILIES = registry.families()
 
 _TOPK_METHODS = {"greedy", "group_limited_greedy", "noaux_tc"}
 
@@ -90,18 +83,23 @@ class MoeConfig:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def spec(self) -> registry.FamilySpec:
+        """The family's spec (``rules/families/<family>.yaml``): ask it instead of comparing family names."""
+        return registry.spec(self.family)
+
+    @property
     def is_mla(self) -> bool:
-        return self.family in ("deepseek_v2", "deepseek_v3")
+        return self.spec.is_mla
 
     @property
     def moe_block_name(self) -> str:
         """The attribute a decoder layer keeps its MoE block under (upstream rule files match this name)."""
-        return "block_sparse_moe" if self.family == "mixtral" else "mlp"
+        return self.spec.moe_block_name
 
     @property
     def expert_proj_names(self) -> tuple[str, str, str]:
         """Per-expert projection names (gate, up, down) as the hub checkpoints spell them."""
-        return ("w1", "w3", "w2") if self.family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+        return self.spec.expert_proj_names
 
 
 def load_config(source: str | os.PathLike | dict) -> MoeConfig:
@@ -116,13 +114,7 @@ def load_config(source: str | os.PathLike | dict) -> MoeConfig:
 
 
 def family_of(raw: dict) -> str | None:
-    mt = raw.get("model_type")
-    if mt in FAMILIES:
-        return mt
-    for arch in raw.get("architectures") or ():
-        if arch in _ARCH_TO_FAMILY:
-            return _ARCH_TO_FAMILY[arch]
-    return None
+    return registry.family_of(raw)
 
 
 def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
@@ -135,6 +127,9 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
             where="model_type",
         )
     g = _Getter(raw, path)
+    sp = registry.spec(family)
+    cfg_facts, routing = sp.section("config"), sp.section("routing")
+    defaults = cfg_facts["defaults"]
 
     hidden = g.int("hidden_size")
     heads = g.int("num_attention_heads")
@@ -149,7 +144,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     if not 0 < top_k <= num_experts:
         raise InputError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}", path=path, where="num_experts_per_tok")
 
-    mla = family in ("deepseek_v2", "deepseek_v3")
+    mla = sp.is_mla
     head_dim = g.opt("head_dim")
     if mla:
         rope_dim = g.int("qk_rope_head_dim")
@@ -160,56 +155,34 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     if heads % kv_heads:
         raise InputError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}", path=path)
 
-    max_pos = int(g.opt("max_position_embeddings", 4096 if family == "deepseek_v3" else 2048))
-    rope = _rope(raw, family, rope_dim, max_pos, path)
+    max_pos = int(g.opt("max_position_embeddings", defaults["max_position_embeddings"]))
+    rope = _rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
 
-    # dense / MoE layer placement
-    if family in ("qwen2_moe", "qwen3_moe"):
-        step = int(g.opt("decoder_sparse_step", 1) or 1)
-        mlp_only = set(g.opt("mlp_only_layers") or [])
-        moe_layers = tuple(i for i in range(layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0)
-    elif family == "mixtral":
-        moe_layers = tuple(range(layers))
-    else:
-        first_dense = int(g.opt("first_k_dense_replace", 0) or 0)
-        freq = int(g.opt("moe_layer_freq", 1) or 1)
-        moe_layers = tuple(i for i in range(layers) if i >= first_dense and i % freq == 0)
+    moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts)))
 
-    if family == "mixtral":
+    if sp.expert_width_key == "intermediate_size":
         moe_inter = g.int("intermediate_size")
         inter = moe_inter
     else:
-        moe_inter = g.int("moe_intermediate_size")
+        moe_inter = g.int(sp.expert_width_key)
         inter = int(g.opt("intermediate_size", moe_inter))
 
     # routing
-    if family == "mixtral":
-        norm_topk, scoring, method = True, "softmax", "greedy"
-    elif family in ("qwen2_moe", "qwen3_moe"):
-        norm_topk, scoring, method = bool(g.opt("norm_topk_prob", False)), "softmax", "greedy"
-    elif family == "deepseek_v2":
-        norm_topk = bool(g.opt("norm_topk_prob", False))
-        scoring = g.opt("scoring_func", "softmax")
-        method = g.opt("topk_method", "greedy")
-    else:
-        norm_topk = bool(g.opt("norm_topk_prob", True))
-        scoring = g.opt("scoring_func", "sigmoid")
-        method = g.opt("topk_method", "noaux_tc")
+    norm_topk = bool(_choice(g, routing["norm_topk_prob"]))
+    scoring = _choice(g, routing["scoring_func"])
+    method = _choice(g, routing["topk_method"])
     if method == "gready":  # the DeepSeek-V2 remote-code config's default spelling
         method = "greedy"
     if method not in _TOPK_METHODS:
         raise InputError(f"topk_method {method!r} is not supported ({', '.join(sorted(_TOPK_METHODS))})", path=path, where="topk_method")
     if scoring not in ("softmax", "sigmoid"):
         raise InputError(f"scoring_func {scoring!r} is not supported (softmax, sigmoid)", path=path, where="scoring_func")
-    if family == "deepseek_v3" and (method != "noaux_tc" or scoring != "sigmoid"):
+    allowed = routing.get("allowed") or {}
+    if (scoring not in allowed.get("scoring_func", (scoring,))
+            or method not in allowed.get("topk_method", (method,))):
         raise InputError(
-            f"deepseek_v3 routing must be topk_method=noaux_tc with scoring_func=sigmoid, got {method}/{scoring}",
-            path=path,
-            where="topk_method",
-        )
-    if family == "deepseek_v2" and (method == "noaux_tc" or scoring != "softmax"):
-        raise InputError(
-            f"deepseek_v2 routing must use softmax scores with greedy or group_limited_greedy, got {method}/{scoring}",
+            f"{family} routing must use scoring_func {'/'.join(allowed.get('scoring_func', ('any',)))} with topk_method "
+            f"{'/'.join(allowed.get('topk_method', ('any',)))}, got {method}/{scoring}",
             path=path,
             where="topk_method",
         )
@@ -228,32 +201,27 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         if method == "noaux_tc" and num_experts // n_group < 2:
             raise InputError("noaux_tc scores groups by their top-2 experts: groups need at least 2 experts", path=path, where="n_group")
 
-    scaling = float(g.opt("routed_scaling_factor", 1.0) or 1.0) if mla else 1.0
+    scaling = float(g.opt("routed_scaling_factor", 1.0) or 1.0) if routing.get("routed_scaling") else 1.0
 
     # biases
-    if family == "qwen2_moe":
-        bias_on = ("q_proj", "k_proj", "v_proj") if g.opt("qkv_bias", True) else ()
-    elif family == "qwen3_moe":
-        bias_on = ("q_proj", "k_proj", "v_proj", "o_proj") if g.opt("attention_bias", False) else ()
-    elif family == "mixtral":
-        bias_on = ()
-    else:
-        bias_on = ("q_a_proj", "kv_a_proj_with_mqa", "o_proj") if g.opt("attention_bias", False) else ()
-        if g.opt("mlp_bias", False):
-            raise InputError("mlp_bias=true is not supported", path=path, where="mlp_bias")
+    bias = cfg_facts.get("attention_bias")
+    bias_on = tuple(bias["projections"]) if bias and g.opt(bias["key"], bias["default"]) else ()
+    if cfg_facts.get("refuse_mlp_bias") and g.opt("mlp_bias", False):
+        raise InputError("mlp_bias=true is not supported", path=path, where="mlp_bias")
 
-    _check_sliding_window(raw, family, path)
+    _check_sliding_window(raw, cfg_facts["sliding_window"], path)
 
     kwargs: dict[str, Any] = {}
     if mla:
         q_lora = g.opt("q_lora_rank")
+        interleave_key = sp.section("attention").get("rope_interleave_key")
         kwargs = dict(
             q_lora_rank=None if q_lora in (None, 0) else int(q_lora),
             kv_lora_rank=g.int("kv_lora_rank"),
             qk_nope_head_dim=g.int("qk_nope_head_dim"),
             qk_rope_head_dim=g.int("qk_rope_head_dim"),
             v_head_dim=g.int("v_head_dim"),
-            rope_interleave=bool(g.opt("rope_interleave", True)) if family == "deepseek_v3" else True,
+            rope_interleave=bool(g.opt(interleave_key, True)) if interleave_key else True,
         )
         if kv_heads != heads:
             raise InputError(
@@ -262,6 +230,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
                 where="num_key_value_heads",
             )
 
+    shared = sp.shared_expert
     return MoeConfig(
         family=family,
         vocab_size=g.int("vocab_size"),
@@ -270,7 +239,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(g.opt("rms_norm_eps", 1e-5 if family == "mixtral" else 1e-6)),
+        rms_norm_eps=float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])),
         max_position_embeddings=max_pos,
         rope=rope,
         tie_word_embeddings=bool(g.opt("tie_word_embeddings", False)),
@@ -286,8 +255,8 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         n_group=n_group if method != "greedy" else None,
         topk_group=topk_group if method != "greedy" else None,
         routed_scaling_factor=scaling,
-        shared_expert_intermediate_size=(g.int("shared_expert_intermediate_size") if family == "qwen2_moe" else None),
-        n_shared_experts=int(g.opt("n_shared_experts", 0) or 0) if mla else 0,
+        shared_expert_intermediate_size=(g.int("shared_expert_intermediate_size") if shared == "gated" else None),
+        n_shared_experts=int(g.opt("n_shared_experts", 0) or 0) if shared == "shared_experts" else 0,
         bos_token_id=g.opt("bos_token_id"),
         eos_token_id=g.opt("eos_token_id"),
         raw=dict(raw),
@@ -295,12 +264,38 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     )
 
 
-def _check_sliding_window(raw: dict, family: str, path: str | None) -> None:
+def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int) -> set[int]:
+    """The layers that hold routed experts under a spec's ``dense_layers`` policy (see the schema)."""
+    return _moe_layers(policy, raw, layers, num_experts)
+
+
+def _moe_layers(policy: str, raw: dict, layers: int, num_experts: int) -> set[int]:
+    def opt_int(key: str, default: int) -> int:
+        v = raw.get(key)
+        return int(v) if v else default
+
+    if policy == "sparse_step":
+        step = opt_int("decoder_sparse_step", 1)
+        mlp_only = set(raw.get("mlp_only_layers") or [])
+        return {i for i in range(layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0}
+    if policy == "first_k_dense":
+        first_dense = opt_int("first_k_dense_replace", 0)
+        freq = opt_int("moe_layer_freq", 1)
+        return {i for i in range(layers) if i >= first_dense and i % freq == 0}
+    return set(range(layers))
+
+
+def _choice(g: "_Getter", choice: dict) -> Any:
+    """A spec ``choice``: a fixed value or a config key with its default."""
+    return choice["fixed"] if "fixed" in choice else g.opt(choice["key"], choice["default"])
+
+
+def _check_sliding_window(raw: dict, rule: str, path: str | None) -> None:
     """Sliding-window attention is not modelled; refuse configs where it would change results."""
     window = raw.get("sliding_window")
-    if family in ("qwen2_moe", "qwen3_moe"):
+    if rule == "use_flag":
         active = bool(raw.get("use_sliding_window", False)) and bool(window)
-    elif family == "mixtral":
+    elif rule == "window":
         active = bool(window)
     else:
         active = False
@@ -313,7 +308,7 @@ def _check_sliding_window(raw: dict, family: str, path: str | None) -> None:
         )
 
 
-def _rope(raw: dict, family: str, dim: int, max_pos: int, path: str | None) -> RopeSpec:
+def _rope(raw: dict, default_theta: float, dim: int, max_pos: int, path: str | None) -> RopeSpec:
     params = raw.get("rope_parameters")
     if params is None:
         params = dict(raw.get("rope_scaling") or {})
@@ -321,7 +316,7 @@ def _rope(raw: dict, family: str, dim: int, max_pos: int, path: str | None) -> R
         params = dict(params)
     if "rope_layers" in params or any(isinstance(v, dict) for v in params.values()):
         raise InputError("per-layer rope_parameters are not supported", path=path, where="rope_parameters")
-    theta = params.get("rope_theta", raw.get("rope_theta", 10000.0 if family != "mixtral" else 1e6))
+    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
     kind = params.get("rope_type", params.get("type", "default")) or "default"
     if kind == "default":
         return RopeSpec(kind="default", theta=float(theta), dim=dim)

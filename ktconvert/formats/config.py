@@ -10,16 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from ktconvert import families
+from ktconvert.families.config import moe_layers_of
 from ktconvert.io.datafile import read_json
 
-# HF model_type -> llama.cpp architecture name (general.architecture) for the families ktconvert supports.
-HF_TO_GGUF_ARCH = {
-    "qwen2_moe": "qwen2moe",
-    "qwen3_moe": "qwen3moe",
-    "deepseek_v2": "deepseek2",
-    "deepseek_v3": "deepseek2",
-    "mixtral": "llama",
-}
+# HF model_type -> llama.cpp architecture name (general.architecture), from each family's spec.
+HF_TO_GGUF_ARCH = {f: families.spec(f).gguf_arch for f in families.FAMILIES}
 
 
 @dataclass(frozen=True)
@@ -45,6 +41,12 @@ def _int(v) -> int | None:
     return v if type(v) is int else None
 
 
+def _int_keys(cfg: dict) -> dict:
+    """The layer-placement keys as this module reads them: a non-integer value counts as absent."""
+    keys = ("first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step")
+    return {**{k: _int(cfg.get(k)) for k in keys}, "mlp_only_layers": cfg.get("mlp_only_layers")}
+
+
 def load_config(path: str | Path) -> dict:
     return read_json(path, "config.json", fix="fix or re-download it, or check the --config path")
 
@@ -57,21 +59,18 @@ def dims_from_hf_config(cfg: dict, source: str = "config.json") -> ModelDims:
     n_experts = next(
         (_int(cfg[k]) for k in ("n_routed_experts", "num_experts", "num_local_experts") if _int(cfg.get(k))), None
     )
+    sp = families.find(model_type)
     inter = _int(cfg.get("moe_intermediate_size"))
-    if inter is None and (model_type == "mixtral" or model_type not in HF_TO_GGUF_ARCH):
-        inter = _int(cfg.get("intermediate_size"))  # Mixtral's experts are intermediate_size wide
+    if inter is None and (sp is None or sp.expert_width_key == "intermediate_size"):
+        inter = _int(cfg.get("intermediate_size"))  # e.g. Mixtral's experts are intermediate_size wide
     moe_layers = None
     if n_layers is not None and n_experts:
-        if "first_k_dense_replace" in cfg or model_type in ("deepseek_v2", "deepseek_v3"):
-            k = _int(cfg.get("first_k_dense_replace")) or 0
-            freq = _int(cfg.get("moe_layer_freq")) or 1
-            moe_layers = frozenset(i for i in range(n_layers) if i >= k and i % freq == 0)
-        elif model_type in ("qwen2_moe", "qwen3_moe"):
-            step = _int(cfg.get("decoder_sparse_step")) or 1
-            only_mlp = set(cfg.get("mlp_only_layers") or [])
-            moe_layers = frozenset(i for i in range(n_layers) if i not in only_mlp and (i + 1) % step == 0)
+        # a family's own rule; another model type: DeepSeek's keys if present, else every layer is MoE
+        if "first_k_dense_replace" in cfg:
+            policy = "first_k_dense"
         else:
-            moe_layers = frozenset(range(n_layers))
+            policy = sp.dense_layers if sp is not None else "none"
+        moe_layers = frozenset(moe_layers_of(policy, _int_keys(cfg), n_layers, n_experts))
     return ModelDims(
         source=source,
         model_type=model_type,
@@ -97,7 +96,7 @@ def dims_from_gguf(kv: dict, source: str = "GGUF metadata") -> ModelDims:
     n_layers = get("block_count")
     n_experts = get("expert_count")
     inter = get("expert_feed_forward_length")
-    if inter is None and arch == "llama":  # Mixtral GGUFs give the expert width as the plain FFN length
+    if inter is None and families.ffn_is_expert_width(arch):  # e.g. Mixtral GGUFs give it as the plain FFN length
         inter = get("feed_forward_length")
     moe_layers = None
     if n_layers is not None and n_experts:

@@ -9,6 +9,8 @@ Upstream ktransformers matches ``match.class`` with ``isinstance`` against its o
 
 from __future__ import annotations
 
+from ktconvert import families
+
 ROLES = (
     "causal_lm",
     "model",
@@ -22,22 +24,9 @@ ROLES = (
     "experts",
 )
 
-_PREFIX = {
-    "qwen2_moe": "Qwen2Moe",
-    "qwen3_moe": "Qwen3Moe",
-    "mixtral": "Mixtral",
-    "deepseek_v2": "DeepseekV2",
-    "deepseek_v3": "DeepseekV3",
-}
-
-# ktransformers keeps its own copies of the modeling files; DeepSeek-V2's is named modeling_deepseek.
-_KT_MODULE = {
-    "qwen2_moe": "ktransformers.models.modeling_qwen2_moe",
-    "qwen3_moe": "ktransformers.models.modeling_qwen3_moe",
-    "mixtral": "ktransformers.models.modeling_mixtral",
-    "deepseek_v2": "ktransformers.models.modeling_deepseek",
-    "deepseek_v3": "ktransformers.models.modeling_deepseek_v3",
-}
+def classes_module(family: str) -> str:
+    """ktransformers keeps its own copies of the modeling files (DeepSeek-V2's is named modeling_deepseek)."""
+    return families.spec(family).section("classes")["ktransformers_module"]
 
 
 def _tf_module(family: str) -> str:
@@ -46,8 +35,9 @@ def _tf_module(family: str) -> str:
 
 def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(upstream ktransformers / remote-code class names, transformers 5 class names) for a role."""
-    p = _PREFIX[family]
-    ds = family.startswith("deepseek")
+    sp = families.spec(family)
+    classes = sp.section("classes")
+    p = sp.prefix
     if role in ("causal_lm", "model", "decoder_layer", "attention", "rmsnorm"):
         suffix = {
             "causal_lm": "ForCausalLM",
@@ -58,21 +48,21 @@ def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[s
         }[role]
         return (p + suffix,), (p + suffix,)
     if role == "rotary":
-        kt = (p + "YarnRotaryEmbedding", p + "RotaryEmbedding") if (ds and yarn) else (p + "RotaryEmbedding",)
+        kt = (classes["rotary_yarn"], p + "RotaryEmbedding") if (yarn and "rotary_yarn" in classes) else (p + "RotaryEmbedding",)
         return kt, (p + "RotaryEmbedding",)
     if role == "mlp":
-        if family == "mixtral":
-            # routed experts of Mixtral; transformers 5 fuses them and has no per-expert class
-            return ("MixtralBlockSparseTop2MLP",), ()
+        if expert and "expert" in classes:
+            # a family whose routed experts have their own class (Mixtral); transformers 5 fuses them
+            return (classes["expert"],), ()
         # transformers 5 fuses routed experts too: only dense and shared MLPs are its <P>MLP
         return (p + "MLP",), (() if expert else (p + "MLP",))
     if role == "moe_block":
-        if ds:
-            return (p + "MoE",), (("DeepseekV2Moe",) if family == "deepseek_v2" else ("DeepseekV3MoE",))
+        if "moe_block" in classes:
+            return (classes["moe_block"]["ktransformers"],), (classes["moe_block"]["transformers"],)
         return (p + "SparseMoeBlock",), (p + "SparseMoeBlock",)
     if role == "gate":
-        if ds:
-            return ("MoEGate",), (p + "TopkRouter",)
+        if "gate" in classes:
+            return (classes["gate"]["ktransformers"],), (classes["gate"]["transformers"],)
         return (), (p + "TopKRouter",)  # upstream: a plain torch.nn.Linear
     if role == "experts":
         return (), (p + "Experts",)  # upstream: a plain torch.nn.ModuleList
@@ -88,6 +78,6 @@ def class_names(family: str, role: str, *, yarn: bool = False, expert: bool = Fa
     MLP is a routed expert.
     """
     kt, tf = _names(family, role, yarn=yarn, expert=expert)
-    paths = tuple(f"{_KT_MODULE[family]}.{n}" for n in kt) + tuple(f"{_tf_module(family)}.{n}" for n in tf)
+    paths = tuple(f"{classes_module(family)}.{n}" for n in kt) + tuple(f"{_tf_module(family)}.{n}" for n in tf)
     primary = kt[0] if kt else tf[0]
     return primary, paths

@@ -193,7 +193,7 @@ class Attention(Tagged, nn.Module):
         self.k_proj = nn.Linear(h, nkv * hd, bias="k_proj" in bias)
         self.v_proj = nn.Linear(h, nkv * hd, bias="v_proj" in bias)
         self.o_proj = nn.Linear(nh * hd, h, bias="o_proj" in bias)
-        if cfg.family == "qwen3_moe":
+        if cfg.spec.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         else:
@@ -243,7 +243,7 @@ class MLAttention(Tagged, nn.Module):
         self.o_proj = nn.Linear(nh * self.v_dim, h, bias="o_proj" in bias)
         self.rotary_emb = RotaryEmbedding(cfg.rope)
         self.interleave = cfg.rope_interleave
-        self.complex_rope = cfg.family == "deepseek_v2"  # transformers 5 V2 ignores rope_interleave
+        self.complex_rope = bool(cfg.spec.section("attention").get("complex_rope"))  # transformers 5 V2 ignores rope_interleave
         self.scaling = softmax_scale(self.qk_head_dim, cfg.rope)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -348,7 +348,7 @@ class MoEGate(Tagged, nn.Module):
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.norm_topk_prob = cfg.norm_topk_prob
         self.scaling = cfg.routed_scaling_factor
-        self.v3 = cfg.family == "deepseek_v3"
+        self.renorm_then_scale = cfg.spec.section("routing")["weights"] == "renorm_then_scale"
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         if self.method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
@@ -379,7 +379,7 @@ class MoEGate(Tagged, nn.Module):
                 weights = scores.gather(1, ids)
             else:
                 weights, ids = torch.topk(scores.masked_fill(~keep, 0.0), k=self.top_k, dim=-1, sorted=False)
-        if self.v3:
+        if self.renorm_then_scale:
             if self.norm_topk_prob:
                 weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
             weights = weights * self.scaling
@@ -397,7 +397,7 @@ class SparseMoeBlock(Tagged, nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob
-        self.cast_back = cfg.family != "mixtral"
+        self.cast_back = not cfg.spec.section("routing")["float32_weights"]
         self.gate = TopKRouter(cfg.hidden_size, cfg.num_experts, bias=False)
         self.experts = RoutedExperts(
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names) for _ in range(cfg.num_experts)

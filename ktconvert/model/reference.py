@@ -60,7 +60,10 @@ class DecoderLayer(Tagged, nn.Module):
         self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         if layer_idx in cfg.moe_layers:
-            block: nn.Module = DeepseekMoE(cfg) if cfg.is_mla else SparseMoeBlock(cfg)
+            # the spec's routing maths picks the block (DeepSeek's grouped routing with shared experts, or
+            # softmax top-k), independently of the attention kind
+            softmax_topk = cfg.spec.section("routing")["weights"] == "softmax_topk"
+            block: nn.Module = SparseMoeBlock(cfg) if softmax_topk else DeepseekMoE(cfg)
         else:
             block = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.moe_attr = cfg.moe_block_name

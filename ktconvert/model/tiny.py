@@ -1,8 +1,8 @@
 """Deterministic tiny checkpoints of the five MoE families, for conversion tests, goldens and demos.
 
-Every byte is a function of this file alone: configs are literal data in the spelling transformers 5.23
-writes, weights come from the frozen splitmix64 stream (:mod:`ktconvert.model.rng`), the safetensors bytes
-from a fixed serialiser (:func:`ktconvert.formats.safetensors_write.to_bytes`) and the tokenizer from a fixed BPE training run
+Every byte is a function of this file and the family specs alone: configs are literal data (each spec's
+``tiny.config`` in ``rules/families/``) in the spelling transformers 5.23 writes, weights come from the
+frozen splitmix64 stream (:mod:`ktconvert.model.rng`), the safetensors bytes from a fixed serialiser (:func:`ktconvert.formats.safetensors_write.to_bytes`) and the tokenizer from a fixed BPE training run
 (:mod:`ktconvert.model.tinytok`). numpy is the only dependency; torch is not needed.
 
 Sizes: hidden 256, expert intermediate 256 (every expert row a multiple of 256, so K-quants apply), 8
@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ktconvert import families
 from ktconvert.errors import UsageProblem
 from ktconvert.families.config import FAMILIES, MoeConfig, normalize_config
 from ktconvert.formats.safetensors_write import to_bytes
@@ -62,152 +63,11 @@ _COMMON = {
     "vocab_size": VOCAB,
 }
 
-# config.json of each tiny model: exactly the keys and values transformers 5.23's save_pretrained writes
-_CONFIGS: dict[str, dict] = {
-    "qwen3_moe": {
-        **_COMMON,
-        "architectures": ["Qwen3MoeForCausalLM"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "decoder_sparse_step": 1,
-        "head_dim": 64,
-        "intermediate_size": 512,
-        "mlp_only_layers": [],
-        "model_type": "qwen3_moe",
-        "moe_intermediate_size": 256,
-        "norm_topk_prob": True,
-        "num_hidden_layers": 2,
-        "num_key_value_heads": 2,
-        "num_local_experts": EXPERTS,
-        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-        "router_aux_loss_coef": 0.001,
-        "sliding_window": None,
-        "use_sliding_window": False,
-    },
-    "qwen2_moe": {
-        **_COMMON,
-        "architectures": ["Qwen2MoeForCausalLM"],
-        "attention_dropout": 0.0,
-        "decoder_sparse_step": 1,
-        "intermediate_size": 512,
-        "layer_types": ["full_attention", "full_attention"],
-        "max_window_layers": 2,
-        "mlp_only_layers": [],
-        "model_type": "qwen2_moe",
-        "moe_intermediate_size": 256,
-        "norm_topk_prob": False,
-        "num_experts": EXPERTS,
-        "num_hidden_layers": 2,
-        "num_key_value_heads": 2,
-        "qkv_bias": True,
-        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-        "router_aux_loss_coef": 0.001,
-        "shared_expert_intermediate_size": 512,
-        "sliding_window": 0,
-        "use_sliding_window": False,
-    },
-    "mixtral": {
-        **_COMMON,
-        "architectures": ["MixtralForCausalLM"],
-        "attention_dropout": 0.0,
-        "head_dim": None,
-        "intermediate_size": 256,
-        "model_type": "mixtral",
-        "num_hidden_layers": 2,
-        "num_key_value_heads": 2,
-        "num_local_experts": EXPERTS,
-        "rms_norm_eps": 1e-05,
-        "rope_parameters": {"rope_theta": 1000000.0, "rope_type": "default"},
-        "router_aux_loss_coef": 0.001,
-        "router_jitter_noise": 0.0,
-        "sliding_window": None,
-    },
-    "deepseek_v2": {
-        **_COMMON,
-        "architectures": ["DeepseekV2ForCausalLM"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "first_k_dense_replace": 1,
-        "head_dim": 16,
-        "intermediate_size": 512,
-        "kv_lora_rank": 64,
-        "mlp_bias": False,
-        "model_type": "deepseek_v2",
-        "moe_intermediate_size": 256,
-        "n_group": 4,
-        "n_routed_experts": EXPERTS,
-        "n_shared_experts": 2,
-        "norm_topk_prob": False,
-        "num_hidden_layers": 3,
-        "num_key_value_heads": 4,
-        "pretraining_tp": 1,
-        "q_lora_rank": None,
-        "qk_head_dim": 48,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16,
-        "rope_parameters": {
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "factor": 4.0,
-            "mscale": 0.707,
-            "mscale_all_dim": 0.707,
-            "original_max_position_embeddings": 64,
-            "rope_theta": 10000.0,
-            "rope_type": "yarn",
-            "type": "yarn",
-        },
-        "routed_scaling_factor": 2.0,
-        "topk_group": 2,
-        "topk_method": "group_limited_greedy",
-        "v_head_dim": 32,
-    },
-    "deepseek_v3": {
-        **_COMMON,
-        "architectures": ["DeepseekV3ForCausalLM"],
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "first_k_dense_replace": 1,
-        "head_dim": 16,
-        "intermediate_size": 512,
-        "kv_lora_rank": 64,
-        "model_type": "deepseek_v3",
-        "moe_intermediate_size": 256,
-        "n_group": 4,
-        "n_routed_experts": EXPERTS,
-        "n_shared_experts": 1,
-        "norm_topk_prob": True,
-        "num_hidden_layers": 3,
-        "num_key_value_heads": 4,
-        "num_nextn_predict_layers": 1,
-        "pretraining_tp": 1,
-        "q_lora_rank": 128,
-        "qk_head_dim": 48,
-        "qk_nope_head_dim": 32,
-        "qk_rope_head_dim": 16,
-        "rope_interleave": True,
-        "rope_parameters": {
-            "beta_fast": 32,
-            "beta_slow": 1,
-            "factor": 4.0,
-            "mscale": 1.0,
-            "mscale_all_dim": 1.0,
-            "original_max_position_embeddings": 64,
-            "rope_theta": 10000.0,
-            "rope_type": "yarn",
-            "type": "yarn",
-        },
-        "routed_scaling_factor": 2.5,
-        "topk_group": 2,
-        "v_head_dim": 32,
-    },
-}
-
 # routing design (see the module docstring)
 # code levels: (first designated expert, second, every other expert)
+# (a spec's tiny.code_levels / tiny.router_gain override these: sigmoid scores saturate, so DeepSeek-V3's levels
+# sit further apart to keep a wide gap in score space)
 CODE_LEVELS_DEFAULT = (1.5, 1.0, -1.0)
-# sigmoid scores saturate, so V3's levels sit further apart to keep a wide gap in score space
-CODE_LEVELS = {"deepseek_v3": (2.0, 0.5, -1.5)}
-ROUTER_GAIN = {"deepseek_v3": 1.5}
 ROUTER_GAIN_DEFAULT = 2.0
 ROUTER_NOISE = 0.005
 V3_BIAS_BOOST = 0.9
@@ -222,10 +82,24 @@ def routing_channels(hidden: int = HIDDEN, experts: int = EXPERTS) -> list[int]:
 
 
 def tiny_config(family: str) -> dict:
-    """The ``config.json`` dict of a tiny model (a fresh copy)."""
-    if family not in _CONFIGS:
+    """The ``config.json`` dict of a tiny model (a fresh copy): the common keys, then the spec's ``tiny.config``
+    (exactly the keys and values transformers 5.23's save_pretrained writes)."""
+    if family not in FAMILIES:
         raise UsageProblem(f"unknown family {family!r}", fix=f"choose one of {', '.join(FAMILIES)}")
-    return copy.deepcopy(_CONFIGS[family])
+    return copy.deepcopy({**_COMMON, **families.spec(family).tiny["config"]})
+
+
+def _code_levels(family: str) -> tuple[float, float, float]:
+    return tuple(families.spec(family).tiny.get("code_levels", CODE_LEVELS_DEFAULT))
+
+
+def _router_gain(family: str) -> float:
+    return families.spec(family).tiny.get("router_gain", ROUTER_GAIN_DEFAULT)
+
+
+def _fp8_variant(family: str) -> tuple[tuple[int, int], str] | None:
+    fp8 = families.spec(family).tiny.get("fp8") if family in FAMILIES else None
+    return None if fp8 is None else (tuple(fp8["weight_block_size"]), fp8["scale_dtype"])
 
 
 @dataclass(frozen=True)
@@ -277,7 +151,7 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
                 if proj in cfg.attention_bias_on:
                     add(f"{a}.{proj}.bias", (rows,), "bias")
             add(f"{a}.o_proj.weight", (h, nh * hd), "out_linear")
-            if cfg.family == "qwen3_moe":
+            if cfg.spec.qk_norm:
                 add(f"{a}.q_norm.weight", (hd,), "norm")
                 add(f"{a}.k_norm.weight", (hd,), "norm")
         m = f"{p}.{cfg.moe_block_name}"
@@ -322,7 +196,7 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
     elif spec.kind == "embed":
         out = u.copy()
         codes = token_codes(cfg.vocab_size, cfg.num_experts)
-        first, second, rest = CODE_LEVELS.get(family, CODE_LEVELS_DEFAULT)
+        first, second, rest = _code_levels(family)
         levels = np.full((cfg.vocab_size, cfg.num_experts), rest)
         levels[np.arange(cfg.vocab_size), codes[:, 0]] = first
         levels[np.arange(cfg.vocab_size), codes[:, 1]] = second
@@ -331,7 +205,7 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
         layer = spec.name.split(".")[2]
         perm = rng.permutation(rng.stream_key(SEED, family, "router-perm", layer), cfg.num_experts)
         out = ROUTER_NOISE * u
-        gain = ROUTER_GAIN.get(family, ROUTER_GAIN_DEFAULT)
+        gain = _router_gain(family)
         for j, ch in enumerate(chans):
             out[perm[j], ch] += gain
     elif spec.kind == "score_bias":
@@ -361,11 +235,11 @@ def tiny_files(family: str) -> dict[str, bytes]:
     return files
 
 
-# FP8 block-scaled variants, as the releases of these families ship: (weight_block_size, scale dtype). The blocks
-# are smaller than the releases' 128x128 and do not divide every tiny dimension, so edge blocks are exercised
-# (deepseek_v3: 80-row kv_a_proj, 256/128/64-column matrices against 48-column blocks; qwen3_moe: every dim).
-FP8_VARIANTS: dict[str, tuple[tuple[int, int], str]] = {"deepseek_v3": ((32, 48), "F32"),
-                                                        "qwen3_moe": ((96, 96), "BF16")}
+# FP8 block-scaled variants, as the releases of these families ship: each spec's tiny.fp8 (weight_block_size, scale
+# dtype). The blocks are smaller than the releases' 128x128 and do not divide every tiny dimension, so edge blocks
+# are exercised (DeepSeek-V3: 80-row kv_a_proj, 256/128/64-column matrices against 48-column blocks; Qwen3-MoE:
+# every dim).
+FP8_VARIANTS: dict[str, tuple[tuple[int, int], str]] = {f: _fp8_variant(f) for f in FAMILIES if _fp8_variant(f)}
 
 
 def _is_fp8_weight(spec: TensorSpec) -> bool:

@@ -12,33 +12,19 @@ from functools import lru_cache
 from pathlib import Path
 
 from ktconvert.errors import InputError
+from ktconvert import families
 from ktconvert.families.config import normalize_config
 from ktconvert.io.datafile import read_json
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+FAMILIES = families.FAMILIES
 
 # A rule file whose match classes all come from one family can be checked against that family's tree even
 # without --model; these configs stand in for the real model: real layer counts and dense layers, two experts
 # (per-expert modules only ever repeat the same few types), small dims (the tree does not depend on them).
+# The family-specific keys are each spec's ``probe`` section.
 _PROBE_BASE = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, "moe_intermediate_size": 256,
                "num_attention_heads": 4, "num_key_value_heads": 4, "num_experts_per_tok": 2}
-PROBE_CONFIGS = {
-    "qwen2_moe": {**_PROBE_BASE, "model_type": "qwen2_moe", "num_hidden_layers": 28, "num_experts": 2,
-                  "shared_expert_intermediate_size": 512},
-    "qwen3_moe": {**_PROBE_BASE, "model_type": "qwen3_moe", "num_hidden_layers": 48, "num_experts": 2, "head_dim": 64},
-    "mixtral": {**_PROBE_BASE, "model_type": "mixtral", "num_hidden_layers": 32, "num_local_experts": 2},
-    "deepseek_v2": {**_PROBE_BASE, "model_type": "deepseek_v2", "num_hidden_layers": 60, "n_routed_experts": 2,
-                    "first_k_dense_replace": 1, "n_shared_experts": 2, "q_lora_rank": 1536, "kv_lora_rank": 512,
-                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "topk_method": "group_limited_greedy",
-                    "n_group": 1, "topk_group": 1},
-    "deepseek_v3": {**_PROBE_BASE, "model_type": "deepseek_v3", "num_hidden_layers": 61, "n_routed_experts": 2,
-                    "first_k_dense_replace": 3, "n_shared_experts": 1, "q_lora_rank": 1536, "kv_lora_rank": 512,
-                    "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "topk_method": "noaux_tc",
-                    "n_group": 1, "topk_group": 1},
-}
-
-_PREFIX = {"qwen2_moe": "Qwen2Moe", "qwen3_moe": "Qwen3Moe", "mixtral": "Mixtral", "deepseek_v2": "DeepseekV2",
-           "deepseek_v3": "DeepseekV3"}
+PROBE_CONFIGS = {f: {**_PROBE_BASE, "model_type": f, **families.spec(f).probe} for f in FAMILIES}
 
 
 @dataclass
@@ -81,10 +67,7 @@ class ModelTree:
 
 
 def family_of_type(type_id: str) -> str | None:
-    for family, prefix in _PREFIX.items():
-        if type_id.startswith(prefix):
-            return family
-    return None
+    return families.family_of_class(type_id)
 
 
 def load_config(path: str | Path) -> tuple[dict, str]:
@@ -114,8 +97,12 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
     try:
         mc = normalize_config(dict(cfg))
     except InputError as exc:
+        if exc.path is not None:  # about another file (a family spec), already placed there
+            raise
         raise InputError(exc.message, path=where, where=exc.where, fix=exc.fix) from None
-    pre = _PREFIX[family]
+    sp = mc.spec
+    pre = sp.prefix
+    classes = sp.section("classes")
     root = Node("", f"{pre}ForCausalLM")
     model = root.add("model", f"{pre}Model")
     model.add("embed_tokens", "Embedding")
@@ -127,21 +114,19 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
         if not sparse:
             dense_layers.append(i)
         layer = layers.add(str(i), f"{pre}DecoderLayer", layer=i, dense=not sparse)
-        _attention(layer, family, mc, pre)
-        if family == "mixtral":
-            moe = layer.add("block_sparse_moe", "MixtralSparseMoeBlock")
-            moe.add("gate", "Linear")
-            _experts(moe, pre, mc.num_experts, ("w1", "w3", "w2"), "MixtralBlockSparseTop2MLP")
-        elif not sparse:
+        _attention(layer, sp, mc, pre)
+        if not sparse:
             _mlp(layer, "mlp", f"{pre}MLP")
         else:
-            deepseek = family.startswith("deepseek")
-            moe = layer.add("mlp", f"{pre}MoE" if deepseek else f"{pre}SparseMoeBlock")
-            moe.add("gate", f"{pre}MoEGate" if deepseek else "Linear")
-            _experts(moe, pre, mc.num_experts, ("gate_proj", "up_proj", "down_proj"), f"{pre}MLP")
-            if deepseek and mc.n_shared_experts:
+            # upstream ktransformers classes: DeepSeek's block is <P>MoE with a <P>MoEGate, others a
+            # <P>SparseMoeBlock with a plain Linear router
+            kt_gate = "gate" in classes
+            moe = layer.add(sp.moe_block_name, f"{pre}MoE" if kt_gate else f"{pre}SparseMoeBlock")
+            moe.add("gate", f"{pre}MoEGate" if kt_gate else "Linear")
+            _experts(moe, pre, mc.num_experts, sp.expert_proj_names, classes.get("expert", f"{pre}MLP"))
+            if sp.shared_expert == "shared_experts" and mc.n_shared_experts:
                 _mlp(moe, "shared_experts", f"{pre}MLP")
-            if family == "qwen2_moe" and mc.shared_expert_intermediate_size:
+            if sp.shared_expert == "gated" and mc.shared_expert_intermediate_size:
                 _mlp(moe, "shared_expert", f"{pre}MLP")
                 moe.add("shared_expert_gate", "Linear")
         layer.add("input_layernorm", f"{pre}RMSNorm")
@@ -157,7 +142,7 @@ def probe_tree(family: str) -> ModelTree:
     return build_tree(dict(PROBE_CONFIGS[family]), source="probe", where=f"<{family} probe>")
 
 
-def _attention(layer: Node, family: str, mc, pre: str) -> None:
+def _attention(layer: Node, sp, mc, pre: str) -> None:
     attn = layer.add("self_attn", f"{pre}Attention")
     if mc.is_mla:
         if mc.q_lora_rank:
@@ -170,11 +155,11 @@ def _attention(layer: Node, family: str, mc, pre: str) -> None:
         attn.add("kv_a_layernorm", f"{pre}RMSNorm")
         attn.add("kv_b_proj", "Linear")
         attn.add("o_proj", "Linear")
-        attn.add("rotary_emb", "DeepseekV2YarnRotaryEmbedding" if family == "deepseek_v2" else "DeepseekV3RotaryEmbedding")
+        attn.add("rotary_emb", sp.section("classes").get("tree_rotary", f"{pre}RotaryEmbedding"))
         return
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         attn.add(name, "Linear")
-    if family == "qwen3_moe":
+    if sp.qk_norm:
         attn.add("q_norm", f"{pre}RMSNorm")
         attn.add("k_norm", f"{pre}RMSNorm")
     attn.add("rotary_emb", f"{pre}RotaryEmbedding")

@@ -1,0 +1,172 @@
+"""The registry of model families: one YAML spec per family under ``rules/families/``.
+
+Every fact that differs between families (config spellings, module tree, class names, GGUF architecture,
+routing maths, tiny-model dims) lives in the spec, so adding a family is adding a file and no module outside
+this package branches on a family name. Specs are read once through the one YAML loader (positions + schema
+validation), so a malformed spec is one :class:`~ktconvert.errors.InputError` naming the file and line:column.
+Torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+from ktconvert.errors import InputError, UsageProblem
+from ktconvert.io.datafile import load_data_file
+from ktconvert.io.resources import rules_dir
+
+SPEC_DIR = "families"
+SCHEMA = "family-spec"
+
+
+@dataclass(frozen=True)
+class FamilySpec:
+    """One family's spec file, parsed and validated; accessors name what callers ask."""
+
+    family: str
+    data: dict
+    shown: str  # how messages name the file, e.g. rules/families/qwen3_moe.yaml
+
+    def section(self, name: str) -> dict:
+        return self.data[name]
+
+    @property
+    def architectures(self) -> tuple[str, ...]:
+        return tuple(self.data["architectures"])
+
+    @property
+    def prefix(self) -> str:
+        """Class-name prefix of the upstream modeling files (``Qwen3Moe``)."""
+        return self.data["classes"]["prefix"]
+
+    @property
+    def is_mla(self) -> bool:
+        return self.data["attention"]["kind"] == "mla"
+
+    @property
+    def qk_norm(self) -> bool:
+        return bool(self.data["attention"]["qk_norm"])
+
+    @property
+    def moe_block_name(self) -> str:
+        return self.data["moe"]["block"]
+
+    @property
+    def expert_proj_names(self) -> tuple[str, str, str]:
+        return tuple(self.data["moe"]["projections"])
+
+    @property
+    def shared_expert(self) -> str:
+        return self.data["moe"]["shared_expert"]
+
+    @property
+    def dense_layers(self) -> str:
+        return self.data["config"]["dense_layers"]
+
+    @property
+    def expert_width_key(self) -> str:
+        return self.data["config"]["expert_width"]
+
+    @property
+    def gguf_arch(self) -> str:
+        return self.data["gguf"]["arch"]
+
+    @property
+    def naming_map(self) -> str:
+        return self.data["gguf"]["naming"]
+
+    @property
+    def probe(self) -> dict:
+        return dict(self.data["probe"])
+
+    @property
+    def tiny(self) -> dict:
+        return self.data["tiny"]
+
+
+def _load(path) -> FamilySpec:
+    shown = f"rules/{SPEC_DIR}/{path.name}"
+    loaded = load_data_file(path, SCHEMA, "family spec", shown)
+    data = loaded.data
+    if data["family"] != path.stem:
+        line, col = loaded.where(("family",))
+        raise InputError(f"family {data['family']!r} does not match the file name", path=shown,
+                         where=f"{line}:{col}", fix=f"name the file {data['family']}.yaml or the family {path.stem}")
+    return FamilySpec(data["family"], data, shown)
+
+
+@lru_cache(maxsize=None)
+def _registry() -> dict[str, FamilySpec]:
+    specs = [_load(p) for p in sorted((rules_dir() / SPEC_DIR).glob("*.yaml"))]
+    specs.sort(key=lambda s: (s.data["order"], s.family))
+    return {s.family: s for s in specs}
+
+
+def families() -> tuple[str, ...]:
+    """Every family with a spec, in the specs' listing order."""
+    return tuple(_registry())
+
+
+def spec(family: str) -> FamilySpec:
+    """The spec of ``family``; an unknown name is a usage problem naming the known ones."""
+    reg = _registry()
+    if family not in reg:
+        raise UsageProblem(f"unknown family {family!r}", fix=f"choose one of {', '.join(reg)}")
+    return reg[family]
+
+
+def find(family: Any) -> FamilySpec | None:
+    """The spec of ``family`` or ``None`` (no error: callers with a fallback for other model types)."""
+    return _registry().get(family) if isinstance(family, str) else None
+
+
+def family_of(raw: dict) -> str | None:
+    """The family a ``config.json`` dict belongs to: its model_type, else its ``architectures``."""
+    reg = _registry()
+    mt = raw.get("model_type")
+    if mt in reg:
+        return mt
+    for arch in raw.get("architectures") or ():
+        for s in reg.values():
+            if arch in s.architectures:
+                return s.family
+    return None
+
+
+def family_of_class(type_id: str) -> str | None:
+    """The family whose upstream class names start with ``type_id``'s prefix (``DeepseekV3MoE`` -> its family)."""
+    for s in _registry().values():
+        if type_id.startswith(s.prefix):
+            return s.family
+    return None
+
+
+def spec_for_arch(family: str, arch: str) -> FamilySpec:
+    """The spec whose GGUF facts describe ``arch``: ``family``'s own, else the first family written as ``arch``
+    (what llama.cpp reads depends on the architecture, not on which family the checkpoint came from)."""
+    own = spec(family)
+    if own.gguf_arch == arch:
+        return own
+    for s in _registry().values():
+        if s.gguf_arch == arch:
+            return s
+    raise UsageProblem(f"no family is written as llama.cpp architecture {arch!r}",
+                       fix=f"choose one of {', '.join(sorted({s.gguf_arch for s in _registry().values()}))}")
+
+
+def permutes_qk(arch: str) -> bool:
+    """llama.cpp's converter for ``arch`` reorders q/k rows into rotary pairs per head (its llama architecture)."""
+    return any(s.gguf_arch == arch and s.section("gguf").get("permute_qk") for s in _registry().values())
+
+
+def ffn_is_expert_width(arch: str) -> bool:
+    """``{arch}.feed_forward_length`` holds the routed experts' width (a family spec of ``arch`` says so)."""
+    return any(s.gguf_arch == arch and s.section("gguf")["feed_forward_length"] == "moe_intermediate_size"
+               for s in _registry().values())
+
+
+def gguf_arch(family: Any) -> str | None:
+    s = find(family)
+    return s.gguf_arch if s else None
