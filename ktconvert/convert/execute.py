@@ -5,8 +5,9 @@ when every byte is written, checked and recorded in ``manifest.json``; nothing w
 partial. Every output file is laid out in full before any data (headers written, size set), so units of work
 (runs of rows of one tensor, sized from ``max_memory``) can be written at their offsets in any order, by any
 process. A journal in the partial directory records finished units, only after their bytes have been
-flushed to disk; ``resume`` re-checks the plan's fingerprint against the interrupted run's and does only the
-units the journal does not list.
+flushed to disk, with a hash of the input bytes each one read; ``resume`` re-checks the plan's fingerprint
+against the interrupted run's, re-hashes the input of every finished unit (a byte changed under a kept mtime
+would otherwise end up half old, half new) and does only the units the journal does not list.
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ from typing import Callable
 from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.sizes import format_size
-from ktconvert.convert.worker import Task, close_all, run_task, worker_init
+from ktconvert.convert.worker import Task, close_all, run_task, source_digest, worker_init
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
+from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import fsync_dir, guard_output, partial_dir, replace_dir, sha256_file, write_durable
 from ktconvert.io.dtypes import FLOAT_DTYPES
 
@@ -108,31 +110,73 @@ class _State:
 
     def create(self, plan: Plan, units: list[Unit], fingerprint: str) -> None:
         self.dir.mkdir(parents=True)
-        data = {"version": __version__, "fingerprint": fingerprint, "source": plan.source,
+        data = {"version": __version__, "fingerprint": fingerprint, "source": plan.source, "sources": plan.sources,
                 "units": [[u.tensor, u.r0, u.r1, u.in_bytes] for u in units]}
         write_durable(self.state, json.dumps(data).encode())
         write_durable(self.journal, b"")
 
-    def load(self, fingerprint: str, where: Path) -> tuple[list[Unit], set[int]]:
+    def load(self, plan: Plan, fingerprint: str, where: Path) -> tuple[list[Unit], dict[int, str]]:
+        """The units and the finished ones (id -> input digest), or :class:`InputError` saying why the
+        interrupted run cannot be continued with this plan."""
         try:
             data = json.loads(self.state.read_text())
             units = [Unit(i, *u) for i, u in enumerate(data["units"])]
-            done = {int(x) for x in self.journal.read_text().split()}
+            done = {}
+            for line in self.journal.read_text().splitlines():
+                uid, digest = line.split()
+                done[int(uid)] = digest
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InputError(f"the interrupted run's state is unreadable ({exc})", path=str(where),
                              fix="start over with --force") from None
+        changed = _source_change(data.get("sources") or [], plan.sources)
+        if changed:
+            raise InputError(f"the input changed since the interrupted run: {changed}", path=plan.source,
+                             fix="restore the input it was started from, or start over with --force")
         if data.get("fingerprint") != fingerprint:
             raise InputError("the interrupted run was planned differently (other input, recipe, format or version)",
                              path=str(where), fix="rerun it with the same options, or start over with --force")
         return units, done
 
-    def record(self, ids: list[int]) -> None:
+    def record(self, ids: list[tuple[int, str]]) -> None:
         if not ids:
             return
         with open(self.journal, "a") as fh:
-            fh.write("".join(f"{i}\n" for i in ids))
+            fh.write("".join(f"{i} {d}\n" for i, d in ids))
             fh.flush()
             os.fsync(fh.fileno())
+
+
+def _source_change(before: list[dict], now: list[dict]) -> str | None:
+    """Why the input files recorded by the interrupted run are not the ones there now, or ``None``."""
+    old = {f["file"]: f for f in before}
+    for f in now:
+        o = old.pop(f["file"], None)
+        if o is None:
+            return f"{f['file']} was not part of it"
+        if o["bytes"] != f["bytes"]:
+            return f"{f['file']} was {o['bytes']} bytes, now {f['bytes']}"
+        if o["header_sha256"] != f["header_sha256"]:
+            return f"the header of {f['file']} differs"
+        if o["mtime_ns"] != f["mtime_ns"]:
+            return f"{f['file']} was modified (its mtime differs)"
+    if old:
+        return f"{sorted(old)[0]} is gone"
+    return None
+
+
+def _check_done(plan: Plan, units: list[Unit], done: dict[int, str]) -> None:
+    """Re-hash the input of every finished unit: refuse when a byte changed (even with size and mtime kept)."""
+    ck = open_checkpoint(plan.source)
+    for u in units:
+        want = done.get(u.id)
+        if want is None:
+            continue
+        t = plan.tensors[u.tensor]
+        if source_digest(ck, t, u.r0, u.r1) != want:
+            src = t.segments[0].source if t.segments else t.name
+            raise InputError(f"the input changed since the interrupted run: the bytes {t.name} rows {u.r0}..{u.r1} "
+                             f"were converted from differ now", path=plan.source, where=f"tensor {src}",
+                             fix="restore the input it was started from, or start over with --force")
 
 
 def _prepare_files(plan: Plan, partial: Path, fresh: bool) -> None:
@@ -176,10 +220,11 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
     if partial.exists() and _finished(partial, fingerprint):  # killed between the manifest and the rename
         return RunResult(out, _publish(partial, out, force, _read_manifest(partial)), 0, 0, time.monotonic() - t0, 0)
     if partial.exists():
-        units, done = state.load(fingerprint, partial)
+        units, done = state.load(plan, fingerprint, partial)
         _prepare_files(plan, partial, fresh=False)
+        _check_done(plan, units, done)
     else:
-        units, done = make_units(plan, max_memory, jobs), set()
+        units, done = make_units(plan, max_memory, jobs), {}
         partial.mkdir(parents=True)
         state.create(plan, units, fingerprint)
         _prepare_files(plan, partial, fresh=True)
@@ -210,13 +255,13 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
         return Task(u.id, plan.source, paths[t.file], t, u.r0, u.r1)
 
     by_id = {u.id: u for u in todo}
-    pending_journal: list[int] = []
+    pending_journal: list[tuple[int, str]] = []
     last_sync = time.monotonic()
 
-    def finished(uid: int, force_sync: bool = False):
+    def finished(result: tuple[int, str], force_sync: bool = False):
         nonlocal done_bytes, last_sync
-        pending_journal.append(uid)
-        done_bytes += by_id[uid].in_bytes
+        pending_journal.append(result)
+        done_bytes += by_id[result[0]].in_bytes
         now = time.monotonic()
         if force_sync or now - last_sync >= SYNC_EVERY_S:
             _sync(paths)
