@@ -373,7 +373,7 @@ def build_manifest(plan: Plan, files: dict, fingerprint: str) -> dict:
         "recipe": plan.recipe.to_dict(),
         "plan": {"fingerprint": fingerprint, "tensors": s["tensors"], "input_bytes": s["input_bytes"],
                  "output_bytes": s["output_bytes"], "types": s["types"], "tokenizer": plan.tokenizer,
-                 "notes": plan.notes},
+                 "notes": plan.notes, "fallbacks": plan.fallbacks()},
         "files": files,
         "tensors": [{"name": t.name, "type": t.type, "shape": list(t.shape), "file": plan.files[t.file].name,
                      "offset": t.offset, "bytes": t.nbytes, **({"rule": t.rule} if t.rule is not None else {}),

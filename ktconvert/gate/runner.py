@@ -107,7 +107,8 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
     model_dir = _tiny_model_dir(first.family, workdir)
     try:
         out = Path(workdir) / "converted" / f"{first.family}-{first.conversion.replace(':', '-').replace('/', '_')}"
-        result = convert(model_dir, out, first.recipe, type=first.type, force=True)
+        # the suite's tolerances were measured with llama.cpp's fallbacks (DeepSeek's MLA rows of 64 and 128)
+        result = convert(model_dir, out, first.recipe, type=first.type, force=True, allow_fallback=True)
         weights = _weights_path(result.out)
     except Exception as exc:  # the whole group cannot run: every case in it reports why
         message = _one_line(exc)
