@@ -65,7 +65,13 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
     The working set of a converted row is its float32 copy twice (decode and assembly) plus its input and output
     bytes; a copied row is its bytes once, plus two float32 copies when it is a float checked for NaN/Inf. The budget is halved once more for numpy's transient copies.
     """
-    budget = max(1, min(UNIT_CAP, max_memory // max(1, jobs) // 2))
+    jobs = max(1, jobs)
+    need = max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2 * jobs
+    if max_memory < need:
+        least = f"{-(-need // 1024)}KiB"
+        raise UsageProblem(f"--max-memory {format_size(max_memory)} is below the minimum {least}: one row of the "
+                           f"widest tensor with {jobs} job(s) needs that much", fix=f"pass --max-memory {least} or more")
+    budget = max(1, min(UNIT_CAP, max_memory // jobs // 2))
     units = []
     for ti, t in enumerate(plan.tensors):
         rows = t.rows if t.shape else 1
@@ -77,17 +83,25 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
         if t.kt_pack is not None:  # kt-amx: one expert projection, all parts, is one unit
             units.append(Unit(len(units), ti, 0, 1, plan.segment_bytes(t)))
             continue
-        in_total = plan.segment_bytes(t)
-        in_row = in_total // rows if rows else 0
-        row_len = t.shape[-1] if t.shape else 1
-        per_row = (in_row + t.row_bytes) if t.copy_bytes else (8 * row_len + in_row + t.row_bytes)
-        if t.copy_bytes and t.src_dtype in FLOAT_DTYPES:  # copied floats are decoded once for the NaN/Inf check
-            per_row += 8 * row_len
-        step = max(1, budget // max(1, per_row))
+        in_row = plan.segment_bytes(t) // rows if rows else 0
+        step = max(1, budget // max(1, _row_working_set(plan, t)))
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             units.append(Unit(len(units), ti, r0, r1, in_row * (r1 - r0)))
     return units
+
+
+def _row_working_set(plan: Plan, t: PlanTensor) -> int:
+    """Bytes one row of ``t`` needs while it is converted (see :func:`make_units`); 0 for what is not split."""
+    if t.const is not None or t.written_by is not None or t.kt_pack is not None:
+        return 0
+    rows = t.rows if t.shape else 1
+    in_row = plan.segment_bytes(t) // rows if rows else 0
+    row_len = t.shape[-1] if t.shape else 1
+    per_row = (in_row + t.row_bytes) if t.copy_bytes else (8 * row_len + in_row + t.row_bytes)
+    if t.copy_bytes and t.src_dtype in FLOAT_DTYPES:  # copied floats are decoded once for the NaN/Inf check
+        per_row += 8 * row_len
+    return per_row
 
 
 def check_paths(src: Path, files: list[Path], out: Path, force: bool) -> None:
