@@ -18,6 +18,7 @@ import os
 import shutil
 import time
 from collections import deque
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -28,7 +29,8 @@ from ktconvert.convert.sizes import format_size
 from ktconvert.convert.worker import Task, close_all, run_task, source_digest, worker_init
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
-from ktconvert.io.atomic import fsync_dir, guard_output, partial_dir, replace_dir, sha256_file, write_durable
+from ktconvert.io.atomic import (WRITE_ERRNOS, fsync_dir, guard_output, partial_dir, replace_dir, sha256_file, write_durable,
+                                 write_failure)
 from ktconvert.io.dtypes import FLOAT_DTYPES
 
 STATE_DIR = ".ktconvert"
@@ -233,32 +235,61 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
         shutil.rmtree(partial)
     if partial.exists() and _finished(partial, fingerprint):  # killed between the manifest and the rename
         return RunResult(out, _publish(partial, out, force, _read_manifest(partial)), 0, 0, time.monotonic() - t0, 0)
-    if partial.exists():
-        units, done = state.load(plan, fingerprint, partial)
-        _prepare_files(plan, partial, fresh=False)
-        _check_done(plan, units, done)
-    else:
-        units, done = make_units(plan, max_memory, jobs), {}
-        partial.mkdir(parents=True)
-        state.create(plan, units, fingerprint)
-        _prepare_files(plan, partial, fresh=True)
-        fsync_dir(partial.parent)
-    resumed = len(done)
-    todo = [u for u in units if u.id not in done]
-    total = sum(u.in_bytes for u in units)
-    done_bytes = total - sum(u.in_bytes for u in todo)
-    if progress:
-        progress(done_bytes, total)
     try:
-        _run_units(plan, partial, todo, jobs, state, progress, done_bytes, total)
-    except InputError:
+        if partial.exists():
+            units, done = state.load(plan, fingerprint, partial)
+            _prepare_files(plan, partial, fresh=False)
+            _check_done(plan, units, done)
+        else:
+            units, done = make_units(plan, max_memory, jobs), {}
+            _check_space(plan, out)
+            partial.mkdir(parents=True)
+            state.create(plan, units, fingerprint)
+            _prepare_files(plan, partial, fresh=True)
+            fsync_dir(partial.parent)
+        resumed = len(done)
+        todo = [u for u in units if u.id not in done]
+        total = sum(u.in_bytes for u in units)
+        done_bytes = total - sum(u.in_bytes for u in todo)
+        if progress:
+            progress(done_bytes, total)
+        try:
+            _run_units(plan, partial, todo, jobs, state, progress, done_bytes, total)
+        except InputError:
+            close_all()
+            shutil.rmtree(partial, ignore_errors=True)  # bad input: nothing to resume
+            raise
+        finally:
+            close_all()
+        manifest = _finish(plan, partial, out, force, fingerprint)
+    except (OSError, BrokenProcessPool) as exc:  # the environment failed: one line naming OUT, no partial output
         close_all()
-        shutil.rmtree(partial, ignore_errors=True)  # bad input: nothing to resume
-        raise
-    finally:
-        close_all()
-    manifest = _finish(plan, partial, out, force, fingerprint)
+        if isinstance(exc, OSError) and exc.errno not in WRITE_ERRNOS:
+            raise
+        if not resume:  # kept only when --resume was asked, to continue from
+            shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(exc, BrokenProcessPool):
+            raise EnvironmentProblem(
+                "a worker process died (killed, or out of memory); the run stopped", path=str(out),
+                fix=("rerun with --resume" if resume else "rerun") + ", with fewer --jobs or a smaller --max-memory "
+                "if memory ran out") from None
+        raise write_failure(exc, out, resumable=resume) from None
     return RunResult(out, manifest, len(todo), resumed, time.monotonic() - t0, sum(u.in_bytes for u in todo))
+
+
+def _check_space(plan: Plan, out: Path) -> None:
+    """Refuse before writing when the disk holding OUT has less free space than the output needs."""
+    where = out.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return
+    if free < plan.out_bytes:
+        raise EnvironmentProblem(f"the output needs {format_size(plan.out_bytes)}, the disk holding it has "
+                                 f"{format_size(free)} free", path=str(out),
+                                 fix="free space on that disk, or choose an OUT on another disk")
 
 
 def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _State, progress, done_bytes, total):

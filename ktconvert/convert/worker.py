@@ -17,7 +17,7 @@ import numpy as np
 
 from ktconvert.convert.plan import PlanTensor
 from ktconvert.convert.source import Segment
-from ktconvert.errors import EnvironmentProblem, InputError
+from ktconvert.errors import InputError
 from ktconvert.formats import fp8, kt_amx, open_checkpoint
 from ktconvert.io.dtypes import FLOAT_DTYPES, decode_float32, raw_view
 from ktconvert.quant import dequantize, quantize
@@ -188,14 +188,10 @@ def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
 
 def _pwrite(path: str, data: np.ndarray, offset: int) -> None:
     view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-    fd = _fd(path)
-    try:
-        while len(view):
-            n = os.pwrite(fd, view[: 1 << 30], offset)
-            view, offset = view[n:], offset + n
-    except OSError as exc:
-        raise EnvironmentProblem(f"cannot write: {exc.strerror}", path=path,
-                                 fix="free disk space (or fix permissions), then rerun with --resume") from None
+    fd = _fd(path)  # an OSError (disk full, read-only) goes up as is: the executor names OUT and the fix
+    while len(view):
+        n = os.pwrite(fd, view[: 1 << 30], offset)
+        view, offset = view[n:], offset + n
 
 
 def _overlaps(t: PlanTensor, r0: int, r1: int):
