@@ -12,6 +12,7 @@ import pytest
 from convert_helpers import FAMILIES, expected_gguf, field_bytes, hf_tensors, read_gguf, tiny
 from ktconvert.convert import convert
 from ktconvert.convert.recipe import F32_MATCH
+from ktconvert.errors import InputError
 
 F32_RE = __import__("re").compile(F32_MATCH)
 
@@ -63,8 +64,13 @@ def test_hf_to_quantized_equals_quantizing_hf_tensors(root, family, qtype):
     from ktconvert.quant import quantize
 
     src = tiny(root, family)
-    res = convert(src, root / f"{family}-{qtype}", type=qtype)
+    if family.startswith("deepseek") and qtype != "Q8_0":  # asked for one type, rows that cannot hold it: refused
+        with pytest.raises(InputError, match="its fallback .* is not allowed"):
+            convert(src, root / f"{family}-{qtype}-strict", type=qtype)
+    res = convert(src, root / f"{family}-{qtype}", type=qtype, allow_fallback=True)
     got, _ = read_gguf(res.out / "model.gguf")
+    assert [f["tensor"] for f in res.manifest["plan"]["fallbacks"]] == \
+        [t for t, (ty, _) in got.items() if ty.name not in (qtype, "F32")]
     want = expected_gguf(src, family)
     assert set(got) == set(want)
     fallbacks = 0

@@ -70,8 +70,9 @@ def test_reader_sees_kernel_order_experts(outputs):
 
     _, _, st = outputs
     ck = open_checkpoint(st)
-    info = ck["blk.1.ffn_down_exps.weight"]
-    assert info.dtype == "U8" and info.shape == (8, 256, 256 // 256 * 144)
+    info = ck["blk.1.ffn_down_exps.weight"]  # U8 bytes on disk, described by the type its .ggml_type names
+    assert info.dtype == "Q4_K" and info.shape == (8, 256, 256) and info.nbytes == 8 * 256 * 144
+    assert ck.llama_names and ck.read("blk.1.ffn_down_exps.weight").shape == (8, 256, 144)
     report = detect_layout(ck)
     assert report.arch == "deepseek2"
 

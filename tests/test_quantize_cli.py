@@ -153,3 +153,34 @@ def test_config_option_for_a_bare_checkpoint(root, tmp_path):
     assert all(a[n][1].tobytes() == b[n][1].tobytes() for n in b) and set(a) == set(b)
     assert ra.fields["tokenizer.ggml.model"].contents() == "none"  # no tokenizer.json beside it
     assert ra.fields["qwen3moe.vocab_size"].contents() == 512
+
+
+def test_type_fallback_is_an_error_unless_allowed_then_reported(root, tmp_path):
+    """Issue 15: --type Q4_K on rows it cannot hold (DeepSeek's MLA rows of 64/128) silently wrote Q5_0. Now it is
+    refused before anything is written; with --allow-fallback each fallback is on stderr and in the manifest."""
+    src = tiny(root, "deepseek_v3")
+    res = _invoke("quantize", src, tmp_path / "out", "--type", "Q4_K")
+    assert res.exit_code == 3 and res.stdout == ""
+    line = res.stderr.strip()
+    assert "\n" not in line and "--type Q4_K" in line and "its fallback Q5_0 is not allowed" in line
+    assert "--allow-fallback" in line and "(and " in line  # the other tensors are counted, not listed
+    assert list(tmp_path.iterdir()) == []
+    res = _invoke("-q", "quantize", src, tmp_path / "out", "--type", "Q4_K", "--allow-fallback")
+    assert res.exit_code == 0 and res.stdout == "" and res.stderr == ""  # -q: nothing
+    res = _invoke("quantize", src, tmp_path / "out2", "--type", "Q4_K", "--allow-fallback")
+    assert res.exit_code == 0, res.output
+    warned = [ln for ln in res.stderr.splitlines() if "fallback:" in ln]
+    manifest = json.loads((tmp_path / "out2" / "manifest.json").read_text())
+    fbs = manifest["plan"]["fallbacks"]
+    assert fbs and len(warned) == len(fbs) and manifest["recipe"]["allow_fallback"] is True
+    assert {"tensor": "blk.0.attn_q_b.weight", "asked": "Q4_K", "written": "Q5_0", "row": 128} in fbs
+    assert any("blk.0.attn_q_b.weight written as Q5_0, not Q4_K (rows of 128)" in ln for ln in warned)
+
+
+def test_recipe_can_forbid_its_fallbacks(root, tmp_path):
+    src = tiny(root, "deepseek_v3")
+    recipe = tmp_path / "strict.yaml"
+    recipe.write_text("kind: convert-recipe\nname: strict\nallow_fallback: false\nrules:\n"
+                      "  - {match: '.', type: Q4_K, fallback: [Q5_0, F16]}\n")
+    res = _invoke("quantize", src, tmp_path / "out", "--recipe", recipe)
+    assert res.exit_code == 3 and "allow_fallback: true" in res.stderr and f"{recipe}:5" in res.stderr

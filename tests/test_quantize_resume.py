@@ -67,7 +67,7 @@ def test_kill_9_then_resume_is_byte_identical(reference, tmp_path, jobs):
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:
             assert not out.exists(), "the final name appeared before the run finished"
-            if journal.exists() and len(journal.read_text().split()) >= 30:
+            if journal.exists() and len(journal.read_text().splitlines()) >= 30:
                 break
             assert proc.poll() is None, "the run finished before it could be interrupted"
             time.sleep(0.01)
@@ -86,7 +86,7 @@ def test_kill_9_then_resume_is_byte_identical(reference, tmp_path, jobs):
         time.sleep(0.05)
     assert not any(_alive(w) for w in workers)
     assert not out.exists()
-    done_before = len(journal.read_text().split())
+    done_before = len(journal.read_text().splitlines())
     assert done_before >= 30
 
     res = subprocess.run(_cmd(src, out, "--jobs", jobs, "--resume", "-o", "json"), capture_output=True, text=True)
@@ -193,3 +193,44 @@ def test_killed_between_manifest_and_rename(reference, tmp_path):
     assert not (tmp_path / "out").exists() and (tmp_path / ".out.ktconvert-partial" / "manifest.json").is_file()
     result = convert(src, tmp_path / "out", type="Q4_K", resume=True)
     assert result.units == 0 and tree_bytes(tmp_path / "out") == tree_bytes(ref)
+
+
+def _flip_byte_keep_mtime(path, offset):
+    st = os.stat(path)
+    with open(path, "r+b") as fh:
+        fh.seek(offset)
+        b = fh.read(1)
+        fh.seek(offset)
+        fh.write(bytes([b[0] ^ 0x01]))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def test_resume_refuses_a_source_byte_changed_with_mtime_kept(tmp_path):
+    """Issue 15: a byte of what was already converted changes, size and mtime kept: --resume refuses, naming the
+    tensor, instead of finishing an output made half from the old bytes and half from the new."""
+    from ktconvert.formats import open_checkpoint
+
+    src = tiny(tmp_path, "qwen3_moe")
+    _interrupted(src, tmp_path)
+    journal = (tmp_path / ".out.ktconvert-partial" / ".ktconvert" / "journal").read_text().split("\n")
+    assert all(len(line.split()) == 2 for line in journal if line)  # unit id and its input digest
+    st_file = src / "model.safetensors"
+    ck = open_checkpoint(str(src))
+    for name in ck:  # one byte in the first rows of every tensor: the finished units read some of them
+        _flip_byte_keep_mtime(st_file, ck[name].offset + 2)
+    res = CliRunner().invoke(cli, ["quantize", str(src), str(tmp_path / "out"), "--type", "Q4_K",
+                                   "--max-memory", "4MiB", "--resume"])
+    assert res.exit_code == 3, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and "input changed since the interrupted run" in line and "--force" in line
+    assert not (tmp_path / "out").exists() and (tmp_path / ".out.ktconvert-partial").is_dir()
+
+
+def test_resume_refuses_a_source_of_another_size(tmp_path):
+    src = tiny(tmp_path, "qwen3_moe")
+    _interrupted(src, tmp_path)
+    with open(src / "model.safetensors", "ab") as fh:
+        fh.write(b"\0" * 8)
+    res = CliRunner().invoke(cli, ["quantize", str(src), str(tmp_path / "out"), "--type", "Q4_K",
+                                   "--max-memory", "4MiB", "--resume"])
+    assert res.exit_code == 3 and "model.safetensors was" in res.stderr and "bytes, now" in res.stderr

@@ -137,7 +137,7 @@ class Workspace:
 
         out = self.root / f"{family}-quantize-{spec}-{fmt}"
         if not (out / "manifest.json").is_file():
-            kw = {"recipe": spec} if spec in presets() else {"type": spec}
+            kw = {"recipe": spec} if spec in presets() else {"type": spec, "allow_fallback": True}
             convert(self.model(family), out, format=fmt, **kw)
         return out / "model.gguf" if fmt == "gguf" else out
 

@@ -66,6 +66,10 @@ def _bar(enabled: bool):
 @click.option("--max-memory", metavar="SIZE", default="2GiB", show_default=True,
               help="Working-set budget for all jobs together (1GiB, 512MiB, ...).")
 @click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Worker processes.")
+@click.option("--allow-fallback", is_flag=True, default=None,
+              help="Where a tensor's rows cannot hold the type (K-quants need multiples of 256), write llama.cpp's "
+              "fallback type instead of refusing; each one is printed on stderr and recorded in manifest.json. "
+              "A recipe file allows its rules' fallbacks unless it says allow_fallback: false.")
 @click.option("--dry-run", is_flag=True, help="Validate and print the plan; read no tensor data, write nothing.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted conversion to OUT (or start one).")
 @click.option("--force", is_flag=True, help="Replace an existing OUT; discard an interrupted run.")
@@ -78,8 +82,8 @@ def _bar(enabled: bool):
 @click.option("--list-recipes", is_flag=True, expose_value=False, is_eager=True, callback=_list_recipes,
               help="List the preset recipes and exit.")
 @click.pass_context
-def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_size, max_memory, jobs, dry_run,
-            resume, force, no_tokenizer, allow_requantize, fmt):
+def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_size, max_memory, jobs, allow_fallback,
+            dry_run, resume, force, no_tokenizer, allow_requantize, fmt):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
     SRC: a .safetensors file, a shard directory or its index, a .gguf file or split GGUF set. OUT receives
@@ -95,7 +99,7 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
     if dry_run:
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                                tokenizer=not no_tokenizer, threadpool_count=threadpool_count,
-                               allow_requantize=allow_requantize)
+                               allow_requantize=allow_requantize, allow_fallback=allow_fallback)
         if fmt == "llama":
             from ktconvert.convert import plan_llama_text
 
@@ -107,7 +111,8 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
     try:
         result = convert(src, out, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
-                         progress=update, threadpool_count=threadpool_count, allow_requantize=allow_requantize)
+                         progress=update, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
+                         allow_fallback=allow_fallback)
     except KeyboardInterrupt:
 
 
@@ -116,6 +121,10 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
         ctx.exit(130)
     finally:
         close()
+    if obj.get("verbosity", 1) > 0:
+        for fb in result.manifest["plan"].get("fallbacks", []):
+            click.echo(f"ktconvert: fallback: {fb['tensor']} written as {fb['written']}, not {fb['asked']} "
+                       f"(rows of {fb['row']}); recorded in manifest.json", err=True)
     if fmt == "json":
         m = result.manifest
         click.echo(json.dumps({"out": str(result.out), "files": m["files"], "plan": m["plan"],

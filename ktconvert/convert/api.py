@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 from ktconvert.convert.execute import Progress, RunResult, check_paths, execute
@@ -17,8 +18,17 @@ from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
 DEFAULT_MAX_MEMORY = "2GiB"
 
 
-def resolve_recipe(recipe: Recipe | str | Path | None = None, type: str | None = None) -> Recipe:
-    """A :class:`Recipe` from a recipe object, a file, a preset name, or ``type`` (``--type`` shorthand)."""
+def resolve_recipe(recipe: Recipe | str | Path | None = None, type: str | None = None,
+                   allow_fallback: bool | None = None) -> Recipe:
+    """A :class:`Recipe` from a recipe object, a file, a preset name, or ``type`` (``--type`` shorthand).
+    ``allow_fallback`` overrides the recipe's own setting (``--type``: no fallback unless asked)."""
+    r = _resolve(recipe, type, bool(allow_fallback))
+    if allow_fallback is not None and r.allow_fallback != allow_fallback:
+        r = dataclasses.replace(r, allow_fallback=allow_fallback)
+    return r
+
+
+def _resolve(recipe, type, allow_fallback: bool) -> Recipe:
     if recipe is not None and type is not None:
         raise UsageProblem("give a recipe or a type, not both", fix="--type T is shorthand for a one-type recipe")
     if isinstance(recipe, Recipe):
@@ -28,7 +38,7 @@ def resolve_recipe(recipe: Recipe | str | Path | None = None, type: str | None =
     if type is not None:
         if str(type).upper() in ("AMXINT8", "AMXINT4"):
             raise UsageProblem(f"--type {type} is a kt-kernel method, not a ggml type", fix="add --to kt-amx")
-        return recipe_for_type(type)
+        return recipe_for_type(type, allow_fallback)
     raise UsageProblem("no recipe and no type given",
                        fix="pass --type (e.g. --type Q8_0 or --type keep) or --recipe (a file or a preset such as Q4_K_M)")
 
@@ -36,7 +46,7 @@ def resolve_recipe(recipe: Recipe | str | Path | None = None, type: str | None =
 def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
                     format: str | None = None, config: str | Path | dict | None = None,
                     shard_size: int | str | None = None, tokenizer: bool = True, threadpool_count: int | None = None,
-                    allow_requantize: bool = False) -> Plan:
+                    allow_requantize: bool = False, allow_fallback: bool | None = None) -> Plan:
     """Validate everything that can be validated without reading tensor data and return the plan.
 
     ``format="kt-amx"`` with ``type="AMXINT8"``/``"AMXINT4"`` plans kt-kernel's expert directory for
@@ -53,7 +63,7 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
     if threadpool_count is not None:
         raise UsageProblem("--threadpool-count only applies to --to kt-amx",
                            fix="drop it, or add --to kt-amx --type AMXINT8|AMXINT4")
-    r = resolve_recipe(recipe, type)
+    r = resolve_recipe(recipe, type, allow_fallback)
     shard = None if shard_size is None else parse_size(shard_size, what="--shard-size")
     if (format or r.format) == "hf":  # the input's own names and layout, FP8 dequantized (convert/hf_out.py)
         return build_hf_plan(src, r, type, config=config, shard_size=shard)
@@ -67,7 +77,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
             shard_size: int | str | None = None, tokenizer: bool = True,
             max_memory: int | str = DEFAULT_MAX_MEMORY, jobs: int = 1, resume: bool = False, force: bool = False,
             progress: Progress | None = None, threadpool_count: int | None = None,
-            allow_requantize: bool = False) -> RunResult:
+            allow_requantize: bool = False, allow_fallback: bool | None = None) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
 
     Example (a test converting a tiny model)::
@@ -80,7 +90,8 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
         raise UsageProblem(f"--jobs {jobs} must be at least 1")
     budget = parse_size(max_memory, what="--max-memory")
     plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
-                           tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize)
+                           tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
+                           allow_fallback=allow_fallback)
     check_paths(Path(src), [Path(f) for f in plan.input_files], Path(out), force)
     return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress)
 

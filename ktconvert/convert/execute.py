@@ -5,8 +5,9 @@ when every byte is written, checked and recorded in ``manifest.json``; nothing w
 partial. Every output file is laid out in full before any data (headers written, size set), so units of work
 (runs of rows of one tensor, sized from ``max_memory``) can be written at their offsets in any order, by any
 process. A journal in the partial directory records finished units, only after their bytes have been
-flushed to disk; ``resume`` re-checks the plan's fingerprint against the interrupted run's and does only the
-units the journal does not list.
+flushed to disk, with a hash of the input bytes each one read; ``resume`` re-checks the plan's fingerprint
+against the interrupted run's, re-hashes the input of every finished unit (a byte changed under a kept mtime
+would otherwise end up half old, half new) and does only the units the journal does not list.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import os
 import shutil
 import time
 from collections import deque
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -24,9 +26,11 @@ from typing import Callable
 from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.sizes import format_size
-from ktconvert.convert.worker import Task, close_all, run_task, worker_init
+from ktconvert.convert.worker import Task, close_all, run_task, source_digest, worker_init
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
-from ktconvert.io.atomic import fsync_dir, guard_output, partial_dir, replace_dir, sha256_file, write_durable
+from ktconvert.formats import open_checkpoint
+from ktconvert.io.atomic import (WRITE_ERRNOS, fsync_dir, guard_output, partial_dir, replace_dir, sha256_file, write_durable,
+                                 write_failure)
 from ktconvert.io.dtypes import FLOAT_DTYPES
 
 STATE_DIR = ".ktconvert"
@@ -63,7 +67,13 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
     The working set of a converted row is its float32 copy twice (decode and assembly) plus its input and output
     bytes; a copied row is its bytes once, plus two float32 copies when it is a float checked for NaN/Inf. The budget is halved once more for numpy's transient copies.
     """
-    budget = max(1, min(UNIT_CAP, max_memory // max(1, jobs) // 2))
+    jobs = max(1, jobs)
+    need = max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2 * jobs
+    if max_memory < need:
+        least = f"{-(-need // 1024)}KiB"
+        raise UsageProblem(f"--max-memory {format_size(max_memory)} is below the minimum {least}: one row of the "
+                           f"widest tensor with {jobs} job(s) needs that much", fix=f"pass --max-memory {least} or more")
+    budget = max(1, min(UNIT_CAP, max_memory // jobs // 2))
     units = []
     for ti, t in enumerate(plan.tensors):
         rows = t.rows if t.shape else 1
@@ -75,17 +85,25 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
         if t.kt_pack is not None:  # kt-amx: one expert projection, all parts, is one unit
             units.append(Unit(len(units), ti, 0, 1, plan.segment_bytes(t)))
             continue
-        in_total = plan.segment_bytes(t)
-        in_row = in_total // rows if rows else 0
-        row_len = t.shape[-1] if t.shape else 1
-        per_row = (in_row + t.row_bytes) if t.copy_bytes else (8 * row_len + in_row + t.row_bytes)
-        if t.copy_bytes and t.src_dtype in FLOAT_DTYPES:  # copied floats are decoded once for the NaN/Inf check
-            per_row += 8 * row_len
-        step = max(1, budget // max(1, per_row))
+        in_row = plan.segment_bytes(t) // rows if rows else 0
+        step = max(1, budget // max(1, _row_working_set(plan, t)))
         for r0 in range(0, rows, step):
             r1 = min(rows, r0 + step)
             units.append(Unit(len(units), ti, r0, r1, in_row * (r1 - r0)))
     return units
+
+
+def _row_working_set(plan: Plan, t: PlanTensor) -> int:
+    """Bytes one row of ``t`` needs while it is converted (see :func:`make_units`); 0 for what is not split."""
+    if t.const is not None or t.written_by is not None or t.kt_pack is not None:
+        return 0
+    rows = t.rows if t.shape else 1
+    in_row = plan.segment_bytes(t) // rows if rows else 0
+    row_len = t.shape[-1] if t.shape else 1
+    per_row = (in_row + t.row_bytes) if t.copy_bytes else (8 * row_len + in_row + t.row_bytes)
+    if t.copy_bytes and t.src_dtype in FLOAT_DTYPES:  # copied floats are decoded once for the NaN/Inf check
+        per_row += 8 * row_len
+    return per_row
 
 
 def check_paths(src: Path, files: list[Path], out: Path, force: bool) -> None:
@@ -108,31 +126,73 @@ class _State:
 
     def create(self, plan: Plan, units: list[Unit], fingerprint: str) -> None:
         self.dir.mkdir(parents=True)
-        data = {"version": __version__, "fingerprint": fingerprint, "source": plan.source,
+        data = {"version": __version__, "fingerprint": fingerprint, "source": plan.source, "sources": plan.sources,
                 "units": [[u.tensor, u.r0, u.r1, u.in_bytes] for u in units]}
         write_durable(self.state, json.dumps(data).encode())
         write_durable(self.journal, b"")
 
-    def load(self, fingerprint: str, where: Path) -> tuple[list[Unit], set[int]]:
+    def load(self, plan: Plan, fingerprint: str, where: Path) -> tuple[list[Unit], dict[int, str]]:
+        """The units and the finished ones (id -> input digest), or :class:`InputError` saying why the
+        interrupted run cannot be continued with this plan."""
         try:
             data = json.loads(self.state.read_text())
             units = [Unit(i, *u) for i, u in enumerate(data["units"])]
-            done = {int(x) for x in self.journal.read_text().split()}
+            done = {}
+            for line in self.journal.read_text().splitlines():
+                uid, digest = line.split()
+                done[int(uid)] = digest
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise InputError(f"the interrupted run's state is unreadable ({exc})", path=str(where),
                              fix="start over with --force") from None
+        changed = _source_change(data.get("sources") or [], plan.sources)
+        if changed:
+            raise InputError(f"the input changed since the interrupted run: {changed}", path=plan.source,
+                             fix="restore the input it was started from, or start over with --force")
         if data.get("fingerprint") != fingerprint:
             raise InputError("the interrupted run was planned differently (other input, recipe, format or version)",
                              path=str(where), fix="rerun it with the same options, or start over with --force")
         return units, done
 
-    def record(self, ids: list[int]) -> None:
+    def record(self, ids: list[tuple[int, str]]) -> None:
         if not ids:
             return
         with open(self.journal, "a") as fh:
-            fh.write("".join(f"{i}\n" for i in ids))
+            fh.write("".join(f"{i} {d}\n" for i, d in ids))
             fh.flush()
             os.fsync(fh.fileno())
+
+
+def _source_change(before: list[dict], now: list[dict]) -> str | None:
+    """Why the input files recorded by the interrupted run are not the ones there now, or ``None``."""
+    old = {f["file"]: f for f in before}
+    for f in now:
+        o = old.pop(f["file"], None)
+        if o is None:
+            return f"{f['file']} was not part of it"
+        if o["bytes"] != f["bytes"]:
+            return f"{f['file']} was {o['bytes']} bytes, now {f['bytes']}"
+        if o["header_sha256"] != f["header_sha256"]:
+            return f"the header of {f['file']} differs"
+        if o["mtime_ns"] != f["mtime_ns"]:
+            return f"{f['file']} was modified (its mtime differs)"
+    if old:
+        return f"{sorted(old)[0]} is gone"
+    return None
+
+
+def _check_done(plan: Plan, units: list[Unit], done: dict[int, str]) -> None:
+    """Re-hash the input of every finished unit: refuse when a byte changed (even with size and mtime kept)."""
+    ck = open_checkpoint(plan.source)
+    for u in units:
+        want = done.get(u.id)
+        if want is None:
+            continue
+        t = plan.tensors[u.tensor]
+        if source_digest(ck, t, u.r0, u.r1) != want:
+            src = t.segments[0].source if t.segments else t.name
+            raise InputError(f"the input changed since the interrupted run: the bytes {t.name} rows {u.r0}..{u.r1} "
+                             f"were converted from differ now", path=plan.source, where=f"tensor {src}",
+                             fix="restore the input it was started from, or start over with --force")
 
 
 def _prepare_files(plan: Plan, partial: Path, fresh: bool) -> None:
@@ -175,31 +235,61 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
         shutil.rmtree(partial)
     if partial.exists() and _finished(partial, fingerprint):  # killed between the manifest and the rename
         return RunResult(out, _publish(partial, out, force, _read_manifest(partial)), 0, 0, time.monotonic() - t0, 0)
-    if partial.exists():
-        units, done = state.load(fingerprint, partial)
-        _prepare_files(plan, partial, fresh=False)
-    else:
-        units, done = make_units(plan, max_memory, jobs), set()
-        partial.mkdir(parents=True)
-        state.create(plan, units, fingerprint)
-        _prepare_files(plan, partial, fresh=True)
-        fsync_dir(partial.parent)
-    resumed = len(done)
-    todo = [u for u in units if u.id not in done]
-    total = sum(u.in_bytes for u in units)
-    done_bytes = total - sum(u.in_bytes for u in todo)
-    if progress:
-        progress(done_bytes, total)
     try:
-        _run_units(plan, partial, todo, jobs, state, progress, done_bytes, total)
-    except InputError:
+        if partial.exists():
+            units, done = state.load(plan, fingerprint, partial)
+            _prepare_files(plan, partial, fresh=False)
+            _check_done(plan, units, done)
+        else:
+            units, done = make_units(plan, max_memory, jobs), {}
+            _check_space(plan, out)
+            partial.mkdir(parents=True)
+            state.create(plan, units, fingerprint)
+            _prepare_files(plan, partial, fresh=True)
+            fsync_dir(partial.parent)
+        resumed = len(done)
+        todo = [u for u in units if u.id not in done]
+        total = sum(u.in_bytes for u in units)
+        done_bytes = total - sum(u.in_bytes for u in todo)
+        if progress:
+            progress(done_bytes, total)
+        try:
+            _run_units(plan, partial, todo, jobs, state, progress, done_bytes, total)
+        except InputError:
+            close_all()
+            shutil.rmtree(partial, ignore_errors=True)  # bad input: nothing to resume
+            raise
+        finally:
+            close_all()
+        manifest = _finish(plan, partial, out, force, fingerprint)
+    except (OSError, BrokenProcessPool) as exc:  # the environment failed: one line naming OUT, no partial output
         close_all()
-        shutil.rmtree(partial, ignore_errors=True)  # bad input: nothing to resume
-        raise
-    finally:
-        close_all()
-    manifest = _finish(plan, partial, out, force, fingerprint)
+        if isinstance(exc, OSError) and exc.errno not in WRITE_ERRNOS:
+            raise
+        if not resume:  # kept only when --resume was asked, to continue from
+            shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(exc, BrokenProcessPool):
+            raise EnvironmentProblem(
+                "a worker process died (killed, or out of memory); the run stopped", path=str(out),
+                fix=("rerun with --resume" if resume else "rerun") + ", with fewer --jobs or a smaller --max-memory "
+                "if memory ran out") from None
+        raise write_failure(exc, out, resumable=resume) from None
     return RunResult(out, manifest, len(todo), resumed, time.monotonic() - t0, sum(u.in_bytes for u in todo))
+
+
+def _check_space(plan: Plan, out: Path) -> None:
+    """Refuse before writing when the disk holding OUT has less free space than the output needs."""
+    where = out.parent
+    while not where.exists() and where != where.parent:
+        where = where.parent
+    try:
+        free = shutil.disk_usage(where).free
+    except OSError:
+        return
+    if free < plan.out_bytes:
+        raise EnvironmentProblem(f"the output needs {format_size(plan.out_bytes)}, the disk holding it has "
+                                 f"{format_size(free)} free", path=str(out),
+                                 fix="free space on that disk, or choose an OUT on another disk")
 
 
 def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _State, progress, done_bytes, total):
@@ -210,13 +300,13 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
         return Task(u.id, plan.source, paths[t.file], t, u.r0, u.r1)
 
     by_id = {u.id: u for u in todo}
-    pending_journal: list[int] = []
+    pending_journal: list[tuple[int, str]] = []
     last_sync = time.monotonic()
 
-    def finished(uid: int, force_sync: bool = False):
+    def finished(result: tuple[int, str], force_sync: bool = False):
         nonlocal done_bytes, last_sync
-        pending_journal.append(uid)
-        done_bytes += by_id[uid].in_bytes
+        pending_journal.append(result)
+        done_bytes += by_id[result[0]].in_bytes
         now = time.monotonic()
         if force_sync or now - last_sync >= SYNC_EVERY_S:
             _sync(paths)
@@ -328,7 +418,7 @@ def build_manifest(plan: Plan, files: dict, fingerprint: str) -> dict:
         "recipe": plan.recipe.to_dict(),
         "plan": {"fingerprint": fingerprint, "tensors": s["tensors"], "input_bytes": s["input_bytes"],
                  "output_bytes": s["output_bytes"], "types": s["types"], "tokenizer": plan.tokenizer,
-                 "notes": plan.notes},
+                 "notes": plan.notes, "fallbacks": plan.fallbacks()},
         "files": files,
         "tensors": [{"name": t.name, "type": t.type, "shape": list(t.shape), "file": plan.files[t.file].name,
                      "offset": t.offset, "bytes": t.nbytes, **({"rule": t.rule} if t.rule is not None else {}),

@@ -164,6 +164,11 @@ class Plan:
         }
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 
+    def fallbacks(self) -> list[dict]:
+        """Every tensor written as a fallback type: name, the type asked for, the type written, its row length."""
+        return [{"tensor": t.name, "asked": t.fallback_from, "written": t.type, "row": t.shape[-1] if t.shape else 1}
+                for t in self.tensors if t.fallback_from]
+
     def summary(self) -> dict:
         types: Counter = Counter()
         counts: Counter = Counter()
@@ -178,7 +183,7 @@ class Plan:
             "output_bytes": self.out_bytes, "files": [{"name": f.name, "bytes": f.size} for f in self.files]
             + [{"name": k, "bytes": len(v)} for k, v in self.extra.items()],
             "types": {k: {"tensors": counts[k], "bytes": v} for k, v in sorted(types.items())},
-            "tokenizer": self.tokenizer, "notes": list(self.notes),
+            "tokenizer": self.tokenizer, "notes": list(self.notes), "fallbacks": self.fallbacks(),
         }
 
     def to_dict(self) -> dict:
@@ -261,6 +266,11 @@ def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str, fa
         if t != item.src_dtype and not _decodable(item.src_dtype, container):
             tried.append(f"{t} (cannot decode {item.src_dtype} to convert it)")
             continue
+        if cand != rule.type and not recipe.allow_fallback:
+            fix = ("pass --allow-fallback to write it as " + t if recipe.source.startswith("--type")
+                   else "set allow_fallback: true in the recipe") + ", or add a rule for this tensor before it"
+            return None, rule, None, (f"{item.name} cannot be stored as " + "; nor as ".join(tried)
+                                      + f"; its fallback {t} is not allowed", rule.where, fix)
         return t, rule, (rule.type if cand != rule.type else None), None
     fix = ("add `fallback: [Q8_0, F16]` to the rule, or a rule for this tensor before it"
            if not rule.fallback else "add a usable type to the rule's fallback, or a rule for this tensor before it")

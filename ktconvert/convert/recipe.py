@@ -134,11 +134,13 @@ class Recipe:
     file_type: str | None = None
     format: str | None = None
     shard_size: int | None = None
+    allow_fallback: bool = True
     data: dict = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict:
         """The recipe as plain data (what the manifest records)."""
-        return {"name": self.name, "source": self.source, **{k: v for k, v in self.data.items() if k != "kind"}}
+        return {"name": self.name, "source": self.source, **{k: v for k, v in self.data.items() if k != "kind"},
+                "allow_fallback": self.allow_fallback}
 
 
 def use_more_bits(layer: int, n_layers: int) -> bool:
@@ -230,7 +232,8 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
     return Recipe(
         name=data["name"], rules=tuple(rules), source=source, description=data.get("description", ""),
         file_type=file_type, format=out.get("format"),
-        shard_size=None if shard is None else parse_size(shard, what=f"{path}: output.shard_size"), data=data,
+        shard_size=None if shard is None else parse_size(shard, what=f"{path}: output.shard_size"),
+        allow_fallback=bool(data.get("allow_fallback", True)), data=data,
     )
 
 
@@ -244,8 +247,10 @@ def _type_message(t: str, index: int) -> str:
     return f"rule {index}: {t!r} is not a ggml type"
 
 
-def recipe_for_type(type_name: str) -> Recipe:
-    """``--type T``: routers, norms and biases in F32, every other tensor ``T`` (with llama.cpp's fallbacks)."""
+def recipe_for_type(type_name: str, allow_fallback: bool = False) -> Recipe:
+    """``--type T``: routers, norms and biases in F32, every other tensor ``T``. llama.cpp's fallbacks are
+    listed but taken only with ``allow_fallback`` (``--allow-fallback``): asked for one type, a tensor silently
+    written as another is a wrong answer."""
     t = type_name if type_name == KEEP else type_name.upper()
     if t not in WRITABLE and t != KEEP:
         raise UsageProblem(_type_message(type_name, 0).replace("rule 0: ", "--type: "),
@@ -254,6 +259,7 @@ def recipe_for_type(type_name: str) -> Recipe:
         "kind": "convert-recipe",
         "name": t,
         "description": f"--type {t}: routers, norms and biases F32, everything else {t}",
+        "allow_fallback": allow_fallback,
         "rules": [
             {"match": F32_MATCH, "type": "F32", "note": "routers, norms, biases, score-correction bias"},
             {"match": ".", "type": t, **({"fallback": list(FALLBACKS[t])} if t in FALLBACKS else {})},

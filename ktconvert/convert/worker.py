@@ -8,6 +8,7 @@ when the unit ends, so resident memory does not grow with the checkpoint.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass
@@ -16,8 +17,8 @@ import numpy as np
 
 from ktconvert.convert.plan import PlanTensor
 from ktconvert.convert.source import Segment
-from ktconvert.errors import EnvironmentProblem, InputError
-from ktconvert.formats import fp8, open_checkpoint
+from ktconvert.errors import InputError
+from ktconvert.formats import fp8, kt_amx, open_checkpoint
 from ktconvert.io.dtypes import FLOAT_DTYPES, decode_float32, raw_view
 from ktconvert.quant import dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
@@ -88,10 +89,12 @@ def worker_init(parent: int | None = None) -> None:
     threading.Thread(target=watch, name="ktconvert-parent-watch", daemon=True).start()
 
 
-def run_task(task: Task) -> int:
-    """Convert and write one unit; returns the unit id. Raises :class:`InputError` for bad data (NaN/Inf)."""
+def run_task(task: Task) -> tuple[int, str]:
+    """Convert and write one unit; returns the unit id and :func:`source_digest` of the input it read (what
+    ``--resume`` checks the source against). Raises :class:`InputError` for bad data (NaN/Inf)."""
     try:
-        return _run(task)
+        uid = _run(task)
+        return uid, source_digest(_checkpoint(task.src), task.tensor, task.r0, task.r1)
     except InputError as exc:
         if exc.path is None:
             raise InputError(exc.message, path=task.src, where=exc.where or f"tensor {task.tensor.name}",
@@ -125,16 +128,70 @@ def _run(task: Task) -> int:
     return task.unit
 
 
+def source_ranges(ck, t: PlanTensor, r0: int, r1: int) -> list[tuple[str, int, int]]:
+    """``(file, offset, length)`` of the input bytes that rows ``r0..r1`` of ``t`` are made from: their own rows
+    for a row copy, the whole expert slab (or tensor, with its scales and every kt-amx part) otherwise."""
+    out: list[tuple[str, int, int]] = []
+
+    def whole(name: str) -> None:
+        if name in ck:
+            i = ck[name]
+            out.append((str(i.file), i.offset, i.nbytes))
+
+    if t.const is not None:
+        return out
+    segs = [(s, 0, s.rows) for s in t.segments] if t.kt_pack is not None else \
+        [(s, i, n) for s, i, n, _ in _overlaps(t, r0, r1)]
+    for s, i, n in segs:
+        info = ck[s.source]
+        if s.op == "rows" and not s.scale:
+            rb = _row_bytes(info)
+            out.append((str(info.file), info.offset + (s.src_row + i) * rb, n * rb))
+        elif s.op == "transpose":
+            slab = info.nbytes // (info.shape[0] or 1)
+            out.append((str(info.file), info.offset + s.expert * slab, slab))
+        elif s.op == "kt-amx":
+            L, proj, e, _, _ = kt_amx.parse_name(s.source)
+            for part in range(s.parts):
+                for kind in ("weight", "scale"):
+                    whole(kt_amx.tensor_name(L, proj, e, part, kind))
+        else:
+            whole(s.source)
+        if s.scale:
+            whole(s.scale)
+    return out
+
+
+def _row_bytes(info) -> int:
+    """Bytes of one flat row of a stored tensor (the last numpy axis; a 0-/1-D tensor is one row)."""
+    rows = 1
+    for d in info.shape[:-1]:
+        rows *= d
+    return info.nbytes // rows if rows else info.nbytes
+
+
+def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
+    """sha256 (first 16 hex digits) of the input bytes a unit reads, read from the files as they are now."""
+    h = hashlib.sha256()
+    for path, offset, length in source_ranges(ck, t, r0, r1):
+        with open(path, "rb") as fh:
+            fh.seek(offset)
+            while length > 0:
+                chunk = fh.read(min(length, 1 << 24))
+                if not chunk:
+                    h.update(b"<short>")
+                    break
+                h.update(chunk)
+                length -= len(chunk)
+    return h.hexdigest()[:16]
+
+
 def _pwrite(path: str, data: np.ndarray, offset: int) -> None:
     view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
-    fd = _fd(path)
-    try:
-        while len(view):
-            n = os.pwrite(fd, view[: 1 << 30], offset)
-            view, offset = view[n:], offset + n
-    except OSError as exc:
-        raise EnvironmentProblem(f"cannot write: {exc.strerror}", path=path,
-                                 fix="free disk space (or fix permissions), then rerun with --resume") from None
+    fd = _fd(path)  # an OSError (disk full, read-only) goes up as is: the executor names OUT and the fix
+    while len(view):
+        n = os.pwrite(fd, view[: 1 << 30], offset)
+        view, offset = view[n:], offset + n
 
 
 def _overlaps(t: PlanTensor, r0: int, r1: int):

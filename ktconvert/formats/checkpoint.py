@@ -28,7 +28,9 @@ from ktconvert.io.files import regular_file_size
 from ktconvert.io.dtypes import (
     SAFETENSORS_DTYPES,
     decode_float32,
+    ggml_block,
     ggml_decode_float32,
+    ggml_is_known,
     ggml_type_name,
     ggml_view_dtype_and_shape,
 )
@@ -61,6 +63,8 @@ class Checkpoint(Mapping):
     (scalars and strings as Python values, arrays as :class:`~ktconvert.formats.gguf_header.GGUFArray`, complete
     via :meth:`kv`) or the merged safetensors ``__metadata__``. ``config`` is the ``config.json`` found next to the
     checkpoint, if any. ``notes`` are oddities that are not errors (e.g. a tensor a shard holds but the index omits).
+    ``llama_names``: tensors carry llama.cpp names (a GGUF, or kernel-order safetensors with ``.ggml_type``
+    companions, whose ggml-block tensors are described by their ggml type and element shape, as in a GGUF).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class Checkpoint(Mapping):
         self.notes = notes
         self._tensors = tensors
         self._config: dict | None = None
+        self.llama_names = self.container == "gguf" or any(n.endswith(COMPANION) for n in tensors)
 
     # Mapping protocol ---------------------------------------------------------------------------------------------
     def __getitem__(self, name: str) -> TensorInfo:
@@ -226,6 +231,39 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     return Checkpoint(source, tensors, metadata, notes, Path(path), version)
 
 
+#: The I32 scalar beside each tensor of a kernel-order safetensors file (ktconvert's ``--to safetensors``,
+#: ktransformers' SafeTensorLoader): the tensor's ggml type id, its bytes stored as U8 rows.
+COMPANION = ".ggml_type"
+
+
+def _kernel_order(tensors: dict[str, TensorInfo]) -> None:
+    """Describe each U8 tensor that has a ``.ggml_type`` companion as what it holds (ggml type and element shape,
+    as a GGUF would), so inspect, check-rules --weights and the readers see the tensor the file means."""
+    for cname in [n for n in tensors if n.endswith(COMPANION)]:
+        c = tensors[cname]
+        base = cname[: -len(COMPANION)]
+        name = base + ".weight" if base + ".weight" in tensors else base
+        info = tensors.get(name)
+        if c.dtype != "I32" or c.nbytes != 4:
+            raise InputError(f"a {COMPANION} companion must be one I32, not {c.dtype} {list(c.shape)}",
+                             path=str(c.file), where=f"tensor {cname}", fix="re-export the file with ktconvert quantize")
+        if info is None or info.dtype != "U8":
+            continue
+        with open(c.file, "rb") as fh:
+            fh.seek(c.offset)
+            tid = int.from_bytes(fh.read(4), "little", signed=True)
+        if not ggml_is_known(tid):
+            raise InputError(f"{COMPANION} holds {tid}, which is no ggml type", path=str(c.file),
+                             where=f"tensor {cname}", fix="re-export the file with ktconvert quantize")
+        block, size = ggml_block(tid)
+        row = info.shape[-1] if info.shape else 0
+        if not row or row % size:
+            raise InputError(f"rows of {row} bytes do not hold whole {ggml_type_name(tid)} blocks of {size} bytes",
+                             path=str(info.file), where=f"tensor {name}", fix="re-export the file with ktconvert quantize")
+        tensors[name] = TensorInfo(name, (*info.shape[:-1], row // size * block), ggml_type_name(tid), tid,
+                                   info.file, info.offset, info.nbytes)
+
+
 def _open_safetensors(source: Source) -> tuple[dict[str, TensorInfo], dict, list[str], None]:
     tensors: dict[str, TensorInfo] = {}
     metadata: dict = {}
@@ -257,6 +295,7 @@ def _open_safetensors(source: Source) -> tuple[dict[str, TensorInfo], dict, list
         extra = [n for n in tensors if n not in source.weight_map]
         if extra:
             notes.append(f"{len(extra)} tensor(s) in the shards are not in the index (e.g. {extra[0]}); loaders skip them")
+    _kernel_order(tensors)
     return tensors, metadata, notes, None
 
 

@@ -11,7 +11,7 @@ from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats.checkpoint import open_checkpoint
 from ktconvert.formats.config import load_config
 from ktconvert.formats.fp8 import DEFAULT_BLOCK, Fp8Map, analyze_fp8
-from ktconvert.formats.layout import LayerLayout, Problem, detect_layout
+from ktconvert.formats.layout import LayerLayout, Problem, detect_layout, is_type_companion
 from ktconvert.formats.scan import scan_checkpoint
 
 MAX_LISTED_TENSORS = 50  # per problem, so that one broken layer of 256 experts does not drown the report
@@ -80,7 +80,8 @@ def build_inspect_report(
         q["tensors"] += 1
         q["bytes"] += info.nbytes
         m = lay.matches.get(name)
-        g = groups.setdefault(m.group if m else "fp8_scales" if name in fp8.scales else "unknown",
+        g = groups.setdefault(m.group if m else "fp8_scales" if name in fp8.scales else
+                              "ggml_types" if is_type_companion(ck, name) else "unknown",
                               {"tensors": 0, "bytes": 0})
         g["tensors"] += 1
         g["bytes"] += info.nbytes

@@ -12,7 +12,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ktconvert.formats.checkpoint import Checkpoint
+from ktconvert.formats.checkpoint import COMPANION, Checkpoint
 from ktconvert.formats.config import ModelDims
 from ktconvert.formats.fp8 import SCALE_SUFFIX
 from ktconvert.formats.naming import LAYOUTS, NameMatch, NamingMap, guess_arch, naming_maps
@@ -118,7 +118,8 @@ def detect_layout(checkpoint: Checkpoint, config: str | Path | dict | None = Non
                     m = cand
                     break
         if m is None:
-            if not _is_fp8_scale(checkpoint, name):  # an FP8 weight's scale is read with it (formats.fp8)
+            # an FP8 weight's scale is read with it (formats.fp8); a .ggml_type companion is its tensor's type
+            if not _is_fp8_scale(checkpoint, name) and not is_type_companion(checkpoint, name):
                 unknown.append(name)
         else:
             matches[name] = m
@@ -155,6 +156,14 @@ def detect_layout(checkpoint: Checkpoint, config: str | Path | dict | None = Non
         )
     problems = _global_problems(layers, dims, n_layers, unknown, checkpoint)
     return LayoutReport(arch, arch_source, dims, n_layers, tuple(layers), tuple(problems), matches, tuple(unknown))
+
+
+def is_type_companion(ck: Checkpoint, name: str) -> bool:
+    """``NAME.ggml_type`` beside ``NAME.weight`` (or ``NAME``) in kernel-order safetensors."""
+    if not name.endswith(COMPANION):
+        return False
+    base = name[: -len(COMPANION)]
+    return base + ".weight" in ck or base in ck
 
 
 def _is_fp8_scale(ck: Checkpoint, name: str) -> bool:

@@ -111,8 +111,8 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
         out = Path(workdir) / "converted" / f"{first.family}-{first.conversion.replace(':', '-').replace('/', '_')}"
         if first.to == "kt-amx":
             result = convert(model_dir, out, type=first.type, format="kt-amx", threadpool_count=KT_AMX_PARTS, force=True)
-        else:
-            result = convert(model_dir, out, first.recipe, type=first.type, force=True)
+        else:  # the suite's tolerances were measured with llama.cpp's fallbacks (DeepSeek's MLA rows of 64 and 128)
+            result = convert(model_dir, out, first.recipe, type=first.type, force=True, allow_fallback=True)
         weights = _weights_path(result.out)
     except Exception as exc:  # the whole group cannot run: every case in it reports why
         message = _one_line(exc)

@@ -5,6 +5,7 @@ would delete. Small files are written durably (flushed and fsynced) so a crash c
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import shutil
@@ -12,7 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from ktconvert.errors import UsageProblem
+from ktconvert.errors import EnvironmentProblem, UsageProblem
 
 PARTIAL_SUFFIX = ".ktconvert-partial"
 
@@ -91,22 +92,46 @@ def replace_dir(partial: Path, out: Path, *, force: bool) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+#: errno values that mean "the destination cannot take the output" (not: the input is bad).
+WRITE_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM, errno.EFBIG)
+
+
+def write_failure(exc: OSError, out: Path, *, resumable: bool = False) -> EnvironmentProblem:
+    """The one-line error for an output that cannot be written (disk full, read-only, not permitted), naming OUT
+    and what to do; ``resumable``: the finished part was kept for ``--resume``."""
+    again = "rerun with --resume (the finished part is kept)" if resumable else "rerun"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+        fix = f"free space on the disk holding it, or choose an OUT on another disk, then {again}"
+    elif exc.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+        fix = "choose an OUT in a directory you can write to (this one is read-only or not yours)"
+    else:
+        fix = f"check the destination, then {again}"
+    return EnvironmentProblem(f"cannot write the output: {exc.strerror or exc}", path=str(out), fix=fix)
+
+
 @contextmanager
 def atomic_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
     """Yield an empty hidden sibling of ``out`` to fill; on success it becomes ``out``, on any error (or
     interrupt) it is removed and ``out`` is untouched."""
     out = Path(out)
     tmp = partial_dir(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    except OSError as exc:
+        if exc.errno in WRITE_ERRNOS:
+            raise write_failure(exc, out) from None
+        raise
     try:
         yield tmp
         fsync_dir(tmp)
         replace_dir(tmp, out, force=force)
-    except BaseException:
+    except BaseException as exc:
         shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, OSError) and exc.errno in WRITE_ERRNOS:
+            raise write_failure(exc, out) from None
         raise
 
 

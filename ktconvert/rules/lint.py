@@ -83,7 +83,7 @@ def collect_paths(paths) -> list[Path]:
         elif p.exists():
             out.append(p)
         else:
-            raise InputError("no such file or directory", path=str(p))
+            raise InputError("no such file or directory", path=str(p), fix="check the path")
     return out
 
 

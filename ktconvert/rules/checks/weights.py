@@ -96,7 +96,8 @@ def check_weights(ctx, compiled: list, tree: ModelTree, checkpoint) -> None:
     walk that resolves which rule owns each module's weights."""
     catalog = ctx.catalog
     names = set(checkpoint)
-    container = checkpoint.container
+    # kernel-order safetensors carry llama.cpp names and ggml types: checked as a GGUF is
+    container = "gguf" if getattr(checkpoint, "llama_names", False) else checkpoint.container
     if _kt_amx_finding(ctx, checkpoint, names):
         return
     try:
