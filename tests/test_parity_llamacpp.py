@@ -174,15 +174,16 @@ def test_presets_equal_llama_quantize(models, tmp_path, variant, preset):
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K", "Q4_0", "Q8_0", "F16", "F32"])
 def test_type_equals_llama_quantize_pure(models, tmp_path, qtype):
-    """--type T is llama-quantize --pure with the ftype whose default type is T, and labelled with that ftype."""
+    """--type T --allow-fallback is llama-quantize --pure with the ftype whose default type is T, and labelled with
+    that ftype (without --allow-fallback, --type refuses the rows T cannot hold instead of writing another type)."""
     from ktconvert.convert import convert, recipe_for_type
 
     hf, f32 = models["deepseek_v3-4x"]
     want = tmp_path / "llama.gguf"
     llamacpp_runner.quantize(f32, want, _ftype(recipe_for_type(qtype).file_type), pure=True)
-    got = convert(f32, tmp_path / "ours", type=qtype).out / "model.gguf"
+    got = convert(f32, tmp_path / "ours", type=qtype, allow_fallback=True).out / "model.gguf"
     assert differences(want, got) == []
-    got = convert(hf, tmp_path / "ours-hf", type=qtype).out / "model.gguf"
+    got = convert(hf, tmp_path / "ours-hf", type=qtype, allow_fallback=True).out / "model.gguf"
     assert differences(want, got) == []
 
 
