@@ -36,10 +36,10 @@ def test_tags_that_would_construct_objects_are_refused(text):
 
 def test_alias_bomb_is_linear():
     lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
-    for i in range(1, 30):
+    for i in range(1, 5):
         lines.append(f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]")
-    loaded = yamlpos.load_text("\n".join(lines) + "\n")  # 10**30 leaves if expanded; shared objects here
-    assert loaded.data["a29"][0] is loaded.data["a28"]
+    loaded = yamlpos.load_text("\n".join(lines) + "\n")  # 10**5 leaves if expanded; shared objects here
+    assert loaded.data["a4"][0] is loaded.data["a3"]
 
 
 def test_recursive_alias_is_an_error():
@@ -67,3 +67,48 @@ def test_read_text_refuses_binary_bad_utf8_and_huge(tmp_path):
         fh.truncate(yamlpos.MAX_BYTES + 1)
     with pytest.raises(InputError, match="MB"):
         yamlpos.read_text(h)
+
+
+def _bomb(inside_list: bool, depth: int = 24) -> str:
+    """A billion-laughs document: each anchor is a list of ten aliases of the previous one (10**depth leaves)."""
+    if inside_list:
+        lines = ["- &l0 [x, x, x, x, x, x, x, x, x, x]"]
+        lines += [f"- &l{i} [" + ", ".join([f"*l{i - 1}"] * 10) + "]" for i in range(1, depth)]
+    else:
+        lines = ["a0: &a0 [x, x, x, x, x, x, x, x, x, x]"]
+        lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 10) + "]" for i in range(1, depth)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("inside_list", [True, False])
+def test_alias_expansion_is_capped_before_anything_walks_it(inside_list):
+    """Issue 15: the builder shared aliased objects, but the schema validator walked the expansion: a bomb inside a
+    list hung check-rules (20 s and 1 GB, then killed). Now refused at the node that passes the cap."""
+    with pytest.raises(yamlpos.YamlSyntaxError, match="aliases expand this document to more than") as info:
+        yamlpos.load_text(_bomb(inside_list))
+    assert info.value.line == 6  # 10**6 values are passed at the sixth anchor
+    small = yamlpos.load_text(_bomb(inside_list, depth=4))  # 10**4 leaves: an ordinary document
+    assert small.data is not None
+
+
+@pytest.mark.parametrize("inside_list", [True, False])
+def test_check_rules_finishes_an_alias_bomb_in_bounded_time_and_memory(tmp_path, inside_list):
+    import resource
+    import subprocess
+    import sys
+    import time
+
+    f = tmp_path / "bomb.yaml"
+    f.write_text(_bomb(inside_list))
+    t0 = time.monotonic()
+    res = subprocess.run([sys.executable, "-m", "ktconvert", "check-rules", str(f)], capture_output=True, text=True,
+                         timeout=60)
+    seconds = time.monotonic() - t0
+    peak_mib = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+    assert res.returncode == 1 and "KT101" in res.stdout and "alias bomb" in res.stdout
+    assert seconds < 10 and peak_mib < 400, (seconds, peak_mib)
+
+
+def test_deep_nesting_is_an_error_not_a_crash():
+    with pytest.raises(yamlpos.YamlSyntaxError, match="nesting depth"):
+        yamlpos.load_text("[" * 50000 + "]" * 50000 + "\n")

@@ -101,8 +101,50 @@ def load_text(text: str, source: str = "<string>") -> Loaded:
     out = Loaded(data=None, text=text)
     if node is None:
         return out
+    _check_expansion(node)
     out.data = _Builder(out).build(node, ())
     return out
+
+
+#: Most values a document may stand for with its aliases expanded. The builder shares aliased objects, but the
+#: schema validator and the checks walk the data as a tree: an alias bomb (``&a [*b, *b, ...]`` nested, in a
+#: mapping or a list) would make them visit 10**N values.
+MAX_EXPANDED = 1_000_000
+
+
+def _check_expansion(root) -> None:
+    """Count the values the document expands to, each node once (memoized), refusing past :data:`MAX_EXPANDED`
+    at the node where the count first passes it. Iterative: deep nesting cannot exhaust the stack."""
+    sizes: dict[int, int] = {}
+    entered: set[int] = set()
+    stack = [(root, False)]
+    while stack:
+        node, ready = stack.pop()
+        key = id(node)
+        if key in sizes:
+            continue
+        kids = _children(node)
+        if not ready:
+            if key in entered:  # a shared node already on its way (a recursive alias is the builder's error)
+                continue
+            entered.add(key)
+            stack.append((node, True))
+            stack.extend((k, False) for k in kids if id(k) not in entered)
+            continue
+        total = 1 + sum(sizes.get(id(k), 0) for k in kids)
+        if total > MAX_EXPANDED:
+            raise YamlSyntaxError(f"aliases expand this document to more than {MAX_EXPANDED:,} values (an alias "
+                                  "bomb?); write the values out or use fewer nested aliases",
+                                  node.start_mark.line + 1, node.start_mark.column + 1)
+        sizes[key] = total
+
+
+def _children(node) -> list:
+    if isinstance(node, yaml.SequenceNode):
+        return list(node.value)
+    if isinstance(node, yaml.MappingNode):
+        return [n for pair in node.value for n in pair]
+    return []
 
 
 class YamlSyntaxError(Exception):
