@@ -99,8 +99,11 @@ def test_check_rules_finishes_an_alias_bomb_in_bounded_time_and_memory(tmp_path,
 
     f = tmp_path / "bomb.yaml"
     f.write_text(_bomb(inside_list))
-    probe = ("import resource, sys\nfrom ktconvert.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
-             "    print('peak', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)\n")
+    # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across execve, so a child started from a large pytest process
+    # would report the parent's peak; VmHWM belongs to the new address space.
+    probe = ("import re, sys\nfrom ktconvert.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
+             "    hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
+             "    print('peak', hwm, file=sys.stderr)\n")
     t0 = time.monotonic()
     res = subprocess.run([sys.executable, "-c", probe, "check-rules", str(f)], capture_output=True, text=True,
                          timeout=60)
