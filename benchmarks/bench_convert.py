@@ -175,18 +175,31 @@ def _drop_caches() -> bool:
         return False
 
 
-def run(src: Path, out: Path, qtype: str, jobs: int, budget: str, to: str = "gguf") -> dict:
-    cmd = [sys.executable, "-m", "ktconvert", "quantize", str(src), str(out), "--type", qtype, "--max-memory", budget,
-           "--jobs", str(jobs), "--to", to, "-o", "json"]
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for f in files:
+            try:
+                total += os.stat(os.path.join(root, f)).st_size
+            except FileNotFoundError:
+                pass
+    return total
+
+
+def measure(cmd: list[str], scratch: Path | None = None) -> dict:
+    """Run ``cmd`` as a fresh process (page cache dropped first when possible) and sample every 20 ms the RSS of its
+    process tree and, with ``scratch``, that directory's size (tmpfs pages are memory too). Exits on failure."""
     dropped = _drop_caches()
     t0 = time.monotonic()
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak = [0]
+    peak, shm = [0], [0]
     stop = threading.Event()
 
     def sample():
         while not stop.is_set():
             peak[0] = max(peak[0], _tree_rss(proc.pid))
+            if scratch is not None:
+                shm[0] = max(shm[0], _dir_bytes(scratch))
             time.sleep(0.02)
 
     th = threading.Thread(target=sample, daemon=True)
@@ -201,15 +214,23 @@ def run(src: Path, out: Path, qtype: str, jobs: int, budget: str, to: str = "ggu
     th.join()
     reader.join()
     code = os.waitstatus_to_exitcode(status)
-    proc.returncode = code
     if code:
-        raise SystemExit(f"conversion failed ({code}): {''.join(err).strip()}")
-    rep = json.loads(stdout)
+        raise SystemExit(f"{cmd[:4]} failed ({code}): {''.join(err).strip()[-2000:]}")
+    return {"wall_s": round(wall, 1), "peak_rss_mib": round(peak[0] / 2**20), "scratch_peak_mib": round(shm[0] / 2**20),
+            "peak_rss_parent_mib": round(usage.ru_maxrss / 1024), "page_cache_dropped": dropped, "stdout": stdout,
+            "wall": wall}
+
+
+def run(src: Path, out: Path, qtype: str, jobs: int, budget: str, to: str = "gguf") -> dict:
+    cmd = [sys.executable, "-m", "ktconvert", "quantize", str(src), str(out), "--type", qtype, "--max-memory", budget,
+           "--jobs", str(jobs), "--to", to, "-o", "json"]
+    m = measure(cmd)
+    rep = json.loads(m["stdout"])
     in_bytes = rep["plan"]["input_bytes"]
     return {"command": " ".join(["ktconvert", *cmd[3:]]), "jobs": jobs, "type": qtype, "max_memory": budget,
-            "wall_s": round(wall, 1), "input_bytes": in_bytes, "output_bytes": rep["plan"]["output_bytes"],
-            "mb_per_s": round(in_bytes / wall / 1e6, 1), "peak_rss_tree_mib": round(peak[0] / 2**20),
-            "peak_rss_parent_mib": round(usage.ru_maxrss / 1024), "page_cache_dropped": dropped}
+            "wall_s": m["wall_s"], "input_bytes": in_bytes, "output_bytes": rep["plan"]["output_bytes"],
+            "mb_per_s": round(in_bytes / m["wall"] / 1e6, 1), "peak_rss_tree_mib": m["peak_rss_mib"],
+            "peak_rss_parent_mib": m["peak_rss_parent_mib"], "page_cache_dropped": m["page_cache_dropped"]}
 
 
 def main(argv=None) -> None:

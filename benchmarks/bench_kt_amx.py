@@ -20,59 +20,19 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_convert import E, H, I, _drop_caches, _tree_rss, layers_for, write_checkpoint  # noqa: E402
-
-
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                total += os.stat(os.path.join(root, f)).st_size
-            except FileNotFoundError:
-                pass
-    return total
+from bench_convert import E, H, I, layers_for, measure, write_checkpoint  # noqa: E402
 
 
 def _measure(cmd: list[str], scratch: Path | None = None) -> dict:
-    dropped = _drop_caches()
-    t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    peak, shm = [0], [0]
-    stop = threading.Event()
-
-    def sample():
-        while not stop.is_set():
-            peak[0] = max(peak[0], _tree_rss(proc.pid))
-            if scratch is not None:
-                shm[0] = max(shm[0], _dir_bytes(scratch))
-            time.sleep(0.02)
-
-    th = threading.Thread(target=sample, daemon=True)
-    th.start()
-    err: list[str] = []
-    reader = threading.Thread(target=lambda: err.append(proc.stderr.read()), daemon=True)
-    reader.start()
-    stdout = proc.stdout.read()
-    _, status, _ = os.wait4(proc.pid, 0)
-    wall = time.monotonic() - t0
-    stop.set()
-    th.join()
-    reader.join()
-    code = os.waitstatus_to_exitcode(status)
-    if code:
-        raise SystemExit(f"{cmd[:4]} failed ({code}): {''.join(err).strip()[-2000:]}")
-    return {"wall_s": round(wall, 1), "peak_rss_mib": round(peak[0] / 2**20), "scratch_peak_mib": round(shm[0] / 2**20),
-            "page_cache_dropped": dropped, "stdout": stdout}
+    m = measure(cmd, scratch)
+    return {k: m[k] for k in ("wall_s", "peak_rss_mib", "scratch_peak_mib", "page_cache_dropped", "stdout")}
 
 
 def run_ktconvert(src: Path, out: Path, method: str, parts: int, jobs: int, budget: str) -> dict:
