@@ -28,3 +28,19 @@ def tiny_root(tmp_path_factory) -> Path:
     for family in FAMILIES:
         write_tiny_model(family, root / family)
     return root
+
+
+@pytest.fixture(scope="session")
+def llama_built():
+    """llama-cpp-python built into the cache (tests/llamacpp_runner.py), for the interop and parity tiers: under CI
+    a failed build fails them, elsewhere they skip with the reason."""
+    import os
+
+    import llamacpp_runner
+
+    try:
+        return llamacpp_runner.ensure_built()
+    except llamacpp_runner.Unavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"llama.cpp tiers required under CI: {exc}")
+        pytest.skip(str(exc))

@@ -7,7 +7,6 @@ CI, where they must run.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -15,16 +14,6 @@ import pytest
 import llamacpp_runner
 
 pytestmark = pytest.mark.interop
-
-
-@pytest.fixture(scope="session")
-def llama_built():
-    try:
-        return llamacpp_runner.ensure_built()
-    except llamacpp_runner.Unavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"llama.cpp interop tier required under CI: {exc}")
-        pytest.skip(str(exc))
 
 
 @pytest.mark.parametrize("qtype,profile_name", [("F32", "f32"), ("Q8_0", "q8_0"), ("Q4_K", "q4_k")])

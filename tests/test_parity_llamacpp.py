@@ -14,7 +14,6 @@ tests skip with the reason, except under CI, where they must run.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -38,16 +37,6 @@ VARIANTS = {
     "qwen3_moe-h160": ("qwen3_moe", None, False),   # hidden 160: rows K-quants cannot hold, llama.cpp's fallbacks
 }
 _EXPERT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts")
-
-
-@pytest.fixture(scope="session")
-def llama_built():
-    try:
-        return llamacpp_runner.ensure_built()
-    except llamacpp_runner.Unavailable as exc:
-        if os.environ.get("CI"):
-            pytest.fail(f"llama.cpp parity tier required under CI: {exc}")
-        pytest.skip(str(exc))
 
 
 def make_variant(family: str, out: Path, experts: int | None, tied: bool) -> Path:
