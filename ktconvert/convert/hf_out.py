@@ -16,14 +16,14 @@ import math
 from pathlib import Path
 
 from ktconvert import __version__
-from ktconvert.convert.plan import DEFAULT_SAFETENSORS_SHARD, OutFile, Plan, PlanTensor, _names, _shards, fingerprints
+from ktconvert.convert.plan import (DEFAULT_SAFETENSORS_SHARD, Plan, PlanTensor, _names, _shards, fingerprints,
+                                    place_shards)
 from ktconvert.convert.recipe import Recipe
 from ktconvert.convert.source import Segment
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.formats.config import load_config
 from ktconvert.formats.fp8 import require_fp8
-from ktconvert.formats.safetensors_write import layout_safetensors
 from ktconvert.io.dtypes import DTYPE_BYTES
 
 HF_TYPES = ("BF16", "F16", "F32")
@@ -104,15 +104,8 @@ def _lay_out(plan: Plan, shard: int) -> None:
     count = max(idx) + 1 if idx else 1
     names = _names("model", "safetensors", count)
     meta = {"format": "pt", "ktconvert_version": __version__}
-    files, placed, weight_map = [], [], {}
-    for f in range(count):
-        members = [t for t, i in zip(plan.tensors, idx) if i == f]
-        header, slots, size = layout_safetensors([(t.name, t.st_dtype, t.st_shape, t.nbytes) for t in members], meta)
-        files.append(OutFile(names[f], header, size))
-        for t, s in zip(members, slots):
-            placed.append(PlanTensor(**{**t.__dict__, "file": f, "offset": s.offset}))
-            weight_map[t.name] = names[f]
-    plan.files, plan.tensors = files, placed
+    weight_map = place_shards(plan, [(names[f], [t for t, i in zip(plan.tensors, idx) if i == f], meta)
+                                     for f in range(count)])
     if count > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in placed)}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors)}, "weight_map": weight_map}
         plan.extra["model.safetensors.index.json"] = (json.dumps(index, indent=2) + "\n").encode()

@@ -17,12 +17,11 @@ from __future__ import annotations
 import json
 
 from ktconvert import __version__
-from ktconvert.convert.plan import OutFile, Plan, PlanTensor, _at, _segment_bytes, fingerprints
+from ktconvert.convert.plan import Plan, PlanTensor, _segment_bytes, fingerprints, place_shards
 from ktconvert.convert.recipe import Recipe
 from ktconvert.convert.source import Segment, SourceModel
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats import kt_amx
-from ktconvert.formats.safetensors_write import layout_safetensors
 
 LAUNCH_NOTE = ("kt-amx output holds the routed experts only: launch with --kt-weight-path OUT --kt-method {method} "
                "--kt-threadpool-count {parts} and --model-path pointing at the original Hugging Face checkpoint "
@@ -138,18 +137,9 @@ def _lay_out(plan: Plan, src: SourceModel, m: kt_amx.Method, parts: int) -> None
     count = len(layers)
     names = {L: f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i, L in enumerate(layers)}
     meta = {"format": "kt-amx", "method": m.name, "threadpool_count": str(parts), "ktconvert_version": __version__}
-    files, placed, weight_map = [], [], {}
-    for i, L in enumerate(layers):
-        members = [t for t in plan.tensors if t.layer == L]
-        header, slots, size = layout_safetensors([(t.name, t.st_dtype, t.st_shape, t.nbytes) for t in members],
-                                                 {**meta, "layer": str(L)})
-        files.append(OutFile(names[L], header, size))
-        for t, s in zip(members, slots):
-            placed.append(_at(t, i, s.offset))
-            weight_map[t.name] = names[L]
-    plan.files = files
-    plan.tensors = placed
-    index = {"metadata": {"total_size": sum(t.nbytes for t in placed), "format": "kt-amx", "method": m.name,
+    weight_map = place_shards(plan, [(names[L], [t for t in plan.tensors if t.layer == L], {**meta, "layer": str(L)})
+                                     for L in layers])
+    index = {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors), "format": "kt-amx", "method": m.name,
                           "threadpool_count": parts}, "weight_map": weight_map}
     plan.extra["model.safetensors.index.json"] = (json.dumps(index, indent=2) + "\n").encode()
     model_dir = src.path if src.path.is_dir() else src.path.parent

@@ -439,6 +439,21 @@ def _at(t: PlanTensor, file: int, offset: int) -> PlanTensor:
     return PlanTensor(**{**t.__dict__, "file": file, "offset": offset})
 
 
+def place_shards(plan: Plan, shards: list[tuple[str, list[PlanTensor], dict]]) -> dict[str, str]:
+    """Lay each ``(file name, tensors, header metadata)`` shard out as one safetensors file, tensors back to back;
+    sets ``plan.files`` and ``plan.tensors`` (now with file and offset) and returns the index's weight map. Every
+    safetensors output form (kernel order, HF, kt-amx) is placed here."""
+    files, placed, weight_map = [], [], {}
+    for f, (name, members, meta) in enumerate(shards):
+        header, slots, size = layout_safetensors([(t.name, t.st_dtype, t.st_shape, t.nbytes) for t in members], meta)
+        files.append(OutFile(name, header, size))
+        for t, s in zip(members, slots):
+            placed.append(_at(t, f, s.offset))
+            weight_map[t.name] = name
+    plan.files, plan.tensors = files, placed
+    return weight_map
+
+
 def _lay_out_safetensors(plan: Plan, src: SourceModel, shard: int) -> None:
 
     # a tensor and its .ggml_type companion always share a shard
@@ -453,18 +468,10 @@ def _lay_out_safetensors(plan: Plan, src: SourceModel, shard: int) -> None:
     names = _names("model", "safetensors", count)
     meta = {"format": "ktconvert-kernel-order", "layout": "kernel", "architecture": plan.arch,
             "ktconvert_version": __version__}
-    files, placed, weight_map = [], [], {}
-    for f in range(count):
-        members = [t for p, i in zip(pairs, idx) if i == f for t in p]
-        header, slots, size = layout_safetensors([(t.name, t.st_dtype, t.st_shape, t.nbytes) for t in members], meta)
-        files.append(OutFile(names[f], header, size))
-        for t, s in zip(members, slots):
-            placed.append(_at(t, f, s.offset))
-            weight_map[t.name] = names[f]
-    plan.files = files
-    plan.tensors = placed
+    weight_map = place_shards(plan, [(names[f], [t for p, i in zip(pairs, idx) if i == f for t in p], meta)
+                                     for f in range(count)])
     if count > 1:
-        index = {"metadata": {"total_size": sum(t.nbytes for t in placed)}, "weight_map": weight_map}
+        index = {"metadata": {"total_size": sum(t.nbytes for t in plan.tensors)}, "weight_map": weight_map}
         plan.extra["model.safetensors.index.json"] = (json.dumps(index, indent=2) + "\n").encode()
     model_dir = src.path if src.path.is_dir() else src.path.parent
     if src.checkpoint.container == "safetensors":
