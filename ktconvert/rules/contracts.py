@@ -15,4 +15,7 @@ def contract_fix(op: Operator, want: str) -> str:
     if op.role == "experts":
         return ("use KTransformersExperts (V1) under a V1 MoE block" if want == "hf"
                 else "use KTransformersExpertsV2 under a V2 MoE block")
+    if op.role == "mlp":
+        return ("keep the model's own MLP here (class: default), or replace its caller with the V2 operator that "
+                "passes bsz_tensor" if want == "hf" else "use an MLP operator that takes bsz_tensor (e.g. KQwen2MoeMLP)")
     return "use the operator made for this backend, or switch --backend"

@@ -87,8 +87,12 @@ def unknown_operator(ctx, view: RuleView, op) -> None:
             "use an operator from the catalog (ktconvert check-rules --list-checks explains; --catalog adds your own)")
 
 
-def _caller_contract(ctx, op: Operator) -> str | None:
-    """The contract the backend's decoder layer calls a norm / MLP operator with, when ``op`` does not meet it."""
+def backend_contract_mismatch(ctx, op: Operator) -> str | None:
+    """The contract the backend's decoder layer calls a norm / MLP operator with, when ``op`` does not meet it.
+
+    A norm is always called by the decoder layer, so this decides KT204 for it here. An MLP may instead be a MoE
+    block's shared expert, called with that block's contract; the tree (or, without one, the static) stage decides
+    KT204 and KT203 for MLPs, and this only tells KT203 here to leave them to it."""
     backend = ctx.result.backend
     if not backend or op.role not in ("norm", "mlp"):
         return None
@@ -98,7 +102,7 @@ def _caller_contract(ctx, op: Operator) -> str | None:
 
 @check("KT204", stage="rule")
 def decoder_layer_contract(ctx, view: RuleView, op) -> None:
-    caller = _caller_contract(ctx, op) if op is not None else None
+    caller = backend_contract_mismatch(ctx, op) if op is not None and op.role == "norm" else None
     if caller:
         ctx.add("KT204", view.path + ("replace", "class"),
                 contract_msg(op, caller, f"the {ctx.result.backend} decoder layer"), contract_fix(op, caller))
@@ -107,9 +111,14 @@ def decoder_layer_contract(ctx, view: RuleView, op) -> None:
 @check("KT203", stage="rule")
 def operator_of_another_backend(ctx, view: RuleView, op) -> None:
     backend = ctx.result.backend
-    if op is None or not backend or _caller_contract(ctx, op) or backend in op.backends:
+    if op is None or not backend or backend_contract_mismatch(ctx, op) or backend in op.backends:
         return
-    ctx.add("KT203", view.path + ("replace", "class"),
+    add_other_backend(ctx, view.path, op)
+
+
+def add_other_backend(ctx, rule_path: tuple, op: Operator) -> None:
+    backend = ctx.result.backend
+    ctx.add("KT203", rule_path + ("replace", "class"),
             f"{op.short} works under {', '.join(op.backends)}, not under the {backend} backend"
             f" (backend from {ctx.result.backend_source})", _backend_fix(ctx.catalog, op, backend))
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from ktconvert.rules import engine
 from ktconvert.rules.checks import check
+from ktconvert.rules.checks.rule import add_other_backend, backend_contract_mismatch
 from ktconvert.rules.contracts import contract_fix, contract_msg
 
 
@@ -64,6 +65,49 @@ def experts_contract_of_moe_block(ctx, data, rules, tree, assigned) -> None:
                 ctx.add("KT204", (str(rule.index), "replace", "class"),
                         contract_msg(op, want, f"{pop.short} (rule {pa.rule.index}) at {parent.path}"), contract_fix(op, want))
                 break
+
+
+def _mlp_caller(ctx, tree, assignment_of, path: str) -> tuple[str, str] | None:
+    """``(contract, caller)`` the MLP at ``path`` is called with: a dense layer's MLP by the backend's decoder layer,
+    a shared expert by its MoE block (the block's operator's ``calls.mlp``; the model's own block calls it HF-style).
+    None where the caller is not known (e.g. an expert inside an experts list)."""
+    parent = tree.parent.get(path)
+    role = ctx.catalog.role_of(parent.type) if parent is not None else None
+    if role == "decoder-layer":
+        backend = ctx.result.backend
+        want = ctx.catalog.backends.get(backend, {}).get("contract") if backend else None
+        return (want, f"the {backend} decoder layer") if want else None
+    if role != "moe-block":
+        return None
+    pa = assignment_of.get(parent.path)
+    pop = getattr(pa.rule, "operator", None) if pa is not None and pa.rule is not None else None
+    if pop is not None and pop.role == "moe-block":
+        want = pop.calls.get("mlp")
+        return (want, f"{pop.short} (rule {pa.rule.index}) at {parent.path}") if want else None
+    return "hf", f"the model's own {parent.type} at {parent.path}"
+
+
+@check("KT204", "KT203", stage="tree")
+def mlp_caller_contract(ctx, data, rules, tree, assigned) -> None:
+    """An MLP operator must take the call its real caller makes: the decoder layer for a dense layer's MLP, the
+    MoE block's operator for a shared expert (KT204). An MLP operator of another backend whose every call fits is
+    still reported as such (KT203, which the rule stage leaves to this check)."""
+    by_rule = _hits(rules, assigned)
+    assignment_of = {a.path: a for a in assigned}
+    for rule in rules:
+        op = getattr(rule, "operator", None)
+        if op is None or op.role != "mlp":
+            continue
+        for a in by_rule.get(rule.index, []):
+            caller = _mlp_caller(ctx, tree, assignment_of, a.path)
+            if caller and op.contract not in ("any", caller[0]):
+                ctx.add("KT204", (str(rule.index), "replace", "class"), contract_msg(op, caller[0], caller[1]),
+                        contract_fix(op, caller[0]))
+                break
+        else:
+            backend = ctx.result.backend
+            if backend and backend not in op.backends and backend_contract_mismatch(ctx, op):
+                add_other_backend(ctx, (str(rule.index),), op)
 
 
 @check("KT304", "KT401", stage="tree")
@@ -144,6 +188,20 @@ def experts_contract_paired_statically(ctx, data) -> None:
                 ctx.add("KT204", (str(wi), "replace", "class"), contract_msg(wop, want, f"{bop.short} (rule {bi})"),
                         contract_fix(wop, want))
                 break
+
+
+@check("KT204", stage="static")
+def mlp_contract_statically(ctx, data) -> None:
+    """Without a tree an MLP operator's caller is not known; the backend's decoder layer is assumed (it calls every
+    dense MLP), as for a norm."""
+    for i, rule in enumerate(data):
+        replace = rule.get("replace") if isinstance(rule, dict) else None
+        cls = replace.get("class") if isinstance(replace, dict) else None
+        op = ctx.catalog.operators.get(cls) if isinstance(cls, str) else None
+        caller = backend_contract_mismatch(ctx, op) if op is not None and op.role == "mlp" else None
+        if caller:
+            ctx.add("KT204", (str(i), "replace", "class"),
+                    contract_msg(op, caller, f"the {ctx.result.backend} decoder layer"), contract_fix(op, caller))
 
 
 def _ranges(values: list[int]) -> str:
