@@ -1,0 +1,59 @@
+"""The README's copy-paste blocks run as written, and the set-up commands it opens with are what CI runs.
+
+A block is meant to be pasted when the line before its fence is the ``runs as written`` marker; such blocks
+start with ``KT=$(mktemp -d)`` and must leave the repository untouched."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO
+
+README = (REPO / "README.md").read_text()
+MARK = "<!-- runs as written (tests/test_readme.py)"
+BLOCK = re.compile(r"^" + re.escape(MARK) + r"[^\n]*\n```bash\n(.*?)\n```", re.M | re.S)
+BLOCKS = [(README[:m.start()].count("\n") + 1, m.group(1)) for m in BLOCK.finditer(README)]
+SKIP_DIRS = {".venv", ".git", ".pytest_cache", "__pycache__", ".cache", "build", "dist", ".hypothesis"}
+
+
+def _tree(root: Path) -> dict[str, tuple[int, int]]:
+    out = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if d not in SKIP_DIRS and not d.endswith(".egg-info")]
+        for f in filenames:
+            st = os.stat(os.path.join(dirpath, f))
+            out[os.path.relpath(os.path.join(dirpath, f), root)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_the_readme_marks_its_copy_paste_blocks():
+    assert len(BLOCKS) >= 3, "the walkthrough blocks lost their marker"
+    for line, body in BLOCKS:
+        assert body.startswith("KT=$(mktemp -d)"), f"README.md:{line}: a runnable block starts with KT=$(mktemp -d)"
+        assert "..." not in body, f"README.md:{line}: '...' is not something a shell can run"
+
+
+def test_ci_runs_the_readme_test_command_exactly():
+    fence = README.split("```bash\n", 1)[1].split("\n```", 1)[0]
+    test_cmd = [ln for ln in fence.splitlines() if "pytest" in ln]
+    assert len(test_cmd) == 1
+    ci = (REPO / ".ci" / "run").read_text().splitlines()
+    assert test_cmd[0] in ci, ".ci/run must run the README's test command, exactly"
+
+
+@pytest.mark.parametrize("line,body", BLOCKS, ids=[f"README.md:{ln}" for ln, _ in BLOCKS])
+def test_block_runs_as_written(tmp_path, line, body):
+    before = _tree(REPO)
+    env = dict(os.environ, TMPDIR=str(tmp_path), PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+               OMP_NUM_THREADS="1")
+    r = subprocess.run(["bash", "-euo", "pipefail", "-c", body], cwd=REPO, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, f"README.md:{line} failed:\n{r.stdout[-2000:]}\n{r.stderr[-2000:]}"
+    after = _tree(REPO)
+    assert after == before, f"README.md:{line} changed the repository: {sorted(set(after) ^ set(before))[:5]}"
