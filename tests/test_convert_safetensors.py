@@ -91,3 +91,24 @@ def test_gguf_input_to_safetensors(outputs, tmp_path):
         assert set(names) == set(g)
         for n in names:
             assert f.get_tensor(n).contiguous().view(torch.uint8).numpy().tobytes() == g[n][1].tobytes(), n
+
+
+@pytest.mark.parametrize("tid,stored,message", [
+    (12, "F32", ".ggml_type says Q4_K but blk.0.attn_norm.weight is stored as F32"),
+    (1, "F32", ".ggml_type says F16 but blk.0.attn_norm.weight is stored as F32"),
+    (9999, "F32", ".ggml_type holds 9999, which is no ggml type"),
+])
+def test_companion_that_disagrees_with_its_tensor_is_refused(tmp_path, tid, stored, message):
+    """A float tensor whose companion names another type is an error, not read one way by inspect and another by
+    verify."""
+    import numpy as np
+    from safetensors.numpy import save_file
+
+    from ktconvert.errors import InputError
+    from ktconvert.formats import open_checkpoint
+
+    save_file({"blk.0.attn_norm.weight": np.ones(8, np.float32),
+               "blk.0.attn_norm.ggml_type": np.array(tid, np.int32)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(InputError, match=message.replace(".", r"\.", 1)) as e:
+        open_checkpoint(tmp_path / "model.safetensors")
+    assert "model.safetensors" in str(e.value) and "blk.0.attn_norm.ggml_type" in str(e.value)

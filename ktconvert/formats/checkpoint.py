@@ -247,7 +247,7 @@ def _kernel_order(tensors: dict[str, TensorInfo]) -> None:
         if c.dtype != "I32" or c.nbytes != 4:
             raise InputError(f"a {COMPANION} companion must be one I32, not {c.dtype} {list(c.shape)}",
                              path=str(c.file), where=f"tensor {cname}", fix="re-export the file with ktconvert quantize")
-        if info is None or info.dtype != "U8":
+        if info is None:
             continue
         with open(c.file, "rb") as fh:
             fh.seek(c.offset)
@@ -255,6 +255,12 @@ def _kernel_order(tensors: dict[str, TensorInfo]) -> None:
         if not ggml_is_known(tid):
             raise InputError(f"{COMPANION} holds {tid}, which is no ggml type", path=str(c.file),
                              where=f"tensor {cname}", fix="re-export the file with ktconvert quantize")
+        if info.dtype != "U8":  # stored as floats: the companion must say the same float type
+            if ggml_type_name(tid) != info.dtype:
+                raise InputError(f"{COMPANION} says {ggml_type_name(tid)} but {name} is stored as {info.dtype}",
+                                 path=str(c.file), where=f"tensor {cname}",
+                                 fix="re-export the file with ktconvert quantize")
+            continue
         block, size = ggml_block(tid)
         row = info.shape[-1] if info.shape else 0
         if not row or row % size:

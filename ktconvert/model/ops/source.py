@@ -25,6 +25,7 @@ from ktconvert import quant
 from ktconvert.errors import InputError
 from ktconvert.families.config import MoeConfig
 from ktconvert.formats import naming_map, open_checkpoint
+from ktconvert.formats.checkpoint import COMPANION
 from ktconvert.io.dtypes import TORCH_NAMES
 from ktconvert.model.weights import read_tensors, to_reference_state
 
@@ -109,7 +110,7 @@ class WeightSource:
             self._init_ggml_named()
         else:
             ck = open_checkpoint(p)
-            if any(n.endswith(".ggml_type") for n in ck):  # llama.cpp names, ggml blocks, types beside them
+            if any(n.endswith(COMPANION) for n in ck):  # llama.cpp names, ggml blocks, types beside them
                 self.container = "kernel-safetensors"
                 self._ck = ck
                 self._init_ggml_named()
@@ -128,29 +129,24 @@ class WeightSource:
     def _init_ggml_named(self) -> None:
         """Index every stored tensor's ggml type and element shape. Kernel-order safetensors store ggml blocks
         as uint8 rows with the type in a ``NAME.ggml_type`` scalar beside each tensor (what ktransformers'
-        SafeTensorLoader reads)."""
+        SafeTensorLoader reads); ``formats.checkpoint`` decodes those, here only their presence is required."""
         ck = self._ck
         self._types: dict[str, str] = {}
         self._shapes: dict[str, tuple] = {}
         if self.container == "gguf":
             self.arch = ck.architecture
-            for name, info in ck.items():
-                self._types[name], self._shapes[name] = info.dtype, tuple(info.shape)
         else:
             self.arch = ck.metadata.get("architecture") or naming_map(self.cfg.family).arch
-            for name, info in ck.items():
-                if name.endswith(".ggml_type"):
+        for name, info in ck.items():
+            if self.container != "gguf":
+                if name.endswith(COMPANION):
                     continue
                 base = name[: -len(".weight")] if name.endswith(".weight") else name
-                tname = f"{base}.ggml_type"
-                if tname not in ck:
-                    raise InputError("tensor has no .ggml_type beside it", path=self.path, where=name,
-                                     fix="kernel-order safetensors carry NAME.ggml_type for every tensor")
-                qtype = quant.as_qtype(int(np.asarray(ck.read(tname)).reshape(-1)[0])).name
-                shape = tuple(info.shape)
-                if info.dtype == "U8":
-                    shape = quant.elem_shape(shape, qtype)
-                self._types[name], self._shapes[name] = qtype, tuple(shape)
+                if base + COMPANION not in ck:
+                    raise InputError(f"tensor has no {COMPANION} beside it", path=self.path, where=name,
+                                     fix=f"kernel-order safetensors carry NAME{COMPANION} for every tensor")
+            # the checkpoint already presents kernel-order U8 rows as their ggml type and element shape
+            self._types[name], self._shapes[name] = info.dtype, tuple(info.shape)
         want = naming_map(self.cfg.family)
         if self.arch != want.arch:
             raise InputError(f"{self.container} architecture {self.arch!r} is not {want.arch!r}, which the config's "
