@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, Callable, Iterator
@@ -165,6 +166,31 @@ class _Rows:
         return None
 
 
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``n`` quantizer threads, started once: a fresh pool per call costs thread starts
+    that, on a busy machine, outweigh the work of a small tensor. Each ``n`` asked for keeps its own pool, so
+    ``workers`` is exactly the number of threads a call uses."""
+    with _POOL_LOCK:
+        pool = _POOLS.get(n)
+        if pool is None:
+            pool = _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="ktconvert-quant")
+        return pool
+
+
+class _NonFinite(Exception):
+    """A chunk holds a NaN/inf (internal: turned into a QuantError naming the first one)."""
+
+
+def _raise_non_finite(rows: _Rows, qt: QType, name: str | None) -> None:
+    bad = rows.first_non_finite(1 << 22)
+    raise QuantError(f"non-finite value at index {bad}; {qt.name} quantization needs finite weights",
+                     where=name, fix="fix or drop the NaN/inf in the source tensor before quantizing")
+
+
 def _work_items(nrows: int, n: int, bs: int, chunk: int) -> Iterator[tuple[int, int, int, int]]:
     """(r0, r1, c0, c1) pieces of about ``chunk`` elements; a row longer than that is split at block edges."""
     if n <= chunk:
@@ -197,12 +223,9 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
                          fix="choose one of " + ", ".join(sorted(t.name for t in QUANTIZABLE)))
     rows = _Rows(data, qt, name)
     check_row(rows.n, qt, name=name)
-    bad = rows.first_non_finite(1 << 22)
-    if bad is not None:
-        raise QuantError(f"non-finite value at index {bad}; {qt.name} quantization needs finite weights",
-                         where=name, fix="fix or drop the NaN/inf in the source tensor before quantizing")
     bs, ts = block_size(qt), type_size(qt)
     bshape = (*rows.shape[:-1], rows.n // bs * ts)
+    caller_out = out
     if out is None:
         out = np.empty(bshape, dtype=np.uint8)
     elif out.dtype != np.uint8 or tuple(out.shape) != bshape:
@@ -215,10 +238,20 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
         raise QuantError("out must be C-contiguous", where=name, fix="allocate out with np.empty or a memmap")
     kname, chunk = _QUANT[qt]
     kernel = _kernel(kname) if kname is not None else None
+    finite = _kernel("finite")
+    items = list(_work_items(rows.nrows, rows.n, bs, chunk))
+    # NaN/inf are refused before anything reaches the caller: with a caller's `out` (a memmap into a file, say)
+    # by a scan before any write; otherwise each chunk is checked just before it is quantized, while it is in
+    # cache, and the fresh output is dropped on a failure.
+    fused = caller_out is None
+    if not fused and not all(finite(rows.get(*it)) for it in items):
+        _raise_non_finite(rows, qt, name)
 
     def run(item: tuple[int, int, int, int]) -> None:
         r0, r1, c0, c1 = item
         x = rows.get(r0, r1, c0, c1)
+        if fused and not finite(x):
+            raise _NonFinite
         dst = np.asarray(out2[r0:r1, c0 // bs * ts:c1 // bs * ts])  # a plain ndarray view, even of a memmap
         if qt == QType.F32:
             np.copyto(dst.view(np.float32), x)
@@ -233,16 +266,21 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
             kernel(x.reshape(-1, bs), q)
             dst[...] = q.reshape(dst.shape)
 
-    items = list(_work_items(rows.nrows, rows.n, bs, chunk))
     nw = cpu_count() if workers is None else max(1, int(workers))
     nw = min(nw, len(items))
-    if nw == 1:
-        for it in items:
-            run(it)
-    else:  # the kernels release the GIL: threads over row slices use nw cores
-        with ThreadPoolExecutor(max_workers=nw, thread_name_prefix="ktconvert-quant") as pool:
-            for _ in pool.map(run, items):
-                pass
+    try:
+        if nw == 1:
+            for it in items:
+                run(it)
+        else:  # the kernels release the GIL: threads over row slices use nw cores
+            pool = _pool(nw)
+            futures = [pool.submit(run, it) for it in items]
+            for f in futures:  # wait for every one (none keeps writing after we return), then raise the first error
+                f.exception()
+            for f in futures:
+                f.result()
+    except _NonFinite:
+        _raise_non_finite(rows, qt, name)
     return out
 
 

@@ -173,6 +173,17 @@ def _put16(out, b, at, h):
 
 
 @_njit(**_OPTS)
+def finite(x):
+    """Whether every element of the float32 2-D array is finite: one pass over the exponent bits (integer max,
+    so it vectorizes), fused with the quantization of the same chunk while it is in cache."""
+    acc = np.int64(0)
+    for r in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            acc = max(acc, np.int64(_f32_bits(x[r, c])) & 0x7F800000)
+    return acc < 0x7F800000
+
+
+@_njit(**_OPTS)
 def f16(x, out):
     """float32 rows -> fp16 bits (uint16, same shape)."""
     for r in range(x.shape[0]):
@@ -198,6 +209,7 @@ def q8_0(x, out):
 
 @_njit(inline="always", **_OPTS)
 def _signed_absmax(x, b):
+    """The value at the first index of max |x| (``if (amax < fabsf(v))`` from 0), +0.0 for an all-zero block."""
     amax = F0
     mx = F0
     for j in range(x.shape[1]):
@@ -210,15 +222,31 @@ def _signed_absmax(x, b):
 
 
 @_njit(inline="always", **_OPTS)
-def _min_max(x, b):
-    mn = F_FLT_MAX
-    mx = -F_FLT_MAX
+def _first_zero(x, b):
     for j in range(x.shape[1]):
-        v = x[b, j]
-        if v < mn:
-            mn = v
-        if v > mx:
-            mx = v
+        if x[b, j] == F0:
+            return x[b, j]
+    return F0
+
+
+@_njit(inline="always", **_OPTS)
+def _min_max(x, b):
+    """min and max as the C finds them from FLT_MAX / -FLT_MAX with strict ``<``/``>``: integer min/max over
+    order-preserving keys of the bits (vectorizes); when the result is a zero the C kept the first zero it met,
+    whose sign can differ from the key's."""
+    lo = np.int64(2147483647)
+    hi = np.int64(-2147483648)
+    for j in range(x.shape[1]):
+        i = np.int64(_f32_bits(x[b, j]))
+        k = i ^ ((i >> 31) & 0x7FFFFFFF)
+        lo = min(lo, k)
+        hi = max(hi, k)
+    mn = _bits_f32(lo ^ ((lo >> 31) & 0x7FFFFFFF))
+    mx = _bits_f32(hi ^ ((hi >> 31) & 0x7FFFFFFF))
+    if mn == F0:
+        mn = _first_zero(x, b)
+    if mx == F0:
+        mx = _first_zero(x, b)
     return mn, mx
 
 
