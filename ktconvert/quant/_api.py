@@ -28,11 +28,11 @@ from .errors import QuantError
 _CHUNK = 1 << 18
 
 # name of the kernel in ``_jit`` (float32 (n_blocks, block_size) -> uint8 (n_blocks, type_size), filled in
-# place), or None for F32/BF16 (converted with numpy straight into the output bytes); and the chunk size
+# place; F16/BF16: float32 (rows, n) -> uint16 (rows, n)), or None for F32 (copied with numpy); and the chunk size
 _QUANT: dict[QType, tuple[str | None, int]] = {
     QType.F32: (None, _CHUNK),
     QType.F16: ("f16", _CHUNK),
-    QType.BF16: (None, _CHUNK),
+    QType.BF16: ("bf16", _CHUNK),
     QType.Q8_0: ("q8_0", _CHUNK),
     QType.Q4_0: ("q4_0", _CHUNK),
     QType.Q4_1: ("q4_1", _CHUNK),
@@ -255,9 +255,7 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
         dst = np.asarray(out2[r0:r1, c0 // bs * ts:c1 // bs * ts])  # a plain ndarray view, even of a memmap
         if qt == QType.F32:
             np.copyto(dst.view(np.float32), x)
-        elif qt == QType.BF16:
-            np.copyto(dst.view(np.uint16), G.bf16_bits(x), casting="unsafe")
-        elif qt == QType.F16:
+        elif qt in (QType.F16, QType.BF16):
             kernel(x, dst.view(np.uint16))
         elif dst.flags.c_contiguous:  # whole rows: the kernel writes straight into the output
             kernel(x.reshape(-1, bs), dst.reshape(-1, ts))

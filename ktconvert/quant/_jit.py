@@ -184,6 +184,16 @@ def finite(x):
 
 
 @_njit(**_OPTS)
+def bf16(x, out):
+    """float32 rows -> bf16 bits (uint16), round to nearest even on the bit pattern (finite input, as checked
+    before: ggml_compute_fp32_to_bf16 without its NaN branch)."""
+    for r in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            u = np.int64(_f32_bits(x[r, c])) & 0xFFFFFFFF
+            out[r, c] = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+
+
+@_njit(**_OPTS)
 def f16(x, out):
     """float32 rows -> fp16 bits (uint16, same shape)."""
     for r in range(x.shape[0]):
