@@ -1,6 +1,6 @@
 """Compiled (numba) quantizers, byte-exact with ggml's ``quantize_row_*_ref``: scalar loops in the C's order.
 
-Why compiled: the numpy formulation (``_legacy``/``_kquants``) is bound by array passes whose cost varies with
+Why compiled: the earlier numpy formulation was bound by array passes whose cost varied with
 the CPU and numpy build; these loops do what the C does, element by element, so their speed tracks the C's on
 any machine, and they release the GIL so threads over row slices use every core.
 
