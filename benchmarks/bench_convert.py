@@ -19,6 +19,15 @@ with ``quantization_config``), so the run measures the exact dequantization on t
 
     python benchmarks/bench_convert.py [--dir DIR] [--size-gib 8] [--small-gib 2] [--type Q8_0] [--jobs 1 2]
                                        [--fp8] [--to gguf|hf]
+
+With ``--vs-llama`` it instead compares a whole Q4_K_M conversion with llama.cpp's own quantizer: the checkpoint
+is converted once to an F32 GGUF, then ``ktconvert quantize F32.gguf --recipe Q4_K_M --jobs N`` and
+``llama_model_quantize`` (llama-cpp-python's binding of the C entry point ``llama-quantize`` calls, built by
+tests/llamacpp_runner.py, ``nthread = N``) quantize that same file, interleaved, ``--repeat`` times each, page cache
+left warm for both; wall time and peak RSS (process tree) medians, and whether every tensor came out with the same
+type and bytes:
+
+    python benchmarks/bench_convert.py --vs-llama [--size-gib 1.5] [--threads N] [--repeat 3] [--max-memory 2GiB]
 """
 
 from __future__ import annotations
@@ -186,12 +195,13 @@ def _dir_bytes(path: Path) -> int:
     return total
 
 
-def measure(cmd: list[str], scratch: Path | None = None) -> dict:
-    """Run ``cmd`` as a fresh process (page cache dropped first when possible) and sample every 20 ms the RSS of its
-    process tree and, with ``scratch``, that directory's size (tmpfs pages are memory too). Exits on failure."""
-    dropped = _drop_caches()
+def measure(cmd: list[str], scratch: Path | None = None, drop: bool = True, env: dict | None = None) -> dict:
+    """Run ``cmd`` as a fresh process (page cache dropped first when possible and ``drop``) and sample every 20 ms the
+    RSS of its process tree and, with ``scratch``, that directory's size (tmpfs pages are memory too). Exits on
+    failure."""
+    dropped = _drop_caches() if drop else False
     t0 = time.monotonic()
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     peak, shm = [0], [0]
     stop = threading.Event()
 
@@ -233,6 +243,83 @@ def run(src: Path, out: Path, qtype: str, jobs: int, budget: str, to: str = "ggu
             "peak_rss_parent_mib": m["peak_rss_parent_mib"], "page_cache_dropped": m["page_cache_dropped"]}
 
 
+LLAMA_QUANTIZE = r"""
+import json, sys
+import llama_cpp
+spec = json.loads(sys.argv[1])
+params = llama_cpp.llama_model_quantize_default_params()
+params.ftype = spec["ftype"]
+params.nthread = spec["nthread"]
+rc = llama_cpp.llama_model_quantize(spec["inp"].encode(), spec["out"].encode(), params)
+sys.exit(0 if rc == 0 else 7)
+"""
+
+
+def _same_tensors(a: Path, b: Path) -> tuple[int, int]:
+    """(tensors with the same name, type and bytes in both GGUFs, tensors in ``b``)."""
+    from gguf import GGUFReader
+
+    ta = {t.name: t for t in GGUFReader(a).tensors}
+    tb = GGUFReader(b).tensors
+    same = sum(1 for t in tb if t.name in ta and ta[t.name].tensor_type == t.tensor_type
+               and np.array_equal(np.asarray(ta[t.name].data).view(np.uint8), np.asarray(t.data).view(np.uint8)))
+    return same, len(tb)
+
+
+def vs_llama(args, base: Path) -> dict:
+    """ktconvert's Q4_K_M conversion against llama_model_quantize on the same F32 GGUF, same thread count."""
+    import statistics
+
+    from gguf import LlamaFileType
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import llamacpp_runner
+
+    target = llamacpp_runner.ensure_built()
+    threads = args.threads or len(os.sched_getaffinity(0))
+    src = base / "ckpt"
+    layers = layers_for(args.size_gib)
+    write_checkpoint(src, layers)
+    f32 = base / "f32"
+    subprocess.run([sys.executable, "-m", "ktconvert", "quantize", str(src), str(f32), "--type", "F32",
+                    "--max-memory", args.max_memory, "--jobs", str(threads), "--no-tokenizer"], check=True,
+                   capture_output=True)
+    shutil.rmtree(src)
+    gguf_in = f32 / "model.gguf"
+    ours_cmd = [sys.executable, "-m", "ktconvert", "quantize", str(gguf_in), str(base / "ours"), "--recipe", "Q4_K_M",
+                "--max-memory", args.max_memory, "--jobs", str(threads), "--force", "-o", "json"]
+    spec = json.dumps({"inp": str(gguf_in), "out": str(base / "llama.gguf"), "nthread": threads,
+                       "ftype": int(LlamaFileType.MOSTLY_Q4_K_M)})
+    llama_cmd = [sys.executable, "-c", LLAMA_QUANTIZE, spec]
+    llama_env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
+    runs: dict[str, list[dict]] = {"ktconvert": [], "llama_model_quantize": []}
+    for r in range(args.repeat):
+        order = ["ktconvert", "llama_model_quantize"] if r % 2 == 0 else ["llama_model_quantize", "ktconvert"]
+        for who in order:
+            m = measure(ours_cmd, drop=False) if who == "ktconvert" else measure(llama_cmd, drop=False, env=llama_env)
+            runs[who].append({"wall_s": m["wall_s"], "peak_rss_mib": m["peak_rss_mib"]})
+            print(json.dumps({"run": r, "who": who, **runs[who][-1]}), flush=True)
+    same, total = _same_tensors(base / "ours" / "model.gguf", base / "llama.gguf")
+    med = {who: {k: statistics.median(x[k] for x in v) for k in ("wall_s", "peak_rss_mib")} for who, v in runs.items()}
+    return {"cpu": _cpu_model(), "threads": threads, "repeat": args.repeat, "max_memory": args.max_memory,
+            "f32_gguf_gib": round(gguf_in.stat().st_size / 2**30, 2), "layers": layers,
+            "ktconvert_command": " ".join(["ktconvert", *ours_cmd[3:]]), "median": med,
+            "speedup": round(med["llama_model_quantize"]["wall_s"] / med["ktconvert"]["wall_s"], 2),
+            "tensors_identical": f"{same}/{total}", "runs": runs,
+            "load_average_end": round(os.getloadavg()[0], 2)}
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown"
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)")
@@ -243,7 +330,17 @@ def main(argv=None) -> None:
     ap.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--fp8", action="store_true", help="an FP8 block-scaled checkpoint (F8_E4M3 + F32 _scale_inv)")
     ap.add_argument("--to", choices=["gguf", "hf"], default="gguf", help="hf: the Hugging Face form (--type BF16)")
+    ap.add_argument("--vs-llama", action="store_true", help="Q4_K_M: ktconvert vs llama_model_quantize, same threads")
+    ap.add_argument("--threads", type=int, default=0, help="--vs-llama: --jobs / nthread (default: every core)")
+    ap.add_argument("--repeat", type=int, default=3, help="--vs-llama: runs of each, interleaved")
     args = ap.parse_args(argv)
+    if args.vs_llama:
+        base = Path(tempfile.mkdtemp(prefix="bench-vs-llama-", dir=args.dir))
+        try:
+            print(json.dumps(vs_llama(args, base), indent=2))
+        finally:
+            shutil.rmtree(base, ignore_errors=True)
+        return
 
     base = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.dir))
     try:

@@ -1,19 +1,29 @@
-"""Quantizer throughput: ktconvert (one core and all cores) vs the ``gguf`` package vs ggml's C reference.
+"""Quantizer throughput, ours vs ggml's C reference vs the ``gguf`` package, on one core and on all cores.
 
-MB/s are megabytes (1e6) of float32 input per second, best of ``--repeat`` runs after a warm-up, all
-measured in this one process on the same array. Single-threaded columns divide by CPU seconds (the
-per-core speed, robust to other processes sharing the machine); the all-cores column by wall seconds. The C reference is ``ggml_quantize_chunk`` (no
-importance matrix) from the pinned ggml built by ``tests/ggml_ref.py``, called single-threaded through
-ctypes; torch is limited to one intra-op thread so "1 core" really is one core.
+Per type, in one run on the same array: ours on 1 core vs ``ggml_quantize_chunk`` on 1 thread; ours on N cores
+(``quantize_parallel``, threads over row slices) vs the C on N threads (``ggml_quantize_chunk`` on N row slices
+from N Python threads: ctypes releases the GIL, so this is the C's own multi-core speed); and
+``gguf.quants.quantize`` where it implements the type. The C is the pinned ggml built by ``tests/ggml_ref.py``
+(no importance matrix: the path ``llama-quantize`` takes without one).
 
-    python benchmarks/bench_quant.py [--rows 1024] [--cols 4096] [--repeat 3] [--types Q4_K,Q6_K]
+The measurements are interleaved (ours, C, ours, C, ... within each repeat), so a machine shared with other
+work slows both sides alike, and the medians of ``--repeat`` runs are reported after a warm-up run of each
+(which also compiles our kernels or loads them from numba's cache). The 1-core columns are MB per CPU-second of
+this process (the per-core speed, robust to waiting for a shared core), the N-core columns MB per wall second.
+MB are 1e6 bytes of float32 input.
+
+    python benchmarks/bench_quant.py [--rows 1024] [--cols 4096] [--repeat 5] [--threads N] [--types Q4_K,Q6_K]
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import platform
+import statistics
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -27,20 +37,41 @@ from ktconvert import quant as Q  # noqa: E402
 ALL = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
 
 
-def best_time(fn, repeat: int, clock=time.perf_counter) -> float:
-    fn()  # warm-up (imports, allocator, caches)
-    best = float("inf")
-    for _ in range(repeat):
-        t0 = clock()
-        fn()
-        best = min(best, clock() - t0)
-    return best
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
-def cpu_time(fn, repeat: int) -> float:
-    """Best CPU seconds of this process: for single-threaded runs, MB per CPU-second is the per-core
-    speed even when other processes share the cores (wall time would count their turns too)."""
-    return best_time(fn, repeat, time.process_time)
+def c_threads(ref, x: np.ndarray, qt, nthreads: int, pool: ThreadPoolExecutor | None) -> np.ndarray:
+    """``ggml_quantize_chunk`` on ``nthreads`` row slices of ``x`` at once, into one output (as llama.cpp's
+    quantizer splits a tensor's rows between its threads)."""
+    n = x.shape[-1]
+    nrows = x.size // n
+    out = np.empty((nrows, ref.lib.ggml_row_size(int(qt), n)), dtype=np.uint8)
+    ref.lib.ggml_quantize_init(int(qt))
+
+    def part(k: int) -> None:
+        r0, r1 = nrows * k // nthreads, nrows * (k + 1) // nthreads
+        if r1 > r0:
+            ref.lib.ggml_quantize_chunk(int(qt), x.ctypes.data, out.ctypes.data, r0 * n, r1 - r0, n, None)
+
+    if pool is None:
+        part(0)
+    else:
+        list(pool.map(part, range(nthreads)))
+    return out
+
+
+def timed(fn, clock) -> float:
+    t0 = clock()
+    fn()
+    return clock() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,62 +79,80 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", type=int, default=1024)
     ap.add_argument("--cols", type=int, default=4096)
     ap.add_argument("--repeat", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=0, help="threads for the N-core columns (default: every core)")
     ap.add_argument("--types", default=",".join(ALL))
-    ap.add_argument("--no-ref", action="store_true", help="skip the C reference column")
+    ap.add_argument("--no-ref", action="store_true", help="skip the C reference columns")
     args = ap.parse_args(argv)
 
-    import torch
+    import numba
     from gguf import quants as gq
 
-    torch.set_num_threads(1)
     x = (np.random.default_rng(0).standard_normal((args.rows, args.cols)) * 0.02).astype(np.float32)
     mb = x.nbytes / 1e6
-    ref = None
-    ref_note = "skipped (--no-ref)"
+    nthr = args.threads or Q.cpu_count()
+    ref, ref_note = None, "skipped (--no-ref)"
     if not args.no_ref:
         try:
             import ggml_ref
 
             ref = ggml_ref.load()
-            ref_note = f"ggml from llama-cpp-python {ggml_ref.LLAMA_CPP_PYTHON_VERSION} ({ref.path.name})"
-        except Exception as exc:  # noqa: BLE001 - the table is still useful without the C column
+            ref_note = f"ggml from llama-cpp-python {ggml_ref.LLAMA_CPP_PYTHON_VERSION}, built by tests/ggml_ref.py"
+        except Exception as exc:  # noqa: BLE001 - the table is still useful without the C columns
             ref_note = f"unavailable: {str(exc).splitlines()[0]}"
-    ncores = Q.cpu_count()
 
-    def fmt(v: float | None, note: str = "-") -> str:
-        return f"{v:9.1f}" if v is not None else f"{note:>9}"
-
-    import os
-
-    print(f"input: float32 {args.rows}x{args.cols} ({mb:.1f} MB), gaussian*0.02, best of {args.repeat}; "
-          f"{ncores} cores; numpy {np.__version__}, torch {torch.__version__}; "
+    print(f"CPU: {cpu_model()}, {Q.cpu_count()} cores usable; N = {nthr} threads")
+    print(f"input: float32 {args.rows}x{args.cols} ({mb:.1f} MB), gaussian*0.02; median of {args.repeat} interleaved "
+          f"runs after a warm-up; numpy {np.__version__}, numba {numba.__version__}; "
           f"load average {os.getloadavg()[0]:.2f} at start")
     print(f"C reference: {ref_note}")
-    print("single-threaded columns: MB per CPU-second (per-core speed); all-cores column: MB per wall second")
-    head = (f"| {'type':5} | {'ours 1 core':>11} | {'ours ' + str(ncores) + ' cores':>12} | {'gguf':>9} | "
-            f"{'C ref 1 thr':>11} | {'ours/C':>6} | {'ours/gguf':>9} |")
-    print(head)
-    print("|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|")
+    print("1-core columns: MB per CPU-second; N-core columns: MB per wall second")
+    cols = ["type", "ours 1c", "C 1t", "ours/C 1", f"ours {nthr}c", f"C {nthr}t", f"ours/C {nthr}", "gguf 1c",
+            "ours/gguf"]
+    widths = [5, 9, 9, 8, 9, 9, 8, 9, 9]
+    print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(cols, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    pool = ThreadPoolExecutor(max_workers=nthr) if nthr > 1 else None
+    cpu, wall = time.process_time, time.perf_counter
     for name in args.types.split(","):
         qt = Q.as_qtype(name)
-        ours1 = mb / cpu_time(lambda: Q.quantize(x, qt, workers=1), args.repeat)
-        oursn = mb / best_time(lambda: Q.quantize_parallel(x, qt), args.repeat)
-        gg = None
-        gg_note = "-"
-        if qt.name == "F32":
-            gg_note = "no-op"  # gguf returns the float32 input itself: nothing to compare
-        else:
+        has_gguf = qt.name != "F32"  # gguf returns F32 input itself: nothing to time
+        if has_gguf:
             try:
                 gq.quantize(x[:1], qt)
-                gg = mb / cpu_time(lambda: gq.quantize(x, qt), args.repeat)
             except NotImplementedError:
-                pass
-        cr = mb / cpu_time(lambda: ref.quantize(x, qt), args.repeat) if ref is not None else None
-        r_c = f"{ours1 / cr:6.2f}" if cr else f"{'-':>6}"
-        r_g = f"{ours1 / gg:9.2f}" if gg else f"{'-':>9}"
-        print(f"| {qt.name:5} | {fmt(ours1):>11} | {fmt(oursn):>12} | {fmt(gg, gg_note)} | {fmt(cr):>11} | {r_c} | {r_g} |",
-              flush=True)
-    print(f"load average {os.getloadavg()[0]:.2f} at end (other processes share these cores: all numbers move with it)")
+                has_gguf = False
+        runs = {
+            "o1": (lambda: Q.quantize(x, qt, workers=1), cpu),
+            "oN": (lambda: Q.quantize_parallel(x, qt, workers=nthr), wall),
+        }
+        if ref is not None:
+            runs["c1"] = (lambda: c_threads(ref, x, qt, 1, None), cpu)
+            runs["cN"] = (lambda: c_threads(ref, x, qt, nthr, pool), wall)
+        if has_gguf:
+            runs["g1"] = (lambda: gq.quantize(x, qt), cpu)
+        for fn, _ in runs.values():
+            fn()  # warm-up: compile or load our kernel, fault in the output pages
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for r in range(args.repeat):
+            order = list(runs) if r % 2 == 0 else list(reversed(runs))
+            for k in order:
+                fn, clock = runs[k]
+                times[k].append(timed(fn, clock))
+        med = {k: mb / statistics.median(v) for k, v in times.items()}
+
+        def cell(k: str) -> str:
+            return f"{med[k]:.1f}" if k in med else "-"
+
+        def ratio(a: str, b: str) -> str:
+            return f"{med[a] / med[b]:.2f}" if a in med and b in med else "-"
+
+        row = [qt.name, cell("o1"), cell("c1"), ratio("o1", "c1"), cell("oN"), cell("cN"), ratio("oN", "cN"),
+               cell("g1"), ratio("o1", "g1")]
+        print("| " + " | ".join(f"{c:>{w}}" for c, w in zip(row, widths)) + " |", flush=True)
+    if pool is not None:
+        pool.shutdown()
+    print(f"load average {os.getloadavg()[0]:.2f} at end (other processes share these cores: every number moves "
+          f"with it; the ratios less, since both sides are measured interleaved)")
     return 0
 
 

@@ -155,19 +155,24 @@ def test_parallel_entry_point_uses_the_requested_threads_and_matches(monkeypatch
     from ktconvert.quant import _api
 
     seen = set()
-    kernel, _ = _api._QUANT[T.Q8_0]
+    real = _api._kernel
 
-    def spy(x):
-        seen.add(threading.current_thread().name)
-        return kernel(x)
+    def spy_kernel(name):
+        kernel = real(name)
 
-    monkeypatch.setitem(_api._QUANT, T.Q8_0, (spy, 4096))
+        def spy(*args):
+            seen.add(threading.current_thread().name)
+            return kernel(*args)
+        return spy
+
+    monkeypatch.setattr(_api, "_kernel", spy_kernel)
+    monkeypatch.setitem(_api._QUANT, T.Q8_0, (_api._QUANT[T.Q8_0][0], 4096))
     x = np.random.default_rng(9).standard_normal((64, 1024)).astype(np.float32)
     a = Q.quantize(x, T.Q8_0, workers=1)
-    assert len(seen) == 1 and all(n.startswith("ktconvert-quant") for n in seen)
+    assert seen == {threading.current_thread().name}  # one worker: the caller's own thread
     seen.clear()
     b = Q.quantize_parallel(x, T.Q8_0, workers=4)
-    assert len(seen) > 1
+    assert len(seen) > 1 and all(n.startswith("ktconvert-quant") for n in seen)
     assert np.array_equal(a, b)
     assert Q.cpu_count() >= 1
 

@@ -5,14 +5,15 @@ Conventions follow ``gguf.quants``: rows run along the last axis, quantized data
 
 * :func:`quantize` / :func:`quantize_parallel`: F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K..Q6_K,
   byte-for-byte what ggml's reference path (``llama-quantize`` without an importance matrix) writes on
-  x86-64. Chunked (bounded memory), vectorised with numpy, optionally threaded over chunks.
+  x86-64. Compiled with numba (``_jit``: the C's scalar loops, fastmath off), chunked (bounded memory), and
+  threaded over row slices without the GIL (``workers``).
 * :func:`dequantize`: those types plus every type the installed ``gguf`` package can decode.
 * Shape helpers: :func:`block_size`, :func:`type_size`, :func:`row_ok`, :func:`check_row`,
   :func:`byte_shape`, :func:`elem_shape`.
 
 Every failure is a :class:`QuantError` (an ``InputError``, exit 3) raised before any work starts.
-Importing this package is light; numpy work starts on the first call and torch is imported only
-when a quantizer runs.
+Importing this package is light: numba is imported by the first quantization, and each kernel is compiled
+(or loaded from numba's on-disk cache) on its first call, so a process pays only for the types it uses.
 """
 
 from __future__ import annotations

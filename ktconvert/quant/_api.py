@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from functools import lru_cache
 from typing import Any, Callable, Iterator
@@ -11,7 +12,6 @@ import numpy as np
 
 from . import _kquants as K
 from . import _legacy as G
-from ._fp import check_reduce_order
 from ._types import (
     QUANTIZABLE,
     QType,
@@ -23,31 +23,37 @@ from ._types import (
 )
 from .errors import QuantError
 
-# Elements per kernel call: large enough to amortise numpy's per-call overhead over the small per-block
-# arrays, small enough that a worker's temporaries stay in a few MB (L2/L3). Tuned with
-# benchmarks/bench_quant.py on the project's 2-core x86-64 machines.
-_LEGACY_CHUNK = 1 << 18
-_KQ_CHUNK = 1 << 18
-_FLOAT_CHUNK = 1 << 20
+# Elements per work item: one item is one compiled-kernel call on one thread; about 1 MB of float32 keeps the
+# per-item overhead (< 0.1 ms) small against the fastest type and leaves enough items to balance threads.
+_CHUNK = 1 << 18
 
-# kernel(float32 (n_blocks, block_size)) -> uint8 (n_blocks, type_size); None: a float type, converted
-# straight into the output bytes by quantize()
-_QUANT: dict[QType, tuple[Callable[[np.ndarray], np.ndarray] | None, int]] = {
-    QType.F32: (None, _FLOAT_CHUNK),
-    QType.F16: (None, _FLOAT_CHUNK),
-    QType.BF16: (None, _FLOAT_CHUNK),
-    QType.Q8_0: (G.quantize_q8_0, _LEGACY_CHUNK),
-    QType.Q4_0: (G.quantize_q4_0, _LEGACY_CHUNK),
-    QType.Q4_1: (G.quantize_q4_1, _LEGACY_CHUNK),
-    QType.Q5_0: (G.quantize_q5_0, _LEGACY_CHUNK),
-    QType.Q5_1: (G.quantize_q5_1, _LEGACY_CHUNK),
-    QType.Q2_K: (K.quantize_q2_k, _KQ_CHUNK),
-    QType.Q3_K: (K.quantize_q3_k, _KQ_CHUNK),
-    QType.Q4_K: (K.quantize_q4_k, _KQ_CHUNK),
-    QType.Q5_K: (K.quantize_q5_k, _KQ_CHUNK),
-    QType.Q6_K: (K.quantize_q6_k, _KQ_CHUNK),
+# name of the kernel in ``_jit`` (float32 (n_blocks, block_size) -> uint8 (n_blocks, type_size), filled in
+# place; F16/BF16: float32 (rows, n) -> uint16 (rows, n)), or None for F32 (copied with numpy); and the chunk size
+_QUANT: dict[QType, tuple[str | None, int]] = {
+    QType.F32: (None, _CHUNK),
+    QType.F16: ("f16", _CHUNK),
+    QType.BF16: ("bf16", _CHUNK),
+    QType.Q8_0: ("q8_0", _CHUNK),
+    QType.Q4_0: ("q4_0", _CHUNK),
+    QType.Q4_1: ("q4_1", _CHUNK),
+    QType.Q5_0: ("q5_0", _CHUNK),
+    QType.Q5_1: ("q5_1", _CHUNK),
+    QType.Q2_K: ("q2_k", _CHUNK),
+    QType.Q3_K: ("q3_k", _CHUNK),
+    QType.Q4_K: ("q4_k", _CHUNK),
+    QType.Q5_K: ("q5_k", _CHUNK),
+    QType.Q6_K: ("q6_k", _CHUNK),
 }
 assert set(_QUANT) == QUANTIZABLE
+
+
+def _kernel(name: str) -> Callable[[np.ndarray, np.ndarray], None]:
+    """The compiled kernel ``name``; numba is imported on the first quantization, and each kernel compiled (or
+    loaded from numba's cache) on its first call, so a process pays only for the types it uses."""
+    from . import _jit
+
+    return getattr(_jit, name)
+
 
 _DEQUANT: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
     QType.F32: G.dequantize_f32,
@@ -160,10 +166,29 @@ class _Rows:
         return None
 
 
-def _single_threaded_torch() -> None:
-    import torch
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+_POOL_LOCK = threading.Lock()
 
-    torch.set_num_threads(1)
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    """A process-wide pool of ``n`` quantizer threads, started once: a fresh pool per call costs thread starts
+    that, on a busy machine, outweigh the work of a small tensor. Each ``n`` asked for keeps its own pool, so
+    ``workers`` is exactly the number of threads a call uses."""
+    with _POOL_LOCK:
+        pool = _POOLS.get(n)
+        if pool is None:
+            pool = _POOLS[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="ktconvert-quant")
+        return pool
+
+
+class _NonFinite(Exception):
+    """A chunk holds a NaN/inf (internal: turned into a QuantError naming the first one)."""
+
+
+def _raise_non_finite(rows: _Rows, qt: QType, name: str | None) -> None:
+    bad = rows.first_non_finite(1 << 22)
+    raise QuantError(f"non-finite value at index {bad}; {qt.name} quantization needs finite weights",
+                     where=name, fix="fix or drop the NaN/inf in the source tensor before quantizing")
 
 
 def _work_items(nrows: int, n: int, bs: int, chunk: int) -> Iterator[tuple[int, int, int, int]]:
@@ -198,12 +223,9 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
                          fix="choose one of " + ", ".join(sorted(t.name for t in QUANTIZABLE)))
     rows = _Rows(data, qt, name)
     check_row(rows.n, qt, name=name)
-    bad = rows.first_non_finite(1 << 22)
-    if bad is not None:
-        raise QuantError(f"non-finite value at index {bad}; {qt.name} quantization needs finite weights",
-                         where=name, fix="fix or drop the NaN/inf in the source tensor before quantizing")
     bs, ts = block_size(qt), type_size(qt)
     bshape = (*rows.shape[:-1], rows.n // bs * ts)
+    caller_out = out
     if out is None:
         out = np.empty(bshape, dtype=np.uint8)
     elif out.dtype != np.uint8 or tuple(out.shape) != bshape:
@@ -214,40 +236,49 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
     out2 = out.reshape(rows.nrows, bshape[-1])
     if not np.may_share_memory(out2, out):
         raise QuantError("out must be C-contiguous", where=name, fix="allocate out with np.empty or a memmap")
-    kernel, chunk = _QUANT[qt]
-    check_reduce_order()
+    kname, chunk = _QUANT[qt]
+    kernel = _kernel(kname) if kname is not None else None
+    finite = _kernel("finite")
+    items = list(_work_items(rows.nrows, rows.n, bs, chunk))
+    # NaN/inf are refused before anything reaches the caller: with a caller's `out` (a memmap into a file, say)
+    # by a scan before any write; otherwise each chunk is checked just before it is quantized, while it is in
+    # cache, and the fresh output is dropped on a failure.
+    fused = caller_out is None
+    if not fused and not all(finite(rows.get(*it)) for it in items):
+        _raise_non_finite(rows, qt, name)
 
     def run(item: tuple[int, int, int, int]) -> None:
         r0, r1, c0, c1 = item
         x = rows.get(r0, r1, c0, c1)
-        if kernel is None:  # float types: convert straight into the output bytes
-            dst = out2[r0:r1, c0 * ts:c1 * ts]
-            if qt == QType.BF16:
-                np.copyto(dst.view(np.uint16), G.bf16_bits(x), casting="unsafe")
-            elif qt == QType.F16:  # torch's f32->f16 is IEEE round-to-nearest-even (F16C), 10x numpy's
-                import torch
+        if fused and not finite(x):
+            raise _NonFinite
+        dst = np.asarray(out2[r0:r1, c0 // bs * ts:c1 // bs * ts])  # a plain ndarray view, even of a memmap
+        if qt == QType.F32:
+            np.copyto(dst.view(np.float32), x)
+        elif qt in (QType.F16, QType.BF16):
+            kernel(x, dst.view(np.uint16))
+        elif dst.flags.c_contiguous:  # whole rows: the kernel writes straight into the output
+            kernel(x.reshape(-1, bs), dst.reshape(-1, ts))
+        else:  # part of a row longer than a chunk
+            q = np.empty((x.size // bs, ts), dtype=np.uint8)
+            kernel(x.reshape(-1, bs), q)
+            dst[...] = q.reshape(dst.shape)
 
-                torch.from_numpy(dst.view(np.float16)).copy_(torch.from_numpy(x))
-            else:
-                np.copyto(dst.view(np.float32), x)
-            return
-        with np.errstate(all="ignore"):  # overflow/NaN inside the search is part of the C's behaviour
-            q = kernel(x.reshape(-1, bs))
-        out2[r0:r1, c0 // bs * ts:c1 // bs * ts] = q.reshape(r1 - r0, -1)
-
-    items = list(_work_items(rows.nrows, rows.n, bs, chunk))
     nw = cpu_count() if workers is None else max(1, int(workers))
     nw = min(nw, len(items))
-    # Kernels always run in our own threads, each limited to one torch intra-op thread (a per-thread
-    # setting with torch's OpenMP backend), so `workers` is the number of cores used and the caller's
-    # torch threading is left alone.
-    with ThreadPoolExecutor(max_workers=nw, thread_name_prefix="ktconvert-quant",
-                            initializer=_single_threaded_torch) as pool:
+    try:
         if nw == 1:
-            pool.submit(lambda: [run(it) for it in items]).result()
-        else:
-            for _ in pool.map(run, items):
-                pass
+            for it in items:
+                run(it)
+        else:  # the kernels release the GIL: threads over row slices use nw cores
+            pool = _pool(nw)
+            futures = [pool.submit(run, it) for it in items]
+            for f in futures:  # wait for every one (none keeps writing after we return), then raise the first error
+                f.exception()
+            for f in futures:
+                f.result()
+    except _NonFinite:
+        _raise_non_finite(rows, qt, name)
     return out
 
 
