@@ -26,8 +26,10 @@ from click.testing import CliRunner
 from convert_helpers import tiny, tree_bytes
 from ktconvert.cli import cli
 
-Q4K = ["--type", "Q4_K", "--max-memory", "4MiB"]  # 65 units at -j 2, most 0.05-0.1 s: a kill lands inside one
-RSS_BUDGET, RSS_JOBS = 768 * 2**20, 2  # the RSS test's --max-memory and --jobs: 384 MiB asked per task
+Q4K = ["--type", "Q4_K", "--max-memory", "4MiB"]  # the local reference: 45 units
+RAY = ["--type", "Q4_K", "--max-memory", "1GiB", "-j", "2", "--executor", "ray"]  # 512 MiB asked per task; 27 units,
+# most 0.05-0.1 s: a kill lands inside one
+RSS_BUDGET, RSS_JOBS = 2**30, 2
 
 
 def _ray():
@@ -68,9 +70,9 @@ def _quantize(src, out, *args):
 
 
 def test_gguf_is_byte_identical_to_local(cluster, src, local_q4k, tmp_path):
-    res = _quantize(src, tmp_path / "out", *Q4K, "-j", "2", "--executor", "ray", "-o", "json")
+    res = _quantize(src, tmp_path / "out", *RAY, "-o", "json")
     assert res.exit_code == 0, res.output
-    assert json.loads(res.stdout)["units"] == 65  # 45 at -j 1: each of 2 tasks gets half the budget
+    assert json.loads(res.stdout)["units"] == 27  # one per tensor here; 45 in the local run: the bytes do not care
     assert tree_bytes(tmp_path / "out") == local_q4k
 
 
@@ -121,7 +123,7 @@ def _run_with_a_kill(src, out, *extra):
     killer = threading.Thread(target=_kill_one_mid_task, args=(stop, killed), daemon=True)
     killer.start()
     try:
-        res = _quantize(src, out, *Q4K, "-j", "2", "--executor", "ray", *extra)
+        res = _quantize(src, out, *RAY, *extra)
     finally:
         stop.set()
         killer.join()
@@ -184,15 +186,15 @@ def test_resume_continues_a_run_of_the_other_executor(cluster, src, local_q4k, t
     from ktconvert.convert import convert
 
     out = tmp_path / "out"
-    jobs = {"local": 1, "ray": 2}  # the units are the first run's (45 at -j 1, 65 at -j 2), whoever resumes
+    runs = {"local": dict(max_memory="4MiB", jobs=1), "ray": dict(max_memory="1GiB", jobs=2)}
     with pytest.raises(KeyboardInterrupt):
-        convert(src, out, type="Q4_K", max_memory="4MiB", jobs=jobs[first], executor=first,
-                progress=_interrupt_after(10))
-    journal = tmp_path / ".out.ktconvert-partial" / ".ktconvert" / "journal"
-    done = len(journal.read_text().splitlines())
-    assert 5 <= done < 45 and not out.exists()
-    result = convert(src, out, type="Q4_K", max_memory="4MiB", jobs=jobs[then], executor=then, resume=True)
-    assert result.units_resumed == done and result.units == (45 if first == "local" else 65) - done
+        convert(src, out, type="Q4_K", executor=first, progress=_interrupt_after(10), **runs[first])
+    partial = tmp_path / ".out.ktconvert-partial" / ".ktconvert"
+    units = len(json.loads((partial / "state.json").read_text())["units"])  # the first run's, whoever resumes
+    done = len((partial / "journal").read_text().splitlines())
+    assert 5 <= done < units and not out.exists()
+    result = convert(src, out, type="Q4_K", executor=then, resume=True, **runs[then])
+    assert result.units_resumed == done and result.units == units - done
     assert tree_bytes(out) == local_q4k
 
 
@@ -216,10 +218,19 @@ def test_worker_peak_rss_stays_inside_its_task_request(cluster, src, tmp_path):
     assert max(peaks.values()) <= asked, peaks
 
 
-def test_a_task_no_node_can_hold_is_refused_before_writing(cluster, src, tmp_path):
-    res = _quantize(src, tmp_path / "out", "--type", "Q8_0", "--max-memory", "4TiB", "--executor", "ray")
-    assert res.exit_code == 3 and "no node of the cluster offers that much" in res.stderr, res.output
-    assert not (tmp_path / "out").exists() and not (tmp_path / ".out.ktconvert-partial").exists()
+def test_ray_units_leave_room_for_the_worker_and_too_little_is_refused(cluster, src, tmp_path):
+    """A Ray task's request is its whole --max-memory share, so its units are sized to that share less the worker
+    process's own memory (RAY_WORKER_RESERVE): a share below that is refused, as is one no node can give."""
+    from ktconvert.convert import plan_conversion
+    from ktconvert.convert.execute import RAY_WORKER_RESERVE, make_units
+
+    plan = plan_conversion(src, type="Q4_K")
+    assert make_units(plan, 2 * (RAY_WORKER_RESERVE + 2**21), 2, RAY_WORKER_RESERVE) == make_units(plan, 2**22, 2)
+    for budget, code, says in (("512MiB", 2, "with 384 MiB for each Ray worker process"),
+                               ("4TiB", 3, "no node of the cluster offers that much")):
+        res = _quantize(src, tmp_path / "out", "--type", "Q8_0", "--max-memory", budget, "-j", "2", "--executor", "ray")
+        assert res.exit_code == code and says in res.stderr and len(res.stderr.splitlines()) == 1, res.output
+        assert not (tmp_path / "out").exists() and not (tmp_path / ".out.ktconvert-partial").exists()
 
 
 # --- the gate -------------------------------------------------------------------------------------------------------

@@ -42,6 +42,10 @@ from ktconvert.io.dtypes import FLOAT_DTYPES
 STATE_DIR = ".ktconvert"
 UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
 SYNC_EVERY_S = 1.0
+#: what a Ray worker process holds besides its unit (Python, ray, numpy, torch, ktconvert): its task asks Ray for
+#: ``max_memory / jobs`` in all, so its units get that share less this. Measured: 314-345 MiB peak converting the
+#: tiny model (tests/test_ray.py), about 80 MiB for an idle worker.
+RAY_WORKER_RESERVE = 384 * 1024**2
 
 Progress = Callable[[int, int], None]
 
@@ -67,19 +71,22 @@ class RunResult:
     in_bytes: int
 
 
-def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
+def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0) -> list[Unit]:
     """Split every tensor into runs of rows whose working set fits ``max_memory / jobs`` (and :data:`UNIT_CAP`).
 
     The working set of a converted row is its float32 copy twice (decode and assembly) plus its input and output
     bytes; a copied row is its bytes once, plus two float32 copies when it is a float checked for NaN/Inf. The budget is halved once more for numpy's transient copies.
+    ``reserve``: bytes of each job's share its process needs for itself (:data:`RAY_WORKER_RESERVE` for a Ray
+    task, whose memory request is the whole share).
     """
     jobs = max(1, jobs)
-    need = max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2 * jobs
+    need = (max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2 + reserve) * jobs
     if max_memory < need:
-        least = f"{-(-need // 1024)}KiB"
+        least = f"{-(-need // 1024)}KiB" if need < 2**30 else f"{-(-need // 2**20)}MiB"
+        per = f", with {format_size(reserve)} for each Ray worker process," if reserve else ""
         raise UsageProblem(f"--max-memory {format_size(max_memory)} is below the minimum {least}: one row of the "
-                           f"widest tensor with {jobs} job(s) needs that much", fix=f"pass --max-memory {least} or more")
-    budget = max(1, min(UNIT_CAP, max_memory // jobs // 2))
+                           f"widest tensor with {jobs} job(s){per} needs that much", fix=f"pass --max-memory {least} or more")
+    budget = max(1, min(UNIT_CAP, (max_memory // jobs - reserve) // 2))
     units = []
     for ti, t in enumerate(plan.tensors):
         rows = t.rows if t.shape else 1
@@ -100,7 +107,8 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
 
 
 def ray_task_memory(max_memory: int, jobs: int) -> int:
-    """The memory one Ray task asks for: its share of ``max_memory``, which :func:`make_units` sized units to fit."""
+    """The memory one Ray task asks for: its share of ``max_memory``, which :func:`make_units` sized the units to
+    fit together with the worker process itself (:data:`RAY_WORKER_RESERVE`)."""
     return max(1, max_memory // max(1, jobs))
 
 
@@ -254,7 +262,7 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
             _prepare_files(plan, partial, fresh=False)
             _check_done(plan, units, done)
         else:
-            units, done = make_units(plan, max_memory, jobs), {}
+            units, done = make_units(plan, max_memory, jobs, RAY_WORKER_RESERVE if executor == "ray" else 0), {}
             _check_space(plan, out)
             partial.mkdir(parents=True)
             state.create(plan, units, fingerprint)
