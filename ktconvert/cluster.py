@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import errno
 import logging
+import socket
 from collections import deque
 from typing import Any, Callable, Iterable
 
@@ -21,6 +22,7 @@ from ktconvert.optional import require
 EXECUTORS = ("local", "ray")
 MAX_RETRIES = 3
 INSTALL = "pip install 'ktconvert[ray]'"
+PROBE_TIMEOUT_S = 5
 #: OSError numbers that a shared filesystem gives for a moment and then not (a stale NFS handle, a timeout)
 TRANSIENT_ERRNOS = (errno.ESTALE, errno.ETIMEDOUT, errno.EIO, errno.ECONNRESET, errno.EHOSTUNREACH)
 
@@ -45,6 +47,7 @@ def connect(address: str | None = None) -> Any:
     """The ``ray`` module, connected: to ``address`` (``auto``, ``HOST:PORT``, ``ray://...``), to the cluster
     ``RAY_ADDRESS`` names, else to a new local instance; a driver that called ``ray.init`` itself keeps its own."""
     ray = require("ray", needed_for="--executor ray", install=INSTALL)
+    _probe(address)
     if ray.is_initialized():
         return ray
     try:
@@ -56,6 +59,20 @@ def connect(address: str | None = None) -> Any:
                                  fix="start it with `ray start --head` and pass its address (or `auto` on a node of it)") \
             from None
     return ray
+
+
+def _probe(address: str | None) -> None:
+    """A HOST:PORT that nothing answers on is one line now; ``ray.init`` would retry it for minutes, logging."""
+    if not address or "://" in address or address in ("auto", "local") or ":" not in address:
+        return
+    host, _, port = address.rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=PROBE_TIMEOUT_S).close()
+    except (OSError, ValueError) as exc:
+        why = getattr(exc, "strerror", None) or str(exc) or type(exc).__name__
+        raise EnvironmentProblem(f"cannot reach the Ray cluster at {address}: {why}", where="--ray-address",
+                                 fix="check the head node's address and port (`ray status` on it), or start it with "
+                                 "`ray start --head`") from None
 
 
 def check_fits(ray: Any, memory: int | None, what: str) -> None:

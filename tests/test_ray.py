@@ -263,3 +263,17 @@ def test_without_ray_installed_executor_ray_is_one_line(src, tmp_path, monkeypat
 def test_ray_address_without_executor_ray_is_a_usage_error(src, tmp_path):
     res = _quantize(src, tmp_path / "out", "--type", "Q8_0", "--ray-address", "auto")
     assert res.exit_code == 2 and "--ray-address needs --executor ray" in res.stderr, res.output
+
+
+def test_an_address_nothing_answers_on_is_one_line_at_once(src, tmp_path):
+    _ray()
+    import socket
+
+    with socket.socket() as sock:  # a loopback port that was free a moment ago: nothing listens on it
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    began = time.monotonic()
+    res = _quantize(src, tmp_path / "out", "--type", "Q8_0", "--executor", "ray", "--ray-address", f"127.0.0.1:{port}")
+    assert res.exit_code == 3 and time.monotonic() - began < 10, res.output
+    assert res.stderr.startswith(f"ktconvert: error: --ray-address: cannot reach the Ray cluster at 127.0.0.1:{port}: ")
+    assert len(res.stderr.splitlines()) == 1 and not (tmp_path / "out").exists()

@@ -43,7 +43,7 @@ STATE_DIR = ".ktconvert"
 UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
 SYNC_EVERY_S = 1.0
 #: what a Ray worker process holds besides its unit (Python, ray, numpy, torch, ktconvert): its task asks Ray for
-#: ``max_memory / jobs`` in all, so its units get that share less this. Measured: 314-345 MiB peak converting the
+#: ``max_memory / jobs`` in all, so its units get that share less this. Measured: 301-345 MiB peak converting the
 #: tiny model (tests/test_ray.py), about 80 MiB for an idle worker.
 RAY_WORKER_RESERVE = 384 * 1024**2
 
