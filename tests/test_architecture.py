@@ -18,7 +18,7 @@ PKG = Path(__file__).resolve().parents[1] / "ktconvert"
 #: are the top-level modules.
 FLOORS = {
     "errors": 0, "optional": 1, "io": 1,
-    "families": 2, "quant": 2,
+    "families": 2, "quant": 2, "cluster": 2,
     "formats": 3,
     "rules": 4,
     "convert": 5, "model": 5,
@@ -97,3 +97,24 @@ def _definitions(pattern: str) -> list[str]:
 ])
 def test_infrastructure_is_defined_once(what, pattern, home):
     assert _definitions(pattern) == home, f"{what} is defined outside {home}"
+
+
+# --- ray stays optional ---------------------------------------------------------------------------------------------
+def test_only_cluster_imports_ray_and_only_on_demand():
+    """No module imports ray (at any level); ktconvert.cluster loads it through ``require`` when asked."""
+    importers = sorted(str(f.relative_to(PKG.parent)) for f, _, tree in _modules()
+                       if any(n.split(".")[0] == "ray" for n in _imports(tree)))
+    assert importers == []
+    assert _definitions(r'require\(\s*"ray"') == ["ktconvert/cluster.py"]
+
+
+def test_the_commands_and_libraries_do_not_import_ray():
+    import subprocess
+    import sys
+
+    code = ("import sys; from click.testing import CliRunner; from ktconvert.cli import cli; "
+            "import ktconvert.convert, ktconvert.gate, ktconvert.cluster; "
+            "[CliRunner().invoke(cli, [c, '--help'], catch_exceptions=False) for c in ('quantize', 'gate')]; "
+            "assert 'ray' not in sys.modules, 'ray imported'")
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr

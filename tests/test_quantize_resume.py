@@ -220,6 +220,14 @@ def test_killed_between_manifest_and_rename(reference, tmp_path):
     assert result.units == 0 and tree_bytes(tmp_path / "out") == tree_bytes(ref)
 
 
+def _own_tiny(tmp_path):
+    """A tiny model of this test's own, to damage: ``tiny()`` hands every test the one session-wide copy."""
+    from ktconvert.model.tiny import write_tiny_model
+
+    write_tiny_model("qwen3_moe", tmp_path / "own-tiny")
+    return tmp_path / "own-tiny"
+
+
 def _flip_byte_keep_mtime(path, offset):
     st = os.stat(path)
     with open(path, "r+b") as fh:
@@ -235,7 +243,7 @@ def test_resume_refuses_a_source_byte_changed_with_mtime_kept(tmp_path):
     tensor, instead of finishing an output made half from the old bytes and half from the new."""
     from ktconvert.formats import open_checkpoint
 
-    src = tiny(tmp_path, "qwen3_moe")
+    src = _own_tiny(tmp_path)
     _interrupted(src, tmp_path)
     journal = (tmp_path / ".out.ktconvert-partial" / ".ktconvert" / "journal").read_text().split("\n")
     assert all(len(line.split()) == 2 for line in journal if line)  # unit id and its input digest
@@ -252,7 +260,7 @@ def test_resume_refuses_a_source_byte_changed_with_mtime_kept(tmp_path):
 
 
 def test_resume_refuses_a_source_of_another_size(tmp_path):
-    src = tiny(tmp_path, "qwen3_moe")
+    src = _own_tiny(tmp_path)
     _interrupted(src, tmp_path)
     with open(src / "model.safetensors", "ab") as fh:
         fh.write(b"\0" * 8)

@@ -6,18 +6,22 @@ import json
 
 import click
 
+from ktconvert.cli.executor import executor_options
+
 
 @click.command("gate")
 @click.argument("suite", required=False, type=click.Path(path_type=str))
 @click.option("-k", "select", metavar="PATTERN", help="Only cases whose name or tag contains PATTERN (or matches it as a glob).")
-@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True, help="Processes (each takes whole conversions).")
+@click.option("--jobs", "-j", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Processes (each takes whole conversions); with --executor ray, Ray tasks at a time.")
 @click.option("--junit", "junit", metavar="FILE", type=click.Path(dir_okay=False, path_type=str), help="Write a JUnit XML report.")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
 @click.option("--list", "list_cases", is_flag=True, help="List the selected cases and exit.")
 @click.option("--regen", is_flag=True, help="Regenerate the goldens the selected cases use (refused when CI is set; logged in each manifest).")
 @click.option("--reason", help="Why the goldens are regenerated (required with --regen, recorded in the manifests).")
+@executor_options("the cases (whole conversions with their verifications)")
 @click.pass_context
-def command(ctx, suite, select, jobs, junit, fmt, list_cases, regen, reason):
+def command(ctx, suite, select, jobs, junit, fmt, list_cases, regen, reason, executor, ray_address):
     """Run a gate suite: convert each case's tiny model, verify it against its golden under its tolerance profile.
 
     SUITE defaults to the shipped suite (golden/suite.yaml). Exit codes: 0 every case within its limits,
@@ -52,7 +56,7 @@ def command(ctx, suite, select, jobs, junit, fmt, list_cases, regen, reason):
             verdict = "ERROR" if r.error else ("ok" if r.passed else "FAIL")
             click.echo(f"[{len(finished)}/{total}] {r.case.name:<28} {verdict:<5} {r.seconds:5.1f}s", err=True)
 
-    result = run_suite(loaded, select, jobs=jobs, progress=progress)
+    result = run_suite(loaded, select, jobs=jobs, progress=progress, executor=executor, ray_address=ray_address)
     if junit:
         with open(junit, "w", encoding="utf-8") as fh:
             fh.write(junit_xml(result))

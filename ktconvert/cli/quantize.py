@@ -18,6 +18,7 @@ from ktconvert.convert import (
     presets,
 )
 from ktconvert.convert.execute import describe
+from ktconvert.cli.executor import executor_options
 from ktconvert.quant import WRITABLE
 
 
@@ -65,7 +66,8 @@ def _bar(enabled: bool):
 @click.option("--shard-size", metavar="SIZE", help="Largest output file, e.g. 5GiB (0: one file).")
 @click.option("--max-memory", metavar="SIZE", default="2GiB", show_default=True,
               help="Working-set budget for all jobs together (1GiB, 512MiB, ...).")
-@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True, help="Worker processes.")
+@click.option("-j", "--jobs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="Worker processes (with --executor ray: Ray tasks at a time, each asking for --max-memory / --jobs).")
 @click.option("--allow-fallback", is_flag=True, default=None,
               help="Where a tensor's rows cannot hold the type (K-quants need multiples of 256), write llama.cpp's "
               "fallback type instead of refusing; each one is printed on stderr and recorded in manifest.json. "
@@ -81,9 +83,10 @@ def _bar(enabled: bool):
               help="llama (with --dry-run): the per-tensor table llama-quantize --dry-run prints for the same choice.")
 @click.option("--list-recipes", is_flag=True, expose_value=False, is_eager=True, callback=_list_recipes,
               help="List the preset recipes and exit.")
+@executor_options("the conversion's units")
 @click.pass_context
 def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_size, max_memory, jobs, allow_fallback,
-            dry_run, resume, force, no_tokenizer, allow_requantize, fmt):
+            dry_run, resume, force, no_tokenizer, allow_requantize, fmt, executor, ray_address):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
     SRC: a .safetensors file, a shard directory or its index, a .gguf file or split GGUF set. OUT receives
@@ -112,7 +115,7 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
         result = convert(src, out, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
                          progress=update, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
-                         allow_fallback=allow_fallback)
+                         allow_fallback=allow_fallback, executor=executor, ray_address=ray_address)
     except KeyboardInterrupt:
 
 

@@ -4,12 +4,14 @@
 Public API (everything else in this package is an implementation detail):
 
 ``convert(src, out, recipe=None, *, type=None, format=None, config=None, shard_size=None, tokenizer=True,
-max_memory="2GiB", jobs=1, resume=False, force=False, progress=None) -> RunResult``
+max_memory="2GiB", jobs=1, resume=False, force=False, progress=None, executor="local", ray_address=None)
+-> RunResult``
     Convert any checkpoint :func:`ktconvert.formats.open_checkpoint` reads into the directory ``out``:
     ``model.gguf`` (llama.cpp names and metadata) or kernel-order safetensors shards, plus ``manifest.json``.
     ``recipe`` is a :class:`Recipe`, a recipe file or a preset name (``"Q4_K_M"``); ``type="Q8_0"`` (or
     ``"keep"``) is the one-type shorthand. Raises :class:`~ktconvert.errors.InputError` (exit 3) before
-    anything is written for bad input, a recipe problem or a type a tensor's rows cannot hold.
+    anything is written for bad input, a recipe problem or a type a tensor's rows cannot hold. ``executor="ray"``
+    runs the units as Ray tasks on a cluster (:mod:`ktconvert.cluster`), byte-identical to the local executor.
 
 ``plan_conversion(src, recipe=None, *, type=None, format=None, config=None, shard_size=None, tokenizer=True) -> Plan``
     The same validation, no data read, nothing written: ``Plan.to_dict()``, ``plan_text(plan)``.

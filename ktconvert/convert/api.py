@@ -6,7 +6,8 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from ktconvert.convert.execute import Progress, RunResult, check_paths, execute
+from ktconvert.cluster import check_executor, check_fits, connect
+from ktconvert.convert.execute import Progress, RunResult, check_paths, execute, ray_task_memory
 from ktconvert.convert.hf_out import build_hf_plan
 from ktconvert.convert.plan import Plan, build_plan
 from ktconvert.convert.recipe import Recipe, load_recipe, recipe_for_type
@@ -77,8 +78,13 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
             shard_size: int | str | None = None, tokenizer: bool = True,
             max_memory: int | str = DEFAULT_MAX_MEMORY, jobs: int = 1, resume: bool = False, force: bool = False,
             progress: Progress | None = None, threadpool_count: int | None = None,
-            allow_requantize: bool = False, allow_fallback: bool | None = None) -> RunResult:
+            allow_requantize: bool = False, allow_fallback: bool | None = None, executor: str = "local",
+            ray_address: str | None = None) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
+
+    ``executor="ray"`` runs the units as Ray tasks (``jobs`` at a time) on the cluster at ``ray_address`` (or the
+    one ``ray.init`` already joined, or a new local one); SRC and OUT must be on a filesystem every node mounts at
+    the same path. The output is byte-identical to the local executor's.
 
     Example (a test converting a tiny model)::
 
@@ -88,10 +94,15 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
     """
     if jobs < 1:
         raise UsageProblem(f"--jobs {jobs} must be at least 1")
+    check_executor(executor, ray_address)
     budget = parse_size(max_memory, what="--max-memory")
     plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
                            tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
                            allow_fallback=allow_fallback)
     check_paths(Path(src), [Path(f) for f in plan.input_files], Path(out), force)
-    return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress)
+    if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
+        ray = connect(ray_address)
+        check_fits(ray, ray_task_memory(budget, jobs), "one conversion task")
+    return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress,
+                   executor=executor)
 

@@ -8,6 +8,12 @@ process. A journal in the partial directory records finished units, only after t
 flushed to disk, with a hash of the input bytes each one read; ``resume`` re-checks the plan's fingerprint
 against the interrupted run's, re-hashes the input of every finished unit (a byte changed under a kept mtime
 would otherwise end up half old, half new) and does only the units the journal does not list.
+
+``executor="ray"`` runs the same units as Ray tasks on a cluster (:mod:`ktconvert.cluster`), ``jobs`` at a time,
+each asking Ray for one CPU and the ``max_memory / jobs`` share the units were sized to; each task writes its unit
+at its offset in the shared partial directory and fsyncs it before it reports done; the journal, the manifest and
+the rename stay on the driver. The partial directory does not say which executor made it, so ``resume`` continues
+a local run on Ray and the other way round; the bytes are the same whoever wrote them.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Callable
 from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.sizes import format_size
-from ktconvert.convert.worker import Task, close_all, run_task, source_digest, worker_init
+from ktconvert.convert.worker import Task, close_all, run_task, run_task_synced, source_digest, worker_init
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import (WRITE_ERRNOS, fsync_dir, guard_output, partial_dir, replace_dir, sha256_file, write_durable,
@@ -36,6 +42,10 @@ from ktconvert.io.dtypes import FLOAT_DTYPES
 STATE_DIR = ".ktconvert"
 UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
 SYNC_EVERY_S = 1.0
+#: what a Ray worker process holds besides its unit (Python, ray, numpy, torch, ktconvert): its task asks Ray for
+#: ``max_memory / jobs`` in all, so its units get that share less this. Measured: 301-345 MiB peak converting the
+#: tiny model (tests/test_ray.py), about 80 MiB for an idle worker.
+RAY_WORKER_RESERVE = 384 * 1024**2
 
 Progress = Callable[[int, int], None]
 
@@ -61,19 +71,22 @@ class RunResult:
     in_bytes: int
 
 
-def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
+def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0) -> list[Unit]:
     """Split every tensor into runs of rows whose working set fits ``max_memory / jobs`` (and :data:`UNIT_CAP`).
 
     The working set of a converted row is its float32 copy twice (decode and assembly) plus its input and output
     bytes; a copied row is its bytes once, plus two float32 copies when it is a float checked for NaN/Inf. The budget is halved once more for numpy's transient copies.
+    ``reserve``: bytes of each job's share its process needs for itself (:data:`RAY_WORKER_RESERVE` for a Ray
+    task, whose memory request is the whole share).
     """
     jobs = max(1, jobs)
-    need = max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2 * jobs
+    need = (max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2 + reserve) * jobs
     if max_memory < need:
-        least = f"{-(-need // 1024)}KiB"
+        least = f"{-(-need // 1024)}KiB" if need < 2**30 else f"{-(-need // 2**20)}MiB"
+        per = f", with {format_size(reserve)} for each Ray worker process," if reserve else ""
         raise UsageProblem(f"--max-memory {format_size(max_memory)} is below the minimum {least}: one row of the "
-                           f"widest tensor with {jobs} job(s) needs that much", fix=f"pass --max-memory {least} or more")
-    budget = max(1, min(UNIT_CAP, max_memory // jobs // 2))
+                           f"widest tensor with {jobs} job(s){per} needs that much", fix=f"pass --max-memory {least} or more")
+    budget = max(1, min(UNIT_CAP, (max_memory // jobs - reserve) // 2))
     units = []
     for ti, t in enumerate(plan.tensors):
         rows = t.rows if t.shape else 1
@@ -91,6 +104,12 @@ def make_units(plan: Plan, max_memory: int, jobs: int) -> list[Unit]:
             r1 = min(rows, r0 + step)
             units.append(Unit(len(units), ti, r0, r1, in_row * (r1 - r0)))
     return units
+
+
+def ray_task_memory(max_memory: int, jobs: int) -> int:
+    """The memory one Ray task asks for: its share of ``max_memory``, which :func:`make_units` sized the units to
+    fit together with the worker process itself (:data:`RAY_WORKER_RESERVE`)."""
+    return max(1, max_memory // max(1, jobs))
 
 
 def _row_working_set(plan: Plan, t: PlanTensor) -> int:
@@ -217,11 +236,13 @@ def _prepare_files(plan: Plan, partial: Path, fresh: bool) -> None:
 
 
 def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resume: bool = False,
-            force: bool = False, progress: Progress | None = None) -> RunResult:
+            force: bool = False, progress: Progress | None = None, executor: str = "local") -> RunResult:
     """Write ``plan`` to the directory ``out``; see the module docstring for the guarantees.
 
     ``resume``: continue an interrupted run of the same plan (or start one if there is none). ``force``: discard
     an interrupted run and replace an existing ``out``. ``progress(done_bytes, total_bytes)`` counts input bytes.
+    ``executor``: ``local`` (``jobs`` processes here) or ``ray`` (``jobs`` Ray tasks at a time, on the cluster
+    :func:`ktconvert.cluster.connect` joined).
     """
     out = Path(out)
     partial = partial_dir(out)
@@ -241,7 +262,7 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
             _prepare_files(plan, partial, fresh=False)
             _check_done(plan, units, done)
         else:
-            units, done = make_units(plan, max_memory, jobs), {}
+            units, done = make_units(plan, max_memory, jobs, RAY_WORKER_RESERVE if executor == "ray" else 0), {}
             _check_space(plan, out)
             partial.mkdir(parents=True)
             state.create(plan, units, fingerprint)
@@ -254,7 +275,7 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
         if progress:
             progress(done_bytes, total)
         try:
-            _run_units(plan, partial, todo, jobs, state, progress, done_bytes, total)
+            _run_units(plan, partial, todo, jobs, state, progress, done_bytes, total, executor, max_memory)
         except InputError:
             close_all()
             shutil.rmtree(partial, ignore_errors=True)  # bad input: nothing to resume
@@ -262,12 +283,14 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
         finally:
             close_all()
         manifest = _finish(plan, partial, out, force, fingerprint)
-    except (OSError, BrokenProcessPool) as exc:  # the environment failed: one line naming OUT, no partial output
+    except (OSError, BrokenProcessPool, EnvironmentProblem) as exc:  # the environment failed: one line, no partial output
         close_all()
         if isinstance(exc, OSError) and exc.errno not in WRITE_ERRNOS:
             raise
         if not resume:  # kept only when --resume was asked, to continue from
             shutil.rmtree(partial, ignore_errors=True)
+        if isinstance(exc, EnvironmentProblem):  # a Ray worker lost for good, OUT not visible on a node, no space
+            raise
         if isinstance(exc, BrokenProcessPool):
             raise EnvironmentProblem(
                 "a worker process died (killed, or out of memory); the run stopped", path=str(out),
@@ -292,12 +315,16 @@ def _check_space(plan: Plan, out: Path) -> None:
                                  fix="free space on that disk, or choose an OUT on another disk")
 
 
-def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _State, progress, done_bytes, total):
+def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _State, progress, done_bytes, total,
+               executor: str = "local", max_memory: int = 0):
     paths = [str(partial / f.name) for f in plan.files]
+    src, run = plan.source, ""
+    if executor == "ray":  # workers elsewhere: absolute paths (the same on every node), and a run id for their caches
+        paths, src, run = [os.path.abspath(p) for p in paths], os.path.abspath(plan.source), os.urandom(8).hex()
 
     def task(u: Unit) -> Task:
         t: PlanTensor = plan.tensors[u.tensor]
-        return Task(u.id, plan.source, paths[t.file], t, u.r0, u.r1)
+        return Task(u.id, src, paths[t.file], t, u.r0, u.r1, run)
 
     by_id = {u.id: u for u in todo}
     pending_journal: list[tuple[int, str]] = []
@@ -316,7 +343,16 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
         if progress:
             progress(done_bytes, total)
 
-    if jobs <= 1 or len(todo) <= 1:
+    if executor == "ray":
+        from ktconvert import cluster
+
+        try:
+            cluster.run_tasks(cluster.connect(), run_task_synced, (task(u) for u in todo), limit=jobs,
+                              on_done=finished, memory=ray_task_memory(max_memory, jobs), name="ktconvert-unit")
+        except BaseException:  # as below: every unit reported done is journaled; the others run again on --resume
+            state.record(pending_journal)
+            raise
+    elif jobs <= 1 or len(todo) <= 1:
         try:
             for u in todo:
                 finished(run_task(task(u)))
@@ -435,4 +471,5 @@ def describe(result: RunResult) -> str:
             f"{rate:.0f} MB/s read{resumed}")
 
 
-__all__ = ["RunResult", "Unit", "check_paths", "describe", "execute", "make_units", "partial_dir", "sha256_file"]
+__all__ = ["RunResult", "Unit", "check_paths", "describe", "execute", "make_units", "partial_dir", "ray_task_memory",
+           "sha256_file"]

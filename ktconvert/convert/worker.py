@@ -17,7 +17,7 @@ import numpy as np
 
 from ktconvert.convert.plan import PlanTensor
 from ktconvert.convert.source import Segment
-from ktconvert.errors import InputError
+from ktconvert.errors import EnvironmentProblem, InputError
 from ktconvert.formats import fp8, kt_amx, open_checkpoint
 from ktconvert.io.dtypes import FLOAT_DTYPES, decode_float32, raw_view
 from ktconvert.quant import dequantize, quantize
@@ -27,7 +27,8 @@ from ktconvert.convert.kt_amx_io import pack_group
 
 @dataclass(frozen=True)
 class Task:
-    """What a worker needs for one unit; ``out_path`` is the output file (in the partial directory)."""
+    """What a worker needs for one unit; ``out_path`` is the output file (in the partial directory); ``run`` tells
+    the runs apart in a long-lived worker (:func:`run_task_synced`)."""
 
     unit: int
     src: str
@@ -35,10 +36,12 @@ class Task:
     tensor: PlanTensor
     r0: int
     r1: int
+    run: str = ""
 
 
 _CHECKPOINTS: dict = {}
 _FDS: dict = {}
+_RUN = [""]
 
 
 def _checkpoint(path: str):
@@ -100,6 +103,24 @@ def run_task(task: Task) -> tuple[int, str]:
             raise InputError(exc.message, path=task.src, where=exc.where or f"tensor {task.tensor.name}",
                              fix=exc.fix) from None
         raise
+
+
+def run_task_synced(task: Task) -> tuple[int, str]:
+    """:func:`run_task` for a worker that outlives the run and may sit on another host (a Ray task): the unit's
+    bytes are fsynced here before it reports done (the journal must not list bytes still in this host's cache), and
+    the open files and checkpoints of an earlier run are dropped first (a --force rerun makes new files)."""
+    if task.run != _RUN[0]:
+        close_all()
+        _RUN[0] = task.run
+    for path, what in ((task.out_path, "the output"), (task.src, "the input")):
+        if not os.path.exists(path):
+            import socket
+
+            raise EnvironmentProblem(f"{what} is not visible on Ray node {socket.gethostname()}", path=path,
+                                     fix="--executor ray needs SRC and OUT on a filesystem every node mounts at the same path")
+    result = run_task(task)
+    os.fsync(_fd(task.out_path))
+    return result
 
 
 def _run(task: Task) -> int:

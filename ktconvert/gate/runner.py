@@ -1,7 +1,9 @@
 """Runs gate cases: make the tiny model, convert it, verify the conversion; one result per case.
 
 Cases that share a family and a conversion share one converted checkpoint (converting is the slow part), so
-work is grouped by (family, conversion) and ``jobs`` processes take whole groups.
+work is grouped by (family, conversion) and ``jobs`` processes take whole groups. With ``executor="ray"`` each
+group is a Ray task that makes its own tiny model and conversion in a temporary directory of the node it runs on
+(no shared scratch space needed) and returns its case results; the driver orders them and writes the JUnit.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ktconvert.cluster import check_executor, check_fits, connect, run_tasks
 from ktconvert.convert import convert
 from ktconvert.errors import KtError
 from ktconvert.gate.suite import Case, Suite
@@ -63,14 +66,32 @@ class GateResult:
 
 
 def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: str | Path | None = None,
-              progress: Callable[[CaseResult], None] | None = None) -> GateResult:
-    """Run the selected cases (``select`` as ``-k``); ``progress`` is called as each case finishes."""
+              progress: Callable[[CaseResult], None] | None = None, executor: str = "local",
+              ray_address: str | None = None) -> GateResult:
+    """Run the selected cases (``select`` as ``-k``); ``progress`` is called as each case finishes.
+
+    ``executor="ray"``: each (family, conversion) group is a Ray task, ``jobs`` at a time, on the cluster at
+    ``ray_address`` (:mod:`ktconvert.cluster`); the suite's rule files and goldens are read by path, so they (and
+    ktconvert) must be at the same paths on every node."""
+    check_executor(executor, ray_address)
     cases = suite.select(select)
     groups: dict[tuple, list[Case]] = {}
     for case in cases:
         groups.setdefault((case.family, case.conversion), []).append(case)
     began = time.perf_counter()
     results: dict[str, CaseResult] = {}
+    if executor == "ray":
+        ray = connect(ray_address)
+        check_fits(ray, None, "a gate case")
+
+        def done(group_results: list[CaseResult]) -> None:
+            for r in group_results:
+                results[r.case.name] = r
+                if progress:
+                    progress(r)
+
+        run_tasks(ray, run_group_alone, groups.values(), limit=jobs, on_done=done, name="ktconvert-gate-case")
+        return GateResult(suite.path, [results[c.name] for c in cases], time.perf_counter() - began)
     with tempfile.TemporaryDirectory(prefix="ktconvert-gate-", dir=workdir) as tmp:
         # The tiny models are made here, once, before any worker starts (workers would race on them); a family
         # whose model cannot be made fails its cases with the reason, and its groups never run.
@@ -99,6 +120,16 @@ def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: s
                         if progress:
                             progress(r)
     return GateResult(suite.path, [results[c.name] for c in cases], time.perf_counter() - began)
+
+
+def run_group_alone(cases: list[Case]) -> list[CaseResult]:
+    """:func:`run_group` with its own tiny model in a temporary directory of this host (a Ray task's body)."""
+    with tempfile.TemporaryDirectory(prefix="ktconvert-gate-") as tmp:
+        try:
+            _tiny_model(cases[0].family, tmp)
+        except Exception as exc:
+            return [CaseResult(c, False, 0.0, error=_one_line(exc)) for c in cases]
+        return run_group(cases, tmp)
 
 
 def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
