@@ -60,6 +60,10 @@ def _bar(enabled: bool):
               "AMXINT8/AMXINT4 expert directory (--type AMXINT8|AMXINT4).")
 @click.option("--threadpool-count", type=click.IntRange(min=1), default=None,
               help="kt-amx: parts per expert (default 2); must equal the launch's --kt-threadpool-count.")
+@click.option("--form", "form", type=click.Choice(["merged", "kt-tree"]), default=None,
+              help="kt-amx: merged safetensors (default, the inference methods), or kt-tree: kt-kernel's persistent "
+              "INT8 tree for SFT (_layer_L/_numa_n/*.kt + kt-weight-manifest.json; ktconvert's manifest goes "
+              "beside it as OUT.manifest.json). AMXINT8 only.")
 @click.option("--config", metavar="FILE", type=click.Path(path_type=str),
               help="config.json (default: the one beside the checkpoint).")
 @click.option("--shard-size", metavar="SIZE", help="Largest output file, e.g. 5GiB (0: one file).")
@@ -82,7 +86,7 @@ def _bar(enabled: bool):
 @click.option("--list-recipes", is_flag=True, expose_value=False, is_eager=True, callback=_list_recipes,
               help="List the preset recipes and exit.")
 @click.pass_context
-def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_size, max_memory, jobs, allow_fallback,
+def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, config, shard_size, max_memory, jobs, allow_fallback,
             dry_run, resume, force, no_tokenizer, allow_requantize, fmt):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
@@ -112,7 +116,7 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
         result = convert(src, out, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
                          progress=update, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
-                         allow_fallback=allow_fallback)
+                         allow_fallback=allow_fallback, form=form)
     except KeyboardInterrupt:
 
 

@@ -14,6 +14,7 @@ from ktconvert.convert.sizes import parse_size
 from ktconvert.convert.source import analyze
 from ktconvert.errors import UsageProblem
 from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
+from ktconvert.convert.kt_tree_out import check_tree_paths, finish_tree, scratch_dir, write_tree
 
 DEFAULT_MAX_MEMORY = "2GiB"
 
@@ -77,7 +78,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
             shard_size: int | str | None = None, tokenizer: bool = True,
             max_memory: int | str = DEFAULT_MAX_MEMORY, jobs: int = 1, resume: bool = False, force: bool = False,
             progress: Progress | None = None, threadpool_count: int | None = None,
-            allow_requantize: bool = False, allow_fallback: bool | None = None) -> RunResult:
+            allow_requantize: bool = False, allow_fallback: bool | None = None, form: str | None = None) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
 
     Example (a test converting a tiny model)::
@@ -93,5 +94,17 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
                            tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
                            allow_fallback=allow_fallback)
     check_paths(Path(src), [Path(f) for f in plan.input_files], Path(out), force)
-    return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress)
+    if form in (None, "merged"):
+        return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress)
+    if form != "kt-tree":
+        raise UsageProblem(f"--form {form}: unknown", fix="use merged or kt-tree")
+    if format != "kt-amx" or str(type).upper() != "AMXINT8":
+        raise UsageProblem("--form kt-tree is kt-kernel's persistent INT8 tree: it needs --to kt-amx --type AMXINT8",
+                           fix="add --to kt-amx --type AMXINT8, or drop --form kt-tree")
+    out = Path(out)
+    check_tree_paths(out, force)
+    merged = scratch_dir(out)
+    run = execute(plan, merged, max_memory=budget, jobs=jobs, resume=resume, force=True, progress=progress)
+    kt = write_tree(merged, out, force=force)
+    return dataclasses.replace(run, out=out, manifest=finish_tree(run.manifest, merged, out, kt))
 
