@@ -49,12 +49,13 @@ def check_finite(ad: Adapter) -> list[LoraFinding]:
     for t in ad.tensors:
         if t.dtype not in FLOAT_DTYPES:
             continue
-        for i in range(t.shape[0] if len(t.shape) > 1 else 1):
-            x = t.float32(i if len(t.shape) > 1 else None)
+        whole = len(t.shape) < 2 or int(np.prod(t.shape)) <= (1 << 22)  # small: one read; large: a slab at a time
+        for i in ([None] if whole else range(t.shape[0])):
+            x = t.float32(i)
             bad = ~np.isfinite(x)
             if bad.any():
                 at = tuple(int(v) for v in np.argwhere(bad)[0])
-                index = ((i,) + at) if len(t.shape) > 1 else at
+                index = at if i is None else (i,) + at
                 out.append(LoraFinding(ERROR, f"tensor {t.name}", f"non-finite value {x[at]} at index {list(index)} "
                                        "(sglang-kt serves it without a check)",
                                        "the adapter comes from a diverged run; retrain it, or pass --allow-nonfinite"))
