@@ -35,7 +35,14 @@ def upstream(tmp_path_factory):
             (src / "adapter_model.safetensors").unlink()
         jobs.append({"input": str(src), "output": str(root / name / "cv"), "expert": str(root / name / "cv-expert"),
                      "base": "tiny/base", "alpha": alpha})
-    assert kt_kernel_convert(jobs) == [None] * len(jobs)
+    # two inputs ktconvert refuses: config alpha 8 against --lora-alpha 32, non-expert rank 8 against expert rank 4
+    raw_dir(root / "alpha" / "raw", config={"r": 4, "lora_alpha": 8})
+    raw_dir(root / "rank" / "raw", others=nonexpert(r=8))
+    jobs += [{"input": str(root / "alpha" / "raw"), "output": str(root / "alpha" / "cv"), "base": "b", "alpha": 32.0},
+             {"input": str(root / "rank" / "raw"), "output": str(root / "rank" / "cv"), "base": "b"}]
+    got = kt_kernel_convert(jobs)
+    assert got[:len(CASES)] == [None] * len(CASES)
+    (root / "refused.json").write_text(json.dumps(dict(zip(("alpha", "rank"), got[len(CASES):]))))
     return root
 
 
@@ -83,20 +90,19 @@ print(json.dumps({n: a._artifact_record(root / n, contract if n.startswith("fuse
     assert convert_lora(tmp_path / "kt", tmp_path / "again", to="sglang").findings == []
 
 
-def test_alpha_conflict_refused_where_kt_kernel_silently_keeps_the_config(tmp_path):
+def test_alpha_conflict_refused_where_kt_kernel_silently_keeps_the_config(upstream, tmp_path):
     """kt-kernel's converter writes the config's alpha 8 and ignores --lora-alpha 32; ktconvert refuses instead."""
-    src = raw_dir(tmp_path / "raw", config={"r": 4, "lora_alpha": 8})
-    assert kt_kernel_convert([{"input": str(src), "output": str(tmp_path / "cv"), "base": "b", "alpha": 32.0}]) == [None]
-    assert json.loads((tmp_path / "cv" / "adapter_config.json").read_text())["lora_alpha"] == 8
+    src = upstream / "alpha" / "raw"
+    assert json.loads((upstream / "refused.json").read_text())["alpha"] is None
+    assert json.loads((upstream / "alpha" / "cv" / "adapter_config.json").read_text())["lora_alpha"] == 8
     with pytest.raises(InputError, match=r"adapter_config.json:lora_alpha.*lora_alpha is 8, --lora-alpha says 32"):
         convert_lora(src, tmp_path / "ours", lora_alpha=32, base_model_name="b")
     assert not (tmp_path / "ours").exists()
 
 
-def test_nonexpert_rank_refused_like_kt_kernel(tmp_path):
-    src = raw_dir(tmp_path / "raw", others=nonexpert(r=8))
-    [err] = kt_kernel_convert([{"input": str(src), "output": str(tmp_path / "cv"), "base": "b"}])
-    assert "rank mismatch" in err
+def test_nonexpert_rank_refused_like_kt_kernel(upstream, tmp_path):
+    src = upstream / "rank" / "raw"
+    assert "rank mismatch" in json.loads((upstream / "refused.json").read_text())["rank"]
     with pytest.raises(InputError, match=r"q_proj.lora_A.weight.*non-expert rank 8, expert rank 4"):
         convert_lora(src, tmp_path / "ours")
     assert not (tmp_path / "ours").exists()
