@@ -1,4 +1,4 @@
-"""convert-lora: both directions byte-exact, pickles refused whatever their name (saying what they are), ranks
+"""convert-lora: fused -> sglang -> kt byte-exact, pickles refused whatever their name (saying what they are), ranks
 and shapes checked against each other and against the base model's config, nothing written on error."""
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ def _stacked(layers=(0, 1), dtype=torch.bfloat16, seed=0, r=R) -> dict[str, torc
     return t
 
 
-def _write_stacked(d, tensors, alpha=16.0):
+def _write_stacked(d, tensors, alpha=16.0, base_name="tiny"):
     d.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(d / "fused_expert_lora.safetensors"))
     if alpha is not None:
-        (d / "adapter_config.json").write_text(json.dumps({"r": R, "lora_alpha": alpha, "peft_type": "LORA",
-                                                           "lora_dropout": 0.05}))
+        cfg = {"r": R, "lora_alpha": alpha, "peft_type": "LORA", "lora_dropout": 0.05}
+        (d / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": base_name} if base_name
+                                                          else cfg))
     return d
 
 
@@ -49,9 +50,9 @@ def _bits(t: torch.Tensor) -> bytes:
 
 
 def test_stacked_to_peft_and_back_is_byte_identical(tmp_path, base):
-    src = _write_stacked(tmp_path / "kt", _stacked())
+    src = _write_stacked(tmp_path / "kt", _stacked(), base_name=None)
     r1 = convert_lora(src, tmp_path / "peft", base_config=base)
-    assert r1.direction == "stacked->peft" and r1.rank == R and r1.layers == [0, 1] and r1.experts == E
+    assert r1.direction == "raw-dir->sglang-merged" and r1.rank == R and r1.layers == [0, 1] and r1.experts == E
     peft = load_file(str(tmp_path / "peft" / "adapter_model.safetensors"))
     stacked = load_file(str(src / "fused_expert_lora.safetensors"))
     assert len(peft) == 2 * 6 * E
@@ -64,8 +65,9 @@ def test_stacked_to_peft_and_back_is_byte_identical(tmp_path, base):
     cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     assert cfg["r"] == R and cfg["lora_alpha"] == 16.0 and cfg["target_modules"] == ["gate_proj", "up_proj", "down_proj"]
     assert cfg["lora_dropout"] == 0.05 and cfg["peft_type"] == "LORA"  # the input's settings are carried over
+    assert cfg["base_model_name_or_path"] == str(base.parent)  # none given: the --base-model path
     r2 = convert_lora(tmp_path / "peft", tmp_path / "kt2", base_config=base)
-    assert r2.direction == "peft->stacked"
+    assert r2.direction == "sglang-expert-only->kt"
     back = load_file(str(tmp_path / "kt2" / "fused_expert_lora.safetensors"))
     assert set(back) == set(stacked) and all(_bits(back[k]) == _bits(stacked[k]) for k in stacked)
 
@@ -89,12 +91,22 @@ def test_peft_with_prefix_and_attention_loras(tmp_path, base):
     (src / "adapter_config.json").write_text(json.dumps({"r": R, "lora_alpha": 32,
                                                          "target_modules": ["q_proj", "gate_proj", "up_proj", "down_proj"]}))
     res = convert_lora(src, tmp_path / "kt", base_config=base)
-    assert res.files == ["adapter_config.json", "adapter_model.safetensors", "fused_expert_lora.safetensors"]
+    assert res.form == "peft" and res.direction == "peft->kt"
+    assert res.files == ["adapter_config.json", "adapter_model.safetensors", "fused_expert_lora.safetensors",
+                         "kt_adapter_manifest.json"]
     kt = load_file(str(tmp_path / "kt" / "fused_expert_lora.safetensors"))
     assert kt["layers.1.experts.down_lora_b"].shape == (E, H, R)
-    assert torch.equal(kt["layers.1.experts.down_lora_b"][5], t["base_model.model.model.layers.1.mlp.experts.5.down_proj.lora_B.weight"])
+    assert torch.equal(kt["layers.1.experts.down_lora_b"][5],
+                       t["base_model.model.model.layers.1.mlp.experts.5.down_proj.lora_B.weight"].bfloat16())
     rest = load_file(str(tmp_path / "kt" / "adapter_model.safetensors"))
-    assert set(rest) == {f"model.layers.{L}.self_attn.q_proj.lora_{x}.weight" for L in (0, 1) for x in "AB"}
+    # kt-kernel's training dir keeps PEFT's own prefix on the non-expert part; the fused file is BF16
+    assert set(rest) == {f"base_model.model.model.layers.{L}.self_attn.q_proj.lora_{x}.weight" for L in (0, 1) for x in "AB"}
+    assert kt["layers.0.experts.gate_lora_a"].dtype == torch.bfloat16
+    assert torch.equal(kt["layers.0.experts.gate_lora_a"][2],
+                       t["base_model.model.model.layers.0.mlp.experts.2.gate_proj.lora_A.weight"].bfloat16())
+    cfg = json.loads((tmp_path / "kt" / "adapter_config.json").read_text())
+    assert cfg["target_modules"] == ["q_proj"] and cfg["lora_alpha"] == 32  # experts are kt-kernel's, not PEFT's
+    assert [f.where for f in res.findings] == ["dtype F32"]  # rounded to BF16, said so
 
 
 def _run(*args):
@@ -153,7 +165,7 @@ def test_inconsistent_stacked_adapter(tmp_path, base, case, edit, expect):
 
 def test_rank_disagrees_with_adapter_config(tmp_path):
     src = _write_stacked(tmp_path / "kt", _stacked(r=8))
-    _refused(tmp_path, _run(src, tmp_path / "out"), "adapter_config.json says r=4 but the expert tensors have rank 8")
+    _refused(tmp_path, _run(src, tmp_path / "out"), "adapter_config.json:r", "r is 4 but the expert tensors have rank 8")
 
 
 @pytest.mark.parametrize("family, expect", [
@@ -166,11 +178,12 @@ def test_checked_against_base_config(tmp_path, family, expect):
     res = _run(src, tmp_path / "out", "--base-config", cfg)
     if expect:
         _refused(tmp_path, res, expect)
-    else:  # Mixtral: PEFT names follow its block_sparse_moe.experts.E.w1/w3/w2 modules
+    else:  # Mixtral too: sglang-kt reads only mlp.experts.E.{gate,up,down}_proj (block_sparse_moe...w1 is refused)
         assert res.exit_code == 0, res.output
         names = load_file(str(tmp_path / "out" / "adapter_model.safetensors"))
-        assert "model.layers.1.block_sparse_moe.experts.7.w2.lora_B.weight" in names
-        assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["target_modules"] == ["w1", "w3", "w2"]
+        assert "model.layers.1.mlp.experts.7.down_proj.lora_B.weight" in names
+        cfg = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+        assert cfg["target_modules"] == ["gate_proj", "up_proj", "down_proj"]
 
 
 def test_geometry_disagrees_with_base(tmp_path):
@@ -193,14 +206,19 @@ def test_missing_expert_in_peft(tmp_path, base):
 
 def test_alpha_required_without_config(tmp_path):
     src = _write_stacked(tmp_path / "kt", _stacked(), alpha=None)
-    _refused(tmp_path, _run(src, tmp_path / "out"), "no lora_alpha", "--lora-alpha", code=2)
-    res = _run(src, tmp_path / "out", "--lora-alpha", 8, "-o", "json")
-    assert res.exit_code == 0 and json.loads(res.stdout)["direction"] == "stacked->peft"
+    _refused(tmp_path, _run(src, tmp_path / "out", "--base-model-name-or-path", "m"), "no lora_alpha", "--lora-alpha",
+             code=2)
+    _refused(tmp_path, _run(src, tmp_path / "out", "--lora-alpha", 8), "base_model_name_or_path",
+             "--base-model-name-or-path", code=2)
+    res = _run(src, tmp_path / "out", "--lora-alpha", 8, "-o", "json", "--base-model-name-or-path", "m")
+    assert res.exit_code == 0 and json.loads(res.stdout)["direction"] == "raw-dir->sglang-merged"
     assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["lora_alpha"] == 8
 
 
 def test_output_rules(tmp_path):
     src = _write_stacked(tmp_path / "kt", _stacked())
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    (src / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "m"}))
     res = _run(src, src / "inside")
     assert res.exit_code == 2 and "inside the input" in res.stderr and not (src / "inside").exists()
     assert _run(src, tmp_path / "out").exit_code == 0
@@ -230,6 +248,8 @@ def test_nonfinite_adapter_is_refused_unless_allowed(tmp_path):
         t["layers.1.experts.up_lora_b"][3, 7, 2] = float("nan")
 
     src = _edit(tmp_path, poison)
+    cfg = json.loads((src / "adapter_config.json").read_text())
+    (src / "adapter_config.json").write_text(json.dumps({**cfg, "base_model_name_or_path": "m"}))
     _refused(tmp_path, _run(src, tmp_path / "out"), "tensor layers.1.experts.up_lora_b", "non-finite value nan",
              "at index [3, 7, 2]", "--allow-nonfinite")
     res = _run(src, tmp_path / "out", "--allow-nonfinite")

@@ -213,28 +213,6 @@ def test_sft_method_against_the_weights(env, tmp_path):
     assert "PF176" in ids(run(env, moe_sft_method="LLAMAFILE", **base))
 
 
-def test_expert_lora_of_sglang_kt_072(env, tmp_path):
-    raw = _stacked_lora(tmp_path / "raw").parent
-    base = dict(weight_path=str(env["int8"]), method="AMXINT8")
-    assert "PF175" in ids(run(env, expert_lora_path=str(raw), **base))
-    conv = tmp_path / "conv"
-    conv.mkdir()
-    from safetensors.numpy import save_file
-
-    save_file({"model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": np.zeros((4, H), np.float32)},
-              str(conv / "adapter_model.safetensors"))
-    (conv / "adapter_config.json").write_text("{}")
-    assert run(env, expert_lora_path=str(conv), **base).findings == []
-    assert ids(run(env, expert_lora_path=str(conv), lora_paths=[str(conv)], **base)) == ["PF171"]
-    assert ids(run(env, expert_lora_path=str(conv), **{**base, "gpu_experts": "2"})) == ["PF172"]
-    r = run(env, expert_lora_path=str(conv), weight_path=str(env["Q8_0"]), method="LLAMAFILE", threadpools="1",
-            cpuinfer="1")
-    assert ids(r) == ["PF173"]
-    (conv / "adapter_model.safetensors").write_bytes(pickle.dumps({"a": 1}, protocol=2))
-    assert ids(run(env, expert_lora_path=str(conv), **base)) == ["PF183"]
-    assert ids(run(env, lora_paths=[str(conv / "adapter_config.json")], **base)) == ["PF174"]
-
-
 def test_pasted_command_after_double_dash(env):
     cmd = ["python", "-m", "sglang.launch_server", "--model-path", str(env["model"]), "--kt-weight-path",
            str(env["int8"]), "--kt-method", "AMXINT8", "--kt-cpuinfer", "2", "--kt-threadpool-count=2",

@@ -21,6 +21,7 @@ from ktconvert.preflight import Launch, parse_command, preflight
 @click.option("--kt-expert-lora-path", help="Converted expert-only LoRA adapter dir (sglang-kt 0.7.2).")
 @click.option("--kt-lora-path", help="Deprecated alias of --kt-expert-lora-path.")
 @click.option("--lora-paths", multiple=True, help="Merged adapter dir(s), NAME=DIR or DIR (repeatable).")
+@click.option("--max-running-requests", help="sglang's request limit (LoRA serving needs at least 2).")
 @click.option("--kt-moe-lora-path", help="Seed-era: the stacked MoE LoRA .safetensors.")
 @click.option("--kt-moe-lora-rank", help="Seed-era: its rank.")
 @click.option("--kt-moe-lora-alpha", help="Seed-era: its alpha.")
@@ -30,8 +31,8 @@ from ktconvert.preflight import Launch, parse_command, preflight
 @click.argument("command", nargs=-1, type=click.UNPROCESSED)
 @click.pass_context
 def command(ctx, model_path, kt_weight_path, kt_method, kt_cpuinfer, kt_threadpool_count, kt_numa_nodes,
-            kt_num_gpu_experts, kt_gpu_experts_ratio, kt_expert_lora_path, kt_lora_path, lora_paths, kt_moe_lora_path,
-            kt_moe_lora_rank, kt_moe_lora_alpha, kt_moe_sft_method, rules, fmt, command):
+            kt_num_gpu_experts, kt_gpu_experts_ratio, kt_expert_lora_path, kt_lora_path, lora_paths,
+            max_running_requests, kt_moe_lora_path, kt_moe_lora_rank, kt_moe_lora_alpha, kt_moe_sft_method, rules, fmt, command):
     """Check a kt-kernel launch before it loads: the --kt-* flags (or the whole launch command pasted after
     --) against the model, the weight directory and the LoRA adapter, reading headers only.
 
@@ -48,7 +49,8 @@ def command(ctx, model_path, kt_weight_path, kt_method, kt_cpuinfer, kt_threadpo
                       threadpools=kt_threadpool_count, numa_nodes=list(kt_numa_nodes) or None,
                       gpu_experts=kt_num_gpu_experts, gpu_ratio=kt_gpu_experts_ratio,
                       expert_lora_path=kt_expert_lora_path, kt_lora_path=kt_lora_path,
-                      lora_paths=list(lora_paths) or None, moe_lora_path=kt_moe_lora_path,
+                      lora_paths=list(lora_paths) or None, max_running_requests=max_running_requests,
+                      moe_lora_path=kt_moe_lora_path,
                       moe_lora_rank=kt_moe_lora_rank, moe_lora_alpha=kt_moe_lora_alpha, moe_sft_method=kt_moe_sft_method,
                       seed_flags=[f for f, v in (("--kt-moe-lora-path", kt_moe_lora_path),
                                                  ("--kt-moe-lora-rank", kt_moe_lora_rank),

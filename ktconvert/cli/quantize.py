@@ -61,6 +61,14 @@ def _bar(enabled: bool):
               "AMXINT8/AMXINT4 expert directory (--type AMXINT8|AMXINT4).")
 @click.option("--threadpool-count", type=click.IntRange(min=1), default=None,
               help="kt-amx: parts per expert (default 2); must equal the launch's --kt-threadpool-count.")
+@click.option("--form", "form", type=click.Choice(["merged", "kt-tree"]), default=None,
+              help="kt-amx: merged safetensors (default, the inference methods), or kt-tree: kt-kernel's persistent "
+              "INT8 tree for SFT (_layer_L/_numa_n/*.kt + kt-weight-manifest.json; ktconvert's manifest goes "
+              "beside it as OUT.manifest.json). AMXINT8 only.")
+@click.option("--lora", "lora", metavar="ADAPTER", type=click.Path(path_type=str),
+              help="Merge this MoE LoRA adapter (any form convert-lora reads) into the weights in float32 first: "
+              "W + alpha/r * B @ A; manifest.json records its files' sha256.")
+@click.option("--lora-alpha", type=float, help="The adapter's alpha when its adapter_config.json does not say it.")
 @click.option("--config", metavar="FILE", type=click.Path(path_type=str),
               help="config.json (default: the one beside the checkpoint).")
 @click.option("--shard-size", metavar="SIZE", help="Largest output file, e.g. 5GiB (0: one file).")
@@ -85,8 +93,8 @@ def _bar(enabled: bool):
               help="List the preset recipes and exit.")
 @executor_options("the conversion's units")
 @click.pass_context
-def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_size, max_memory, jobs, allow_fallback,
-            dry_run, resume, force, no_tokenizer, allow_requantize, fmt, executor, ray_address):
+def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, lora_alpha, config, shard_size, max_memory,
+            jobs, allow_fallback, dry_run, resume, force, no_tokenizer, allow_requantize, fmt, executor, ray_address):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
     SRC: a .safetensors file, a shard directory or its index, a .gguf file or split GGUF set. OUT receives
@@ -102,7 +110,8 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
     if dry_run:
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                                tokenizer=not no_tokenizer, threadpool_count=threadpool_count,
-                               allow_requantize=allow_requantize, allow_fallback=allow_fallback)
+                               allow_requantize=allow_requantize, allow_fallback=allow_fallback, lora=lora,
+                               lora_alpha=lora_alpha)
         if fmt == "llama":
             from ktconvert.convert import plan_llama_text
 
@@ -115,7 +124,8 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, config, shard_si
         result = convert(src, out, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
                          progress=update, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
-                         allow_fallback=allow_fallback, executor=executor, ray_address=ray_address)
+                         allow_fallback=allow_fallback, form=form, lora=lora, lora_alpha=lora_alpha,
+                         executor=executor, ray_address=ray_address)
     except KeyboardInterrupt:
 
 

@@ -17,8 +17,11 @@ _FP8 = ", ".join(f for f in FAMILIES if families.spec(f).tiny.get("fp8"))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it is not empty.")
 @click.option("--fp8", is_flag=True, help=f"The FP8 block-scaled variant (F8_E4M3 weights + _scale_inv; {_FP8}).")
+@click.option("--lora", "lora", metavar="DIR", type=click.Path(file_okay=False),
+              help="Also write the tiny model's MoE LoRA adapter (kt-kernel's raw training form, with "
+              "kt_adapter_manifest.json) into DIR; ktconvert convert-lora makes every other form of it.")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def command(family: str, out_dir: str, force: bool, fp8: bool, fmt: str) -> None:
+def command(family: str, out_dir: str, force: bool, fp8: bool, lora: str | None, fmt: str) -> None:
     """Write a tiny FAMILY checkpoint (any family with a spec in rules/families/) (config.json, model.safetensors, BPE tokenizer) into OUT_DIR.
 
     The bytes depend on nothing but ktconvert's source: the sha256 of each file is recorded in
@@ -27,9 +30,17 @@ def command(family: str, out_dir: str, force: bool, fp8: bool, fmt: str) -> None
     from ktconvert.model.tiny import write_tiny_model
 
     hashes = write_tiny_model(family, out_dir, force=force, fp8=fp8)
+    lora_hashes = None
+    if lora:
+        from ktconvert.model.tiny_lora import write_tiny_lora
+
+        lora_hashes = write_tiny_lora(family, lora, force=force)
     if fmt == "json":
-        click.echo(json.dumps({"family": family, "out_dir": out_dir, "sha256": hashes}, indent=2))
+        click.echo(json.dumps({"family": family, "out_dir": out_dir, "sha256": hashes,
+                               **({"lora": {"out_dir": lora, "sha256": lora_hashes}} if lora else {})}, indent=2))
         return
+    if lora_hashes:
+        click.echo(f"wrote the tiny {family} MoE LoRA adapter (raw training form) to {lora}")
     click.echo(f"wrote tiny {family}{' FP8' if fp8 else ''} checkpoint to {out_dir}")
     for name, digest in hashes.items():
         click.echo(f"  {digest}  {name}")

@@ -25,8 +25,10 @@ max_memory="2GiB", jobs=1, resume=False, force=False, progress=None, executor="l
 
 ``load_recipe(path_or_preset) -> Recipe``, ``recipe_for_type(T) -> Recipe``, ``presets() -> {name: path}``.
 
-``convert_lora(src, out, *, base_config=None, lora_alpha=None, force=False) -> LoraResult``
-    MoE LoRA adapters between kt-kernel's stacked form and per-expert PEFT form (see :mod:`ktconvert.convert.lora`).
+``convert_lora(src, out, *, to=None, expert_only=False, base_config=None, lora_alpha=None, base_model_name=None,
+force=False, allow_nonfinite=False) -> LoraResult``
+    MoE LoRA adapters between the forms of the kt-kernel / sglang-kt 0.7.2 stack, checked first (see
+    :mod:`ktconvert.convert.lora`; ``convert(..., lora=ADAPTER)`` merges one into the weights).
 
 Importing this package does not import torch; the quantizing workers do.
 """

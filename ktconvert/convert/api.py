@@ -15,6 +15,8 @@ from ktconvert.convert.sizes import parse_size
 from ktconvert.convert.source import analyze
 from ktconvert.errors import UsageProblem
 from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
+from ktconvert.convert.lora_merge import attach_lora
+from ktconvert.convert.kt_tree_out import check_tree_paths, finish_tree, scratch_dir, write_tree
 
 DEFAULT_MAX_MEMORY = "2GiB"
 
@@ -47,17 +49,30 @@ def _resolve(recipe, type, allow_fallback: bool) -> Recipe:
 def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
                     format: str | None = None, config: str | Path | dict | None = None,
                     shard_size: int | str | None = None, tokenizer: bool = True, threadpool_count: int | None = None,
-                    allow_requantize: bool = False, allow_fallback: bool | None = None) -> Plan:
+                    allow_requantize: bool = False, allow_fallback: bool | None = None,
+                    lora: str | Path | None = None, lora_alpha: float | None = None) -> Plan:
     """Validate everything that can be validated without reading tensor data and return the plan.
 
+    ``lora``: an adapter (any form convert-lora reads) merged in float32 into the weights it adapts
+    (:mod:`ktconvert.convert.lora_merge`).
     ``format="kt-amx"`` with ``type="AMXINT8"``/``"AMXINT4"`` plans kt-kernel's expert directory for
     ``threadpool_count`` parts (default 2; :mod:`ktconvert.convert.kt_amx_plan`).
 
     Raises :class:`~ktconvert.errors.InputError` (bad input, impossible type, recipe problem: exit 3) or
     :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
     """
-    if format == "kt-amx":
+    plan = _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_count, allow_requantize,
+                 allow_fallback)
+    if lora is not None:
+        plan = attach_lora(plan, lora, lora_alpha=lora_alpha)
+    elif lora_alpha is not None:
+        raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
+    return plan
 
+
+def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_count, allow_requantize,
+          allow_fallback) -> Plan:
+    if format == "kt-amx":
         if recipe is not None or type is None:
             raise UsageProblem("--to kt-amx needs --type AMXINT8 or --type AMXINT4 (and no recipe)")
         return build_kt_amx_plan(analyze(src, config), type, 2 if threadpool_count is None else threadpool_count)
@@ -78,7 +93,8 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
             shard_size: int | str | None = None, tokenizer: bool = True,
             max_memory: int | str = DEFAULT_MAX_MEMORY, jobs: int = 1, resume: bool = False, force: bool = False,
             progress: Progress | None = None, threadpool_count: int | None = None,
-            allow_requantize: bool = False, allow_fallback: bool | None = None, executor: str = "local",
+            allow_requantize: bool = False, allow_fallback: bool | None = None, form: str | None = None,
+            lora: str | Path | None = None, lora_alpha: float | None = None, executor: str = "local",
             ray_address: str | None = None) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
 
@@ -98,11 +114,24 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
     budget = parse_size(max_memory, what="--max-memory")
     plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
                            tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
-                           allow_fallback=allow_fallback)
+                           allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha)
     check_paths(Path(src), [Path(f) for f in plan.input_files], Path(out), force)
     if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
         ray = connect(ray_address)
         check_fits(ray, ray_task_memory(budget, jobs), "one conversion task")
-    return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress,
-                   executor=executor)
+    if form in (None, "merged"):
+        return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress,
+                       executor=executor)
+    if form != "kt-tree":
+        raise UsageProblem(f"--form {form}: unknown", fix="use merged or kt-tree")
+    if format != "kt-amx" or str(type).upper() != "AMXINT8":
+        raise UsageProblem("--form kt-tree is kt-kernel's persistent INT8 tree: it needs --to kt-amx --type AMXINT8",
+                           fix="add --to kt-amx --type AMXINT8, or drop --form kt-tree")
+    out = Path(out)
+    check_tree_paths(out, force)
+    merged = scratch_dir(out)
+    run = execute(plan, merged, max_memory=budget, jobs=jobs, resume=resume, force=True, progress=progress,
+                  executor=executor)
+    kt = write_tree(merged, out, force=force)
+    return dataclasses.replace(run, out=out, manifest=finish_tree(run.manifest, merged, out, kt))
 

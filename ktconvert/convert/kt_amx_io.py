@@ -19,7 +19,8 @@ def pack_group(ck, t, float_rows) -> np.ndarray:
     mat = float_rows(ck, dataclasses.replace(t, shape=(rows, cols), kt_pack=None), 0, rows)
     out = np.empty(nbytes, dtype=np.uint8)
     pos = 0
-    for w, s in kt_amx.pack_expert(mat, proj, m, parts, is_bf16=t.src_dtype == "BF16"):
+    merged = any(seg.lora for seg in t.segments)  # a merged LoRA leaves bf16 values: round them as upstream would
+    for w, s in kt_amx.pack_expert(mat, proj, m, parts, is_bf16=t.src_dtype == "BF16" and not merged):
         for a in (w, s):
             b = a.view(np.uint8)
             out[pos:pos + b.size] = b

@@ -44,7 +44,7 @@ def _expert_segments(item, e: int, rows: int) -> tuple[Segment, ...]:
             continue
         shift = a - s.start
         if s.op == "rows":
-            out.append(Segment(a - lo, b - a, s.source, "rows", src_row=s.src_row + shift))
+            out.append(Segment(a - lo, b - a, s.source, "rows", src_row=s.src_row + shift, lora=s.lora))
         elif s.op == "transpose":
             out.append(Segment(a - lo, b - a, s.source, "transpose", expert=s.expert, src_col=s.src_col + shift))
         elif s.op == "kt-amx":  # a kt-amx input: dequantized, then packed again (for another part count)

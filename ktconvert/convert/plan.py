@@ -140,6 +140,7 @@ class Plan:
     tokenizer: str = ""
     input_files: list[str] = field(default_factory=list)
     _in_bytes: dict = field(default_factory=dict, repr=False)  # input bytes read per output tensor
+    lora: dict = field(default_factory=dict)  # the adapter merged in (quantize --lora): files and sha256, r, alpha
 
     @property
     def in_bytes(self) -> int:
@@ -161,6 +162,7 @@ class Plan:
             "files": [{"name": f.name, "size": f.size, "header": hashlib.sha256(f.header).hexdigest()} for f in self.files],
             "tensors": [t.to_dict() for t in self.tensors],
             "extra": {k: hashlib.sha256(v).hexdigest() for k, v in sorted(self.extra.items())},
+            **({"lora": self.lora} if self.lora else {}),
         }
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 

@@ -52,6 +52,7 @@ class Segment:
     block: tuple[int, ...] = ()
     parts: int = 0  # kt-amx: the expert projection's part count (``source`` names part 0's weight)
     method: str = ""  # kt-amx: AMXINT8 / AMXINT4
+    lora: tuple = ()  # (A file, A name, A index or -1, B file, B name, B index or -1, alpha/r): + scale * B[rows] @ A
 
     def to_dict(self) -> dict:
         d = {"rows": [self.start, self.start + self.rows], "source": self.source, "op": self.op}
@@ -65,6 +66,8 @@ class Segment:
             d["heads"] = self.heads
         if self.scale:
             d.update(scale=self.scale, block=list(self.block))
+        if self.lora:
+            d["lora"] = {"A": [self.lora[1], self.lora[2]], "B": [self.lora[4], self.lora[5]], "scale": self.lora[6]}
         return d
 
 

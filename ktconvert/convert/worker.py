@@ -282,6 +282,14 @@ def _decode_into(dst: np.ndarray, raw: np.ndarray, dtype: str) -> None:
         dst[...] = _decode(raw, dtype).reshape(dst.shape)
 
 
+def _lora_rows(lora: tuple, rows: np.ndarray) -> np.ndarray:
+    """``alpha/r * B[rows] @ A`` in float32: the adapter's delta for these rows of the adapted weight."""
+    fa, na, ia, fb, nb, ib, scale = lora
+    a = _checkpoint(fa).read_float32(na, None if ia < 0 else ia)
+    b = _checkpoint(fb).read_float32(nb, None if ib < 0 else ib)
+    return np.float32(scale) * (b[rows] @ a)
+
+
 def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     """Rows ``r0..r1`` of the output tensor as float32, assembled from the segments; a NaN/Inf is reported at
     its place in the input tensor, before anything is quantized or written."""
@@ -306,6 +314,8 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
             src = _rows2d(ck, s.source)
             _decode_into(x[pos: pos + n], src[s.src_row + i: s.src_row + i + n], dtype)
             del src
+            if s.lora:
+                x[pos: pos + n] += _lora_rows(s.lora, np.arange(s.src_row + i, s.src_row + i + n))
         else:
             if s.op == "kt-amx":
 
@@ -320,6 +330,8 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
                 head, rem = np.divmod(o, 2 * half)
                 idx = head * 2 * half + (rem % 2) * half + rem // 2
                 part = _decode(src[idx], dtype)
+                if s.lora:
+                    part = part + _lora_rows(s.lora, idx)
             part = part.reshape(n, -1)
             if part.shape[1] != n_out:
                 raise AssertionError(f"{s.source}: rows of {part.shape[1]}, {t.name} needs {n_out}")

@@ -9,7 +9,8 @@ from pathlib import Path
 from ktconvert import __version__
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats.checkpoint import open_checkpoint
-from ktconvert.formats.config import load_config
+from ktconvert.formats.config import dims_from_hf_config, load_config
+from ktconvert.formats.kt_tree import check_kt_tree, is_kt_tree
 from ktconvert.formats.fp8 import DEFAULT_BLOCK, Fp8Map, analyze_fp8
 from ktconvert.formats.layout import LayerLayout, Problem, detect_layout, is_type_companion
 from ktconvert.formats.scan import scan_checkpoint
@@ -44,6 +45,8 @@ def build_inspect_report(
     tensor list is included and every tensor is scanned. ``progress_factory(total_bytes)`` returns the callback the
     scan reports progress to.
     """
+    if is_kt_tree(path):
+        return kt_tree_report(path, config)
     selector = compile_tensor_filter(tensors)
     ck = open_checkpoint(path)
     lay = detect_layout(ck, config)
@@ -120,6 +123,31 @@ def build_inspect_report(
     if selected is not None:
         report["tensors"] = [_tensor(ck[n], lay.matches.get(n), fp8) for n in selected]
     return report
+
+
+def kt_tree_report(path, config=None) -> dict:
+    """kt-kernel's persistent INT8 tree: its manifest and every file checked (names, sizes, sha256, inventory), and
+    with ``config`` E, H, I and the MoE layers against the model."""
+    tree = check_kt_tree(path)
+    problems = []
+    if config is not None:
+        dims = dims_from_hf_config(load_config(config), str(config))
+        for what, got, want in (("expert_num", tree.experts, dims.n_experts), ("hidden_size", tree.hidden,
+                                dims.hidden_size), ("intermediate_size", tree.intermediate, dims.moe_intermediate_size)):
+            if want is not None and got != want:
+                problems.append({"kind": "kt-tree-geometry", "severity": "error", "message": f"{what} {got}, the "
+                                 f"model's config says {want}", "layer": None, "tensors": []})
+        if dims.moe_layers is not None and set(dims.moe_layers) != set(tree.layers):
+            problems.append({"kind": "kt-tree-layers", "severity": "error", "message": f"layers {tree.layers}, the "
+                             f"model's MoE layers are {sorted(dims.moe_layers)}", "layer": None, "tensors": []})
+    code = 1 if problems else 0
+    return {"tool": "ktconvert inspect", "version": __version__, "status": "ok" if code == 0 else "fail",
+            "exit_code": code, "path": str(path), "container": "kt-tree",
+            "kt_tree": {"schema_version": 2, "layout": tree.manifest["layout"], "layers": tree.layers,
+                        "experts": tree.experts, "hidden_size": tree.hidden, "intermediate_size": tree.intermediate,
+                        "threadpool_count": tree.parts, "files": tree.files, "bytes": tree.bytes,
+                        "hashes": "verified"},
+            "problems": problems}
 
 
 def exit_code(problems) -> int:

@@ -65,6 +65,15 @@ def _fold(layers: list[dict]) -> list[tuple[int, int, dict]]:
 def render_text(report: dict, style=lambda s, **kw: s) -> str:
     r = report
     lines = [style(f"ktconvert inspect: {r['path']}", bold=True)]
+    if r["container"] == "kt-tree":
+        t = r["kt_tree"]
+        lines.append(f"  container     kt-kernel persistent INT8 tree (kt-weight-manifest.json schema 2, {t['layout']}), "
+                     f"{t['files']} .kt files, {human_bytes(t['bytes'])}, sha256 verified")
+        lines.append(f"  experts       E={t['experts']} H={t['hidden_size']} I={t['intermediate_size']}, "
+                     f"{t['threadpool_count']} numa part(s), layers {t['layers']}")
+        lines.append(f"  launch        kt-kernel's INT8 SFT path with --kt-threadpool-count {t['threadpool_count']}")
+        lines += [f"  error  {p['message']}" for p in r["problems"]]
+        return "\n".join(lines)
     files = r["files"]
     container = r["container"] + (f" v{r['gguf_version']}" if r.get("gguf_version") else "")
     lines.append(

@@ -53,6 +53,17 @@ def layout_safetensors(tensors: list[tuple[str, str, tuple[int, ...], int]], met
     return header, slots, len(header) + rel
 
 
+#: The ``safetensors`` package's dtype enum order; its ``save_file`` lays tensors out by dtype (this order, reversed),
+#: then by name. An output meant to be byte-equal to one written by ``save_file`` uses :func:`save_file_order`.
+_ST_DTYPE_ORDER = ("BOOL", "F4", "F6_E2M3", "F6_E3M2", "U8", "I8", "F8_E5M2", "F8_E4M3", "F8_E8M0", "I16", "U16",
+                   "F16", "BF16", "I32", "U32", "F32", "C64", "F64", "I64", "U64")
+
+
+def save_file_order(tensors: list) -> list:
+    """``tensors`` (tuples whose first two fields are name and dtype) in the order ``safetensors.save_file`` writes."""
+    return sorted(tensors, key=lambda t: (-_ST_DTYPE_ORDER.index(t[1]), t[0]))
+
+
 def write_safetensors(path: str | Path, tensors: Iterable[tuple[str, str, tuple[int, ...], int,
                                                                    Callable[[], Iterable[bytes]]]],
                       metadata: dict[str, str] | None = None) -> int:

@@ -403,25 +403,30 @@ def check_lora(ctx: Ctx, out: list[Finding]) -> None:
                            "pass one: --kt-expert-lora-path (--kt-lora-path is its deprecated alias)", "--kt-lora-path"))
     expert = lc.expert_lora_path or lc.kt_lora_path
     if expert:
-        _check_expert_adapter(ctx, Path(expert), out)
+        if _check_expert_adapter(ctx, Path(expert), out):
+            _check_adapter_content(ctx, Path(expert), out)
         if lc.lora_paths:
             out.append(Finding("PF171", ERROR, "--kt-expert-lora-path cannot be combined with --lora-paths",
                                "serve a merged adapter with --lora-paths alone, or the expert-only one alone",
                                "--lora-paths"))
-        if ctx.gpu_experts not in (None, 0):
-            out.append(Finding("PF172", ERROR, f"expert LoRA needs --kt-num-gpu-experts 0, not {ctx.gpu_experts}",
-                               "pass --kt-num-gpu-experts 0", "--kt-num-gpu-experts"))
-        if ctx.method not in SFT_METHODS:
-            out.append(Finding("PF173", ERROR, f"expert LoRA runs through kt-kernel's SFT path, which {ctx.method} has not",
-                               f"use one of {', '.join(SFT_METHODS)} with the weights it reads", "--kt-method"))
     for entry in lc.lora_paths or []:
         p = Path(entry.split("=", 1)[-1])
         if p.is_file():
             out.append(Finding("PF174", ERROR, "--lora-paths expects an adapter directory, not a file",
                                "pass the directory holding adapter_config.json", str(p)))
-        elif (p / "fused_expert_lora.safetensors").is_file():
+        elif (p / "fused_expert_lora.safetensors").is_file() and _native_manifest(p) is None:
             out.append(Finding("PF175", ERROR, "a raw KT training adapter (fused_expert_lora.safetensors)",
-                               "convert it first: ktconvert convert-lora", str(p)))
+                               "convert it first: ktconvert convert-lora RAW OUT", str(p)))
+        elif (p / "adapter_model.safetensors").is_file() and not _not_safetensors(p / "adapter_model.safetensors", out):
+            names = _safetensors_names(p / "adapter_model.safetensors")
+            if names and all(_is_expert_key(n) for n in names):
+                out.append(Finding("PF203", ERROR, "an expert-only adapter: sglang-kt refuses it through --lora-paths "
+                                   "(no non-expert tensors)", "pass it with --kt-expert-lora-path and --kt-weight-path",
+                                   str(p)))
+            elif any(_is_expert_key(n) for n in names):
+                _check_adapter_content(ctx, p, out)
+    if expert or (lc.lora_paths and lc.weight_path):
+        _check_lora_serving(ctx, out)
     if lc.moe_lora_path:
         _check_stacked_lora(ctx, Path(lc.moe_lora_path), out)
     if lc.moe_sft_method:
@@ -438,38 +443,126 @@ def check_lora(ctx: Ctx, out: list[Finding]) -> None:
                                f"use AMXINT{ctx.amx_bits}", "--kt-moe-sft-method"))
 
 
+def _is_expert_key(name: str) -> bool:
+    """sglang-kt's own split rule (kt-lora-facts §1): an expert key names .mlp.experts. and a gate/up/down_proj."""
+    return ".mlp.experts." in name and any(f".{p}_proj." in name for p in PROJS)
+
+
+def _native_manifest(p: Path):
+    from ktconvert.convert.lora_read import native_format
+
+    try:
+        return native_format(p)
+    except InputError:
+        return None
+
+
+def _check_lora_serving(ctx: Ctx, out: list[Finding]) -> None:
+    """What an expert-LoRA launch needs besides the adapter (kt-lora-facts §3): every expert on the CPU, at least
+    two running requests, an SFT-capable method given by its inference name, and the weights in the form that SFT
+    method reads."""
+    lc = ctx.launch
+    if ctx.gpu_experts not in (None, 0):
+        out.append(Finding("PF172", ERROR, f"expert LoRA needs --kt-num-gpu-experts 0, not {ctx.gpu_experts}",
+                           "pass --kt-num-gpu-experts 0", "--kt-num-gpu-experts"))
+    elif lc.gpu_ratio not in (None, "0", "0.0") and ctx.gpu_experts is None:
+        out.append(Finding("PF172", ERROR, f"expert LoRA needs every expert on the CPU, not --kt-gpu-experts-ratio "
+                           f"{lc.gpu_ratio}", "pass --kt-num-gpu-experts 0", "--kt-gpu-experts-ratio"))
+    mrr = _int("--max-running-requests", lc.max_running_requests, out)
+    if mrr is not None and mrr < 2:
+        out.append(Finding("PF197", ERROR, f"--max-running-requests {mrr}: sglang-kt's LoRA serving needs at least 2",
+                           "pass --max-running-requests 2 or more", "--max-running-requests"))
+    raw = (lc.method or "").upper()
+    if raw.endswith("_SFT"):
+        name = {"AMXBF16_SFT": "BF16", "AMXINT8_SFT": "AMXINT8", "AMXINT4_SFT": "AMXINT4"}.get(raw, raw[:-4])
+        out.append(Finding("PF198", ERROR, f"--kt-method {lc.method}: sglang-kt 0.7.2 takes the inference name and maps "
+                           "it to the SFT method itself; it refuses *_SFT names", f"pass --kt-method {name}",
+                           "--kt-method"))
+    elif ctx.method not in SFT_METHODS:
+        out.append(Finding("PF173", ERROR, f"expert LoRA runs through kt-kernel's SFT path, which {ctx.method} has not",
+                           f"use one of {', '.join(SFT_METHODS)} with the weights it reads", "--kt-method"))
+    if ctx.method == "AMXINT8" and ctx.weights_format == "kt-amx":
+        out.append(Finding("PF199", ERROR, "kt-kernel's INT8 SFT method reads only the persistent .kt tree "
+                           "(kt-weight-manifest.json), never merged kt-amx safetensors",
+                           "write it: ktconvert quantize MODEL OUT --to kt-amx --type AMXINT8 --form kt-tree",
+                           lc.weight_path))
+    elif ctx.method == "AMXINT8" and ctx.weights_format == "kt-tree":
+        from ktconvert.formats.kt_tree import check_kt_tree
+
+        try:
+            tree = check_kt_tree(lc.weight_path)
+        except InputError as exc:
+            out.append(Finding("PF204", ERROR, f"kt-kernel's validator would refuse the tree: {exc.message}",
+                               exc.fix or "write the tree again", exc.path or lc.weight_path))
+        else:
+            dims = ctx.dims
+            if dims is not None and (tree.experts, tree.hidden, tree.intermediate) != \
+                    (dims.n_experts, dims.hidden_size, dims.moe_intermediate_size):
+                out.append(Finding("PF204", ERROR, f"the tree holds E={tree.experts} H={tree.hidden} "
+                                   f"I={tree.intermediate}, the model E={dims.n_experts} H={dims.hidden_size} "
+                                   f"I={dims.moe_intermediate_size}", "write the tree from this model",
+                                   lc.weight_path))
+
+
+def _check_adapter_content(ctx: Ctx, p: Path, out: list[Finding]) -> None:
+    """convert-lora's checks (NaN, no effect, ranks, stray keys, PEFT options, F32, manifest, and against the model:
+    every MoE layer, E, H, I) on the adapter the launch serves; alpha missing from its config is served as r."""
+    from ktconvert.convert.lora_checks import check_adapter, resolve_alpha
+    from ktconvert.convert.lora_read import read_adapter
+
+    try:
+        ad = read_adapter(p)
+    except InputError as exc:
+        out.append(Finding("PF210", ERROR, exc.message, exc.fix or "convert it with ktconvert convert-lora",
+                           f"{exc.path}:{exc.where}" if exc.where else (exc.path or str(p))))
+        return
+    alpha, found = resolve_alpha(ad, None)
+    found += check_adapter(ad, alpha=alpha, dims=ctx.dims)
+    for f in found:
+        out.append(Finding("PF210" if f.severity == ERROR else "PF211", f.severity, f.message, f.fix,
+                           f"{p.name}/{f.where}"))
+    if "lora_alpha" not in ad.config:
+        out.append(Finding("PF212", ERROR, f"adapter_config.json has no lora_alpha: sglang-kt serves it with alpha = r "
+                           f"= {ad.rank}, whatever it was trained with", "write the training alpha into it "
+                           "(ktconvert convert-lora --lora-alpha A)", f"{p.name}/adapter_config.json:lora_alpha"))
+
+
 def _family(ctx: Ctx) -> str:
     fmt = ctx.weights_format
     return {"kt-amx": "kt-amx", "kt-tree": "kt-amx", "gguf": "gguf"}.get(fmt, "hf")
 
 
-def _check_expert_adapter(ctx: Ctx, p: Path, out: list[Finding]) -> None:
+def _check_expert_adapter(ctx: Ctx, p: Path, out: list[Finding]) -> bool:
+    """Form checks of sglang-kt's own; True when the directory is an expert-only adapter worth reading."""
     if not ctx.launch.weight_path:
         out.append(Finding("PF178", ERROR, "--kt-expert-lora-path needs --kt-weight-path", "pass the expert weights",
                            "--kt-expert-lora-path"))
     if p.is_file():
         out.append(Finding("PF179", ERROR, "is a file; pass the converted expert adapter directory",
                            "ktconvert convert-lora writes it", str(p)))
-        return
+        return False
     if (p / "fused_expert_lora.safetensors").is_file():
         out.append(Finding("PF175", ERROR, "a raw KT training adapter (fused_expert_lora.safetensors)",
-                           "convert it first: ktconvert convert-lora RAW OUT --base-config config.json", str(p)))
-        return
+                           "convert it first: ktconvert convert-lora RAW OUT --expert-only --base-model MODEL", str(p)))
+        return False
     model = p / "adapter_model.safetensors"
     if not (p / "adapter_config.json").is_file() or not model.is_file():
         out.append(Finding("PF180", ERROR, "must contain adapter_config.json and adapter_model.safetensors",
                            "pass the converted adapter directory", str(p)))
-        return
+        return False
     if _not_safetensors(model, out):
-        return
+        return False
     names = _safetensors_names(model)
     expert = [n for n in names if ".mlp.experts." in n and any(f".{x}_proj." in n for x in PROJS)]
     if not expert:
         out.append(Finding("PF181", ERROR, "contains no converted per-expert gate_proj/up_proj/down_proj tensors",
                            "convert the adapter for kt (ktconvert convert-lora)", str(model)))
-    elif len(expert) != len(names):
+        return False
+    if len(expert) != len(names):
         out.append(Finding("PF182", ERROR, "holds non-expert tensors too: --kt-expert-lora-path expects an expert-only "
                            "adapter", "pass the merged adapter through --lora-paths instead", str(model)))
+        return False
+    return True
 
 
 def _not_safetensors(f: Path, out: list[Finding]) -> bool:
@@ -492,12 +585,11 @@ def _check_stacked_lora(ctx: Ctx, f: Path, out: list[Finding]) -> None:
         return
     if _not_safetensors(f, out):
         return
-    try:
-        from safetensors.numpy import load_file
-
-        tensors = load_file(str(f))
-    except Exception as exc:
-        out.append(Finding("PF185", ERROR, f"not a readable safetensors file: {exc}", "write it again", str(f)))
+    try:  # kt-kernel writes this file in BF16, which numpy's safetensors reader cannot load: decode it ourselves
+        ck = open_checkpoint(f)
+        tensors = {n: ck.read_float32(n) for n in ck}
+    except InputError as exc:
+        out.append(Finding("PF185", ERROR, f"not a readable safetensors file: {exc.message}", "write it again", str(f)))
         return
     key = re.compile(r"^layers\.(\d+)\.experts\.(gate|up|down)_lora_(a|b)$")
     found: dict[tuple[int, str, str], tuple] = {}

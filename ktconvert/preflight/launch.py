@@ -17,6 +17,7 @@ FLAGS_072 = {
     "--kt-threadpool-count": "threadpools", "--kt-numa-nodes": "numa_nodes",
     "--kt-num-gpu-experts": "gpu_experts", "--kt-gpu-experts-ratio": "gpu_ratio",
     "--kt-expert-lora-path": "expert_lora_path", "--kt-lora-path": "kt_lora_path", "--lora-paths": "lora_paths",
+    "--max-running-requests": "max_running_requests",
     "--kt-max-deferred-experts-per-token": None, "--kt-gpu-prefill-token-threshold": None,
     "--kt-enable-dynamic-expert-update": None, "--kt-expert-placement-strategy": None,
 }
@@ -43,6 +44,7 @@ class Launch:
     expert_lora_path: str | None = None
     kt_lora_path: str | None = None
     lora_paths: list[str] | None = None
+    max_running_requests: str | None = None
     moe_lora_path: str | None = None
     moe_lora_rank: str | None = None
     moe_lora_alpha: str | None = None
