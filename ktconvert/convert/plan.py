@@ -309,7 +309,10 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
             chosen.append((item, t, rule, fb))
     if not problems and not allow_requantize:
         for item, t, rule, fb in chosen:
-            if _lossy(item.src_dtype) and _lossy(t) and (t != item.src_dtype or item.reshaped):
+            # a release format (MXFP4, NVFP4 also name ggml types) is the release itself, decoded exactly: the
+            # only way to a GGUF, so not refused as a second rounding
+            if (item.src_dtype not in RELEASE_FORMATS and _lossy(item.src_dtype) and _lossy(t)
+                    and (t != item.src_dtype or item.reshaped)):
                 raise InputError(
                     f"already {item.src_dtype}; quantizing it again to {t} (rule {rule.index} of {recipe.name}) adds a "
                     "second rounding, which llama-quantize refuses too",

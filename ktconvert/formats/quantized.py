@@ -225,5 +225,5 @@ def describe(w) -> dict:
     """What inspect shows per quantized weight: format, group, every companion tensor."""
     if isinstance(w, fp8.Fp8Weight):
         return {"format": w.fmt, "group": list(w.block), "scale": w.scale, "companions": [w.scale]}
-    return {"format": w.fmt, "group": [1, w.group], "scale": w.scale, "companions": list(w.companions),
+    return {"format": w.fmt, "group": [1, w.group], "scale": w.scale, "companions": list(companions(w)),
             "stored": w.stored}

@@ -64,9 +64,9 @@ def _quantize(fmt: str, base: str, x: np.ndarray) -> tuple[dict[str, np.ndarray]
     """The stored tensors of one matrix ``base + '.weight'`` in ``fmt``: {name: array}, {name: dtype}."""
     stem = base[: -len(".weight")]
     if fmt == "mxfp8":
-        codes, scale = fp8.quantize(x, fp8.MX_BLOCK, "F32")
-        e = np.log2(scale).astype(np.int64)  # amax/448 is no power of two: round the scale up to one
-        e = np.where(np.exp2(e) < scale, e + 1, e)
+        amax = np.abs(x).reshape(x.shape[0], -1, 32).max(axis=2)
+        # the smallest power of two >= amax/448 (no code saturates); an all-zero group gets 2**0
+        e = np.where(amax > 0, np.ceil(np.log2(np.where(amax > 0, amax, 1) / 448.0)), 0).astype(np.int64)
         scale = np.exp2(e).astype(np.float32)
         codes = fp8.encode_e4m3(x / np.repeat(scale, 32, axis=1))
         parts = {"weight": (codes, fp8.FP8_DTYPE), "weight_scale_inv": ((e + 127).astype(np.uint8), "F8_E8M0")}
