@@ -208,3 +208,23 @@ def test_cli_tiny_model_quant_writes_the_release(tmp_path):
     assert cfg["quantization_config"]["format"] == "pack-quantized"
     bad = CliRunner().invoke(cli, ["tiny-model", "deepseek_v3", str(tmp_path / "x"), "--quant", "rawint4", "--fp8"])
     assert bad.exit_code == 2
+
+
+def test_preflight_accepts_a_release_under_its_method_and_names_the_right_one(releases):
+    from ktconvert.preflight import Launch, preflight
+
+    def run(fmt, method):
+        r = preflight(Launch(model_path=str(releases[fmt]), weight_path=str(releases[fmt]), method=method,
+                             cpuinfer="2", threadpools="1", gpu_experts="0"))
+        return [(f.id, f.message, f.fix) for f in r.findings]
+
+    for fmt, method in (("rawint4", "RAWINT4"), ("nvfp4", "NVFP4"), ("gptq-int4", "GPTQ_INT4"),
+                        ("fp8-perchannel", "FP8_PERCHANNEL")):
+        assert run(fmt, method) == [], fmt
+    (pid, msg, fix), = run("rawint4", "NVFP4")
+    assert pid == "PF164" and "these are RAWINT4" in msg and "--kt-method RAWINT4" in fix
+    (pid, msg, fix), = run("mxfp8", "FP8")  # E4M3 with _scale_inv, but UE8M0 per 1x32: not the FP8 method's
+    assert pid == "PF162" and "--kt-method MXFP8" in fix
+    assert [f[0] for f in run("mxfp4", "AMXINT4")] == ["PF133"]  # a release is no kt-amx dir
+    (pid, msg, fix), = run("mxfp4", "MXFP4")  # HF expert names: kt-kernel's MXFP4 loader finds none
+    assert pid == "PF165" and "DeepSeek-V4" in msg
