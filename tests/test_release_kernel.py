@@ -8,6 +8,8 @@ MXFP4 and MXFP8 are renamed to the names kt-kernel's loaders read (DeepSeek-V4 `
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -87,3 +89,26 @@ def test_release_method_agrees_with_the_exact_decoding(kernel, method, tmp_path)
         errs.append(np.linalg.norm(y - ref) / np.linalg.norm(ref))
     print(f"{method}: relative error {max(errs):.4f} (64 and 3 tokens: {errs[0]:.4f}, {errs[1]:.4f})")
     assert max(errs) < bound
+
+
+def test_verify_kernel_reads_a_release_with_its_method_and_refuses_what_its_loader_cannot_find(kernel, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    model, rel, mx = tmp_path / "model", tmp_path / "rawint4", tmp_path / "mxfp4"
+    write_tiny_model("qwen3_moe", model)
+    write_tiny_model("qwen3_moe", rel, quant="rawint4")
+    write_tiny_model("qwen3_moe", mx, quant="mxfp4")
+    repo = Path(__file__).resolve().parents[1]
+    base = ["verify", "--model", str(model), "--rules", str(repo / "rules/optimize/qwen3_moe.yaml"), "--golden",
+            str(repo / "golden/qwen3_moe"), "--kernel", "both", "-o", "json", "--weights"]
+    r = CliRunner().invoke(cli, base + [str(rel)])
+    assert r.exit_code in (0, 1), r.output  # 1: the release's own quantization error against the float golden
+    layers = json.loads(r.output)["kernel"]["layers"]
+    assert {x["method"] for x in layers} == {"RAWINT4"}
+    assert all(0 < v < 0.05 for x in layers for v in x["agreement"].values())  # kernel vs its emulation
+    r = CliRunner().invoke(cli, base + [str(mx)])
+    assert r.exit_code == 2 and "DeepSeek-V4" in r.output, r.output

@@ -46,6 +46,13 @@ METHODS = {m.name: m for m in (
 )}
 
 
+# the kt-kernel method that reads each release format as released
+RELEASE_METHOD = {m.release: m.name for m in METHODS.values() if m.release}
+# the expert names kt-kernel's loader of a method finds (its other release loaders take the HF names)
+LOADER_NAMES = {"MXFP4": (".ffn.experts.", "DeepSeek-V4 names (…ffn.experts.N.w1/w3/w2)"),
+                "MXFP8": (".block_sparse_moe.experts.", "MiniMax-M3 names (…block_sparse_moe.experts.N.w1/w3/w2)")}
+
+
 def runs_here(method: str, classes: list[str] | tuple[str, ...]) -> bool:
     """Whether the loaded kt_kernel_ext variant (its MoE class names) has a class for ``method``."""
     m = METHODS.get(method)

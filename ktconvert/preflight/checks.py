@@ -24,7 +24,7 @@ from ktconvert.io.datafile import load_yaml, read_json
 from ktconvert.formats.kt_amx_dir import header_entries, scan_ktamx_dir
 from ktconvert.formats.kt_amx import parse_name as parse_ktamx_name
 from ktconvert.formats.kt_amx import tensor_name
-from ktconvert.kernel.methods import METHODS, shape_problems, type_problems
+from ktconvert.kernel.methods import LOADER_NAMES, METHODS, RELEASE_METHOD, shape_problems, type_problems
 from ktconvert.preflight.launch import (
     SGLANG_METHOD_DEFAULT,
     SGLANG_THREADPOOLS_DEFAULT,
@@ -408,11 +408,6 @@ def _check_hf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
                                "pass the whole checkpoint", str(path)))
 
 
-# the kt-kernel method that reads each release format as released (kernel.methods)
-RELEASE_METHOD = {m.release: m.name for m in METHODS.values() if m.release}
-# the expert names kt-kernel's loader of a method finds (its other loaders take the HF names)
-LOADER_NAMES = {"MXFP4": (".ffn.experts.", "DeepSeek-V4 names (…ffn.experts.N.w1/w3/w2)"),
-                "MXFP8": (".block_sparse_moe.experts.", "MiniMax-M3 names (…block_sparse_moe.experts.N.w1/w3/w2)")}
 
 
 def _release_fix(fmts: list[str], default: str) -> str:
