@@ -228,3 +228,21 @@ def test_preflight_accepts_a_release_under_its_method_and_names_the_right_one(re
     assert [f[0] for f in run("mxfp4", "AMXINT4")] == ["PF133"]  # a release is no kt-amx dir
     (pid, msg, fix), = run("mxfp4", "MXFP4")  # HF expert names: kt-kernel's MXFP4 loader finds none
     assert pid == "PF165" and "DeepSeek-V4" in msg
+
+
+def test_scan_checks_packed_scales_and_all_zero_experts(releases, tmp_path):
+    def zero_nan(t, d, c):
+        t[W + ".scale"] = t[W + ".scale"].copy()
+        t[W + ".scale"][0, :2] = 0xFF  # UE8M0's NaN
+        other = "model.layers.0.mlp.experts.2.up_proj"
+        t[other + ".scale"] = t[other + ".scale"].copy()
+        t[other + ".scale"][3, 1] = 0  # 2**-127: tiny, not zero, a scale the format allows
+        t["model.layers.0.mlp.experts.4.gate_proj.weight"] = np.zeros_like(t["model.layers.0.mlp.experts.4.gate_proj.weight"])
+
+    src = rewrite(releases["mxfp4"], tmp_path / "scan", zero_nan)
+    r = build_inspect_report(src, scan=True)
+    found = {(f["kind"], f["tensor"], f["expert"]) for f in r["scan"]["findings"]}
+    assert ("scale-nan", W + ".scale", 5) in found and ("nan", W + ".weight", 5) in found
+    assert ("all-zero", "model.layers.0.mlp.experts.4.gate_proj.weight", 4) in found
+    assert not any(t.startswith("model.layers.0.mlp.experts.2.") for _, t, _ in found)
+    assert r["exit_code"] != 0
