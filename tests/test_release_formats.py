@@ -246,3 +246,25 @@ def test_scan_checks_packed_scales_and_all_zero_experts(releases, tmp_path):
     assert ("all-zero", "model.layers.0.mlp.experts.4.gate_proj.weight", 4) in found
     assert not any(t.startswith("model.layers.0.mlp.experts.2.") for _, t, _ in found)
     assert r["exit_code"] != 0
+
+
+def test_nvfp4_compressed_tensors_spelling_divides_by_its_global_scale(releases, tmp_path):
+    """compressed-tensors' NVFP4 (``weight_packed`` + ``weight_global_scale``, the reciprocal) decodes as
+    ``e2m1 x fl32(e4m3 / global)``: the same codes as the ModelOpt release, its scale folded by division."""
+    g = np.float32(3.0)
+
+    def to_ct(t, d, c):
+        for name in [n for n in t if n.endswith(".weight_scale_2")]:
+            base = name[: -len("_scale_2")]
+            t[base + "_packed"], d[base + "_packed"] = t.pop(base), d.pop(base)
+            t.pop(name), d.pop(name)
+            t[base + "_global_scale"], d[base + "_global_scale"] = np.array([g], np.float32), "F32"
+
+    ct = open_checkpoint(rewrite(releases["nvfp4"], tmp_path / "ct", to_ct))
+    mo = open_checkpoint(releases["nvfp4"])
+    p = ct.packed[W + ".weight"]
+    assert p.fmt == "NVFP4" and p.stored == W + ".weight_packed" and "weight_packed" not in "".join(ct)
+    bs = decode_float32(np.asarray(ct.read(W + ".weight_scale")), "F8_E4M3")
+    s2 = np.float32(np.asarray(mo.read(W + ".weight_scale_2")).reshape(-1)[0])
+    values = quantized.read_float32(mo, mo.packed[W + ".weight"]) / np.repeat(bs * s2, 16, axis=1)  # the e2m1 codes
+    assert np.array_equal(quantized.read_float32(ct, p), values * np.repeat(bs / g, 16, axis=1))
