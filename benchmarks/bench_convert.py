@@ -52,9 +52,13 @@ SHARD = 4 << 30
 BLOCK = 64 << 20
 
 
-def _config(layers: int, fp8: bool = False) -> dict:
+def _config(layers: int, fp8: bool | str = False) -> dict:
     quant = {"quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
-                                     "weight_block_size": [128, 128]}} if fp8 else {}
+                                     "weight_block_size": [128, 128]}} if fp8 is True else {}
+    if fp8 == "rawint4":  # Kimi-K2-Thinking's compressed-tensors form, from the one place that writes it
+        from ktconvert.model.tiny_release import RELEASES
+
+        quant = dict(RELEASES["rawint4"][0])
     return {**quant, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": H,
             "moe_intermediate_size": I, "intermediate_size": 6144, "num_experts": E, "num_experts_per_tok": 8,
             "num_hidden_layers": layers, "num_attention_heads": HEADS, "num_key_value_heads": KV_HEADS,
@@ -81,18 +85,27 @@ def _tensors(layers: int) -> list[tuple[str, tuple[int, ...]]]:
     return out
 
 
-_SIZE = {"BF16": 2, "F8_E4M3": 1, "F32": 4}
+_SIZE = {"BF16": 2, "F8_E4M3": 1, "F32": 4, "I32": 4}
 
 
 def _nbytes(shape, dtype: str = "BF16") -> int:
     return _SIZE[dtype] * int(np.prod(shape))
 
 
-def _stored(layers: int, fp8: bool) -> list[tuple[str, str, tuple[int, ...]]]:
-    """``(name, dtype, shape)`` of every stored tensor: BF16, or FP8 weights each followed by its scale grid."""
+def _stored(layers: int, fp8: bool | str) -> list[tuple[str, str, tuple[int, ...]]]:
+    """``(name, dtype, shape)`` of every stored tensor: BF16, or FP8 weights each followed by its scale grid, or
+    (``"rawint4"``) routed experts as compressed-tensors INT4 (weight_packed, weight_scale per 32, weight_shape)."""
     out = []
     for name, shape in _tensors(layers):
-        if fp8 and len(shape) == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")):
+        if fp8 == "rawint4":
+            if ".experts." in name:
+                base = name[: -len("weight")]
+                out += [(base + "weight_packed", "I32", (shape[0], shape[1] // 8)),
+                        (base + "weight_scale", "BF16", (shape[0], shape[1] // 32)),
+                        (base + "weight_shape", "I32", (2,))]
+            else:
+                out.append((name, "BF16", shape))
+        elif fp8 and len(shape) == 2 and not name.endswith(("embed_tokens.weight", "lm_head.weight", "mlp.gate.weight")):
             out += [(name, "F8_E4M3", shape),
                     (name + "_scale_inv", "F32", (math.ceil(shape[0] / 128), math.ceil(shape[1] / 128)))]
         else:
@@ -119,7 +132,9 @@ def write_checkpoint(root: Path, layers: int, fp8: bool = False) -> int:
     raws = {"BF16": ((rng.standard_normal(BLOCK // 2, dtype=np.float32) * 0.02).view(np.uint32) >> 16)
             .astype(np.uint16).view(np.uint8),
             "F8_E4M3": codes,
-            "F32": (rng.random(1 << 20, dtype=np.float32) * 1e-4 + 1e-4).view(np.uint8)}
+            "F32": (rng.random(1 << 20, dtype=np.float32) * 1e-4 + 1e-4).view(np.uint8),
+            "I32": rng.integers(0, 256, BLOCK, dtype=np.uint8)}
+    shapes = {n[: -len("weight")] + "weight_shape": s for n, s in _tensors(layers)}
     shards, cur, used = [], [], 0
     for name, dtype, shape in _stored(layers, fp8):
         n = _nbytes(shape, dtype)
@@ -145,7 +160,9 @@ def write_checkpoint(root: Path, layers: int, fp8: bool = False) -> int:
 
     for i, members in enumerate(shards):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        write_safetensors(root / fname, [(n, d, s, _nbytes(s, d), chunks(_nbytes(s, d), raws[d]))
+        write_safetensors(root / fname, [(n, d, s, _nbytes(s, d),
+                                          (lambda v=shapes[n]: iter([np.array(v, "<i4").tobytes()]))
+                                          if n.endswith("weight_shape") else chunks(_nbytes(s, d), raws[d]))
                                          for n, d, s in members], {"format": "pt"})
         for n, d, s in members:
             weight_map[n] = fname
@@ -329,6 +346,7 @@ def main(argv=None) -> None:
     ap.add_argument("--max-memory", default="1GiB")
     ap.add_argument("--jobs", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--fp8", action="store_true", help="an FP8 block-scaled checkpoint (F8_E4M3 + F32 _scale_inv)")
+    ap.add_argument("--rawint4", action="store_true", help="routed experts as compressed-tensors INT4 (Kimi's form)")
     ap.add_argument("--to", choices=["gguf", "hf"], default="gguf", help="hf: the Hugging Face form (--type BF16)")
     ap.add_argument("--vs-llama", action="store_true", help="Q4_K_M: ktconvert vs llama_model_quantize, same threads")
     ap.add_argument("--threads", type=int, default=0, help="--vs-llama: --jobs / nthread (default: every core)")
@@ -341,6 +359,8 @@ def main(argv=None) -> None:
         finally:
             shutil.rmtree(base, ignore_errors=True)
         return
+    if args.rawint4:
+        args.fp8 = "rawint4"
 
     base = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=args.dir))
     try:

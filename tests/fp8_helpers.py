@@ -70,7 +70,8 @@ def write_reference_dir(model_dir: Path, out: Path) -> Path:
     return out
 
 
-_NP = {"F8_E4M3": np.uint8, "BF16": np.uint16, "F32": np.float32, "F16": np.float16}
+_NP = {"F8_E4M3": np.uint8, "F8_E8M0": np.uint8, "BF16": np.uint16, "F32": np.float32, "F16": np.float16,
+       "U8": np.uint8, "I8": np.int8, "I32": np.int32}
 
 
 def load_raw(model_dir: Path) -> tuple[dict[str, np.ndarray], dict[str, str]]:

@@ -381,18 +381,36 @@ def test_to_hf_keeps_the_mtp_layer_and_drops_every_scale(root):
     assert len(ck) == len([n for n in open_checkpoint(src) if not n.endswith("_scale_inv")])
 
 
-def test_per_channel_fp8_is_named_not_misread(root):
-    """GLM-4.7-FP8's per-channel ``weight_scale`` is another format: refused as such, not as a missing block scale."""
+def test_per_channel_fp8_beside_block_scales_is_read_per_row(root):
+    """GLM-4.7-FP8's per-channel ``weight_scale`` [N, 1] is its own format (FP8_PERCHANNEL), read per row even in a
+    checkpoint whose other weights are block-scaled; a ``weight_scale`` of another row count is refused, naming it."""
+    from ktconvert.formats import quantized
+    from ktconvert.io.dtypes import decode_float32
+
     name = "model.layers.0.self_attn.o_proj.weight"
+    row_scale = None
 
     def per_channel(t, d, c):
+        nonlocal row_scale
         t.pop(name + "_scale_inv")
-        t[name + "_scale"], d[name + "_scale"] = np.ones((t[name].shape[0], 1), np.float32), "F32"
+        row_scale = np.linspace(0.5, 2.0, t[name].shape[0], dtype=np.float32).reshape(-1, 1)
+        t[name + "_scale"], d[name + "_scale"] = row_scale, "F32"
 
     src = rewrite(tiny_fp8(root, "deepseek_v3"), root / "per-channel", per_channel)
-    with pytest.raises(InputError, match="per-channel") as exc:
-        plan_conversion(src, type="F32")
-    assert exc.value.where == f"tensor {name}"
+    ck = open_checkpoint(src)
+    w = quantized.require(ck).weights[name]
+    assert w.fmt == "FP8_PERCHANNEL" and w.block == (1, ck[name].shape[1])
+    want = decode_float32(np.asarray(ck.read(name)), "F8_E4M3") * row_scale
+    assert np.array_equal(quantized.read_float32(ck, w), want)
+
+    def misshapen(t, d, c):
+        per_channel(t, d, c)
+        t[name + "_scale"] = np.ones((t[name].shape[0] + 1, 1), np.float32)
+
+    bad = rewrite(tiny_fp8(root, "deepseek_v3"), root / "per-channel-bad", misshapen)
+    with pytest.raises(InputError, match="scale shape") as exc:
+        plan_conversion(bad, type="F32")
+    assert exc.value.where == f"tensor {name}_scale"
 
 
 def test_cli_tiny_model_fp8_inspect_and_quantize_to_hf(tmp_path):

@@ -13,7 +13,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 JIT = Path(__file__).resolve().parents[1] / "ktconvert" / "quant" / "_jit.py"
 
 _INSPECT = r"""

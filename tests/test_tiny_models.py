@@ -31,6 +31,7 @@ from ktconvert.model.tiny import (
     token_codes,
 )
 from ktconvert.model.tinytok import PROMPT_TEXT
+from ktconvert.model.tiny_release import FORMATS as RELEASE_FORMATS, tiny_release_files
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -107,7 +108,15 @@ def test_regenerated_files_match_the_recorded_sha256(family):
 
 def test_tiny_hashes_file_lists_every_family():
     data = yaml.safe_load((golden_root() / "tiny-models.yaml").read_text())
-    assert sorted(data["models"]) == sorted([*FAMILIES, "deepseek_v3-fp8", "qwen3_moe-fp8"])
+    releases = [f"qwen3_moe-{f}" for f in RELEASE_FORMATS]
+    assert sorted(data["models"]) == sorted([*FAMILIES, "deepseek_v3-fp8", "qwen3_moe-fp8", *releases])
+
+
+@pytest.mark.parametrize("fmt", RELEASE_FORMATS)
+def test_tiny_releases_match_the_recorded_sha256(fmt):
+    """Each tiny quantized release (``tiny-model --quant FMT``) is byte-stable: its encoders are part of the golden."""
+    got = {name: hashlib.sha256(data).hexdigest() for name, data in tiny_release_files("qwen3_moe", fmt).items()}
+    assert got == load_tiny_hashes()[f"qwen3_moe-{fmt}"]
 
 
 def test_cli_writes_the_same_bytes_and_refuses_to_overwrite(tmp_path):

@@ -8,6 +8,7 @@ import click
 
 from ktconvert import families
 from ktconvert.families.config import FAMILIES
+from ktconvert.model.tiny_release import FORMATS as RELEASE_FORMATS
 
 _FP8 = ", ".join(f for f in FAMILIES if families.spec(f).tiny.get("fp8"))
 
@@ -17,11 +18,14 @@ _FP8 = ", ".join(f for f in FAMILIES if families.spec(f).tiny.get("fp8"))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it is not empty.")
 @click.option("--fp8", is_flag=True, help=f"The FP8 block-scaled variant (F8_E4M3 weights + _scale_inv; {_FP8}).")
+@click.option("--quant", type=click.Choice(RELEASE_FORMATS), default=None,
+              help="A tiny release in that format's released layout (names, dtypes, scale shapes, config keys): "
+                   "routed experts quantized (every linear layer for fp8-perchannel).")
 @click.option("--lora", "lora", metavar="DIR", type=click.Path(file_okay=False),
               help="Also write the tiny model's MoE LoRA adapter (kt-kernel's raw training form, with "
               "kt_adapter_manifest.json) into DIR; ktconvert convert-lora makes every other form of it.")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def command(family: str, out_dir: str, force: bool, fp8: bool, lora: str | None, fmt: str) -> None:
+def command(family: str, out_dir: str, force: bool, fp8: bool, quant: str | None, lora: str | None, fmt: str) -> None:
     """Write a tiny FAMILY checkpoint (any family with a spec in rules/families/) (config.json, model.safetensors, BPE tokenizer) into OUT_DIR.
 
     The bytes depend on nothing but ktconvert's source: the sha256 of each file is recorded in
@@ -29,7 +33,9 @@ def command(family: str, out_dir: str, force: bool, fp8: bool, lora: str | None,
     """
     from ktconvert.model.tiny import write_tiny_model
 
-    hashes = write_tiny_model(family, out_dir, force=force, fp8=fp8)
+    if fp8 and quant:
+        raise click.UsageError("--fp8 and --quant are two different releases; pick one")
+    hashes = write_tiny_model(family, out_dir, force=force, fp8=fp8, quant=quant)
     lora_hashes = None
     if lora:
         from ktconvert.model.tiny_lora import write_tiny_lora
@@ -41,6 +47,7 @@ def command(family: str, out_dir: str, force: bool, fp8: bool, lora: str | None,
         return
     if lora_hashes:
         click.echo(f"wrote the tiny {family} MoE LoRA adapter (raw training form) to {lora}")
-    click.echo(f"wrote tiny {family}{' FP8' if fp8 else ''} checkpoint to {out_dir}")
+    what = " FP8" if fp8 else f" {quant}" if quant else ""
+    click.echo(f"wrote tiny {family}{what} checkpoint to {out_dir}")
     for name, digest in hashes.items():
         click.echo(f"  {digest}  {name}")

@@ -23,7 +23,7 @@ from ktconvert.convert.source import Segment
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.formats.config import load_config
-from ktconvert.formats.fp8 import require_fp8
+from ktconvert.formats import quantized
 from ktconvert.io.dtypes import DTYPE_BYTES
 
 HF_TYPES = ("BF16", "F16", "F32")
@@ -49,33 +49,36 @@ def build_hf_plan(src: str | Path, recipe: Recipe, type_name: str | None, *, con
     if cfg is None:
         raise InputError("no config.json beside the checkpoint: the output needs one", path=shown,
                          fix="pass --config path/to/config.json")
-    fp8 = require_fp8(ck, cfg, shown)
+    qmap = quantized.require(ck, cfg, shown)
     tensors, in_bytes = [], {}
     for name, info in ck.items():
-        if name in fp8.scales:
+        if name in qmap.scales:
             continue
         shape = tuple(info.shape)
         rows = math.prod(shape[:-1]) if shape else 1
-        w = fp8.weights.get(name)
-        seg = Segment(0, rows, name, scale=w.scale if w else "", block=w.block if w else ())
+        w = qmap.weights.get(name)
+        seg = Segment(0, rows, name, scale=w.scale if w else "",
+                      block=(tuple(w.block) if hasattr(w, "block") else (1, w.group)) if w else (),
+                      fmt=w.fmt if w else "")
         if w is not None:
-            t, nbytes, sinfo = type_name, math.prod(shape) * DTYPE_BYTES[type_name], ck[w.scale]
-            in_bytes[name] = info.nbytes + sinfo.nbytes
+            t, nbytes = type_name, math.prod(shape) * DTYPE_BYTES[type_name]
+            in_bytes[name] = info.nbytes + sum(ck[c].nbytes for c in quantized.companions(w) if c in ck)
         else:
             t, nbytes = info.dtype, info.nbytes
             in_bytes[name] = info.nbytes
         tensors.append(PlanTensor(name=name, shape=shape, type=t, nbytes=nbytes, file=0, offset=0, segments=(seg,),
-                                  copy_bytes=w is None, hf_name=name, group="fp8" if w else "copied",
+                                  copy_bytes=w is None, hf_name=name, group="quantized" if w else "copied",
                                   src_dtype=info.dtype, st_dtype=t, st_shape=shape))
     plan = Plan(source=shown, container="safetensors", arch=str(cfg.get("model_type")), model_type=cfg.get("model_type"),
                 format="hf", recipe=recipe, tensors=tensors, files=[], sources=fingerprints(ck),
                 input_files=[str(f) for f in ck.files])
     plan._in_bytes = in_bytes
-    if fp8.weights:
-        plan.notes.append(f"{len(fp8.weights)} FP8 weight(s) dequantized to {type_name} (block "
-                          f"{fp8.block[0]}x{fp8.block[1]}); {len(tensors) - len(fp8.weights)} tensor(s) copied as stored")
+    if qmap.weights:
+        fmts = ", ".join(f"{f} {v['weights']}" for f, v in sorted(qmap.summary().items()))
+        plan.notes.append(f"{len(qmap.weights)} quantized weight(s) ({fmts}) decoded to {type_name}; "
+                          f"{len(tensors) - len(qmap.weights)} tensor(s) copied as stored")
     else:
-        plan.notes.append(f"no FP8 weights: {len(tensors)} tensor(s) copied as stored")
+        plan.notes.append(f"no quantized weights: {len(tensors)} tensor(s) copied as stored")
     _lay_out(plan, shard_size if shard_size is not None else DEFAULT_SAFETENSORS_SHARD)
     model_dir = Path(src) if Path(src).is_dir() else Path(src).parent
     plan.extra["config.json"] = (json.dumps(hf_config(cfg, type_name), indent=2) + "\n").encode()
@@ -94,6 +97,7 @@ def hf_config(cfg: dict, type_name: str) -> dict:
     for c in (out, out.get("text_config")):
         if isinstance(c, dict):
             c.pop("quantization_config", None)
+            c.pop("expert_dtype", None)  # DeepSeek-V4: "fp4" says the experts ship packed
     key = "torch_dtype" if "torch_dtype" in out and "dtype" not in out else "dtype"
     out[key] = TORCH_DTYPE[type_name]
     return out

@@ -44,7 +44,9 @@ def _expert_segments(item, e: int, rows: int) -> tuple[Segment, ...]:
             continue
         shift = a - s.start
         if s.op == "rows":
-            out.append(Segment(a - lo, b - a, s.source, "rows", src_row=s.src_row + shift, lora=s.lora))
+            # a quantized release weight keeps its scale, block and format (the worker decodes those rows exactly)
+            out.append(Segment(a - lo, b - a, s.source, "rows", src_row=s.src_row + shift, scale=s.scale,
+                               block=s.block, fmt=s.fmt, lora=s.lora))
         elif s.op == "transpose":
             out.append(Segment(a - lo, b - a, s.source, "transpose", expert=s.expert, src_col=s.src_col + shift))
         elif s.op == "kt-amx":  # a kt-amx input: dequantized, then packed again (for another part count)

@@ -27,6 +27,7 @@ from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats.gguf_write import DEFAULT_ALIGNMENT, layout_gguf
 from ktconvert.formats.safetensors_write import layout_safetensors
 from ktconvert.formats.fp8 import FP8_DTYPE
+from ktconvert.formats.quantized import FORMATS as RELEASE_FORMATS
 from ktconvert.io.dtypes import FLOAT_DTYPES
 from ktconvert.quant import as_qtype, block_size, dequantizable, type_size
 
@@ -214,7 +215,7 @@ def _decodable(src_dtype: str, container: str) -> bool:
     if src_dtype in ("AMXINT8", "AMXINT4"):  # kt-amx experts: unpacked and dequantized
         return True
     if container == "safetensors":  # FP8 reaches a plan only with its scales checked (formats.fp8)
-        return src_dtype in FLOAT_DTYPES or src_dtype == FP8_DTYPE
+        return src_dtype in FLOAT_DTYPES or src_dtype == FP8_DTYPE or src_dtype in RELEASE_FORMATS
 
     try:
         return _qt(src_dtype) in dequantizable()
@@ -310,7 +311,10 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
             chosen.append((item, t, rule, fb))
     if not problems and not allow_requantize:
         for item, t, rule, fb in chosen:
-            if _lossy(item.src_dtype) and _lossy(t) and (t != item.src_dtype or item.reshaped):
+            # a release format (MXFP4, NVFP4 also name ggml types) is the release itself, decoded exactly: the
+            # only way to a GGUF, so not refused as a second rounding
+            if (item.src_dtype not in RELEASE_FORMATS and _lossy(item.src_dtype) and _lossy(t)
+                    and (t != item.src_dtype or item.reshaped)):
                 raise InputError(
                     f"already {item.src_dtype}; quantizing it again to {t} (rule {rule.index} of {recipe.name}) adds a "
                     "second rounding, which llama-quantize refuses too",

@@ -24,7 +24,7 @@ from pathlib import Path
 from ktconvert import families
 from ktconvert.errors import InputError
 from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map, open_checkpoint
-from ktconvert.formats.fp8 import require_fp8
+from ktconvert.formats import quantized
 from ktconvert.formats.config import load_config
 
 PROJ_ORDER = ("gate", "up", "down")
@@ -36,8 +36,9 @@ class Segment:
 
     ``rows``: from source flat rows starting at ``src_row``. ``transpose``: from columns ``src_col ..`` of the
     2-D slab ``source[expert]``. ``permute``: from source rows reordered per llama.cpp's rope layout with
-    ``heads`` heads (``src_row`` is 0: the whole tensor is one segment). ``scale``/``block``: the source is an
-    FP8 weight dequantized with that ``_scale_inv`` tensor and block size.
+    ``heads`` heads (``src_row`` is 0: the whole tensor is one segment). ``scale``/``block``/``fmt``: the source
+    is a quantized release weight (:mod:`ktconvert.formats.quantized`) of format ``fmt``, decoded exactly with
+    that scale tensor (and block size, for the FP8 family; a packed weight's companions come with it).
     """
 
     start: int
@@ -50,6 +51,7 @@ class Segment:
     heads: int = 0
     scale: str = ""
     block: tuple[int, ...] = ()
+    fmt: str = ""
     parts: int = 0  # kt-amx: the expert projection's part count (``source`` names part 0's weight)
     method: str = ""  # kt-amx: AMXINT8 / AMXINT4
     lora: tuple = ()  # (A file, A name, A index or -1, B file, B name, B index or -1, alpha/r): + scale * B[rows] @ A
@@ -65,7 +67,7 @@ class Segment:
         else:
             d["heads"] = self.heads
         if self.scale:
-            d.update(scale=self.scale, block=list(self.block))
+            d.update(scale=self.scale, block=list(self.block), format=self.fmt)
         if self.lora:
             d["lora"] = {"A": [self.lora[1], self.lora[2]], "B": [self.lora[4], self.lora[5]], "scale": self.lora[6]}
         return d
@@ -128,8 +130,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
 
     Raises :class:`InputError` for anything that would make a wrong or partial conversion: errors of the
     layout detection (missing or extra experts, shapes that disagree with each other or with ``config.json``,
-    mixed layouts), an orientation the shapes and config cannot decide, FP8 weights whose scales are missing or
-    do not fit (:mod:`ktconvert.formats.fp8`), tensor names no naming map knows.
+    mixed layouts), an orientation the shapes and config cannot decide, quantized weights whose scales are
+    missing or do not fit (:mod:`ktconvert.formats.quantized`; checked first, so the error names the tensor),
+    tensor names no naming map knows.
     """
     ck = open_checkpoint(src)
     shown = str(src)
@@ -144,6 +147,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     if ck.container == "safetensors" and cfg_dict is None:
         raise InputError("no config.json beside the checkpoint: the hyperparameters and the expert geometry come "
                          "from it", path=shown, fix="pass --config path/to/config.json")
+    qmap = quantized.require(ck, cfg_dict, shown)
     report = detect_layout(ck, cfg_dict)
     if report.arch is None:
         raise InputError("cannot tell which architecture this is (no general.architecture, no model_type, and "
@@ -156,7 +160,6 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     if errors:
         raise _fail(errors, shown, "ktconvert inspect shows the layout problems; fix or re-download the checkpoint")
     kt = "kt-amx" in report.layouts
-    fp8 = require_fp8(ck, cfg_dict, shown)
 
     model_type = report.dims.model_type
     n_layers = report.dims.n_layers or report.n_layers
@@ -187,7 +190,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
             seg = Segment(0, shape[0], name, op="permute", heads=heads)
         items.append(Item(out, m.hf_name, tuple(shape), (seg,), info.dtype, m.group, m.layer))
     for name in report.unknown:
-        if name in fp8.scales:  # read with its FP8 weight
+        if name in qmap.scales:  # read with its quantized weight
             continue
         if kt:  # upstream's converter copies non-expert tensors under shortened HF names (model.layers. -> blk.)
             from ktconvert.convert.kt_amx_io import nonexpert_item  # builds on this module's Item: imported late
@@ -225,8 +228,8 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     if skipped:
         notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction) or "
                      f"rotary caches are not converted, e.g. {skipped[0]}")
-    if fp8.weights:
-        items = [_with_scales(it, fp8) for it in items]
+    if qmap.weights:
+        items = [_with_scales(it, qmap) for it in items]
     _check_unique(items, shown)
     _check_config(items, report, shown)
     items = _ordered(items, nm, ck)
@@ -234,12 +237,17 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                        skipped)
 
 
-def _with_scales(item: Item, fp8) -> Item:
-    """Segments from an FP8 weight carry its scale and block: the worker dequantizes exactly those rows."""
-    if not any(s.source in fp8.weights for s in item.segments):
+def _with_scales(item: Item, qmap) -> Item:
+    """Segments from a quantized weight carry its format, scale and block: the worker decodes exactly those rows."""
+    if not any(s.source in qmap.weights for s in item.segments):
         return item
-    segs = tuple(replace(s, scale=fp8.weights[s.source].scale, block=fp8.weights[s.source].block)
-                 if s.source in fp8.weights else s for s in item.segments)
+
+    def quant(s: Segment) -> Segment:
+        w = qmap.weights[s.source]
+        block = tuple(w.block) if hasattr(w, "block") else (1, w.group)
+        return replace(s, scale=w.scale, block=block, fmt=w.fmt)
+
+    segs = tuple(quant(s) if s.source in qmap.weights else s for s in item.segments)
     return replace(item, segments=segs)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 from ktconvert.convert.plan import PlanTensor
 from ktconvert.convert.source import Segment
 from ktconvert.errors import EnvironmentProblem, InputError
-from ktconvert.formats import fp8, kt_amx, open_checkpoint
+from ktconvert.formats import fp8, kt_amx, open_checkpoint, quantized
 from ktconvert.io.dtypes import FLOAT_DTYPES, decode_float32, raw_view
 from ktconvert.quant import dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
@@ -180,6 +180,10 @@ def source_ranges(ck, t: PlanTensor, r0: int, r1: int) -> list[tuple[str, int, i
             whole(s.source)
         if s.scale:
             whole(s.scale)
+            p = ck.packed.get(s.source)
+            for c in p.companions if p is not None else ():
+                if c != s.scale:
+                    whole(c)
     return out
 
 
@@ -299,17 +303,17 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     for s, i, n, pos in _overlaps(t, r0, r1):
         dtype = ck[s.source].dtype
         idx = None
-        if s.scale:  # FP8 block-scaled: exact dequantization of these rows (and their scale rows) only
+        if s.scale:  # a quantized release weight: exact decoding of these rows (and their scales) only
             if s.op == "transpose":
-                raise AssertionError(f"{s.source}: FP8 weights are 2-D; nothing to transpose")
-            w = fp8.weight(ck, s.source, s.scale, s.block)
+                raise AssertionError(f"{s.source}: quantized release weights are 2-D; nothing to transpose")
+            w = ck.packed.get(s.source) or fp8.weight(ck, s.source, s.scale, s.block, s.fmt or "FP8")
             if s.op == "rows":
-                x[pos: pos + n] = fp8.read_rows(ck, w, s.src_row + i, s.src_row + i + n)
+                x[pos: pos + n] = quantized.read_rows(ck, w, s.src_row + i, s.src_row + i + n)
             else:
                 half = s.rows // s.heads // 2
                 head, rem = np.divmod(np.arange(i, i + n), 2 * half)
                 idx = head * 2 * half + (rem % 2) * half + rem // 2
-                x[pos: pos + n] = fp8.read_row_ids(ck, w, idx)
+                x[pos: pos + n] = quantized.read_row_ids(ck, w, idx)
         elif s.op == "rows":
             src = _rows2d(ck, s.source)
             _decode_into(x[pos: pos + n], src[s.src_row + i: s.src_row + i + n], dtype)

@@ -40,6 +40,12 @@ Public API (everything else in this package is an implementation detail):
     their ``_scale_inv``, the block size, problems), ``require_fp8`` (the same, raising the first problem),
     ``read_rows(checkpoint, weight, r0, r1)`` / ``read_float32`` (exact float32 dequantization of a row range).
 
+``ktconvert.formats.quantized``: ``analyze(checkpoint, config=None) -> QuantMap`` / ``require`` (every quantized
+    release format: FP8, MXFP8, FP8_PERCHANNEL, MXFP4, NVFP4, RAWINT4, GPTQ_INT4; weights with their scales, group
+    sizes, problems), ``read_rows`` / ``read_row_ids`` / ``read_float32`` (exact float32 decoding), ``check_scale``.
+    Packed weights are recognised when a checkpoint is opened (``Checkpoint.packed``) and shown as their logical
+    ``X.weight [N, K]``.
+
 ``ktconvert.formats.kt_amx``
     kt-kernel's AMXINT8/AMXINT4 expert format in numpy: ``pack_matrix``/``pack_expert`` (bytes equal to kt-kernel's
     packer), ``unpack_matrix``, ``dequantize_matrix``, ``check_alignment``, ``tensor_name``.

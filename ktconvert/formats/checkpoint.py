@@ -75,6 +75,7 @@ class Checkpoint(Mapping):
         notes: list[str],
         path: Path,
         gguf_version: int | None = None,
+        packed: tuple = ({}, [], {}),
     ):
         self.path = path
         self.gguf_version = gguf_version
@@ -85,6 +86,10 @@ class Checkpoint(Mapping):
         self.metadata = metadata
         self.notes = notes
         self._tensors = tensors
+        # packed release weights (formats.quantized): logical name -> Packed, the malformed ones, and the stored
+        # tensor info behind each logical name (what read() hands out)
+        self.packed, self.packed_bad, self._stored = packed
+        self.packed_parts = frozenset(n for p in [*self.packed.values(), *self.packed_bad] for _, n in p.parts)
         self._config: dict | None = None
         self.llama_names = self.container == "gguf" or any(n.endswith(COMPANION) for n in tensors)
 
@@ -148,7 +153,7 @@ class Checkpoint(Mapping):
         ``uint8`` array; ggml block types as ``uint8`` shaped ``(*shape[:-1], row_bytes)``, so ``a[e]`` is the byte
         slab of expert ``e`` of a merged expert tensor.
         """
-        info = self._info(name)
+        info = self._stored.get(name) or self._info(name)
         if info.ggml_type is None:
             d = SAFETENSORS_DTYPES[info.dtype]
             dtype = d.raw
@@ -192,6 +197,16 @@ class Checkpoint(Mapping):
     def read_float32(self, name: str, index: int | slice | None = None) -> np.ndarray:
         """The tensor (or ``[index]`` along its first axis: one expert, a block of rows) decoded to a float32 copy."""
         info = self._info(name)
+        if name in self.packed:  # a packed release weight: its exact decoding
+            from ktconvert.formats.quantized import read_rows
+
+            p = self.packed[name]
+            if index is None:
+                return read_rows(self, p, 0, p.shape[0])
+            r = range(p.shape[0])[index]
+            if isinstance(r, int):
+                return read_rows(self, p, r, r + 1)[0]
+            return read_rows(self, p, r.start, r.stop) if r.step == 1 else read_rows(self, p, 0, p.shape[0])[index]
         raw = self.read(name)
         if index is not None:
             raw = raw[index]
@@ -228,7 +243,22 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     source = resolve(path)
     opener = _open_gguf if source.container == "gguf" else _open_safetensors
     tensors, metadata, notes, version = opener(source)
-    return Checkpoint(source, tensors, metadata, notes, Path(path), version)
+    packed = ({}, [], {})
+    if source.container == "safetensors":
+        from ktconvert.formats.quantized import overlay, present_packed
+
+        good, bad = present_packed(tensors, _read_small)
+        packed = (good, bad, overlay(tensors, good))
+    return Checkpoint(source, tensors, metadata, notes, Path(path), version, packed)
+
+
+def _read_small(info: TensorInfo) -> list[int] | None:
+    """The values of a tiny integer tensor (a packed weight's ``weight_shape``), read straight from its file."""
+    if info.nbytes > 64 or info.dtype not in ("I32", "I64"):
+        return None
+    with open(info.file, "rb") as fh:
+        fh.seek(info.offset)
+        return np.frombuffer(fh.read(info.nbytes), dtype="<i4" if info.dtype == "I32" else "<i8").tolist()
 
 
 #: The I32 scalar beside each tensor of a kernel-order safetensors file (ktconvert's ``--to safetensors``,

@@ -23,6 +23,11 @@ FP8_DTYPE = "F8_E4M3"
 SCALE_SUFFIX = "_scale_inv"
 SCALE_DTYPES = ("F32", "BF16", "F16")
 DEFAULT_BLOCK = (128, 128)
+#: MXFP8 (MiniMax-M3): the same ``_scale_inv`` name, a UE8M0 exponent (F8_E8M0, or U8) per 1 x 32 block.
+MX_SCALE_DTYPES = ("F8_E8M0", "U8")
+MX_BLOCK = (1, 32)
+#: FP8 per-channel (compressed-tensors float-quantized, GLM-4.7-FP8): ``NAME_scale`` ``[N, 1]`` or ``[N]``.
+CHANNEL_SUFFIX = "_scale"
 
 
 @dataclass(frozen=True)
@@ -35,6 +40,11 @@ class Fp8Weight:
     scale_dtype: str
     scale_shape: tuple[int, ...]
     block: tuple[int, int]
+    fmt: str = "FP8"  # FP8 (block-scaled), MXFP8 (UE8M0 scale per 1x32), FP8_PERCHANNEL (one scale per row)
+
+    @property
+    def group(self) -> int:
+        return self.block[1]
 
 
 @dataclass(frozen=True)
@@ -98,8 +108,11 @@ def scale_grid(shape: tuple[int, ...], block: tuple[int, int]) -> tuple[int, int
 
 def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
     """Pair every FP8 weight of ``ck`` with its scale and check both against the block size; problems are listed,
-    never raised (``inspect`` shows them all; :func:`require_fp8` turns the first into an error)."""
-    if ck.container != "safetensors" or not any(ck[n].dtype.startswith("F8_") or n.endswith(SCALE_SUFFIX) for n in ck):
+    never raised (``inspect`` shows them all; :func:`require_fp8` turns the first into an error). Tensors read with
+    a packed weight (``ck.packed_parts``: an NVFP4 E4M3 scale, an MXFP4 E8M0 scale) are not FP8 weights."""
+    skip = getattr(ck, "packed_parts", frozenset())
+    if ck.container != "safetensors" or not any((ck[n].dtype.startswith("F8_") or n.endswith(SCALE_SUFFIX))
+                                                and n not in skip for n in ck):
         return Fp8Map(DEFAULT_BLOCK, "none (no FP8 tensors)")  # a config's quantization_config alone is not read
     if config is None:
         config = ck.config
@@ -109,20 +122,24 @@ def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
     names = set(ck)
     for name in ck:
         info = ck[name]
+        if name in skip:
+            continue
         if info.dtype.startswith("F8_") and not name.endswith(SCALE_SUFFIX):
             scale = name + SCALE_SUFFIX
             if info.dtype != FP8_DTYPE:
                 fm.problems.append(Fp8Problem(name, f"{info.dtype} weights are not supported (only {FP8_DTYPE})",
                                               "convert from a BF16 or F8_E4M3 block-scaled release"))
                 continue
+            fmt, wblock = "FP8", block
+            if scale not in names and name + CHANNEL_SUFFIX in names:
+                scale = name + CHANNEL_SUFFIX
+                sh = tuple(ck[scale].shape)
+                if len(info.shape) == 2 and sh in ((info.shape[0], 1), (info.shape[0],)):
+                    fmt, wblock = "FP8_PERCHANNEL", (1, info.shape[1])
             if scale not in names:
-                if name + "_scale" in names:  # compressed-tensors per-channel FP8 (GLM-4.7-FP8): another format
-                    fm.problems.append(Fp8Problem(name, f"FP8 weight with a per-channel {name}_scale, not a "
-                                                  f"block-scaled {SCALE_SUFFIX}: not supported yet",
-                                                  "convert from the BF16 release"))
-                else:
-                    fm.problems.append(Fp8Problem(name, f"FP8 weight has no scale tensor {scale}",
-                                                  "a shard or the index is missing; re-download the checkpoint"))
+                fm.problems.append(Fp8Problem(name, f"FP8 weight has no scale tensor {scale} (nor {name}"
+                                              f"{CHANNEL_SUFFIX})", "a shard or the index is missing; re-download "
+                                              "the checkpoint"))
                 continue
             sinfo = ck[scale]
             fm.scales[scale] = name
@@ -131,11 +148,14 @@ def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
                                               "only 2-D block-scaled matrices are supported",
                                               "convert from the per-expert (hf-split) release"))
                 continue
-            if sinfo.dtype not in SCALE_DTYPES:
+            if scale.endswith(SCALE_SUFFIX) and sinfo.dtype in MX_SCALE_DTYPES:
+                fmt, wblock = "MXFP8", MX_BLOCK
+            elif sinfo.dtype not in SCALE_DTYPES:
                 fm.problems.append(Fp8Problem(scale, f"scale stored as {sinfo.dtype}, expected one of "
-                                              f"{', '.join(SCALE_DTYPES)}", "re-download the checkpoint"))
+                                              f"{', '.join(SCALE_DTYPES + MX_SCALE_DTYPES)}",
+                                              "re-download the checkpoint"))
                 continue
-            fm.weights[name] = Fp8Weight(name, scale, tuple(info.shape), sinfo.dtype, tuple(sinfo.shape), block)
+            fm.weights[name] = Fp8Weight(name, scale, tuple(info.shape), sinfo.dtype, tuple(sinfo.shape), wblock, fmt)
         elif name.endswith(SCALE_SUFFIX):
             base = name[: -len(SCALE_SUFFIX)]
             if base not in names or not ck[base].dtype.startswith("F8_"):
@@ -148,15 +168,25 @@ def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
 
 
 def _fits(w: Fp8Weight, block: tuple[int, int]) -> bool:
+    if w.fmt == "FP8_PERCHANNEL":
+        return True  # recognised from its [N, 1] / [N] shape
+    if w.fmt == "MXFP8" and w.shape[1] % MX_BLOCK[1]:
+        return False
     return len(w.scale_shape) == 2 and tuple(w.scale_shape) == scale_grid(w.shape, block)
 
 
 def _check_shapes(fm: Fp8Map) -> None:
-    wrong = [w for w in fm.weights.values() if not _fits(w, fm.block)]
+    for w in [w for w in fm.weights.values() if w.fmt == "MXFP8" and not _fits(w, MX_BLOCK)]:
+        fm.problems.append(Fp8Problem(
+            w.scale, f"MXFP8 scale shape {list(w.scale_shape)} does not match weight {w.name} {list(w.shape)}: "
+            f"groups of 32 need {list(scale_grid(w.shape, MX_BLOCK))}" + (" and K a multiple of 32"
+                                                                          if w.shape[1] % 32 else ""),
+            "the scale belongs to another weight or release; re-download the checkpoint"))
+    wrong = [w for w in fm.weights.values() if w.fmt == "FP8" and not _fits(w, fm.block)]
     if not wrong:
         return
     declared = f"weight_block_size {list(fm.block)} ({fm.block_source})"
-    if len(wrong) == len(fm.weights):  # every weight disagrees: the declared block is wrong, not the scales
+    if len(wrong) == sum(w.fmt == "FP8" for w in fm.weights.values()):  # every weight disagrees: the declared block is wrong, not the scales
         other = _block_from_scales(wrong)
         if other is not None:
             w = wrong[0]
@@ -214,6 +244,10 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], row
     codes = np.asarray(codes)
     n, k = codes.shape
     x = decode_float32(codes, FP8_DTYPE)
+    if bn == 1:  # one scale row per weight row (MXFP8, per-channel): one vectorized multiply
+        sel = scale[: n] if isinstance(rows, (int, np.integer)) else scale[np.asarray(rows)]
+        x *= np.repeat(sel.reshape(n, -1), bk, axis=1)[:, :k]
+        return x
     if isinstance(rows, (int, np.integer)):
         first = int(rows)
         base = first // bn
@@ -231,13 +265,17 @@ def dequantize(codes: np.ndarray, scale: np.ndarray, block: tuple[int, int], row
     return x
 
 
-def weight(ck, name: str, scale: str, block) -> Fp8Weight:
+def weight(ck, name: str, scale: str, block, fmt: str = "FP8") -> Fp8Weight:
     """The :class:`Fp8Weight` of ``name`` in ``ck`` (for callers holding only names, e.g. a plan's segment)."""
-    return Fp8Weight(name, scale, tuple(ck[name].shape), ck[scale].dtype, tuple(ck[scale].shape), tuple(block))
+    return Fp8Weight(name, scale, tuple(ck[name].shape), ck[scale].dtype, tuple(ck[scale].shape), tuple(block), fmt)
+
+
+def _scale_dtype(w: Fp8Weight) -> str:
+    return "F8_E8M0" if w.scale_dtype in MX_SCALE_DTYPES else w.scale_dtype
 
 
 def _scale_rows(ck, w: Fp8Weight, b0: int, b1: int) -> np.ndarray:
-    return decode_float32(np.asarray(ck.read(w.scale)[b0:b1]), w.scale_dtype).reshape(b1 - b0, -1)
+    return decode_float32(np.asarray(ck.read(w.scale)[b0:b1]), _scale_dtype(w)).reshape(b1 - b0, -1)
 
 
 def read_rows(ck, w: Fp8Weight, r0: int, r1: int) -> np.ndarray:
@@ -261,7 +299,7 @@ def read_float32(ck, w: Fp8Weight) -> np.ndarray:
 def check_scale(ck, w: Fp8Weight) -> list[tuple[str, int]]:
     """``(kind, count)`` for the scale's bad values: ``nan``, ``inf``, ``zero`` (the block decodes to zeros
     whatever its codes) and ``negative`` (sign-flipped weights; a scale is a magnitude)."""
-    s = decode_float32(np.asarray(ck.read(w.scale)), w.scale_dtype)
+    s = decode_float32(np.asarray(ck.read(w.scale)), _scale_dtype(w))
     out = []
     for kind, mask in (("nan", np.isnan(s)), ("inf", np.isinf(s)), ("zero", s == 0), ("negative", s < 0)):
         c = int(np.count_nonzero(mask))

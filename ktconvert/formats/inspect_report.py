@@ -11,7 +11,8 @@ from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats.checkpoint import open_checkpoint
 from ktconvert.formats.config import dims_from_hf_config, load_config
 from ktconvert.formats.kt_tree import check_kt_tree, is_kt_tree
-from ktconvert.formats.fp8 import DEFAULT_BLOCK, Fp8Map, analyze_fp8
+from ktconvert.formats.fp8 import DEFAULT_BLOCK, Fp8Map
+from ktconvert.formats.quantized import QuantMap, analyze as analyze_quant, describe
 from ktconvert.formats.layout import LayerLayout, Problem, detect_layout, is_type_companion
 from ktconvert.formats.scan import scan_checkpoint
 
@@ -72,7 +73,7 @@ def build_inspect_report(
             kind, severity = _SCAN_SEVERITY[f.kind]
             what = f"{f.count} NaN value(s)" if f.kind == "nan" else f"{f.count} Inf value(s)" if f.kind == "inf" else \
                 f"{f.count} {_SCALE_WHAT[f.kind]}" if f.kind in _SCALE_WHAT else "all zeros"
-            m = lay.matches.get(f.tensor)
+            m = lay.matches.get(f.tensor) or lay.matches.get(fp8.scales.get(f.tensor, ""))
             problems.append(Problem(kind, severity, f"{f.where}: {what}", m.layer if m else None, (f.tensor,)))
 
     dims = lay.dims
@@ -83,7 +84,7 @@ def build_inspect_report(
         q["tensors"] += 1
         q["bytes"] += info.nbytes
         m = lay.matches.get(name)
-        g = groups.setdefault(m.group if m else "fp8_scales" if name in fp8.scales else
+        g = groups.setdefault(m.group if m else "fp8_scales" if name in fp8.scales or name in ck.packed_parts else
                               "ggml_types" if is_type_companion(ck, name) else "unknown",
                               {"tensors": 0, "bytes": 0})
         g["tensors"] += 1
@@ -117,7 +118,8 @@ def build_inspect_report(
         "quant_types": dict(sorted(quant.items(), key=lambda kv: -kv[1]["bytes"])),
         "groups": dict(sorted(groups.items(), key=lambda kv: -kv[1]["bytes"])),
         "problems": [_problem(p) for p in problems],
-        "fp8": fp8.summary() if fp8 else None,
+        "fp8": fp8.fp8.summary() if fp8.fp8 else None,
+        "quantized": _quant_summary(ck, fp8) if fp8.weights else None,
         "scan": scan_part,
     }
     if selected is not None:
@@ -192,13 +194,14 @@ def _problem(p: Problem) -> dict:
     }
 
 
-def _fp8(ck, config) -> tuple[Fp8Map, list[Problem]]:
-    """FP8 weights and scales, and their problems as findings (a bad ``weight_block_size`` is one too)."""
+def _fp8(ck, config) -> tuple[QuantMap, list[Problem]]:
+    """Quantized release weights and their scales, and their problems as findings (a bad ``weight_block_size`` is
+    one too)."""
     cfg = load_config(config) if isinstance(config, (str, Path)) else config
     try:
-        fm = analyze_fp8(ck, cfg)
+        fm = analyze_quant(ck, cfg)
     except InputError as exc:
-        fm = Fp8Map(DEFAULT_BLOCK, "default (declared block unusable)")
+        fm = QuantMap(Fp8Map(DEFAULT_BLOCK, "default (declared block unusable)"))
         return fm, [Problem("fp8-scale", "error", f"{exc.where}: {exc.message} ({exc.fix})")]
     return fm, [Problem("fp8-scale", "error", f"{p.tensor}: {p.message} ({p.fix})", _layer_of(p.tensor), (p.tensor,))
                 for p in fm.problems]
@@ -209,7 +212,23 @@ def _layer_of(name: str) -> int | None:
     return next((int(b) for a, b in zip(parts, parts[1:]) if a == "layers" and b.isdigit()), None)
 
 
-def _tensor(info, m, fp8: Fp8Map) -> dict:
+def _quant_summary(ck, qm: QuantMap) -> dict:
+    """Per format: weights, group sizes, scale dtypes, and the logical shapes of the packed weights (never the
+    packed widths)."""
+    out = qm.summary()
+    for f in out.values():
+        f["scale_dtypes"] = {}
+        f["shapes"] = []
+    for w in qm.weights.values():
+        f = out[w.fmt]
+        d = ck[w.scale].dtype if w.scale in ck else "?"
+        f["scale_dtypes"][d] = f["scale_dtypes"].get(d, 0) + 1
+        if list(w.shape) not in f["shapes"]:
+            f["shapes"].append(list(w.shape))
+    return out
+
+
+def _tensor(info, m, fp8: QuantMap) -> dict:
     return {
         "name": info.name,
         "dtype": info.dtype,
@@ -219,6 +238,7 @@ def _tensor(info, m, fp8: Fp8Map) -> dict:
         "offset": info.offset,
         "file": info.file.name,
         "group": m.group if m else "fp8_scales" if info.name in fp8.scales else "unknown",
+        "quant": describe(fp8.weights[info.name]) if info.name in fp8.weights else None,
         "layer": m.layer if m else None,
         "expert": m.expert if m else None,
         "gguf_name": m.gguf_name if m else None,

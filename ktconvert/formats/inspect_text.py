@@ -121,6 +121,12 @@ def render_text(report: dict, style=lambda s, **kw: s) -> str:
                      + f"  {f['weights']} F8_E4M3 weight(s) with {f['scales']} _scale_inv scale(s) ({dts}), "
                      f"block {f['block'][0]}x{f['block'][1]} ({f['block_source']}); read as exact float32")
 
+    for fmt, q in (r.get("quantized") or {}).items():
+        dts = ", ".join(f"{k} {v}" for k, v in sorted(q["scale_dtypes"].items()))
+        shapes = ", ".join(str(s) for s in q["shapes"][:4]) + (", ..." if len(q["shapes"]) > 4 else "")
+        lines.append(style(f"{fmt:<15}", bold=True) + f" {q['weights']} weight(s), group(s) {q['groups']} input "
+                     f"column(s) per scale, scales {dts}; logical [N, K] {shapes}; read as exact float32")
+
     if "tensors" in r:
         lines.append("")
         lines.append(style(f"tensors ({len(r['tensors'])} matching)", bold=True) + f"  ({SHAPE_LEGEND})")
@@ -128,7 +134,8 @@ def render_text(report: dict, style=lambda s, **kw: s) -> str:
             lines.append(
                 f"  {t['name']}  {t['dtype']}  numpy {t['numpy_shape']}  ggml ne {t['ggml_ne']}  "
                 f"{human_bytes(t['bytes'])}  @ {t['file']}:{t['offset']}"
-                + (f"  scale {t['fp8_scale']}" if t.get("fp8_scale") else "")
+                + (f"  {t['quant']['format']} group {t['quant']['group']} with {', '.join(t['quant']['companions'])}"
+                   if t.get("quant") else "")
             )
 
     if r["scan"] is not None:

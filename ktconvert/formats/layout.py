@@ -14,7 +14,7 @@ from pathlib import Path
 
 from ktconvert.formats.checkpoint import COMPANION, Checkpoint
 from ktconvert.formats.config import ModelDims
-from ktconvert.formats.fp8 import SCALE_SUFFIX
+from ktconvert.formats.fp8 import CHANNEL_SUFFIX, SCALE_SUFFIX
 from ktconvert.formats.naming import LAYOUTS, NameMatch, NamingMap, guess_arch, naming_maps
 from ktconvert.formats.tensor_info import TensorInfo
 
@@ -167,8 +167,15 @@ def is_type_companion(ck: Checkpoint, name: str) -> bool:
 
 
 def _is_fp8_scale(ck: Checkpoint, name: str) -> bool:
-    base = name[: -len(SCALE_SUFFIX)] if name.endswith(SCALE_SUFFIX) else None
-    return base is not None and base in ck and ck[base].dtype.startswith("F8_")
+    """A scale or other companion read with its quantized weight (an FP8 ``_scale_inv`` / per-channel ``_scale``,
+    a packed weight's scales, zero points, shape)."""
+    if name in getattr(ck, "packed_parts", ()):
+        return True
+    for suffix in (SCALE_SUFFIX, CHANNEL_SUFFIX):
+        base = name[: -len(suffix)] if name.endswith(suffix) else None
+        if base is not None and base in ck and ck[base].dtype.startswith("F8_"):
+            return True
+    return False
 
 
 def _architecture(ck: Checkpoint, dims: ModelDims) -> tuple[str | None, str]:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats.checkpoint import Checkpoint
-from ktconvert.formats.fp8 import Fp8Map, Fp8Weight, check_scale, read_rows
+from ktconvert.formats.quantized import QuantMap, check_scale, read_rows
 from ktconvert.formats.naming import NameMatch
 from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 from ktconvert.formats.kt_amx import scan_dequantized
@@ -45,12 +45,13 @@ def scan_checkpoint(
     matches: dict[str, NameMatch] | None = None,
     progress: Callable[[int], None] | None = None,
     chunk_bytes: int = CHUNK_BYTES,
-    fp8: Fp8Map | None = None,
+    fp8: QuantMap | None = None,
 ) -> ScanResult:
     """Scan ``names`` (default: every tensor). ``matches`` (from :func:`detect_layout`) says which tensors are
     experts, so that all-zero checks run per expert; ``progress`` is called with the bytes done after each unit.
-    ``fp8`` (from :func:`~ktconvert.formats.fp8.analyze_fp8`): its weights are scanned dequantized (a NaN or zero
-    scale shows in the values) and its scales checked for NaN, Inf, zero and negative values."""
+    ``fp8`` (a :class:`~ktconvert.formats.quantized.QuantMap`, every quantized release format): its weights are
+    scanned decoded (a NaN or zero scale shows in the values) and their scales checked for NaN, Inf, zero and
+    negative values."""
     matches = matches or {}
     findings: list[ScanFinding] = []
     skipped: list[tuple[str, str]] = []
@@ -58,13 +59,15 @@ def scan_checkpoint(
     for name in names if names is not None else list(ck):
         info = ck[name]
         m = matches.get(name)
-        why = _undecodable(info)
+        why = None if fp8 is not None and name in fp8.weights else _undecodable(info)
         if fp8 is not None and (name in fp8.weights or name in fp8.scales):
             if name in fp8.weights:
                 findings.extend(_scan_fp8(ck, fp8.weights[name], m, chunk_bytes))
             elif fp8.scales[name] in fp8.weights:
                 w = fp8.weights[fp8.scales[name]]
-                findings.extend(ScanFinding(f"scale-{k}", name, m.expert if m else None, c) for k, c in check_scale(ck, w))
+                wm = matches.get(w.name)
+                findings.extend(ScanFinding(f"scale-{k}", t, wm.expert if wm else None, c)
+                                for t, k, c in check_scale(ck, w) if t == name)
             else:
                 skipped.append((name, "not checked: no usable FP8 weight for this scale (see the fp8-scale problems)"))
                 why = "skip"
@@ -151,8 +154,8 @@ def _scan_plain(ck: Checkpoint, name: str, chunk_bytes: int) -> list[ScanFinding
     return _merge(found)
 
 
-def _scan_fp8(ck: Checkpoint, w: Fp8Weight, m: NameMatch | None, chunk_bytes: int) -> list[ScanFinding]:
-    """An FP8 weight dequantized exactly, a bounded run of rows at a time; an expert is also checked for all zeros."""
+def _scan_fp8(ck: Checkpoint, w, m: NameMatch | None, chunk_bytes: int) -> list[ScanFinding]:
+    """A quantized weight decoded exactly, a bounded run of rows at a time; an expert is also checked for all zeros."""
     rows, k = w.shape
     step = max(1, chunk_bytes // max(1, k))
     found, nonzero = [], False

@@ -88,7 +88,9 @@ class Child:
         max_len = int(req.get("max_len", 64))
         cfg.max_len = max_len
         keep = [mask]
-        if method == "LLAMAFILE":
+        if req.get("release"):
+            moe = self._release(cfg, req, keep)
+        elif method == "LLAMAFILE":
             arrays = {p: np.ascontiguousarray(np.load(req["arrays"][p])) for p in ("gate", "up", "down")}
             keep += list(arrays.values())
             cfg.m_block = 32
@@ -140,6 +142,41 @@ class Child:
         self._pool().sync()
         self.layers[req["key"]] = _Layer(moe, keep, req)
         return {"loaded": req["key"]}
+
+    def _release(self, cfg, req, keep):
+        """A release read as released: kt-kernel's own loader for the method, its scale conversions, quant config
+        and backend choice (``KT_*_BACKEND``), as its NativeMoEWrapper sets them up."""
+        import torch
+        from kt_kernel.utils import amx as kta
+
+        method = req["method"]
+        w = kta.NativeMoEWrapper._create_loader(method, req["release"]).load_experts(req["base"])
+        f32 = method in ("FP8_PERCHANNEL", "GPTQ_INT4")
+        scales = {p: [(t.to(torch.float32) if f32 else t).contiguous() for t in w[p + "_scale"]]
+                  for p in ("gate", "up", "down")}
+        weights = {p: [t.contiguous() for t in w[p]] for p in ("gate", "up", "down")}
+        keep += [weights, scales]
+        for p in ("gate", "up", "down"):
+            setattr(cfg, f"{p}_projs", [[t.data_ptr() for t in weights[p]]])
+            setattr(cfg, f"{p}_scales", [[t.data_ptr() for t in scales[p]]])
+        q = cfg.quant_config
+        q.zero_point = False
+        h = int(req["H"])
+        moe = self.ext.moe
+        if method == "FP8_PERCHANNEL":
+            q.bits, q.per_channel = 8, True
+            return moe.AMXFP8PerChannel_MOE(cfg)
+        if method == "GPTQ_INT4":
+            q.bits, q.group_size = 4, h // scales["gate"][0].shape[0]
+            cls = kta._select_gptq_int4_backend(q.group_size)
+        else:
+            q.group_size = h // scales["gate"][0].shape[1]
+            q.bits = 8 if method == "MXFP8" else 4
+            cls = {"RAWINT4": lambda: kta._select_rawint4_backend(q.group_size), "MXFP4": kta._select_mxfp4_backend,
+                   "NVFP4": kta._select_mxfp4_backend, "MXFP8": kta._select_mxfp8_backend}[method]()
+        if cls is None:
+            raise RuntimeError(f"kt-kernel selects no {method} backend on this CPU")
+        return cls(cfg)
 
     def _read_ktamx(self, directory, layer, e, parts, tensor_name):
         """Every tensor of one layer from a kt-amx directory, found by name in any of its safetensors files."""

@@ -23,6 +23,8 @@ class Method:
     fmt: str  # gguf | kt-amx-int8 | kt-amx-int4 | hf-bf16 | hf-fp8 | hf-release
     classes: tuple[str, ...]  # kt_kernel_ext.moe classes any of which runs it
     driven: bool  # the ktconvert runner drives it (verify --kernel)
+    release: str = ""  # the release format it reads as released (formats.quantized); the runner loads it through
+    # kt-kernel's own loader (KernelSession.load_release_layer)
 
 
 METHODS = {m.name: m for m in (
@@ -31,15 +33,24 @@ METHODS = {m.name: m for m in (
     Method("AMXINT4", "kt-amx directory, INT4", "kt-amx-int4", ("AMXInt4_MOE",), True),
     Method("BF16", "HF bf16 safetensors as released", "hf-bf16", ("AMXBF16_MOE", "AVX2BF16_MOE"), True),
     Method("FP8", "HF FP8 block-128 safetensors as released", "hf-fp8", ("AMXFP8_MOE", "AVX2FP8_MOE"), False),
-    Method("FP8_PERCHANNEL", "HF per-channel FP8 as released", "hf-release", ("AMXFP8PerChannel_MOE",), False),
+    Method("FP8_PERCHANNEL", "HF per-channel FP8 as released", "hf-release", ("AMXFP8PerChannel_MOE",), False,
+           "FP8_PERCHANNEL"),
     Method("RAWINT4", "compressed-tensors INT4 as released", "hf-release",
-           ("AMXInt4_KGroup_MOE", "AVX2RawInt4_MOE", "AVXVNNI256RawInt4_MOE"), False),
+           ("AMXInt4_KGroup_MOE", "AVX2RawInt4_MOE", "AVXVNNI256RawInt4_MOE"), False, "RAWINT4"),
     Method("GPTQ_INT4", "GPTQ INT4 as released", "hf-release",
-           ("AVX2GPTQInt4_MOE", "AVXVNNI256GPTQInt4_MOE"), False),
-    Method("MXFP4", "MXFP4 (DeepSeek-V4 names) as released", "hf-release", ("AVX2MXFP4_MOE", "AMXFP4_KGroup_MOE"), False),
-    Method("MXFP8", "MXFP8 as released", "hf-release", ("AVX2MXFP8_MOE", "AMXMXFP8_KGroup_MOE"), False),
-    Method("NVFP4", "NVFP4 as released", "hf-release", ("AVX2MXFP4_MOE",), False),
+           ("AVX2GPTQInt4_MOE", "AVXVNNI256GPTQInt4_MOE"), False, "GPTQ_INT4"),
+    Method("MXFP4", "MXFP4 (DeepSeek-V4 names) as released", "hf-release", ("AVX2MXFP4_MOE", "AMXFP4_KGroup_MOE"), False,
+           "MXFP4"),
+    Method("MXFP8", "MXFP8 as released", "hf-release", ("AVX2MXFP8_MOE", "AMXMXFP8_KGroup_MOE"), False, "MXFP8"),
+    Method("NVFP4", "NVFP4 as released", "hf-release", ("AVX2MXFP4_MOE",), False, "NVFP4"),
 )}
+
+
+# the kt-kernel method that reads each release format as released
+RELEASE_METHOD = {m.release: m.name for m in METHODS.values() if m.release}
+# the expert names kt-kernel's loader of a method finds (its other release loaders take the HF names)
+LOADER_NAMES = {"MXFP4": (".ffn.experts.", "DeepSeek-V4 names (…ffn.experts.N.w1/w3/w2)"),
+                "MXFP8": (".block_sparse_moe.experts.", "MiniMax-M3 names (…block_sparse_moe.experts.N.w1/w3/w2)")}
 
 
 def runs_here(method: str, classes: list[str] | tuple[str, ...]) -> bool:

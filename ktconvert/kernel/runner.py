@@ -88,7 +88,7 @@ class KernelSession:
         self.timeout = timeout
         if method is not None and method not in METHODS:
             raise KernelRefused(f"unknown kt-kernel method {method!r}", fix=f"use one of {', '.join(METHODS)}")
-        if method is not None and not METHODS[method].driven:
+        if method is not None and not (METHODS[method].driven or METHODS[method].release):
             raise KernelRefused(f"{method} is not driven by ktconvert's kernel runner yet",
                                 fix="use LLAMAFILE (GGUF), BF16 (HF bf16) or AMXINT8/AMXINT4 (kt-amx)")
         self.method = method
@@ -210,6 +210,18 @@ class KernelSession:
         req = {"op": "load", "key": key, "method": self.method, "E": experts, "top_k": top_k, "H": hidden,
                "I": inter, "layer": layer, "max_len": max_len, "dir": str(directory), "parts": self.threadpools}
         self._call(req, f"loading layer {layer} of {directory}")
+        self.loaded[key] = {"layer": layer, "H": hidden, "E": experts, "types": {}, "max_len": max_len}
+
+    def load_release_layer(self, key: str, directory, layer: int, *, experts: int, top_k: int, hidden: int,
+                           inter: int, base: str | None = None, max_len: int = 64) -> None:
+        """A release-format method (RAWINT4, MXFP4, ...) on one layer of a release directory as released: the
+        child reads it with kt-kernel's own loader (``base``: the layer's key prefix, ``model.layers.L`` unless the
+        release names it otherwise) and picks the backend as kt-kernel does (``KT_*_BACKEND`` honoured)."""
+        self._check(hidden=hidden, inter=inter, types=None, where=f"layer {layer}")
+        req = {"op": "load", "key": key, "method": self.method, "E": experts, "top_k": top_k, "H": hidden,
+               "I": inter, "layer": layer, "max_len": max_len, "release": str(directory),
+               "base": base or f"model.layers.{layer}"}
+        self._call(req, f"loading layer {layer} of {directory} ({self.method})")
         self.loaded[key] = {"layer": layer, "H": hidden, "E": experts, "types": {}, "max_len": max_len}
 
     def forward(self, key: str, hidden_bf16: np.ndarray, ids: np.ndarray, weights: np.ndarray) -> np.ndarray:

@@ -21,6 +21,8 @@ from ktconvert.kernel.runner import (
     f32_to_bf16_bits,
 )
 
+from ktconvert.kernel.methods import LOADER_NAMES, METHODS, RELEASE_METHOD
+
 MODES = ("emulate", "kt-kernel", "both")
 
 
@@ -71,6 +73,17 @@ class KernelRuntime:
             return ("AMXINT8" if bits == 8 else "AMXINT4"), parts
         if source.container == "gguf":
             return "LLAMAFILE", 1
+        fmts = getattr(source, "release_formats", ())
+        if source.container == "safetensors" and fmts:  # a release: the method that reads it as released
+            method = RELEASE_METHOD.get(fmts[0]) if len(fmts) == 1 else None
+            if method is None:
+                raise KernelRefused(f"kt-kernel has no method for {'/'.join(fmts)} experts as released",
+                                    fix="convert the release (ktconvert quantize) and verify that, or --kernel emulate")
+            want = LOADER_NAMES.get(method)
+            if want and not any(want[0] in n for n in source.expert_names):
+                raise KernelRefused(f"kt-kernel's {method} loader finds experts only under {want[1]}; this release "
+                                    "names them otherwise", fix="verify the release as published, or --kernel emulate")
+            return method, 1
         types = set(blocks.types().values())
         if source.container == "safetensors" and types == {"BF16"}:
             return "BF16", 1
@@ -92,6 +105,9 @@ class KernelRuntime:
             bits = {p: getattr(blocks, p).data.view(np.uint16).reshape(getattr(blocks, p).shape)
                     for p in ("gate", "up", "down")}
             s.load_bf16_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], top_k)
+        elif METHODS[method].release:
+            s.load_release_layer(key, source.path, blocks.layer, experts=cfg.num_experts, top_k=top_k,
+                                 hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
         else:
             s.load_ktamx_layer(key, self.kt_weights, blocks.layer, experts=cfg.num_experts, top_k=top_k,
                                hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)

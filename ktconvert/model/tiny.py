@@ -285,15 +285,21 @@ def tiny_fp8_files(family: str) -> dict[str, bytes]:
 
 
 def write_tiny_model(family: str, out_dir: str | os.PathLike, *, force: bool = False,
-                     fp8: bool = False) -> dict[str, str]:
+                     fp8: bool = False, quant: str | None = None) -> dict[str, str]:
     """Write the tiny checkpoint into ``out_dir`` (atomically: a sibling temp dir renamed into place); with
-    ``fp8`` its FP8 block-scaled variant (:func:`tiny_fp8_files`).
+    ``fp8`` its FP8 block-scaled variant (:func:`tiny_fp8_files`), with ``quant`` a release format
+    (:mod:`ktconvert.model.tiny_release`).
 
     Returns ``{file name: sha256}``. An existing non-empty ``out_dir`` is replaced only with ``force``.
     """
     out = Path(out_dir)
     guard_output(out, force=force)
-    files = tiny_fp8_files(family) if fp8 else tiny_files(family)
+    if quant is not None:
+        from ktconvert.model.tiny_release import tiny_release_files  # builds on this module
+
+        files = tiny_release_files(family, quant)
+    else:
+        files = tiny_fp8_files(family) if fp8 else tiny_files(family)
     with atomic_dir(out, force=force) as tmp:
         for name, data in files.items():
             (tmp / name).write_bytes(data)

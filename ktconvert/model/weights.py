@@ -19,7 +19,7 @@ import torch
 from ktconvert.errors import InputError
 from ktconvert.families.config import MoeConfig
 from ktconvert.formats import open_checkpoint
-from ktconvert.formats.fp8 import read_float32, require_fp8
+from ktconvert.formats import quantized
 from ktconvert.io.dtypes import SAFETENSORS_DTYPES, TORCH_NAMES
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
@@ -39,19 +39,20 @@ class LoadReport:
 def read_tensors(model_dir: str | os.PathLike, report: LoadReport | None = None) -> dict[str, torch.Tensor]:
     """Every tensor of a safetensors checkpoint by name, read through :mod:`ktconvert.formats` (which validates the
     headers, shards, index and duplicate names); each a writable torch tensor of the stored dtype, except FP8
-    block-scaled weights: their exact float32 dequantization (their ``_scale_inv`` tensors are consumed)."""
+    block-scaled and other quantized release weights (:mod:`ktconvert.formats.quantized`): their exact float32
+    decoding (their scale tensors are consumed)."""
     ck = open_checkpoint(model_dir)
     if ck.container != "safetensors":
         raise InputError(f"a {ck.container} checkpoint, not Hugging Face safetensors", path=str(model_dir),
                          fix="pass the Hugging Face checkpoint directory")
-    fp8 = require_fp8(ck, path=str(model_dir))  # an FP8 release loads as its exact dequantization
+    qmap = quantized.require(ck, path=str(model_dir))  # a quantized release loads as its exact decoding
     out = {}
     for name, arr in ck.read_all().items():
-        if name in fp8.scales:
+        if name in qmap.scales:
             if report is not None:
-                report.skipped[name] = "FP8 scale, applied to its weight"
-        elif name in fp8.weights:
-            out[name] = torch.from_numpy(read_float32(ck, fp8.weights[name]))
+                report.skipped[name] = f"{qmap.weights[qmap.scales[name]].fmt} scale, applied to its weight"
+        elif name in qmap.weights:
+            out[name] = torch.from_numpy(quantized.read_float32(ck, qmap.weights[name]))
         else:
             out[name] = as_torch(arr, ck[name].dtype, name)
     if report is not None:

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ktconvert.errors import InputError
+from ktconvert.formats import quantized
 from ktconvert.formats.checkpoint import open_checkpoint
 from ktconvert.formats.config import dims_from_hf_config, load_config
 from ktconvert.formats.sniff import describe, sniff
@@ -23,7 +24,7 @@ from ktconvert.io.datafile import load_yaml, read_json
 from ktconvert.formats.kt_amx_dir import header_entries, scan_ktamx_dir
 from ktconvert.formats.kt_amx import parse_name as parse_ktamx_name
 from ktconvert.formats.kt_amx import tensor_name
-from ktconvert.kernel.methods import METHODS, shape_problems, type_problems
+from ktconvert.kernel.methods import LOADER_NAMES, METHODS, RELEASE_METHOD, shape_problems, type_problems
 from ktconvert.preflight.launch import (
     SGLANG_METHOD_DEFAULT,
     SGLANG_THREADPOOLS_DEFAULT,
@@ -258,7 +259,9 @@ def _method_for(fmt: str) -> str:
     return {"gguf": "use --kt-method LLAMAFILE for a GGUF",
             "kt-amx": "use --kt-method AMXINT8 or AMXINT4 (as the dir was written) for a kt-amx dir",
             "kt-tree": "use --kt-method AMXINT8 or AMXINT4 for a .kt tree",
-            "hf": "use --kt-method BF16 (bf16 release) or FP8 (FP8 release) for an HF checkpoint, or convert it"}[fmt]
+            "hf": "use --kt-method BF16 (bf16 release), FP8 (FP8 release) or the method of its release format "
+                  "(ktconvert inspect names it: MXFP4, MXFP8, RAWINT4, NVFP4, FP8_PERCHANNEL, GPTQ_INT4) for an HF "
+                  "checkpoint, or convert it"}[fmt]
 
 
 def _check_gguf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
@@ -375,7 +378,13 @@ def _check_kt_tree(ctx: Ctx, path: Path, out: list[Finding]) -> None:
 def _check_hf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
 
     ck = open_checkpoint(path)
-    experts = {n: info for n, info in ck.items() if ".experts." in n and not n.endswith("_scale_inv")}
+    try:
+        qmap = quantized.analyze(ck)
+    except InputError:
+        qmap = None  # a declared block size that is no block: the FP8 checks below still name the problem
+    companions = qmap.scales if qmap is not None else {}
+    experts = {n: info for n, info in ck.items() if ".experts." in n and not n.endswith("_scale_inv")
+               and n not in companions}
     if not experts:
         out.append(Finding("PF160", ERROR, "no expert tensors (…experts…) in this checkpoint",
                            "pass the MoE checkpoint", str(path)))
@@ -384,16 +393,50 @@ def _check_hf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
     if ctx.method == "BF16" and dtypes != {"BF16"}:
         out.append(Finding("PF161", ERROR, f"BF16 reads bf16 experts; these are {'/'.join(sorted(dtypes))}",
                            "use the bf16 release, or convert (ktconvert quantize) for LLAMAFILE", str(path)))
+    fmts = sorted({qmap.weights[n].fmt for n in experts if n in qmap.weights}) if qmap is not None else []
     if ctx.method == "FP8":
-        if "F8_E4M3" not in dtypes or not any(n.endswith("_scale_inv") for n in ck):
+        if "F8_E4M3" not in dtypes or not any(n.endswith("_scale_inv") for n in ck) or fmts not in ([], ["FP8"]):
             out.append(Finding("PF162", ERROR, "FP8 reads F8_E4M3 experts with weight_scale_inv block scales; "
-                               f"these are {'/'.join(sorted(dtypes))}", "use the FP8 release", str(path)))
+                               f"these are {'/'.join(fmts or sorted(dtypes))}", _release_fix(fmts, "use the FP8 release"),
+                               str(path)))
+    _check_release(ctx, path, experts, fmts, out)
     if ctx.dims is not None:
         layers = {int(n.split(".")[2]) for n in experts if n.startswith("model.layers.") and n.split(".")[2].isdigit()}
         lacking = sorted(set(ctx.dims.moe_layers) - layers)
         if lacking:
             out.append(Finding("PF163", ERROR, f"MoE layers {lacking[:5]} have no expert tensors",
                                "pass the whole checkpoint", str(path)))
+
+
+
+
+def _release_fix(fmts: list[str], default: str) -> str:
+    methods = [RELEASE_METHOD[f] for f in fmts if f in RELEASE_METHOD]
+    return f"use --kt-method {methods[0]} (reads {fmts[0]} as released)" if len(methods) == 1 and len(fmts) == 1 \
+        else default
+
+
+def _check_release(ctx: Ctx, path: Path, experts: dict, fmts: list[str], out: list[Finding]) -> None:
+    """A release-format method needs experts of exactly its format (and, for MXFP4/MXFP8, the names its loader
+    reads); a method that reads no release format is not pointed at quantized release experts."""
+    m = METHODS.get(ctx.method)
+    if m is None:
+        return
+    if m.release:
+        if fmts != [m.release]:
+            out.append(Finding("PF164", ERROR, f"{m.name} reads {m.release} experts as released; these are "
+                               f"{'/'.join(fmts) or '/'.join(sorted({i.dtype for i in experts.values()}))}",
+                               _release_fix(fmts, "pass the release of that format, or convert (ktconvert quantize)"),
+                               str(path)))
+        elif m.name in LOADER_NAMES and not any(LOADER_NAMES[m.name][0] in n for n in experts):
+            out.append(Finding("PF165", ERROR, f"kt-kernel's {m.name} loader finds experts only under "
+                               f"{LOADER_NAMES[m.name][1]}; these experts have other names (it fails: no experts)",
+                               "pass the release as published, or convert (ktconvert quantize --to kt-amx)", str(path)))
+    elif m.name in ("BF16", "FP8"):
+        return  # PF161 / PF162 name what the experts are
+    elif fmts and m.fmt.startswith("hf"):
+        out.append(Finding("PF164", ERROR, f"{m.name} does not read {'/'.join(fmts)} experts",
+                           _release_fix(fmts, "convert (ktconvert quantize)"), str(path)))
 
 
 def check_lora(ctx: Ctx, out: list[Finding]) -> None:

@@ -24,7 +24,7 @@ import torch
 from ktconvert import quant
 from ktconvert.errors import InputError
 from ktconvert.families.config import MoeConfig
-from ktconvert.formats import naming_map, open_checkpoint
+from ktconvert.formats import naming_map, open_checkpoint, quantized
 from ktconvert.formats.checkpoint import COMPANION
 from ktconvert.io.dtypes import TORCH_NAMES
 from ktconvert.model.weights import read_tensors, to_reference_state
@@ -124,6 +124,10 @@ class WeightSource:
         self.arch = self.cfg.family
         self.raw = read_safetensors(self.path)
         self._state = to_reference_state(self.cfg, self.raw)
+        # quantized release formats of the experts (read here decoded; kt-kernel reads them as released)
+        qmap = quantized.analyze(open_checkpoint(self.path))
+        self.release_formats = tuple(sorted({w.fmt for n, w in qmap.weights.items() if ".experts." in n}))
+        self.expert_names = tuple(n for n in qmap.weights if ".experts." in n)
 
     # --- llama.cpp-named: GGUF, or kernel-order safetensors (ktransformers' "hybrid" form) -------------------
     def _init_ggml_named(self) -> None:
