@@ -181,7 +181,8 @@ class KVCache:
 
 
 class Attention(Tagged, nn.Module):
-    """Grouped-query attention (Qwen2-MoE, Qwen3-MoE with per-head q/k norms, Mixtral)."""
+    """Grouped-query attention (Qwen2-MoE, Qwen3-MoE with per-head q/k norms, Mixtral); with partial rotary
+    (GLM-4.5: ``partial_rotary_factor``) rope turns the first ``rope.dim`` dims of each head, the rest pass."""
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
@@ -193,12 +194,13 @@ class Attention(Tagged, nn.Module):
         self.k_proj = nn.Linear(h, nkv * hd, bias="k_proj" in bias)
         self.v_proj = nn.Linear(h, nkv * hd, bias="v_proj" in bias)
         self.o_proj = nn.Linear(nh * hd, h, bias="o_proj" in bias)
-        if cfg.spec.qk_norm:
+        if cfg.qk_norm:
             self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = RotaryEmbedding(cfg.rope)
+        self.rope_dim = cfg.rope.dim
         self.scaling = hd**-0.5
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
@@ -211,7 +213,12 @@ class Attention(Tagged, nn.Module):
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden).view(shape).transpose(1, 2)
         cos, sin = self.rotary_emb(v, position_ids)
-        q, k = apply_rope(q, k, cos, sin)
+        if self.rope_dim < self.head_dim:
+            r = self.rope_dim
+            q_rot, k_rot = apply_rope(q[..., :r], k[..., :r], cos, sin)
+            q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        else:
+            q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         return self.o_proj(attend(q, k, v, self.scaling))

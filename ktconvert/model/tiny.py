@@ -151,7 +151,7 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
                 if proj in cfg.attention_bias_on:
                     add(f"{a}.{proj}.bias", (rows,), "bias")
             add(f"{a}.o_proj.weight", (h, nh * hd), "out_linear")
-            if cfg.spec.qk_norm:
+            if cfg.qk_norm:
                 add(f"{a}.q_norm.weight", (hd,), "norm")
                 add(f"{a}.k_norm.weight", (hd,), "norm")
         m = f"{p}.{cfg.moe_block_name}"
