@@ -15,9 +15,9 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe")
 ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "deepseek_v2": "deepseek2",
-        "deepseek_v3": "deepseek2"}
+        "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe"}
 _TINY: dict[str, Path] = {}
 
 

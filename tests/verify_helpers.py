@@ -102,7 +102,7 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
     return Path(out)
 
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -143,7 +143,9 @@ class Workspace:
 
     @staticmethod
     def rules(family: str) -> Path:
-        return REPO / "rules" / "optimize" / f"{family}.yaml"
+        """The family's single-request rule file, else its balance_serve one (GLM-4 MoE runs only there upstream)."""
+        own = REPO / "rules" / "optimize" / f"{family}.yaml"
+        return own if own.exists() else REPO / "rules" / "optimize" / f"{family}-serve.yaml"
 
     @staticmethod
     def golden(family: str) -> Path:
