@@ -188,8 +188,8 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
             path=path,
             where="topk_method",
         )
-    n_group = g.opt("n_group")
-    topk_group = g.opt("topk_group")
+    n_group = _choice(g, routing["n_group"]) if "n_group" in routing else g.opt("n_group")
+    topk_group = _choice(g, routing["topk_group"]) if "topk_group" in routing else g.opt("topk_group")
     if method in ("group_limited_greedy", "noaux_tc"):
         if not n_group or not topk_group:
             raise InputError(f"topk_method {method} needs n_group and topk_group", path=path, where="n_group")
@@ -292,9 +292,16 @@ def _moe_layers(policy: str, raw: dict, layers: int, num_experts: int) -> set[in
 
 def _rotary_dim(raw: dict, head_dim: int, default: float, path: str | None) -> int:
     """How many leading dims of each head are rotated: ``partial_rotary_factor`` as transformers 5 writes it
-    (inside ``rope_parameters``) or as the hub configs do (top level), else the family's default."""
+    (inside ``rope_parameters``) or as the hub configs do (top level), a hub ``rotary_dim`` (MiniMax-M2), else
+    the family's default."""
     params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    rotary_dim = raw.get("rotary_dim")
+    if factor is None and rotary_dim is not None:
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 0 < rotary_dim <= head_dim:
+            raise InputError(f"rotary_dim must be an integer in 1..head_dim ({head_dim}), got {rotary_dim!r}",
+                             path=path, where="rotary_dim")
+        factor = rotary_dim / head_dim
     factor = default if factor is None else factor
     if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
         raise InputError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}", path=path,

@@ -152,15 +152,17 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
                     add(f"{a}.{proj}.bias", (rows,), "bias")
             add(f"{a}.o_proj.weight", (h, nh * hd), "out_linear")
             if cfg.qk_norm:
-                add(f"{a}.q_norm.weight", (hd,), "norm")
-                add(f"{a}.k_norm.weight", (hd,), "norm")
+                whole = cfg.spec.section("attention").get("qk_norm_scope") == "projection"
+                add(f"{a}.q_norm.weight", (nh * hd if whole else hd,), "norm")
+                add(f"{a}.k_norm.weight", (nkv * hd if whole else hd,), "norm")
         m = f"{p}.{cfg.moe_block_name}"
         if layer not in cfg.moe_layers:
             mlp(m, cfg.intermediate_size)
             continue
         add(f"{m}.gate.weight", (cfg.num_experts, h), "router")
         if cfg.topk_method == "noaux_tc":
-            add(f"{m}.gate.e_score_correction_bias", (cfg.num_experts,), "score_bias")
+            on_block = cfg.spec.section("moe").get("score_bias") == "block"
+            add(f"{m}.{'' if on_block else 'gate.'}e_score_correction_bias", (cfg.num_experts,), "score_bias")
         for e in range(cfg.num_experts):
             mlp(f"{m}.experts.{e}", cfg.moe_intermediate_size, cfg.expert_proj_names)
         if cfg.shared_expert_intermediate_size:
