@@ -18,7 +18,7 @@ from ktconvert.families import normalize_config
 from ktconvert.model.tiny import tiny_config, tensor_specs
 from ktconvert.rules import modeltree
 
-NEW = ("glm4_moe",)
+NEW = ("glm4_moe", "minimax_m2")
 
 
 def _inspect(path) -> dict:
@@ -31,7 +31,7 @@ def _inspect(path) -> dict:
 def test_inspect_is_clean_on_the_tiny_model_and_its_gguf(family, tiny_root, tmp_path):
     from ktconvert.convert import convert
 
-    for path in (tiny_root / family, convert(tiny_root / family, tmp_path / "q", type="Q8_0").out / "model.gguf"):
+    for path in (tiny_root / family, convert(tiny_root / family, tmp_path / "q", type="F32").out / "model.gguf"):
         report = _inspect(path)
         assert [p for p in report["problems"] if p["severity"] != "info"] == [], report["problems"]
         assert report["architecture"]["arch"] == normalize_config(tiny_config(family)).spec.gguf_arch
@@ -77,3 +77,44 @@ def test_glm_bad_partial_rotary_factor_is_one_line_naming_the_key(value):
     with pytest.raises(InputError) as exc:
         normalize_config(raw, path="config.json")
     assert exc.value.where == "partial_rotary_factor" and "\n" not in str(exc.value)
+
+
+# --- MiniMax-M2 -----------------------------------------------------------------------------------------
+
+
+def test_minimax_rotary_dim_spelling_and_whole_projection_qk_norm():
+    """The hub writes rotary_dim (no rope_parameters factor); the q/k norms span every head of the projection."""
+    raw = tiny_config("minimax_m2")
+    raw["rope_parameters"] = {"rope_theta": 5000000.0, "rope_type": "default"}
+    cfg = normalize_config(raw)
+    assert cfg.rope.dim == 64 and cfg.rope == normalize_config(tiny_config("minimax_m2")).rope
+    shapes = {s.name: s.shape for s in tensor_specs(cfg)}
+    assert shapes["model.layers.0.self_attn.q_norm.weight"] == (cfg.num_attention_heads * cfg.head_dim,)
+    assert shapes["model.layers.0.self_attn.k_norm.weight"] == (cfg.num_key_value_heads * cfg.head_dim,)
+    raw["rotary_dim"] = 256  # more than head_dim
+    with pytest.raises(InputError) as exc:
+        normalize_config(raw, path="config.json")
+    assert exc.value.where == "rotary_dim"
+
+
+def test_minimax_score_bias_is_the_blocks_and_steers_the_choice():
+    """The bias is stored as block_sparse_moe.e_score_correction_bias (the checkpoint's name, not gate's) and the
+    gate reads that very tensor: zeroing it changes which experts the last layer picks."""
+    import torch
+
+    from ktconvert.model import build_model, load_weights
+    from ktconvert.model.tiny import tiny_tensors
+
+    cfg = normalize_config(tiny_config("minimax_m2"))
+    model = build_model(cfg)
+    load_weights(model, {k: torch.from_numpy(v) for k, v in tiny_tensors("minimax_m2").items()})
+    state = model.state_dict()
+    assert "model.layers.1.block_sparse_moe.e_score_correction_bias" in state
+    assert not any(k.endswith("gate.e_score_correction_bias") for k in state)
+    block = model.model.layers[1].block_sparse_moe
+    hidden = torch.randn(16, cfg.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ids, _ = block.gate(hidden)
+        block.e_score_correction_bias.zero_()
+        ids_unbiased, _ = block.gate(hidden)
+    assert not torch.equal(ids.sort(-1).values, ids_unbiased.sort(-1).values)
