@@ -22,11 +22,13 @@ from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.model.tiny import (
     BOS_ID,
     EOS_ID,
+    TINY_VARIANTS,
     VOCAB,
     routing_channels,
     tensor_specs,
     tiny_config,
     tiny_files,
+    tiny_name,
     tiny_tensors,
     token_codes,
 )
@@ -105,9 +107,17 @@ def test_regenerated_files_match_the_recorded_sha256(family):
     assert got == recorded
 
 
+@pytest.mark.parametrize("family,variant", TINY_VARIANTS)
+def test_regenerated_variants_match_the_recorded_sha256(family, variant):
+    recorded = load_tiny_hashes()[tiny_name(family, variant)]
+    got = {name: hashlib.sha256(data).hexdigest() for name, data in tiny_files(family, variant).items()}
+    assert got == recorded
+
+
 def test_tiny_hashes_file_lists_every_family():
     data = yaml.safe_load((golden_root() / "tiny-models.yaml").read_text())
-    assert sorted(data["models"]) == sorted([*FAMILIES, "deepseek_v3-fp8", "qwen3_moe-fp8"])
+    variants = [tiny_name(f, v) for f, v in TINY_VARIANTS]
+    assert sorted(data["models"]) == sorted([*FAMILIES, *variants, "deepseek_v3-fp8", "qwen3_moe-fp8"])
 
 
 def test_cli_writes_the_same_bytes_and_refuses_to_overwrite(tmp_path):

@@ -10,6 +10,7 @@ from ktconvert import families
 from ktconvert.families.config import FAMILIES
 
 _FP8 = ", ".join(f for f in FAMILIES if families.spec(f).tiny.get("fp8"))
+_VARIANTS = ", ".join(f"{f} {v}" for f in FAMILIES for v in families.spec(f).tiny.get("variants") or {}) or "none"
 
 
 @click.command("tiny-model")
@@ -17,8 +18,10 @@ _FP8 = ", ".join(f for f in FAMILIES if families.spec(f).tiny.get("fp8"))
 @click.argument("out_dir", type=click.Path(file_okay=False))
 @click.option("--force", is_flag=True, help="Replace OUT_DIR if it is not empty.")
 @click.option("--fp8", is_flag=True, help=f"The FP8 block-scaled variant (F8_E4M3 weights + _scale_inv; {_FP8}).")
+@click.option("--variant", default=None, metavar="NAME",
+              help=f"A released configuration of FAMILY (its spec's tiny.variants: {_VARIANTS}).")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json"]), default="text", show_default=True)
-def command(family: str, out_dir: str, force: bool, fp8: bool, fmt: str) -> None:
+def command(family: str, out_dir: str, force: bool, fp8: bool, variant: str | None, fmt: str) -> None:
     """Write a tiny FAMILY checkpoint (any family with a spec in rules/families/) (config.json, model.safetensors, BPE tokenizer) into OUT_DIR.
 
     The bytes depend on nothing but ktconvert's source: the sha256 of each file is recorded in
@@ -26,10 +29,10 @@ def command(family: str, out_dir: str, force: bool, fp8: bool, fmt: str) -> None
     """
     from ktconvert.model.tiny import write_tiny_model
 
-    hashes = write_tiny_model(family, out_dir, force=force, fp8=fp8)
+    hashes = write_tiny_model(family, out_dir, force=force, fp8=fp8, variant=variant)
     if fmt == "json":
         click.echo(json.dumps({"family": family, "out_dir": out_dir, "sha256": hashes}, indent=2))
         return
-    click.echo(f"wrote tiny {family}{' FP8' if fp8 else ''} checkpoint to {out_dir}")
+    click.echo(f"wrote tiny {family}{' FP8' if fp8 else ''}{f' ({variant})' if variant else ''} checkpoint to {out_dir}")
     for name, digest in hashes.items():
         click.echo(f"  {digest}  {name}")
