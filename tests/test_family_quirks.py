@@ -118,3 +118,77 @@ def test_minimax_score_bias_is_the_blocks_and_steers_the_choice():
         block.e_score_correction_bias.zero_()
         ids_unbiased, _ = block.gate(hidden)
     assert not torch.equal(ids.sort(-1).values, ids_unbiased.sort(-1).values)
+
+
+# --- Kimi-K2 and Moonlight: deepseek_v3 configurations (tiny variants) -------------------------------
+
+
+def _variant_dir(root, family, variant):
+    from ktconvert.model.tiny import write_tiny_model
+
+    path = root / f"{family}-{variant}"
+    if not path.is_dir():
+        write_tiny_model(family, path, variant=variant)
+    return path
+
+
+@pytest.fixture(scope="module")
+def variants_root(tmp_path_factory):
+    return tmp_path_factory.mktemp("variants")
+
+
+def test_variant_configs_read_as_their_releases():
+    kimi = normalize_config(tiny_config("deepseek_v3", "kimi_k2"))
+    assert tiny_config("deepseek_v3", "kimi_k2")["model_type"] == "kimi_k2" and kimi.family == "deepseek_v3"
+    assert (kimi.rope.kind, kimi.rope.factor, kimi.rope.beta_fast, kimi.rope.beta_slow, kimi.rope.theta) == ("yarn", 32.0, 1.0, 1.0, 50000.0)
+    assert (kimi.n_group, kimi.topk_group, kimi.routed_scaling_factor) == (1, 1, 2.827)
+    moon = normalize_config(tiny_config("deepseek_v3", "moonlight"))
+    assert moon.q_lora_rank is None and moon.n_shared_experts == 2 and moon.rope.kind == "default"
+    assert tiny_config("deepseek_v3", "moonlight")["q_lora_rank"] is None  # written as null, not dropped
+    names = {s.name for s in tensor_specs(moon)}
+    assert "model.layers.1.self_attn.q_proj.weight" in names and not any("q_a_proj" in n for n in names)
+
+
+def test_unknown_variant_is_a_usage_error_naming_the_known_ones(tmp_path):
+    res = CliRunner().invoke(cli, ["tiny-model", "deepseek_v3", str(tmp_path / "m"), "--variant", "kimi"])
+    assert res.exit_code == 2 and "kimi_k2" in res.output and "moonlight" in res.output
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.parametrize("family,variant", [("deepseek_v3", "kimi_k2"), ("deepseek_v3", "moonlight")])
+def test_variant_reference_matches_its_transformers_golden(family, variant, variants_root):
+    """Prefill and token-by-token decode of the reference model within 1e-5 of transformers' golden, and the golden
+    reproduces (transformers loads Kimi-K2's unknown model_type as deepseek_v3, as its users do)."""
+    import numpy as np
+    import torch
+
+    from ktconvert.golden import golden_root, read_golden
+    from ktconvert.golden.generate import compute_golden
+    from ktconvert.model import from_pretrained
+
+    model_dir = _variant_dir(variants_root, family, variant)
+    golden = read_golden(golden_root() / f"{family}-{variant}")
+    assert golden.manifest["model"]["tiny_model"] == f"{family}-{variant}"
+    ids = torch.from_numpy(golden.input_ids)
+    model = from_pretrained(model_dir)
+    cache, steps = model.new_cache(), []
+    with torch.no_grad():
+        prefill = model(ids).logits
+        steps.append(model(ids[:, :8], cache).logits)
+        steps.extend(model(ids[:, t:t + 1], cache).logits for t in range(8, ids.shape[1]))
+    want = torch.from_numpy(golden.logits)
+    assert float((prefill - want).abs().max()) <= 1e-5
+    assert float((torch.cat(steps, 1) - want).abs().max()) <= 1e-5
+    run = compute_golden(model_dir, golden.manifest["prompt"]["ids"], threads=1, decode_check=False)
+    assert np.abs(run.tensors["logits"] - golden.logits).max() <= 1e-5
+
+
+def test_gate_case_with_an_unknown_variant_is_refused(tmp_path):
+    from ktconvert.gate import load_suite
+
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("kind: gate-suite\nversion: 1\ncases:\n  - {name: x, family: deepseek_v3, variant: kimi, "
+                     "rules: deepseek_v3, type: F32, golden: deepseek_v3, tolerance: f32}\n")
+    with pytest.raises(InputError) as exc:
+        load_suite(suite)
+    assert "kimi_k2" in exc.value.fix and exc.value.where
