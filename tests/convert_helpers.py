@@ -15,9 +15,9 @@ import numpy as np
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2")
 ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "mixtral": "llama", "deepseek_v2": "deepseek2",
-        "deepseek_v3": "deepseek2"}
+        "deepseek_v3": "deepseek2", "glm4_moe": "glm4moe", "minimax_m2": "minimax-m2"}
 _TINY: dict[str, Path] = {}
 
 
@@ -58,13 +58,13 @@ def expected_gguf(model_dir: Path, family: str) -> dict[str, np.ndarray]:
     names = gguf.get_tensor_name_map(arch, cfg["num_hidden_layers"])
     tensors = hf_tensors(model_dir)
     out: dict[str, np.ndarray] = {}
-    experts: dict[tuple[int, str], dict[int, np.ndarray]] = {}
+    experts: dict[tuple[int, str, str], dict[int, np.ndarray]] = {}
     for name, arr in tensors.items():
         parts = name.split(".")
         if "experts" in parts and "shared_experts" not in parts:
             i = parts.index("experts")
             layer, e, proj = int(parts[2]), int(parts[i + 1]), parts[i + 2]
-            experts.setdefault((layer, proj), {})[e] = arr
+            experts.setdefault((layer, parts[3], proj), {})[e] = arr  # parts[3]: the block (mlp / block_sparse_moe)
             continue
         key = name.replace("e_score_correction_bias", "e_score_correction.bias")
         g = names.get_name(key, try_suffixes=(".weight", ".bias"))
@@ -76,8 +76,7 @@ def expected_gguf(model_dir: Path, family: str) -> dict[str, np.ndarray]:
         if g.endswith("ffn_gate_inp_shexp.weight"):
             a = a.reshape(-1)
         out[g] = a
-    block = "block_sparse_moe" if family == "mixtral" else "mlp"
-    for (layer, proj), per in experts.items():
+    for (layer, block, proj), per in experts.items():
         merged = f"model.layers.{layer}.{block}.experts.{proj}"
         g = names.get_name(merged, try_suffixes=(".weight",))
         assert g is not None, merged

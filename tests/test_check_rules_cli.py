@@ -141,10 +141,10 @@ def test_usage_errors_exit_2(args, needle):
 
 def test_unsupported_model_family_is_said_plainly(files, tmp_path):
     cfg = tmp_path / "config.json"
-    cfg.write_text(json.dumps({"model_type": "glm4_moe", "num_hidden_layers": 4}))
+    cfg.write_text(json.dumps({"model_type": "ernie4_5_moe", "num_hidden_layers": 4}))
     r = run("check-rules", "--model", cfg, files / "good.yaml")
     assert r.exit_code == 3
-    assert "model_type 'glm4_moe' has no module tree" in r.output and "supported: qwen2_moe" in r.output
+    assert "model_type 'ernie4_5_moe' has no module tree" in r.output and "supported: qwen2_moe" in r.output
 
 
 # --- outputs and options ----------------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from ktconvert.io import resources
 from ktconvert.errors import InputError
 from ktconvert.formats import guess_arch, load_naming_map, naming_map, naming_maps, open_checkpoint, to_gguf_name, to_hf_name
 
-ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama")
+ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama", "glm4moe", "minimax-m2")
 
 
 @pytest.fixture(scope="module")
@@ -132,8 +132,10 @@ def test_guess_arch_from_names(root):
         ck = open_checkpoint(hf_checkpoint(root, model_type, "split"))
         assert guess_arch(ck) == FAMILIES[model_type][2]
     assert guess_arch(open_checkpoint(hf_checkpoint(root, "mixtral", "split"))) == "llama"
-    # transformers-5 fused Mixtral names are also valid Qwen3-MoE names: refuse to guess
-    assert guess_arch(open_checkpoint(hf_checkpoint(root, "mixtral", "fused"))) is None
+    # transformers-5 fused Mixtral names are also valid Qwen3-MoE (and GLM-4.5) names; they leave Qwen3's q/k norms
+    # and GLM's biases unused, so the map they use fully (llama) is the guess; a Qwen3-MoE save still guesses qwen3moe
+    assert guess_arch(open_checkpoint(hf_checkpoint(root, "mixtral", "fused"))) == "llama"
+    assert guess_arch(open_checkpoint(hf_checkpoint(root, "qwen3_moe", "fused"))) == "qwen3moe"
     assert guess_arch(["nothing.we.know"]) is None
 
 

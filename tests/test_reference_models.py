@@ -260,6 +260,10 @@ TREE = {
                     "model.layers.2.self_attn.q_proj", "model.layers.2.self_attn.kv_a_proj_with_mqa", "model.layers.2.self_attn.kv_b_proj"],
     "deepseek_v3": ["model.layers.1.mlp.gate", "model.layers.2.self_attn.q_a_proj", "model.layers.2.self_attn.q_a_layernorm",
                     "model.layers.2.self_attn.q_b_proj", "model.layers.1.self_attn.kv_a_layernorm", "lm_head", "model.embed_tokens"],
+    "glm4_moe": ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate", "model.layers.2.mlp.shared_experts.up_proj",
+                 "model.layers.1.self_attn.q_norm", "model.layers.2.mlp.experts.7.down_proj"],
+    "minimax_m2": ["model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.experts.3.w1",
+                   "model.layers.0.self_attn.k_norm"],
 }
 
 

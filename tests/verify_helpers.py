@@ -21,7 +21,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 
-from ktconvert import quant
+from ktconvert import families, quant
 from ktconvert.formats import naming_map
 from ktconvert.model import load_config
 from ktconvert.model.ops.source import permute_rope_rows
@@ -102,7 +102,7 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
     return Path(out)
 
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2")
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -143,7 +143,9 @@ class Workspace:
 
     @staticmethod
     def rules(family: str) -> Path:
-        return REPO / "rules" / "optimize" / f"{family}.yaml"
+        """The family's single-request rule file, else its balance_serve one (GLM-4 MoE runs only there upstream)."""
+        own = REPO / "rules" / "optimize" / f"{family}.yaml"
+        return own if own.exists() else REPO / "rules" / "optimize" / f"{family}-serve.yaml"
 
     @staticmethod
     def golden(family: str) -> Path:
@@ -151,11 +153,11 @@ class Workspace:
 
 
 def experts_path(family: str, layer: int) -> str:
-    return f"model.layers.{layer}.{'block_sparse_moe' if family == 'mixtral' else 'mlp'}.experts"
+    return f"model.layers.{layer}.{families.spec(family).moe_block_name}.experts"
 
 
 def gate_path(family: str, layer: int) -> str:
-    return f"model.layers.{layer}.{'block_sparse_moe' if family == 'mixtral' else 'mlp'}.gate"
+    return f"model.layers.{layer}.{families.spec(family).moe_block_name}.gate"
 
 
 def rewrite_gguf(src, dst, change) -> Path:

@@ -66,7 +66,7 @@ _ARCH_KEYS = {
         c.shared_expert_intermediate_size, lambda: w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)),
     "key_length": lambda w, c, n: w.add_key_length(c.head_dim),
     "value_length": lambda w, c, n: w.add_value_length(c.head_dim),
-    "rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.head_dim),
+    "rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.rope.dim),  # partial rotary: < head_dim
     "leading_dense_block_count": lambda w, c, n: w.add_leading_dense_block_count(min(c.moe_layers) if c.moe_layers else n),
     # 0: no q LoRA (V2-Lite style q_proj); llama.cpp requires the key
     "q_lora_rank": lambda w, c, n: w.add_q_lora_rank(c.q_lora_rank or 0),

@@ -78,6 +78,7 @@ class MoeConfig:
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     rope_interleave: bool = True
+    qk_norm: bool = False  # per-head q/k RMSNorm (the spec's qk_norm, or its qk_norm_key config switch)
     bos_token_id: int | None = None
     eos_token_id: Any = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -145,13 +146,14 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         raise InputError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}", path=path, where="num_experts_per_tok")
 
     mla = sp.is_mla
+    attn_facts = sp.section("attention")
     head_dim = g.opt("head_dim")
     if mla:
         rope_dim = g.int("qk_rope_head_dim")
         head_dim = rope_dim
     else:
         head_dim = int(head_dim) if head_dim else hidden // heads
-        rope_dim = head_dim
+        rope_dim = _rotary_dim(raw, head_dim, attn_facts.get("partial_rotary_factor", 1.0), path)
     if heads % kv_heads:
         raise InputError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}", path=path)
 
@@ -186,8 +188,8 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
             path=path,
             where="topk_method",
         )
-    n_group = g.opt("n_group")
-    topk_group = g.opt("topk_group")
+    n_group = _choice(g, routing["n_group"]) if "n_group" in routing else g.opt("n_group")
+    topk_group = _choice(g, routing["topk_group"]) if "topk_group" in routing else g.opt("topk_group")
     if method in ("group_limited_greedy", "noaux_tc"):
         if not n_group or not topk_group:
             raise InputError(f"topk_method {method} needs n_group and topk_group", path=path, where="n_group")
@@ -212,6 +214,8 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     _check_sliding_window(raw, cfg_facts["sliding_window"], path)
 
     kwargs: dict[str, Any] = {}
+    qk_key = attn_facts.get("qk_norm_key")
+    qk_norm = bool(g.opt(qk_key, sp.qk_norm)) if qk_key else sp.qk_norm
     if mla:
         q_lora = g.opt("q_lora_rank")
         interleave_key = sp.section("attention").get("rope_interleave_key")
@@ -257,6 +261,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         routed_scaling_factor=scaling,
         shared_expert_intermediate_size=(g.int("shared_expert_intermediate_size") if shared == "gated" else None),
         n_shared_experts=int(g.opt("n_shared_experts", 0) or 0) if shared == "shared_experts" else 0,
+        qk_norm=qk_norm,
         bos_token_id=g.opt("bos_token_id"),
         eos_token_id=g.opt("eos_token_id"),
         raw=dict(raw),
@@ -283,6 +288,29 @@ def _moe_layers(policy: str, raw: dict, layers: int, num_experts: int) -> set[in
         freq = opt_int("moe_layer_freq", 1)
         return {i for i in range(layers) if i >= first_dense and i % freq == 0}
     return set(range(layers))
+
+
+def _rotary_dim(raw: dict, head_dim: int, default: float, path: str | None) -> int:
+    """How many leading dims of each head are rotated: ``partial_rotary_factor`` as transformers 5 writes it
+    (inside ``rope_parameters``) or as the hub configs do (top level), a hub ``rotary_dim`` (MiniMax-M2), else
+    the family's default."""
+    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    rotary_dim = raw.get("rotary_dim")
+    if factor is None and rotary_dim is not None:
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 0 < rotary_dim <= head_dim:
+            raise InputError(f"rotary_dim must be an integer in 1..head_dim ({head_dim}), got {rotary_dim!r}",
+                             path=path, where="rotary_dim")
+        factor = rotary_dim / head_dim
+    factor = default if factor is None else factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise InputError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}", path=path,
+                         where="partial_rotary_factor")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise InputError(f"partial_rotary_factor={factor} rotates {dim} of {head_dim} head dims; rope needs an even "
+                         "count of at least 2", path=path, where="partial_rotary_factor")
+    return dim
 
 
 def _choice(g: "_Getter", choice: dict) -> Any:

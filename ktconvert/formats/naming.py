@@ -290,9 +290,26 @@ def to_hf_name(name: str, arch: str) -> str | None:
 
 
 def guess_arch(names) -> str | None:
-    """The architecture whose map recognises the most of ``names``, or ``None`` when that is not a single one."""
+    """The architecture whose map recognises the most of ``names``, or ``None`` when that is not a single one.
+
+    Maps that recognise equally many names are told apart by how much of each map the names use (the share of its
+    non-expert entries seen): a Qwen3-MoE checkpoint's names are all GLM-4.5 names too, but leave GLM's biases,
+    shared experts and score bias unused. A tie on both is still refused."""
     names = list(names)
-    scores = {arch: sum(m._lookup_direct(n) is not None for n in names) for arch, m in naming_maps().items()}
+    maps = naming_maps()
+    hits = {arch: [m._lookup_direct(n) for n in names] for arch, m in maps.items()}
+    scores = {arch: sum(h is not None for h in hs) for arch, hs in hits.items()}
     best = max(scores.values(), default=0)
     winners = [a for a, s in scores.items() if s == best]
-    return winners[0] if best and len(winners) == 1 else None
+    if not best:
+        return None
+    if len(winners) > 1:
+        def used(arch: str) -> float:
+            seen = {h.gguf_name.split(".", 2)[-1] if h.layer is not None else h.gguf_name
+                    for h in hits[arch] if h is not None and h.group not in ("experts", "expert_scales") and h.gguf_name}
+            return len(seen) / max(1, len({e.gguf for e in maps[arch].tensors}))
+
+        usage = {a: used(a) for a in winners}
+        top = max(usage.values())
+        winners = [a for a in winners if usage[a] == top]
+    return winners[0] if len(winners) == 1 else None

@@ -19,9 +19,9 @@ def regenerate_goldens(suite: Suite, reason: str, select: str | None = None) -> 
         for case in suite.select(select):
             if case.golden in done:
                 continue
-            model = Path(tmp) / case.family
+            model = Path(tmp) / case.tiny
             if not model.is_dir():
-                write_tiny_model(case.family, model)
+                write_tiny_model(case.family, model, variant=case.variant)
             generate_golden(model, case.golden, force=True, reason=reason)
             done.append(case.golden)
     return done

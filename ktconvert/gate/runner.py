@@ -77,7 +77,7 @@ def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: s
     cases = suite.select(select)
     groups: dict[tuple, list[Case]] = {}
     for case in cases:
-        groups.setdefault((case.family, case.conversion), []).append(case)
+        groups.setdefault((case.tiny, case.conversion), []).append(case)
     began = time.perf_counter()
     results: dict[str, CaseResult] = {}
     if executor == "ray":
@@ -93,13 +93,13 @@ def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: s
         run_tasks(ray, run_group_alone, groups.values(), limit=jobs, on_done=done, name="ktconvert-gate-case")
         return GateResult(suite.path, [results[c.name] for c in cases], time.perf_counter() - began)
     with tempfile.TemporaryDirectory(prefix="ktconvert-gate-", dir=workdir) as tmp:
-        # The tiny models are made here, once, before any worker starts (workers would race on them); a family
-        # whose model cannot be made fails its cases with the reason, and its groups never run.
-        for family in dict.fromkeys(c.family for c in cases):
+        # The tiny models are made here, once, before any worker starts (workers would race on them); a model
+        # that cannot be made fails its cases with the reason, and its groups never run.
+        for case in {c.tiny: c for c in cases}.values():
             try:
-                _tiny_model(family, tmp)
+                _tiny_model(case, tmp)
             except Exception as exc:
-                for key in [k for k in groups if k[0] == family]:
+                for key in [k for k in groups if k[0] == case.tiny]:
                     for c in groups.pop(key):
                         results[c.name] = CaseResult(c, False, 0.0, error=_one_line(exc))
                         if progress:
@@ -137,9 +137,9 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
 
     first = cases[0]
     began = time.perf_counter()
-    model_dir = _tiny_model_dir(first.family, workdir)
+    model_dir = _tiny_model_dir(first.tiny, workdir)
     try:
-        out = Path(workdir) / "converted" / f"{first.family}-{first.conversion.replace(':', '-').replace('/', '_')}"
+        out = Path(workdir) / "converted" / f"{first.tiny}-{first.conversion.replace(':', '-').replace('/', '_')}"
         if first.to == "kt-amx":
             result = convert(model_dir, out, type=first.type, format="kt-amx", threadpool_count=KT_AMX_PARTS, force=True)
         else:  # the suite's tolerances were measured with llama.cpp's fallbacks (DeepSeek's MLA rows of 64 and 128)
@@ -173,13 +173,13 @@ def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float
                       profile=report.profile.name)
 
 
-def _tiny_model_dir(family: str, workdir: str) -> Path:
-    return Path(workdir) / "models" / family
+def _tiny_model_dir(tiny: str, workdir: str) -> Path:
+    return Path(workdir) / "models" / tiny
 
 
-def _tiny_model(family: str, workdir: str) -> None:
+def _tiny_model(case: Case, workdir: str) -> None:
 
-    write_tiny_model(family, _tiny_model_dir(family, workdir))
+    write_tiny_model(case.family, _tiny_model_dir(case.tiny, workdir), variant=case.variant)
 
 
 def _weights_path(out: Path) -> Path:

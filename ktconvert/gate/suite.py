@@ -6,6 +6,7 @@ import fnmatch
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ktconvert import families
 from ktconvert.errors import InputError
 from ktconvert.golden.paths import golden_root
 from ktconvert.io.datafile import load_data_file
@@ -25,6 +26,12 @@ class Case:
     tags: tuple = ()
     kernel: str = "emulate"  # verify --kernel: emulate, kt-kernel or both
     to: str = "gguf"  # quantize --to: gguf, or kt-amx (verified as --kt-weights)
+    variant: str | None = None  # a tiny variant of the family (spec tiny.variants) instead of its tiny model
+
+    @property
+    def tiny(self) -> str:
+        """The tiny model the case converts (``FAMILY`` or ``FAMILY-VARIANT``): cases sharing it share one model."""
+        return self.family if self.variant is None else f"{self.family}-{self.variant}"
 
     @property
     def conversion(self) -> str:
@@ -76,8 +83,12 @@ def load_suite(path: str | Path, check_profiles: bool = True) -> Suite:
             name=raw["name"], family=raw["family"], rules=_rules(raw["rules"], path, where),
             golden=_golden(raw["golden"], path, where), tolerance=_tolerance(raw["tolerance"], path, where) if check_profiles else raw["tolerance"],
             type=raw.get("type"), recipe=raw.get("recipe"), tags=tuple(raw.get("tags", ())),
-            kernel=raw.get("kernel", "emulate"), to=raw.get("to", "gguf"),
+            kernel=raw.get("kernel", "emulate"), to=raw.get("to", "gguf"), variant=raw.get("variant"),
         ))
+        known = families.spec(raw["family"]).tiny.get("variants") or {}
+        if raw.get("variant") is not None and raw["variant"] not in known:
+            raise InputError(f"{raw['family']} has no tiny variant {raw['variant']!r}", path=str(path), where=where,
+                             fix=f"choose one of {', '.join(known) or '(none)'} or drop variant")
     return Suite(path=path, cases=cases, description=data.get("description", ""))
 
 

@@ -73,6 +73,7 @@ def compute_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threa
         try:
             model = transformers.AutoModelForCausalLM.from_pretrained(
                 str(model_dir),
+                config=_family_config(transformers, model_dir),
                 dtype=torch.float32,
                 attn_implementation=ATTN_IMPLEMENTATION,
                 experts_implementation=EXPERTS_IMPLEMENTATION,
@@ -135,6 +136,22 @@ def compute_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threa
     return GoldenRun(tensors=tensors, producer=producer, decode_max_abs_diff=decode_diff)
 
 
+def _tiny_args(tiny: str) -> str:
+    """The tiny-model arguments that write the recorded model ``tiny`` (``FAMILY``, ``FAMILY-fp8``, ``FAMILY-VARIANT``)."""
+    family, _, rest = tiny.partition("-")
+    return family if not rest else f"{family} --fp8" if rest == "fp8" else f"{family} --variant {rest}"
+
+
+def _family_config(transformers, model_dir) -> object | None:
+    """A config.json whose model_type transformers does not know but whose ``architectures`` name a family
+    (Kimi-K2's ``kimi_k2`` is DeepseekV3ForCausalLM) loads as that family's transformers config, which is what
+    its users do; ``None`` lets transformers read config.json itself."""
+    cfg = load_config(model_dir)
+    if cfg.raw.get("model_type") in transformers.CONFIG_MAPPING:
+        return None
+    return transformers.AutoConfig.for_model(cfg.family, **{k: v for k, v in cfg.raw.items() if k != "model_type"})
+
+
 def prompt_for(model_dir: str | os.PathLike, text: str | None, ids: list[int] | None, bos: bool) -> tuple[list[int], str | None, bool]:
     """The prompt ids: given ids as they are, else ``text`` (default: the tiny prompt) through the model's tokenizer."""
     if ids is not None:
@@ -144,7 +161,9 @@ def prompt_for(model_dir: str | os.PathLike, text: str | None, ids: list[int] | 
     transformers = import_transformers()
     text = PROMPT_TEXT if text is None else text
     try:
-        tok = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
+        config = _family_config(transformers, model_dir)
+        tok = transformers.AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True,
+                                                         **({"config": config} if config is not None else {}))
     except (OSError, ValueError) as exc:
         raise InputError(f"no usable tokenizer: {exc}", path=str(model_dir), fix="pass --prompt-ids instead")
     out = list(tok(text, add_special_tokens=False)["input_ids"])
@@ -234,7 +253,7 @@ def generate_golden(
     if not bos:
         opts.append("--no-bos")
     golden_cmd = f"ktconvert golden <MODEL_DIR> {_display_path(out, '<OUT_DIR>')} " + " ".join(opts)
-    command = (f"ktconvert tiny-model {tiny} <MODEL_DIR> && " if tiny else "") + golden_cmd
+    command = (f"ktconvert tiny-model {_tiny_args(tiny)} <MODEL_DIR> && " if tiny else "") + golden_cmd
 
     if previous is not None:
         log = list(previous.manifest["regenerations"])

@@ -181,7 +181,8 @@ class KVCache:
 
 
 class Attention(Tagged, nn.Module):
-    """Grouped-query attention (Qwen2-MoE, Qwen3-MoE with per-head q/k norms, Mixtral)."""
+    """Grouped-query attention (Qwen2-MoE, Qwen3-MoE with per-head q/k norms, Mixtral); with partial rotary
+    (GLM-4.5: ``partial_rotary_factor``) rope turns the first ``rope.dim`` dims of each head, the rest pass."""
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
@@ -193,25 +194,36 @@ class Attention(Tagged, nn.Module):
         self.k_proj = nn.Linear(h, nkv * hd, bias="k_proj" in bias)
         self.v_proj = nn.Linear(h, nkv * hd, bias="v_proj" in bias)
         self.o_proj = nn.Linear(nh * hd, h, bias="o_proj" in bias)
-        if cfg.spec.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+        # head scope: one norm of head_dim shared by the heads; projection scope (MiniMax-M2): one norm over the
+        # whole q / k projection, applied before the split into heads
+        self.qk_norm_whole = cfg.spec.section("attention").get("qk_norm_scope") == "projection"
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(nh * hd if self.qk_norm_whole else hd, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(nkv * hd if self.qk_norm_whole else hd, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = RotaryEmbedding(cfg.rope)
+        self.rope_dim = cfg.rope.dim
         self.scaling = hd**-0.5
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = hidden.shape
         shape = (b, t, -1, self.head_dim)
-        q = self.q_proj(hidden).view(shape)
-        k = self.k_proj(hidden).view(shape)
-        if self.q_norm is not None:
+        q, k = self.q_proj(hidden), self.k_proj(hidden)
+        if self.q_norm is not None and self.qk_norm_whole:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.view(shape), k.view(shape)
+        if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(hidden).view(shape).transpose(1, 2)
         cos, sin = self.rotary_emb(v, position_ids)
-        q, k = apply_rope(q, k, cos, sin)
+        if self.rope_dim < self.head_dim:
+            r = self.rope_dim
+            q_rot, k_rot = apply_rope(q[..., :r], k[..., :r], cos, sin)
+            q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        else:
+            q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
         return self.o_proj(attend(q, k, v, self.scaling))
@@ -422,12 +434,21 @@ class SparseMoeBlock(Tagged, nn.Module):
 
 
 class DeepseekMoE(Tagged, nn.Module):
-    """DeepSeek block: ``gate`` (MoEGate) -> ``experts``, plus always-on ``shared_experts``."""
+    """DeepSeek block: ``gate`` (MoEGate) -> ``experts``, plus always-on ``shared_experts``.
+
+    Where the spec puts the score-correction bias on the block (MiniMax-M2's ``block_sparse_moe.e_score_correction_bias``),
+    the block owns it and the gate holds the same tensor unsaved, so the state dict has the checkpoint's name."""
 
     def __init__(self, cfg: MoeConfig):
         super().__init__()
         self.gate = MoEGate(cfg)
-        self.experts = RoutedExperts(GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size) for _ in range(cfg.num_experts))
+        bias = self.gate.e_score_correction_bias
+        if bias is not None and cfg.spec.section("moe").get("score_bias") == "block":
+            self.gate.register_buffer("e_score_correction_bias", bias, persistent=False)
+            self.register_buffer("e_score_correction_bias", bias)
+        self.experts = RoutedExperts(
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names) for _ in range(cfg.num_experts)
+        )
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
         else:

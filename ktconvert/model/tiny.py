@@ -81,12 +81,33 @@ def routing_channels(hidden: int = HIDDEN, experts: int = EXPERTS) -> list[int]:
     return [j * (hidden // experts) for j in range(experts)]
 
 
-def tiny_config(family: str) -> dict:
+def tiny_config(family: str, variant: str | None = None) -> dict:
     """The ``config.json`` dict of a tiny model (a fresh copy): the common keys, then the spec's ``tiny.config``
-    (exactly the keys and values transformers 5.23's save_pretrained writes)."""
+    (exactly the keys and values transformers 5.23's save_pretrained writes), then a ``variant``'s keys (a released
+    configuration of the family in its own spelling: its ``remove`` list dropped, its ``config`` written as given,
+    ``null`` included: Moonlight's ``q_lora_rank: null`` differs from an absent key, which transformers reads as 1536)."""
     if family not in FAMILIES:
         raise UsageProblem(f"unknown family {family!r}", fix=f"choose one of {', '.join(FAMILIES)}")
-    return copy.deepcopy({**_COMMON, **families.spec(family).tiny["config"]})
+    cfg = {**_COMMON, **families.spec(family).tiny["config"]}
+    if variant is not None:
+        known = families.spec(family).tiny.get("variants") or {}
+        if variant not in known:
+            raise UsageProblem(f"no tiny variant {variant!r} of {family}",
+                               fix=f"choose one of {', '.join(known) or '(none: this family has no variants)'}")
+        for key in known[variant].get("remove", ()):
+            cfg.pop(key, None)
+        cfg.update(known[variant]["config"])
+    return copy.deepcopy(cfg)
+
+
+def tiny_name(family: str, variant: str | None = None) -> str:
+    """How golden/tiny-models.yaml and the goldens name a tiny model: ``FAMILY`` or ``FAMILY-VARIANT``."""
+    return family if variant is None else f"{family}-{variant}"
+
+
+#: every (family, variant) pair the specs declare
+TINY_VARIANTS: tuple[tuple[str, str], ...] = tuple(
+    (f, v) for f in FAMILIES for v in (families.spec(f).tiny.get("variants") or {}))
 
 
 def _code_levels(family: str) -> tuple[float, float, float]:
@@ -151,16 +172,18 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
                 if proj in cfg.attention_bias_on:
                     add(f"{a}.{proj}.bias", (rows,), "bias")
             add(f"{a}.o_proj.weight", (h, nh * hd), "out_linear")
-            if cfg.spec.qk_norm:
-                add(f"{a}.q_norm.weight", (hd,), "norm")
-                add(f"{a}.k_norm.weight", (hd,), "norm")
+            if cfg.qk_norm:
+                whole = cfg.spec.section("attention").get("qk_norm_scope") == "projection"
+                add(f"{a}.q_norm.weight", (nh * hd if whole else hd,), "norm")
+                add(f"{a}.k_norm.weight", (nkv * hd if whole else hd,), "norm")
         m = f"{p}.{cfg.moe_block_name}"
         if layer not in cfg.moe_layers:
             mlp(m, cfg.intermediate_size)
             continue
         add(f"{m}.gate.weight", (cfg.num_experts, h), "router")
         if cfg.topk_method == "noaux_tc":
-            add(f"{m}.gate.e_score_correction_bias", (cfg.num_experts,), "score_bias")
+            on_block = cfg.spec.section("moe").get("score_bias") == "block"
+            add(f"{m}.{'' if on_block else 'gate.'}e_score_correction_bias", (cfg.num_experts,), "score_bias")
         for e in range(cfg.num_experts):
             mlp(f"{m}.experts.{e}", cfg.moe_intermediate_size, cfg.expert_proj_names)
         if cfg.shared_expert_intermediate_size:
@@ -219,17 +242,17 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
     return out.astype(np.float32)
 
 
-def tiny_tensors(family: str) -> dict[str, np.ndarray]:
-    """All weights of the tiny ``family`` model as float32 numpy arrays, by checkpoint name."""
-    raw = tiny_config(family)
+def tiny_tensors(family: str, variant: str | None = None) -> dict[str, np.ndarray]:
+    """All weights of the tiny ``family`` model (or its ``variant``) as float32 numpy arrays, by checkpoint name."""
+    raw = tiny_config(family, variant)
     cfg = normalize_config(raw)
     return {spec.name: _fill(family, cfg, spec) for spec in tensor_specs(cfg)}
 
 
-def tiny_files(family: str) -> dict[str, bytes]:
+def tiny_files(family: str, variant: str | None = None) -> dict[str, bytes]:
     """The files of the tiny checkpoint: ``config.json``, ``model.safetensors`` and the tokenizer."""
-    files = {"config.json": (json.dumps(tiny_config(family), indent=2, sort_keys=True) + "\n").encode("utf-8")}
-    files["model.safetensors"] = to_bytes(tiny_tensors(family), {"format": "pt"})
+    files = {"config.json": (json.dumps(tiny_config(family, variant), indent=2, sort_keys=True) + "\n").encode("utf-8")}
+    files["model.safetensors"] = to_bytes(tiny_tensors(family, variant), {"format": "pt"})
     for name, text in tokenizer_files(VOCAB).items():
         files[name] = text.encode("utf-8")
     return files
@@ -285,7 +308,7 @@ def tiny_fp8_files(family: str) -> dict[str, bytes]:
 
 
 def write_tiny_model(family: str, out_dir: str | os.PathLike, *, force: bool = False,
-                     fp8: bool = False, quant: str | None = None) -> dict[str, str]:
+                     fp8: bool = False, quant: str | None = None, variant: str | None = None) -> dict[str, str]:
     """Write the tiny checkpoint into ``out_dir`` (atomically: a sibling temp dir renamed into place); with
     ``fp8`` its FP8 block-scaled variant (:func:`tiny_fp8_files`), with ``quant`` a release format
     (:mod:`ktconvert.model.tiny_release`).
@@ -294,12 +317,14 @@ def write_tiny_model(family: str, out_dir: str | os.PathLike, *, force: bool = F
     """
     out = Path(out_dir)
     guard_output(out, force=force)
+    if (fp8 or quant is not None) and variant is not None:
+        raise UsageProblem("--fp8/--quant and --variant do not combine", fix="ask for one of them")
     if quant is not None:
         from ktconvert.model.tiny_release import tiny_release_files  # builds on this module
 
         files = tiny_release_files(family, quant)
     else:
-        files = tiny_fp8_files(family) if fp8 else tiny_files(family)
+        files = tiny_fp8_files(family) if fp8 else tiny_files(family, variant)
     with atomic_dir(out, force=force) as tmp:
         for name, data in files.items():
             (tmp / name).write_bytes(data)

@@ -159,7 +159,7 @@ def _attention(layer: Node, sp, mc, pre: str) -> None:
         return
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         attn.add(name, "Linear")
-    if sp.qk_norm:
+    if mc.qk_norm:
         attn.add("q_norm", f"{pre}RMSNorm")
         attn.add("k_norm", f"{pre}RMSNorm")
     attn.add("rotary_emb", f"{pre}RotaryEmbedding")
