@@ -29,7 +29,8 @@ def _junit_cases(path):
 
 def test_shipped_suite_covers_families_types_and_backends():
     suite = load_suite(default_suite_path())
-    assert {c.family for c in suite.cases} == {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3"}
+    assert {c.family for c in suite.cases} == {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3",
+                                                 "gpt_oss"}
     assert {c.conversion for c in suite.cases} == {"type:F32", "type:BF16", "type:Q8_0", "recipe:Q4_K_M", "type:Q6_K",
                                                    "kt-amx:type:AMXINT8", "kt-amx:type:AMXINT4"}
     assert {c.rules.name for c in suite.cases} >= {"qwen3_moe.yaml", "qwen3_moe-serve.yaml", "deepseek_v3-serve.yaml"}
@@ -50,10 +51,10 @@ def test_unmodified_tree_passes_the_whole_gate(tmp_path):
     from ktconvert.kernel import probe_kernel
 
     junit = tmp_path / "gate.xml"
-    expect = 39  # 31 emulated cases + 8 through the real kt-kernel (6 GGUF via LLAMAFILE, 2 kt-amx via AMX)
+    expect = 41  # 33 emulated cases + 8 through the real kt-kernel (6 GGUF via LLAMAFILE, 2 kt-amx via AMX)
     extra = []
     if not probe_kernel()["available"]:  # the kernel cases need kt-kernel; the rest of the gate still runs
-        extra, expect = [_suite_without_kernel_cases(tmp_path)], 31
+        extra, expect = [_suite_without_kernel_cases(tmp_path)], 33
     r = run("gate", *extra, "--jobs", "2", "--junit", junit)
     assert r.exit_code == 0, r.output
     assert f"{expect}/{expect} cases passed" in r.output and "gate green" in r.output
