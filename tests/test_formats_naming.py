@@ -10,7 +10,7 @@ from ktconvert.io import resources
 from ktconvert.errors import InputError
 from ktconvert.formats import guess_arch, load_naming_map, naming_map, naming_maps, open_checkpoint, to_gguf_name, to_hf_name
 
-ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama", "glm4moe", "minimax-m2")
+ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama", "glm4moe", "minimax-m2", "gpt-oss")
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,7 @@ def root(tmp_path_factory):
 
 def test_shipped_maps_load_through_the_package_data_locator():
     files = sorted(p.name for p in (resources.rules_dir() / "naming").glob("*.yaml"))
-    assert files == sorted(f"{a}.yaml" for a in ARCHES)
+    assert files == sorted(f"{a.replace('-', '_')}.yaml" for a in ARCHES)  # file names take _ for -
     assert set(naming_maps()) == set(ARCHES)
     assert resources.load_schema("naming-map")["$schema"] == "https://json-schema.org/draft/2020-12/schema"
     for model_type, (_, _, arch, _) in FAMILIES.items():

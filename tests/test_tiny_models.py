@@ -157,7 +157,7 @@ def test_expert_rows_are_multiples_of_256(family):
     cfg = normalize_config(tiny_config(family))
     assert cfg.hidden_size % 256 == 0 and cfg.moe_intermediate_size % 256 == 0
     experts = [s for s in tensor_specs(cfg) if ".experts." in s.name]
-    assert experts and all(s.shape[1] % 256 == 0 for s in experts)
+    assert experts and all(s.shape[-1] % 256 == 0 for s in experts)  # rows of weights; biases are one row
     assert len(cfg.moe_layers) >= 2
 
 
@@ -237,7 +237,7 @@ def _routing(model, ids):
     candidate in the space the selection is made in (logits, or V3's biased sigmoid scores)."""
     import torch
 
-    from ktconvert.model.modules import MoEGate, RoutedExperts, TopKRouter
+    from ktconvert.model.modules import LogitsRouter, MoEGate, RoutedExperts, TopKRouter
 
     picks, gaps = [], []
 
@@ -256,7 +256,7 @@ def _routing(model, ids):
         gaps.append(float((top[:, k - 1] - top[:, k]).min()))
 
     hooks = [m.register_forward_hook(on_experts) for m in model.modules() if isinstance(m, RoutedExperts)]
-    hooks += [m.register_forward_hook(on_gate) for m in model.modules() if isinstance(m, (MoEGate, TopKRouter))]
+    hooks += [m.register_forward_hook(on_gate) for m in model.modules() if isinstance(m, (MoEGate, TopKRouter, LogitsRouter))]
     try:
         with torch.no_grad():
             model(torch.as_tensor(ids).reshape(1, -1))

@@ -48,7 +48,8 @@ def _expert_segments(item, e: int, rows: int) -> tuple[Segment, ...]:
             out.append(Segment(a - lo, b - a, s.source, "rows", src_row=s.src_row + shift, scale=s.scale,
                                block=s.block, fmt=s.fmt, lora=s.lora))
         elif s.op == "transpose":
-            out.append(Segment(a - lo, b - a, s.source, "transpose", expert=s.expert, src_col=s.src_col + shift))
+            out.append(Segment(a - lo, b - a, s.source, "transpose", expert=s.expert,
+                               src_col=s.src_col + shift * (s.col_step or 1), col_step=s.col_step))
         elif s.op == "kt-amx":  # a kt-amx input: dequantized, then packed again (for another part count)
             out.append(Segment(a - lo, b - a, s.source, "kt-amx", src_row=s.src_row + shift, parts=s.parts,
                                method=s.method))

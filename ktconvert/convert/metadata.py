@@ -81,6 +81,10 @@ _ARCH_KEYS = {
         ExpertGatingFuncType.SIGMOID if c.scoring_func == "sigmoid" else ExpertGatingFuncType.SOFTMAX),
     "expert_group_count": lambda w, c, n: _if(c.n_group, lambda: w.add_expert_group_count(c.n_group)),
     "expert_group_used_count": lambda w, c, n: _if(c.topk_group, lambda: w.add_expert_group_used_count(c.topk_group)),
+    # the window and which layers use it (llama.cpp reads the per-layer pattern before its architecture default)
+    "sliding_window": lambda w, c, n: _if(c.sliding_window, lambda: (
+        w.add_sliding_window(c.sliding_window),
+        w.add_sliding_window_pattern([i in c.sliding_layers for i in range(n)]))),
     # llama.cpp divides by 0.1 again
     "rope_scaling_yarn_log_mul": lambda w, c, n: _if(
         c.rope.kind == "yarn" and c.rope.mscale_all_dim, lambda: w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)),

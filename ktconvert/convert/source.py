@@ -10,6 +10,9 @@ deliberately small, and every layout reduces to it:
 * ``permute``: output rows are the source rows reordered within attention heads (llama.cpp's rope layout for
   llama-arch q/k, the permutation ``convert_hf_to_gguf`` applies).
 
+A ``rows`` or ``transpose`` segment with ``col_step`` takes every ``col_step``-th source column from ``src_col``
+(gpt-oss' interleaved gate/up halves of a fused expert tensor and of its bias).
+
 Nothing here reads tensor data; everything comes from headers, ``config.json`` and the naming maps, so a bad
 input fails here, before any output exists.
 """
@@ -55,9 +58,12 @@ class Segment:
     parts: int = 0  # kt-amx: the expert projection's part count (``source`` names part 0's weight)
     method: str = ""  # kt-amx: AMXINT8 / AMXINT4
     lora: tuple = ()  # (A file, A name, A index or -1, B file, B name, B index or -1, alpha/r): + scale * B[rows] @ A
+    col_step: int = 0  # rows/transpose: every col_step-th source column from src_col (0: contiguous)
 
     def to_dict(self) -> dict:
         d = {"rows": [self.start, self.start + self.rows], "source": self.source, "op": self.op}
+        if self.col_step:
+            d.update(source_col=self.src_col, col_step=self.col_step)
         if self.op == "kt-amx":
             d.update(parts=self.parts, method=self.method, source_rows=[self.src_row, self.src_row + self.rows])
         elif self.op == "rows":
@@ -98,8 +104,9 @@ class Item:
 
     @property
     def reshaped(self) -> bool:
-        """Whether rows are reordered (transpose/permute): then bytes cannot be copied block for block."""
-        return any(s.op != "rows" for s in self.segments)
+        """Whether rows are reordered (transpose/permute) or columns picked: then bytes cannot be copied block for
+        block."""
+        return any(s.op != "rows" or s.col_step for s in self.segments)
 
 
 @dataclass
@@ -170,9 +177,20 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     cfg = _heads(cfg_dict, ck) if hf and families.permutes_qk(report.arch) else None
 
     items: list[Item] = []
+    interleaved = (families.find(model_type) is not None
+                   and families.find(model_type).section("moe").get("gate_up") == "interleaved")
+    split_biases: dict[str, list[tuple[int, str]]] = {}
     for name, m in report.matches.items():
         if m.group in ("experts", "expert_scales"):
             continue
+        if m.group == "expert_biases" and m.side == "hf" and not (m.layer is not None and n_layers is not None
+                                                                  and m.layer >= n_layers):
+            if m.layout == "hf-split":  # one [rows] bias per expert: stacked like the weights
+                split_biases.setdefault(m.gguf_name, []).append((m.expert, name))
+                continue
+            if m.projection == "gate_up":
+                items.extend(_gate_up_bias_items(name, m, nm, ck, interleaved, shown))
+                continue
         if m.layer is not None and n_layers is not None and m.layer >= n_layers:
             skipped.append(name)
             continue
@@ -216,12 +234,18 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
         raise InputError("no naming map knows this tensor, so it has no llama.cpp name", path=shown,
                          where=f"tensor {name}",
                          fix=f"add it to rules/naming/{report.arch}.yaml, or remove it from the checkpoint")
+    for gname, parts in split_biases.items():
+        parts.sort()
+        first = ck[parts[0][1]]
+        m0 = report.matches[parts[0][1]]
+        items.append(Item(gname, m0.hf_name, (len(parts), *first.shape), tuple(Segment(e, 1, n) for e, n in parts),
+                          first.dtype, "expert_biases", m0.layer, m0.projection))
     for ly in report.layers:
         if ly.layout is None or (n_layers is not None and ly.layer >= n_layers):
             if ly.layout is not None:
                 skipped.extend(t for p in ly.projections.values() for t in p.tensors)
             continue
-        items.extend(_expert_items(ly, report, nm, ck, shown))
+        items.extend(_expert_items(ly, report, nm, ck, shown, interleaved))
     if kt and not any(it.group != "experts" for it in items):
         notes.append("the kt-amx input holds only routed experts (kt-kernel takes everything else from the original "
                      "checkpoint): the output has no attention, router, norm or embedding weights")
@@ -278,7 +302,24 @@ def _heads(cfg: dict | None, ck: Checkpoint) -> tuple[int, int]:
     return n, kv if type(kv) is int and kv > 0 else n
 
 
-def _expert_items(ly, report: LayoutReport, nm: NamingMap, ck: Checkpoint, shown: str) -> list[Item]:
+def _gate_up_bias_items(name: str, m, nm: NamingMap, ck: Checkpoint, interleaved: bool, shown: str) -> list[Item]:
+    """A fused ``gate_up_proj_bias [E, 2I]`` as llama.cpp's gate and up biases ``[E, I]``: even/odd columns
+    (interleaved) or the two halves."""
+    shape = ck[name].shape
+    if len(shape) != 2 or shape[1] % 2:
+        raise InputError(f"a fused gate/up bias must be [E, 2I], got {list(shape)}", path=shown, where=f"tensor {name}",
+                         fix="check the checkpoint's expert biases")
+    e, i = shape[0], shape[1] // 2
+    out = []
+    for k, p in enumerate(("gate", "up")):
+        seg = Segment(0, e, name, src_col=k if interleaved else k * i, col_step=2 if interleaved else 1)
+        out.append(Item(nm.expert_name("gguf-merged", p, m.layer, bias=True), nm.expert_name("hf-split", p, m.layer, expert="*", bias=True),
+                        (e, i), (seg,), ck[name].dtype, "expert_biases", m.layer, p))
+    return out
+
+
+def _expert_items(ly, report: LayoutReport, nm: NamingMap, ck: Checkpoint, shown: str,
+                  interleaved: bool = False) -> list[Item]:
     L, E, I, H = ly.layer, ly.n_experts, ly.intermediate, ly.hidden
     out: list[Item] = []
     if ly.layout == "kt-amx":
@@ -307,9 +348,15 @@ def _expert_items(ly, report: LayoutReport, nm: NamingMap, ck: Checkpoint, shown
         gu = projs["gate_up"].tensors[0]
         shape = ck[gu].shape
         transposed = ly.layout == "hf-fused" and ly.orientation == "[E,H,2I]"
+        if interleaved and not transposed:
+            raise InputError(f"interleaved gate/up experts stored {ly.orientation}; only [E, H, 2I] (as transformers "
+                             "saves them) can be split", path=shown, where=f"tensor {gu}",
+                             fix="save the checkpoint with transformers")
         for k, p in enumerate(("gate", "up")):
             gname, hname = names(p)
-            if transposed:  # [E, H, 2I]: expert e's gate rows are columns 0..I of its slab, up rows I..2I
+            if interleaved:  # [E, H, 2I], gate at even columns and up at odd ones (gpt-oss)
+                segs = tuple(Segment(e * I, I, gu, op="transpose", expert=e, src_col=k, col_step=2) for e in range(E))
+            elif transposed:  # [E, H, 2I]: expert e's gate rows are columns 0..I of its slab, up rows I..2I
                 segs = tuple(Segment(e * I, I, gu, op="transpose", expert=e, src_col=k * I) for e in range(E))
             else:  # [E, 2I, H]: gate rows first, then up rows, per expert
                 segs = tuple(Segment(e * I, I, gu, src_row=e * shape[1] + k * I) for e in range(E))
@@ -352,7 +399,7 @@ def _check_config(items: list[Item], report: LayoutReport, shown: str) -> None:
             want = f"[vocab, {H}]"
         elif base in ("attn_norm", "ffn_norm", "output_norm") and it.shape != (H,):
             want = f"[{H}]"
-        elif base == "ffn_gate_inp" and E and it.shape != (E, H):
+        elif base == "ffn_gate_inp" and it.name.endswith(".weight") and E and it.shape != (E, H):
             want = f"[{E}, {H}]"
         if want:
             raise InputError(f"{it.name} is {list(it.shape)} but {dims.source} says {want}", path=shown,

@@ -314,6 +314,11 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
                 head, rem = np.divmod(np.arange(i, i + n), 2 * half)
                 idx = head * 2 * half + (rem % 2) * half + rem // 2
                 x[pos: pos + n] = quantized.read_row_ids(ck, w, idx)
+        elif s.op == "rows" and s.col_step:  # every col_step-th column from src_col (an interleaved bias)
+            src = _rows2d(ck, s.source)
+            cols = s.src_col + np.arange(n_out) * s.col_step
+            x[pos: pos + n] = _decode(src[s.src_row + i: s.src_row + i + n][:, cols], dtype)
+            del src
         elif s.op == "rows":
             src = _rows2d(ck, s.source)
             _decode_into(x[pos: pos + n], src[s.src_row + i: s.src_row + i + n], dtype)
@@ -326,7 +331,8 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
                 part = dequant_rows(ck, s, i, n)
             elif s.op == "transpose":
                 slab = ck.read(s.source)[s.expert]
-                part = _decode(slab[:, s.src_col + i: s.src_col + i + n], dtype).T
+                step = s.col_step or 1
+                part = _decode(slab[:, s.src_col + i * step: s.src_col + (i + n) * step: step], dtype).T
             else:  # permute: llama.cpp's rope row order within each head (convert_hf_to_gguf's LlamaModel.permute)
                 src = _rows2d(ck, s.source)
                 half = s.rows // s.heads // 2
@@ -348,8 +354,8 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
         r, c = (int(v) for v in np.argwhere(~np.isfinite(x))[0])
         s, i, n, pos, idx = next(p for p in placed if p[3] <= r < p[3] + p[2])
         k = i + r - pos
-        at = {"rows": lambda: f"row {s.src_row + k}, column {c}",
-              "transpose": lambda: f"expert {s.expert}, row {c}, column {s.src_col + k}",
+        at = {"rows": lambda: f"row {s.src_row + k}, column {s.src_col + c * s.col_step if s.col_step else c}",
+              "transpose": lambda: f"expert {s.expert}, row {c}, column {s.src_col + k * (s.col_step or 1)}",
               "kt-amx": lambda: f"row {s.src_row + k}, column {c} (dequantized)",
               "permute": lambda: f"row {int(idx[r - pos])}, column {c}"}[s.op]()
         raise InputError(f"non-finite value {x[r, c]} at {at}", path=None, where=f"tensor {s.source}",

@@ -79,6 +79,12 @@ class MoeConfig:
     v_head_dim: int | None = None
     rope_interleave: bool = True
     qk_norm: bool = False  # per-head q/k RMSNorm (the spec's qk_norm, or its qk_norm_key config switch)
+    # sliding-window attention where a spec models it: the window and the layers that use it
+    sliding_window: int | None = None
+    sliding_layers: tuple[int, ...] = ()
+    # the experts' clamped SwiGLU (a spec's moe.activation), None for plain silu(gate) * up
+    swiglu_alpha: float | None = None
+    swiglu_limit: float | None = None
     bos_token_id: int | None = None
     eos_token_id: Any = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -211,7 +217,15 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     if cfg_facts.get("refuse_mlp_bias") and g.opt("mlp_bias", False):
         raise InputError("mlp_bias=true is not supported", path=path, where="mlp_bias")
 
-    _check_sliding_window(raw, cfg_facts["sliding_window"], path)
+    window, sliding = _sliding_window(raw, cfg_facts["sliding_window"], layers, path)
+    act = sp.section("moe").get("activation")
+    if act:
+        kwargs_act = dict(swiglu_alpha=float(_choice(g, act["alpha"])), swiglu_limit=float(_choice(g, act["limit"])))
+        if kwargs_act["swiglu_limit"] <= 0:
+            raise InputError(f"swiglu_limit must be positive, got {kwargs_act['swiglu_limit']}", path=path,
+                             where=act["limit"].get("key", "swiglu_limit"))
+    else:
+        kwargs_act = {}
 
     kwargs: dict[str, Any] = {}
     qk_key = attn_facts.get("qk_norm_key")
@@ -264,8 +278,11 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         qk_norm=qk_norm,
         bos_token_id=g.opt("bos_token_id"),
         eos_token_id=g.opt("eos_token_id"),
+        sliding_window=window,
+        sliding_layers=sliding,
         raw=dict(raw),
         **kwargs,
+        **kwargs_act,
     )
 
 
@@ -316,6 +333,24 @@ def _rotary_dim(raw: dict, head_dim: int, default: float, path: str | None) -> i
 def _choice(g: "_Getter", choice: dict) -> Any:
     """A spec ``choice``: a fixed value or a config key with its default."""
     return choice["fixed"] if "fixed" in choice else g.opt(choice["key"], choice["default"])
+
+
+def _sliding_window(raw: dict, rule: str, layers: int, path: str | None) -> tuple[int | None, tuple[int, ...]]:
+    """``(window, sliding layers)`` where the spec models the window per layer (``layer_types``); elsewhere the
+    window is not modelled and a config where it would change results is refused."""
+    if rule != "layer_types":
+        _check_sliding_window(raw, rule, path)
+        return None, ()
+    window, types = raw.get("sliding_window"), raw.get("layer_types")
+    if not window:
+        return None, ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InputError(f"sliding_window must be a positive integer, got {window!r}", path=path, where="sliding_window")
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+        raise InputError(f"layer_types must list {layers} entries of {' / '.join(kinds)}, got {types!r}", path=path,
+                         where="layer_types", fix="write the layer_types transformers saves for this model")
+    return int(window), tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
 def _check_sliding_window(raw: dict, rule: str, path: str | None) -> None:

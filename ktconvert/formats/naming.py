@@ -115,6 +115,7 @@ class NamingMap:
         )
         self.experts: dict[str, dict[str, tuple[str, ...]]] = _forms(data["experts"])
         self.expert_scales: dict[str, dict[str, tuple[str, ...]]] = _forms(data.get("expert_scales", {}))
+        self.expert_biases: dict[str, dict[str, tuple[str, ...]]] = _forms(data.get("expert_biases", {}))
         self._index: dict[str, list[_Slot]] = {}
         self._build_index()
 
@@ -144,7 +145,8 @@ class NamingMap:
             self._add(_Slot(e.gguf, _key_of_template(e.gguf)[1], "gguf", e.group, entry=e))
             for h in e.hf:
                 self._add(_Slot(h, _key_of_template(h)[1], "hf", e.group, entry=e))
-        for group, table in (("experts", self.experts), ("expert_scales", self.expert_scales)):
+        for group, table in (("experts", self.experts), ("expert_scales", self.expert_scales),
+                             ("expert_biases", self.expert_biases)):
             for proj, forms in table.items():
                 for layout, templates in forms.items():
                     for t in templates:
@@ -190,8 +192,8 @@ class NamingMap:
                 hf_name=_render(e.hf[0], L=L),
                 derived=e.derived,
             )
-        weights = self.experts.get(slot.projection, {})
-        gguf_t = weights.get("gguf-merged") if slot.group == "experts" or slot.layout == "kt-amx" else None
+        weights = (self.expert_biases if slot.group == "expert_biases" else self.experts).get(slot.projection, {})
+        gguf_t = weights.get("gguf-merged") if slot.group in ("experts", "expert_biases") or slot.layout == "kt-amx" else None
         if slot.layout == "kt-amx":  # weight and scale blobs both derive from the expert's HF weight
             hf_t = weights.get("hf-split")
         elif slot.group == "expert_scales":  # an FP8 scale is its own HF tensor
@@ -225,10 +227,11 @@ class NamingMap:
 
     def expert_name(
         self, layout: str, projection: str, layer: int, expert: int | None = None, numa: int | None = None,
-        scale: bool = False,
+        scale: bool = False, bias: bool = False,
     ) -> str | None:
-        """Render the canonical name of an expert tensor in ``layout``; ``None`` if the map has no such form."""
-        table = self.expert_scales if scale else self.experts
+        """Render the canonical name of an expert tensor (its scale, its bias) in ``layout``; ``None`` if the map
+        has no such form."""
+        table = self.expert_scales if scale else self.expert_biases if bias else self.experts
         templates = table.get(projection, {}).get(layout)
         if not templates:
             return None

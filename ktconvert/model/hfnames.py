@@ -24,9 +24,10 @@ ROLES = (
     "experts",
 )
 
-def classes_module(family: str) -> str:
-    """ktransformers keeps its own copies of the modeling files (DeepSeek-V2's is named modeling_deepseek)."""
-    return families.spec(family).section("classes")["ktransformers_module"]
+def classes_module(family: str) -> str | None:
+    """ktransformers keeps its own copies of the modeling files (DeepSeek-V2's is named modeling_deepseek);
+    ``None`` for a family it has none for."""
+    return families.spec(family).section("classes").get("ktransformers_module")
 
 
 def _tf_module(family: str) -> str:
@@ -35,6 +36,11 @@ def _tf_module(family: str) -> str:
 
 def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """(upstream ktransformers / remote-code class names, transformers 5 class names) for a role."""
+    kt, tf = _all_names(family, role, yarn=yarn, expert=expert)
+    return (kt if classes_module(family) else ()), tf
+
+
+def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     sp = families.spec(family)
     classes = sp.section("classes")
     p = sp.prefix
@@ -58,15 +64,19 @@ def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[s
         return (p + "MLP",), (() if expert else (p + "MLP",))
     if role == "moe_block":
         if "moe_block" in classes:
-            return (classes["moe_block"]["ktransformers"],), (classes["moe_block"]["transformers"],)
+            return _pair(classes["moe_block"])
         return (p + "SparseMoeBlock",), (p + "SparseMoeBlock",)
     if role == "gate":
         if "gate" in classes:
-            return (classes["gate"]["ktransformers"],), (classes["gate"]["transformers"],)
+            return _pair(classes["gate"])
         return (), (p + "TopKRouter",)  # upstream: a plain torch.nn.Linear
     if role == "experts":
         return (), (p + "Experts",)  # upstream: a plain torch.nn.ModuleList
     raise ValueError(f"unknown role {role!r}")
+
+
+def _pair(pair: dict) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    return ((pair["ktransformers"],) if "ktransformers" in pair else ()), (pair["transformers"],)
 
 
 def class_names(family: str, role: str, *, yarn: bool = False, expert: bool = False) -> tuple[str, tuple[str, ...]]:
@@ -79,5 +89,5 @@ def class_names(family: str, role: str, *, yarn: bool = False, expert: bool = Fa
     """
     kt, tf = _names(family, role, yarn=yarn, expert=expert)
     paths = tuple(f"{classes_module(family)}.{n}" for n in kt) + tuple(f"{_tf_module(family)}.{n}" for n in tf)
-    primary = kt[0] if kt else tf[0]
+    primary = kt[0] if kt else (tf[0] if tf else None)
     return primary, paths

@@ -145,19 +145,33 @@ def apply_rope_complex(q, k, freqs_cis):
     return rotate(q), rotate(k)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Eager causal attention. ``q [B, h, T, d]`` are the last T positions of keys ``[B, kv, S, d]``."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *, window: int | None = None,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """Eager causal attention. ``q [B, h, T, d]`` are the last T positions of keys ``[B, kv, S, d]``.
+
+    ``window``: a query sees only the last ``window`` positions (itself included), as transformers' sliding
+    mask and llama.cpp's standard SWA. ``sinks [h]``: one extra logit per head joins the softmax and is dropped
+    after it, so the weights of the real keys sum to less than one (gpt-oss; max-subtracted as transformers).
+    """
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
         v = v.repeat_interleave(groups, dim=1)
     w = torch.matmul(q, k.transpose(2, 3)) * scaling
     t, s = q.shape[2], k.shape[2]
-    if t > 1:
-        qpos = torch.arange(t, device=q.device) + (s - t)
-        future = torch.arange(s, device=q.device)[None, :] > qpos[:, None]
-        w = w.masked_fill(future, float("-inf"))
-    w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
+    qpos = torch.arange(t, device=q.device) + (s - t)
+    kpos = torch.arange(s, device=q.device)[None, :]
+    hidden = kpos > qpos[:, None]
+    if window is not None:
+        hidden = hidden | (qpos[:, None] - kpos >= window)
+    if hidden.any():
+        w = w.masked_fill(hidden, float("-inf"))
+    if sinks is not None:
+        w = torch.cat([w, sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, t, 1).to(w.dtype)], dim=-1)
+        w = w - w.max(dim=-1, keepdim=True).values
+        w = F.softmax(w, dim=-1, dtype=w.dtype)[..., :-1].to(q.dtype)
+    else:
+        w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(w, v).transpose(1, 2).contiguous()
     return out.reshape(out.shape[0], out.shape[1], -1)
 
@@ -205,6 +219,11 @@ class Attention(Tagged, nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.rope)
         self.rope_dim = cfg.rope.dim
         self.scaling = hd**-0.5
+        self.window = cfg.sliding_window if layer_idx in cfg.sliding_layers else None
+        if cfg.spec.section("attention").get("sinks"):
+            self.sinks = nn.Parameter(torch.zeros(nh))
+        else:
+            self.sinks = None
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = hidden.shape
@@ -226,7 +245,7 @@ class Attention(Tagged, nn.Module):
             q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        return self.o_proj(attend(q, k, v, self.scaling))
+        return self.o_proj(attend(q, k, v, self.scaling, window=self.window, sinks=self.sinks))
 
 
 class MLAttention(Tagged, nn.Module):
@@ -286,19 +305,34 @@ class MLAttention(Tagged, nn.Module):
 
 
 class GatedMLP(Tagged, nn.Module):
-    """``down(silu(gate(x)) * up(x))``; projection names are configurable (Mixtral experts: w1, w3, w2)."""
+    """``down(silu(gate(x)) * up(x))``; projection names are configurable (Mixtral experts: w1, w3, w2).
 
-    def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")):
+    ``bias``: every projection has one; ``clamp`` ``(alpha, limit)``: the clamped SwiGLU of gpt-oss,
+    ``down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g))`` with ``g = min(gate, limit)``.
+    """
+
+    def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
+                 *, bias: bool = False, clamp: tuple[float, float] | None = None):
         super().__init__()
         self._names = names
-        setattr(self, names[0], nn.Linear(hidden, intermediate, bias=False))
-        setattr(self, names[1], nn.Linear(hidden, intermediate, bias=False))
-        setattr(self, names[2], nn.Linear(intermediate, hidden, bias=False))
+        setattr(self, names[0], nn.Linear(hidden, intermediate, bias=bias))
+        setattr(self, names[1], nn.Linear(hidden, intermediate, bias=bias))
+        setattr(self, names[2], nn.Linear(intermediate, hidden, bias=bias))
         self.act_fn = nn.SiLU()  # a module, as in HF (ACT2FN): rule regexes see `...mlp.act_fn` upstream too
+        self.clamp = clamp
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
+        if self.clamp is not None:
+            return down(swiglu_clamped(gate(x), up(x), *self.clamp))
         return down(self.act_fn(gate(x)) * up(x))
+
+
+def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: float) -> torch.Tensor:
+    """gpt-oss' activation: the gate clamped above at ``limit``, up clamped to +-``limit`` and shifted by one."""
+    gate = gate.clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
 class RoutedExperts(Tagged, nn.ModuleList):
@@ -323,6 +357,19 @@ class RoutedExperts(Tagged, nn.ModuleList):
 
 class TopKRouter(Tagged, nn.Linear):
     """Qwen/Mixtral router: an ``nn.Linear`` producing logits, as upstream (top-k happens in the block)."""
+
+
+class LogitsRouter(Tagged, nn.Module):
+    """A router that is no ``nn.Linear`` upstream (transformers' gpt-oss ``GptOssTopKRouter``: weight and bias
+    of its own), so a rule matching ``torch.nn.Linear`` selects it here exactly as there: never."""
+
+    def __init__(self, hidden: int, experts: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(experts, hidden))
+        self.bias = nn.Parameter(torch.zeros(experts)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
 
 
 def softmax_topk(logits: torch.Tensor, k: int, normalize: bool, cast_back: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -402,17 +449,31 @@ class MoEGate(Tagged, nn.Module):
         return ids, weights
 
 
+def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """gpt-oss top-k: the k largest logits, then a softmax over those k only (in the logits' dtype)."""
+    top, ids = torch.topk(logits, k, dim=-1)
+    return ids, F.softmax(top, dim=1, dtype=top.dtype)
+
+
 class SparseMoeBlock(Tagged, nn.Module):
-    """Qwen2-MoE / Qwen3-MoE / Mixtral block: ``gate`` (logits), top-k, ``experts``, Qwen2's gated shared expert."""
+    """Qwen2-MoE / Qwen3-MoE / Mixtral / gpt-oss block: router (logits; ``gate`` unless the spec names it),
+    top-k, ``experts``, Qwen2's gated shared expert."""
 
     def __init__(self, cfg: MoeConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob
+        moe = cfg.spec.section("moe")
+        self.weights_kind = cfg.spec.section("routing")["weights"]
         self.cast_back = not cfg.spec.section("routing")["float32_weights"]
-        self.gate = TopKRouter(cfg.hidden_size, cfg.num_experts, bias=False)
+        self.router_attr = moe.get("router", "gate")
+        # ktransformers' families route with an nn.Linear; a family it lacks keeps transformers' plain module
+        router = TopKRouter if cfg.spec.section("classes").get("ktransformers_module") else LogitsRouter
+        setattr(self, self.router_attr, router(cfg.hidden_size, cfg.num_experts, bias=bool(moe.get("router_bias"))))
+        clamp = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit is not None else None
         self.experts = RoutedExperts(
-            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names) for _ in range(cfg.num_experts)
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names,
+                     bias=bool(moe.get("expert_bias")), clamp=clamp) for _ in range(cfg.num_experts)
         )
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
@@ -420,13 +481,20 @@ class SparseMoeBlock(Tagged, nn.Module):
         else:
             self.shared_expert = self.shared_expert_gate = None
 
+    @property
+    def router_module(self) -> nn.Module:
+        """The router, whatever its attribute name (``gate`` / ``router``)."""
+        return getattr(self, self.router_attr)
+
     def route(self, router_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.weights_kind == "topk_softmax":
+            return topk_softmax(router_logits, self.top_k)
         return softmax_topk(router_logits, self.top_k, self.normalize, self.cast_back)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         b, t, h = hidden.shape
         x = hidden.reshape(-1, h)
-        ids, weights = self.route(self.gate(x))
+        ids, weights = self.route(self.router_module(x))
         out = self.experts(x, ids, weights)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)

@@ -62,8 +62,8 @@ class DecoderLayer(Tagged, nn.Module):
         if layer_idx in cfg.moe_layers:
             # the spec's routing maths picks the block (DeepSeek's grouped routing with shared experts, or
             # softmax top-k), independently of the attention kind
-            softmax_topk = cfg.spec.section("routing")["weights"] == "softmax_topk"
-            block: nn.Module = SparseMoeBlock(cfg) if softmax_topk else DeepseekMoE(cfg)
+            logits_router = cfg.spec.section("routing")["weights"] in ("softmax_topk", "topk_softmax")
+            block: nn.Module = SparseMoeBlock(cfg) if logits_router else DeepseekMoE(cfg)
         else:
             block = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.moe_attr = cfg.moe_block_name
@@ -143,7 +143,7 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
             _tag(block, fam, "mlp")
             continue
         _tag(block, fam, "moe_block")
-        _tag(block.gate, fam, "gate")
+        _tag(getattr(block, "router_module", None) or block.gate, fam, "gate")
         _tag(block.experts, fam, "experts")
         for expert in block.experts:
             _tag(expert, fam, "mlp", expert=True)

@@ -114,6 +114,11 @@ def _code_levels(family: str) -> tuple[float, float, float]:
     return tuple(families.spec(family).tiny.get("code_levels", CODE_LEVELS_DEFAULT))
 
 
+def _expert_gain(family: str) -> float:
+    """A spec's tiny.expert_gain widens the experts' gate/up outputs (so a clamped activation clamps)."""
+    return families.spec(family).tiny.get("expert_gain", 1.0)
+
+
 def _router_gain(family: str) -> float:
     return families.spec(family).tiny.get("router_gain", ROUTER_GAIN_DEFAULT)
 
@@ -127,7 +132,7 @@ def _fp8_variant(family: str) -> tuple[tuple[int, int], str] | None:
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    kind: str  # embed, norm, linear, out_linear, bias, router, score_bias, head
+    kind: str  # embed, norm, linear, out_linear, bias, out_bias, sink, router, score_bias, head
 
 
 def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
@@ -141,10 +146,14 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
     def add(name: str, shape: tuple[int, ...], kind: str) -> None:
         specs.append(TensorSpec(name, tuple(shape), kind))
 
-    def mlp(prefix: str, inter: int, names=("gate_proj", "up_proj", "down_proj")) -> None:
+    def mlp(prefix: str, inter: int, names=("gate_proj", "up_proj", "down_proj"), bias: bool = False) -> None:
         add(f"{prefix}.{names[0]}.weight", (inter, h), "linear")
         add(f"{prefix}.{names[1]}.weight", (inter, h), "linear")
         add(f"{prefix}.{names[2]}.weight", (h, inter), "out_linear")
+        if bias:
+            add(f"{prefix}.{names[0]}.bias", (inter,), "bias")
+            add(f"{prefix}.{names[1]}.bias", (inter,), "bias")
+            add(f"{prefix}.{names[2]}.bias", (h,), "out_bias")
 
     add("model.embed_tokens.weight", (cfg.vocab_size, h), "embed")
     for layer in range(cfg.num_hidden_layers):
@@ -172,6 +181,10 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
                 if proj in cfg.attention_bias_on:
                     add(f"{a}.{proj}.bias", (rows,), "bias")
             add(f"{a}.o_proj.weight", (h, nh * hd), "out_linear")
+            if "o_proj" in cfg.attention_bias_on:
+                add(f"{a}.o_proj.bias", (h,), "out_bias")
+            if cfg.spec.section("attention").get("sinks"):
+                add(f"{a}.sinks", (nh,), "sink")
             if cfg.qk_norm:
                 whole = cfg.spec.section("attention").get("qk_norm_scope") == "projection"
                 add(f"{a}.q_norm.weight", (nh * hd if whole else hd,), "norm")
@@ -180,12 +193,16 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
         if layer not in cfg.moe_layers:
             mlp(m, cfg.intermediate_size)
             continue
-        add(f"{m}.gate.weight", (cfg.num_experts, h), "router")
+        moe = cfg.spec.section("moe")
+        router = moe.get("router", "gate")
+        add(f"{m}.{router}.weight", (cfg.num_experts, h), "router")
+        if moe.get("router_bias"):
+            add(f"{m}.{router}.bias", (cfg.num_experts,), "bias")
         if cfg.topk_method == "noaux_tc":
             on_block = cfg.spec.section("moe").get("score_bias") == "block"
             add(f"{m}.{'' if on_block else 'gate.'}e_score_correction_bias", (cfg.num_experts,), "score_bias")
         for e in range(cfg.num_experts):
-            mlp(f"{m}.experts.{e}", cfg.moe_intermediate_size, cfg.expert_proj_names)
+            mlp(f"{m}.experts.{e}", cfg.moe_intermediate_size, cfg.expert_proj_names, bool(moe.get("expert_bias")))
         if cfg.shared_expert_intermediate_size:
             mlp(f"{m}.shared_expert", cfg.shared_expert_intermediate_size)
             add(f"{m}.shared_expert_gate.weight", (1, h), "linear")
@@ -211,8 +228,15 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
         out = 1.0 + 0.1 * u
     elif spec.kind == "bias":
         out = 0.1 * u
+    elif spec.kind == "out_bias":
+        out = 0.1 * u
+        out[chans] = 0.0
+    elif spec.kind == "sink":
+        out = u.copy()
     elif spec.kind in ("linear", "head"):
         out = u * (3.0 ** 0.5 / spec.shape[1] ** 0.5)  # std 1/sqrt(fan_in)
+        if ".experts." in spec.name:
+            out = out * _expert_gain(family)
     elif spec.kind == "out_linear":
         out = u * (OUT_GAIN * 3.0 ** 0.5 / spec.shape[1] ** 0.5)
         out[chans, :] = 0.0
@@ -246,7 +270,46 @@ def tiny_tensors(family: str, variant: str | None = None) -> dict[str, np.ndarra
     """All weights of the tiny ``family`` model (or its ``variant``) as float32 numpy arrays, by checkpoint name."""
     raw = tiny_config(family, variant)
     cfg = normalize_config(raw)
-    return {spec.name: _fill(family, cfg, spec) for spec in tensor_specs(cfg)}
+    tensors = {spec.name: _fill(family, cfg, spec) for spec in tensor_specs(cfg)}
+    if cfg.spec.section("moe").get("gate_up") == "interleaved":
+        tensors = fuse_interleaved(cfg, tensors)
+    return tensors
+
+
+def fuse_interleaved(cfg: MoeConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """Per-expert tensors in the layout transformers 5 saves a family with interleaved fused experts (gpt-oss,
+    which it cannot load per expert): ``experts.gate_up_proj [E, H, 2I]`` with gate at even and up at odd
+    columns, ``experts.down_proj [E, I, H]``, and the biases ``gate_up_proj_bias [E, 2I]`` / ``down_proj_bias
+    [E, H]``. The layer's other tensors keep their place; the fused ones follow them."""
+    g, u, d = cfg.expert_proj_names
+    out: dict[str, np.ndarray] = {}
+    done: set[str] = set()
+    for name, arr in tensors.items():
+        head, sep, rest = name.partition(".experts.")
+        if not sep:
+            out[name] = arr
+            continue
+        prefix = f"{head}.experts"
+        if prefix in done:
+            continue
+        done.add(prefix)
+        n = cfg.num_experts
+
+        def stack(proj: str, kind: str) -> np.ndarray:
+            return np.stack([tensors[f"{prefix}.{e}.{proj}.{kind}"] for e in range(n)])
+
+        gate, up = stack(g, "weight"), stack(u, "weight")  # [E, I, H]
+        gu = np.empty((n, cfg.hidden_size, 2 * cfg.moe_intermediate_size), dtype=np.float32)
+        gu[:, :, 0::2], gu[:, :, 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
+        out[f"{prefix}.gate_up_proj"] = gu
+        if f"{prefix}.0.{g}.bias" in tensors:
+            gb = np.empty((n, 2 * cfg.moe_intermediate_size), dtype=np.float32)
+            gb[:, 0::2], gb[:, 1::2] = stack(g, "bias"), stack(u, "bias")
+            out[f"{prefix}.gate_up_proj_bias"] = gb
+        out[f"{prefix}.down_proj"] = np.ascontiguousarray(stack(d, "weight").transpose(0, 2, 1))
+        if f"{prefix}.0.{d}.bias" in tensors:
+            out[f"{prefix}.down_proj_bias"] = stack(d, "bias")
+    return out
 
 
 def tiny_files(family: str, variant: str | None = None) -> dict[str, bytes]:

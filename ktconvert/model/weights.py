@@ -23,7 +23,7 @@ from ktconvert.formats import quantized
 from ktconvert.io.dtypes import SAFETENSORS_DTYPES, TORCH_NAMES
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
-_FUSED = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(gate_up_proj|down_proj)(?:\.weight)?$")
+_FUSED = re.compile(r"^(model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts)\.(gate_up_proj|down_proj)(_bias)?(?:\.weight)?$")
 
 
 @dataclass
@@ -92,11 +92,14 @@ def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report:
         fm = _FUSED.match(key)
         if fm:
             prefix = fm.group(1).replace(".mlp.experts", f".{block}.experts")
-            fused.setdefault(prefix, {})[fm.group(2)] = value
+            fused.setdefault(prefix, {})[fm.group(2) + (fm.group(3) or "")] = value
             continue
         state[key] = value
+    # gate/up halves of a fused tensor: concatenated (gate first) or interleaved (gate even, up odd; gpt-oss)
+    halves = ((slice(0, None, 2), slice(1, None, 2)) if cfg.spec.section("moe").get("gate_up") == "interleaved"
+              else (slice(0, i), slice(i, None)))
     for prefix, parts in fused.items():
-        if set(parts) != {"gate_up_proj", "down_proj"}:
+        if not {"gate_up_proj", "down_proj"} <= set(parts):
             raise InputError(
                 f"fused experts need both gate_up_proj and down_proj, found only {sorted(parts)}",
                 where=prefix,
@@ -106,10 +109,16 @@ def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report:
         report.fused_layout[prefix] = orientation
         if orientation == "transposed":
             gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
+        gub, dnb = parts.get("gate_up_proj_bias"), parts.get("down_proj_bias")
         for x in range(e):
-            state[f"{prefix}.{x}.{gate_n}.weight"] = gu[x, :i]
-            state[f"{prefix}.{x}.{up_n}.weight"] = gu[x, i:]
+            state[f"{prefix}.{x}.{gate_n}.weight"] = gu[x, halves[0]]
+            state[f"{prefix}.{x}.{up_n}.weight"] = gu[x, halves[1]]
             state[f"{prefix}.{x}.{down_n}.weight"] = dn[x]
+            if gub is not None:
+                state[f"{prefix}.{x}.{gate_n}.bias"] = gub[x, halves[0]]
+                state[f"{prefix}.{x}.{up_n}.bias"] = gub[x, halves[1]]
+            if dnb is not None:
+                state[f"{prefix}.{x}.{down_n}.bias"] = dnb[x]
     if cfg.tie_word_embeddings and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state

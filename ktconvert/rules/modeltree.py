@@ -120,10 +120,19 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
         else:
             # upstream ktransformers classes: DeepSeek's block is <P>MoE with a <P>MoEGate, others a
             # <P>SparseMoeBlock with a plain Linear router
-            kt_gate = "gate" in classes
-            moe = layer.add(sp.moe_block_name, f"{pre}MoE" if kt_gate else f"{pre}SparseMoeBlock")
-            moe.add("gate", f"{pre}MoEGate" if kt_gate else "Linear")
-            _experts(moe, pre, mc.num_experts, sp.expert_proj_names, classes.get("expert", f"{pre}MLP"))
+            router = sp.section("moe").get("router", "gate")
+            if "ktransformers_module" not in classes:
+                # no ktransformers modeling file: transformers' own block and router classes; its routed
+                # experts are fused into one module there, so each expert here is a plain Module
+                moe = layer.add(sp.moe_block_name, classes.get("moe_block", {}).get("transformers", f"{pre}SparseMoeBlock"))
+                moe.add(router, classes.get("gate", {}).get("transformers", "Linear"))
+                expert_type = "Module"
+            else:
+                kt_gate = "gate" in classes
+                moe = layer.add(sp.moe_block_name, f"{pre}MoE" if kt_gate else f"{pre}SparseMoeBlock")
+                moe.add(router, f"{pre}MoEGate" if kt_gate else "Linear")
+                expert_type = classes.get("expert", f"{pre}MLP")
+            _experts(moe, pre, mc.num_experts, sp.expert_proj_names, expert_type)
             if sp.shared_expert == "shared_experts" and mc.n_shared_experts:
                 _mlp(moe, "shared_experts", f"{pre}MLP")
             if sp.shared_expert == "gated" and mc.shared_expert_intermediate_size:

@@ -180,6 +180,10 @@ class WeightSource:
             blocks = self.expert_blocks(m.layer)
             return getattr(blocks, m.projection).expert(m.expert)
         gname = m.gguf_name
+        if m.group == "expert_biases" and m.expert is not None:  # one expert's row of the merged [E, rows] bias
+            if gname not in self._types:
+                raise _missing(self.path, [gname], f"tensor for {name}")
+            return self._read_gguf(gname)[m.expert]
         if gname not in self._types and gname.endswith(".attn_kv_b.weight"):
             return self._kv_b_from_split(gname, name)
         if gname not in self._types:
