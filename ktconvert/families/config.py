@@ -41,6 +41,17 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionDims:
+    """Gated DeltaNet linear-attention sizes (config keys ``linear_*``)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """The fields the reference models need, with defaults resolved per family."""
 
@@ -78,6 +89,9 @@ class MoeConfig:
     qk_rope_head_dim: int | None = None
     v_head_dim: int | None = None
     rope_interleave: bool = True
+    # hybrid attention (spec attention.kind gated_deltanet_hybrid): each layer's kind, and the linear layers' dims
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttentionDims | None = None
     bos_token_id: int | None = None
     eos_token_id: Any = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -117,9 +131,20 @@ def family_of(raw: dict) -> str | None:
     return registry.family_of(raw)
 
 
+def text_view(raw: dict) -> dict:
+    """A multimodal wrapper's config (``text_config`` nested in it) seen as its language model's: the nested keys
+    over the top level, keeping the top-level ``model_type`` (the family) and ``architectures``."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        return raw
+    keep = {k: raw[k] for k in ("model_type", "architectures") if k in raw}
+    return {**{k: v for k, v in raw.items() if k != "text_config"}, **text, **keep}
+
+
 def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     """Resolve both spellings and every per-family default into a :class:`MoeConfig`."""
     family = family_of(raw)
+    raw = text_view(raw)
     if family is None:
         raise InputError(
             f"model_type {raw.get('model_type')!r} is not one of the supported families ({', '.join(FAMILIES)})",
@@ -151,7 +176,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         head_dim = rope_dim
     else:
         head_dim = int(head_dim) if head_dim else hidden // heads
-        rope_dim = head_dim
+        rope_dim = _rotary_dim(raw, head_dim, path)
     if heads % kv_heads:
         raise InputError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}", path=path)
 
@@ -230,6 +255,9 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
                 where="num_key_value_heads",
             )
 
+    if sp.section("attention")["kind"] == "gated_deltanet_hybrid":
+        kwargs.update(_hybrid(g, raw, layers, path))
+
     shared = sp.shared_expert
     return MoeConfig(
         family=family,
@@ -262,6 +290,40 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         raw=dict(raw),
         **kwargs,
     )
+
+
+def _rotary_dim(raw: dict, head_dim: int, path: str | None) -> int:
+    """Rotary width: ``partial_rotary_factor`` (in rope_parameters or top level) of the head, else all of it."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) if isinstance(params, dict) else 1.0
+    dim = int(head_dim * float(factor))
+    if not 0 < dim <= head_dim or dim % 2:
+        raise InputError(f"partial_rotary_factor {factor} gives a rotary width of {dim} of a {head_dim}-wide head "
+                         "(it must be even and at most the head)", path=path, where="partial_rotary_factor")
+    return dim
+
+
+_LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+def _hybrid(g: "_Getter", raw: dict, layers: int, path: str | None) -> dict:
+    """layer_types (or every ``full_attention_interval``-th layer full, transformers' default) and the Gated DeltaNet
+    dims of a hybrid-attention family."""
+    types = raw.get("layer_types")
+    if types is None:
+        every = int(g.opt("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(t not in _LAYER_KINDS for t in types):
+        raise InputError(f"layer_types must list {layers} entries, each one of {', '.join(_LAYER_KINDS)}",
+                         path=path, where="layer_types")
+    dims = LinearAttentionDims(
+        num_key_heads=g.int("linear_num_key_heads"), num_value_heads=g.int("linear_num_value_heads"),
+        key_head_dim=g.int("linear_key_head_dim"), value_head_dim=g.int("linear_value_head_dim"),
+        conv_kernel=g.int("linear_conv_kernel_dim"))
+    if dims.num_value_heads % dims.num_key_heads:
+        raise InputError(f"linear_num_value_heads={dims.num_value_heads} is not a multiple of "
+                         f"linear_num_key_heads={dims.num_key_heads}", path=path, where="linear_num_value_heads")
+    return {"layer_types": tuple(types), "linear": dims}
 
 
 def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int) -> set[int]:

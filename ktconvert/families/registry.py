@@ -85,6 +85,30 @@ class FamilySpec:
     def tiny(self) -> dict:
         return self.data["tiny"]
 
+    @property
+    def prefix_aliases(self) -> tuple[tuple[str, str], ...]:
+        """``(prefix, means)`` pairs of the published checkpoints' names, longest prefix first."""
+        pairs = ((a["prefix"], a["means"]) for a in self.data.get("checkpoint", {}).get("prefix_aliases", ()))
+        return tuple(sorted(pairs, key=lambda p: -len(p[0])))
+
+    @property
+    def ignore_prefixes(self) -> tuple[str, ...]:
+        return tuple(self.data.get("checkpoint", {}).get("ignore_prefixes", ()))
+
+    def canonical_name(self, name: str) -> str:
+        """A published tensor name as the reference model names it (``model.language_model.x`` -> ``model.x``)."""
+        for prefix, means in self.prefix_aliases:
+            if name.startswith(prefix):
+                return means + name[len(prefix):]
+        return name
+
+    def published_name(self, name: str) -> str:
+        """The inverse of :meth:`canonical_name`: the first alias whose meaning starts ``name``."""
+        for prefix, means in self.data.get("checkpoint", {}).get("prefix_aliases", ()):
+            if means and name.startswith(means):
+                return prefix + name[len(means):]
+        return name
+
 
 def _load(path) -> FamilySpec:
     shown = f"rules/{SPEC_DIR}/{path.name}"

@@ -16,6 +16,7 @@ ROLES = (
     "model",
     "decoder_layer",
     "attention",
+    "linear_attention",  # Gated DeltaNet layers of hybrid families
     "rotary",
     "rmsnorm",
     "mlp",  # dense MLP, shared experts, and each routed expert
@@ -38,12 +39,13 @@ def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[s
     sp = families.spec(family)
     classes = sp.section("classes")
     p = sp.prefix
-    if role in ("causal_lm", "model", "decoder_layer", "attention", "rmsnorm"):
+    if role in ("causal_lm", "model", "decoder_layer", "attention", "linear_attention", "rmsnorm"):
         suffix = {
             "causal_lm": "ForCausalLM",
             "model": "Model",
             "decoder_layer": "DecoderLayer",
             "attention": "Attention",
+            "linear_attention": "GatedDeltaNet",
             "rmsnorm": "RMSNorm",
         }[role]
         return (p + suffix,), (p + suffix,)

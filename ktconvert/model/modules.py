@@ -29,16 +29,27 @@ class Tagged:
 
 
 class RMSNorm(Tagged, nn.Module):
-    def __init__(self, size: int, eps: float):
+    """``weight * x / rms(x)``; ``zero_centered`` (spec ``config.rms_norm``): ``(1 + weight) * ...`` in float32, the
+    weight stored around 0 (Qwen3-Next / Qwen3.5)."""
+
+    def __init__(self, size: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(size) if zero_centered else torch.ones(size))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.zero_centered:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+
+def rms_norm(cfg: MoeConfig, size: int) -> RMSNorm:
+    """The family's RMSNorm of ``size`` (plain or zero-centred, per its spec)."""
+    return RMSNorm(size, cfg.rms_norm_eps, cfg.spec.section("config").get("rms_norm") == "zero_centered")
 
 
 def rope_frequencies(spec: RopeSpec) -> tuple[torch.Tensor, float]:
@@ -115,7 +126,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(q, k, cos, sin):
+    """Rotate-half rope; a table narrower than the head rotates its leading dims only (partial_rotary_factor)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r < q.shape[-1]:
+        (q, q_pass), (k, k_pass) = q.split([r, q.shape[-1] - r], -1), k.split([r, k.shape[-1] - r], -1)
+        return (torch.cat([q * cos + _rotate_half(q) * sin, q_pass], -1),
+                torch.cat([k * cos + _rotate_half(k) * sin, k_pass], -1))
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -173,6 +190,10 @@ class KVCache:
         self.layers: dict[int, tuple[torch.Tensor, ...]] = {}
         self.seq_len = 0
 
+    def replace(self, layer_idx: int, *state: torch.Tensor) -> None:
+        """Recurrent layers keep a fixed-size state (conv window, DeltaNet matrix) replaced each step."""
+        self.layers[layer_idx] = state
+
     def update(self, layer_idx: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         old = self.layers.get(layer_idx)
         merged = new if old is None else tuple(torch.cat((a, b), dim=2) for a, b in zip(old, new))
@@ -181,7 +202,7 @@ class KVCache:
 
 
 class Attention(Tagged, nn.Module):
-    """Grouped-query attention (Qwen2-MoE, Qwen3-MoE with per-head q/k norms, Mixtral)."""
+    """Grouped-query attention (Qwen2-MoE, Qwen3-MoE with per-head q/k norms, Mixtral; Qwen3.5's output gate)."""
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
@@ -189,13 +210,14 @@ class Attention(Tagged, nn.Module):
         self.head_dim = cfg.head_dim
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias_on
-        self.q_proj = nn.Linear(h, nh * hd, bias="q_proj" in bias)
+        self.output_gate = bool(cfg.spec.section("attention").get("output_gate"))
+        self.q_proj = nn.Linear(h, nh * hd * (2 if self.output_gate else 1), bias="q_proj" in bias)
         self.k_proj = nn.Linear(h, nkv * hd, bias="k_proj" in bias)
         self.v_proj = nn.Linear(h, nkv * hd, bias="v_proj" in bias)
         self.o_proj = nn.Linear(nh * hd, h, bias="o_proj" in bias)
         if cfg.spec.qk_norm:
-            self.q_norm = RMSNorm(hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(hd, cfg.rms_norm_eps)
+            self.q_norm = rms_norm(cfg, hd)
+            self.k_norm = rms_norm(cfg, hd)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = RotaryEmbedding(cfg.rope)
@@ -204,7 +226,12 @@ class Attention(Tagged, nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = hidden.shape
         shape = (b, t, -1, self.head_dim)
-        q = self.q_proj(hidden).view(shape)
+        gate = None
+        if self.output_gate:  # per head: its query, then its gate
+            q, gate = self.q_proj(hidden).view(b, t, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, t, -1)
+        else:
+            q = self.q_proj(hidden).view(shape)
         k = self.k_proj(hidden).view(shape)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
@@ -214,7 +241,93 @@ class Attention(Tagged, nn.Module):
         q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        return self.o_proj(attend(q, k, v, self.scaling))
+        out = attend(q, k, v, self.scaling)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class GatedRMSNorm(Tagged, nn.Module):
+    """Gated DeltaNet's output norm: ``weight * x / rms(x) * silu(gate)`` (plain weight, not zero-centred)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h.to(dtype) * F.silu(gate.to(torch.float32))).to(dtype)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(Tagged, nn.Module):
+    """Gated DeltaNet linear attention (Qwen3.5's ``linear_attn``), written as its per-token recurrence.
+
+    ``in_proj_qkv`` -> causal depthwise conv (kernel ``linear_conv_kernel_dim``) + SiLU -> q, k, v heads; q and k
+    L2-normalised (q also by 1/sqrt(d_k)) and repeated over the value heads of their group; per value head a decay
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` and a step ``beta = sigmoid(b)``; the state ``S [d_k, d_v]`` runs
+    ``S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q``; then ``norm(o, z)`` and ``out_proj``.
+    transformers computes the same recurrence chunk-wise for prefill; the two agree to float32 rounding.
+    The cache holds the last ``kernel - 1`` conv inputs and ``S``.
+    """
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int):
+        super().__init__()
+        d = cfg.linear
+        self.layer_idx = layer_idx
+        self.nk, self.nv, self.dk, self.dv = d.num_key_heads, d.num_value_heads, d.key_head_dim, d.value_head_dim
+        self.kernel = d.conv_kernel
+        h = cfg.hidden_size
+        key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, h, bias=False)
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        b, t, _ = hidden.shape
+        dtype = hidden.dtype
+        state = cache.layers.get(self.layer_idx) if cache is not None else None
+        x = self.in_proj_qkv(hidden).transpose(1, 2)  # [B, C, T]
+        window = state[0] if state else x.new_zeros(b, self.conv_dim, self.kernel - 1)
+        padded = torch.cat([window, x], dim=-1)
+        mixed = F.silu(F.conv1d(padded, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
+        key_dim = self.nk * self.dk
+        q, k, v = torch.split(mixed, [key_dim, key_dim, self.nv * self.dv], dim=-1)
+        rep = self.nv // self.nk
+        q = q.reshape(b, t, self.nk, self.dk).repeat_interleave(rep, dim=2).float()
+        k = k.reshape(b, t, self.nk, self.dk).repeat_interleave(rep, dim=2).float()
+        v = v.reshape(b, t, self.nv, self.dv).float()
+        q = _l2norm(q) * self.dk**-0.5
+        k = _l2norm(k)
+        beta = torch.sigmoid(self.in_proj_b(hidden)).float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        s = state[1] if state else q.new_zeros(b, self.nv, self.dk, self.dv)
+        outs = []
+        for i in range(t):
+            s = s * g[:, i].exp()[..., None, None]
+            k_i = k[:, i]
+            delta = (v[:, i] - (s * k_i[..., None]).sum(-2)) * beta[:, i, :, None]
+            s = s + k_i[..., None] * delta[..., None, :]
+            outs.append((s * q[:, i][..., None]).sum(-2))
+        if cache is not None:
+            cache.replace(self.layer_idx, padded[..., padded.shape[-1] - (self.kernel - 1):], s)
+        o = torch.stack(outs, dim=1).to(dtype)  # [B, T, nv, dv]
+        z = self.in_proj_z(hidden).reshape(b, t, self.nv, self.dv)
+        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(b, t, -1)
+        return self.out_proj(o)
 
 
 class MLAttention(Tagged, nn.Module):

@@ -81,12 +81,22 @@ def routing_channels(hidden: int = HIDDEN, experts: int = EXPERTS) -> list[int]:
     return [j * (hidden // experts) for j in range(experts)]
 
 
+# common keys a multimodal wrapper's config.json keeps at its top level; the others go under its text_config
+_WRAPPER_KEYS = ("architectures", "dtype", "tie_word_embeddings", "transformers_version")
+
+
 def tiny_config(family: str) -> dict:
     """The ``config.json`` dict of a tiny model (a fresh copy): the common keys, then the spec's ``tiny.config``
-    (exactly the keys and values transformers 5.23's save_pretrained writes)."""
+    (exactly the keys and values transformers 5.23's save_pretrained writes). A spec whose tiny config nests a
+    ``text_config`` (multimodal wrappers) gets the common text-model keys there."""
     if family not in FAMILIES:
         raise UsageProblem(f"unknown family {family!r}", fix=f"choose one of {', '.join(FAMILIES)}")
-    return copy.deepcopy({**_COMMON, **families.spec(family).tiny["config"]})
+    own = families.spec(family).tiny["config"]
+    if "text_config" not in own:
+        return copy.deepcopy({**_COMMON, **own})
+    top = {k: _COMMON[k] for k in _WRAPPER_KEYS}
+    text = {k: v for k, v in _COMMON.items() if k not in _WRAPPER_KEYS or k == "tie_word_embeddings"}
+    return copy.deepcopy({**top, **own, "text_config": {**text, **own["text_config"]}})
 
 
 def _code_levels(family: str) -> tuple[float, float, float]:
@@ -106,7 +116,7 @@ def _fp8_variant(family: str) -> tuple[tuple[int, int], str] | None:
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    kind: str  # embed, norm, linear, out_linear, bias, router, score_bias, head
+    kind: str  # embed, norm, norm0 (zero-centred), linear, out_linear, bias, router, score_bias, head, conv, dt_bias, a_log
 
 
 def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
@@ -125,13 +135,27 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
         add(f"{prefix}.{names[1]}.weight", (inter, h), "linear")
         add(f"{prefix}.{names[2]}.weight", (h, inter), "out_linear")
 
+    norm = "norm0" if cfg.spec.section("config").get("rms_norm") == "zero_centered" else "norm"
+    gated_q = 2 if cfg.spec.section("attention").get("output_gate") else 1
     add("model.embed_tokens.weight", (cfg.vocab_size, h), "embed")
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}"
-        add(f"{p}.input_layernorm.weight", (h,), "norm")
-        add(f"{p}.post_attention_layernorm.weight", (h,), "norm")
+        add(f"{p}.input_layernorm.weight", (h,), norm)
+        add(f"{p}.post_attention_layernorm.weight", (h,), norm)
         a = f"{p}.self_attn"
-        if cfg.is_mla:
+        if cfg.layer_types and cfg.layer_types[layer] == "linear_attention":
+            d, la = cfg.linear, f"{p}.linear_attn"
+            conv = 2 * d.num_key_heads * d.key_head_dim + d.num_value_heads * d.value_head_dim
+            add(f"{la}.in_proj_qkv.weight", (conv, h), "linear")
+            add(f"{la}.in_proj_z.weight", (d.num_value_heads * d.value_head_dim, h), "linear")
+            add(f"{la}.in_proj_b.weight", (d.num_value_heads, h), "linear")
+            add(f"{la}.in_proj_a.weight", (d.num_value_heads, h), "linear")
+            add(f"{la}.conv1d.weight", (conv, 1, d.conv_kernel), "conv")
+            add(f"{la}.dt_bias", (d.num_value_heads,), "dt_bias")
+            add(f"{la}.A_log", (d.num_value_heads,), "a_log")
+            add(f"{la}.norm.weight", (d.value_head_dim,), "norm")
+            add(f"{la}.out_proj.weight", (h, d.num_value_heads * d.value_head_dim), "out_linear")
+        elif cfg.is_mla:
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             nh = cfg.num_attention_heads
             if cfg.q_lora_rank is None:
@@ -146,14 +170,14 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
             add(f"{a}.o_proj.weight", (h, nh * cfg.v_head_dim), "out_linear")
         else:
             hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-            for proj, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+            for proj, rows in (("q_proj", nh * hd * gated_q), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
                 add(f"{a}.{proj}.weight", (rows, h), "linear")
                 if proj in cfg.attention_bias_on:
                     add(f"{a}.{proj}.bias", (rows,), "bias")
             add(f"{a}.o_proj.weight", (h, nh * hd), "out_linear")
             if cfg.spec.qk_norm:
-                add(f"{a}.q_norm.weight", (hd,), "norm")
-                add(f"{a}.k_norm.weight", (hd,), "norm")
+                add(f"{a}.q_norm.weight", (hd,), norm)
+                add(f"{a}.k_norm.weight", (hd,), norm)
         m = f"{p}.{cfg.moe_block_name}"
         if layer not in cfg.moe_layers:
             mlp(m, cfg.intermediate_size)
@@ -168,7 +192,7 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
             add(f"{m}.shared_expert_gate.weight", (1, h), "linear")
         if cfg.n_shared_experts:
             mlp(f"{m}.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
-    add("model.norm.weight", (h,), "norm")
+    add("model.norm.weight", (h,), norm)
     add("lm_head.weight", (cfg.vocab_size, h), "head")
     return specs
 
@@ -186,6 +210,14 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
     chans = routing_channels(cfg.hidden_size, cfg.num_experts)
     if spec.kind == "norm":
         out = 1.0 + 0.1 * u
+    elif spec.kind == "norm0":  # zero-centred: the model scales by 1 + weight
+        out = 0.1 * u
+    elif spec.kind == "conv":  # depthwise: fan-in is the kernel width
+        out = u * (3.0 ** 0.5 / spec.shape[-1] ** 0.5)
+    elif spec.kind == "dt_bias":
+        out = 1.0 + 0.1 * u
+    elif spec.kind == "a_log":  # decay rates exp(A_log) in [0.5, 2]
+        out = 0.7 * u
     elif spec.kind == "bias":
         out = 0.1 * u
     elif spec.kind in ("linear", "head"):
@@ -220,10 +252,12 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
 
 
 def tiny_tensors(family: str) -> dict[str, np.ndarray]:
-    """All weights of the tiny ``family`` model as float32 numpy arrays, by checkpoint name."""
+    """All weights of the tiny ``family`` model as float32 numpy arrays, by checkpoint name as the published
+    checkpoints spell it (a multimodal wrapper's prefix: the spec's ``checkpoint.prefix_aliases``)."""
     raw = tiny_config(family)
     cfg = normalize_config(raw)
-    return {spec.name: _fill(family, cfg, spec) for spec in tensor_specs(cfg)}
+    sp = families.spec(family)
+    return {sp.published_name(spec.name): _fill(family, cfg, spec) for spec in tensor_specs(cfg)}
 
 
 def tiny_files(family: str) -> dict[str, bytes]:
