@@ -100,13 +100,14 @@ def test_importing_the_package_does_not_import_torch():
 def _hub_spelling(family: str) -> dict:
     """The tiny config as the authors' remote-code configs on the hub spell it."""
     raw = tiny_config(family)
-    rope = raw.pop("rope_parameters")
-    raw["rope_theta"] = rope.pop("rope_theta")
+    text = raw.get("text_config", raw)  # a multimodal wrapper nests the text model's keys
+    rope = text.pop("rope_parameters")
+    text["rope_theta"] = rope.pop("rope_theta")
     rope.pop("rope_type")
     raw.pop("dtype")
     raw["torch_dtype"] = "float32"
     if rope:
-        raw["rope_scaling"] = rope  # keeps the legacy "type": "yarn"
+        text["rope_scaling"] = rope  # keeps the legacy "type": "yarn" (and Qwen3.5's partial_rotary_factor)
     if family == "qwen3_moe":
         raw["num_experts"] = raw.pop("num_local_experts")
         raw["rope_scaling"] = None
@@ -260,6 +261,9 @@ TREE = {
                     "model.layers.2.self_attn.q_proj", "model.layers.2.self_attn.kv_a_proj_with_mqa", "model.layers.2.self_attn.kv_b_proj"],
     "deepseek_v3": ["model.layers.1.mlp.gate", "model.layers.2.self_attn.q_a_proj", "model.layers.2.self_attn.q_a_layernorm",
                     "model.layers.2.self_attn.q_b_proj", "model.layers.1.self_attn.kv_a_layernorm", "lm_head", "model.embed_tokens"],
+    "qwen3_5_moe": ["model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.conv1d", "model.layers.0.linear_attn.norm",
+                    "model.layers.0.linear_attn.out_proj", "model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.rotary_emb",
+                    "model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.experts.7.down_proj"],
 }
 
 

@@ -133,12 +133,15 @@ def family_of(raw: dict) -> str | None:
 
 def text_view(raw: dict) -> dict:
     """A multimodal wrapper's config (``text_config`` nested in it) seen as its language model's: the nested keys
-    over the top level, keeping the top-level ``model_type`` (the family) and ``architectures``."""
+    over the top level, keeping the top-level ``model_type`` and ``architectures`` when they name the family
+    (Qwen3.5's text model_type ``qwen3_5_moe_text`` names none)."""
     text = raw.get("text_config")
     if not isinstance(text, dict):
         return raw
-    keep = {k: raw[k] for k in ("model_type", "architectures") if k in raw}
-    return {**{k: v for k, v in raw.items() if k != "text_config"}, **text, **keep}
+    merged = {**{k: v for k, v in raw.items() if k != "text_config"}, **text}
+    if family_of(raw) is not None:  # the wrapper's model_type or architectures name the family
+        merged.update({k: raw[k] for k in ("model_type", "architectures") if k in raw})
+    return merged
 
 
 def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:

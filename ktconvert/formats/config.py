@@ -52,8 +52,7 @@ def load_config(path: str | Path) -> dict:
 
 
 def dims_from_hf_config(cfg: dict, source: str = "config.json") -> ModelDims:
-    if isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    cfg = families.text_view(cfg)
     model_type = cfg.get("model_type") if isinstance(cfg.get("model_type"), str) else None
     n_layers = _int(cfg.get("num_hidden_layers"))
     n_experts = next(

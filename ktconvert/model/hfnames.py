@@ -19,6 +19,7 @@ ROLES = (
     "linear_attention",  # Gated DeltaNet layers of hybrid families
     "rotary",
     "rmsnorm",
+    "gated_rmsnorm",  # Gated DeltaNet's output norm
     "mlp",  # dense MLP, shared experts, and each routed expert
     "moe_block",
     "gate",
@@ -39,7 +40,7 @@ def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[s
     sp = families.spec(family)
     classes = sp.section("classes")
     p = sp.prefix
-    if role in ("causal_lm", "model", "decoder_layer", "attention", "linear_attention", "rmsnorm"):
+    if role in ("causal_lm", "model", "decoder_layer", "attention", "linear_attention", "rmsnorm", "gated_rmsnorm"):
         suffix = {
             "causal_lm": "ForCausalLM",
             "model": "Model",
@@ -47,6 +48,7 @@ def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[s
             "attention": "Attention",
             "linear_attention": "GatedDeltaNet",
             "rmsnorm": "RMSNorm",
+            "gated_rmsnorm": "RMSNormGated",
         }[role]
         return (p + suffix,), (p + suffix,)
     if role == "rotary":

@@ -6,6 +6,7 @@ ktransformers' Mixtral rules name it)::
     model.embed_tokens                  nn.Embedding
     model.layers.L.input_layernorm      RMSNorm
     model.layers.L.self_attn            Attention / MLAttention, with .rotary_emb and nn.Linear projections
+    model.layers.L.linear_attn          GatedDeltaNet (hybrid families' linear-attention layers, by layer_types)
     model.layers.L.post_attention_layernorm
     model.layers.L.mlp                  SparseMoeBlock / DeepseekMoE, or GatedMLP on dense layers
     model.layers.L.mlp.gate             TopKRouter (nn.Linear) / MoEGate
@@ -35,6 +36,7 @@ from ktconvert.model.modules import (
     DeepseekMoE,
     GatedMLP,
     GatedDeltaNet,
+    GatedRMSNorm,
     KVCache,
     MLAttention,
     RMSNorm,
@@ -153,6 +155,8 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
         for sub in attn.children():
             if isinstance(sub, RMSNorm):
                 _tag(sub, fam, "rmsnorm")
+            elif isinstance(sub, GatedRMSNorm):
+                _tag(sub, fam, "gated_rmsnorm")
         block = layer.feed_forward
         if isinstance(block, GatedMLP):
             _tag(block, fam, "mlp")
