@@ -81,10 +81,28 @@ _ARCH_KEYS = {
         ExpertGatingFuncType.SIGMOID if c.scoring_func == "sigmoid" else ExpertGatingFuncType.SOFTMAX),
     "expert_group_count": lambda w, c, n: _if(c.n_group, lambda: w.add_expert_group_count(c.n_group)),
     "expert_group_used_count": lambda w, c, n: _if(c.topk_group, lambda: w.add_expert_group_used_count(c.topk_group)),
+    # Gated DeltaNet hybrids (what llama.cpp's Qwen3-Next / Qwen3.5 converters write)
+    "rope_dimension_sections": lambda w, c, n: w.add_rope_dimension_sections(_mrope_sections(c)),
+    "ssm_conv_kernel": lambda w, c, n: w.add_ssm_conv_kernel(c.linear.conv_kernel),
+    "ssm_state_size": lambda w, c, n: w.add_ssm_state_size(c.linear.key_head_dim),
+    "ssm_group_count": lambda w, c, n: w.add_ssm_group_count(c.linear.num_key_heads),
+    "ssm_time_step_rank": lambda w, c, n: w.add_ssm_time_step_rank(c.linear.num_value_heads),
+    "ssm_inner_size": lambda w, c, n: w.add_ssm_inner_size(c.linear.value_head_dim * c.linear.num_value_heads),
+    "recurrent_layers": lambda w, c, n: w.add_array(f"{w.arch}.attention.recurrent_layers",
+                                                    [t == "linear_attention" for t in c.layer_types]),
+    "full_attention_interval": lambda w, c, n: w.add_full_attention_interval(int(c.raw.get("full_attention_interval", 4))),
+    "partial_rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.rope.dim),
     # llama.cpp divides by 0.1 again
     "rope_scaling_yarn_log_mul": lambda w, c, n: _if(
         c.rope.kind == "yarn" and c.rope.mscale_all_dim, lambda: w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)),
 }
+
+
+def _mrope_sections(c) -> list[int]:
+    """rope_parameters' mrope_section padded to four (llama.cpp requires the key); Qwen3.5's default when absent."""
+    params = c.raw.get("rope_parameters") or c.raw.get("rope_scaling") or {}
+    sections = list(params.get("mrope_section") or [11, 11, 10])
+    return (sections + [0] * 4)[:4]
 
 
 def _writer(arch: str):

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ktconvert import families
+from ktconvert.convert import transforms
 from ktconvert.errors import InputError
 from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map, open_checkpoint
 from ktconvert.formats.fp8 import require_fp8
@@ -52,6 +53,8 @@ class Segment:
     block: tuple[int, ...] = ()
     parts: int = 0  # kt-amx: the expert projection's part count (``source`` names part 0's weight)
     method: str = ""  # kt-amx: AMXINT8 / AMXINT4
+    value: str = ""  # elementwise map after decoding: add_one / neg_exp (convert.transforms)
+    col_tile: tuple[int, ...] = ()  # (key heads, value heads per key head, width): columns grouped -> tiled
 
     def to_dict(self) -> dict:
         d = {"rows": [self.start, self.start + self.rows], "source": self.source, "op": self.op}
@@ -65,6 +68,10 @@ class Segment:
             d["heads"] = self.heads
         if self.scale:
             d.update(scale=self.scale, block=list(self.block))
+        if self.value:
+            d["value"] = self.value
+        if self.col_tile:
+            d["col_tile"] = list(self.col_tile)
         return d
 
 
@@ -93,8 +100,9 @@ class Item:
 
     @property
     def reshaped(self) -> bool:
-        """Whether rows are reordered (transpose/permute): then bytes cannot be copied block for block."""
-        return any(s.op != "rows" for s in self.segments)
+        """Whether rows are reordered or values changed (transpose/permute, a column tile, a value map): then
+        bytes cannot be copied block for block."""
+        return any(s.op != "rows" or s.value or s.col_tile for s in self.segments)
 
 
 @dataclass
@@ -182,6 +190,10 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                 raise InputError(f"{shape[0]} rows cannot be split into {heads} heads of rotary pairs",
                                  path=shown, where=f"tensor {name}", fix="check num_attention_heads in config.json")
             seg = Segment(0, shape[0], name, op="permute", heads=heads)
+        if m.transform and m.side == "hf":
+            shape, segs = transforms.apply(name, tuple(shape), dict(m.transform), cfg_dict, seg, f"tensor {name}")
+            items.append(Item(out, m.hf_name, tuple(shape), segs, info.dtype, m.group, m.layer))
+            continue
         items.append(Item(out, m.hf_name, tuple(shape), (seg,), info.dtype, m.group, m.layer))
     for name in report.unknown:
         if name in fp8.scales:  # read with its FP8 weight

@@ -261,6 +261,18 @@ def _decode_into(dst: np.ndarray, raw: np.ndarray, dtype: str) -> None:
         dst[...] = _decode(raw, dtype).reshape(dst.shape)
 
 
+def _post(rows: np.ndarray, s) -> None:
+    """A segment's llama.cpp transform (:mod:`ktconvert.convert.transforms`), in place on its decoded rows."""
+    if s.col_tile:
+        nk, per_k, width = s.col_tile
+        grouped = rows.reshape(rows.shape[0], nk, per_k, width)
+        rows[...] = grouped.transpose(0, 2, 1, 3).reshape(rows.shape)
+    if s.value == "add_one":
+        rows += np.float32(1.0)
+    elif s.value == "neg_exp":
+        np.negative(np.exp(rows, out=rows), out=rows)
+
+
 def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     """Rows ``r0..r1`` of the output tensor as float32, assembled from the segments; a NaN/Inf is reported at
     its place in the input tensor, before anything is quantized or written."""
@@ -304,6 +316,8 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
                 raise AssertionError(f"{s.source}: rows of {part.shape[1]}, {t.name} needs {n_out}")
             x[pos: pos + n] = part
             del part
+        if s.col_tile or s.value:
+            _post(x[pos: pos + n], s)
         placed.append((s, i, n, pos, idx))
     with np.errstate(invalid="ignore"):
         finite = np.isfinite(x.max()) and np.isfinite(x.min())

@@ -37,6 +37,7 @@ class TensorEntry:
     group: str
     model_types: tuple[str, ...] | None = None
     derived: str | None = None  # how the GGUF tensor is computed from the HF one, when it is not a plain rename
+    transform: tuple[tuple[str, object], ...] = ()  # llama.cpp's value/shape changes (schema: tensor.transform)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class NameMatch:
     hf_name: str | None = None
     derived: str | None = None
     via_alias: bool = False
+    transform: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,6 +112,7 @@ class NamingMap:
                 group=t["group"],
                 model_types=tuple(t["model_types"]) if "model_types" in t else None,
                 derived=t.get("derived"),
+                transform=tuple(sorted((t.get("transform") or {}).items())),
             )
             for t in data["tensors"]
         )
@@ -189,6 +192,7 @@ class NamingMap:
                 gguf_name=_render(e.gguf, L=L),
                 hf_name=_render(e.hf[0], L=L),
                 derived=e.derived,
+                transform=e.transform,
             )
         weights = self.experts.get(slot.projection, {})
         gguf_t = weights.get("gguf-merged") if slot.group == "experts" or slot.layout == "kt-amx" else None
