@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ktconvert import families
-from ktconvert.convert import transforms
+from ktconvert.formats import transforms
 from ktconvert.errors import InputError
 from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map, open_checkpoint
 from ktconvert.formats.fp8 import require_fp8
@@ -53,7 +53,7 @@ class Segment:
     block: tuple[int, ...] = ()
     parts: int = 0  # kt-amx: the expert projection's part count (``source`` names part 0's weight)
     method: str = ""  # kt-amx: AMXINT8 / AMXINT4
-    value: str = ""  # elementwise map after decoding: add_one / neg_exp (convert.transforms)
+    value: str = ""  # elementwise map after decoding: add_one / neg_exp (formats.transforms)
     col_tile: tuple[int, ...] = ()  # (key heads, value heads per key head, width): columns grouped -> tiled
 
     def to_dict(self) -> dict:

@@ -104,9 +104,9 @@ class FamilySpec:
 
     def published_name(self, name: str) -> str:
         """The inverse of :meth:`canonical_name`: the first alias whose meaning starts ``name``."""
-        for prefix, means in self.data.get("checkpoint", {}).get("prefix_aliases", ()):
-            if means and name.startswith(means):
-                return prefix + name[len(means):]
+        for alias in self.data.get("checkpoint", {}).get("prefix_aliases", ()):
+            if alias["means"] and name.startswith(alias["means"]):
+                return alias["prefix"] + name[len(alias["means"]):]
         return name
 
 

@@ -118,6 +118,7 @@ class NamingMap:
         )
         self.experts: dict[str, dict[str, tuple[str, ...]]] = _forms(data["experts"])
         self.expert_scales: dict[str, dict[str, tuple[str, ...]]] = _forms(data.get("expert_scales", {}))
+        self.guess_requires: frozenset[str] = frozenset(_key_of_template(t)[0] for t in data.get("guess_requires", ()))
         self._index: dict[str, list[_Slot]] = {}
         self._build_index()
 
@@ -296,7 +297,9 @@ def to_hf_name(name: str, arch: str) -> str | None:
 def guess_arch(names) -> str | None:
     """The architecture whose map recognises the most of ``names``, or ``None`` when that is not a single one."""
     names = list(names)
-    scores = {arch: sum(m._lookup_direct(n) is not None for n in names) for arch, m in naming_maps().items()}
+    keys = {_key_of_name(n)[0] for n in names}
+    scores = {arch: sum(m._lookup_direct(n) is not None for n in names) for arch, m in naming_maps().items()
+              if not m.guess_requires or m.guess_requires & keys}
     best = max(scores.values(), default=0)
     winners = [a for a, s in scores.items() if s == best]
     return winners[0] if best and len(winners) == 1 else None

@@ -6,12 +6,15 @@ tensor beyond renaming it: an elementwise ``value`` map (zero-centred norms gain
 from grouped by key head (``[g0v0, g0v1, g1v0, g1v1]``) to tiled (``[g0v0, g1v0, g0v1, g1v1]``), which llama.cpp
 broadcasts against the key heads. Row reorders become ``rows`` segments (one per head), so bytes are still read
 row by row; a column reorder and a value map ride on the segments (``col_tile``, ``value``) and the worker applies
-them after decoding. Nothing here reads tensor data.
+them after decoding. :func:`undo` is the inverse on a whole stored array, for reading such a GGUF back into the
+reference model (verify). :func:`apply` reads no tensor data.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
+
+import numpy as np
 
 from ktconvert.errors import InputError
 
@@ -66,3 +69,51 @@ def _v_heads(kind, seg, shape, nk, per_k, kd, vd, name, where):
     for i, src in enumerate(order):
         out.append(replace(seg, start=lead + i * head, rows=head, src_row=lead + src * head))
     return tuple(out)
+
+
+def redo(arr: np.ndarray, transform: dict, config: dict | None, where: str) -> np.ndarray:
+    """``transform`` applied to a whole Hugging Face array (the inverse of :func:`undo`; writers of test GGUFs)."""
+    out = np.array(arr, dtype=np.float32)
+    if transform.get("squeeze"):
+        out = out.reshape(tuple(d for d in out.shape if d != 1) or (1,))
+    kind = transform.get("v_heads")
+    if kind:
+        nk, nv, kd, vd = _linear_dims(config, where)
+        if nv // nk > 1:
+            out = _untile(out, kind, nv // nk, nk, kd, vd, forward=True)
+    if transform.get("value") == "add_one":
+        out = out + np.float32(1.0)
+    elif transform.get("value") == "neg_exp":
+        out = -np.exp(out)
+    return out
+
+
+def undo(arr: np.ndarray, transform: dict, config: dict | None, where: str) -> np.ndarray:
+    """The Hugging Face values of a GGUF tensor that ``transform`` made (size-1 axes are left to the caller)."""
+    out = np.array(arr, dtype=np.float32)
+    kind = transform.get("v_heads")
+    if kind:
+        nk, nv, kd, vd = _linear_dims(config, where)
+        per_k = nv // nk
+        if per_k > 1:
+            out = _untile(out, kind, nk, per_k, kd, vd)
+    if transform.get("value") == "add_one":
+        out = out - np.float32(1.0)
+    elif transform.get("value") == "neg_exp":
+        out = np.log(-out)
+    return out
+
+
+def _untile(a: np.ndarray, kind: str, nk: int, per_k: int, kd: int, vd: int, forward: bool = False) -> np.ndarray:
+    """Value heads tiled -> grouped: ``[per_k, nk]`` head blocks swapped to ``[nk, per_k]``. ``forward`` (called
+    with the two counts exchanged) is grouped -> tiled: the same swap of the other block shape."""
+    key_heads = per_k if forward else nk  # the q/k rows ahead of the value rows belong to the key heads
+    if kind in ("scalar_cols", "value_cols"):
+        width = 1 if kind == "scalar_cols" else vd
+        lead = a.shape[:-1]
+        return a.reshape(*lead, per_k, nk, width).swapaxes(-3, -2).reshape(a.shape)
+    head = 1 if kind == "scalar_rows" else vd
+    lead = 2 * key_heads * kd if kind == "qkv_value_rows" else 0
+    flat = a.reshape(a.shape[0], -1)
+    v = flat[lead:].reshape(per_k, nk, head, -1).swapaxes(0, 1).reshape(-1, flat.shape[1])
+    return np.concatenate([flat[:lead], v]).reshape(a.shape)
