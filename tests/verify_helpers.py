@@ -105,7 +105,7 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
     return Path(out)
 
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_5_moe")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_5_moe", "qwen3_vl_moe")
 REPO = Path(__file__).resolve().parents[1]
 
 

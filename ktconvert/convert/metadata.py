@@ -92,6 +92,9 @@ _ARCH_KEYS = {
                                                     [t == "linear_attention" for t in c.layer_types]),
     "full_attention_interval": lambda w, c, n: w.add_full_attention_interval(int(c.raw.get("full_attention_interval", 4))),
     "partial_rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.rope.dim),
+    # Qwen3-VL: vision layers whose features join the text model (0 for text only; the key is read by llama.cpp)
+    "n_deepstack_layers": lambda w, c, n: w.add_num_deepstack_layers(len(
+        (c.raw.get("vision_config") or {}).get("deepstack_visual_indexes") or ())),
     # llama.cpp divides by 0.1 again
     "rope_scaling_yarn_log_mul": lambda w, c, n: _if(
         c.rope.kind == "yarn" and c.rope.mscale_all_dim, lambda: w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)),

@@ -141,6 +141,8 @@ def text_view(raw: dict) -> dict:
     merged = {**{k: v for k, v in raw.items() if k != "text_config"}, **text}
     if family_of(raw) is not None:  # the wrapper's model_type or architectures name the family
         merged.update({k: raw[k] for k in ("model_type", "architectures") if k in raw})
+    if "tie_word_embeddings" in raw:  # the wrapper owns lm_head (Qwen3-VL's text_config says true, its top level false)
+        merged["tie_word_embeddings"] = raw["tie_word_embeddings"]
     return merged
 
 

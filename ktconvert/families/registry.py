@@ -95,6 +95,11 @@ class FamilySpec:
     def ignore_prefixes(self) -> tuple[str, ...]:
         return tuple(self.data.get("checkpoint", {}).get("ignore_prefixes", ()))
 
+    @property
+    def fused_orientation(self) -> str | None:
+        """``standard`` / ``transposed``: how the published checkpoints store packed experts (None: not said)."""
+        return self.data.get("checkpoint", {}).get("fused_orientation")
+
     def canonical_name(self, name: str) -> str:
         """A published tensor name as the reference model names it (``model.language_model.x`` -> ``model.x``)."""
         for prefix, means in self.prefix_aliases:

@@ -257,7 +257,33 @@ def tiny_tensors(family: str) -> dict[str, np.ndarray]:
     raw = tiny_config(family)
     cfg = normalize_config(raw)
     sp = families.spec(family)
-    return {sp.published_name(spec.name): _fill(family, cfg, spec) for spec in tensor_specs(cfg)}
+    tensors = {spec.name: _fill(family, cfg, spec) for spec in tensor_specs(cfg)}
+    if sp.fused_orientation:
+        tensors = _packed(cfg, tensors, sp.fused_orientation)
+    return {sp.published_name(name): arr for name, arr in tensors.items()}
+
+
+def _packed(cfg: MoeConfig, tensors: dict[str, np.ndarray], orientation: str) -> dict[str, np.ndarray]:
+    """Per-expert tensors packed per layer as the spec's releases store them: ``gate_up_proj`` ``[E, 2I, H]`` (gate rows
+    first) and ``down_proj`` ``[E, H, I]``, or both transposed (``[E, H, 2I]``, ``[E, I, H]``); no ``.weight``."""
+    gate_n, up_n, down_n = cfg.expert_proj_names
+    out: dict[str, np.ndarray] = {}
+    for name, arr in tensors.items():
+        if ".experts." not in name:
+            out[name] = arr
+            continue
+        prefix = name.split(".experts.")[0] + ".experts"
+        if f"{prefix}.gate_up_proj" in out:
+            continue
+        per = range(cfg.num_experts)
+        gu = np.stack([np.concatenate([tensors[f"{prefix}.{e}.{gate_n}.weight"], tensors[f"{prefix}.{e}.{up_n}.weight"]])
+                       for e in per])
+        down = np.stack([tensors[f"{prefix}.{e}.{down_n}.weight"] for e in per])
+        if orientation == "transposed":
+            gu, down = gu.transpose(0, 2, 1), down.transpose(0, 2, 1)
+        out[f"{prefix}.gate_up_proj"] = np.ascontiguousarray(gu)
+        out[f"{prefix}.down_proj"] = np.ascontiguousarray(down)
+    return out
 
 
 def tiny_files(family: str) -> dict[str, bytes]:
