@@ -10,7 +10,7 @@ from ktconvert.io import resources
 from ktconvert.errors import InputError
 from ktconvert.formats import guess_arch, load_naming_map, naming_map, naming_maps, open_checkpoint, to_gguf_name, to_hf_name
 
-ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama", "qwen35moe", "qwen3vlmoe")
+ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama", "qwen35moe", "qwen3vlmoe", "glm-dsa")
 
 
 @pytest.fixture(scope="module")

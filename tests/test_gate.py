@@ -159,7 +159,7 @@ def test_select_list_and_json(tmp_path):
     r = run("gate", "-k", "mixtral*", "--list")
     assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 5
     r = run("gate", "-k", "q8_0", "--list")
-    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 12  # seven families, three serve files, two kt-kernel
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 13  # eight families, three serve files, two kt-kernel
     r = run("gate", "-k", "nothing-like-this")
     assert r.exit_code == 2 and "selects no case" in r.output
 

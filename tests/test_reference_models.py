@@ -264,6 +264,8 @@ TREE = {
     "qwen3_5_moe": ["model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.conv1d", "model.layers.0.linear_attn.norm",
                     "model.layers.0.linear_attn.out_proj", "model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.rotary_emb",
                     "model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.experts.7.down_proj"],
+    "glm_moe_dsa": ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.indexer.wq_b", "model.layers.2.self_attn.indexer.k_norm",
+                    "model.layers.1.mlp.gate", "model.layers.2.mlp.shared_experts.up_proj"],
     "qwen3_vl_moe": ["model.layers.0.self_attn.q_norm", "model.layers.1.mlp.experts.7.gate_proj", "model.layers.1.mlp.gate",
                      "model.norm", "lm_head"],
 }

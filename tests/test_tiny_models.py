@@ -269,8 +269,8 @@ def test_bf16_does_not_flip_any_expert_over_the_golden_prompt(family, tiny_root,
     assert len(fp32) == len(normalize_config(tiny_config(family)).moe_layers)
     for layer, (a, b) in enumerate(zip(fp32, bf16)):
         assert torch.equal(a, b), f"{family}: bf16 changed the routing of MoE layer {layer}"
-    # the design margins (see ktconvert.model.tiny): several logits, or 0.2 in V3's sigmoid+bias space
-    assert min(gaps) > (0.2 if family == "deepseek_v3" else 3.0), gaps
+    # the design margins (see ktconvert.model.tiny): several logits, or 0.2 in the sigmoid+bias space (V3, GLM-5)
+    assert min(gaps) > (0.2 if model.config.scoring_func == "sigmoid" else 3.0), gaps
     # every expert is used somewhere, so a fault in any expert shows in the outputs
     assert all(torch.bincount(p.flatten(), minlength=8).min() > 0 for p in fp32)
 

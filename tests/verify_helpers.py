@@ -62,6 +62,12 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
         m = nm.lookup(name)
         gname = m.gguf_name if m else None
         assert gname is not None, name
+        if dict(m.transform).get("kv_b_split"):  # glm-dsa stores kv_b_proj only as attn_k_b / attn_v_b
+            nope, vdim, rank = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+            kv = w.reshape(heads, nope + vdim, rank)
+            tensors[gname] = (np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), "F32")
+            tensors[gname.replace("attn_k_b", "attn_v_b")] = (np.ascontiguousarray(kv[:, nope:]), "F32")
+            continue
         if m.transform:  # llama.cpp's value changes (Qwen3.5: norms + 1, -exp(A_log), tiled value heads)
             w = transforms.redo(w, dict(m.transform), cfg.raw, name)
         if nm.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
@@ -105,7 +111,8 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
     return Path(out)
 
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_5_moe", "qwen3_vl_moe")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "qwen3_5_moe", "qwen3_vl_moe",
+            "glm_moe_dsa")
 REPO = Path(__file__).resolve().parents[1]
 
 

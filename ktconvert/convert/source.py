@@ -55,6 +55,7 @@ class Segment:
     method: str = ""  # kt-amx: AMXINT8 / AMXINT4
     value: str = ""  # elementwise map after decoding: add_one / neg_exp (formats.transforms)
     col_tile: tuple[int, ...] = ()  # (key heads, value heads per key head, width): columns grouped -> tiled
+    t_rows: int = 0  # block_t: output rows are the columns of source rows [src_row, src_row + t_rows)
 
     def to_dict(self) -> dict:
         d = {"rows": [self.start, self.start + self.rows], "source": self.source, "op": self.op}
@@ -64,6 +65,8 @@ class Segment:
             d["source_rows"] = [self.src_row, self.src_row + self.rows]
         elif self.op == "transpose":
             d.update(expert=self.expert, source_cols=[self.src_col, self.src_col + self.rows])
+        elif self.op == "block_t":
+            d.update(source_rows=[self.src_row, self.src_row + self.t_rows], source_cols=[0, self.rows])
         else:
             d["heads"] = self.heads
         if self.scale:
@@ -191,8 +194,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                                  path=shown, where=f"tensor {name}", fix="check num_attention_heads in config.json")
             seg = Segment(0, shape[0], name, op="permute", heads=heads)
         if m.transform and m.side == "hf":
-            shape, segs = transforms.apply(name, tuple(shape), dict(m.transform), cfg_dict, seg, f"tensor {name}")
-            items.append(Item(out, m.hf_name, tuple(shape), segs, info.dtype, m.group, m.layer))
+            for sib in (nm.hf_siblings(m) if dict(m.transform).get("kv_b_split") else [m]):
+                sshape, segs = transforms.apply(name, tuple(shape), dict(sib.transform), cfg_dict, seg, f"tensor {name}")
+                items.append(Item(sib.gguf_name, sib.hf_name, tuple(sshape), segs, info.dtype, sib.group, sib.layer))
             continue
         items.append(Item(out, m.hf_name, tuple(shape), (seg,), info.dtype, m.group, m.layer))
     for name in report.unknown:

@@ -288,6 +288,8 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
             w = fp8.weight(ck, s.source, s.scale, s.block)
             if s.op == "rows":
                 x[pos: pos + n] = fp8.read_rows(ck, w, s.src_row + i, s.src_row + i + n)
+            elif s.op == "block_t":
+                x[pos: pos + n] = fp8.read_rows(ck, w, s.src_row, s.src_row + s.t_rows).T[i: i + n]
             else:
                 half = s.rows // s.heads // 2
                 head, rem = np.divmod(np.arange(i, i + n), 2 * half)
@@ -304,6 +306,9 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
             elif s.op == "transpose":
                 slab = ck.read(s.source)[s.expert]
                 part = _decode(slab[:, s.src_col + i: s.src_col + i + n], dtype).T
+            elif s.op == "block_t":  # columns of a block of source rows (MLA's k_b per head)
+                block = _rows2d(ck, s.source)[s.src_row: s.src_row + s.t_rows]
+                part = _decode(block, dtype).T[i: i + n]
             else:  # permute: llama.cpp's rope row order within each head (convert_hf_to_gguf's LlamaModel.permute)
                 src = _rows2d(ck, s.source)
                 half = s.rows // s.heads // 2
@@ -328,6 +333,7 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
         at = {"rows": lambda: f"row {s.src_row + k}, column {c}",
               "transpose": lambda: f"expert {s.expert}, row {c}, column {s.src_col + k}",
               "kt-amx": lambda: f"row {s.src_row + k}, column {c} (dequantized)",
+              "block_t": lambda: f"row {s.src_row + c}, column {k}",
               "permute": lambda: f"row {int(idx[r - pos])}, column {c}"}[s.op]()
         raise InputError(f"non-finite value {x[r, c]} at {at}", path=None, where=f"tensor {s.source}",
                          fix="the checkpoint is corrupt or was saved from a diverged run; fix or drop that tensor")

@@ -52,6 +52,15 @@ class LinearAttentionDims:
 
 
 @dataclass(frozen=True)
+class IndexerDims:
+    """DeepSeek Sparse Attention indexer sizes (config ``index_*``)."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """The fields the reference models need, with defaults resolved per family."""
 
@@ -92,6 +101,7 @@ class MoeConfig:
     # hybrid attention (spec attention.kind gated_deltanet_hybrid): each layer's kind, and the linear layers' dims
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionDims | None = None
+    indexer: IndexerDims | None = None  # DSA (spec attention.dsa_indexer)
     bos_token_id: int | None = None
     eos_token_id: Any = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -253,6 +263,11 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
             v_head_dim=g.int("v_head_dim"),
             rope_interleave=bool(g.opt(interleave_key, True)) if interleave_key else True,
         )
+        if sp.section("attention").get("dsa_indexer"):
+            kwargs["indexer"] = _indexer(g, raw, layers, int(kwargs["qk_rope_head_dim"]), path)
+            if kwargs["q_lora_rank"] is None:
+                raise InputError("the DSA indexer reads the q LoRA latent: q_lora_rank must be set", path=path,
+                                 where="q_lora_rank")
         if kv_heads != heads:
             raise InputError(
                 f"MLA expands keys per attention head: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads})",
@@ -306,6 +321,19 @@ def _rotary_dim(raw: dict, head_dim: int, path: str | None) -> int:
         raise InputError(f"partial_rotary_factor {factor} gives a rotary width of {dim} of a {head_dim}-wide head "
                          "(it must be even and at most the head)", path=path, where="partial_rotary_factor")
     return dim
+
+
+def _indexer(g: "_Getter", raw: dict, layers: int, rope_dim: int, path: str | None) -> IndexerDims:
+    """The DSA indexer's sizes; every layer must run its own indexer (``indexer_types`` all ``full``)."""
+    dims = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"))
+    if dims.head_dim < rope_dim or min(dims.n_heads, dims.topk) < 1:
+        raise InputError(f"index_head_dim={dims.head_dim} must hold qk_rope_head_dim={rope_dim}; index_n_heads and "
+                         "index_topk must be positive", path=path, where="index_head_dim")
+    types = raw.get("indexer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != layers or set(types) != {"full"}):
+        raise InputError("only indexer_types of all \"full\" layers are supported (a \"shared\" layer reuses another "
+                         "layer's selection)", path=path, where="indexer_types")
+    return dims
 
 
 _LAYER_KINDS = ("linear_attention", "full_attention")

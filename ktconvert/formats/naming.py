@@ -174,6 +174,19 @@ class NamingMap:
                     return NameMatch(**{**m.__dict__, "name": name, "via_alias": True})
         return None
 
+    def hf_siblings(self, m: NameMatch) -> list[NameMatch]:
+        """Every non-expert match of HF tensor ``m.name`` (one HF tensor that llama.cpp splits into several)."""
+        key, values = _key_of_name(m.hf_name or m.name)
+        out = []
+        for slot in self._index.get(key, []):
+            if slot.entry is None or slot.side != "hf":
+                continue
+            e, L = slot.entry, dict(zip(slot.placeholders, values)).get("L")
+            out.append(NameMatch(name=m.name, arch=self.arch, group=e.group, side="hf", layer=L,
+                                 gguf_name=_render(e.gguf, L=L), hf_name=_render(e.hf[0], L=L), derived=e.derived,
+                                 via_alias=m.via_alias, transform=e.transform))
+        return out
+
     def _lookup_direct(self, name: str) -> NameMatch | None:
         key, values = _key_of_name(name)
         slots = self._index.get(key)

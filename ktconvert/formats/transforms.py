@@ -28,6 +28,8 @@ def apply(name: str, shape: tuple[int, ...], transform: dict, config: dict | Non
     """``(shape, segments)`` of the GGUF tensor made from HF tensor ``name`` (``seg``: its plain one-segment copy)."""
     if not transform:
         return shape, (seg,)
+    if transform.get("kv_b_split"):
+        return _kv_b_split(transform["kv_b_split"], shape, config, seg, where)
     if transform.get("squeeze"):
         shape = tuple(d for d in shape if d != 1) or (1,)
     segs = (replace(seg, value=transform.get("value", "")),)
@@ -37,6 +39,27 @@ def apply(name: str, shape: tuple[int, ...], transform: dict, config: dict | Non
         if nv != nk:  # equal counts: grouped and tiled are the same order
             segs = _v_heads(kind, segs[0], shape, nk, nv // nk, kd, vd, name, where)
     return shape, segs
+
+
+def _mla_dims(config: dict | None, shape, where: str) -> tuple[int, int, int, int]:
+    from ktconvert.families import text_view
+
+    c = text_view(config or {})
+    vals = [c.get(k) for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank")]
+    if any(type(v) is not int or v <= 0 for v in vals) or tuple(shape) != (vals[0] * (vals[1] + vals[2]), vals[3]):
+        raise InputError(f"kv_b_proj {list(shape)} is not [num_attention_heads x (qk_nope_head_dim + v_head_dim), "
+                         "kv_lora_rank] for config.json", where=where, fix="pass --config with the model's config.json")
+    return tuple(vals)
+
+
+def _kv_b_split(part: str, shape, config, seg, where: str):
+    heads, nope, v, rank = _mla_dims(config, shape, where)
+    if part == "v_b":  # [heads, v, rank]: each head's last v rows
+        return (heads, v, rank), tuple(replace(seg, start=h * v, rows=v, src_row=h * (nope + v) + nope)
+                                       for h in range(heads))
+    # k_b [heads, rank, nope]: each head's first nope rows, transposed
+    return (heads, rank, nope), tuple(replace(seg, start=h * rank, rows=rank, op="block_t", src_row=h * (nope + v),
+                                              t_rows=nope) for h in range(heads))
 
 
 def _linear_dims(config: dict | None, where: str) -> tuple[int, int, int, int]:

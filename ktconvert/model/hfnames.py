@@ -20,6 +20,7 @@ ROLES = (
     "rotary",
     "rmsnorm",
     "gated_rmsnorm",  # Gated DeltaNet's output norm
+    "indexer",  # DSA sparse-attention indexer
     "mlp",  # dense MLP, shared experts, and each routed expert
     "moe_block",
     "gate",
@@ -40,7 +41,8 @@ def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[s
     sp = families.spec(family)
     classes = sp.section("classes")
     p = sp.prefix
-    if role in ("causal_lm", "model", "decoder_layer", "attention", "linear_attention", "rmsnorm", "gated_rmsnorm"):
+    if role in ("causal_lm", "model", "decoder_layer", "attention", "linear_attention", "rmsnorm", "gated_rmsnorm",
+                "indexer"):
         suffix = {
             "causal_lm": "ForCausalLM",
             "model": "Model",
@@ -49,6 +51,7 @@ def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[s
             "linear_attention": "GatedDeltaNet",
             "rmsnorm": "RMSNorm",
             "gated_rmsnorm": "RMSNormGated",
+            "indexer": "Indexer",
         }[role]
         return (p + suffix,), (p + suffix,)
     if role == "rotary":

@@ -162,8 +162,10 @@ def apply_rope_complex(q, k, freqs_cis):
     return rotate(q), rotate(k)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) -> torch.Tensor:
-    """Eager causal attention. ``q [B, h, T, d]`` are the last T positions of keys ``[B, kv, S, d]``."""
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+           allowed: torch.Tensor | None = None) -> torch.Tensor:
+    """Eager causal attention. ``q [B, h, T, d]`` are the last T positions of keys ``[B, kv, S, d]``; ``allowed``
+    ``[B, T, S]`` (a sparse-attention selection) masks every other key as well."""
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
         k = k.repeat_interleave(groups, dim=1)
@@ -174,6 +176,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float) ->
         qpos = torch.arange(t, device=q.device) + (s - t)
         future = torch.arange(s, device=q.device)[None, :] > qpos[:, None]
         w = w.masked_fill(future, float("-inf"))
+    if allowed is not None:
+        w = w.masked_fill(~allowed[:, None], float("-inf"))
     w = F.softmax(w, dim=-1, dtype=torch.float32).to(q.dtype)
     out = torch.matmul(w, v).transpose(1, 2).contiguous()
     return out.reshape(out.shape[0], out.shape[1], -1)
@@ -358,13 +362,16 @@ class MLAttention(Tagged, nn.Module):
         self.interleave = cfg.rope_interleave
         self.complex_rope = bool(cfg.spec.section("attention").get("complex_rope"))  # transformers 5 V2 ignores rope_interleave
         self.scaling = softmax_scale(self.qk_head_dim, cfg.rope)
+        self.indexer = DsaIndexer(cfg, layer_idx) if cfg.indexer is not None else None
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = hidden.shape
+        q_resid = None
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         q = q.view(b, t, -1, self.qk_head_dim).transpose(1, 2)
         q_nope, q_rot = torch.split(q, [self.nope, self.rope_dim], dim=-1)
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden), [self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -383,7 +390,52 @@ class MLAttention(Tagged, nn.Module):
         k_nope, value = torch.split(kv, [self.nope, self.v_dim], dim=-1)
         key = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         query = torch.cat((q_nope, q_rot), dim=-1)
-        return self.o_proj(attend(query, key, value, self.scaling))
+        allowed = None
+        if self.indexer is not None:
+            allowed = self.indexer(hidden, q_resid, self.rotary_emb(hidden, position_ids), s - t, cache)
+        return self.o_proj(attend(query, key, value, self.scaling, allowed))
+
+
+class DsaIndexer(Tagged, nn.Module):
+    """DeepSeek Sparse Attention's indexer (GLM-5): which ``index_topk`` keys each query may attend to.
+
+    Per head ``h``: ``relu(q_h . k / sqrt(d))`` with ``q = wq_b(q_resid)`` and one shared key
+    ``k = LayerNorm(wk(x))``, their first ``qk_rope_head_dim`` dims rotated in interleaved pairs; the heads are
+    summed with weights ``weights_proj(x) / sqrt(heads)``; future keys are masked; the top ``index_topk`` keys
+    are kept. Computed in float32 in transformers' operation order, so score ties break the same way.
+    """
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int):
+        super().__init__()
+        d = cfg.indexer
+        self.layer_idx = layer_idx
+        self.n_heads, self.head_dim, self.topk = d.n_heads, d.head_dim, d.topk
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.wq_b = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(d.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, d.n_heads, bias=False)
+
+    def forward(self, hidden, q_resid, cos_sin, past: int, cache: KVCache | None = None) -> torch.Tensor:
+        """``allowed [B, T, S]``: the keys each of the T queries (positions ``past ..``) keeps."""
+        b, t, _ = hidden.shape
+        cos, sin = cos_sin
+        q = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(hidden)).unsqueeze(2)  # [B, T, 1, D]
+        r = self.rope_dim
+        q_rot, k_rot = apply_rope_interleaved(q[..., :r].transpose(1, 2), k[..., :r].transpose(1, 2), cos, sin)
+        q = torch.cat([q_rot.transpose(1, 2), q[..., r:]], dim=-1)
+        k = torch.cat([k_rot.transpose(1, 2), k[..., r:]], dim=-1).squeeze(2)  # [B, T, D]
+        if cache is not None:
+            k = cache.update(("dsa", self.layer_idx), k.unsqueeze(1))[0].squeeze(1)
+        s = k.shape[1]
+        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim**-0.5)
+        weights = self.weights_proj(hidden).float() * self.n_heads**-0.5
+        index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S]
+        future = torch.arange(s, device=hidden.device)[None, :] > (torch.arange(t, device=hidden.device) + past)[:, None]
+        index = index + torch.zeros_like(index).masked_fill(future, torch.finfo(torch.float32).min)
+        ids = index.topk(min(self.topk, s), dim=-1).indices
+        return torch.zeros(b, t, s, dtype=torch.bool, device=hidden.device).scatter(-1, ids, True)
 
 
 class GatedMLP(Tagged, nn.Module):

@@ -34,6 +34,7 @@ from ktconvert.model import hfnames
 from ktconvert.model.modules import (
     Attention,
     DeepseekMoE,
+    DsaIndexer,
     GatedMLP,
     GatedDeltaNet,
     GatedRMSNorm,
@@ -157,6 +158,8 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
                 _tag(sub, fam, "rmsnorm")
             elif isinstance(sub, GatedRMSNorm):
                 _tag(sub, fam, "gated_rmsnorm")
+            elif isinstance(sub, DsaIndexer):
+                _tag(sub, fam, "indexer")
         block = layer.feed_forward
         if isinstance(block, GatedMLP):
             _tag(block, fam, "mlp")

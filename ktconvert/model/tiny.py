@@ -168,6 +168,13 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
             add(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,), "norm")
             add(f"{a}.kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "linear")
             add(f"{a}.o_proj.weight", (h, nh * cfg.v_head_dim), "out_linear")
+            if cfg.indexer is not None:
+                d, ix = cfg.indexer, f"{a}.indexer"
+                add(f"{ix}.wq_b.weight", (d.n_heads * d.head_dim, cfg.q_lora_rank), "linear")
+                add(f"{ix}.wk.weight", (d.head_dim, h), "linear")
+                add(f"{ix}.k_norm.weight", (d.head_dim,), "norm")
+                add(f"{ix}.k_norm.bias", (d.head_dim,), "bias")
+                add(f"{ix}.weights_proj.weight", (d.n_heads, h), "linear")
         else:
             hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
             for proj, rows in (("q_proj", nh * hd * gated_q), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):

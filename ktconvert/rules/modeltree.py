@@ -163,6 +163,12 @@ def _attention(layer: Node, sp, mc, pre: str) -> None:
         attn.add("kv_b_proj", "Linear")
         attn.add("o_proj", "Linear")
         attn.add("rotary_emb", sp.section("classes").get("tree_rotary", f"{pre}RotaryEmbedding"))
+        if mc.indexer is not None:
+            ix = attn.add("indexer", f"{pre}Indexer")
+            ix.add("wq_b", "Linear")
+            ix.add("wk", "Linear")
+            ix.add("k_norm", "LayerNorm")
+            ix.add("weights_proj", "Linear")
         return
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         attn.add(name, "Linear")

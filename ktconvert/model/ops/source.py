@@ -180,6 +180,8 @@ class WeightSource:
             blocks = self.expert_blocks(m.layer)
             return getattr(blocks, m.projection).expert(m.expert)
         gname = m.gguf_name
+        if dict(m.transform).get("kv_b_split"):  # an architecture that stores kv_b_proj only split (glm-dsa)
+            return self._kv_b_from_split(gname.replace(".attn_k_b.", ".attn_kv_b.").replace(".attn_v_b.", ".attn_kv_b."), name)
         if gname not in self._types and gname.endswith(".attn_kv_b.weight"):
             return self._kv_b_from_split(gname, name)
         if gname not in self._types:
