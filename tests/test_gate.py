@@ -52,10 +52,10 @@ def test_unmodified_tree_passes_the_whole_gate(tmp_path):
     from ktconvert.kernel import probe_kernel
 
     junit = tmp_path / "gate.xml"
-    expect = 39  # 31 emulated cases + 8 through the real kt-kernel (6 GGUF via LLAMAFILE, 2 kt-amx via AMX)
+    expect = 48  # 40 emulated cases + 8 through the real kt-kernel (6 GGUF via LLAMAFILE, 2 kt-amx via AMX)
     extra = []
     if not probe_kernel()["available"]:  # the kernel cases need kt-kernel; the rest of the gate still runs
-        extra, expect = [_suite_without_kernel_cases(tmp_path)], 31
+        extra, expect = [_suite_without_kernel_cases(tmp_path)], 40
     r = run("gate", *extra, "--jobs", "2", "--junit", junit)
     assert r.exit_code == 0, r.output
     assert f"{expect}/{expect} cases passed" in r.output and "gate green" in r.output
