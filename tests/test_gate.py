@@ -29,8 +29,9 @@ def _junit_cases(path):
 
 def test_shipped_suite_covers_families_types_and_backends():
     suite = load_suite(default_suite_path())
-    assert {c.family for c in suite.cases} == {"qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe",
-                                               "minimax_m2", "gpt_oss"}
+    from ktconvert.families import FAMILIES
+
+    assert {c.family for c in suite.cases} == set(FAMILIES)  # every registered family has gate cases
     assert {c.conversion for c in suite.cases} == {"type:F32", "type:BF16", "type:Q8_0", "recipe:Q4_K_M", "type:Q6_K",
                                                    "kt-amx:type:AMXINT8", "kt-amx:type:AMXINT4"}
     assert {c.rules.name for c in suite.cases} >= {"qwen3_moe.yaml", "qwen3_moe-serve.yaml", "deepseek_v3-serve.yaml",
@@ -52,10 +53,10 @@ def test_unmodified_tree_passes_the_whole_gate(tmp_path):
     from ktconvert.kernel import probe_kernel
 
     junit = tmp_path / "gate.xml"
-    expect = 50  # 42 emulated cases + 8 through the real kt-kernel (6 GGUF via LLAMAFILE, 2 kt-amx via AMX)
+    expect = 59  # 51 emulated cases + 8 through the real kt-kernel (6 GGUF via LLAMAFILE, 2 kt-amx via AMX)
     extra = []
     if not probe_kernel()["available"]:  # the kernel cases need kt-kernel; the rest of the gate still runs
-        extra, expect = [_suite_without_kernel_cases(tmp_path)], 42
+        extra, expect = [_suite_without_kernel_cases(tmp_path)], 51
     r = run("gate", *extra, "--jobs", "2", "--junit", junit)
     assert r.exit_code == 0, r.output
     assert f"{expect}/{expect} cases passed" in r.output and "gate green" in r.output
@@ -159,7 +160,7 @@ def test_select_list_and_json(tmp_path):
     r = run("gate", "-k", "mixtral*", "--list")
     assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 5
     r = run("gate", "-k", "q8_0", "--list")
-    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 15  # seven single-request families, Kimi-K2 and Moonlight, four serve files, two kt-kernel
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 18  # ten single-request families, Kimi-K2 and Moonlight, four serve files, two kt-kernel
     r = run("gate", "-k", "nothing-like-this")
     assert r.exit_code == 2 and "selects no case" in r.output
 

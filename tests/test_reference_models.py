@@ -101,13 +101,14 @@ def test_importing_the_package_does_not_import_torch():
 def _hub_spelling(family: str) -> dict:
     """The tiny config as the authors' remote-code configs on the hub spell it."""
     raw = tiny_config(family)
-    rope = raw.pop("rope_parameters")
-    raw["rope_theta"] = rope.pop("rope_theta")
+    text = raw.get("text_config", raw)  # a multimodal wrapper nests the text model's keys
+    rope = text.pop("rope_parameters")
+    text["rope_theta"] = rope.pop("rope_theta")
     rope.pop("rope_type")
     raw.pop("dtype")
     raw["torch_dtype"] = "float32"
     if rope:
-        raw["rope_scaling"] = rope  # keeps the legacy "type": "yarn"
+        text["rope_scaling"] = rope  # keeps the legacy "type": "yarn" (and Qwen3.5's partial_rotary_factor)
     if family == "qwen3_moe":
         raw["num_experts"] = raw.pop("num_local_experts")
         raw["rope_scaling"] = None
@@ -266,6 +267,13 @@ TREE = {
     "minimax_m2": ["model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.experts.3.w1",
                    "model.layers.0.self_attn.k_norm"],
     "gpt_oss": ["model.layers.0.mlp.router", "model.layers.1.mlp.experts.7.down_proj", "model.layers.0.self_attn.o_proj"],
+    "qwen3_5_moe": ["model.layers.0.linear_attn.in_proj_qkv", "model.layers.0.linear_attn.conv1d", "model.layers.0.linear_attn.norm",
+                    "model.layers.0.linear_attn.out_proj", "model.layers.1.self_attn.q_norm", "model.layers.1.self_attn.rotary_emb",
+                    "model.layers.0.mlp.shared_expert_gate", "model.layers.1.mlp.experts.7.down_proj"],
+    "glm_moe_dsa": ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.indexer.wq_b", "model.layers.2.self_attn.indexer.k_norm",
+                    "model.layers.1.mlp.gate", "model.layers.2.mlp.shared_experts.up_proj"],
+    "qwen3_vl_moe": ["model.layers.0.self_attn.q_norm", "model.layers.1.mlp.experts.7.gate_proj", "model.layers.1.mlp.gate",
+                     "model.norm", "lm_head"],
 }
 
 

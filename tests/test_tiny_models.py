@@ -214,8 +214,16 @@ def test_config_json_is_the_spelling_transformers_writes(family, tiny_root, tmp_
 def test_transformers_loads_every_tensor(family, tiny_root, one_thread):
     transformers = _transformers_523()
     transformers.utils.logging.disable_progress_bar()
-    _, info = transformers.AutoModelForCausalLM.from_pretrained(tiny_root / family, output_loading_info=True)
-    assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+    from ktconvert import families
+
+    try:
+        _, info = transformers.AutoModelForCausalLM.from_pretrained(tiny_root / family, output_loading_info=True)
+    except ValueError:  # no causal-LM class for a multimodal wrapper (Qwen3-VL-MoE): its image-text-to-text model
+        _, info = transformers.AutoModelForImageTextToText.from_pretrained(tiny_root / family, output_loading_info=True)
+    # the tiny models hold the language model only: a wrapper's vision tower is the one thing allowed to be missing
+    outside = families.spec(family).ignore_prefixes
+    missing = [k for k in info["missing_keys"] if not (outside and k.startswith(outside))]
+    assert not missing and not info["unexpected_keys"] and not info["mismatched_keys"]
 
 
 def test_tokenizer_loads_and_round_trips(tiny_root):

@@ -22,7 +22,7 @@ import gguf
 import numpy as np
 
 from ktconvert import families, quant
-from ktconvert.formats import naming_map
+from ktconvert.formats import naming_map, transforms
 from ktconvert.model import load_config
 from ktconvert.model.ops.source import permute_rope_rows
 from ktconvert.model.weights import read_tensors, to_reference_state
@@ -59,8 +59,17 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
             tensors[nm.expert_name("gguf-merged", p, layer)] = (w, expert_type)
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     for name, w in state.items():
-        gname = nm.to_gguf(name)
+        m = nm.lookup(name)
+        gname = m.gguf_name if m else None
         assert gname is not None, name
+        if dict(m.transform).get("kv_b_split"):  # glm-dsa stores kv_b_proj only as attn_k_b / attn_v_b
+            nope, vdim, rank = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+            kv = w.reshape(heads, nope + vdim, rank)
+            tensors[gname] = (np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), "F32")
+            tensors[gname.replace("attn_k_b", "attn_v_b")] = (np.ascontiguousarray(kv[:, nope:]), "F32")
+            continue
+        if m.transform:  # llama.cpp's value changes (Qwen3.5: norms + 1, -exp(A_log), tiled value heads)
+            w = transforms.redo(w, dict(m.transform), cfg.raw, name)
         if nm.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             w = permute_rope_rows(w, heads if ".attn_q." in gname else kv_heads)
         if gname.endswith("ffn_gate_inp_shexp.weight"):
@@ -102,7 +111,8 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
     return Path(out)
 
 
-FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2")
+FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "qwen3_5_moe",
+            "qwen3_vl_moe", "glm_moe_dsa")
 REPO = Path(__file__).resolve().parents[1]
 
 

@@ -85,10 +85,41 @@ _ARCH_KEYS = {
     "sliding_window": lambda w, c, n: _if(c.sliding_window, lambda: (
         w.add_sliding_window(c.sliding_window),
         w.add_sliding_window_pattern([i in c.sliding_layers for i in range(n)]))),
+    # Gated DeltaNet hybrids (what llama.cpp's Qwen3-Next / Qwen3.5 converters write)
+    "rope_dimension_sections": lambda w, c, n: w.add_rope_dimension_sections(_mrope_sections(c)),
+    "ssm_conv_kernel": lambda w, c, n: w.add_ssm_conv_kernel(c.linear.conv_kernel),
+    "ssm_state_size": lambda w, c, n: w.add_ssm_state_size(c.linear.key_head_dim),
+    "ssm_group_count": lambda w, c, n: w.add_ssm_group_count(c.linear.num_key_heads),
+    "ssm_time_step_rank": lambda w, c, n: w.add_ssm_time_step_rank(c.linear.num_value_heads),
+    "ssm_inner_size": lambda w, c, n: w.add_ssm_inner_size(c.linear.value_head_dim * c.linear.num_value_heads),
+    "recurrent_layers": lambda w, c, n: w.add_array(f"{w.arch}.attention.recurrent_layers",
+                                                    [t == "linear_attention" for t in c.layer_types]),
+    "full_attention_interval": lambda w, c, n: w.add_full_attention_interval(int(c.raw.get("full_attention_interval", 4))),
+    "partial_rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.rope.dim),
+    # Qwen3-VL: vision layers whose features join the text model (0 for text only; the key is read by llama.cpp)
+    "n_deepstack_layers": lambda w, c, n: w.add_num_deepstack_layers(len(
+        (c.raw.get("vision_config") or {}).get("deepstack_visual_indexes") or ())),
+    # llama.cpp's absorbed MLA (MQA over the latent): K = latent + rope, V = latent; then the decompressed heads
+    "mqa_key_length": lambda w, c, n: w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim),
+    "mqa_value_length": lambda w, c, n: w.add_value_length(c.kv_lora_rank),
+    "key_length_mla": lambda w, c, n: w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim),
+    "value_length_mla": lambda w, c, n: w.add_value_length_mla(c.v_head_dim),
+    # DSA indexer (GLM-5); llama.cpp reads indexer.types when written, else every layer runs its own indexer
+    "indexer": lambda w, c, n: (w.add_indexer_head_count(c.indexer.n_heads), w.add_indexer_key_length(c.indexer.head_dim),
+                                w.add_indexer_top_k(c.indexer.topk),
+                                _if(c.raw.get("indexer_types") is not None, lambda: w.add_array(
+                                    f"{w.arch}.attention.indexer.types", [t == "full" for t in c.raw["indexer_types"]]))),
     # llama.cpp divides by 0.1 again
     "rope_scaling_yarn_log_mul": lambda w, c, n: _if(
         c.rope.kind == "yarn" and c.rope.mscale_all_dim, lambda: w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)),
 }
+
+
+def _mrope_sections(c) -> list[int]:
+    """rope_parameters' mrope_section padded to four (llama.cpp requires the key); Qwen3.5's default when absent."""
+    params = c.raw.get("rope_parameters") or c.raw.get("rope_scaling") or {}
+    sections = list(params.get("mrope_section") or [11, 11, 10])
+    return (sections + [0] * 4)[:4]
 
 
 def _writer(arch: str):
@@ -144,7 +175,7 @@ def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, 
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(getattr(c, spec.section("gguf")["feed_forward_length"]))
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_head_count_kv(1 if spec.section("gguf").get("mla_mqa") else c.num_key_value_heads)
     w.add_rope_freq_base(c.rope.theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_expert_count(c.num_experts)

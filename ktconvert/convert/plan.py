@@ -365,6 +365,8 @@ def _segment_bytes(info, s: Segment) -> int:
         return info.nbytes * s.parts
     if s.op == "transpose":
         return info.nbytes // shape[0] * s.rows // shape[-1]
+    if s.op == "block_t":
+        return info.nbytes * s.t_rows // (math.prod(shape[:-1]) or 1)
     rows = 1
     for d in shape[:-1]:
         rows *= d

@@ -44,9 +44,10 @@ FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4
                      "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
                      "Q6_K": "Q6_K"}
 
-#: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies): every preset and
+#: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies, SSM conv kernels,
+#: names not ending in .weight such as ssm_a): every preset and
 #: ``--type`` keep them in F32, as convert_hf_to_gguf and llama-quantize do.
-F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$|attn_sinks\.weight$"
+F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$|attn_sinks\.weight$|ssm_conv1d\.weight$|^(?!.*\.weight$)"
 
 
 @dataclass(frozen=True)

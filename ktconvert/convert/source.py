@@ -25,6 +25,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ktconvert import families
+from ktconvert.formats import transforms
 from ktconvert.errors import InputError
 from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map, open_checkpoint
 from ktconvert.formats import quantized
@@ -59,6 +60,9 @@ class Segment:
     method: str = ""  # kt-amx: AMXINT8 / AMXINT4
     lora: tuple = ()  # (A file, A name, A index or -1, B file, B name, B index or -1, alpha/r): + scale * B[rows] @ A
     col_step: int = 0  # rows/transpose: every col_step-th source column from src_col (0: contiguous)
+    value: str = ""  # elementwise map after decoding: add_one / neg_exp (formats.transforms)
+    col_tile: tuple[int, ...] = ()  # (key heads, value heads per key head, width): columns grouped -> tiled
+    t_rows: int = 0  # block_t: output rows are the columns of source rows [src_row, src_row + t_rows)
 
     def to_dict(self) -> dict:
         d = {"rows": [self.start, self.start + self.rows], "source": self.source, "op": self.op}
@@ -70,12 +74,18 @@ class Segment:
             d["source_rows"] = [self.src_row, self.src_row + self.rows]
         elif self.op == "transpose":
             d.update(expert=self.expert, source_cols=[self.src_col, self.src_col + self.rows])
+        elif self.op == "block_t":
+            d.update(source_rows=[self.src_row, self.src_row + self.t_rows], source_cols=[0, self.rows])
         else:
             d["heads"] = self.heads
         if self.scale:
             d.update(scale=self.scale, block=list(self.block), format=self.fmt)
         if self.lora:
             d["lora"] = {"A": [self.lora[1], self.lora[2]], "B": [self.lora[4], self.lora[5]], "scale": self.lora[6]}
+        if self.value:
+            d["value"] = self.value
+        if self.col_tile:
+            d["col_tile"] = list(self.col_tile)
         return d
 
 
@@ -104,9 +114,9 @@ class Item:
 
     @property
     def reshaped(self) -> bool:
-        """Whether rows are reordered (transpose/permute) or columns picked: then bytes cannot be copied block for
-        block."""
-        return any(s.op != "rows" or s.col_step for s in self.segments)
+        """Whether rows are reordered or values changed (transpose/permute, picked or tiled columns, a value map):
+        then bytes cannot be copied block for block."""
+        return any(s.op != "rows" or s.col_step or s.value or s.col_tile for s in self.segments)
 
 
 @dataclass
@@ -206,6 +216,11 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                 raise InputError(f"{shape[0]} rows cannot be split into {heads} heads of rotary pairs",
                                  path=shown, where=f"tensor {name}", fix="check num_attention_heads in config.json")
             seg = Segment(0, shape[0], name, op="permute", heads=heads)
+        if m.transform and m.side == "hf":
+            for sib in (nm.hf_siblings(m) if dict(m.transform).get("kv_b_split") else [m]):
+                sshape, segs = transforms.apply(name, tuple(shape), dict(sib.transform), cfg_dict, seg, f"tensor {name}")
+                items.append(Item(sib.gguf_name, sib.hf_name, tuple(sshape), segs, info.dtype, sib.group, sib.layer))
+            continue
         items.append(Item(out, m.hf_name, tuple(shape), (seg,), info.dtype, m.group, m.layer))
     for name in report.unknown:
         if name in qmap.scales:  # read with its quantized weight

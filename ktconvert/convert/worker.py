@@ -292,6 +292,16 @@ def _lora_rows(lora: tuple, rows: np.ndarray) -> np.ndarray:
     a = _checkpoint(fa).read_float32(na, None if ia < 0 else ia)
     b = _checkpoint(fb).read_float32(nb, None if ib < 0 else ib)
     return np.float32(scale) * (b[rows] @ a)
+def _post(rows: np.ndarray, s) -> None:
+    """A segment's llama.cpp transform (:mod:`ktconvert.convert.transforms`), in place on its decoded rows."""
+    if s.col_tile:
+        nk, per_k, width = s.col_tile
+        grouped = rows.reshape(rows.shape[0], nk, per_k, width)
+        rows[...] = grouped.transpose(0, 2, 1, 3).reshape(rows.shape)
+    if s.value == "add_one":
+        rows += np.float32(1.0)
+    elif s.value == "neg_exp":
+        np.negative(np.exp(rows, out=rows), out=rows)
 
 
 def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
@@ -309,6 +319,8 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
             w = ck.packed.get(s.source) or fp8.weight(ck, s.source, s.scale, s.block, s.fmt or "FP8")
             if s.op == "rows":
                 x[pos: pos + n] = quantized.read_rows(ck, w, s.src_row + i, s.src_row + i + n)
+            elif s.op == "block_t":
+                x[pos: pos + n] = quantized.read_rows(ck, w, s.src_row, s.src_row + s.t_rows).T[i: i + n]
             else:
                 half = s.rows // s.heads // 2
                 head, rem = np.divmod(np.arange(i, i + n), 2 * half)
@@ -333,6 +345,9 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
                 slab = ck.read(s.source)[s.expert]
                 step = s.col_step or 1
                 part = _decode(slab[:, s.src_col + i * step: s.src_col + (i + n) * step: step], dtype).T
+            elif s.op == "block_t":  # columns of a block of source rows (MLA's k_b per head)
+                block = _rows2d(ck, s.source)[s.src_row: s.src_row + s.t_rows]
+                part = _decode(block, dtype).T[i: i + n]
             else:  # permute: llama.cpp's rope row order within each head (convert_hf_to_gguf's LlamaModel.permute)
                 src = _rows2d(ck, s.source)
                 half = s.rows // s.heads // 2
@@ -347,6 +362,8 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
                 raise AssertionError(f"{s.source}: rows of {part.shape[1]}, {t.name} needs {n_out}")
             x[pos: pos + n] = part
             del part
+        if s.col_tile or s.value:
+            _post(x[pos: pos + n], s)
         placed.append((s, i, n, pos, idx))
     with np.errstate(invalid="ignore"):
         finite = np.isfinite(x.max()) and np.isfinite(x.min())
@@ -357,6 +374,7 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
         at = {"rows": lambda: f"row {s.src_row + k}, column {s.src_col + c * s.col_step if s.col_step else c}",
               "transpose": lambda: f"expert {s.expert}, row {c}, column {s.src_col + k * (s.col_step or 1)}",
               "kt-amx": lambda: f"row {s.src_row + k}, column {c} (dequantized)",
+              "block_t": lambda: f"row {s.src_row + c}, column {k}",
               "permute": lambda: f"row {int(idx[r - pos])}, column {c}"}[s.op]()
         raise InputError(f"non-finite value {x[r, c]} at {at}", path=None, where=f"tensor {s.source}",
                          fix="the checkpoint is corrupt or was saved from a diverged run; fix or drop that tensor")

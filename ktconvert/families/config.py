@@ -41,6 +41,26 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class LinearAttentionDims:
+    """Gated DeltaNet linear-attention sizes (config keys ``linear_*``)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+
+
+@dataclass(frozen=True)
+class IndexerDims:
+    """DeepSeek Sparse Attention indexer sizes (config ``index_*``)."""
+
+    n_heads: int
+    head_dim: int
+    topk: int
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """The fields the reference models need, with defaults resolved per family."""
 
@@ -85,6 +105,10 @@ class MoeConfig:
     # the experts' clamped SwiGLU (a spec's moe.activation), None for plain silu(gate) * up
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    # hybrid attention (spec attention.kind gated_deltanet_hybrid): each layer's kind, and the linear layers' dims
+    layer_types: tuple[str, ...] = ()
+    linear: LinearAttentionDims | None = None
+    indexer: IndexerDims | None = None  # DSA (spec attention.dsa_indexer)
     bos_token_id: int | None = None
     eos_token_id: Any = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -124,9 +148,25 @@ def family_of(raw: dict) -> str | None:
     return registry.family_of(raw)
 
 
+def text_view(raw: dict) -> dict:
+    """A multimodal wrapper's config (``text_config`` nested in it) seen as its language model's: the nested keys
+    over the top level, keeping the top-level ``model_type`` and ``architectures`` when they name the family
+    (Qwen3.5's text model_type ``qwen3_5_moe_text`` names none)."""
+    text = raw.get("text_config")
+    if not isinstance(text, dict):
+        return raw
+    merged = {**{k: v for k, v in raw.items() if k != "text_config"}, **text}
+    if family_of(raw) is not None:  # the wrapper's model_type or architectures name the family
+        merged.update({k: raw[k] for k in ("model_type", "architectures") if k in raw})
+    if "tie_word_embeddings" in raw:  # the wrapper owns lm_head (Qwen3-VL's text_config says true, its top level false)
+        merged["tie_word_embeddings"] = raw["tie_word_embeddings"]
+    return merged
+
+
 def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     """Resolve both spellings and every per-family default into a :class:`MoeConfig`."""
     family = family_of(raw)
+    raw = text_view(raw)
     if family is None:
         raise InputError(
             f"model_type {raw.get('model_type')!r} is not one of the supported families ({', '.join(FAMILIES)})",
@@ -241,12 +281,20 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
             v_head_dim=g.int("v_head_dim"),
             rope_interleave=bool(g.opt(interleave_key, True)) if interleave_key else True,
         )
+        if sp.section("attention").get("dsa_indexer"):
+            kwargs["indexer"] = _indexer(g, raw, layers, int(kwargs["qk_rope_head_dim"]), path)
+            if kwargs["q_lora_rank"] is None:
+                raise InputError("the DSA indexer reads the q LoRA latent: q_lora_rank must be set", path=path,
+                                 where="q_lora_rank")
         if kv_heads != heads:
             raise InputError(
                 f"MLA expands keys per attention head: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads})",
                 path=path,
                 where="num_key_value_heads",
             )
+
+    if sp.section("attention")["kind"] == "gated_deltanet_hybrid":
+        kwargs.update(_hybrid(g, raw, layers, path))
 
     shared = sp.shared_expert
     return MoeConfig(
@@ -286,6 +334,42 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     )
 
 
+def _indexer(g: "_Getter", raw: dict, layers: int, rope_dim: int, path: str | None) -> IndexerDims:
+    """The DSA indexer's sizes; every layer must run its own indexer (``indexer_types`` all ``full``)."""
+    dims = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"))
+    if dims.head_dim < rope_dim or min(dims.n_heads, dims.topk) < 1:
+        raise InputError(f"index_head_dim={dims.head_dim} must hold qk_rope_head_dim={rope_dim}; index_n_heads and "
+                         "index_topk must be positive", path=path, where="index_head_dim")
+    types = raw.get("indexer_types")
+    if types is not None and (not isinstance(types, list) or len(types) != layers or set(types) != {"full"}):
+        raise InputError("only indexer_types of all \"full\" layers are supported (a \"shared\" layer reuses another "
+                         "layer's selection)", path=path, where="indexer_types")
+    return dims
+
+
+_LAYER_KINDS = ("linear_attention", "full_attention")
+
+
+def _hybrid(g: "_Getter", raw: dict, layers: int, path: str | None) -> dict:
+    """layer_types (or every ``full_attention_interval``-th layer full, transformers' default) and the Gated DeltaNet
+    dims of a hybrid-attention family."""
+    types = raw.get("layer_types")
+    if types is None:
+        every = int(g.opt("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(t not in _LAYER_KINDS for t in types):
+        raise InputError(f"layer_types must list {layers} entries, each one of {', '.join(_LAYER_KINDS)}",
+                         path=path, where="layer_types")
+    dims = LinearAttentionDims(
+        num_key_heads=g.int("linear_num_key_heads"), num_value_heads=g.int("linear_num_value_heads"),
+        key_head_dim=g.int("linear_key_head_dim"), value_head_dim=g.int("linear_value_head_dim"),
+        conv_kernel=g.int("linear_conv_kernel_dim"))
+    if dims.num_value_heads % dims.num_key_heads:
+        raise InputError(f"linear_num_value_heads={dims.num_value_heads} is not a multiple of "
+                         f"linear_num_key_heads={dims.num_key_heads}", path=path, where="linear_num_value_heads")
+    return {"layer_types": tuple(types), "linear": dims}
+
+
 def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int) -> set[int]:
     """The layers that hold routed experts under a spec's ``dense_layers`` policy (see the schema)."""
     return _moe_layers(policy, raw, layers, num_experts)
@@ -311,7 +395,8 @@ def _rotary_dim(raw: dict, head_dim: int, default: float, path: str | None) -> i
     """How many leading dims of each head are rotated: ``partial_rotary_factor`` as transformers 5 writes it
     (inside ``rope_parameters``) or as the hub configs do (top level), a hub ``rotary_dim`` (MiniMax-M2), else
     the family's default."""
-    params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+    params = raw.get("rope_parameters") or raw.get("rope_scaling")
+    params = params if isinstance(params, dict) else {}
     factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
     rotary_dim = raw.get("rotary_dim")
     if factor is None and rotary_dim is not None:

@@ -85,6 +85,35 @@ class FamilySpec:
     def tiny(self) -> dict:
         return self.data["tiny"]
 
+    @property
+    def prefix_aliases(self) -> tuple[tuple[str, str], ...]:
+        """``(prefix, means)`` pairs of the published checkpoints' names, longest prefix first."""
+        pairs = ((a["prefix"], a["means"]) for a in self.data.get("checkpoint", {}).get("prefix_aliases", ()))
+        return tuple(sorted(pairs, key=lambda p: -len(p[0])))
+
+    @property
+    def ignore_prefixes(self) -> tuple[str, ...]:
+        return tuple(self.data.get("checkpoint", {}).get("ignore_prefixes", ()))
+
+    @property
+    def fused_orientation(self) -> str | None:
+        """``standard`` / ``transposed``: how the published checkpoints store packed experts (None: not said)."""
+        return self.data.get("checkpoint", {}).get("fused_orientation")
+
+    def canonical_name(self, name: str) -> str:
+        """A published tensor name as the reference model names it (``model.language_model.x`` -> ``model.x``)."""
+        for prefix, means in self.prefix_aliases:
+            if name.startswith(prefix):
+                return means + name[len(prefix):]
+        return name
+
+    def published_name(self, name: str) -> str:
+        """The inverse of :meth:`canonical_name`: the first alias whose meaning starts ``name``."""
+        for alias in self.data.get("checkpoint", {}).get("prefix_aliases", ()):
+            if alias["means"] and name.startswith(alias["means"]):
+                return alias["prefix"] + name[len(alias["means"]):]
+        return name
+
 
 def _load(path) -> FamilySpec:
     shown = f"rules/{SPEC_DIR}/{path.name}"

@@ -32,6 +32,7 @@ class ModelDims:
     n_shared_experts: int | None = None
     n_layers: int | None = None
     moe_layers: frozenset[int] | None = None  # layers that should hold routed experts
+    fused_orientation: str | None = None  # the family's published packed-expert orientation (standard / transposed)
 
     def is_moe_layer(self, layer: int) -> bool | None:
         return None if self.moe_layers is None else layer in self.moe_layers
@@ -52,8 +53,7 @@ def load_config(path: str | Path) -> dict:
 
 
 def dims_from_hf_config(cfg: dict, source: str = "config.json") -> ModelDims:
-    if isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    cfg = families.text_view(cfg)
     model_type = cfg.get("model_type") if isinstance(cfg.get("model_type"), str) else None
     n_layers = _int(cfg.get("num_hidden_layers"))
     n_experts = next(
@@ -82,6 +82,7 @@ def dims_from_hf_config(cfg: dict, source: str = "config.json") -> ModelDims:
         n_shared_experts=_int(cfg.get("n_shared_experts")),
         n_layers=n_layers,
         moe_layers=moe_layers,
+        fused_orientation=sp.fused_orientation if sp is not None else None,
     )
 
 

@@ -3,7 +3,8 @@
 Names say the layout and projection (via the naming maps); shapes give E, I and H. Shapes alone cannot always say
 which axis is I and which is H: a fused ``gate_up_proj`` is ``[E, 2I, H]`` in transformers 5 but ``[E, H, 2I]`` in
 some checkpoints, and when ``H == 2I`` the two look identical. The ``down`` tensor usually decides; otherwise
-``config.json`` does; when neither can, the layer's orientation is reported as ambiguous rather than guessed.
+``config.json`` does, then the family spec's ``checkpoint.fused_orientation`` (how its releases store them); when
+none can, the layer's orientation is reported as ambiguous rather than guessed.
 """
 
 from __future__ import annotations
@@ -421,6 +422,9 @@ def _fused_orientation(shapes: dict, dims: ModelDims) -> tuple[int | None, int |
     cfg_i, cfg_h = dims.moe_intermediate_size, dims.hidden_size
     if len(candidates) > 1 and cfg_i and cfg_h:
         candidates = [c for c in candidates if (c[1], c[2]) == (cfg_i, cfg_h)] or candidates
+    if len(candidates) > 1 and dims.fused_orientation:  # the family spec says how its releases store them
+        want = ORIENT_STD if dims.fused_orientation == "standard" else ORIENT_T
+        candidates = [c for c in candidates if c[0] == want] or candidates
     if len(candidates) == 1:
         o, inter, hidden = candidates[0]
         return inter, hidden, o, ""

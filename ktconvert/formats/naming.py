@@ -37,6 +37,7 @@ class TensorEntry:
     group: str
     model_types: tuple[str, ...] | None = None
     derived: str | None = None  # how the GGUF tensor is computed from the HF one, when it is not a plain rename
+    transform: tuple[tuple[str, object], ...] = ()  # llama.cpp's value/shape changes (schema: tensor.transform)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class NameMatch:
     hf_name: str | None = None
     derived: str | None = None
     via_alias: bool = False
+    transform: tuple[tuple[str, object], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -110,12 +112,14 @@ class NamingMap:
                 group=t["group"],
                 model_types=tuple(t["model_types"]) if "model_types" in t else None,
                 derived=t.get("derived"),
+                transform=tuple(sorted((t.get("transform") or {}).items())),
             )
             for t in data["tensors"]
         )
         self.experts: dict[str, dict[str, tuple[str, ...]]] = _forms(data["experts"])
         self.expert_scales: dict[str, dict[str, tuple[str, ...]]] = _forms(data.get("expert_scales", {}))
         self.expert_biases: dict[str, dict[str, tuple[str, ...]]] = _forms(data.get("expert_biases", {}))
+        self.guess_requires: frozenset[str] = frozenset(_key_of_template(t)[0] for t in data.get("guess_requires", ()))
         self._index: dict[str, list[_Slot]] = {}
         self._build_index()
 
@@ -172,6 +176,19 @@ class NamingMap:
                     return NameMatch(**{**m.__dict__, "name": name, "via_alias": True})
         return None
 
+    def hf_siblings(self, m: NameMatch) -> list[NameMatch]:
+        """Every non-expert match of HF tensor ``m.name`` (one HF tensor that llama.cpp splits into several)."""
+        key, values = _key_of_name(m.hf_name or m.name)
+        out = []
+        for slot in self._index.get(key, []):
+            if slot.entry is None or slot.side != "hf":
+                continue
+            e, L = slot.entry, dict(zip(slot.placeholders, values)).get("L")
+            out.append(NameMatch(name=m.name, arch=self.arch, group=e.group, side="hf", layer=L,
+                                 gguf_name=_render(e.gguf, L=L), hf_name=_render(e.hf[0], L=L), derived=e.derived,
+                                 via_alias=m.via_alias, transform=e.transform))
+        return out
+
     def _lookup_direct(self, name: str) -> NameMatch | None:
         key, values = _key_of_name(name)
         slots = self._index.get(key)
@@ -191,6 +208,7 @@ class NamingMap:
                 gguf_name=_render(e.gguf, L=L),
                 hf_name=_render(e.hf[0], L=L),
                 derived=e.derived,
+                transform=e.transform,
             )
         weights = (self.expert_biases if slot.group == "expert_biases" else self.experts).get(slot.projection, {})
         gguf_t = weights.get("gguf-merged") if slot.group in ("experts", "expert_biases") or slot.layout == "kt-amx" else None
@@ -300,7 +318,9 @@ def guess_arch(names) -> str | None:
     shared experts and score bias unused. A tie on both is still refused."""
     names = list(names)
     maps = naming_maps()
-    hits = {arch: [m._lookup_direct(n) for n in names] for arch, m in maps.items()}
+    keys = {_key_of_name(n)[0] for n in names}
+    hits = {arch: [m._lookup_direct(n) for n in names] for arch, m in maps.items()
+            if not m.guess_requires or m.guess_requires & keys}
     scores = {arch: sum(h is not None for h in hs) for arch, hs in hits.items()}
     best = max(scores.values(), default=0)
     winners = [a for a, s in scores.items() if s == best]

@@ -52,6 +52,28 @@ def import_transformers():
                    install='install the extra: pip install "ktconvert[golden]"')
 
 
+def _load(transformers, torch, model_dir):
+    """The model as transformers runs it in float32: a causal LM, or a multimodal wrapper (image-text-to-text) when
+    transformers has no causal-LM class for the config (Qwen3-VL-MoE); the wrapper runs its text model alone on a
+    text-only prompt."""
+    kw = dict(dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION,
+              experts_implementation=EXPERTS_IMPLEMENTATION, local_files_only=True)
+    config = _family_config(transformers, model_dir)  # a release's model_type transformers does not know (Kimi-K2)
+    if config is not None:
+        kw["config"] = config
+    try:
+        return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **kw).eval()
+    except ValueError as exc:
+        if "Unrecognized configuration class" not in str(exc):
+            raise InputError(f"transformers cannot load the model: {exc}", path=str(model_dir))
+    except OSError as exc:
+        raise InputError(f"transformers cannot load the model: {exc}", path=str(model_dir))
+    try:
+        return transformers.AutoModelForImageTextToText.from_pretrained(str(model_dir), **kw).eval()
+    except (OSError, ValueError) as exc:
+        raise InputError(f"transformers cannot load the model: {exc}", path=str(model_dir))
+
+
 @dataclass
 class GoldenRun:
     tensors: dict[str, np.ndarray]
@@ -70,18 +92,9 @@ def compute_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threa
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
-        try:
-            model = transformers.AutoModelForCausalLM.from_pretrained(
-                str(model_dir),
-                config=_family_config(transformers, model_dir),
-                dtype=torch.float32,
-                attn_implementation=ATTN_IMPLEMENTATION,
-                experts_implementation=EXPERTS_IMPLEMENTATION,
-                local_files_only=True,
-            ).eval()
-        except (OSError, ValueError) as exc:
-            raise InputError(f"transformers cannot load the model: {exc}", path=str(model_dir))
-        decoder = model.model
+        model = _load(transformers, torch, model_dir)
+        # a multimodal wrapper (Qwen3-VL) keeps its text decoder under model.language_model
+        decoder = getattr(model.model, "language_model", model.model)
         captured: dict[str, torch.Tensor] = {}
         layers_out: list[torch.Tensor] = []
 

@@ -16,8 +16,11 @@ ROLES = (
     "model",
     "decoder_layer",
     "attention",
+    "linear_attention",  # Gated DeltaNet layers of hybrid families
     "rotary",
     "rmsnorm",
+    "gated_rmsnorm",  # Gated DeltaNet's output norm
+    "indexer",  # DSA sparse-attention indexer
     "mlp",  # dense MLP, shared experts, and each routed expert
     "moe_block",
     "gate",
@@ -44,13 +47,17 @@ def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tup
     sp = families.spec(family)
     classes = sp.section("classes")
     p = sp.prefix
-    if role in ("causal_lm", "model", "decoder_layer", "attention", "rmsnorm"):
+    if role in ("causal_lm", "model", "decoder_layer", "attention", "linear_attention", "rmsnorm", "gated_rmsnorm",
+                "indexer"):
         suffix = {
             "causal_lm": "ForCausalLM",
             "model": "Model",
             "decoder_layer": "DecoderLayer",
             "attention": "Attention",
+            "linear_attention": "GatedDeltaNet",
             "rmsnorm": "RMSNorm",
+            "gated_rmsnorm": "RMSNormGated",
+            "indexer": "Indexer",
         }[role]
         return (p + suffix,), (p + suffix,)
     if role == "rotary":

@@ -29,16 +29,27 @@ class Tagged:
 
 
 class RMSNorm(Tagged, nn.Module):
-    def __init__(self, size: int, eps: float):
+    """``weight * x / rms(x)``; ``zero_centered`` (spec ``config.rms_norm``): ``(1 + weight) * ...`` in float32, the
+    weight stored around 0 (Qwen3-Next / Qwen3.5)."""
+
+    def __init__(self, size: int, eps: float, zero_centered: bool = False):
         super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
+        self.zero_centered = zero_centered
+        self.weight = nn.Parameter(torch.zeros(size) if zero_centered else torch.ones(size))
         self.variance_epsilon = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         h = x.to(torch.float32)
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        if self.zero_centered:
+            return (h * (1.0 + self.weight.float())).to(dtype)
         return self.weight * h.to(dtype)
+
+
+def rms_norm(cfg: MoeConfig, size: int) -> RMSNorm:
+    """The family's RMSNorm of ``size`` (plain or zero-centred, per its spec)."""
+    return RMSNorm(size, cfg.rms_norm_eps, cfg.spec.section("config").get("rms_norm") == "zero_centered")
 
 
 def rope_frequencies(spec: RopeSpec) -> tuple[torch.Tensor, float]:
@@ -115,7 +126,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(q, k, cos, sin):
+    """Rotate-half rope; a table narrower than the head rotates its leading dims only (partial_rotary_factor)."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    r = cos.shape[-1]
+    if r < q.shape[-1]:
+        (q, q_pass), (k, k_pass) = q.split([r, q.shape[-1] - r], -1), k.split([r, k.shape[-1] - r], -1)
+        return (torch.cat([q * cos + _rotate_half(q) * sin, q_pass], -1),
+                torch.cat([k * cos + _rotate_half(k) * sin, k_pass], -1))
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 
@@ -146,12 +163,13 @@ def apply_rope_complex(q, k, freqs_cis):
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *, window: int | None = None,
-           sinks: torch.Tensor | None = None) -> torch.Tensor:
+           sinks: torch.Tensor | None = None, allowed: torch.Tensor | None = None) -> torch.Tensor:
     """Eager causal attention. ``q [B, h, T, d]`` are the last T positions of keys ``[B, kv, S, d]``.
 
     ``window``: a query sees only the last ``window`` positions (itself included), as transformers' sliding
     mask and llama.cpp's standard SWA. ``sinks [h]``: one extra logit per head joins the softmax and is dropped
     after it, so the weights of the real keys sum to less than one (gpt-oss; max-subtracted as transformers).
+    ``allowed [B, T, S]`` (a sparse-attention selection) masks every other key as well.
     """
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
@@ -166,6 +184,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *,
         hidden = hidden | (qpos[:, None] - kpos >= window)
     if hidden.any():
         w = w.masked_fill(hidden, float("-inf"))
+    if allowed is not None:
+        w = w.masked_fill(~allowed[:, None], float("-inf"))
     if sinks is not None:
         w = torch.cat([w, sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, t, 1).to(w.dtype)], dim=-1)
         w = w - w.max(dim=-1, keepdim=True).values
@@ -187,6 +207,10 @@ class KVCache:
         self.layers: dict[int, tuple[torch.Tensor, ...]] = {}
         self.seq_len = 0
 
+    def replace(self, layer_idx: int, *state: torch.Tensor) -> None:
+        """Recurrent layers keep a fixed-size state (conv window, DeltaNet matrix) replaced each step."""
+        self.layers[layer_idx] = state
+
     def update(self, layer_idx: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         old = self.layers.get(layer_idx)
         merged = new if old is None else tuple(torch.cat((a, b), dim=2) for a, b in zip(old, new))
@@ -195,8 +219,8 @@ class KVCache:
 
 
 class Attention(Tagged, nn.Module):
-    """Grouped-query attention (Qwen2-MoE, Qwen3-MoE with per-head q/k norms, Mixtral); with partial rotary
-    (GLM-4.5: ``partial_rotary_factor``) rope turns the first ``rope.dim`` dims of each head, the rest pass."""
+    """Grouped-query attention (Qwen2-MoE, Qwen3-MoE with per-head q/k norms, Mixtral; Qwen3.5's output gate); with
+    partial rotary (GLM-4.5: ``partial_rotary_factor``) rope turns the first ``rope.dim`` dims of each head."""
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
@@ -204,7 +228,8 @@ class Attention(Tagged, nn.Module):
         self.head_dim = cfg.head_dim
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias_on
-        self.q_proj = nn.Linear(h, nh * hd, bias="q_proj" in bias)
+        self.output_gate = bool(cfg.spec.section("attention").get("output_gate"))
+        self.q_proj = nn.Linear(h, nh * hd * (2 if self.output_gate else 1), bias="q_proj" in bias)
         self.k_proj = nn.Linear(h, nkv * hd, bias="k_proj" in bias)
         self.v_proj = nn.Linear(h, nkv * hd, bias="v_proj" in bias)
         self.o_proj = nn.Linear(nh * hd, h, bias="o_proj" in bias)
@@ -212,8 +237,8 @@ class Attention(Tagged, nn.Module):
         # whole q / k projection, applied before the split into heads
         self.qk_norm_whole = cfg.spec.section("attention").get("qk_norm_scope") == "projection"
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(nh * hd if self.qk_norm_whole else hd, cfg.rms_norm_eps)
-            self.k_norm = RMSNorm(nkv * hd if self.qk_norm_whole else hd, cfg.rms_norm_eps)
+            self.q_norm = rms_norm(cfg, nh * hd if self.qk_norm_whole else hd)
+            self.k_norm = rms_norm(cfg, nkv * hd if self.qk_norm_whole else hd)
         else:
             self.q_norm = self.k_norm = None
         self.rotary_emb = RotaryEmbedding(cfg.rope)
@@ -228,10 +253,17 @@ class Attention(Tagged, nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = hidden.shape
         shape = (b, t, -1, self.head_dim)
-        q, k = self.q_proj(hidden), self.k_proj(hidden)
+        gate = None
+        if self.output_gate:  # per head: its query, then its gate
+            q, gate = self.q_proj(hidden).view(b, t, -1, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(b, t, -1)
+            q = q.reshape(b, t, -1)
+        else:
+            q = self.q_proj(hidden)
+        k = self.k_proj(hidden)
         if self.q_norm is not None and self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = q.view(shape), k.view(shape)
+        q, k = q.reshape(shape), k.view(shape)
         if self.q_norm is not None and not self.qk_norm_whole:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -245,7 +277,93 @@ class Attention(Tagged, nn.Module):
             q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        return self.o_proj(attend(q, k, v, self.scaling, window=self.window, sinks=self.sinks))
+        out = attend(q, k, v, self.scaling, window=self.window, sinks=self.sinks)
+        if gate is not None:
+            out = out * torch.sigmoid(gate)
+        return self.o_proj(out)
+
+
+class GatedRMSNorm(Tagged, nn.Module):
+    """Gated DeltaNet's output norm: ``weight * x / rms(x) * silu(gate)`` (plain weight, not zero-centred)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight * h.to(dtype) * F.silu(gate.to(torch.float32))).to(dtype)
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+class GatedDeltaNet(Tagged, nn.Module):
+    """Gated DeltaNet linear attention (Qwen3.5's ``linear_attn``), written as its per-token recurrence.
+
+    ``in_proj_qkv`` -> causal depthwise conv (kernel ``linear_conv_kernel_dim``) + SiLU -> q, k, v heads; q and k
+    L2-normalised (q also by 1/sqrt(d_k)) and repeated over the value heads of their group; per value head a decay
+    ``g = -exp(A_log) * softplus(a + dt_bias)`` and a step ``beta = sigmoid(b)``; the state ``S [d_k, d_v]`` runs
+    ``S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q``; then ``norm(o, z)`` and ``out_proj``.
+    transformers computes the same recurrence chunk-wise for prefill; the two agree to float32 rounding.
+    The cache holds the last ``kernel - 1`` conv inputs and ``S``.
+    """
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int):
+        super().__init__()
+        d = cfg.linear
+        self.layer_idx = layer_idx
+        self.nk, self.nv, self.dk, self.dv = d.num_key_heads, d.num_value_heads, d.key_head_dim, d.value_head_dim
+        self.kernel = d.conv_kernel
+        h = cfg.hidden_size
+        key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
+        self.conv_dim = 2 * key_dim + value_dim
+        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(h, value_dim, bias=False)
+        self.in_proj_b = nn.Linear(h, self.nv, bias=False)
+        self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+        self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.nv))
+        self.A_log = nn.Parameter(torch.zeros(self.nv))
+        self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
+        self.out_proj = nn.Linear(value_dim, h, bias=False)
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        b, t, _ = hidden.shape
+        dtype = hidden.dtype
+        state = cache.layers.get(self.layer_idx) if cache is not None else None
+        x = self.in_proj_qkv(hidden).transpose(1, 2)  # [B, C, T]
+        window = state[0] if state else x.new_zeros(b, self.conv_dim, self.kernel - 1)
+        padded = torch.cat([window, x], dim=-1)
+        mixed = F.silu(F.conv1d(padded, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
+        key_dim = self.nk * self.dk
+        q, k, v = torch.split(mixed, [key_dim, key_dim, self.nv * self.dv], dim=-1)
+        rep = self.nv // self.nk
+        q = q.reshape(b, t, self.nk, self.dk).repeat_interleave(rep, dim=2).float()
+        k = k.reshape(b, t, self.nk, self.dk).repeat_interleave(rep, dim=2).float()
+        v = v.reshape(b, t, self.nv, self.dv).float()
+        q = _l2norm(q) * self.dk**-0.5
+        k = _l2norm(k)
+        beta = torch.sigmoid(self.in_proj_b(hidden)).float()
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        s = state[1] if state else q.new_zeros(b, self.nv, self.dk, self.dv)
+        outs = []
+        for i in range(t):
+            s = s * g[:, i].exp()[..., None, None]
+            k_i = k[:, i]
+            delta = (v[:, i] - (s * k_i[..., None]).sum(-2)) * beta[:, i, :, None]
+            s = s + k_i[..., None] * delta[..., None, :]
+            outs.append((s * q[:, i][..., None]).sum(-2))
+        if cache is not None:
+            cache.replace(self.layer_idx, padded[..., padded.shape[-1] - (self.kernel - 1):], s)
+        o = torch.stack(outs, dim=1).to(dtype)  # [B, T, nv, dv]
+        z = self.in_proj_z(hidden).reshape(b, t, self.nv, self.dv)
+        o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(b, t, -1)
+        return self.out_proj(o)
 
 
 class MLAttention(Tagged, nn.Module):
@@ -276,13 +394,16 @@ class MLAttention(Tagged, nn.Module):
         self.interleave = cfg.rope_interleave
         self.complex_rope = bool(cfg.spec.section("attention").get("complex_rope"))  # transformers 5 V2 ignores rope_interleave
         self.scaling = softmax_scale(self.qk_head_dim, cfg.rope)
+        self.indexer = DsaIndexer(cfg, layer_idx) if cfg.indexer is not None else None
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = hidden.shape
+        q_resid = None
         if self.q_lora_rank is None:
             q = self.q_proj(hidden)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden)))
+            q_resid = self.q_a_layernorm(self.q_a_proj(hidden))
+            q = self.q_b_proj(q_resid)
         q = q.view(b, t, -1, self.qk_head_dim).transpose(1, 2)
         q_nope, q_rot = torch.split(q, [self.nope, self.rope_dim], dim=-1)
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden), [self.kv_lora_rank, self.rope_dim], dim=-1)
@@ -301,7 +422,52 @@ class MLAttention(Tagged, nn.Module):
         k_nope, value = torch.split(kv, [self.nope, self.v_dim], dim=-1)
         key = torch.cat((k_nope, k_rot.expand(-1, k_nope.shape[1], -1, -1)), dim=-1)
         query = torch.cat((q_nope, q_rot), dim=-1)
-        return self.o_proj(attend(query, key, value, self.scaling))
+        allowed = None
+        if self.indexer is not None:
+            allowed = self.indexer(hidden, q_resid, self.rotary_emb(hidden, position_ids), s - t, cache)
+        return self.o_proj(attend(query, key, value, self.scaling, allowed=allowed))
+
+
+class DsaIndexer(Tagged, nn.Module):
+    """DeepSeek Sparse Attention's indexer (GLM-5): which ``index_topk`` keys each query may attend to.
+
+    Per head ``h``: ``relu(q_h . k / sqrt(d))`` with ``q = wq_b(q_resid)`` and one shared key
+    ``k = LayerNorm(wk(x))``, their first ``qk_rope_head_dim`` dims rotated in interleaved pairs; the heads are
+    summed with weights ``weights_proj(x) / sqrt(heads)``; future keys are masked; the top ``index_topk`` keys
+    are kept. Computed in float32 in transformers' operation order, so score ties break the same way.
+    """
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int):
+        super().__init__()
+        d = cfg.indexer
+        self.layer_idx = layer_idx
+        self.n_heads, self.head_dim, self.topk = d.n_heads, d.head_dim, d.topk
+        self.rope_dim = cfg.qk_rope_head_dim
+        self.wq_b = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(d.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, d.n_heads, bias=False)
+
+    def forward(self, hidden, q_resid, cos_sin, past: int, cache: KVCache | None = None) -> torch.Tensor:
+        """``allowed [B, T, S]``: the keys each of the T queries (positions ``past ..``) keeps."""
+        b, t, _ = hidden.shape
+        cos, sin = cos_sin
+        q = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(hidden)).unsqueeze(2)  # [B, T, 1, D]
+        r = self.rope_dim
+        q_rot, k_rot = apply_rope_interleaved(q[..., :r].transpose(1, 2), k[..., :r].transpose(1, 2), cos, sin)
+        q = torch.cat([q_rot.transpose(1, 2), q[..., r:]], dim=-1)
+        k = torch.cat([k_rot.transpose(1, 2), k[..., r:]], dim=-1).squeeze(2)  # [B, T, D]
+        if cache is not None:
+            k = cache.update(("dsa", self.layer_idx), k.unsqueeze(1))[0].squeeze(1)
+        s = k.shape[1]
+        scores = F.relu(torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim**-0.5)
+        weights = self.weights_proj(hidden).float() * self.n_heads**-0.5
+        index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, T, S]
+        future = torch.arange(s, device=hidden.device)[None, :] > (torch.arange(t, device=hidden.device) + past)[:, None]
+        index = index + torch.zeros_like(index).masked_fill(future, torch.finfo(torch.float32).min)
+        ids = index.topk(min(self.topk, s), dim=-1).indices
+        return torch.zeros(b, t, s, dtype=torch.bool, device=hidden.device).scatter(-1, ids, True)
 
 
 class GatedMLP(Tagged, nn.Module):

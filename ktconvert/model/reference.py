@@ -6,6 +6,7 @@ ktransformers' Mixtral rules name it)::
     model.embed_tokens                  nn.Embedding
     model.layers.L.input_layernorm      RMSNorm
     model.layers.L.self_attn            Attention / MLAttention, with .rotary_emb and nn.Linear projections
+    model.layers.L.linear_attn          GatedDeltaNet (hybrid families' linear-attention layers, by layer_types)
     model.layers.L.post_attention_layernorm
     model.layers.L.mlp                  SparseMoeBlock / DeepseekMoE, or GatedMLP on dense layers
     model.layers.L.mlp.gate             TopKRouter (nn.Linear) / MoEGate
@@ -33,12 +34,16 @@ from ktconvert.model import hfnames
 from ktconvert.model.modules import (
     Attention,
     DeepseekMoE,
+    DsaIndexer,
     GatedMLP,
+    GatedDeltaNet,
+    GatedRMSNorm,
     KVCache,
     MLAttention,
     RMSNorm,
     SparseMoeBlock,
     Tagged,
+    rms_norm,
 )
 
 
@@ -56,9 +61,14 @@ class DecoderLayer(Tagged, nn.Module):
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
         self.layer_idx = layer_idx
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
+        # hybrid families: layer_types names a linear-attention layer, which holds linear_attn instead of self_attn
+        self.attn_attr = "linear_attn" if cfg.layer_types and cfg.layer_types[layer_idx] == "linear_attention" else "self_attn"
+        if self.attn_attr == "linear_attn":
+            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        else:
+            self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
+        self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
         if layer_idx in cfg.moe_layers:
             # the spec's routing maths picks the block (DeepSeek's grouped routing with shared experts, or
             # softmax top-k), independently of the attention kind
@@ -70,12 +80,17 @@ class DecoderLayer(Tagged, nn.Module):
         setattr(self, self.moe_attr, block)
 
     @property
+    def mixer(self) -> nn.Module:
+        """The attention block, whatever its attribute name (``self_attn`` / ``linear_attn``)."""
+        return getattr(self, self.attn_attr)
+
+    @property
     def feed_forward(self) -> nn.Module:
         """The MLP or MoE block, whatever its attribute name (``mlp`` / ``block_sparse_moe``)."""
         return getattr(self, self.moe_attr)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), position_ids, cache)
+        hidden = hidden + self.mixer(self.input_layernorm(hidden), position_ids, cache)
         return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
 
 
@@ -84,7 +99,7 @@ class DecoderModel(Tagged, nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = rms_norm(cfg, cfg.hidden_size)
 
 
 class ReferenceCausalLM(Tagged, nn.Module):
@@ -132,12 +147,19 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
         _tag(layer, fam, "decoder_layer")
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             _tag(norm, fam, "rmsnorm")
-        attn = layer.self_attn
-        _tag(attn, fam, "attention")
-        _tag(attn.rotary_emb, fam, "rotary", yarn=yarn)
+        attn = layer.mixer
+        if isinstance(attn, GatedDeltaNet):
+            _tag(attn, fam, "linear_attention")
+        else:
+            _tag(attn, fam, "attention")
+            _tag(attn.rotary_emb, fam, "rotary", yarn=yarn)
         for sub in attn.children():
             if isinstance(sub, RMSNorm):
                 _tag(sub, fam, "rmsnorm")
+            elif isinstance(sub, GatedRMSNorm):
+                _tag(sub, fam, "gated_rmsnorm")
+            elif isinstance(sub, DsaIndexer):
+                _tag(sub, fam, "indexer")
         block = layer.feed_forward
         if isinstance(block, GatedMLP):
             _tag(block, fam, "mlp")

@@ -81,14 +81,25 @@ def routing_channels(hidden: int = HIDDEN, experts: int = EXPERTS) -> list[int]:
     return [j * (hidden // experts) for j in range(experts)]
 
 
+# common keys a multimodal wrapper's config.json keeps at its top level; the others go under its text_config
+_WRAPPER_KEYS = ("architectures", "dtype", "tie_word_embeddings", "transformers_version")
+
+
 def tiny_config(family: str, variant: str | None = None) -> dict:
     """The ``config.json`` dict of a tiny model (a fresh copy): the common keys, then the spec's ``tiny.config``
     (exactly the keys and values transformers 5.23's save_pretrained writes), then a ``variant``'s keys (a released
     configuration of the family in its own spelling: its ``remove`` list dropped, its ``config`` written as given,
-    ``null`` included: Moonlight's ``q_lora_rank: null`` differs from an absent key, which transformers reads as 1536)."""
+    ``null`` included: Moonlight's ``q_lora_rank: null`` differs from an absent key, which transformers reads as 1536).
+    A spec whose tiny config nests a ``text_config`` (multimodal wrappers) gets the common text-model keys there."""
     if family not in FAMILIES:
         raise UsageProblem(f"unknown family {family!r}", fix=f"choose one of {', '.join(FAMILIES)}")
-    cfg = {**_COMMON, **families.spec(family).tiny["config"]}
+    own = families.spec(family).tiny["config"]
+    if "text_config" in own:
+        top = {k: _COMMON[k] for k in _WRAPPER_KEYS}
+        text = {k: v for k, v in _COMMON.items() if k not in _WRAPPER_KEYS or k == "tie_word_embeddings"}
+        cfg = {**top, **own, "text_config": {**text, **own["text_config"]}}
+    else:
+        cfg = {**_COMMON, **own}
     if variant is not None:
         known = families.spec(family).tiny.get("variants") or {}
         if variant not in known:
@@ -98,8 +109,6 @@ def tiny_config(family: str, variant: str | None = None) -> dict:
             cfg.pop(key, None)
         cfg.update(known[variant]["config"])
     return copy.deepcopy(cfg)
-
-
 def tiny_name(family: str, variant: str | None = None) -> str:
     """How golden/tiny-models.yaml and the goldens name a tiny model: ``FAMILY`` or ``FAMILY-VARIANT``."""
     return family if variant is None else f"{family}-{variant}"
@@ -132,7 +141,7 @@ def _fp8_variant(family: str) -> tuple[tuple[int, int], str] | None:
 class TensorSpec:
     name: str
     shape: tuple[int, ...]
-    kind: str  # embed, norm, linear, out_linear, bias, out_bias, sink, router, score_bias, head
+    kind: str  # embed, norm, norm0 (zero-centred), linear, out_linear, bias, out_bias, sink, router, score_bias, head, conv, dt_bias, a_log
 
 
 def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
@@ -155,13 +164,27 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
             add(f"{prefix}.{names[1]}.bias", (inter,), "bias")
             add(f"{prefix}.{names[2]}.bias", (h,), "out_bias")
 
+    norm = "norm0" if cfg.spec.section("config").get("rms_norm") == "zero_centered" else "norm"
+    gated_q = 2 if cfg.spec.section("attention").get("output_gate") else 1
     add("model.embed_tokens.weight", (cfg.vocab_size, h), "embed")
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}"
-        add(f"{p}.input_layernorm.weight", (h,), "norm")
-        add(f"{p}.post_attention_layernorm.weight", (h,), "norm")
+        add(f"{p}.input_layernorm.weight", (h,), norm)
+        add(f"{p}.post_attention_layernorm.weight", (h,), norm)
         a = f"{p}.self_attn"
-        if cfg.is_mla:
+        if cfg.layer_types and cfg.layer_types[layer] == "linear_attention":
+            d, la = cfg.linear, f"{p}.linear_attn"
+            conv = 2 * d.num_key_heads * d.key_head_dim + d.num_value_heads * d.value_head_dim
+            add(f"{la}.in_proj_qkv.weight", (conv, h), "linear")
+            add(f"{la}.in_proj_z.weight", (d.num_value_heads * d.value_head_dim, h), "linear")
+            add(f"{la}.in_proj_b.weight", (d.num_value_heads, h), "linear")
+            add(f"{la}.in_proj_a.weight", (d.num_value_heads, h), "linear")
+            add(f"{la}.conv1d.weight", (conv, 1, d.conv_kernel), "conv")
+            add(f"{la}.dt_bias", (d.num_value_heads,), "dt_bias")
+            add(f"{la}.A_log", (d.num_value_heads,), "a_log")
+            add(f"{la}.norm.weight", (d.value_head_dim,), "norm")
+            add(f"{la}.out_proj.weight", (h, d.num_value_heads * d.value_head_dim), "out_linear")
+        elif cfg.is_mla:
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             nh = cfg.num_attention_heads
             if cfg.q_lora_rank is None:
@@ -174,9 +197,16 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
             add(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,), "norm")
             add(f"{a}.kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "linear")
             add(f"{a}.o_proj.weight", (h, nh * cfg.v_head_dim), "out_linear")
+            if cfg.indexer is not None:
+                d, ix = cfg.indexer, f"{a}.indexer"
+                add(f"{ix}.wq_b.weight", (d.n_heads * d.head_dim, cfg.q_lora_rank), "linear")
+                add(f"{ix}.wk.weight", (d.head_dim, h), "linear")
+                add(f"{ix}.k_norm.weight", (d.head_dim,), "norm")
+                add(f"{ix}.k_norm.bias", (d.head_dim,), "bias")
+                add(f"{ix}.weights_proj.weight", (d.n_heads, h), "linear")
         else:
             hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
-            for proj, rows in (("q_proj", nh * hd), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
+            for proj, rows in (("q_proj", nh * hd * gated_q), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
                 add(f"{a}.{proj}.weight", (rows, h), "linear")
                 if proj in cfg.attention_bias_on:
                     add(f"{a}.{proj}.bias", (rows,), "bias")
@@ -187,8 +217,8 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
                 add(f"{a}.sinks", (nh,), "sink")
             if cfg.qk_norm:
                 whole = cfg.spec.section("attention").get("qk_norm_scope") == "projection"
-                add(f"{a}.q_norm.weight", (nh * hd if whole else hd,), "norm")
-                add(f"{a}.k_norm.weight", (nkv * hd if whole else hd,), "norm")
+                add(f"{a}.q_norm.weight", (nh * hd if whole else hd,), norm)
+                add(f"{a}.k_norm.weight", (nkv * hd if whole else hd,), norm)
         m = f"{p}.{cfg.moe_block_name}"
         if layer not in cfg.moe_layers:
             mlp(m, cfg.intermediate_size)
@@ -208,7 +238,7 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
             add(f"{m}.shared_expert_gate.weight", (1, h), "linear")
         if cfg.n_shared_experts:
             mlp(f"{m}.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
-    add("model.norm.weight", (h,), "norm")
+    add("model.norm.weight", (h,), norm)
     add("lm_head.weight", (cfg.vocab_size, h), "head")
     return specs
 
@@ -226,6 +256,14 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
     chans = routing_channels(cfg.hidden_size, cfg.num_experts)
     if spec.kind == "norm":
         out = 1.0 + 0.1 * u
+    elif spec.kind == "norm0":  # zero-centred: the model scales by 1 + weight
+        out = 0.1 * u
+    elif spec.kind == "conv":  # depthwise: fan-in is the kernel width
+        out = u * (3.0 ** 0.5 / spec.shape[-1] ** 0.5)
+    elif spec.kind == "dt_bias":
+        out = 1.0 + 0.1 * u
+    elif spec.kind == "a_log":  # decay rates exp(A_log) in [0.5, 2]
+        out = 0.7 * u
     elif spec.kind == "bias":
         out = 0.1 * u
     elif spec.kind == "out_bias":
@@ -267,13 +305,41 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
 
 
 def tiny_tensors(family: str, variant: str | None = None) -> dict[str, np.ndarray]:
-    """All weights of the tiny ``family`` model (or its ``variant``) as float32 numpy arrays, by checkpoint name."""
+    """All weights of the tiny ``family`` model (or its ``variant``) as float32 numpy arrays, by checkpoint name as
+    the published checkpoints spell it (a multimodal wrapper's prefix: the spec's ``checkpoint.prefix_aliases``)."""
     raw = tiny_config(family, variant)
     cfg = normalize_config(raw)
+    sp = families.spec(family)
     tensors = {spec.name: _fill(family, cfg, spec) for spec in tensor_specs(cfg)}
     if cfg.spec.section("moe").get("gate_up") == "interleaved":
         tensors = fuse_interleaved(cfg, tensors)
-    return tensors
+    if sp.fused_orientation:
+        tensors = _packed(cfg, tensors, sp.fused_orientation)
+    return {sp.published_name(name): arr for name, arr in tensors.items()}
+
+
+def _packed(cfg: MoeConfig, tensors: dict[str, np.ndarray], orientation: str) -> dict[str, np.ndarray]:
+    """Per-expert tensors packed per layer as the spec's releases store them: ``gate_up_proj`` ``[E, 2I, H]`` (gate rows
+    first) and ``down_proj`` ``[E, H, I]``, or both transposed (``[E, H, 2I]``, ``[E, I, H]``); no ``.weight``."""
+    gate_n, up_n, down_n = cfg.expert_proj_names
+    out: dict[str, np.ndarray] = {}
+    for name, arr in tensors.items():
+        if ".experts." not in name:
+            out[name] = arr
+            continue
+        prefix = name.split(".experts.")[0] + ".experts"
+        if f"{prefix}.gate_up_proj" in out:
+            continue
+        per = range(cfg.num_experts)
+        gu = np.stack([np.concatenate([tensors[f"{prefix}.{e}.{gate_n}.weight"], tensors[f"{prefix}.{e}.{up_n}.weight"]])
+                       for e in per])
+        down = np.stack([tensors[f"{prefix}.{e}.{down_n}.weight"] for e in per])
+        if orientation == "transposed":
+            gu, down = gu.transpose(0, 2, 1), down.transpose(0, 2, 1)
+        out[f"{prefix}.gate_up_proj"] = np.ascontiguousarray(gu)
+        out[f"{prefix}.down_proj"] = np.ascontiguousarray(down)
+    return out
+
 
 
 def fuse_interleaved(cfg: MoeConfig, tensors: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -79,7 +79,12 @@ def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report:
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     state: dict[str, torch.Tensor] = {}
     fused: dict[str, dict[str, torch.Tensor]] = {}
+    sp = cfg.spec
     for key, value in tensors.items():
+        if key.startswith(sp.ignore_prefixes):
+            report.skipped[key] = "outside the language model (vision tower or multi-token prediction)"
+            continue
+        key = sp.canonical_name(key)  # a multimodal wrapper's model.language_model.* -> model.*
         m = _LAYER.match(key)
         if m and int(m.group(1)) >= cfg.num_hidden_layers:
             report.skipped[key] = "layer beyond num_hidden_layers (e.g. a multi-token-prediction layer)"

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from ktconvert.errors import InputError
 from ktconvert import families
-from ktconvert.families.config import normalize_config
+from ktconvert.families.config import normalize_config, text_view
 from ktconvert.io.datafile import read_json
 
 FAMILIES = families.FAMILIES
@@ -78,8 +78,7 @@ def load_config(path: str | Path) -> tuple[dict, str]:
     if not p.exists():
         raise InputError("no config.json here", path=str(path), fix="pass a model directory or its config.json to --model")
     cfg = read_json(p, "config.json", fix="pass a model directory or its config.json to --model")
-    if isinstance(cfg.get("text_config"), dict):
-        cfg = {**cfg, **cfg["text_config"]}
+    cfg = text_view(cfg)
     return cfg, str(p)
 
 
@@ -152,6 +151,14 @@ def probe_tree(family: str) -> ModelTree:
 
 
 def _attention(layer: Node, sp, mc, pre: str) -> None:
+    if mc.layer_types and mc.layer_types[layer.layer] == "linear_attention":
+        lin = layer.add("linear_attn", f"{pre}GatedDeltaNet")
+        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+            lin.add(name, "Linear")
+        lin.add("conv1d", "Conv1d")
+        lin.add("norm", f"{pre}RMSNormGated")
+        lin.add("out_proj", "Linear")
+        return
     attn = layer.add("self_attn", f"{pre}Attention")
     if mc.is_mla:
         if mc.q_lora_rank:
@@ -165,6 +172,12 @@ def _attention(layer: Node, sp, mc, pre: str) -> None:
         attn.add("kv_b_proj", "Linear")
         attn.add("o_proj", "Linear")
         attn.add("rotary_emb", sp.section("classes").get("tree_rotary", f"{pre}RotaryEmbedding"))
+        if mc.indexer is not None:
+            ix = attn.add("indexer", f"{pre}Indexer")
+            ix.add("wq_b", "Linear")
+            ix.add("wk", "Linear")
+            ix.add("k_norm", "LayerNorm")
+            ix.add("weights_proj", "Linear")
         return
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         attn.add(name, "Linear")

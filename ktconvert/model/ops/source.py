@@ -6,7 +6,7 @@ dequantized to float32 in the reference model's shape (what ``load_gguf_tensor``
 stored, ggml blocks and all (what ``KExpertsCPU`` maps and the llamafile kernel reads).
 
 GGUF files follow llama.cpp's conventions and are read the way ktransformers' loader reads them: names through
-``rules/naming``, attention q/k rows of the ``llama`` architecture (Mixtral) un-permuted, ``kv_b_proj`` rebuilt
+``rules/naming``, a naming map's value transforms undone (:mod:`ktconvert.formats.transforms`), attention q/k rows of the ``llama`` architecture (Mixtral) un-permuted, ``kv_b_proj`` rebuilt
 from ``attn_k_b``/``attn_v_b`` where a newer DeepSeek GGUF stores it split. Safetensors checkpoints are loaded
 whole (per-expert, fused and Mixtral spellings through :mod:`ktconvert.model.weights`); that is fine for the
 models verify can run on a CPU.
@@ -24,7 +24,7 @@ import torch
 from ktconvert import quant
 from ktconvert.errors import InputError
 from ktconvert.families.config import MoeConfig
-from ktconvert.formats import naming_map, open_checkpoint, quantized
+from ktconvert.formats import naming_map, open_checkpoint, quantized, transforms
 from ktconvert.formats.checkpoint import COMPANION
 from ktconvert.io.dtypes import TORCH_NAMES
 from ktconvert.model.weights import read_tensors, to_reference_state
@@ -184,11 +184,15 @@ class WeightSource:
             if gname not in self._types:
                 raise _missing(self.path, [gname], f"tensor for {name}")
             return self._read_gguf(gname)[m.expert]
+        if dict(m.transform).get("kv_b_split"):  # an architecture that stores kv_b_proj only split (glm-dsa)
+            return self._kv_b_from_split(gname.replace(".attn_k_b.", ".attn_kv_b.").replace(".attn_v_b.", ".attn_kv_b."), name)
         if gname not in self._types and gname.endswith(".attn_kv_b.weight"):
             return self._kv_b_from_split(gname, name)
         if gname not in self._types:
             raise _missing(self.path, [gname], f"tensor for {name}")
         arr = self._read_gguf(gname)
+        if m.transform:  # what llama.cpp's converter did to the values (norm + 1, -exp(A_log), tiled value heads)
+            arr = transforms.undo(arr, dict(m.transform), self.cfg.raw, f"tensor {gname}")
         if self.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             heads = self._kv_int("attention.head_count" if ".attn_q." in gname else "attention.head_count_kv",
                                  self.cfg.num_attention_heads if ".attn_q." in gname else self.cfg.num_key_value_heads)

@@ -1,0 +1,142 @@
+"""llama.cpp's changes to a tensor's values and layout on its way from Hugging Face to GGUF, as segments.
+
+A naming map's ``transform`` (schema: ``naming-map.schema.json``) says what ``convert_hf_to_gguf`` does to one
+tensor beyond renaming it: an elementwise ``value`` map (zero-centred norms gain 1, ``A_log`` becomes
+``-exp(A_log)``), ``squeeze`` (size-1 axes dropped) and ``v_heads``: linear attention's value heads reordered
+from grouped by key head (``[g0v0, g0v1, g1v0, g1v1]``) to tiled (``[g0v0, g1v0, g0v1, g1v1]``), which llama.cpp
+broadcasts against the key heads. Row reorders become ``rows`` segments (one per head), so bytes are still read
+row by row; a column reorder and a value map ride on the segments (``col_tile``, ``value``) and the worker applies
+them after decoding. :func:`undo` is the inverse on a whole stored array, for reading such a GGUF back into the
+reference model (verify). :func:`apply` reads no tensor data.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from ktconvert.errors import InputError
+
+
+def tiled_order(k_heads: int, per_k: int) -> list[int]:
+    """Source head of each output head: output ``r * k_heads + g`` is source ``g * per_k + r``."""
+    return [g * per_k + r for r in range(per_k) for g in range(k_heads)]
+
+
+def apply(name: str, shape: tuple[int, ...], transform: dict, config: dict | None, seg, where: str):
+    """``(shape, segments)`` of the GGUF tensor made from HF tensor ``name`` (``seg``: its plain one-segment copy)."""
+    if not transform:
+        return shape, (seg,)
+    if transform.get("kv_b_split"):
+        return _kv_b_split(transform["kv_b_split"], shape, config, seg, where)
+    if transform.get("squeeze"):
+        shape = tuple(d for d in shape if d != 1) or (1,)
+    segs = (replace(seg, value=transform.get("value", "")),)
+    kind = transform.get("v_heads")
+    if kind:
+        nk, nv, kd, vd = _linear_dims(config, where)
+        if nv != nk:  # equal counts: grouped and tiled are the same order
+            segs = _v_heads(kind, segs[0], shape, nk, nv // nk, kd, vd, name, where)
+    return shape, segs
+
+
+def _mla_dims(config: dict | None, shape, where: str) -> tuple[int, int, int, int]:
+    from ktconvert.families import text_view
+
+    c = text_view(config or {})
+    vals = [c.get(k) for k in ("num_attention_heads", "qk_nope_head_dim", "v_head_dim", "kv_lora_rank")]
+    if any(type(v) is not int or v <= 0 for v in vals) or tuple(shape) != (vals[0] * (vals[1] + vals[2]), vals[3]):
+        raise InputError(f"kv_b_proj {list(shape)} is not [num_attention_heads x (qk_nope_head_dim + v_head_dim), "
+                         "kv_lora_rank] for config.json", where=where, fix="pass --config with the model's config.json")
+    return tuple(vals)
+
+
+def _kv_b_split(part: str, shape, config, seg, where: str):
+    heads, nope, v, rank = _mla_dims(config, shape, where)
+    if part == "v_b":  # [heads, v, rank]: each head's last v rows
+        return (heads, v, rank), tuple(replace(seg, start=h * v, rows=v, src_row=h * (nope + v) + nope)
+                                       for h in range(heads))
+    # k_b [heads, rank, nope]: each head's first nope rows, transposed
+    return (heads, rank, nope), tuple(replace(seg, start=h * rank, rows=rank, op="block_t", src_row=h * (nope + v),
+                                              t_rows=nope) for h in range(heads))
+
+
+def _linear_dims(config: dict | None, where: str) -> tuple[int, int, int, int]:
+    from ktconvert.families import text_view
+
+    c = text_view(config or {})
+    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+    vals = [c.get(k) for k in keys]
+    if any(type(v) is not int or v <= 0 for v in vals) or vals[1] % vals[0]:
+        raise InputError(f"config.json needs {', '.join(keys)} (value heads a multiple of key heads) to reorder "
+                         "linear attention's value heads as llama.cpp does", where=where,
+                         fix="pass --config with the model's config.json")
+    return tuple(vals)
+
+
+def _v_heads(kind, seg, shape, nk, per_k, kd, vd, name, where):
+    order = tiled_order(nk, per_k)
+    rows = seg.rows
+    if kind in ("scalar_cols", "value_cols"):
+        width = 1 if kind == "scalar_cols" else vd
+        if shape[-1] != nk * per_k * width:
+            raise InputError(f"{shape[-1]} columns are not {nk * per_k} value heads of {width}", where=where)
+        return (replace(seg, col_tile=(nk, per_k, width)),)
+    head = 1 if kind == "scalar_rows" else vd
+    lead = 2 * nk * kd if kind == "qkv_value_rows" else 0
+    if rows != lead + nk * per_k * head:
+        raise InputError(f"{rows} rows of {name} are not {lead} q/k rows and {nk * per_k} value heads of {head}",
+                         where=where, fix="check the linear_* keys of config.json")
+    out = [replace(seg, start=0, rows=lead, src_row=0)] if lead else []
+    for i, src in enumerate(order):
+        out.append(replace(seg, start=lead + i * head, rows=head, src_row=lead + src * head))
+    return tuple(out)
+
+
+def redo(arr: np.ndarray, transform: dict, config: dict | None, where: str) -> np.ndarray:
+    """``transform`` applied to a whole Hugging Face array (the inverse of :func:`undo`; writers of test GGUFs)."""
+    out = np.array(arr, dtype=np.float32)
+    if transform.get("squeeze"):
+        out = out.reshape(tuple(d for d in out.shape if d != 1) or (1,))
+    kind = transform.get("v_heads")
+    if kind:
+        nk, nv, kd, vd = _linear_dims(config, where)
+        if nv // nk > 1:
+            out = _untile(out, kind, nv // nk, nk, kd, vd, forward=True)
+    if transform.get("value") == "add_one":
+        out = out + np.float32(1.0)
+    elif transform.get("value") == "neg_exp":
+        out = -np.exp(out)
+    return out
+
+
+def undo(arr: np.ndarray, transform: dict, config: dict | None, where: str) -> np.ndarray:
+    """The Hugging Face values of a GGUF tensor that ``transform`` made (size-1 axes are left to the caller)."""
+    out = np.array(arr, dtype=np.float32)
+    kind = transform.get("v_heads")
+    if kind:
+        nk, nv, kd, vd = _linear_dims(config, where)
+        per_k = nv // nk
+        if per_k > 1:
+            out = _untile(out, kind, nk, per_k, kd, vd)
+    if transform.get("value") == "add_one":
+        out = out - np.float32(1.0)
+    elif transform.get("value") == "neg_exp":
+        out = np.log(-out)
+    return out
+
+
+def _untile(a: np.ndarray, kind: str, nk: int, per_k: int, kd: int, vd: int, forward: bool = False) -> np.ndarray:
+    """Value heads tiled -> grouped: ``[per_k, nk]`` head blocks swapped to ``[nk, per_k]``. ``forward`` (called
+    with the two counts exchanged) is grouped -> tiled: the same swap of the other block shape."""
+    key_heads = per_k if forward else nk  # the q/k rows ahead of the value rows belong to the key heads
+    if kind in ("scalar_cols", "value_cols"):
+        width = 1 if kind == "scalar_cols" else vd
+        lead = a.shape[:-1]
+        return a.reshape(*lead, per_k, nk, width).swapaxes(-3, -2).reshape(a.shape)
+    head = 1 if kind == "scalar_rows" else vd
+    lead = 2 * key_heads * kd if kind == "qkv_value_rows" else 0
+    flat = a.reshape(a.shape[0], -1)
+    v = flat[lead:].reshape(per_k, nk, head, -1).swapaxes(0, 1).reshape(-1, flat.shape[1])
+    return np.concatenate([flat[:lead], v]).reshape(a.shape)
