@@ -99,3 +99,27 @@ def field_bytes(reader, key: str) -> bytes:
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+# The compiled quantizers finish the tiny model's units within the first journal sync, so the run to be killed
+# is slowed down instead: a sitecustomize (imported by the process and by each spawned --jobs worker) wraps
+# every kernel call in a few milliseconds of sleep. The bytes written are unchanged.
+_SLOW_SITE = """
+import time
+import ktconvert.quant._api as _api
+_real = _api._kernel
+def _slow_kernel(name):
+    k = _real(name)
+    def slow(*args):
+        time.sleep(0.002)
+        return k(*args)
+    return slow
+_api._kernel = _slow_kernel
+"""
+
+
+def slow_quantizer_env(site: Path) -> dict:
+    """The environment of a ``python -m ktconvert`` child whose quantizer calls each take ~2 ms longer."""
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_SLOW_SITE)
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}

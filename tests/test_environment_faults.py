@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from convert_helpers import tiny, tree_bytes
+from convert_helpers import slow_quantizer_env, tiny, tree_bytes
 from ktconvert.cli import cli
 from test_quantize_resume import _children
 
@@ -111,7 +111,8 @@ def test_killed_worker_fails_the_run_cleanly(src, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "ktconvert", "quantize", str(src), str(out), "--type", "Q4_K",
            "--max-memory", "128KiB", "--jobs", "2"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    env = slow_quantizer_env(tmp_path.parent / f"{tmp_path.name}-site")  # compiled quantizers would finish first
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     journal = tmp_path / ".out.ktconvert-partial" / ".ktconvert" / "journal"
     deadline = time.monotonic() + 120
     while not (journal.exists() and journal.read_text().count("\n") >= 5):

@@ -13,7 +13,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from convert_helpers import tiny, tree_bytes
+from convert_helpers import slow_quantizer_env, tiny, tree_bytes
 from ktconvert.cli import cli
 
 # small units (about 20 rows of 256 each), so the run has hundreds of units and is interrupted mid-way
@@ -48,30 +48,6 @@ def _cmd(src, out, *extra):
     return [sys.executable, "-m", "ktconvert", "quantize", str(src), str(out), *ARGS, *extra]
 
 
-# The compiled quantizers finish the tiny model's units within the first journal sync, so the run to be killed
-# is slowed down instead: a sitecustomize (imported by the process and by each spawned --jobs worker) wraps
-# every kernel call in a few milliseconds of sleep. The bytes written are unchanged.
-_SLOW = """
-import time
-import ktconvert.quant._api as _api
-_real = _api._kernel
-def _slow_kernel(name):
-    k = _real(name)
-    def slow(*args):
-        time.sleep(0.002)
-        return k(*args)
-    return slow
-_api._kernel = _slow_kernel
-"""
-
-
-def _slow_env(tmp_path) -> dict:
-    site = tmp_path / "slow-site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(_SLOW)
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
-
-
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     root = tmp_path_factory.mktemp("resume")
@@ -87,7 +63,7 @@ def test_kill_9_then_resume_is_byte_identical(reference, tmp_path, jobs):
     out = tmp_path / "out"
     journal = tmp_path / ".out.ktconvert-partial" / ".ktconvert" / "journal"
     proc = subprocess.Popen(_cmd(src, out, "--jobs", jobs), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            env=_slow_env(tmp_path))
+                            env=slow_quantizer_env(tmp_path / "slow-site"))
     try:
         deadline = time.monotonic() + 120
         while time.monotonic() < deadline:

@@ -126,7 +126,7 @@ def run_group_alone(cases: list[Case]) -> list[CaseResult]:
     """:func:`run_group` with its own tiny model in a temporary directory of this host (a Ray task's body)."""
     with tempfile.TemporaryDirectory(prefix="ktconvert-gate-") as tmp:
         try:
-            _tiny_model(cases[0].family, tmp)
+            _tiny_model(cases[0], tmp)
         except Exception as exc:
             return [CaseResult(c, False, 0.0, error=_one_line(exc)) for c in cases]
         return run_group(cases, tmp)
@@ -154,7 +154,6 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
 
 
 def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float = 0.0) -> CaseResult:
-
     began = time.perf_counter()
     # a kt-amx directory holds the experts only: the rest comes from the model, as in a kt-kernel launch
     where = {"kt_weights": weights} if case.to == "kt-amx" else {"weights": weights}
@@ -178,7 +177,6 @@ def _tiny_model_dir(tiny: str, workdir: str) -> Path:
 
 
 def _tiny_model(case: Case, workdir: str) -> None:
-
     write_tiny_model(case.family, _tiny_model_dir(case.tiny, workdir), variant=case.variant)
 
 
