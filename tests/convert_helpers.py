@@ -123,3 +123,22 @@ def slow_quantizer_env(site: Path) -> dict:
     site.mkdir()
     (site / "sitecustomize.py").write_text(_SLOW_SITE)
     return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+
+
+def assert_q8_0_matches_llama_quantize(model: Path, f32: Path, tmp_path: Path) -> None:
+    """ktconvert's Q8_0 of ``model`` equals llama_model_quantize of the F32 GGUF ``f32``, tensor for tensor: the
+    same names, types and bytes (needs the llama_built fixture)."""
+    from gguf import GGUFReader
+
+    import llamacpp_runner
+    from ktconvert.convert import convert
+
+    ours = convert(model, tmp_path / "q8", type="Q8_0").out / "model.gguf"
+    theirs = tmp_path / "llama-q8.gguf"
+    llamacpp_runner.quantize(f32, theirs, 7)  # LLAMA_FTYPE_MOSTLY_Q8_0
+    a = {t.name: t for t in GGUFReader(ours).tensors}
+    b = {t.name: t for t in GGUFReader(theirs).tensors}
+    assert set(a) == set(b)
+    for name in a:
+        assert a[name].tensor_type == b[name].tensor_type, name
+        assert a[name].data.tobytes() == b[name].data.tobytes(), name

@@ -8,6 +8,7 @@ import json
 
 import pytest
 
+from convert_helpers import assert_q8_0_matches_llama_quantize
 from ktconvert.formats.config import ModelDims
 from ktconvert.formats.layout import AMBIGUOUS, ORIENT_T, _fused_orientation
 from ktconvert.model.tiny import write_tiny_model
@@ -55,18 +56,7 @@ def test_gguf_carries_the_keys_llamacpp_reads(model, tmp_path):
 
 @pytest.mark.interop
 def test_q8_0_is_byte_identical_to_llamacpps_quantizer(llama_built, model, tmp_path):
-    from gguf import GGUFReader
-
-    import llamacpp_runner
     from ktconvert.convert import convert
 
     f32 = convert(model, tmp_path / "f32", type="F32").out / "model.gguf"
-    ours = convert(model, tmp_path / "q8", type="Q8_0").out / "model.gguf"
-    theirs = tmp_path / "llama-q8.gguf"
-    llamacpp_runner.quantize(f32, theirs, 7)  # LLAMA_FTYPE_MOSTLY_Q8_0
-    a = {t.name: t for t in GGUFReader(ours).tensors}
-    b = {t.name: t for t in GGUFReader(theirs).tensors}
-    assert set(a) == set(b)
-    for name in a:
-        assert a[name].tensor_type == b[name].tensor_type, name
-        assert a[name].data.tobytes() == b[name].data.tobytes(), name
+    assert_q8_0_matches_llama_quantize(model, f32, tmp_path)
