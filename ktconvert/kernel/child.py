@@ -151,7 +151,7 @@ class Child:
 
         method = req["method"]
         w = kta.NativeMoEWrapper._create_loader(method, req["release"]).load_experts(req["base"])
-        f32 = method in ("FP8_PERCHANNEL", "GPTQ_INT4")
+        f32 = method in ("FP8", "FP8_PERCHANNEL", "GPTQ_INT4")
         scales = {p: [(t.to(torch.float32) if f32 else t).contiguous() for t in w[p + "_scale"]]
                   for p in ("gate", "up", "down")}
         weights = {p: [t.contiguous() for t in w[p]] for p in ("gate", "up", "down")}
@@ -166,6 +166,12 @@ class Child:
         if method == "FP8_PERCHANNEL":
             q.bits, q.per_channel = 8, True
             return moe.AMXFP8PerChannel_MOE(cfg)
+        if method == "FP8":  # 128x128 blocks are the only ones its kernels take (the runner refuses others first)
+            q.bits, q.group_size = 8, 128
+            cls = getattr(moe, "AMXFP8_MOE", None) or getattr(moe, "AVX2FP8_MOE", None)
+            if cls is None:
+                raise RuntimeError("kt-kernel selects no FP8 backend on this CPU")
+            return cls(cfg)
         if method == "GPTQ_INT4":
             q.bits, q.group_size = 4, h // scales["gate"][0].shape[0]
             cls = kta._select_gptq_int4_backend(q.group_size)

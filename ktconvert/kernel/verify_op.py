@@ -21,7 +21,7 @@ from ktconvert.kernel.runner import (
     f32_to_bf16_bits,
 )
 
-from ktconvert.kernel.methods import LOADER_NAMES, METHODS, RELEASE_METHOD
+from ktconvert.kernel.methods import FP8_BLOCK, LOADER_NAMES, METHODS, RELEASE_METHOD
 
 MODES = ("emulate", "kt-kernel", "both")
 
@@ -78,6 +78,11 @@ class KernelRuntime:
             method = RELEASE_METHOD.get(fmts[0]) if len(fmts) == 1 else None
             if method is None:
                 raise KernelRefused(f"kt-kernel has no method for {'/'.join(fmts)} experts as released",
+                                    fix="convert the release (ktconvert quantize) and verify that, or --kernel emulate")
+            blocks_fp8 = getattr(source, "fp8_blocks", ())
+            if method == "FP8" and blocks_fp8 != ((FP8_BLOCK, FP8_BLOCK),):
+                raise KernelRefused(f"kt-kernel's FP8 method reads {FP8_BLOCK}x{FP8_BLOCK} blocks; this release's "
+                                    f"experts have {', '.join(f'{a}x{b}' for a, b in blocks_fp8)}",
                                     fix="convert the release (ktconvert quantize) and verify that, or --kernel emulate")
             want = LOADER_NAMES.get(method)
             if want and not any(want[0] in n for n in source.expert_names):

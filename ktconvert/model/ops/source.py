@@ -128,6 +128,9 @@ class WeightSource:
         qmap = quantized.analyze(open_checkpoint(self.path))
         self.release_formats = tuple(sorted({w.fmt for n, w in qmap.weights.items() if ".experts." in n}))
         self.expert_names = tuple(n for n in qmap.weights if ".experts." in n)
+        # FP8 block shapes of the experts (kt-kernel's FP8 method reads 128x128 only)
+        self.fp8_blocks = tuple(sorted({tuple(w.block) for n, w in qmap.weights.items()
+                                        if ".experts." in n and w.fmt == "FP8"}))
 
     # --- llama.cpp-named: GGUF, or kernel-order safetensors (ktransformers' "hybrid" form) -------------------
     def _init_ggml_named(self) -> None:
