@@ -96,7 +96,7 @@ def backend_contract_mismatch(ctx, op: Operator) -> str | None:
     backend = ctx.result.backend
     if not backend or op.role not in ("norm", "mlp"):
         return None
-    caller = ctx.catalog.backends.get(backend, {}).get("contract")
+    caller = ctx.catalog.decoder_contract(backend, op)
     return caller if caller and op.contract not in ("any", caller) else None
 
 
