@@ -1,5 +1,5 @@
-"""The catalog audited against upstream's operator sources: each corrected entry now gives the finding upstream's
-code implies (or stays clean)."""
+"""The catalog audit against upstream's operator sources (rules/catalog/ktransformers-audit.yaml): every operator
+has a record, and each corrected entry now gives the finding upstream's code implies (or stays clean)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,8 @@ import json
 from click.testing import CliRunner
 
 from ktconvert.cli import cli
+from ktconvert.io.datafile import load_data_file
+from ktconvert.io.resources import rules_dir
 from ktconvert.rules.catalog import load_catalog
 
 OPS = "ktransformers.operators"
@@ -24,6 +26,14 @@ def findings(tmp_path, text, *args):
 
 def ids(got, *wanted):
     return [f for f in got if f[0] in wanted]
+
+
+def test_every_operator_has_an_audit_record():
+    audit = load_data_file(rules_dir() / "catalog/ktransformers-audit.yaml", "operator-audit", "operator audit").data
+    assert set(audit["operators"]) == set(load_catalog().operators)
+    for path, rec in audit["operators"].items():
+        assert (rec["source"] == "none") == (rec["status"] == "no-source"), path
+        assert (rec["status"] == "fixed") <= ("fixed" in rec), path
 
 
 def test_serve_norm_falls_back_under_local_chat(tmp_path):
