@@ -30,8 +30,8 @@ def ids(got, *wanted):
 
 def test_every_operator_has_an_audit_record():
     audit = load_data_file(rules_dir() / "catalog/ktransformers-audit.yaml", "operator-audit", "operator audit").data
-    assert set(audit["operators"]) == set(load_catalog().operators)
-    for path, rec in audit["operators"].items():
+    assert set(audit["operators"]) == set(load_catalog().operators) and set(audit["ops"]) == set(load_catalog().ops)
+    for path, rec in [*audit["operators"].items(), *audit["ops"].items()]:
         assert (rec["source"] == "none") == (rec["status"] == "no-source"), path
         assert (rec["status"] == "fixed") <= ("fixed" in rec), path
 
@@ -116,3 +116,18 @@ def test_hunyuan_operators_work_under_local_chat(tmp_path):
         ("model\\\\.norm", "layernorm.KHunYuanRMSNorm", DEV),
         ("model\\\\.layers\\\\.0\\\\.mlp\\\\.shared_mlp", "mlp.KHunYuanMLP", DEV)])
     assert ids(findings(tmp_path, text, "--backend", "ktransformers"), "KT203", "KT204") == []
+
+
+def test_op_kwargs_follow_the_op_constructors(tmp_path):
+    """KLinearFP8(block_size=128), KLinearIPEXLLM(precision=...) take them; kt-sft's CPU experts know no AMXInt4."""
+    linear = (f'- match: {{name: "^model\\\\.layers\\\\..*\\\\.self_attn\\\\.q_proj$"}}\n'
+              f'  replace: {{class: {OPS}.linear.KTransformersLinear, kwargs: {{{DEV}, generate_op: KLinearFP8, '
+              f'prefill_op: KLinearFP8, block_size: 128}}}}\n')
+    assert ids(findings(tmp_path, linear, "--backend", "ktransformers"), "KT206", "KT207") == []
+    xpu = linear.replace("cuda", "xpu").replace("KLinearFP8", "KLinearIPEXLLM").replace("block_size: 128", "precision: sym_int4")
+    assert ids(findings(tmp_path, xpu, "--backend", "ktransformers"), "KT206", "KT207") == []
+    sft = (f'- match: {{name: "^model\\\\.layers\\\\..*\\\\.mlp\\\\.experts$"}}\n'
+           f'  replace: {{class: {OPS}.experts.KTransformersExperts, kwargs: {{generate_device: cpu, generate_op: '
+           f'KSFTExpertsCPU, out_device: cuda, backend: AMXInt4}}}}\n  recursive: false\n')
+    got = ids(findings(tmp_path, sft, "--backend", "ktransformers"), "KT207")
+    assert len(got) == 1 and "'AMXInt4' is not one of llamafile, AMXBF16, AMXInt8" in got[0][2], got
