@@ -131,3 +131,13 @@ def test_op_kwargs_follow_the_op_constructors(tmp_path):
            f'KSFTExpertsCPU, out_device: cuda, backend: AMXInt4}}}}\n  recursive: false\n')
     got = ids(findings(tmp_path, sft, "--backend", "ktransformers"), "KT207")
     assert len(got) == 1 and "'AMXInt4' is not one of llamafile, AMXBF16, AMXInt8" in got[0][2], got
+
+
+def test_swallowed_kwarg_is_a_warning_not_an_error(tmp_path):
+    """flashinfer_attn has no absorb_for_prefill parameter (KDeepseekV2Attention has): upstream ignores it (KT214)."""
+    text = (f'- match: {{name: "^model\\\\.layers\\\\..*\\\\.self_attn$"}}\n'
+            f'  replace: {{class: {OPS}.balance_serve_attention.flashinfer_attn, kwargs: {{{DEV}, absorb_for_prefill: true}}}}\n')
+    got = findings(tmp_path, text, "--backend", "balance_serve")
+    assert [f[0] for f in got if f[0] in ("KT206", "KT214")] == ["KT214"], got
+    real = text.replace("balance_serve_attention.flashinfer_attn", "attention.KDeepseekV2Attention")
+    assert ids(findings(tmp_path, real, "--backend", "ktransformers"), "KT206", "KT214") == []
