@@ -11,6 +11,7 @@ sha256, r and alpha.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import re
 from pathlib import Path
@@ -75,10 +76,15 @@ class LoadedLora:
     deltas: dict[str, tuple]
     warnings: list[str]
 
-    @property
+    def adapter_tensor(self, file: str, name: str, index: int) -> tuple[int, ...]:
+        """The shape of one A or B of a lora tuple (one expert's slice of a stacked tensor)."""
+        t = next(t for t in self.adapter.tensors if str(t.file) == file and t.name == name)
+        return t.shape[1:] if index >= 0 else t.shape
+
+    @functools.cached_property
     def record(self) -> dict:
         files = sorted({d[0] for d in self.deltas.values()} | {d[3] for d in self.deltas.values()})
-        return {"sha256": adapter_sha256(self.adapter), "form": self.adapter.form, "r": self.adapter.rank,
+        return {"sha256": adapter_sha256(self.adapter), "form": self.adapter.form, "rank": self.adapter.rank,
                 "alpha": self.alpha, "scale": self.scale,
                 "files": {Path(f).name: sha256_file(Path(f)) for f in files}}
 

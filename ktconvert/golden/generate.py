@@ -11,13 +11,14 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ktconvert import __version__
-from ktconvert.errors import EnvironmentProblem, InputError
+from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.families.config import load_config
 from ktconvert.formats import open_checkpoint
 from ktconvert.formats.safetensors_write import to_bytes
@@ -222,6 +223,29 @@ def _display_path(path: Path, placeholder: str) -> str:
         return placeholder
 
 
+def _merged_golden(model_dir: Path, cfg, ids: list[int], threads: int, lora: Path, lora_alpha: float | None):
+    """transformers on the weights with the adapter merged in float32 (quantize's merge, into a temporary F32 HF
+    checkpoint), plus the base model's logits as ``base_logits``; the manifest's ``lora`` record."""
+    from ktconvert.convert.api import convert
+    from ktconvert.convert.lora_merge import load_lora
+    from ktconvert.formats import dims_from_hf_config
+
+    loaded = load_lora(lora, lora_alpha=lora_alpha, dims=dims_from_hf_config(cfg.raw, str(model_dir / "config.json")),
+                       model_type=cfg.family)
+    with tempfile.TemporaryDirectory(prefix="ktconvert-golden-lora-") as tmp:
+        merged = Path(tmp) / "merged"
+        convert(model_dir, merged, type="F32", format="hf", lora=lora, lora_alpha=lora_alpha, tokenizer=False)
+        run = compute_golden(merged, ids, threads=threads)
+    base = compute_golden(model_dir, ids, threads=threads, decode_check=False).tensors["logits"]
+    run.tensors["base_logits"] = base
+    diff = run.tensors["logits"].astype(np.float64) - base.astype(np.float64)
+    den = float(np.sum(base.astype(np.float64) ** 2))
+    record = dict(loaded.record)
+    record["effect"] = {"logits_max_abs_diff": float(np.max(np.abs(diff))),
+                        "logits_nmse": float(np.sum(diff * diff)) / den if den else 0.0}
+    return run, record
+
+
 @dataclass
 class GoldenResult:
     out_dir: Path
@@ -239,8 +263,14 @@ def generate_golden(
     threads: int = 1,
     force: bool = False,
     reason: str | None = None,
+    lora: str | os.PathLike | None = None,
+    lora_alpha: float | None = None,
 ) -> GoldenResult:
-    """Compute and write a golden directory; regenerating needs ``force`` and appends to the manifest's log."""
+    """Compute and write a golden directory; regenerating needs ``force`` and appends to the manifest's log.
+
+    ``lora``: a MoE LoRA adapter (any form convert-lora reads), merged into the weights in float32 by
+    ``quantize --to hf --type F32 --lora``'s own merge before transformers runs; the base model's logits are kept
+    as ``base_logits`` and the manifest records the adapter and how far it moves the logits."""
     refuse_under_ci()
     model_dir, out = Path(model_dir), Path(out_dir)
     cfg = load_config(model_dir)
@@ -252,7 +282,12 @@ def generate_golden(
     ids, text, prepended = prompt_for(model_dir, prompt_text, prompt_ids, bos)
     if max(ids) >= cfg.vocab_size:
         raise InputError(f"prompt id {max(ids)} is outside the vocabulary (vocab_size={cfg.vocab_size})")
-    run = compute_golden(model_dir, ids, threads=threads)
+    if lora is None:
+        if lora_alpha is not None:
+            raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
+        run, lora_record = compute_golden(model_dir, ids, threads=threads), None
+    else:
+        run, lora_record = _merged_golden(model_dir, cfg, ids, threads, Path(lora), lora_alpha)
     files = model_file_hashes(model_dir)
     tiny = match_tiny_model(files)
     data = to_bytes(run.tensors, {"format": "pt", "producer": "ktconvert golden"})
@@ -265,6 +300,8 @@ def generate_golden(
         opts.append("--prompt " + repr(prompt_text))
     if not bos:
         opts.append("--no-bos")
+    if lora is not None:
+        opts.append("--lora <ADAPTER>" + (f" --lora-alpha {lora_alpha:g}" if lora_alpha is not None else ""))
     golden_cmd = f"ktconvert golden <MODEL_DIR> {_display_path(out, '<OUT_DIR>')} " + " ".join(opts)
     command = (f"ktconvert tiny-model {_tiny_args(tiny)} <MODEL_DIR> && " if tiny else "") + golden_cmd
 
@@ -312,6 +349,7 @@ def generate_golden(
             },
         },
         "checks": {"hf_decode_vs_prefill_max_abs_diff": run.decode_max_abs_diff},
+        **({"lora": lora_record} if lora_record is not None else {}),
         "command": command,
         "regenerations": log,
     }

@@ -1,0 +1,136 @@
+"""``verify --lora`` and ``golden --lora`` (issue 22 item 4) on the tiny qwen3_moe and its ``tiny-model --lora`` adapter:
+the adapter applied by the reference passes against the golden made with it merged in float32 and fails against the
+base golden; a zero adapter is "no effect"; a golden and an adapter that do not belong together are refused."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from verify_helpers import Workspace
+from ktconvert.cli import cli
+from ktconvert.errors import InputError, UsageProblem
+from ktconvert.golden import read_golden
+from ktconvert.io import resources
+from ktconvert.model.inject import EmulationOptions
+from ktconvert.verify import run_verify
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+FAMILY = "qwen3_moe"
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory):
+    pytest.importorskip("transformers")
+    from ktconvert.golden.generate import generate_golden
+    from ktconvert.model.tiny_lora import write_tiny_lora
+
+    root = tmp_path_factory.mktemp("verify-lora")
+    ws = Workspace(root)
+    adapter = root / "adapter"
+    write_tiny_lora(FAMILY, adapter)
+    zero = _zero_adapter(adapter, root / "zero")
+    old = os.environ.pop("CI", None)
+    try:
+        generate_golden(ws.model(FAMILY), root / "g-lora", lora=adapter)
+        generate_golden(ws.model(FAMILY), root / "g-zero", lora=zero)
+    finally:
+        if old is not None:
+            os.environ["CI"] = old
+    return {"ws": ws, "root": root, "adapter": adapter, "zero": zero, "model": ws.model(FAMILY),
+            "q8": ws.gguf(FAMILY, "Q8_0"), "rules": ws.rules(FAMILY), "base": ws.golden(FAMILY)}
+
+
+def _zero_adapter(src, out):
+    """The tiny adapter with every lora_B zero (an adapter fresh from initialisation), without the manifest whose
+    hashes it no longer matches."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    out.mkdir()
+    for name in ("fused_expert_lora.safetensors", "adapter_model.safetensors"):
+        t = load_file(str(src / name))
+        save_file({k: (torch.zeros_like(v) if k.endswith(("_lora_b", "lora_B.weight")) else v) for k, v in t.items()},
+                  str(out / name))
+    (out / "adapter_config.json").write_bytes((src / "adapter_config.json").read_bytes())
+    return out
+
+
+def _verify(env, golden, lora=None, weights=None, **kw):
+    return run_verify(env["model"], env["rules"], golden, weights=weights or env["q8"], lora=lora, **kw)
+
+
+def test_golden_records_the_adapter_and_its_effect(env):
+    g = read_golden(env["root"] / "g-lora")
+    lo = g.manifest["lora"]
+    assert (lo["form"], lo["rank"], lo["alpha"], lo["scale"]) == ("raw-dir", 4, 8.0, 2.0)
+    assert set(lo["files"]) == {"fused_expert_lora.safetensors", "adapter_model.safetensors"}
+    base = read_golden(env["base"])
+    np.testing.assert_allclose(g.tensors["base_logits"], base.logits, atol=1e-5)  # the committed base golden
+    moved = np.abs(g.logits - base.logits).max()
+    assert moved > 0.1 and lo["effect"]["logits_max_abs_diff"] == pytest.approx(moved, abs=1e-5)
+    assert read_golden(env["root"] / "g-zero").manifest["lora"]["effect"]["logits_max_abs_diff"] == 0
+
+
+def test_adapter_passes_against_merged_golden_and_fails_against_base(env):
+    r = _verify(env, env["root"] / "g-lora", lora=env["adapter"])
+    assert r.passed, [b.line() for b in r.breaches]
+    assert r.lora["finding"] is None
+    assert {p: v["verdict"] for p, v in r.lora["against_base"].items()} == {"prefill": "fail", "decode": "fail"}
+    assert r.lora["against_base"]["prefill"]["max_abs_diff"] > 0.1
+    # the same adapter converted to sglang's form has the same sha256 and passes too
+    res = CliRunner().invoke(cli, ["convert-lora", str(env["adapter"]), str(env["root"] / "sg"),
+                                   "--base-model", str(env["model"])], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert _verify(env, env["root"] / "g-lora", lora=env["root"] / "sg").passed
+
+
+def test_zero_adapter_is_no_effect(env):
+    r = _verify(env, env["root"] / "g-zero", lora=env["zero"])
+    assert r.passed
+    assert r.lora["finding"].startswith("no effect: the adapter leaves the logits unchanged")
+    assert all(v["verdict"] == "pass" for v in r.lora["against_base"].values())
+    assert any("no effect" in n for n in r.notes)
+
+
+@pytest.mark.parametrize("case", ["base-golden-with-lora", "lora-golden-without", "other-adapter"])
+def test_golden_and_adapter_that_do_not_belong_together_are_refused(env, case):
+    golden, lora, names = {
+        "base-golden-with-lora": (env["base"], env["adapter"], ("made without an adapter", "--lora adapter sha256")),
+        "lora-golden-without": (env["root"] / "g-lora", None, ("was made with LoRA adapter sha256", "without --lora")),
+        "other-adapter": (env["root"] / "g-lora", env["zero"], ("is not the golden's adapter sha256",)),
+    }[case]
+    with pytest.raises(InputError) as exc:
+        _verify(env, golden, lora=lora)
+    assert "\n" not in str(exc.value) and all(n in str(exc.value) for n in names), str(exc.value)
+
+
+def test_merged_weights_pass_without_lora_and_refuse_it(env):
+    from ktconvert.convert import convert
+
+    out = convert(env["model"], env["root"] / "q8-merged", type="Q8_0", lora=env["adapter"]).out
+    assert _verify(env, env["root"] / "g-lora", weights=out / "model.gguf").passed
+    with pytest.raises(InputError, match="already have an adapter merged"):
+        _verify(env, env["root"] / "g-lora", lora=env["adapter"], weights=out / "model.gguf")
+
+
+def test_kernel_with_lora_is_refused_before_anything_runs(env):
+    with pytest.raises(UsageProblem, match="kt-kernel 0.7.2's LoRA path is its \\*_SFT_MOE training classes"):
+        _verify(env, env["root"] / "g-lora", lora=env["adapter"], options=EmulationOptions(kernel="kt-kernel"))
+
+
+def test_cli_json_carries_the_adapter(env):
+    import jsonschema
+
+    res = CliRunner().invoke(cli, ["verify", "--model", str(env["model"]), "--rules", str(env["rules"]),
+                                   "--weights", str(env["q8"]), "--golden", str(env["root"] / "g-lora"),
+                                   "--lora", str(env["adapter"]), "-o", "json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    d = json.loads(res.stdout)
+    jsonschema.Draft202012Validator(resources.load_schema("verify-report")).validate(d)
+    assert d["lora"]["sha256"] == read_golden(env["root"] / "g-lora").manifest["lora"]["sha256"]
+    assert d["lora"]["golden_effect"]["logits_max_abs_diff"] > 0.1
