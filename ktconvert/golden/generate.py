@@ -223,6 +223,25 @@ def _display_path(path: Path, placeholder: str) -> str:
         return placeholder
 
 
+def _float32_copy(model_dir: Path, out: Path) -> Path:
+    """``model_dir`` itself when every tensor is F32, else a float32 copy of it (config.json beside it): ``--to hf``
+    re-encodes a merged weight in its stored type, and a bf16 release's merged weights must stay float32 here."""
+    from safetensors.numpy import save_file
+
+    ck = open_checkpoint(model_dir)
+    dtypes = {info.dtype for _, info in ck.items()}
+    if dtypes <= {"F32"}:
+        return model_dir
+    odd = sorted(dtypes - {"F32", "F16", "BF16"})
+    if odd:
+        raise InputError(f"golden --lora merges into F32/F16/BF16 weights; this checkpoint also stores {odd[0]}",
+                         path=str(model_dir), fix="dequantize it first: ktconvert quantize MODEL OUT --to hf --type BF16")
+    out.mkdir(parents=True)
+    save_file({name: np.ascontiguousarray(ck.read_float32(name)) for name, _ in ck.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+    return out
+
+
 def _merged_golden(model_dir: Path, cfg, ids: list[int], threads: int, lora: Path, lora_alpha: float | None):
     """transformers on the weights with the adapter merged in float32 (quantize's merge, into a temporary F32 HF
     checkpoint), plus the base model's logits as ``base_logits``; the manifest's ``lora`` record."""
@@ -234,7 +253,8 @@ def _merged_golden(model_dir: Path, cfg, ids: list[int], threads: int, lora: Pat
                        model_type=cfg.family)
     with tempfile.TemporaryDirectory(prefix="ktconvert-golden-lora-") as tmp:
         merged = Path(tmp) / "merged"
-        convert(model_dir, merged, type="F32", format="hf", lora=lora, lora_alpha=lora_alpha, tokenizer=False)
+        src = _float32_copy(model_dir, Path(tmp) / "f32")
+        convert(src, merged, type="F32", format="hf", lora=lora, lora_alpha=lora_alpha)
         run = compute_golden(merged, ids, threads=threads)
     base = compute_golden(model_dir, ids, threads=threads, decode_check=False).tensors["logits"]
     run.tensors["base_logits"] = base

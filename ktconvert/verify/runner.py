@@ -290,11 +290,6 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         from ktconvert.errors import UsageProblem
 
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
-    if lora is not None and options.kernel != "emulate":
-        from ktconvert.errors import UsageProblem
-
-        raise UsageProblem(KERNEL_LORA_REFUSAL, fix="drop --kernel (the emulation applies the adapter), or give the "
-                           "kernel the merged weights: quantize --lora, then verify them without --lora")
     if options.kernel != "emulate" and options.kernel_runtime is None:  # the real kernel: children per method
         from ktconvert.kernel.verify_op import KernelRuntime
 
@@ -322,6 +317,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         loaded = check_golden_lora(gold, lora, lora_alpha, cfg, model_dir, weights)
         if loaded is not None:
             notes += [f"LoRA: {w}" for w in loaded.warnings]
+            if options.kernel_runtime is not None:  # the kernel runs the expert LoRA itself (its SFT class)
+                options.kernel_runtime.lora = loaded
         catalog = catalog or load_catalog()
         compiled = load_rules(rules, catalog, backend, family=cfg.family)
         weights_path = weights if weights is not None else model_dir
@@ -394,12 +391,6 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
             report.notes.append(f"LoRA: {report.lora['finding']}")
     report.seconds = time.perf_counter() - began
     return report
-
-
-KERNEL_LORA_REFUSAL = (
-    "--kernel kt-kernel/both with --lora is not supported: the adapter runs only in the emulation (kt-kernel 0.7.2's "
-    "LoRA path is its *_SFT_MOE training classes, AMX-packed BF16/INT8/INT4 weights with their own forward/backward "
-    "buffers, which ktconvert's kernel child does not drive)")
 
 
 def _describe(rec: dict | None) -> str:
