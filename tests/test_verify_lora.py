@@ -74,6 +74,16 @@ def test_golden_records_the_adapter_and_its_effect(env):
     moved = np.abs(g.logits - base.logits).max()
     assert moved > 0.1 and lo["effect"]["logits_max_abs_diff"] == pytest.approx(moved, abs=1e-5)
     assert read_golden(env["root"] / "g-zero").manifest["lora"]["effect"]["logits_max_abs_diff"] == 0
+    assert "ktconvert tiny-model qwen3_moe <MODEL_DIR> --lora <ADAPTER> && ktconvert golden" in g.manifest["command"]
+    assert "--lora <ADAPTER>" in g.manifest["command"].split("&&")[1]
+
+
+def test_lora_alpha_without_lora_is_a_usage_error(env, monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
+    for args in (["golden", str(env["model"]), str(env["root"] / "never")],
+                 ["verify", "--model", str(env["model"]), "--rules", str(env["rules"]), "--golden", str(env["base"])]):
+        res = CliRunner().invoke(cli, [*args, "--lora-alpha", "8"])
+        assert res.exit_code == 2 and "--lora-alpha without --lora" in res.output, res.output
 
 
 def test_adapter_passes_against_merged_golden_and_fails_against_base(env):

@@ -156,6 +156,16 @@ def _tiny_args(tiny: str) -> str:
     return family if not rest else f"{family} --fp8" if rest == "fp8" else f"{family} --variant {rest}"
 
 
+def _is_tiny_lora(tiny: str, record: dict) -> bool:
+    """Whether the adapter's tensor files are ``tiny-model FAMILY --lora``'s (so the command can say how to make it)."""
+    from ktconvert.model.tiny_lora import tiny_lora_files
+
+    if "-" in tiny:
+        return False
+    files = tiny_lora_files(tiny)
+    return all(n in files and sha256_bytes(files[n]) == h for n, h in record["files"].items())
+
+
 def _family_config(transformers, model_dir) -> object | None:
     """A config.json whose model_type transformers does not know but whose ``architectures`` name a family
     (Kimi-K2's ``kimi_k2`` is DeepseekV3ForCausalLM) loads as that family's transformers config, which is what
@@ -292,6 +302,8 @@ def generate_golden(
     ``quantize --to hf --type F32 --lora``'s own merge before transformers runs; the base model's logits are kept
     as ``base_logits`` and the manifest records the adapter and how far it moves the logits."""
     refuse_under_ci()
+    if lora is None and lora_alpha is not None:
+        raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
     model_dir, out = Path(model_dir), Path(out_dir)
     cfg = load_config(model_dir)
     previous = None
@@ -303,8 +315,6 @@ def generate_golden(
     if max(ids) >= cfg.vocab_size:
         raise InputError(f"prompt id {max(ids)} is outside the vocabulary (vocab_size={cfg.vocab_size})")
     if lora is None:
-        if lora_alpha is not None:
-            raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
         run, lora_record = compute_golden(model_dir, ids, threads=threads), None
     else:
         run, lora_record = _merged_golden(model_dir, cfg, ids, threads, Path(lora), lora_alpha)
@@ -323,7 +333,8 @@ def generate_golden(
     if lora is not None:
         opts.append("--lora <ADAPTER>" + (f" --lora-alpha {lora_alpha:g}" if lora_alpha is not None else ""))
     golden_cmd = f"ktconvert golden <MODEL_DIR> {_display_path(out, '<OUT_DIR>')} " + " ".join(opts)
-    command = (f"ktconvert tiny-model {_tiny_args(tiny)} <MODEL_DIR> && " if tiny else "") + golden_cmd
+    tiny_lora = " --lora <ADAPTER>" if tiny and lora_record is not None and _is_tiny_lora(tiny, lora_record) else ""
+    command = (f"ktconvert tiny-model {_tiny_args(tiny)} <MODEL_DIR>{tiny_lora} && " if tiny else "") + golden_cmd
 
     if previous is not None:
         log = list(previous.manifest["regenerations"])
