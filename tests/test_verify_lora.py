@@ -126,6 +126,25 @@ def test_merged_weights_pass_without_lora_and_refuse_it(env):
     assert _verify(env, env["root"] / "g-lora", weights=out / "model.gguf").passed
     with pytest.raises(InputError, match="already have an adapter merged"):
         _verify(env, env["root"] / "g-lora", lora=env["adapter"], weights=out / "model.gguf")
+    with pytest.raises(InputError, match="have an adapter merged .* but golden 'qwen3_moe' was made without one"):
+        _verify(env, env["base"], weights=out / "model.gguf")
+
+
+def test_an_adapter_that_does_not_fit_the_model_is_named(env):
+    from ktconvert.convert.lora_merge import load_lora
+    from ktconvert.model import build_model, load_config
+    from ktconvert.verify.runner import _check_lora_fits
+
+    cfg = load_config(env["model"])
+    state = dict(build_model(cfg).state_dict())
+    loaded = load_lora(env["adapter"], model_type=FAMILY)
+    name = "model.layers.1.self_attn.o_proj.weight"
+    state[name] = state[name][:, :-1]
+    with pytest.raises(InputError, match=f"B @ A is \\[256, 256\\] but {name} is \\[256, 255\\]"):
+        _check_lora_fits(loaded, state, cfg)
+    del state[name]
+    with pytest.raises(InputError, match=f"the adapter adapts {name}, which the qwen3_moe model has not"):
+        _check_lora_fits(loaded, state, cfg)
 
 
 def _bf16_copy(env):

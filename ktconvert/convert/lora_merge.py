@@ -58,7 +58,7 @@ def _deltas(ad, scale: float, model_type: str | None) -> dict[str, tuple]:
     return out
 
 
-def _delta_shapes(ad, deltas: dict) -> dict[str, tuple[int, int]]:
+def delta_shapes(ad, deltas: dict) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each delta: rows of B by columns of A."""
     shape = {t.name: (t.shape[1:] if idx >= 0 else t.shape) for t in ad.tensors for idx in (-1, 0)
              if (idx >= 0) == (len(t.shape) == 3)}
@@ -75,11 +75,6 @@ class LoadedLora:
     scale: float
     deltas: dict[str, tuple]
     warnings: list[str]
-
-    def adapter_tensor(self, file: str, name: str, index: int) -> tuple[int, ...]:
-        """The shape of one A or B of a lora tuple (one expert's slice of a stacked tensor)."""
-        t = next(t for t in self.adapter.tensors if str(t.file) == file and t.name == name)
-        return t.shape[1:] if index >= 0 else t.shape
 
     @functools.cached_property
     def record(self) -> dict:
@@ -137,7 +132,7 @@ def attach_lora(plan: Plan, adapter: str | Path, *, lora_alpha: float | None = N
     ad, alpha, scale = lo.adapter, lo.alpha, lo.scale
     deltas = lo.deltas
     ck = open_checkpoint(plan.source)
-    shapes = {n: (int(ad_shape[0]), int(ad_shape[1])) for n, ad_shape in _delta_shapes(ad, deltas).items()}
+    shapes = {n: (int(ad_shape[0]), int(ad_shape[1])) for n, ad_shape in delta_shapes(ad, deltas).items()}
     for name, shape in shapes.items():
         if name in ck and tuple(ck[name].shape) != shape:
             raise InputError(f"B @ A is {list(shape)} but {name} is {list(ck[name].shape)}", path=str(adapter),

@@ -324,11 +324,6 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         weights_path = weights if weights is not None else model_dir
         source = WeightSource(weights_path, cfg)
         pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
-        if loaded is not None:
-            _check_lora_fits(loaded, cfg, model_dir)
-            for src in (source, pre_source):
-                if src is not None:
-                    src.apply_lora(loaded.deltas)
         if profile == "auto" and options.kernel_runtime is not None and options.kernel_runtime.auto_profile(cfg):
             profile = load_profile(options.kernel_runtime.auto_profile(cfg))  # a kt-amx dir: its method's profile
         if profile == "auto":
@@ -348,6 +343,11 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
                 reference = None
                 notes.append(f"module-level localisation skipped: the original weights in --model are unusable ({exc.message})")
         model = build_model(cfg, dtype=torch_dtype(options.compute_dtype))
+        if loaded is not None:
+            _check_lora_fits(loaded, model.state_dict(), cfg)
+            for src in (source, pre_source):
+                if src is not None:
+                    src.apply_lora(loaded.deltas)
         plan = injection_plan(model, compiled, catalog, module_type_resolver(catalog))
         injected = inject(model, plan, source, prefill_weights=pre_source, options=options, catalog=catalog,
                           prompt_len=prompt_len)
@@ -430,6 +430,10 @@ def check_golden_lora(golden, lora, lora_alpha, cfg, model_dir: Path, weights=No
                          "would apply one again", path=str(weights), fix="drop --lora, or pass the base conversion")
     if lora is None:
         if want is None:
+            if baked is not None:
+                raise InputError(f"--weights have an adapter merged (quantize --lora {baked.get('path')}) but golden "
+                                 f"{name!r} was made without one", path=str(weights),
+                                 fix="make the golden with ktconvert golden MODEL OUT --lora ADAPTER")
             return None
         if baked is not None:
             same = ({f["sha256"] for f in baked.get("files", {}).values()} == set(want["files"].values())
@@ -453,17 +457,18 @@ def check_golden_lora(golden, lora, lora_alpha, cfg, model_dir: Path, weights=No
     return loaded
 
 
-def _check_lora_fits(loaded, cfg, model_dir: Path) -> None:
+def _check_lora_fits(loaded, state: dict, cfg) -> None:
     """Every weight the adapter adapts exists in the model with B @ A's shape (else the adapter is another model's)."""
-    state = build_model(cfg).state_dict()
-    for n, d in sorted(loaded.deltas.items()):
-        a, b = (loaded.adapter_tensor(d[0], d[1], d[2]), loaded.adapter_tensor(d[3], d[4], d[5]))
+    from ktconvert.convert.lora_merge import delta_shapes
+
+    where = str(loaded.adapter.src)
+    for n, shape in sorted(delta_shapes(loaded.adapter, loaded.deltas).items()):
         if n not in state:
-            raise InputError(f"the adapter adapts {n}, which the {cfg.family} model has not", path=str(loaded.adapter.src),
-                             where=n, fix="is this the adapter of this model?")
-        if (b[0], a[1]) != tuple(state[n].shape):
-            raise InputError(f"B @ A is {[b[0], a[1]]} but {n} is {list(state[n].shape)}", path=str(loaded.adapter.src),
-                             where=n, fix="this adapter was trained for another model")
+            raise InputError(f"the adapter adapts {n}, which the {cfg.family} model has not", path=where, where=n,
+                             fix="is this the adapter of this model?")
+        if tuple(shape) != tuple(state[n].shape):
+            raise InputError(f"B @ A is {list(shape)} but {n} is {list(state[n].shape)}", path=where, where=n,
+                             fix="this adapter was trained for another model")
 
 
 def _add_lora(model, deltas: dict[str, tuple]) -> None:
