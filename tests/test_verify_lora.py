@@ -130,6 +130,19 @@ def test_merged_weights_pass_without_lora_and_refuse_it(env):
         _verify(env, env["base"], weights=out / "model.gguf")
 
 
+def test_golden_lora_of_a_fused_expert_checkpoint_is_refused(env, monkeypatch):
+    from ktconvert.golden.generate import generate_golden
+    from ktconvert.model.tiny import write_tiny_model
+    from ktconvert.model.tiny_lora import write_tiny_lora
+
+    monkeypatch.delenv("CI", raising=False)
+    write_tiny_model("gpt_oss", env["root"] / "gpt_oss")  # saved as transformers 5 does: experts.gate_up_proj
+    write_tiny_lora("gpt_oss", env["root"] / "gpt_oss-lora")
+    with pytest.raises(InputError, match="keeps this checkpoint's fused experts fused") as exc:
+        generate_golden(env["root"] / "gpt_oss", env["root"] / "never", lora=env["root"] / "gpt_oss-lora")
+    assert ":model.layers.0.mlp.experts." in str(exc.value)
+
+
 def test_an_adapter_that_does_not_fit_the_model_is_named(env):
     from ktconvert.convert.lora_merge import load_lora
     from ktconvert.model import build_model, load_config

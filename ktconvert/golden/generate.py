@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import re
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -233,6 +234,9 @@ def _display_path(path: Path, placeholder: str) -> str:
         return placeholder
 
 
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_bias)?(\.weight)?$")
+
+
 def _float32_copy(model_dir: Path, out: Path) -> Path:
     """``model_dir`` itself when every tensor is F32, else a float32 copy of it (config.json beside it): ``--to hf``
     re-encodes a merged weight in its stored type, and a bf16 release's merged weights must stay float32 here."""
@@ -261,6 +265,11 @@ def _merged_golden(model_dir: Path, cfg, ids: list[int], threads: int, lora: Pat
 
     loaded = load_lora(lora, lora_alpha=lora_alpha, dims=dims_from_hf_config(cfg.raw, str(model_dir / "config.json")),
                        model_type=cfg.family)
+    fused = next((n for n, _ in open_checkpoint(model_dir).items() if _FUSED_EXPERTS.search(n)), None)
+    if fused is not None:
+        raise InputError("golden --lora merges per-expert LoRA through quantize --to hf, which keeps this checkpoint's "
+                         "fused experts fused and cannot merge into them", path=str(model_dir), where=fused,
+                         fix="use a checkpoint with per-expert expert weights (experts.E.gate_proj ...)")
     with tempfile.TemporaryDirectory(prefix="ktconvert-golden-lora-") as tmp:
         merged = Path(tmp) / "merged"
         src = _float32_copy(model_dir, Path(tmp) / "f32")
