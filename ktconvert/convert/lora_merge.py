@@ -6,6 +6,10 @@ Each adapted weight's plan segments get the adapter's ``(A, B, alpha/r)``; the w
 to exactly the rows it decodes, so memory stays bounded by a unit. Copied tensors that are adapted are decoded
 and re-encoded instead. The plan (and so ``--resume``'s fingerprint) and the manifest record every adapter file's
 sha256, r and alpha.
+
+:func:`load_lora` (read, check, resolve alpha, name the adapted weights) and :func:`lora_delta` (the delta itself)
+are shared: ``golden --lora`` merges through this module's ``quantize --to hf`` path and ``verify --lora`` adds the
+same deltas to the weights it reads, so there is one merge, not three.
 """
 
 from __future__ import annotations
