@@ -15,6 +15,7 @@ models verify can run on a CPU.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,7 @@ from ktconvert.io.dtypes import TORCH_NAMES
 from ktconvert.model.weights import read_tensors, to_reference_state
 
 PROJECTIONS = ("gate", "up", "down")
+_EXPERT_NAME = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.\w+\.weight$")
 
 
 @dataclass
@@ -40,10 +42,17 @@ class Blocks:
     data: np.ndarray
     shape: tuple[int, int, int]  # elements: [E, rows, cols]
     names: tuple[str, ...]  # the stored tensor(s) it came from
+    lora: tuple | None = None  # verify --lora: per expert, the adapter's lora tuple (or None), added on decoding
 
     def expert(self, e: int) -> np.ndarray:
-        """Expert ``e`` dequantized to float32 ``[rows, cols]`` (each expert is whole blocks: rows hold them)."""
-        return quant.dequantize(self.data[e], self.qtype, name=self.names[0]).reshape(self.shape[1:])
+        """Expert ``e`` dequantized to float32 ``[rows, cols]`` (each expert is whole blocks: rows hold them), plus
+        ``alpha/r * B @ A`` when an adapter is applied."""
+        w = quant.dequantize(self.data[e], self.qtype, name=self.names[0]).reshape(self.shape[1:])
+        if self.lora is not None and self.lora[e] is not None:
+            from ktconvert.convert.lora_merge import lora_delta
+
+            w = w + lora_delta(self.lora[e])
+        return w
 
 
 @dataclass
@@ -118,6 +127,14 @@ class WeightSource:
                 self.container = "safetensors"
                 self._init_safetensors()
         self._blocks: dict[int, ExpertBlocks] = {}
+        self.lora: dict[str, tuple] = {}
+
+    def apply_lora(self, deltas: dict[str, tuple]) -> None:
+        """Read every weight the adapter adapts as ``W + alpha/r * B @ A`` in float32 (``deltas``: HF name ->
+        lora tuple, :func:`ktconvert.convert.lora_merge.load_lora`), as a served adapter changes what the model
+        computes. The stored blocks stay as they are: only the float32 views change."""
+        self.lora = dict(deltas)
+        self._blocks.clear()
 
     # --- safetensors ------------------------------------------------------------------------------------------
     def _init_safetensors(self) -> None:
@@ -274,7 +291,12 @@ class WeightSource:
                 raise _missing(self.path, [name], "tensor")
             arr = t.to(torch.float32).numpy()
         else:
-            arr = self._gguf_tensor(name)
+            arr = self._gguf_tensor(name)  # an expert's slice comes from expert_blocks, the adapter already added
+        d = self.lora.get(name)
+        if d is not None and (self.container == "safetensors" or not _EXPERT_NAME.match(name)):
+            from ktconvert.convert.lora_merge import lora_delta
+
+            arr = _fit(name, arr, shape, self.path) + lora_delta(d)
         return _fit(name, arr, shape, self.path)
 
     def stored_type(self, name: str) -> str:
@@ -294,6 +316,13 @@ class WeightSource:
         if found is None:
             found = self._blocks[layer] = (self._st_experts(layer) if self.container == "safetensors"
                                            else self._gguf_experts(layer))
+            if self.lora:
+                names = dict(zip(PROJECTIONS, self.cfg.expert_proj_names))
+                prefix = f"model.layers.{layer}.{self.cfg.moe_block_name}.experts"
+                for p in PROJECTIONS:
+                    per = tuple(self.lora.get(f"{prefix}.{e}.{names[p]}.weight") for e in range(self.cfg.num_experts))
+                    if any(d is not None for d in per):
+                        getattr(found, p).lora = per
         return found
 
     def _st_experts(self, layer: int) -> ExpertBlocks:
