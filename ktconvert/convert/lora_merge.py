@@ -177,4 +177,9 @@ def attach_lora(plan: Plan, adapter: str | Path, *, lora_alpha: float | None = N
                            for f in files}}
     plan.notes.append(f"LoRA {adapter} merged in float32 (W + {alpha:g}/{ad.rank} * B @ A) into "
                       f"{len(deltas) - len(skipped)} weight(s)")
+    if plan.format == "hf":  # --type decides quantized weights only: a merged float weight keeps its stored dtype
+        kept = sorted({t.type for t in tensors if any(s.lora for s in t.segments) and t.group == "copied"})
+        if kept:
+            plan.notes.append(f"merged weights are written in their stored dtype ({', '.join(kept)}), rounded after "
+                              "the float32 merge")
     return plan
