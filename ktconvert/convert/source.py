@@ -217,7 +217,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                                  path=shown, where=f"tensor {name}", fix="check num_attention_heads in config.json")
             seg = Segment(0, shape[0], name, op="permute", heads=heads)
         if m.transform and m.side == "hf":
-            for sib in (nm.hf_siblings(m) if dict(m.transform).get("kv_b_split") else [m]):
+            for sib in (nm.hf_siblings(m) if transforms.splits(m.transform) else [m]):
                 sshape, segs = transforms.apply(name, tuple(shape), dict(sib.transform), cfg_dict, seg, f"tensor {name}")
                 items.append(Item(sib.gguf_name, sib.hf_name, tuple(sshape), segs, info.dtype, sib.group, sib.layer))
             continue
