@@ -196,6 +196,26 @@ def test_gguf_metadata_is_llamacpps(model, f32, tmp_path):
     assert kv["qwen3next.rope.dimension_count"].contents() == 16
 
 
+def test_mtp_tensors_are_left_out_as_llamacpps_converter_does(model, f32, tmp_path):
+    """Releases ship a multi-token-prediction block under mtp.*, outside num_hidden_layers' numbering: quantize leaves it
+    out with a note (the spec's checkpoint.ignore_prefixes), the other tensors are the same."""
+    from gguf import GGUFReader
+    from safetensors.numpy import save_file
+
+    from ktconvert.convert import convert
+
+    src = tmp_path / "model"
+    src.mkdir()
+    for f in model.iterdir():
+        (src / f.name).write_bytes(f.read_bytes())
+    save_file({"mtp.fc.weight": np.zeros((256, 512), np.float32),
+               "mtp.layers.0.input_layernorm.weight": np.zeros(256, np.float32)}, str(src / "mtp.safetensors"))
+    res = convert(src, tmp_path / "out", type="F32")
+    assert any("mtp.fc.weight" in n for n in res.manifest["plan"]["notes"])
+    got = {t.name: t.data.tobytes() for t in GGUFReader(res.out / "model.gguf").tensors}
+    assert got == {t.name: t.data.tobytes() for t in GGUFReader(f32).tensors}
+
+
 def test_redo_and_join_are_inverse():
     cfg = {"linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 3, "linear_value_head_dim": 4}
     rows = 2 * (2 * 3 + 2 * 3 * 4)
