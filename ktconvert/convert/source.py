@@ -217,11 +217,14 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                                  path=shown, where=f"tensor {name}", fix="check num_attention_heads in config.json")
             seg = Segment(0, shape[0], name, op="permute", heads=heads)
         if m.transform and m.side == "hf":
-            for sib in (nm.hf_siblings(m) if dict(m.transform).get("kv_b_split") else [m]):
+            for sib in (nm.hf_siblings(m) if transforms.splits(m.transform) else [m]):
                 sshape, segs = transforms.apply(name, tuple(shape), dict(sib.transform), cfg_dict, seg, f"tensor {name}")
                 items.append(Item(sib.gguf_name, sib.hf_name, tuple(sshape), segs, info.dtype, sib.group, sib.layer))
             continue
         items.append(Item(out, m.hf_name, tuple(shape), (seg,), info.dtype, m.group, m.layer))
+    # tensors outside the language model (the spec's checkpoint.ignore_prefixes: mtp.*, a vision tower), which
+    # llama.cpp's converters leave out too
+    outside = families.find(model_type).ignore_prefixes if families.find(model_type) is not None else ()
     for name in report.unknown:
         if name in qmap.scales:  # read with its quantized weight
             continue
@@ -234,7 +237,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
             else:
                 skipped.append(name)
             continue
-        if name.endswith("rotary_emb.inv_freq"):
+        if name.endswith("rotary_emb.inv_freq") or (hf and name.startswith(outside)):
             skipped.append(name)
             continue
         m_layer = _layer_of(name)
@@ -265,8 +268,8 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
         notes.append("the kt-amx input holds only routed experts (kt-kernel takes everything else from the original "
                      "checkpoint): the output has no attention, router, norm or embedding weights")
     if skipped:
-        notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction) or "
-                     f"rotary caches are not converted, e.g. {skipped[0]}")
+        notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction), outside "
+                     f"the language model or rotary caches are not converted, e.g. {skipped[0]}")
     if qmap.weights:
         items = [_with_scales(it, qmap) for it in items]
     _check_unique(items, shown)

@@ -7,7 +7,8 @@ stored, ggml blocks and all (what ``KExpertsCPU`` maps and the llamafile kernel 
 
 GGUF files follow llama.cpp's conventions and are read the way ktransformers' loader reads them: names through
 ``rules/naming``, a naming map's value transforms undone (:mod:`ktconvert.formats.transforms`), attention q/k rows of the ``llama`` architecture (Mixtral) un-permuted, ``kv_b_proj`` rebuilt
-from ``attn_k_b``/``attn_v_b`` where a newer DeepSeek GGUF stores it split. Safetensors checkpoints are loaded
+from ``attn_k_b``/``attn_v_b`` where a newer DeepSeek GGUF stores it split, Qwen3-Next's ``in_proj_qkvz`` from
+``attn_qkv``/``attn_gate``. Safetensors checkpoints are loaded
 whole (per-expert, fused and Mixtral spellings through :mod:`ktconvert.model.weights`); that is fine for the
 models verify can run on a CPU.
 """
@@ -206,6 +207,8 @@ class WeightSource:
             return self._read_gguf(gname)[m.expert]
         if dict(m.transform).get("kv_b_split"):  # an architecture that stores kv_b_proj only split (glm-dsa)
             return self._kv_b_from_split(gname.replace(".attn_k_b.", ".attn_kv_b.").replace(".attn_v_b.", ".attn_kv_b."), name)
+        if dict(m.transform).get("qkvz_split"):  # Qwen3-Next's in_proj_qkvz, stored as attn_qkv + attn_gate
+            return self._qkvz_from_split(m, name)
         if gname not in self._types and gname.endswith(".attn_kv_b.weight"):
             return self._kv_b_from_split(gname, name)
         if gname not in self._types:
@@ -231,6 +234,16 @@ class WeightSource:
         k_b = self._read_gguf(k_name).reshape(heads, rank, nope).transpose(0, 2, 1)
         v_b = self._read_gguf(v_name).reshape(heads, vdim, rank)
         return np.concatenate([k_b, v_b], axis=1).reshape(heads * (nope + vdim), rank)
+
+    def _qkvz_from_split(self, m, name: str) -> np.ndarray:
+        """``in_proj_qkvz`` from llama.cpp's ``attn_qkv`` (every q, k, value head) and ``attn_gate`` (every z),
+        interleaved back per key head."""
+        parts = {dict(s.transform)["qkvz_split"]: s.gguf_name for s in self._naming.hf_siblings(m)}
+        missing = [g for g in parts.values() if g not in self._types]
+        if missing:
+            raise _missing(self.path, missing, f"tensor for {name}")
+        return transforms.join_qkvz(self._read_gguf(parts["qkv"]), self._read_gguf(parts["z"]), self.cfg.raw,
+                                    f"tensor {parts['qkv']}")
 
     def _gguf_experts(self, layer: int) -> ExpertBlocks:
         cfg = self.cfg
