@@ -208,7 +208,8 @@ def test_golden_merge_of_a_bf16_model_stays_float32(env, tmp_path):
     from safetensors.torch import load_file
 
     from ktconvert.convert import convert
-    from ktconvert.convert.lora_merge import load_lora, lora_delta
+    from ktconvert.convert.lora_merge import load_lora
+    from ktconvert.formats.lora_delta import lora_delta
     from ktconvert.golden.generate import _float32_copy
 
     src = _float32_copy(_bf16_copy(env), tmp_path / "f32")

@@ -7,9 +7,9 @@ to exactly the rows it decodes, so memory stays bounded by a unit. Copied tensor
 and re-encoded instead. The plan (and so ``--resume``'s fingerprint) and the manifest record every adapter file's
 sha256, r and alpha.
 
-:func:`load_lora` (read, check, resolve alpha, name the adapted weights) and :func:`lora_delta` (the delta itself)
-are shared: ``golden --lora`` merges through this module's ``quantize --to hf`` path and ``verify --lora`` adds the
-same deltas to the weights it reads, so there is one merge, not three.
+:func:`load_lora` (read, check, resolve alpha, name the adapted weights) and ``formats.lora_delta`` (the delta
+itself) are shared: ``golden --lora`` merges through this module's ``quantize --to hf`` path and ``verify --lora``
+adds the same deltas to the weights it reads, so there is one merge, not three.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def delta_shapes(ad, deltas: dict) -> dict[str, tuple[int, int]]:
 @dataclasses.dataclass
 class LoadedLora:
     """A checked adapter ready to merge: ``deltas`` maps each adapted weight's HF name to its lora tuple
-    (see :func:`lora_delta`); ``record`` is what manifests and reports say about it."""
+    (see ``formats.lora_delta``); ``record`` is what manifests and reports say about it."""
 
     adapter: object  # lora_read.Adapter
     alpha: float  # as resolved (the config's int stays int: manifests and --resume fingerprints keep their text)
@@ -100,15 +100,6 @@ def adapter_sha256(ad) -> str:
         h.update(f"{name}:".encode())
         h.update(np.ascontiguousarray(t.float32(), dtype=np.float32).tobytes())
     return h.hexdigest()
-
-
-def lora_delta(lora: tuple, rows: np.ndarray | None = None, open_ck=open_checkpoint) -> np.ndarray:
-    """``alpha/r * B[rows] @ A`` in float32 (every row when ``rows`` is None): the one place an adapter's delta is
-    computed, for quantize --lora's workers, golden --lora (through quantize) and verify --lora."""
-    fa, na, ia, fb, nb, ib, scale = lora
-    a = open_ck(fa).read_float32(na, None if ia < 0 else ia)
-    b = open_ck(fb).read_float32(nb, None if ib < 0 else ib)
-    return np.float32(scale) * ((b if rows is None else b[rows]) @ a)
 
 
 def load_lora(adapter: str | Path, *, lora_alpha: float | None = None, dims=None,

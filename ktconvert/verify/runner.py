@@ -475,7 +475,7 @@ def _add_lora(model, deltas: dict[str, tuple]) -> None:
     """The localisation reference with the adapter merged, so modules are compared with what they should compute."""
     import torch
 
-    from ktconvert.convert.lora_merge import lora_delta
+    from ktconvert.formats.lora_delta import lora_delta
 
     state = model.state_dict()
     with torch.no_grad():

@@ -28,6 +28,7 @@ from ktconvert.errors import InputError
 from ktconvert.families.config import MoeConfig
 from ktconvert.formats import naming_map, open_checkpoint, quantized, transforms
 from ktconvert.formats.checkpoint import COMPANION
+from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.io.dtypes import TORCH_NAMES
 from ktconvert.model.weights import read_tensors, to_reference_state
 
@@ -50,8 +51,6 @@ class Blocks:
         ``alpha/r * B @ A`` when an adapter is applied."""
         w = quant.dequantize(self.data[e], self.qtype, name=self.names[0]).reshape(self.shape[1:])
         if self.lora is not None and self.lora[e] is not None:
-            from ktconvert.convert.lora_merge import lora_delta
-
             w = w + lora_delta(self.lora[e])
         return w
 
@@ -307,8 +306,6 @@ class WeightSource:
             arr = self._gguf_tensor(name)  # an expert's slice comes from expert_blocks, the adapter already added
         d = self.lora.get(name)
         if d is not None and (self.container == "safetensors" or not _EXPERT_NAME.match(name)):
-            from ktconvert.convert.lora_merge import lora_delta
-
             arr = _fit(name, arr, shape, self.path) + lora_delta(d)
         return _fit(name, arr, shape, self.path)
 
