@@ -14,6 +14,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from ktconvert import families
 from ktconvert.cli import cli
 from ktconvert.golden.paths import golden_root, load_tiny_hashes
 from ktconvert.model import rng
@@ -115,9 +116,13 @@ def test_regenerated_variants_match_the_recorded_sha256(family, variant):
     assert got == recorded
 
 
+# releases a family's spec gives a layout of their own (checkpoint.releases: gpt-oss's fused MXFP4)
+OWN_RELEASES = [(f, fmt) for f in FAMILIES for fmt in RELEASE_FORMATS if families.spec(f).release(fmt)]
+
+
 def test_tiny_hashes_file_lists_every_family():
     data = yaml.safe_load((golden_root() / "tiny-models.yaml").read_text())
-    releases = [f"qwen3_moe-{f}" for f in RELEASE_FORMATS]
+    releases = [f"qwen3_moe-{f}" for f in RELEASE_FORMATS] + [f"{f}-{fmt}" for f, fmt in OWN_RELEASES]
     variants = [tiny_name(f, v) for f, v in TINY_VARIANTS]
     assert sorted(data["models"]) == sorted([*FAMILIES, *variants, "deepseek_v3-fp8", "qwen3_moe-fp8", *releases])
 
@@ -127,6 +132,12 @@ def test_tiny_releases_match_the_recorded_sha256(fmt):
     """Each tiny quantized release (``tiny-model --quant FMT``) is byte-stable: its encoders are part of the golden."""
     got = {name: hashlib.sha256(data).hexdigest() for name, data in tiny_release_files("qwen3_moe", fmt).items()}
     assert got == load_tiny_hashes()[f"qwen3_moe-{fmt}"]
+
+
+@pytest.mark.parametrize("family,fmt", OWN_RELEASES)
+def test_family_releases_match_the_recorded_sha256(family, fmt):
+    got = {name: hashlib.sha256(data).hexdigest() for name, data in tiny_release_files(family, fmt).items()}
+    assert got == load_tiny_hashes()[f"{family}-{fmt}"]
 
 
 def test_cli_writes_the_same_bytes_and_refuses_to_overwrite(tmp_path):

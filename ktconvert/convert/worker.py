@@ -314,10 +314,12 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
         dtype = ck[s.source].dtype
         idx = None
         if s.scale:  # a quantized release weight: exact decoding of these rows (and their scales) only
-            if s.op == "transpose":
-                raise AssertionError(f"{s.source}: quantized release weights are 2-D; nothing to transpose")
             w = ck.packed.get(s.source) or fp8.weight(ck, s.source, s.scale, s.block, s.fmt or "FP8")
-            if s.op == "rows":
+            if s.op == "transpose":  # a stacked fused weight (gpt-oss MXFP4): its stored rows, no transpose made
+                step = s.col_step or 1
+                x[pos: pos + n] = quantized.read_cols(ck, w, s.expert, s.src_col + i * step,
+                                                      s.src_col + (i + n) * step, step)
+            elif s.op == "rows":
                 x[pos: pos + n] = quantized.read_rows(ck, w, s.src_row + i, s.src_row + i + n)
             elif s.op == "block_t":
                 x[pos: pos + n] = quantized.read_rows(ck, w, s.src_row, s.src_row + s.t_rows).T[i: i + n]

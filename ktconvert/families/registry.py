@@ -112,6 +112,11 @@ class FamilySpec:
         """``standard`` / ``transposed``: how the published checkpoints store packed experts (None: not said)."""
         return self.data.get("checkpoint", {}).get("fused_orientation")
 
+    def release(self, fmt: str) -> dict | None:
+        """How this family's ``fmt`` release stores its experts (``layout``, ``quantization_config``), when it is not
+        the generic per-expert layout."""
+        return self.data.get("checkpoint", {}).get("releases", {}).get(fmt)
+
     def canonical_name(self, name: str) -> str:
         """A published tensor name as the reference model names it (``model.language_model.x`` -> ``model.x``)."""
         for prefix, means in self.prefix_aliases:

@@ -198,15 +198,18 @@ class Checkpoint(Mapping):
         """The tensor (or ``[index]`` along its first axis: one expert, a block of rows) decoded to a float32 copy."""
         info = self._info(name)
         if name in self.packed:  # a packed release weight: its exact decoding
-            from ktconvert.formats.quantized import read_rows
+            from ktconvert.formats.quantized import n_rows, read_float32, read_rows
 
             p = self.packed[name]
             if index is None:
-                return read_rows(self, p, 0, p.shape[0])
+                return read_float32(self, p)
+            per = n_rows(p) // p.shape[0]  # flat rows per index of the first axis (one expert of a stacked weight)
             r = range(p.shape[0])[index]
             if isinstance(r, int):
-                return read_rows(self, p, r, r + 1)[0]
-            return read_rows(self, p, r.start, r.stop) if r.step == 1 else read_rows(self, p, 0, p.shape[0])[index]
+                return read_rows(self, p, r * per, (r + 1) * per).reshape(p.shape[1:])
+            if r.step != 1:
+                return read_float32(self, p)[index]
+            return read_rows(self, p, r.start * per, r.stop * per).reshape(len(r), *p.shape[1:])
         raw = self.read(name)
         if index is not None:
             raw = raw[index]

@@ -10,6 +10,8 @@ is a problem). Two families of modules:
 - Packed codes, one module each (:mod:`~ktconvert.formats.mxfp4`, :mod:`~ktconvert.formats.nvfp4`,
   :mod:`~ktconvert.formats.rawint4`, :mod:`~ktconvert.formats.gptq`): recognised when the checkpoint is opened,
   which then presents the logical ``X.weight`` ``[N, K]`` (dtype = the format's name) in place of the stored codes.
+  :mod:`~ktconvert.formats.mxfp4_fused` (gpt-oss) presents a layer's stacked experts ``X`` ``[E, in, out]``; its
+  rows are the flat ``[E * in, out]`` ones, and :func:`read_cols` reads one expert's columns (its stored rows).
 
 Adding a format = one module with ``FMT``, ``match``, ``decode_rows``, ``scale_values`` (and ``encode`` for tiny
 releases), listed in :data:`PACKED`.
@@ -22,11 +24,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ktconvert.errors import InputError
-from ktconvert.formats import fp8, gptq, mxfp4, nvfp4, rawint4
+from ktconvert.formats import fp8, gptq, mxfp4, mxfp4_fused, nvfp4, rawint4
 from ktconvert.formats.packed import Packed
 from ktconvert.formats.tensor_info import TensorInfo
 
-PACKED = (mxfp4, nvfp4, rawint4, gptq)
+PACKED = (mxfp4, mxfp4_fused, nvfp4, rawint4, gptq)
 _BY_FMT = {m.FMT: m for m in PACKED}
 #: Every format name this module reports (the ``dtype`` a packed logical weight is shown with).
 FORMATS = ("FP8", "MXFP8", "FP8_PERCHANNEL", *(m.FMT for m in PACKED))
@@ -199,7 +201,25 @@ def read_row_ids(ck, w, ids: np.ndarray) -> np.ndarray:
 
 
 def read_float32(ck, w) -> np.ndarray:
-    return read_rows(ck, w, 0, w.shape[0])
+    """The whole logical weight decoded, in its logical shape."""
+    return read_rows(ck, w, 0, n_rows(w)).reshape(w.shape)
+
+
+def n_rows(w) -> int:
+    """Flat rows of the logical weight (every axis but the last)."""
+    n = 1
+    for d in w.shape[:-1]:
+        n *= d
+    return n
+
+
+def read_cols(ck, w, expert: int, c0: int, c1: int, step: int = 1) -> np.ndarray:
+    """Columns ``c0:c1:step`` of expert ``expert``'s slab of a stacked ``[E, in, out]`` weight, as rows: what a
+    conversion's transpose segment reads (only fused formats are stacked)."""
+    mod = None if isinstance(w, fp8.Fp8Weight) else _BY_FMT[w.fmt]
+    if mod is None or not hasattr(mod, "decode_cols"):
+        raise AssertionError(f"{w.name}: {w.fmt} weights are 2-D; nothing to transpose")
+    return mod.decode_cols(ck, w, expert, c0, c1, step)
 
 
 def check_scale(ck, w) -> list[tuple[str, str, int]]:

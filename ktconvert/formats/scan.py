@@ -155,13 +155,22 @@ def _scan_plain(ck: Checkpoint, name: str, chunk_bytes: int) -> list[ScanFinding
 
 
 def _scan_fp8(ck: Checkpoint, w, m: NameMatch | None, chunk_bytes: int) -> list[ScanFinding]:
-    """A quantized weight decoded exactly, a bounded run of rows at a time; an expert is also checked for all zeros."""
-    rows, k = w.shape
+    """A quantized weight decoded exactly, a bounded run of rows at a time; an expert is also checked for all zeros
+    (each expert of a stacked fused weight on its own)."""
+    if len(w.shape) == 3:
+        return _merge([f for e in range(w.shape[0]) for f in _scan_rows(ck, w, e, chunk_bytes)])
+    return _scan_rows(ck, w, m.expert if m is not None and m.group == "experts" else None, chunk_bytes)
+
+
+def _scan_rows(ck: Checkpoint, w, expert: int | None, chunk_bytes: int) -> list[ScanFinding]:
+    """The flat rows of one weight, or of expert ``expert``'s slab of a stacked one."""
+    k = w.shape[-1]
+    rows = w.shape[0] if len(w.shape) == 2 else w.shape[1]
+    base = 0 if len(w.shape) == 2 else expert * rows
     step = max(1, chunk_bytes // max(1, k))
     found, nonzero = [], False
-    expert = m.expert if m is not None and m.group == "experts" else None
     for start in range(0, rows, step):
-        x = read_rows(ck, w, start, min(rows, start + step))
+        x = read_rows(ck, w, base + start, base + min(rows, start + step))
         found.extend(_check(x, w.name, expert, False))
         nonzero = nonzero or bool(x.any())
     if expert is not None and not nonzero:

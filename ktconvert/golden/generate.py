@@ -63,6 +63,11 @@ def _load(transformers, torch, model_dir):
     config = _family_config(transformers, model_dir)  # a release's model_type transformers does not know (Kimi-K2)
     if config is not None:
         kw["config"] = config
+    qc = load_config(model_dir).raw.get("quantization_config")
+    if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
+        # an MXFP4 release (gpt-oss): transformers dequantizes it on the CPU in any case; asking for that up front
+        # skips the accelerate check it makes only for running MXFP4 natively
+        kw["quantization_config"] = transformers.Mxfp4Config(dequantize=True)
     try:
         return transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), **kw).eval()
     except ValueError as exc:

@@ -5,7 +5,9 @@ releases (DeepSeek-V4-Flash, MiniMax-M3, Kimi-K2-Thinking, Qwen3.5 NVFP4 (ModelO
 Family-independent: any family's tiny model, its routed-expert matrices quantized (all linear layers for FP8
 per-channel, as GLM-4.7-FP8 does); every other tensor stays as the plain tiny model has it. The tensor *names* are
 the family's own HF names; a family whose releases rename the experts (DeepSeek-V4's ``ffn.experts.N.w1``) gets them
-from its own naming rules when it joins.
+from its own naming rules when it joins. A family whose releases store the experts another way says so in its
+spec (``checkpoint.releases``): ``fused_mxfp4`` is gpt-oss' stacked ``*_blocks``/``*_scales`` per layer
+(:mod:`ktconvert.formats.mxfp4_fused`), with that release's ``quantization_config``.
 """
 
 from __future__ import annotations
@@ -15,10 +17,11 @@ import json
 import numpy as np
 
 from ktconvert.errors import UsageProblem
+from ktconvert import families
 from ktconvert.families.config import normalize_config
-from ktconvert.formats import fp8, gptq, mxfp4, nvfp4, rawint4
+from ktconvert.formats import fp8, gptq, mxfp4, mxfp4_fused, nvfp4, rawint4
 from ktconvert.formats.safetensors_write import to_bytes
-from ktconvert.model.tiny import VOCAB, _fill, _is_fp8_weight, tensor_specs, tiny_config
+from ktconvert.model.tiny import VOCAB, _fill, _is_fp8_weight, tensor_specs, tiny_config, tiny_tensors
 from ktconvert.model.tinytok import tokenizer_files
 
 GROUP = 32  # RAWINT4 (Kimi) and the tiny GPTQ release
@@ -92,8 +95,22 @@ def tiny_release_config(family: str, fmt: str) -> dict:
     if fmt not in RELEASES:
         raise UsageProblem(f"no tiny release format {fmt!r}", fix=f"choose one of {', '.join(FORMATS)}")
     cfg = tiny_config(family)
-    cfg.update(json.loads(json.dumps(RELEASES[fmt][0])))
+    own = families.spec(family).release(fmt)
+    cfg.update(json.loads(json.dumps({"quantization_config": own["quantization_config"]} if own else RELEASES[fmt][0])))
     return cfg
+
+
+def _fused_mxfp4(family: str) -> dict[str, tuple[np.ndarray, str]]:
+    """The tiny model with each layer's fused experts (``experts.gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``,
+    as :func:`ktconvert.model.tiny.tiny_tensors` writes them) stored as ``*_blocks``/``*_scales``."""
+    out: dict[str, tuple[np.ndarray, str]] = {}
+    for name, x in tiny_tensors(family).items():
+        if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
+            out[name] = (x, "F32")
+            continue
+        for suffix, (arr, dt) in mxfp4_fused.encode(x).items():
+            out[f"{name}_{suffix}"] = (arr, dt)
+    return out
 
 
 def tiny_release_files(family: str, fmt: str) -> dict[str, bytes]:
@@ -102,7 +119,13 @@ def tiny_release_files(family: str, fmt: str) -> dict[str, bytes]:
     which = RELEASES[fmt][1]
     cfg = normalize_config(tiny_config(family))
     tensors, dtypes = {}, {}
-    for spec in tensor_specs(cfg):
+    own = families.spec(family).release(fmt)
+    if own is not None:  # the spec's layout (the schema allows only fused_mxfp4)
+        for name, (arr, dt) in _fused_mxfp4(family).items():
+            tensors[name] = arr
+            if dt != "F32":
+                dtypes[name] = dt
+    for spec in tensor_specs(cfg) if own is None else ():
         x = _fill(family, cfg, spec)
         expert = ".experts." in spec.name and spec.kind in ("linear", "out_linear") and len(spec.shape) == 2
         if not (expert if which == "experts" else _is_fp8_weight(spec)):
