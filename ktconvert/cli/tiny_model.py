@@ -21,7 +21,8 @@ _VARIANTS = ", ".join(f"{f} {v}" for f in FAMILIES for v in families.spec(f).tin
 @click.option("--fp8", is_flag=True, help=f"The FP8 block-scaled variant (F8_E4M3 weights + _scale_inv; {_FP8}).")
 @click.option("--quant", type=click.Choice(RELEASE_FORMATS), default=None,
               help="A tiny release in that format's released layout (names, dtypes, scale shapes, config keys): "
-                   "routed experts quantized (every linear layer for fp8-perchannel).")
+                   "routed experts quantized (every linear layer for fp8-perchannel); a family whose releases "
+                   "store them otherwise gets that layout (its spec's checkpoint.releases).")
 @click.option("--variant", default=None, metavar="NAME",
               help=f"A released configuration of FAMILY (its spec's tiny.variants: {_VARIANTS}).")
 @click.option("--lora", "lora", metavar="DIR", type=click.Path(file_okay=False),

@@ -125,7 +125,7 @@ def render_text(report: dict, style=lambda s, **kw: s) -> str:
         dts = ", ".join(f"{k} {v}" for k, v in sorted(q["scale_dtypes"].items()))
         shapes = ", ".join(str(s) for s in q["shapes"][:4]) + (", ..." if len(q["shapes"]) > 4 else "")
         lines.append(style(f"{fmt:<15}", bold=True) + f" {q['weights']} weight(s), group(s) {q['groups']} input "
-                     f"column(s) per scale, scales {dts}; logical [N, K] {shapes}; read as exact float32")
+                     f"column(s) per scale, scales {dts}; logical shapes {shapes}; read as exact float32")
 
     if "tensors" in r:
         lines.append("")

@@ -3,7 +3,8 @@
 ``X.weight`` I8 (or U8) ``[N, K/2]``: E2M1 codes, two per byte, the low nibble first; ``X.scale`` F8_E8M0 (or U8)
 ``[N, K/32]``: one power-of-two scale ``2**(e - 127)`` per 32 input columns. Value = ``e2m1(code) * scale``, exact in
 float32 (a 2-significant-bit value times a power of two; code 0 of the scale is 2**-127, a float32 subnormal).
-gpt-oss's fused ``*_blocks``/``*_scales`` MXFP4 tensors are another layout (3-D, gate/up interleaved): not this one.
+gpt-oss's fused ``*_blocks``/``*_scales`` tensors (the same codes and scales, every expert of a layer stacked) are
+:mod:`ktconvert.formats.mxfp4_fused`.
 """
 
 from __future__ import annotations
