@@ -49,7 +49,8 @@ def _expert_segments(item, e: int, rows: int) -> tuple[Segment, ...]:
                                block=s.block, fmt=s.fmt, lora=s.lora))
         elif s.op == "transpose":
             out.append(Segment(a - lo, b - a, s.source, "transpose", expert=s.expert,
-                               src_col=s.src_col + shift * (s.col_step or 1), col_step=s.col_step))
+                               src_col=s.src_col + shift * (s.col_step or 1), col_step=s.col_step, scale=s.scale,
+                               block=s.block, fmt=s.fmt))  # a stacked release weight (gpt-oss MXFP4) keeps its scale
         elif s.op == "kt-amx":  # a kt-amx input: dequantized, then packed again (for another part count)
             out.append(Segment(a - lo, b - a, s.source, "kt-amx", src_row=s.src_row + shift, parts=s.parts,
                                method=s.method))
