@@ -92,13 +92,17 @@ def test_inspect_names_the_format_and_logical_shapes_and_scan_is_clean(release):
     assert t["quant"]["companions"] == [L1 + "gate_up_proj_scales"]
 
 
-def test_scan_flags_a_nan_scale(release, tmp_path):
-    def nan(t, d, c):
+def test_scan_flags_a_nan_scale_and_an_all_zero_expert(release, tmp_path):
+    def edit(t, d, c):
         t[L1 + "down_proj_scales"] = t[L1 + "down_proj_scales"].copy()
         t[L1 + "down_proj_scales"][3, 7, 0] = 0xFF  # UE8M0's NaN
-    r = build_inspect_report(rewrite(release, tmp_path / "nan", nan), scan=True)
-    kinds = {(f["kind"], f["tensor"]) for f in r["scan"]["findings"]}
-    assert ("scale-nan", L1 + "down_proj_scales") in kinds and ("nan", L1 + "down_proj") in kinds
+        t[L1 + "gate_up_proj_blocks"] = t[L1 + "gate_up_proj_blocks"].copy()
+        t[L1 + "gate_up_proj_blocks"][4] = 0  # expert 4's gate and up decode to zeros
+    r = build_inspect_report(rewrite(release, tmp_path / "nan", edit), scan=True)
+    found = {(f["kind"], f["tensor"], f["expert"]) for f in r["scan"]["findings"]}
+    assert ("scale-nan", L1 + "down_proj_scales", None) in found and ("nan", L1 + "down_proj", 3) in found
+    assert ("all-zero", L1 + "gate_up_proj", 4) in found
+    assert not any(e not in (3, 4, None) for _, _, e in found) and r["exit_code"] != 0
 
 
 def test_decoding_streams_any_rows_and_matches_the_definition(release):
@@ -209,10 +213,12 @@ def test_llamacpp_runs_the_gguf_made_from_the_release(llama_built, release, conv
 
 
 CASES = {
-    "scales missing": (lambda t: t.pop(L1 + "down_proj_scales"), L1 + "down_proj_blocks", "without their scales"),
-    "scales misshapen": (lambda t: t.__setitem__(L1 + "gate_up_proj_scales", t[L1 + "gate_up_proj_scales"][:, :, :4].copy()),
+    "scales missing": (lambda t, d: t.pop(L1 + "down_proj_scales"), L1 + "down_proj_blocks", "without their scales"),
+    "scales misshapen": (lambda t, d: t.__setitem__(L1 + "gate_up_proj_scales", t[L1 + "gate_up_proj_scales"][:, :, :4].copy()),
                          L1 + "gate_up_proj_scales", "scales shape"),
-    "blocks misshapen": (lambda t: t.__setitem__(L1 + "down_proj_blocks",
+    "stored twice": (lambda t, d: (t.__setitem__(L1 + "down_proj", np.zeros((E, I, H), np.float32)),
+                                   d.__setitem__(L1 + "down_proj", "F32")), L1 + "down_proj", "stored twice"),
+    "blocks misshapen": (lambda t, d: t.__setitem__(L1 + "down_proj_blocks",
                                                  t[L1 + "down_proj_blocks"].reshape(E, H, -1).copy()),
                          L1 + "down_proj_blocks", "blocks shape"),
 }
@@ -221,7 +227,7 @@ CASES = {
 @pytest.mark.parametrize("case", CASES)
 def test_bad_input_is_one_line_naming_the_tensor_and_nothing_is_written(release, tmp_path, case):
     edit, tensor, words = CASES[case]
-    src = rewrite(release, tmp_path / "bad", lambda t, d, c: edit(t))
+    src = rewrite(release, tmp_path / "bad", lambda t, d, c: edit(t, d))
     with pytest.raises(InputError, match=words) as exc:
         quantized.require(open_checkpoint(src))
     assert exc.value.where == f"tensor {tensor}"

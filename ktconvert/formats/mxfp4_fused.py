@@ -36,6 +36,9 @@ def match(tensors: dict, name: str, read_small=None) -> Packed | None:
     ok = len(shape) == 4 and shape[3] == BLOCK_BYTES
     logical = (shape[0], shape[2] * GROUP, shape[1]) if ok else (0, 0, 0)
     p = Packed(FMT, base, name, logical, GROUP, (("codes", name), ("scale", sname)))
+    if base in tensors:
+        return _bad(p, base, f"stored twice: as {base} and as MXFP4 blocks {name}",
+                    "keep one of them (a dequantized copy saved beside the release?)")
     if sname not in tensors:
         return _bad(p, name, f"MXFP4 blocks without their scales {sname}",
                     "a shard or the index is missing; re-download the checkpoint")
