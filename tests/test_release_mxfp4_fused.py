@@ -1,7 +1,8 @@
 """gpt-oss's MXFP4 release layout (``experts.{gate_up,down}_proj_{blocks,scales}``, :mod:`ktconvert.formats.
 mxfp4_fused`) on the tiny release ``tiny-model gpt_oss --quant mxfp4``: recognised with its logical shapes, decoded
 bit-exactly (against a decoding written here from the format's definition and against transformers 5.23's own
-dequantization of the same files), converted and verified, loaded by llama.cpp; malformed input refused in one line.
+dequantization of the same files and against ggml's dequantization of llama.cpp's own MXFP4 conversion), converted
+and verified, loaded by llama.cpp; malformed input refused in one line.
 """
 
 from __future__ import annotations
@@ -210,6 +211,32 @@ def test_llamacpp_runs_the_gguf_made_from_the_release(llama_built, release, conv
     profile = load_profile(profile_name).for_family("gpt_oss")
     stats = compare_logits(want, got, profile.topk).summary()
     assert evaluate(profile, "llama.cpp", stats, []) == [], stats
+
+
+@pytest.mark.interop
+def test_our_decoding_equals_llama_cpps_own_conversion_of_the_release(release, converted, tmp_path):
+    """llama.cpp's converter repacks the release's blocks into its MXFP4 ggml type (gate/up split by row parity);
+    ggml's dequantization of those is bit for bit our F32 GGUF."""
+    import ggml_ref
+    import llamacpp_convert
+    from gguf import GGUFReader
+
+    try:
+        ref = ggml_ref.load()
+        gguf = llamacpp_convert.convert(release, tmp_path / "llama.gguf")
+    except ggml_ref.RefUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"llama.cpp's converter and ggml's reference required under CI: {exc}")
+        pytest.skip(str(exc))
+    ours = open_checkpoint(converted["F32"])
+    seen = 0
+    for t in GGUFReader(gguf).tensors:
+        if t.tensor_type.name != "MXFP4":
+            continue
+        x = ref.dequantize(np.asarray(t.data).reshape(-1), int(t.tensor_type)).reshape(ours[t.name].shape)
+        assert np.array_equal(x.view(np.uint32), ours.read_float32(t.name).view(np.uint32)), t.name
+        seen += 1
+    assert seen == 6  # gate, up, down of both layers
 
 
 CASES = {
