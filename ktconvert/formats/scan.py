@@ -9,7 +9,7 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats.checkpoint import Checkpoint
-from ktconvert.formats.quantized import QuantMap, check_scale, read_rows
+from ktconvert.formats.quantized import QuantMap, check_scale, read_cols, read_rows
 from ktconvert.formats.naming import NameMatch
 from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 from ktconvert.formats.kt_amx import scan_dequantized
@@ -163,14 +163,15 @@ def _scan_fp8(ck: Checkpoint, w, m: NameMatch | None, chunk_bytes: int) -> list[
 
 
 def _scan_rows(ck: Checkpoint, w, expert: int | None, chunk_bytes: int) -> list[ScanFinding]:
-    """The flat rows of one weight, or of expert ``expert``'s slab of a stacked one."""
-    k = w.shape[-1]
-    rows = w.shape[0] if len(w.shape) == 2 else w.shape[1]
-    base = 0 if len(w.shape) == 2 else expert * rows
+    """The rows of one weight, or of expert ``expert``'s slab of a stacked one, read as stored (its columns: the
+    values are the same, and stored rows decode without a transpose)."""
+    stacked = len(w.shape) == 3
+    rows, k = (w.shape[2], w.shape[1]) if stacked else w.shape
     step = max(1, chunk_bytes // max(1, k))
     found, nonzero = [], False
     for start in range(0, rows, step):
-        x = read_rows(ck, w, base + start, base + min(rows, start + step))
+        end = min(rows, start + step)
+        x = read_cols(ck, w, expert, start, end) if stacked else read_rows(ck, w, start, end)
         found.extend(_check(x, w.name, expert, False))
         nonzero = nonzero or bool(x.any())
     if expert is not None and not nonzero:
