@@ -274,6 +274,9 @@ TREE = {
                     "model.layers.1.mlp.gate", "model.layers.2.mlp.shared_experts.up_proj"],
     "qwen3_vl_moe": ["model.layers.0.self_attn.q_norm", "model.layers.1.mlp.experts.7.gate_proj", "model.layers.1.mlp.gate",
                      "model.norm", "lm_head"],
+    "minimax_m3_vl": ["model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.experts.3.w1",
+                      "model.layers.0.block_sparse_moe.shared_experts.up_proj", "model.layers.1.self_attn.index_q_proj",
+                      "model.layers.0.self_attn.index_k_norm", "model.layers.0.self_attn.k_norm"],
 }
 
 
