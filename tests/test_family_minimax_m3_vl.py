@@ -316,3 +316,37 @@ def test_llamacpp_attends_densely_without_flash_attention(llama_built, converted
 @pytest.mark.interop
 def test_q8_0_is_llamacpps_quantizer(llama_built, tiny, converted, tmp_path):
     assert_q8_0_matches_llama_quantize(tiny, converted["F32"], tmp_path)
+
+
+# --- the MXFP8 release ---------------------------------------------------------------------------------------------
+
+
+def test_tiny_mxfp8_release_reads_and_converts_exactly(tmp_path):
+    """``tiny-model minimax_m3_vl --quant mxfp8``: the released names (language_model.model.layers.L.block_sparse_moe
+    .experts.E.w1.weight F8_E4M3 + weight_scale_inv UE8M0 per 32 columns); inspect names MXFP8, preflight accepts it
+    for kt-kernel's MXFP8 method (and sends FP8 there), and the F32 GGUF holds the exact decoding."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+    from ktconvert.convert import convert
+    from ktconvert.formats import detect_layout, open_checkpoint, quantized
+    from ktconvert.model.tiny import write_tiny_model
+
+    rel = tmp_path / "mxfp8"
+    write_tiny_model(FAMILY, rel, quant="mxfp8")
+    ck = open_checkpoint(rel)
+    w = "language_model.model.layers.1.block_sparse_moe.experts.3.w1.weight"
+    assert ck[w].dtype == "F8_E4M3" and ck[w + "_scale_inv"].shape == (256, 8)
+    report = detect_layout(ck, None)
+    assert report.arch == "minimax-m3" and not report.all_problems and not report.unknown
+    qmap = quantized.analyze(ck)
+    assert qmap.weights[w].fmt == "MXFP8"
+    flags = ["--model-path", str(rel), "--kt-weight-path", str(rel), "--kt-cpuinfer", "2", "--kt-threadpool-count", "1",
+             "--kt-num-gpu-experts", "0"]
+    ok = CliRunner().invoke(cli, ["preflight", *flags, "--kt-method", "MXFP8"])
+    assert ok.exit_code == 0, ok.output
+    wrong = CliRunner().invoke(cli, ["preflight", *flags, "--kt-method", "FP8"])
+    assert wrong.exit_code == 1 and "PF162" in wrong.output and "MXFP8" in wrong.output
+    gguf = convert(rel, tmp_path / "f32", type="F32").out / "model.gguf"
+    got = np.asarray(open_checkpoint(gguf).read("blk.1.ffn_gate_exps.weight")).reshape(8, 256, 256)[3]
+    np.testing.assert_array_equal(got, quantized.read_float32(ck, qmap.weights[w]))
