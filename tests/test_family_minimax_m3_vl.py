@@ -350,3 +350,15 @@ def test_tiny_mxfp8_release_reads_and_converts_exactly(tmp_path):
     gguf = convert(rel, tmp_path / "f32", type="F32").out / "model.gguf"
     got = np.asarray(open_checkpoint(gguf).read("blk.1.ffn_gate_exps.weight")).reshape(8, 256, 256)[3]
     np.testing.assert_array_equal(got, quantized.read_float32(ck, qmap.weights[w]))
+
+
+def test_kt_amx_is_refused_the_amx_kernel_has_no_swigluoai(tiny, tmp_path):
+    """kt-kernel 0.7.2's AMXINT8/AMXINT4 compute silu(gate) * up (swiglu_limit / alpha reach only FP8, MXFP4, MXFP8
+    and LLAMAFILE): a kt-amx directory would serve MiniMax-M3 the wrong activation, so none is written."""
+    from ktconvert.convert import convert
+    from ktconvert.errors import UsageProblem
+
+    with pytest.raises(UsageProblem, match="silu") as exc:
+        convert(tiny, tmp_path / "amx", format="kt-amx", type="AMXINT8")
+    assert "LLAMAFILE" in exc.value.fix
+    assert not (tmp_path / "amx").exists()
