@@ -183,6 +183,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     notes = [f"{p.kind}: {p.message}" for p in report.all_problems
              if p.severity == "warning" and p.kind != "ambiguous-orientation"]
     skipped: list[str] = []
+    outside_lm: list[str] = []
+    spec = families.find(model_type)
+    outside = spec.ignore_prefixes if spec is not None else ()
     hf = ck.container == "safetensors"
     cfg = _heads(cfg_dict, ck) if hf and families.permutes_qk(report.arch) else None
 
@@ -237,6 +240,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
         if name.endswith("rotary_emb.inv_freq"):
             skipped.append(name)
             continue
+        if hf and outside and name.startswith(outside):  # a wrapper's vision tower / projector: not the text model
+            outside_lm.append(name)
+            continue
         m_layer = _layer_of(name)
         if m_layer is not None and n_layers is not None and m_layer >= n_layers:
             skipped.append(name)
@@ -267,6 +273,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     if skipped:
         notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction) or "
                      f"rotary caches are not converted, e.g. {skipped[0]}")
+    if outside_lm:
+        notes.append(f"{len(outside_lm)} tensor(s) outside the language model (vision tower, projector) are not "
+                     f"converted, e.g. {outside_lm[0]}")
     if qmap.weights:
         items = [_with_scales(it, qmap) for it in items]
     _check_unique(items, shown)
