@@ -278,6 +278,8 @@ TREE = {
                      "model.norm", "lm_head"],
     "kimi_k25": ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate", "model.layers.2.self_attn.q_a_layernorm",
                  "model.layers.1.mlp.shared_experts.up_proj", "model.embed_tokens", "lm_head"],
+    "deepseek_v32": ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.indexer.wq_b", "model.layers.2.self_attn.indexer.k_norm",
+                     "model.layers.1.mlp.gate", "model.layers.2.self_attn.q_a_layernorm"],
 }
 
 

@@ -429,10 +429,11 @@ class MLAttention(Tagged, nn.Module):
 
 
 class DsaIndexer(Tagged, nn.Module):
-    """DeepSeek Sparse Attention's indexer (GLM-5): which ``index_topk`` keys each query may attend to.
+    """DeepSeek Sparse Attention's indexer (GLM-5, DeepSeek-V3.2): which ``index_topk`` keys each query may attend to.
 
     Per head ``h``: ``relu(q_h . k / sqrt(d))`` with ``q = wq_b(q_resid)`` and one shared key
-    ``k = LayerNorm(wk(x))``, their first ``qk_rope_head_dim`` dims rotated in interleaved pairs; the heads are
+    ``k = LayerNorm(wk(x))``, their first ``qk_rope_head_dim`` dims rotated in interleaved pairs (GLM-5) or in halves
+    (DeepSeek-V3.2; the spec's ``attention.dsa_indexer_rope``); the heads are
     summed with weights ``weights_proj(x) / sqrt(heads)``; future keys are masked; the top ``index_topk`` keys
     are kept. Computed in float32 in transformers' operation order, so score ties break the same way.
     """
@@ -443,6 +444,8 @@ class DsaIndexer(Tagged, nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.head_dim, self.topk = d.n_heads, d.head_dim, d.topk
         self.rope_dim = cfg.qk_rope_head_dim
+        halves = cfg.spec.section("attention").get("dsa_indexer_rope", "interleaved") == "rotate_half"
+        self.rope = apply_rope if halves else apply_rope_interleaved
         self.wq_b = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(d.head_dim, eps=1e-6)
@@ -455,7 +458,7 @@ class DsaIndexer(Tagged, nn.Module):
         q = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(hidden)).unsqueeze(2)  # [B, T, 1, D]
         r = self.rope_dim
-        q_rot, k_rot = apply_rope_interleaved(q[..., :r].transpose(1, 2), k[..., :r].transpose(1, 2), cos, sin)
+        q_rot, k_rot = self.rope(q[..., :r].transpose(1, 2), k[..., :r].transpose(1, 2), cos, sin)
         q = torch.cat([q_rot.transpose(1, 2), q[..., r:]], dim=-1)
         k = torch.cat([k_rot.transpose(1, 2), k[..., r:]], dim=-1).squeeze(2)  # [B, T, D]
         if cache is not None:
