@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from convert_helpers import assert_q8_0_matches_llama_quantize
 from ktconvert.errors import InputError
 from ktconvert.families import normalize_config
 from ktconvert.golden import read_golden
@@ -94,20 +95,7 @@ def test_inspect_names_the_architecture_from_the_config(model, f32):
 
 @pytest.mark.interop
 def test_q8_0_is_byte_identical_to_llamacpps_quantizer(llama_built, f32, model, tmp_path):
-    from gguf import GGUFReader
-
-    import llamacpp_runner
-    from ktconvert.convert import convert
-
-    ours = convert(model, tmp_path / "q8", type="Q8_0").out / "model.gguf"
-    theirs = tmp_path / "llama-q8.gguf"
-    llamacpp_runner.quantize(f32, theirs, 7)  # LLAMA_FTYPE_MOSTLY_Q8_0
-    a = {t.name: t for t in GGUFReader(ours).tensors}
-    b = {t.name: t for t in GGUFReader(theirs).tensors}
-    assert set(a) == set(b)
-    for name in a:
-        assert a[name].tensor_type == b[name].tensor_type, name
-        assert a[name].data.tobytes() == b[name].data.tobytes(), name
+    assert_q8_0_matches_llama_quantize(model, f32, tmp_path)
 
 
 @pytest.mark.parametrize("change,where", [

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from convert_helpers import assert_q8_0_matches_llama_quantize
 from ktconvert.cli import cli
 from ktconvert.families import normalize_config
 from ktconvert.model.tiny import tiny_config, tiny_tensors, write_tiny_model
@@ -146,18 +147,7 @@ def test_llamacpp_runs_the_k26_yarn_with_its_default_betas(llama_built, models, 
 
 @pytest.mark.interop
 def test_q8_0_is_byte_identical_to_llamacpps_quantizer(llama_built, models, tmp_path):
-    from gguf import GGUFReader
-
-    import llamacpp_runner
     from ktconvert.convert import convert
 
     f32 = convert(models / "k25", tmp_path / "f32", type="F32").out / "model.gguf"
-    ours = convert(models / "k25", tmp_path / "q8", type="Q8_0").out / "model.gguf"
-    theirs = tmp_path / "llama-q8.gguf"
-    llamacpp_runner.quantize(f32, theirs, 7)  # LLAMA_FTYPE_MOSTLY_Q8_0
-    a = {t.name: t for t in GGUFReader(ours).tensors}
-    b = {t.name: t for t in GGUFReader(theirs).tensors}
-    assert set(a) == set(b)
-    for name in a:
-        assert a[name].tensor_type == b[name].tensor_type, name
-        assert a[name].data.tobytes() == b[name].data.tobytes(), name
+    assert_q8_0_matches_llama_quantize(models / "k25", f32, tmp_path)
