@@ -53,7 +53,7 @@ def test_unmodified_tree_passes_the_whole_gate(tmp_path):
     from ktconvert.kernel import probe_kernel
 
     junit = tmp_path / "gate.xml"
-    expect = 65  # 57 emulated cases + 8 through the real kt-kernel (6 GGUF via LLAMAFILE, 2 kt-amx via AMX)
+    expect = 66  # 57 emulated cases + 9 through the real kt-kernel (6 GGUF via LLAMAFILE, 3 kt-amx via AMX)
     extra = []
     if not probe_kernel()["available"]:  # the kernel cases need kt-kernel; the rest of the gate still runs
         extra, expect = [_suite_without_kernel_cases(tmp_path)], 57
