@@ -151,3 +151,16 @@ def test_q8_0_is_byte_identical_to_llamacpps_quantizer(llama_built, models, tmp_
 
     f32 = convert(models / "k25", tmp_path / "f32", type="F32").out / "model.gguf"
     assert_q8_0_matches_llama_quantize(models / "k25", f32, tmp_path)
+
+
+def test_deepseek_v3_rule_files_apply_to_its_classes_only():
+    """K2.5's text model is built from DeepSeek-V3's classes: V3's rule files are accepted for it; V3.2's classes are
+    its own (DeepseekV32*), so V3's files are refused there."""
+    from conftest import REPO
+    from ktconvert.errors import InputError
+    from ktconvert.rules.apply import load_rules
+
+    v3 = REPO / "rules" / "optimize" / "deepseek_v3.yaml"
+    assert load_rules(v3, family=FAMILY)
+    with pytest.raises(InputError, match="written for deepseek_v3"):
+        load_rules(v3, family="deepseek_v32")

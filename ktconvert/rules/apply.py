@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ktconvert.errors import InputError
+from ktconvert.families import find as find_family
 from ktconvert.rules import engine, lint
 from ktconvert.rules.catalog import Catalog, Operator, load_catalog
 from ktconvert.rules.compile import compile_rules
@@ -74,11 +75,9 @@ def load_rules(path: str | Path, catalog: Catalog | None = None, backend: str = 
 def _same_classes(family: str, rule_families) -> bool:
     """The model's family is one the rules were written for, or shares its upstream classes with one (Kimi K2.5's
     language model is built from DeepSeek-V3's classes, so DeepSeek-V3's rule files match it as they match V3)."""
-    from ktconvert.families import find
-
-    own = find(family)
+    own = find_family(family)
     return family in rule_families or (own is not None and any(
-        find(f) is not None and find(f).prefix == own.prefix for f in rule_families))
+        find_family(f) is not None and find_family(f).prefix == own.prefix for f in rule_families))
 
 
 def module_tree(model, type_of: Callable[[object], str]) -> _Node:
