@@ -164,3 +164,42 @@ def test_deepseek_v3_rule_files_apply_to_its_classes_only():
     assert load_rules(v3, family=FAMILY)
     with pytest.raises(InputError, match="written for deepseek_v3"):
         load_rules(v3, family="deepseek_v32")
+
+
+def test_a_rawint4_release_in_the_published_layout_reads_as_the_tiny_release(tmp_path):
+    """K2.5 / K2.6 ship RAWINT4 routed experts (compressed-tensors, group 32) with quantization_config inside
+    text_config and every name under language_model.*: inspect names the layout and the format, quantize writes the
+    same GGUF as from the same release under model.* names, and the reference reads both alike."""
+    import torch
+    from gguf import GGUFReader
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from ktconvert import families
+    from ktconvert.convert import convert
+    from ktconvert.model import from_pretrained
+
+    plain, published = tmp_path / "plain", tmp_path / "published"
+    write_tiny_model(FAMILY, plain, quant="rawint4")
+    write_tiny_model(FAMILY, published, quant="rawint4")
+    spec = families.spec(FAMILY)
+    with safe_open(plain / "model.safetensors", "pt") as f:
+        meta, tensors = f.metadata(), {spec.published_name(k): f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, published / "model.safetensors", metadata=meta)
+    cfg = json.loads((published / "config.json").read_text())
+    cfg["text_config"]["quantization_config"] = cfg.pop("quantization_config")
+    (published / "config.json").write_text(json.dumps(cfg))
+    assert all(k.startswith("language_model.") for k in tensors)
+
+    report = _inspect(published)
+    assert [p for p in report["problems"] if p["severity"] != "info"] == []
+    assert report["architecture"]["arch"] == "deepseek2"
+    out = {}
+    for name, src in (("plain", plain), ("published", published)):
+        gguf = convert(src, tmp_path / f"{name}-f32", type="F32").out / "model.gguf"
+        out[name] = {t.name: np.array(t.data) for t in GGUFReader(gguf).tensors}
+    assert out["plain"].keys() == out["published"].keys()
+    assert all(np.array_equal(out["plain"][k], out["published"][k]) for k in out["plain"])
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(from_pretrained(published)(ids).logits, from_pretrained(plain)(ids).logits)
