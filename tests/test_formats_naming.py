@@ -11,7 +11,7 @@ from ktconvert.errors import InputError
 from ktconvert.formats import guess_arch, load_naming_map, naming_map, naming_maps, open_checkpoint, to_gguf_name, to_hf_name
 
 ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama", "glm4moe", "minimax-m2", "gpt-oss", "qwen35moe", "qwen3vlmoe",
-          "glm-dsa", "deepseek32")
+          "glm-dsa", "deepseek32", "qwen3next")
 
 
 @pytest.fixture(scope="module")

@@ -280,6 +280,10 @@ TREE = {
                  "model.layers.1.mlp.shared_experts.up_proj", "model.embed_tokens", "lm_head"],
     "deepseek_v32": ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.indexer.wq_b", "model.layers.2.self_attn.indexer.k_norm",
                      "model.layers.1.mlp.gate", "model.layers.2.self_attn.q_a_layernorm"],
+    "qwen3_next": ["model.layers.0.linear_attn.in_proj_qkvz", "model.layers.0.linear_attn.in_proj_ba",
+                   "model.layers.0.linear_attn.conv1d", "model.layers.0.linear_attn.norm", "model.layers.0.linear_attn.out_proj",
+                   "model.layers.1.self_attn.k_norm", "model.layers.1.self_attn.rotary_emb", "model.layers.1.mlp.shared_expert_gate",
+                   "model.layers.1.mlp.shared_expert.down_proj", "model.layers.0.mlp.experts.7.up_proj"],
 }
 
 

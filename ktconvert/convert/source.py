@@ -220,7 +220,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                                  path=shown, where=f"tensor {name}", fix="check num_attention_heads in config.json")
             seg = Segment(0, shape[0], name, op="permute", heads=heads)
         if m.transform and m.side == "hf":
-            for sib in (nm.hf_siblings(m) if dict(m.transform).get("kv_b_split") else [m]):
+            for sib in (nm.hf_siblings(m) if transforms.splits(m.transform) else [m]):
                 sshape, segs = transforms.apply(name, tuple(shape), dict(sib.transform), cfg_dict, seg, f"tensor {name}")
                 items.append(Item(sib.gguf_name, sib.hf_name, tuple(sshape), segs, info.dtype, sib.group, sib.layer))
             continue
@@ -240,7 +240,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
         if name.endswith("rotary_emb.inv_freq"):
             skipped.append(name)
             continue
-        if hf and outside and name.startswith(outside):  # a wrapper's vision tower / projector: not the text model
+        # outside the language model (the spec's checkpoint.ignore_prefixes: an MTP head, a wrapper's vision tower and
+        # projector), which llama.cpp's converters leave out too
+        if hf and outside and name.startswith(outside):
             outside_lm.append(name)
             continue
         m_layer = _layer_of(name)
@@ -274,8 +276,8 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
         notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction) or "
                      f"rotary caches are not converted, e.g. {skipped[0]}")
     if outside_lm:
-        notes.append(f"{len(outside_lm)} tensor(s) outside the language model (vision tower, projector) are not "
-                     f"converted, e.g. {outside_lm[0]}")
+        notes.append(f"{len(outside_lm)} tensor(s) outside the language model (MTP head, vision tower, projector) are "
+                     f"not converted, e.g. {outside_lm[0]}")
     if qmap.weights:
         items = [_with_scales(it, qmap) for it in items]
     _check_unique(items, shown)

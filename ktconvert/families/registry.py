@@ -50,6 +50,18 @@ class FamilySpec:
         return bool(self.data["attention"]["qk_norm"])
 
     @property
+    def linear_packing(self) -> str:
+        """``split`` / ``grouped``: how Gated DeltaNet layers store their input projections (``attention.linear_packing``)."""
+        return self.data["attention"].get("linear_packing", "split")
+
+    @property
+    def linear_projections(self) -> tuple[str, ...]:
+        """A Gated DeltaNet layer's input projections, in the order the modeling files create them."""
+        if self.linear_packing == "grouped":
+            return ("in_proj_qkvz", "in_proj_ba")
+        return ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    @property
     def moe_block_name(self) -> str:
         return self.data["moe"]["block"]
 
