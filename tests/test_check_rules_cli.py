@@ -54,7 +54,8 @@ def test_shipped_rules_directory_is_clean():
 def test_shipped_rules_are_clean_against_their_model(tmp_path, family):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(modeltree.PROBE_CONFIGS[family]))
-    targets = sorted((REPO / "rules" / "optimize").glob(f"{family}*.yaml"))
+    targets = sorted(p for p in (REPO / "rules" / "optimize").glob(f"{family}*.yaml")
+                     if p.stem.split("-")[0] == family)  # not deepseek_v32.yaml for deepseek_v3
     assert targets
     r = run("check-rules", "--strict", "--model", cfg, *targets)
     assert r.exit_code == 0, r.output
@@ -215,7 +216,8 @@ def test_check_rules_never_imports_torch_or_numpy(corpus_dir):
             "bad = [m for m in ('torch', 'numpy', 'gguf', 'safetensors') if m in sys.modules]\n"
             "print('HEAVY', bad, 'EXIT', code)")
     out = subprocess.run([sys.executable, "-c", code, str(corpus_dir)], capture_output=True, text=True, check=True).stdout
-    assert "HEAVY [] EXIT 0" in out, out
+    # exit 1, not 0: two upstream files really fail (KNOWN_FAILING in test_check_rules_corpus.py); 3 would be a crash
+    assert "HEAVY [] EXIT 1" in out, out
 
 
 def test_python_dash_m_works():

@@ -12,9 +12,14 @@ import pytest
 from ktconvert.rules import lint, modeltree
 from ktconvert.rules.catalog import load_catalog
 
-# Files that really fail upstream, with the fact that makes them fail. Empty: every upstream file is
-# expected to load under its own backend, so an error on one is a bug in the catalog or the checks.
-KNOWN_FAILING: dict[str, str] = {}
+# Files that really fail upstream, with the fact that makes them fail. Any other upstream file is expected to
+# load under its own backend, so an error on one is a bug in the catalog or the checks.
+_KLLAMAMODEL = ("KLlamaModel.__init__ passes `device` positionally as BaseInjectedModule's prefill_device, so the "
+                "rule's prefill_device kwarg raises TypeError (multiple values for 'prefill_device') at inject (KT206)")
+KNOWN_FAILING: dict[str, str] = {
+    "Internlm2_5-7b-Chat-1m.yaml": _KLLAMAMODEL,
+    "kt-sft/Internlm2_5-7b-Chat-1m.yaml": _KLLAMAMODEL,
+}
 
 
 def _check(text: str, name: str, tmp_path=None, model: str | None = None, backend: str = "auto"):
@@ -38,6 +43,8 @@ def test_whole_corpus_has_no_errors_under_its_own_backend(corpus_dir):
         if bad:
             errors[rel] = bad
     assert set(errors) == set(KNOWN_FAILING), errors
+    for rel in KNOWN_FAILING:  # failing for the stated fact alone
+        assert all(" KT206 KLlamaModel " in e and "'prefill_device'" in e for e in errors[rel]), errors[rel]
     # the style warnings upstream files are known for are found
     ids = {f.id for f in report.findings}
     assert {"KT302", "KT303", "KT213", "KT304"} <= ids
@@ -55,7 +62,9 @@ def test_serve_file_under_the_other_backend_is_caught(corpus_dir):
     by_id = {}
     for f in result.findings:
         by_id.setdefault(f.id, []).append(f.message)
-    assert any("RMSNorm" in m for m in by_id["KT204"]) and any("kDeepseekV3MLP" in m for m in by_id["KT204"])
+    assert any("kDeepseekV3MLP" in m for m in by_id["KT204"])
+    # RMSNorm.forward(x, batch_size_tensor=None) falls back to plain torch: local_chat's norm(hidden_states) works
+    assert not any("RMSNorm" in m for i in ("KT203", "KT204") for m in by_id.get(i, []))
     assert any("flashinfer_attn" in m for m in by_id["KT203"]) and any("KDeepseekV3MoEV2" in m for m in by_id["KT203"])
     # the comment override names the backend back
     ok = _check("# ktconvert: backend=balance_serve\n" + text, "DeepSeek-V3-Chat.yaml")

@@ -1,4 +1,4 @@
-"""kt-kernel's own release methods (MXFP4, MXFP8, RAWINT4, NVFP4, FP8_PERCHANNEL, GPTQ_INT4), each reading a tiny
+"""kt-kernel's own release methods (MXFP4, MXFP8, RAWINT4, NVFP4, FP8_PERCHANNEL, GPTQ_INT4, FP8), each reading a tiny
 release as released (kt-kernel's loader, in a child process), agree with a float32 MoE on ktconvert's exact
 decoding of the same files within the method's own error; a wrong decoding would be off by ~1 (see
 kt-kernel-facts §10). A method with no kernel on this CPU is reported by the runner (KernelRefused), then skipped.
@@ -30,7 +30,24 @@ CASES = {
     "NVFP4": ("nvfp4", {"KT_MXFP4_BACKEND": "avx2"}, None, 0.03),
     "FP8_PERCHANNEL": ("fp8-perchannel", {}, None, 0.03),
     "GPTQ_INT4": ("gptq-int4", {}, None, 0.06),
+    "FP8": ("fp8-128", {}, None, 0.03),  # DeepSeek-V3's block FP8: 128x128 blocks, F32 scale_inv
 }
+
+
+def _fp8_128(src, out):
+    """The tiny model with its experts as a block-FP8 release of 128x128 blocks, the only block kt-kernel's FP8
+    method reads (the tiny FP8 variants use odd blocks to exercise edge blocks)."""
+    from ktconvert.formats import fp8
+
+    def edit(t, d, c):
+        for name in [n for n in t if ".mlp.experts." in n and n.endswith(".weight")]:
+            x = t[name] if d[name] == "F32" else (t[name].astype(np.uint32) << 16).view(np.float32)
+            codes, scale = fp8.quantize(np.asarray(x, np.float32), (128, 128), "F32")
+            t[name], d[name] = codes, fp8.FP8_DTYPE
+            t[name + fp8.SCALE_SUFFIX], d[name + fp8.SCALE_SUFFIX] = fp8.to_bits(scale, "F32"), "F32"
+        c["quantization_config"] = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8",
+                                    "weight_block_size": [128, 128]}
+    return rewrite(src, out, edit)
 
 
 def _renamed(src, out, prefix, projs):
@@ -69,7 +86,11 @@ def kernel():
 def test_release_method_agrees_with_the_exact_decoding(kernel, method, tmp_path):
     fmt, env, rename, bound = CASES[method]
     src = tmp_path / fmt
-    write_tiny_model("qwen3_moe", src, quant=fmt)
+    if fmt == "fp8-128":
+        write_tiny_model("qwen3_moe", tmp_path / "bf16")
+        src = _fp8_128(tmp_path / "bf16", src)
+    else:
+        write_tiny_model("qwen3_moe", src, quant=fmt)
     prefix, projs = "mlp.experts", {}
     if rename is not None:
         prefix, projs = rename
@@ -112,3 +133,44 @@ def test_verify_kernel_reads_a_release_with_its_method_and_refuses_what_its_load
     assert all(0 < v < 0.05 for x in layers for v in x["agreement"].values())  # kernel vs its emulation
     r = CliRunner().invoke(cli, base + [str(mx)])
     assert r.exit_code == 2 and "DeepSeek-V4" in r.output, r.output
+
+
+def test_verify_kernel_runs_a_block_fp8_release_through_fp8_and_refuses_other_blocks(kernel, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    model, odd = tmp_path / "model", tmp_path / "fp8-96"
+    write_tiny_model("qwen3_moe", model)
+    rel = _fp8_128(model, tmp_path / "fp8-128")
+    write_tiny_model("qwen3_moe", odd, fp8=True)  # the tiny FP8 variant: 96x96 blocks, edge blocks included
+    repo = Path(__file__).resolve().parents[1]
+    base = ["verify", "--model", str(model), "--rules", str(repo / "rules/optimize/qwen3_moe.yaml"), "--golden",
+            str(repo / "golden/qwen3_moe"), "--kernel", "both", "-o", "json", "--weights"]
+    r = CliRunner().invoke(cli, base + [str(rel)])
+    assert r.exit_code in (0, 1), r.output
+    layers = json.loads(r.output)["kernel"]["layers"]
+    assert {x["method"] for x in layers} == {"FP8"}
+    assert all(0 < v < 0.03 for x in layers for v in x["agreement"].values())  # kernel vs its emulation
+    r = CliRunner().invoke(cli, base + [str(odd)])
+    assert r.exit_code == 2 and "128x128" in r.output and "96x96" in r.output, r.output
+
+
+def test_preflight_fp8_needs_128_blocks(tmp_path):
+    from ktconvert.preflight import Launch, preflight
+
+    model, odd = tmp_path / "model", tmp_path / "fp8-96"
+    write_tiny_model("qwen3_moe", model)
+    rel = _fp8_128(model, tmp_path / "fp8-128")
+    write_tiny_model("qwen3_moe", odd, fp8=True)
+
+    def run(path):
+        r = preflight(Launch(model_path=str(path), weight_path=str(path), method="FP8", cpuinfer="2",
+                             threadpools="1", gpu_experts="0"))
+        return [(f.id, f.message, f.fix) for f in r.findings]
+
+    assert run(rel) == []
+    (pid, msg, fix), = run(odd)
+    assert pid == "PF166" and "96x96" in msg and "128x128" in msg

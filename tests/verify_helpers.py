@@ -68,6 +68,11 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
             tensors[gname] = (np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), "F32")
             tensors[gname.replace("attn_k_b", "attn_v_b")] = (np.ascontiguousarray(kv[:, nope:]), "F32")
             continue
+        if transforms.splits(m.transform):  # one HF tensor, several GGUF ones (Qwen3-Next's in_proj_qkvz)
+            for sib in nm.hf_siblings(m):
+                part = transforms.redo(w, dict(sib.transform), cfg.raw, name)
+                tensors[sib.gguf_name] = (part, _row_type(other, part.shape[-1]))
+            continue
         if m.transform:  # llama.cpp's value changes (Qwen3.5: norms + 1, -exp(A_log), tiled value heads)
             w = transforms.redo(w, dict(m.transform), cfg.raw, name)
         if nm.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
@@ -112,7 +117,7 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
 
 
 FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "qwen3_5_moe",
-            "qwen3_vl_moe", "glm_moe_dsa")
+            "qwen3_vl_moe", "glm_moe_dsa", "qwen3_next", "kimi_k25", "deepseek_v32")
 REPO = Path(__file__).resolve().parents[1]
 
 

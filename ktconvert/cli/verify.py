@@ -39,9 +39,13 @@ import click
                    "their agreement per layer.")
 @click.option("--kt-weights", type=click.Path(path_type=str),
               help="A kt-amx directory the kernel's CPU experts read (as --kt-weight-path at launch); needs --kernel.")
+@click.option("--lora", "lora", type=click.Path(path_type=str),
+              help="A MoE LoRA adapter (any form convert-lora reads) applied as W + alpha/r * B @ A to the weights it "
+                   "adapts; --golden must be made with `ktconvert golden --lora` of the same adapter.")
+@click.option("--lora-alpha", type=float, help="LoRA alpha, when the adapter does not say it.")
 @click.pass_context
 def command(ctx, model_dir, rules, weights, prefill_weights, golden, tolerance, fmt, plot_path, compute_dtype,
-            cpu_hidden_dtype, act_quant, catalogs, backend, threads, kernel, kt_weights):
+            cpu_hidden_dtype, act_quant, catalogs, backend, threads, kernel, kt_weights, lora, lora_alpha):
     """Run the model as --rules injects it, on --weights, against --golden: prefill over the golden prompt,
     then token-by-token decode with a KV cache; per position max |diff|, NMSE, KL, top-1/top-k agreement;
     per-layer hidden-state NMSE per phase; the first layer and module where error jumps.
@@ -61,7 +65,7 @@ def command(ctx, model_dir, rules, weights, prefill_weights, golden, tolerance, 
                                kernel=kernel)
     report = run_verify(model_dir, rules, golden, weights=weights, prefill_weights=prefill_weights, profile=tolerance,
                         options=options, catalog=load_catalog(catalogs), backend=backend, threads=threads,
-                        kt_weights=kt_weights)
+                        kt_weights=kt_weights, lora=lora, lora_alpha=lora_alpha)
     if plot_path:
         from ktconvert.verify.report import plot
 

@@ -6,13 +6,21 @@ Each adapted weight's plan segments get the adapter's ``(A, B, alpha/r)``; the w
 to exactly the rows it decodes, so memory stays bounded by a unit. Copied tensors that are adapted are decoded
 and re-encoded instead. The plan (and so ``--resume``'s fingerprint) and the manifest record every adapter file's
 sha256, r and alpha.
+
+:func:`load_lora` (read, check, resolve alpha, name the adapted weights) and ``formats.lora_delta`` (the delta
+itself) are shared: ``golden --lora`` merges through this module's ``quantize --to hf`` path and ``verify --lora``
+adds the same deltas to the weights it reads, so there is one merge, not three.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+import hashlib
 import re
 from pathlib import Path
+
+import numpy as np
 
 from ktconvert import families
 from ktconvert.convert.lora_checks import ERROR, check_adapter, resolve_alpha
@@ -54,15 +62,49 @@ def _deltas(ad, scale: float, model_type: str | None) -> dict[str, tuple]:
     return out
 
 
-def _delta_shapes(ad, deltas: dict) -> dict[str, tuple[int, int]]:
+def delta_shapes(ad, deltas: dict) -> dict[str, tuple[int, int]]:
     """``(out, in)`` of each delta: rows of B by columns of A."""
     shape = {t.name: (t.shape[1:] if idx >= 0 else t.shape) for t in ad.tensors for idx in (-1, 0)
              if (idx >= 0) == (len(t.shape) == 3)}
     return {n: (shape[d[4]][0], shape[d[1]][1]) for n, d in deltas.items()}
 
 
-def attach_lora(plan: Plan, adapter: str | Path, *, lora_alpha: float | None = None, dims=None) -> Plan:
-    """``plan`` with the adapter's deltas on the segments of every weight it adapts (or :class:`InputError`)."""
+@dataclasses.dataclass
+class LoadedLora:
+    """A checked adapter ready to merge: ``deltas`` maps each adapted weight's HF name to its lora tuple
+    (see ``formats.lora_delta``); ``record`` is what manifests and reports say about it."""
+
+    adapter: object  # lora_read.Adapter
+    alpha: float  # as resolved (the config's int stays int: manifests and --resume fingerprints keep their text)
+    scale: float
+    deltas: dict[str, tuple]
+    warnings: list[str]
+
+    @functools.cached_property
+    def record(self) -> dict:
+        files = sorted({d[0] for d in self.deltas.values()} | {d[3] for d in self.deltas.values()})
+        return {"sha256": adapter_sha256(self.adapter), "form": self.adapter.form, "rank": self.adapter.rank,
+                "alpha": self.alpha, "scale": self.scale,
+                "files": {Path(f).name: sha256_file(Path(f)) for f in files}}
+
+
+def adapter_sha256(ad) -> str:
+    """sha256 of the adapter's values (float32, canonical order): the same adapter in any form convert-lora reads
+    (raw dir, sglang, PEFT) has the same digest, a different one (other values, layers, experts) another."""
+    h = hashlib.sha256()
+    for key in sorted(ad.slots):
+        for e, piece in enumerate(ad.slots[key]):
+            h.update(f"{key[0]}.{key[1]}.{key[2]}.{e}:".encode())
+            h.update(np.ascontiguousarray(piece.float32(), dtype=np.float32).tobytes())
+    for name, t in sorted(ad.others, key=lambda x: x[0]):
+        h.update(f"{name}:".encode())
+        h.update(np.ascontiguousarray(t.float32(), dtype=np.float32).tobytes())
+    return h.hexdigest()
+
+
+def load_lora(adapter: str | Path, *, lora_alpha: float | None = None, dims=None,
+              model_type: str | None = None) -> LoadedLora:
+    """Read and check ``adapter`` (any form; convert-lora's reader and checks, errors refuse) and resolve alpha."""
     adapter = Path(adapter)
     ad = read_adapter(adapter)
     alpha, found = resolve_alpha(ad, lora_alpha)
@@ -74,9 +116,18 @@ def attach_lora(plan: Plan, adapter: str | Path, *, lora_alpha: float | None = N
         raise UsageProblem("no lora_alpha: neither adapter_config.json nor kt_adapter_manifest.json says it",
                            path=str(adapter), fix="pass --lora-alpha")
     scale = float(alpha) / ad.rank
-    deltas = _deltas(ad, scale, plan.model_type)
+    warnings = [f"{f.where}: {f.message}" for f in found]
+    return LoadedLora(ad, alpha, scale, _deltas(ad, scale, model_type), warnings)
+
+
+def attach_lora(plan: Plan, adapter: str | Path, *, lora_alpha: float | None = None, dims=None) -> Plan:
+    """``plan`` with the adapter's deltas on the segments of every weight it adapts (or :class:`InputError`)."""
+    adapter = Path(adapter)
+    lo = load_lora(adapter, lora_alpha=lora_alpha, dims=dims, model_type=plan.model_type)
+    ad, alpha, scale = lo.adapter, lo.alpha, lo.scale
+    deltas = lo.deltas
     ck = open_checkpoint(plan.source)
-    shapes = {n: (int(ad_shape[0]), int(ad_shape[1])) for n, ad_shape in _delta_shapes(ad, deltas).items()}
+    shapes = {n: (int(ad_shape[0]), int(ad_shape[1])) for n, ad_shape in delta_shapes(ad, deltas).items()}
     for name, shape in shapes.items():
         if name in ck and tuple(ck[name].shape) != shape:
             raise InputError(f"B @ A is {list(shape)} but {name} is {list(ck[name].shape)}", path=str(adapter),
@@ -117,4 +168,9 @@ def attach_lora(plan: Plan, adapter: str | Path, *, lora_alpha: float | None = N
                            for f in files}}
     plan.notes.append(f"LoRA {adapter} merged in float32 (W + {alpha:g}/{ad.rank} * B @ A) into "
                       f"{len(deltas) - len(skipped)} weight(s)")
+    if plan.format == "hf":  # --type decides quantized weights only: a merged float weight keeps its stored dtype
+        kept = sorted({t.type for t in tensors if any(s.lora for s in t.segments) and t.group == "copied"})
+        if kept:
+            plan.notes.append(f"merged weights are written in their stored dtype ({', '.join(kept)}), rounded after "
+                              "the float32 merge")
     return plan

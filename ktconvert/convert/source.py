@@ -183,6 +183,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     notes = [f"{p.kind}: {p.message}" for p in report.all_problems
              if p.severity == "warning" and p.kind != "ambiguous-orientation"]
     skipped: list[str] = []
+    outside_lm: list[str] = []
+    spec = families.find(model_type)
+    outside = spec.ignore_prefixes if spec is not None else ()
     hf = ck.container == "safetensors"
     cfg = _heads(cfg_dict, ck) if hf and families.permutes_qk(report.arch) else None
 
@@ -217,7 +220,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                                  path=shown, where=f"tensor {name}", fix="check num_attention_heads in config.json")
             seg = Segment(0, shape[0], name, op="permute", heads=heads)
         if m.transform and m.side == "hf":
-            for sib in (nm.hf_siblings(m) if dict(m.transform).get("kv_b_split") else [m]):
+            for sib in (nm.hf_siblings(m) if transforms.splits(m.transform) else [m]):
                 sshape, segs = transforms.apply(name, tuple(shape), dict(sib.transform), cfg_dict, seg, f"tensor {name}")
                 items.append(Item(sib.gguf_name, sib.hf_name, tuple(sshape), segs, info.dtype, sib.group, sib.layer))
             continue
@@ -236,6 +239,11 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
             continue
         if name.endswith("rotary_emb.inv_freq"):
             skipped.append(name)
+            continue
+        # outside the language model (the spec's checkpoint.ignore_prefixes: an MTP head, a wrapper's vision tower and
+        # projector), which llama.cpp's converters leave out too
+        if hf and outside and name.startswith(outside):
+            outside_lm.append(name)
             continue
         m_layer = _layer_of(name)
         if m_layer is not None and n_layers is not None and m_layer >= n_layers:
@@ -267,6 +275,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     if skipped:
         notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction) or "
                      f"rotary caches are not converted, e.g. {skipped[0]}")
+    if outside_lm:
+        notes.append(f"{len(outside_lm)} tensor(s) outside the language model (MTP head, vision tower, projector) are "
+                     f"not converted, e.g. {outside_lm[0]}")
     if qmap.weights:
         items = [_with_scales(it, qmap) for it in items]
     _check_unique(items, shown)

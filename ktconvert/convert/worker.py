@@ -19,6 +19,7 @@ from ktconvert.convert.plan import PlanTensor
 from ktconvert.convert.source import Segment
 from ktconvert.errors import EnvironmentProblem, InputError
 from ktconvert.formats import fp8, kt_amx, open_checkpoint, quantized
+from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.io.dtypes import FLOAT_DTYPES, decode_float32, raw_view
 from ktconvert.quant import dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
@@ -288,10 +289,9 @@ def _decode_into(dst: np.ndarray, raw: np.ndarray, dtype: str) -> None:
 
 def _lora_rows(lora: tuple, rows: np.ndarray) -> np.ndarray:
     """``alpha/r * B[rows] @ A`` in float32: the adapter's delta for these rows of the adapted weight."""
-    fa, na, ia, fb, nb, ib, scale = lora
-    a = _checkpoint(fa).read_float32(na, None if ia < 0 else ia)
-    b = _checkpoint(fb).read_float32(nb, None if ib < 0 else ib)
-    return np.float32(scale) * (b[rows] @ a)
+    return lora_delta(lora, rows, _checkpoint)
+
+
 def _post(rows: np.ndarray, s) -> None:
     """A segment's llama.cpp transform (:mod:`ktconvert.convert.transforms`), in place on its decoded rows."""
     if s.col_tile:

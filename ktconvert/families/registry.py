@@ -50,6 +50,18 @@ class FamilySpec:
         return bool(self.data["attention"]["qk_norm"])
 
     @property
+    def linear_packing(self) -> str:
+        """``split`` / ``grouped``: how Gated DeltaNet layers store their input projections (``attention.linear_packing``)."""
+        return self.data["attention"].get("linear_packing", "split")
+
+    @property
+    def linear_projections(self) -> tuple[str, ...]:
+        """A Gated DeltaNet layer's input projections, in the order the modeling files create them."""
+        if self.linear_packing == "grouped":
+            return ("in_proj_qkvz", "in_proj_ba")
+        return ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
+
+    @property
     def moe_block_name(self) -> str:
         return self.data["moe"]["block"]
 
@@ -165,11 +177,13 @@ def family_of(raw: dict) -> str | None:
 
 
 def family_of_class(type_id: str) -> str | None:
-    """The family whose upstream class names start with ``type_id``'s prefix (``DeepseekV3MoE`` -> its family)."""
+    """The family whose upstream class names start with ``type_id``'s prefix (``DeepseekV3MoE`` -> its family): the
+    longest prefix wins (``DeepseekV32Indexer`` is DeepSeek-V3.2's, not DeepSeek-V3's), then the listing order."""
+    best = None
     for s in _registry().values():
-        if type_id.startswith(s.prefix):
-            return s.family
-    return None
+        if type_id.startswith(s.prefix) and (best is None or len(s.prefix) > len(best.prefix)):
+            best = s
+    return best.family if best else None
 
 
 def spec_for_arch(family: str, arch: str) -> FamilySpec:

@@ -8,6 +8,11 @@ broadcasts against the key heads. Row reorders become ``rows`` segments (one per
 row by row; a column reorder and a value map ride on the segments (``col_tile``, ``value``) and the worker applies
 them after decoding. :func:`undo` is the inverse on a whole stored array, for reading such a GGUF back into the
 reference model (verify). :func:`apply` reads no tensor data.
+
+Two transforms make several GGUF tensors of one HF tensor (:data:`SPLITS`; the naming map has one entry per part):
+``kv_b_split`` (MLA's ``kv_b_proj`` as ``attn_k_b`` / ``attn_v_b``) and ``qkvz_split`` (Qwen3-Next's ``in_proj_qkvz``,
+per key head ``[q, k, its value heads, their z]``, as ``attn_qkv`` = every q, every k, every value head, and
+``attn_gate`` = every z: row gathers). :func:`join_qkvz` puts the latter back together.
 """
 
 from __future__ import annotations
@@ -17,6 +22,15 @@ from dataclasses import replace
 import numpy as np
 
 from ktconvert.errors import InputError
+
+
+#: transforms that make one of several GGUF tensors from one HF tensor
+SPLITS = ("kv_b_split", "qkvz_split")
+
+
+def splits(transform) -> bool:
+    """Whether ``transform`` (a dict or a naming map's sorted pairs) is one part of a split HF tensor."""
+    return any(k in dict(transform) for k in SPLITS)
 
 
 def tiled_order(k_heads: int, per_k: int) -> list[int]:
@@ -30,6 +44,8 @@ def apply(name: str, shape: tuple[int, ...], transform: dict, config: dict | Non
         return shape, (seg,)
     if transform.get("kv_b_split"):
         return _kv_b_split(transform["kv_b_split"], shape, config, seg, where)
+    if transform.get("qkvz_split"):
+        return _qkvz_split(transform["qkvz_split"], shape, config, seg, where)
     if transform.get("squeeze"):
         shape = tuple(d for d in shape if d != 1) or (1,)
     segs = (replace(seg, value=transform.get("value", "")),)
@@ -60,6 +76,44 @@ def _kv_b_split(part: str, shape, config, seg, where: str):
     # k_b [heads, rank, nope]: each head's first nope rows, transposed
     return (heads, rank, nope), tuple(replace(seg, start=h * rank, rows=rank, op="block_t", src_row=h * (nope + v),
                                               t_rows=nope) for h in range(heads))
+
+
+def _qkvz_rows(part: str, nk: int, kd: int, pv: int) -> list[tuple[int, int, int]]:
+    """``(output row, rows, source row)`` runs of ``attn_qkv`` (``part`` qkv) or ``attn_gate`` (z) in ``in_proj_qkvz``,
+    whose key head ``g`` holds rows ``[q kd, k kd, v pv, z pv]`` from ``g * (2 kd + 2 pv)``."""
+    group = 2 * kd + 2 * pv
+    if part == "z":
+        return [(g * pv, pv, g * group + 2 * kd + pv) for g in range(nk)]
+    return ([(g * kd, kd, g * group) for g in range(nk)]
+            + [(nk * kd + g * kd, kd, g * group + kd) for g in range(nk)]
+            + [(2 * nk * kd + g * pv, pv, g * group + 2 * kd) for g in range(nk)])
+
+
+def _qkvz_dims(shape, config: dict | None, where: str) -> tuple[int, int, int]:
+    nk, nv, kd, vd = _linear_dims(config, where)
+    pv = nv // nk * vd
+    if len(shape) != 2 or shape[0] != nk * (2 * kd + 2 * pv):
+        raise InputError(f"in_proj_qkvz {list(shape)} is not [linear_num_key_heads x (2 x linear_key_head_dim + 2 x "
+                         f"value heads per key head x linear_value_head_dim), hidden] = [{nk * (2 * kd + 2 * pv)}, H] "
+                         "for config.json", where=where, fix="pass --config with the model's config.json")
+    return nk, kd, pv
+
+
+def _qkvz_split(part: str, shape, config, seg, where: str):
+    nk, kd, pv = _qkvz_dims(shape, config, where)
+    runs = _qkvz_rows(part, nk, kd, pv)
+    return (sum(n for _, n, _ in runs), shape[1]), tuple(replace(seg, start=a, rows=n, src_row=src) for a, n, src in runs)
+
+
+def join_qkvz(qkv: np.ndarray, z: np.ndarray, config: dict | None, where: str) -> np.ndarray:
+    """``in_proj_qkvz`` rebuilt from llama.cpp's ``attn_qkv`` and ``attn_gate`` (the inverse of ``qkvz_split``)."""
+    shape = (qkv.shape[0] + z.shape[0], qkv.shape[1])
+    nk, kd, pv = _qkvz_dims(shape, config, where)
+    out = np.empty(shape, dtype=np.float32)
+    for part, arr in (("qkv", qkv), ("z", z)):
+        for a, n, src in _qkvz_rows(part, nk, kd, pv):
+            out[src:src + n] = arr[a:a + n]
+    return out
 
 
 def _linear_dims(config: dict | None, where: str) -> tuple[int, int, int, int]:
@@ -97,6 +151,9 @@ def _v_heads(kind, seg, shape, nk, per_k, kd, vd, name, where):
 def redo(arr: np.ndarray, transform: dict, config: dict | None, where: str) -> np.ndarray:
     """``transform`` applied to a whole Hugging Face array (the inverse of :func:`undo`; writers of test GGUFs)."""
     out = np.array(arr, dtype=np.float32)
+    if transform.get("qkvz_split"):
+        nk, kd, pv = _qkvz_dims(out.shape, config, where)
+        return np.concatenate([out[src:src + n] for _, n, src in _qkvz_rows(transform["qkvz_split"], nk, kd, pv)])
     if transform.get("squeeze"):
         out = out.reshape(tuple(d for d in out.shape if d != 1) or (1,))
     kind = transform.get("v_heads")

@@ -11,13 +11,15 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
+import re
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from ktconvert import __version__
-from ktconvert.errors import EnvironmentProblem, InputError
+from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.families.config import load_config
 from ktconvert.formats import open_checkpoint
 from ktconvert.formats.safetensors_write import to_bytes
@@ -155,6 +157,16 @@ def _tiny_args(tiny: str) -> str:
     return family if not rest else f"{family} --fp8" if rest == "fp8" else f"{family} --variant {rest}"
 
 
+def _is_tiny_lora(tiny: str, record: dict) -> bool:
+    """Whether the adapter's tensor files are ``tiny-model FAMILY --lora``'s (so the command can say how to make it)."""
+    from ktconvert.model.tiny_lora import tiny_lora_files
+
+    if "-" in tiny:
+        return False
+    files = tiny_lora_files(tiny)
+    return all(n in files and sha256_bytes(files[n]) == h for n, h in record["files"].items())
+
+
 def _family_config(transformers, model_dir) -> object | None:
     """A config.json whose model_type transformers does not know but whose ``architectures`` name a family
     (Kimi-K2's ``kimi_k2`` is DeepseekV3ForCausalLM) loads as that family's transformers config, which is what
@@ -222,6 +234,57 @@ def _display_path(path: Path, placeholder: str) -> str:
         return placeholder
 
 
+_FUSED_EXPERTS = re.compile(r"\.experts\.(gate_up_proj|down_proj)(_bias)?(\.weight)?$")
+
+
+def _float32_copy(model_dir: Path, out: Path) -> Path:
+    """``model_dir`` itself when every tensor is F32, else a float32 copy of it (config.json beside it): ``--to hf``
+    re-encodes a merged weight in its stored type, and a bf16 release's merged weights must stay float32 here."""
+    from safetensors.numpy import save_file
+
+    ck = open_checkpoint(model_dir)
+    dtypes = {info.dtype for _, info in ck.items()}
+    if dtypes <= {"F32"}:
+        return model_dir
+    odd = sorted(dtypes - {"F32", "F16", "BF16"})
+    if odd:
+        raise InputError(f"golden --lora merges into F32/F16/BF16 weights; this checkpoint also stores {odd[0]}",
+                         path=str(model_dir), fix="dequantize it first: ktconvert quantize MODEL OUT --to hf --type BF16")
+    out.mkdir(parents=True)
+    save_file({name: np.ascontiguousarray(ck.read_float32(name)) for name, _ in ck.items()}, str(out / "model.safetensors"))
+    (out / "config.json").write_bytes((model_dir / "config.json").read_bytes())
+    return out
+
+
+def _merged_golden(model_dir: Path, cfg, ids: list[int], threads: int, lora: Path, lora_alpha: float | None):
+    """transformers on the weights with the adapter merged in float32 (quantize's merge, into a temporary F32 HF
+    checkpoint), plus the base model's logits as ``base_logits``; the manifest's ``lora`` record."""
+    from ktconvert.convert.api import convert
+    from ktconvert.convert.lora_merge import load_lora
+    from ktconvert.formats import dims_from_hf_config
+
+    loaded = load_lora(lora, lora_alpha=lora_alpha, dims=dims_from_hf_config(cfg.raw, str(model_dir / "config.json")),
+                       model_type=cfg.family)
+    fused = next((n for n, _ in open_checkpoint(model_dir).items() if _FUSED_EXPERTS.search(n)), None)
+    if fused is not None:
+        raise InputError("golden --lora merges per-expert LoRA through quantize --to hf, which keeps this checkpoint's "
+                         "fused experts fused and cannot merge into them", path=str(model_dir), where=fused,
+                         fix="use a checkpoint with per-expert expert weights (experts.E.gate_proj ...)")
+    with tempfile.TemporaryDirectory(prefix="ktconvert-golden-lora-") as tmp:
+        merged = Path(tmp) / "merged"
+        src = _float32_copy(model_dir, Path(tmp) / "f32")
+        convert(src, merged, type="F32", format="hf", lora=lora, lora_alpha=lora_alpha)
+        run = compute_golden(merged, ids, threads=threads)
+    base = compute_golden(model_dir, ids, threads=threads, decode_check=False).tensors["logits"]
+    run.tensors["base_logits"] = base
+    diff = run.tensors["logits"].astype(np.float64) - base.astype(np.float64)
+    den = float(np.sum(base.astype(np.float64) ** 2))
+    record = dict(loaded.record)
+    record["effect"] = {"logits_max_abs_diff": float(np.max(np.abs(diff))),
+                        "logits_nmse": float(np.sum(diff * diff)) / den if den else 0.0}
+    return run, record
+
+
 @dataclass
 class GoldenResult:
     out_dir: Path
@@ -239,9 +302,17 @@ def generate_golden(
     threads: int = 1,
     force: bool = False,
     reason: str | None = None,
+    lora: str | os.PathLike | None = None,
+    lora_alpha: float | None = None,
 ) -> GoldenResult:
-    """Compute and write a golden directory; regenerating needs ``force`` and appends to the manifest's log."""
+    """Compute and write a golden directory; regenerating needs ``force`` and appends to the manifest's log.
+
+    ``lora``: a MoE LoRA adapter (any form convert-lora reads), merged into the weights in float32 by
+    ``quantize --to hf --type F32 --lora``'s own merge before transformers runs; the base model's logits are kept
+    as ``base_logits`` and the manifest records the adapter and how far it moves the logits."""
     refuse_under_ci()
+    if lora is None and lora_alpha is not None:
+        raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
     model_dir, out = Path(model_dir), Path(out_dir)
     cfg = load_config(model_dir)
     previous = None
@@ -252,7 +323,10 @@ def generate_golden(
     ids, text, prepended = prompt_for(model_dir, prompt_text, prompt_ids, bos)
     if max(ids) >= cfg.vocab_size:
         raise InputError(f"prompt id {max(ids)} is outside the vocabulary (vocab_size={cfg.vocab_size})")
-    run = compute_golden(model_dir, ids, threads=threads)
+    if lora is None:
+        run, lora_record = compute_golden(model_dir, ids, threads=threads), None
+    else:
+        run, lora_record = _merged_golden(model_dir, cfg, ids, threads, Path(lora), lora_alpha)
     files = model_file_hashes(model_dir)
     tiny = match_tiny_model(files)
     data = to_bytes(run.tensors, {"format": "pt", "producer": "ktconvert golden"})
@@ -265,8 +339,11 @@ def generate_golden(
         opts.append("--prompt " + repr(prompt_text))
     if not bos:
         opts.append("--no-bos")
+    if lora is not None:
+        opts.append("--lora <ADAPTER>" + (f" --lora-alpha {lora_alpha:g}" if lora_alpha is not None else ""))
     golden_cmd = f"ktconvert golden <MODEL_DIR> {_display_path(out, '<OUT_DIR>')} " + " ".join(opts)
-    command = (f"ktconvert tiny-model {_tiny_args(tiny)} <MODEL_DIR> && " if tiny else "") + golden_cmd
+    tiny_lora = " --lora <ADAPTER>" if tiny and lora_record is not None and _is_tiny_lora(tiny, lora_record) else ""
+    command = (f"ktconvert tiny-model {_tiny_args(tiny)} <MODEL_DIR>{tiny_lora} && " if tiny else "") + golden_cmd
 
     if previous is not None:
         log = list(previous.manifest["regenerations"])
@@ -312,6 +389,7 @@ def generate_golden(
             },
         },
         "checks": {"hf_decode_vs_prefill_max_abs_diff": run.decode_max_abs_diff},
+        **({"lora": lora_record} if lora_record is not None else {}),
         "command": command,
         "regenerations": log,
     }

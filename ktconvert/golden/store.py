@@ -23,6 +23,7 @@ ENTRY_DESCRIPTIONS = {
     "logits": "prefill logits over the whole prompt [1, T, V]; decode with a KV cache must reproduce them per position",
     "hidden_states": "embedding output, then each decoder layer's output before the final norm [num_layers + 1, 1, T, H]",
     "final_hidden": "last layer's output after the final norm [1, T, H]",
+    "base_logits": "golden --lora only: prefill logits of the model without the adapter [1, T, V]",
 }
 
 

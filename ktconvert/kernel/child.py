@@ -12,7 +12,10 @@ stdout (fd 1 itself is pointed at stderr, because the C++ side prints its own lo
 * ``{"op": "load", "key", "method", "E", "top_k", "H", "I", "layer", "max_len", ...}`` with, per method,
   ``LLAMAFILE``: ``arrays`` {gate, up, down: npy of the merged ggml blocks [E, rows, row_bytes]} and
   ``types`` {gate, up, down: ggml type id}; ``BF16``: ``arrays`` of uint16 bf16 bits [E, rows, cols];
-  ``AMXINT8``/``AMXINT4``: ``dir``, a kt-amx directory, read here by tensor name.
+  ``AMXINT8``/``AMXINT4``: ``dir``, a kt-amx directory, read here by tensor name. ``BF16`` with ``sft``
+  {``lora``: {gate_a, gate_b, up_a, up_b, down_a, down_b: npy of bf16 bits, the fused ``[E, ., .]`` form},
+  ``rank``, ``alpha``}: kt-kernel's SFT class ``AMXBF16_SFT_MOE``, whose forward adds ``alpha/r * B(Ax)`` to
+  gate, up and down (verify --lora).
 * ``{"op": "forward", "key", "hidden", "ids", "weights", "out"}``: npy paths; writes bf16 bits [T, H] to out.
 * ``{"op": "quit"}``.
 
@@ -88,6 +91,8 @@ class Child:
         max_len = int(req.get("max_len", 64))
         cfg.max_len = max_len
         keep = [mask]
+        if req.get("sft"):
+            return self._load_sft(req, mask)
         if req.get("release"):
             moe = self._release(cfg, req, keep)
         elif method == "LLAMAFILE":
@@ -143,6 +148,37 @@ class Child:
         self.layers[req["key"]] = _Layer(moe, keep, req)
         return {"loaded": req["key"]}
 
+    def _load_sft(self, req, mask):
+        """BF16 experts plus the adapter's fused LoRA through ``AMXBF16_SFT_MOE``, as kt-kernel's SFT wrapper
+        (``kt_kernel/sft/amx.py``) configures it for a forward without backward."""
+        np = self.np
+        moe_mod = self.ext.moe
+        cls = getattr(moe_mod, "AMXBF16_SFT_MOE", None)
+        if cls is None:
+            raise ValueError("AMXBF16_SFT_MOE is not compiled into this kt-kernel variant")
+        e, k, h, i = int(req["E"]), int(req["top_k"]), int(req["H"]), int(req["I"])
+        arrays = {p: np.ascontiguousarray(np.load(req["arrays"][p])) for p in ("gate", "up", "down")}
+        sft = req["sft"]
+        lora = {n: np.ascontiguousarray(np.load(f)) for n, f in sft["lora"].items()}
+        ident = np.arange(e, dtype=np.int64)
+        cfg = moe_mod.MOESFTConfig()
+        cfg.expert_num, cfg.num_experts_per_tok, cfg.hidden_size, cfg.intermediate_size = e, k, h, i
+        cfg.lora_rank, cfg.lora_alpha, cfg.lora_dropout = int(sft["rank"]), float(sft["alpha"]), 0.0
+        cfg.max_cache_depth = 1
+        cfg.max_len = int(req.get("max_len", 64))
+        cfg.layer_idx = int(req["layer"])
+        cfg.physical_to_logical_map = _ptr(ident)
+        cfg.gate_proj, cfg.up_proj, cfg.down_proj = (_ptr(arrays[p]) for p in ("gate", "up", "down"))
+        for p in ("gate", "up", "down"):
+            for ab in ("a", "b"):
+                setattr(cfg, f"{p}_lora_{ab}", _ptr(lora[f"{p}_{ab}"]))
+        cfg.pool = self._pool().backend_
+        moe = cls(cfg)
+        self._pool().submit(moe.load_weights_task())
+        self._pool().sync()
+        self.layers[req["key"]] = _Layer(moe, [mask, ident, arrays, lora], req)
+        return {"loaded": req["key"], "class": "AMXBF16_SFT_MOE"}
+
     def _release(self, cfg, req, keep):
         """A release read as released: kt-kernel's own loader for the method, its scale conversions, quant config
         and backend choice (``KT_*_BACKEND``), as its NativeMoEWrapper sets them up."""
@@ -151,7 +187,7 @@ class Child:
 
         method = req["method"]
         w = kta.NativeMoEWrapper._create_loader(method, req["release"]).load_experts(req["base"])
-        f32 = method in ("FP8_PERCHANNEL", "GPTQ_INT4")
+        f32 = method in ("FP8", "FP8_PERCHANNEL", "GPTQ_INT4")
         scales = {p: [(t.to(torch.float32) if f32 else t).contiguous() for t in w[p + "_scale"]]
                   for p in ("gate", "up", "down")}
         weights = {p: [t.contiguous() for t in w[p]] for p in ("gate", "up", "down")}
@@ -166,6 +202,12 @@ class Child:
         if method == "FP8_PERCHANNEL":
             q.bits, q.per_channel = 8, True
             return moe.AMXFP8PerChannel_MOE(cfg)
+        if method == "FP8":  # 128x128 blocks are the only ones its kernels take (the runner refuses others first)
+            q.bits, q.group_size = 8, 128
+            cls = getattr(moe, "AMXFP8_MOE", None) or getattr(moe, "AVX2FP8_MOE", None)
+            if cls is None:
+                raise RuntimeError("kt-kernel selects no FP8 backend on this CPU")
+            return cls(cfg)
         if method == "GPTQ_INT4":
             q.bits, q.group_size = 4, h // scales["gate"][0].shape[0]
             cls = kta._select_gptq_int4_backend(q.group_size)
@@ -216,7 +258,8 @@ class Child:
         t, k = ids.shape
         out = np.zeros_like(hidden)
         bsz = np.array([t], dtype=np.int32)
-        task = layer.moe.forward_task(_ptr(bsz), k, _ptr(ids), _ptr(w), _ptr(hidden), _ptr(out), False)
+        fwd = layer.moe.forward_sft_task if layer.spec.get("sft") else layer.moe.forward_task
+        task = fwd(_ptr(bsz), k, _ptr(ids), _ptr(w), _ptr(hidden), _ptr(out), False)  # no incremental / no backward
         self._pool().submit(task)
         self._pool().sync()
         np.save(req["out"], out)

@@ -76,7 +76,7 @@ def _method_rows(cpu: dict, kernel: dict) -> list[dict]:
         if runs and name in ("AMXINT8", "AMXINT4"):
             path = "AMX tiles" if amx and kernel.get("variant") == "amx" else "AVX-512 VNNI (no AMX here)"
         rows.append({"method": name, "reads": m.reads, "runs": runs, "path": path,
-                     "ktconvert_verifies": m.driven})
+                     "ktconvert_verifies": m.driven or bool(m.release)})
     return rows
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 QK_K = 256
+# the one FP8 block kt-kernel's FP8 method reads (its kernels fix group_size = 128 for both block dimensions)
+FP8_BLOCK = 128
 
 # ggml types LLAMAFILE ran on here, and the ones that abort the process (SIGABRT)
 LLAMAFILE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_0", "Q3_K", "Q2_K")
@@ -32,7 +34,8 @@ METHODS = {m.name: m for m in (
     Method("AMXINT8", "kt-amx directory, INT8", "kt-amx-int8", ("AMXInt8_MOE",), True),
     Method("AMXINT4", "kt-amx directory, INT4", "kt-amx-int4", ("AMXInt4_MOE",), True),
     Method("BF16", "HF bf16 safetensors as released", "hf-bf16", ("AMXBF16_MOE", "AVX2BF16_MOE"), True),
-    Method("FP8", "HF FP8 block-128 safetensors as released", "hf-fp8", ("AMXFP8_MOE", "AVX2FP8_MOE"), False),
+    Method("FP8", "HF FP8 block-128 safetensors as released", "hf-fp8", ("AMXFP8_MOE", "AVX2FP8_MOE"), False,
+           "FP8"),
     Method("FP8_PERCHANNEL", "HF per-channel FP8 as released", "hf-release", ("AMXFP8PerChannel_MOE",), False,
            "FP8_PERCHANNEL"),
     Method("RAWINT4", "compressed-tensors INT4 as released", "hf-release",

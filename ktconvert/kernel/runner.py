@@ -203,6 +203,27 @@ class KernelSession:
         self._call(req, f"loading layer {layer} (BF16)")
         self.loaded[key] = {"layer": layer, "H": h, "E": e, "types": {"gate": "BF16", "up": "BF16", "down": "BF16"}, "max_len": max_len}
 
+    def load_bf16_sft_layer(self, key: str, layer: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
+                            lora: dict[str, np.ndarray], rank: int, alpha: float, top_k: int, *,
+                            max_len: int = 64) -> None:
+        """BF16 experts with a MoE LoRA adapter through kt-kernel's SFT class (``AMXBF16_SFT_MOE``): ``lora`` holds
+        bf16 bits in the fused form, ``{gate,up}_a [E, r, H]``, ``{gate,up}_b [E, I, r]``, ``down_a [E, r, I]``,
+        ``down_b [E, H, r]``; the kernel scales by ``alpha / rank``."""
+        if "AMXBF16_SFT_MOE" not in self.info.classes:
+            raise KernelRefused(f"kt-kernel's {self.info.variant} variant has no AMXBF16_SFT_MOE (its LoRA path)",
+                                fix="verify --lora with --kernel emulate")
+        e, i, h = gate.shape
+        self._check(hidden=h, inter=i, types=None, where=f"layer {layer}")
+        req = {"op": "load", "key": key, "method": self.method, "E": e, "top_k": top_k, "H": h, "I": i,
+               "layer": layer, "max_len": max_len,
+               "arrays": {p: self._save(np.ascontiguousarray(a, dtype=np.uint16))
+                          for p, a in (("gate", gate), ("up", up), ("down", down))},
+               "sft": {"rank": int(rank), "alpha": float(alpha),
+                       "lora": {n: self._save(np.ascontiguousarray(a, dtype=np.uint16)) for n, a in lora.items()}}}
+        self._call(req, f"loading layer {layer} (BF16 with LoRA, AMXBF16_SFT_MOE)")
+        self.loaded[key] = {"layer": layer, "H": h, "E": e, "types": {"gate": "BF16", "up": "BF16", "down": "BF16"},
+                            "max_len": max_len}
+
     def load_ktamx_layer(self, key: str, directory, layer: int, *, experts: int, top_k: int, hidden: int, inter: int,
                          max_len: int = 64) -> None:
         """AMXINT8/AMXINT4 on one layer of a kt-amx directory written for ``threadpools`` parts."""

@@ -21,7 +21,7 @@ from ktconvert.kernel.runner import (
     f32_to_bf16_bits,
 )
 
-from ktconvert.kernel.methods import LOADER_NAMES, METHODS, RELEASE_METHOD
+from ktconvert.kernel.methods import FP8_BLOCK, LOADER_NAMES, METHODS, RELEASE_METHOD
 
 MODES = ("emulate", "kt-kernel", "both")
 
@@ -39,6 +39,7 @@ class KernelRuntime:
             self._ktamx = scan_ktamx_dir(kt_weights)
         self.sessions: dict[tuple[str, int], KernelSession] = {}
         self.rows: list[dict] = []
+        self.lora = None  # verify --lora: the loaded adapter (convert.lora_merge.LoadedLora), run by the SFT class
 
     def auto_profile(self, cfg) -> str | None:
         """``--tolerance auto`` for a kt-amx ``kt_weights`` run: the profile measured for its method (the
@@ -79,6 +80,11 @@ class KernelRuntime:
             if method is None:
                 raise KernelRefused(f"kt-kernel has no method for {'/'.join(fmts)} experts as released",
                                     fix="convert the release (ktconvert quantize) and verify that, or --kernel emulate")
+            blocks_fp8 = getattr(source, "fp8_blocks", ())
+            if method == "FP8" and blocks_fp8 != ((FP8_BLOCK, FP8_BLOCK),):
+                raise KernelRefused(f"kt-kernel's FP8 method reads {FP8_BLOCK}x{FP8_BLOCK} blocks; this release's "
+                                    f"experts have {', '.join(f'{a}x{b}' for a, b in blocks_fp8)}",
+                                    fix="convert the release (ktconvert quantize) and verify that, or --kernel emulate")
             want = LOADER_NAMES.get(method)
             if want and not any(want[0] in n for n in source.expert_names):
                 raise KernelRefused(f"kt-kernel's {method} loader finds experts only under {want[1]}; this release "
@@ -96,6 +102,12 @@ class KernelRuntime:
 
     def wrap(self, emulation: nn.Module, source, blocks, cfg, path: str) -> "KernelExperts":
         method, parts = self.choose(source, blocks, cfg)
+        if self.lora is not None and method != "BF16":
+            raise KernelRefused(
+                f"--lora with --kernel: kt-kernel 0.7.2 applies a MoE LoRA only in its SFT classes, and ktconvert "
+                f"drives the one for BF16 experts (AMXBF16_SFT_MOE); {method} weights (layer {blocks.layer}) have no "
+                "SFT path here (AMXINT8/INT4_SFT read kt-kernel's own .kt trees, a GGUF none at all)",
+                fix="verify HF bf16 experts (quantize --to hf --type BF16) with --lora, or --kernel emulate")
         s = self._session(method, parts)
         key = f"{path}@{id(source)}"
         top_k = cfg.num_experts_per_tok
@@ -104,7 +116,13 @@ class KernelRuntime:
         elif method == "BF16":
             bits = {p: getattr(blocks, p).data.view(np.uint16).reshape(getattr(blocks, p).shape)
                     for p in ("gate", "up", "down")}
-            s.load_bf16_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], top_k)
+            lora = _fused_lora_bits(self.lora, blocks.layer) if self.lora is not None else None
+            if lora is not None:
+                s.load_bf16_sft_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], lora,
+                                      self.lora.adapter.rank, float(self.lora.alpha), top_k)
+                method = "AMXBF16_SFT"
+            else:
+                s.load_bf16_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], top_k)
         elif METHODS[method].release:
             s.load_release_layer(key, source.path, blocks.layer, experts=cfg.num_experts, top_k=top_k,
                                  hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
@@ -132,6 +150,16 @@ class KernelRuntime:
         for s in self.sessions.values():
             s.close()
         self.sessions.clear()
+
+
+def _fused_lora_bits(loaded, layer: int) -> dict[str, np.ndarray] | None:
+    """The adapter's expert LoRA of ``layer`` as kt-kernel's fused bf16 tensors (``{proj}_{a|b}`` ``[E, ., .]``),
+    whatever form it was read from (F32 is rounded to BF16, as sglang-kt does), or None if it does not adapt it."""
+    slots = loaded.adapter.slots
+    if (layer, "gate", "a") not in slots:
+        return None
+    return {f"{p}_{ab}": f32_to_bf16_bits(np.stack([x.float32() for x in slots[(layer, p, ab)]]))
+            for p in ("gate", "up", "down") for ab in ("a", "b")}
 
 
 class KernelExperts(nn.Module):

@@ -345,14 +345,19 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 class GatedDeltaNet(Tagged, nn.Module):
-    """Gated DeltaNet linear attention (Qwen3.5's ``linear_attn``), written as its per-token recurrence.
+    """Gated DeltaNet linear attention (Qwen3.5's and Qwen3-Next's ``linear_attn``), written as its per-token recurrence.
 
-    ``in_proj_qkv`` -> causal depthwise conv (kernel ``linear_conv_kernel_dim``) + SiLU -> q, k, v heads; q and k
-    L2-normalised (q also by 1/sqrt(d_k)) and repeated over the value heads of their group; per value head a decay
-    ``g = -exp(A_log) * softplus(a + dt_bias)`` and a step ``beta = sigmoid(b)``; the state ``S [d_k, d_v]`` runs
-    ``S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q``; then ``norm(o, z)`` and ``out_proj``.
-    transformers computes the same recurrence chunk-wise for prefill; the two agree to float32 rounding.
+    q, k, v rows (``[q heads, k heads, v heads]``) -> causal depthwise conv (kernel ``linear_conv_kernel_dim``) + SiLU
+    -> q, k, v heads; q and k L2-normalised (q also by 1/sqrt(d_k)) and repeated over the value heads of their group;
+    per value head a decay ``g = -exp(A_log) * softplus(a + dt_bias)`` and a step ``beta = sigmoid(b)``; the state
+    ``S [d_k, d_v]`` runs ``S <- S * exp(g); S <- S + k (beta (v - S^T k))^T; o = S^T q``; then ``norm(o, z)`` and
+    ``out_proj``. transformers computes the same recurrence chunk-wise for prefill; the two agree to float32 rounding.
     The cache holds the last ``kernel - 1`` conv inputs and ``S``.
+
+    The spec's ``attention.linear_packing`` says how the input projections are stored: ``split`` (Qwen3.5:
+    ``in_proj_qkv``, ``in_proj_z``, ``in_proj_b``, ``in_proj_a``) or ``grouped`` (Qwen3-Next: ``in_proj_qkvz`` holding
+    per key head its q, k, value-head and z rows, ``in_proj_ba`` per key head its b then a rows), unpacked as
+    transformers' ``fix_query_key_value_ordering`` does; the maths after the projections is the same.
     """
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
@@ -364,21 +369,40 @@ class GatedDeltaNet(Tagged, nn.Module):
         h = cfg.hidden_size
         key_dim, value_dim = self.nk * self.dk, self.nv * self.dv
         self.conv_dim = 2 * key_dim + value_dim
-        self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
-        self.in_proj_z = nn.Linear(h, value_dim, bias=False)
-        self.in_proj_b = nn.Linear(h, self.nv, bias=False)
-        self.in_proj_a = nn.Linear(h, self.nv, bias=False)
+        self.grouped = cfg.spec.linear_packing == "grouped"
+        if self.grouped:
+            self.in_proj_qkvz = nn.Linear(h, 2 * key_dim + 2 * value_dim, bias=False)
+            self.in_proj_ba = nn.Linear(h, 2 * self.nv, bias=False)
+        else:
+            self.in_proj_qkv = nn.Linear(h, self.conv_dim, bias=False)
+            self.in_proj_z = nn.Linear(h, value_dim, bias=False)
+            self.in_proj_b = nn.Linear(h, self.nv, bias=False)
+            self.in_proj_a = nn.Linear(h, self.nv, bias=False)
         self.conv1d = nn.Conv1d(self.conv_dim, self.conv_dim, self.kernel, groups=self.conv_dim, bias=False)
         self.dt_bias = nn.Parameter(torch.ones(self.nv))
         self.A_log = nn.Parameter(torch.zeros(self.nv))
         self.norm = GatedRMSNorm(self.dv, cfg.rms_norm_eps)
         self.out_proj = nn.Linear(value_dim, h, bias=False)
 
+    def projections(self, hidden: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``(qkv [B, T, conv_dim], z [B, T, nv * dv], b [B, T, nv], a [B, T, nv])``, value heads grouped by key head."""
+        if not self.grouped:
+            return self.in_proj_qkv(hidden), self.in_proj_z(hidden), self.in_proj_b(hidden), self.in_proj_a(hidden)
+        bsz, t, _ = hidden.shape
+        per = self.nv // self.nk
+        qkvz = self.in_proj_qkvz(hidden).view(bsz, t, self.nk, 2 * self.dk + 2 * per * self.dv)
+        q, k, v, z = torch.split(qkvz, [self.dk, self.dk, per * self.dv, per * self.dv], dim=-1)
+        ba = self.in_proj_ba(hidden).view(bsz, t, self.nk, 2 * per)
+        beta, alpha = torch.split(ba, [per, per], dim=-1)
+        qkv = torch.cat([x.reshape(bsz, t, -1) for x in (q, k, v)], dim=-1)
+        return qkv, z.reshape(bsz, t, -1), beta.reshape(bsz, t, self.nv), alpha.reshape(bsz, t, self.nv)
+
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = hidden.shape
         dtype = hidden.dtype
         state = cache.layers.get(self.layer_idx) if cache is not None else None
-        x = self.in_proj_qkv(hidden).transpose(1, 2)  # [B, C, T]
+        qkv, z, b_in, a_in = self.projections(hidden)
+        x = qkv.transpose(1, 2)  # [B, C, T]
         window = state[0] if state else x.new_zeros(b, self.conv_dim, self.kernel - 1)
         padded = torch.cat([window, x], dim=-1)
         mixed = F.silu(F.conv1d(padded, self.conv1d.weight, groups=self.conv_dim)).transpose(1, 2)
@@ -390,8 +414,8 @@ class GatedDeltaNet(Tagged, nn.Module):
         v = v.reshape(b, t, self.nv, self.dv).float()
         q = _l2norm(q) * self.dk**-0.5
         k = _l2norm(k)
-        beta = torch.sigmoid(self.in_proj_b(hidden)).float()
-        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(hidden).float() + self.dt_bias)
+        beta = torch.sigmoid(b_in).float()
+        g = -self.A_log.float().exp() * F.softplus(a_in.float() + self.dt_bias)
         s = state[1] if state else q.new_zeros(b, self.nv, self.dk, self.dv)
         outs = []
         for i in range(t):
@@ -403,7 +427,7 @@ class GatedDeltaNet(Tagged, nn.Module):
         if cache is not None:
             cache.replace(self.layer_idx, padded[..., padded.shape[-1] - (self.kernel - 1):], s)
         o = torch.stack(outs, dim=1).to(dtype)  # [B, T, nv, dv]
-        z = self.in_proj_z(hidden).reshape(b, t, self.nv, self.dv)
+        z = z.reshape(b, t, self.nv, self.dv)
         o = self.norm(o.reshape(-1, self.dv), z.reshape(-1, self.dv)).reshape(b, t, -1)
         return self.out_proj(o)
 
@@ -471,10 +495,11 @@ class MLAttention(Tagged, nn.Module):
 
 
 class DsaIndexer(Tagged, nn.Module):
-    """DeepSeek Sparse Attention's indexer (GLM-5): which ``index_topk`` keys each query may attend to.
+    """DeepSeek Sparse Attention's indexer (GLM-5, DeepSeek-V3.2): which ``index_topk`` keys each query may attend to.
 
     Per head ``h``: ``relu(q_h . k / sqrt(d))`` with ``q = wq_b(q_resid)`` and one shared key
-    ``k = LayerNorm(wk(x))``, their first ``qk_rope_head_dim`` dims rotated in interleaved pairs; the heads are
+    ``k = LayerNorm(wk(x))``, their first ``qk_rope_head_dim`` dims rotated in interleaved pairs (GLM-5) or in halves
+    (DeepSeek-V3.2; the spec's ``attention.dsa_indexer_rope``); the heads are
     summed with weights ``weights_proj(x) / sqrt(heads)``; future keys are masked; the top ``index_topk`` keys
     are kept. Computed in float32 in transformers' operation order, so score ties break the same way.
     """
@@ -485,6 +510,8 @@ class DsaIndexer(Tagged, nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.head_dim, self.topk = d.n_heads, d.head_dim, d.topk
         self.rope_dim = cfg.qk_rope_head_dim
+        halves = cfg.spec.section("attention").get("dsa_indexer_rope", "interleaved") == "rotate_half"
+        self.rope = apply_rope if halves else apply_rope_interleaved
         self.wq_b = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(d.head_dim, eps=1e-6)
@@ -497,7 +524,7 @@ class DsaIndexer(Tagged, nn.Module):
         q = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(hidden)).unsqueeze(2)  # [B, T, 1, D]
         r = self.rope_dim
-        q_rot, k_rot = apply_rope_interleaved(q[..., :r].transpose(1, 2), k[..., :r].transpose(1, 2), cos, sin)
+        q_rot, k_rot = self.rope(q[..., :r].transpose(1, 2), k[..., :r].transpose(1, 2), cos, sin)
         q = torch.cat([q_rot.transpose(1, 2), q[..., r:]], dim=-1)
         k = torch.cat([k_rot.transpose(1, 2), k[..., r:]], dim=-1).squeeze(2)  # [B, T, D]
         if cache is not None:

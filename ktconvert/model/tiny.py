@@ -175,10 +175,15 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
         if cfg.layer_types and cfg.layer_types[layer] == "linear_attention":
             d, la = cfg.linear, f"{p}.linear_attn"
             conv = 2 * d.num_key_heads * d.key_head_dim + d.num_value_heads * d.value_head_dim
-            add(f"{la}.in_proj_qkv.weight", (conv, h), "linear")
-            add(f"{la}.in_proj_z.weight", (d.num_value_heads * d.value_head_dim, h), "linear")
-            add(f"{la}.in_proj_b.weight", (d.num_value_heads, h), "linear")
-            add(f"{la}.in_proj_a.weight", (d.num_value_heads, h), "linear")
+            value = d.num_value_heads * d.value_head_dim
+            if cfg.spec.linear_packing == "grouped":  # per key head [q, k, v, z] rows and [b, a] rows
+                add(f"{la}.in_proj_qkvz.weight", (conv + value, h), "linear")
+                add(f"{la}.in_proj_ba.weight", (2 * d.num_value_heads, h), "linear")
+            else:
+                add(f"{la}.in_proj_qkv.weight", (conv, h), "linear")
+                add(f"{la}.in_proj_z.weight", (value, h), "linear")
+                add(f"{la}.in_proj_b.weight", (d.num_value_heads, h), "linear")
+                add(f"{la}.in_proj_a.weight", (d.num_value_heads, h), "linear")
             add(f"{la}.conv1d.weight", (conv, 1, d.conv_kernel), "conv")
             add(f"{la}.dt_bias", (d.num_value_heads,), "dt_bias")
             add(f"{la}.A_log", (d.num_value_heads,), "a_log")

@@ -24,7 +24,7 @@ from ktconvert.io.datafile import load_yaml, read_json
 from ktconvert.formats.kt_amx_dir import header_entries, scan_ktamx_dir
 from ktconvert.formats.kt_amx import parse_name as parse_ktamx_name
 from ktconvert.formats.kt_amx import tensor_name
-from ktconvert.kernel.methods import LOADER_NAMES, METHODS, RELEASE_METHOD, shape_problems, type_problems
+from ktconvert.kernel.methods import FP8_BLOCK, LOADER_NAMES, METHODS, RELEASE_METHOD, shape_problems, type_problems
 from ktconvert.preflight.launch import (
     SGLANG_METHOD_DEFAULT,
     SGLANG_THREADPOOLS_DEFAULT,
@@ -402,6 +402,12 @@ def _check_hf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
             out.append(Finding("PF162", ERROR, "FP8 reads F8_E4M3 experts with weight_scale_inv block scales; "
                                f"these are {'/'.join(fmts or sorted(dtypes))}", _release_fix(fmts, "use the FP8 release"),
                                str(path)))
+        elif qmap is not None:
+            blocks = sorted({tuple(qmap.weights[n].block) for n in experts if n in qmap.weights})
+            if blocks and blocks != [(FP8_BLOCK, FP8_BLOCK)]:
+                out.append(Finding("PF166", ERROR, f"FP8 reads {FP8_BLOCK}x{FP8_BLOCK} weight blocks; these experts "
+                                   f"have {', '.join(f'{a}x{b}' for a, b in blocks)} (its kernels would misread them)",
+                                   "convert (ktconvert quantize --to kt-amx, or to GGUF for LLAMAFILE)", str(path)))
     _check_release(ctx, path, experts, fmts, out)
     if ctx.dims is not None:
         # model.layers.L, or a multimodal wrapper's language model (MiniMax-M3: language_model.model.layers.L)
@@ -424,8 +430,8 @@ def _check_release(ctx: Ctx, path: Path, experts: dict, fmts: list[str], out: li
     """A release-format method needs experts of exactly its format (and, for MXFP4/MXFP8, the names its loader
     reads); a method that reads no release format is not pointed at quantized release experts."""
     m = METHODS.get(ctx.method)
-    if m is None:
-        return
+    if m is None or m.name in ("BF16", "FP8"):
+        return  # PF161 / PF162 name what the experts are
     if m.release:
         if fmts != [m.release]:
             out.append(Finding("PF164", ERROR, f"{m.name} reads {m.release} experts as released; these are "
@@ -436,8 +442,6 @@ def _check_release(ctx: Ctx, path: Path, experts: dict, fmts: list[str], out: li
             out.append(Finding("PF165", ERROR, f"kt-kernel's {m.name} loader finds experts only under "
                                f"{LOADER_NAMES[m.name][1]}; these experts have other names (it fails: no experts)",
                                "pass the release as published, or convert (ktconvert quantize --to kt-amx)", str(path)))
-    elif m.name in ("BF16", "FP8"):
-        return  # PF161 / PF162 name what the experts are
     elif fmts and m.fmt.startswith("hf"):
         out.append(Finding("PF164", ERROR, f"{m.name} does not read {'/'.join(fmts)} experts",
                            _release_fix(fmts, "convert (ktconvert quantize)"), str(path)))

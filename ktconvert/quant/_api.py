@@ -28,9 +28,10 @@ from .errors import QuantError
 _CHUNK = 1 << 18
 
 # name of the kernel in ``_jit`` (float32 (n_blocks, block_size) -> uint8 (n_blocks, type_size), filled in
-# place; F16/BF16: float32 (rows, n) -> uint16 (rows, n)), or None for F32 (copied with numpy); and the chunk size
-_QUANT: dict[QType, tuple[str | None, int]] = {
-    QType.F32: (None, _CHUNK),
+# place; F32/F16/BF16: float32 (rows, n) -> int32/uint16 (rows, n), returning whether the chunk was finite); and
+# the chunk size
+_QUANT: dict[QType, tuple[str, int]] = {
+    QType.F32: ("f32", _CHUNK),
     QType.F16: ("f16", _CHUNK),
     QType.BF16: ("bf16", _CHUNK),
     QType.Q8_0: ("q8_0", _CHUNK),
@@ -45,6 +46,8 @@ _QUANT: dict[QType, tuple[str | None, int]] = {
     QType.Q6_K: ("q6_k", _CHUNK),
 }
 assert set(_QUANT) == QUANTIZABLE
+# the float types' kernels write element for element into this view of the output bytes
+_FLOAT_VIEW = {QType.F32: np.int32, QType.F16: np.uint16, QType.BF16: np.uint16}
 
 
 def _kernel(name: str) -> Callable[[np.ndarray, np.ndarray], None]:
@@ -237,7 +240,7 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
     if not np.may_share_memory(out2, out):
         raise QuantError("out must be C-contiguous", where=name, fix="allocate out with np.empty or a memmap")
     kname, chunk = _QUANT[qt]
-    kernel = _kernel(kname) if kname is not None else None
+    kernel = _kernel(kname)
     finite = _kernel("finite")
     items = list(_work_items(rows.nrows, rows.n, bs, chunk))
     # NaN/inf are refused before anything reaches the caller: with a caller's `out` (a memmap into a file, say)
@@ -250,14 +253,14 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
     def run(item: tuple[int, int, int, int]) -> None:
         r0, r1, c0, c1 = item
         x = rows.get(r0, r1, c0, c1)
+        dst = np.asarray(out2[r0:r1, c0 // bs * ts:c1 // bs * ts])  # a plain ndarray view, even of a memmap
+        if qt in _FLOAT_VIEW:  # one pass: the conversion loop checks finiteness itself
+            if not kernel(x, dst.view(_FLOAT_VIEW[qt])) and fused:
+                raise _NonFinite
+            return
         if fused and not finite(x):
             raise _NonFinite
-        dst = np.asarray(out2[r0:r1, c0 // bs * ts:c1 // bs * ts])  # a plain ndarray view, even of a memmap
-        if qt == QType.F32:
-            np.copyto(dst.view(np.float32), x)
-        elif qt in (QType.F16, QType.BF16):
-            kernel(x, dst.view(np.uint16))
-        elif dst.flags.c_contiguous:  # whole rows: the kernel writes straight into the output
+        if dst.flags.c_contiguous:  # whole rows: the kernel writes straight into the output
             kernel(x.reshape(-1, bs), dst.reshape(-1, ts))
         else:  # part of a row longer than a chunk
             q = np.empty((x.size // bs, ts), dtype=np.uint8)

@@ -183,22 +183,44 @@ def finite(x):
     return acc < 0x7F800000
 
 
+# The float "quantizers" are one pass over memory, so a separate finite() pass would cost as much as the
+# conversion itself: they check finiteness in the same loop and return it (the caller drops the output on False).
+
+@_njit(**_OPTS)
+def f32(x, out):
+    """float32 rows copied bit for bit into ``out`` (an int32 view of the same shape); returns whether every value
+    was finite. One pass, as the C's memcpy."""
+    acc = np.int32(0)
+    for r in range(x.shape[0]):
+        for c in range(x.shape[1]):
+            b = _f32_bits(x[r, c])
+            out[r, c] = b
+            acc = max(acc, b & np.int32(0x7F800000))
+    return acc < 0x7F800000
+
+
 @_njit(**_OPTS)
 def bf16(x, out):
-    """float32 rows -> bf16 bits (uint16), round to nearest even on the bit pattern (finite input, as checked
-    before: ggml_compute_fp32_to_bf16 without its NaN branch)."""
+    """float32 rows -> bf16 bits (uint16), round to nearest even on the bit pattern (ggml_compute_fp32_to_bf16
+    without its NaN branch: a NaN makes the result False and the output is not used); returns finiteness."""
+    acc = np.int64(0)
     for r in range(x.shape[0]):
         for c in range(x.shape[1]):
             u = np.int64(_f32_bits(x[r, c])) & 0xFFFFFFFF
+            acc = max(acc, u & 0x7F800000)
             out[r, c] = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+    return acc < 0x7F800000
 
 
 @_njit(**_OPTS)
 def f16(x, out):
-    """float32 rows -> fp16 bits (uint16, same shape)."""
+    """float32 rows -> fp16 bits (uint16, same shape); returns finiteness."""
+    acc = np.int32(0)
     for r in range(x.shape[0]):
         for c in range(x.shape[1]):
+            acc = max(acc, _f32_bits(x[r, c]) & np.int32(0x7F800000))
             out[r, c] = _fp16(x[r, c])
+    return acc < 0x7F800000
 
 
 @_njit(**_OPTS)

@@ -43,6 +43,7 @@ class Operator:
     required_when_kwargs: list = field(default_factory=list)
     emulation: str | None = None
     note: str = ""
+    variant: str = ""
 
     @property
     def short(self) -> str:
@@ -86,13 +87,19 @@ class Catalog:
                 replaces=list(spec["replaces"]), kwargs=kwargs, calls=dict(spec.get("calls", {})), ops=ops,
                 none_ok=list(spec.get("none_ok", [])), none_note=spec.get("none_note", ""),
                 required_when_kwargs=list(spec.get("required_when_kwargs", [])), emulation=spec.get("emulation"),
-                note=spec.get("note", ""),
+                note=spec.get("note", ""), variant=spec.get("variant", ""),
             )
         self.all_kwarg_names = sorted(
             {k for op in self.operators.values() for k in op.kwargs}
             | {k for spec in self.ops.values() for k in spec.get("kwargs", {})}
             | {slot for op in self.operators.values() for slot in op.ops}
         )
+
+    def decoder_contract(self, backend: str | None, op: Operator) -> str | None:
+        """How ``backend``'s decoder layer calls a norm / MLP operator like ``op``: the backend's contract, unless
+        the operator's variant runs only inside models whose decoder layer calls it another way."""
+        spec = self.backends.get(backend, {}) if backend else {}
+        return spec.get("variant_contracts", {}).get(op.variant, spec.get("contract"))
 
     # --- module types -------------------------------------------------------------------------------
     def type_of_class(self, class_path: str) -> str | None:

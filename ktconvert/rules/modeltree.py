@@ -153,7 +153,7 @@ def probe_tree(family: str) -> ModelTree:
 def _attention(layer: Node, sp, mc, pre: str) -> None:
     if mc.layer_types and mc.layer_types[layer.layer] == "linear_attention":
         lin = layer.add("linear_attn", f"{pre}GatedDeltaNet")
-        for name in ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"):
+        for name in sp.linear_projections:
             lin.add(name, "Linear")
         lin.add("conv1d", "Conv1d")
         lin.add("norm", f"{pre}RMSNormGated")

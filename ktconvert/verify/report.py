@@ -90,6 +90,14 @@ def render_text(report) -> str:
                 agree = "; vs emulation " + ", ".join(f"{ph} {_g(v)}" for ph, v in r["agreement"].items())
             lines.append(f"  layer {r['layer']:<3} {r['kernel']} {r['version']} {r['method']} "
                          f"({r['variant']}, {r['threadpools']} threadpool(s)){agree}")
+    if d.get("lora"):
+        lo = d["lora"]
+        lines.append(f"LoRA {lo['path']} ({lo['form']}, r {lo['rank']}, alpha {lo['alpha']:g}, sha256 {lo['sha256'][:12]}) "
+                     f"applied as W + {lo['scale']:g} * B @ A; in the golden it moves the logits by max |diff| "
+                     f"{_g(lo['golden_effect']['logits_max_abs_diff'])}, NMSE {_g(lo['golden_effect']['logits_nmse'])}")
+        for name, b in lo["against_base"].items():
+            lines.append(f"  {name} against the base golden: {b['verdict'].upper()} (max |diff| {_g(b['max_abs_diff'])}, "
+                         f"KL mean {_g(b['kl_mean'])}, top-1 {_g(b['top1_agreement'])})")
     for n in d["notes"]:
         lines.append(f"note: {n}")
     ne = inj["not_emulated"]

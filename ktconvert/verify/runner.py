@@ -54,6 +54,7 @@ class PhaseResult:
     modules: list | None  # ModuleError rows, execution order; None when no reference ran
     localization: dict | None
     breaches: list[Breach] = field(default_factory=list)
+    candidate_logits: np.ndarray | None = field(default=None, repr=False)  # [T, V], for verify --lora's base check
 
     def as_dict(self) -> dict:
         return {
@@ -157,7 +158,8 @@ def _phase(name: str, injected, reference, golden, profile: Profile, layerwise: 
     for li in range(len(hidden[0])):
         got = np.concatenate([h[li] for h in hidden], axis=0)
         layers.append((_layer_name(li), nmse(golden.hidden_states[li, 0], got)))
-    result = PhaseResult(name, layerwise, stats, layers, nonfinite, tap.results() if tap else None, None)
+    result = PhaseResult(name, layerwise, stats, layers, nonfinite, tap.results() if tap else None, None,
+                         candidate_logits=cand_logits)
     result.breaches = evaluate(profile, name, stats.summary(), layers)
     if nonfinite is not None:
         result.breaches.insert(0, Breach(name, "nonfinite", None, None, "", _where_nonfinite(nonfinite)))
@@ -227,6 +229,7 @@ class VerifyReport:
     seconds: float
     policy_breaches: list[Breach] = field(default_factory=list)
     kernel: dict | None = None  # verify --kernel: kernel, method, variant (and agreement) per layer
+    lora: dict | None = None  # verify --lora: the adapter and how far it moves the logits from the base golden
 
     @property
     def breaches(self) -> list[Breach]:
@@ -255,12 +258,13 @@ class VerifyReport:
             "breaches": [b.as_dict() for b in self.breaches],
             "notes": list(self.notes),
             "seconds": round(self.seconds, 3),
-        } | ({"kernel": self.kernel} if self.kernel is not None else {})
+        } | ({"kernel": self.kernel} if self.kernel is not None else {}) | (
+            {"lora": self.lora} if self.lora is not None else {})
 
 
 def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, profile="auto", options=None,
                catalog=None, backend: str = "auto", localize: bool = True, threads: int | None = None,
-               kt_weights=None) -> VerifyReport:
+               kt_weights=None, lora=None, lora_alpha: float | None = None) -> VerifyReport:
     """Verify ``model_dir`` injected by ``rules`` (a rule file) on ``weights`` against the ``golden`` directory.
 
     ``weights``: the converted checkpoint (.gguf, safetensors file or directory; default: ``model_dir``'s own
@@ -269,7 +273,9 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     profile listing the experts' ggml type). ``options``: :class:`ktconvert.model.inject.EmulationOptions`.
     ``threads``: torch threads for the run (default: the golden's producer threads, results differ at 1e-7
     between thread counts). ``kt_weights``: a kt-amx directory the kernel's CPU experts read under
-    ``options.kernel`` kt-kernel/both (AMXINT8/AMXINT4).
+    ``options.kernel`` kt-kernel/both (AMXINT8/AMXINT4). ``lora``: a MoE LoRA adapter (any form convert-lora
+    reads) applied as ``W + alpha/r * B @ A`` to every weight it adapts, checked against a golden made with
+    ``golden --lora`` of the same adapter; the report says how far it moves the logits from the base golden.
     Raises :class:`~ktconvert.errors.InputError` for unusable inputs; a numeric
     regression is no error but a report with ``passed == False``.
     """
@@ -280,6 +286,10 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         from ktconvert.errors import UsageProblem
 
         raise UsageProblem("--kt-weights is read by the real kernel only", fix="add --kernel kt-kernel or both")
+    if lora is None and lora_alpha is not None:
+        from ktconvert.errors import UsageProblem
+
+        raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
     if options.kernel != "emulate" and options.kernel_runtime is None:  # the real kernel: children per method
         from ktconvert.kernel.verify_op import KernelRuntime
 
@@ -287,7 +297,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         try:
             return run_verify(model_dir, rules, golden, weights=weights, prefill_weights=prefill_weights,
                               profile=profile, options=options, catalog=catalog, backend=backend, localize=localize,
-                              threads=threads)
+                              threads=threads, lora=lora, lora_alpha=lora_alpha)
         finally:
             options.kernel_runtime.close()
             options.kernel_runtime = None
@@ -304,6 +314,11 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         if isinstance(profile, str) and profile != "auto":
             profile = load_profile(profile)
         cfg = load_config(model_dir)
+        loaded = check_golden_lora(gold, lora, lora_alpha, cfg, model_dir, weights)
+        if loaded is not None:
+            notes += [f"LoRA: {w}" for w in loaded.warnings]
+            if options.kernel_runtime is not None:  # the kernel runs the expert LoRA itself (its SFT class)
+                options.kernel_runtime.lora = loaded
         catalog = catalog or load_catalog()
         compiled = load_rules(rules, catalog, backend, family=cfg.family)
         weights_path = weights if weights is not None else model_dir
@@ -322,10 +337,17 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
                 original = source.raw if own else read_safetensors(model_dir)
                 reference = build_model(cfg)
                 load_weights(reference, original)
+                if loaded is not None:
+                    _add_lora(reference, loaded.deltas)
             except InputError as exc:
                 reference = None
                 notes.append(f"module-level localisation skipped: the original weights in --model are unusable ({exc.message})")
         model = build_model(cfg, dtype=torch_dtype(options.compute_dtype))
+        if loaded is not None:
+            _check_lora_fits(loaded, model.state_dict(), cfg)
+            for src in (source, pre_source):
+                if src is not None:
+                    src.apply_lora(loaded.deltas)
         plan = injection_plan(model, compiled, catalog, module_type_resolver(catalog))
         injected = inject(model, plan, source, prefill_weights=pre_source, options=options, catalog=catalog,
                           prompt_len=prompt_len)
@@ -363,8 +385,130 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
             loc["operator"] = _operator_of(injected, loc["module"])
     if options.kernel_runtime is not None:
         report.kernel = options.kernel_runtime.summary()
+    if loaded is not None:
+        report.lora = _lora_effect(loaded, lora, gold, phases, profile)
+        if report.lora["finding"]:
+            report.notes.append(f"LoRA: {report.lora['finding']}")
     report.seconds = time.perf_counter() - began
     return report
+
+
+def _describe(rec: dict | None) -> str:
+    if rec is None:
+        return "no adapter"
+    return f"adapter sha256 {rec['sha256'][:12]}… ({rec['form']}, r {rec['rank']}, alpha {rec['alpha']:g})"
+
+
+def merged_lora(weights) -> dict | None:
+    """The adapter ``quantize --lora`` merged into ``weights``, as its ``manifest.json`` records it, else None."""
+    if weights is None:
+        return None
+    p = Path(weights)
+    m = (p if p.is_dir() else p.parent) / "manifest.json"
+    try:
+        import json
+
+        data = json.loads(m.read_text()) if m.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return data.get("lora") if isinstance(data, dict) and data.get("kind") == "ktconvert-manifest" else None
+
+
+def check_golden_lora(golden, lora, lora_alpha, cfg, model_dir: Path, weights=None):
+    """The adapter (loaded and checked) when it is the one the golden was made with, else :class:`InputError` naming
+    both: a golden with an adapter used without it, or the reverse, or another adapter (sha256 of its values) or
+    alpha, would compare the wrong models. Weights that ``quantize --lora`` merged the golden's adapter files into
+    (their manifest.json says so) pass without ``--lora``; with ``--lora`` they are refused (applied twice)."""
+    from ktconvert.convert.lora_merge import load_lora
+    from ktconvert.formats import dims_from_hf_config
+
+    want = golden.manifest.get("lora")
+    name = golden.manifest["name"]
+    baked = merged_lora(weights)
+    if baked is not None and lora is not None:
+        raise InputError(f"--weights already have an adapter merged (quantize --lora {baked.get('path')}); --lora "
+                         "would apply one again", path=str(weights), fix="drop --lora, or pass the base conversion")
+    if lora is None:
+        if want is None:
+            if baked is not None:
+                raise InputError(f"--weights have an adapter merged (quantize --lora {baked.get('path')}) but golden "
+                                 f"{name!r} was made without one", path=str(weights),
+                                 fix="make the golden with ktconvert golden MODEL OUT --lora ADAPTER")
+            return None
+        if baked is not None:
+            same = ({f["sha256"] for f in baked.get("files", {}).values()} == set(want["files"].values())
+                    and float(baked.get("scale", 0)) == float(want["scale"]))
+            if same:
+                return None
+            raise InputError(f"--weights have adapter files {sorted(baked.get('files', {}))} (scale "
+                             f"{baked.get('scale')}) merged, not the golden {name!r}'s {_describe(want)}",
+                             path=str(weights), fix="pass the golden made with the adapter these weights merged")
+        raise InputError(f"golden {name!r} was made with LoRA {_describe(want)}; verify ran without --lora",
+                         path=str(golden.path), fix="pass --lora ADAPTER, or a golden made without an adapter")
+    loaded = load_lora(lora, lora_alpha=lora_alpha, dims=dims_from_hf_config(cfg.raw, str(model_dir / "config.json")),
+                       model_type=cfg.family)
+    got = loaded.record
+    if want is None:
+        raise InputError(f"--lora {_describe(got)} but golden {name!r} was made without an adapter",
+                         path=str(golden.path), fix="make the golden with ktconvert golden MODEL OUT --lora ADAPTER")
+    if got["sha256"] != want["sha256"] or float(got["scale"]) != float(want["scale"]):
+        raise InputError(f"--lora {_describe(got)} is not the golden's {_describe(want)}", path=str(lora),
+                         fix="pass the adapter the golden was made with, or make a golden with this one")
+    return loaded
+
+
+def _check_lora_fits(loaded, state: dict, cfg) -> None:
+    """Every weight the adapter adapts exists in the model with B @ A's shape (else the adapter is another model's)."""
+    from ktconvert.convert.lora_merge import delta_shapes
+
+    where = str(loaded.adapter.src)
+    for n, shape in sorted(delta_shapes(loaded.adapter, loaded.deltas).items()):
+        if n not in state:
+            raise InputError(f"the adapter adapts {n}, which the {cfg.family} model has not", path=where, where=n,
+                             fix="is this the adapter of this model?")
+        if tuple(shape) != tuple(state[n].shape):
+            raise InputError(f"B @ A is {list(shape)} but {n} is {list(state[n].shape)}", path=where, where=n,
+                             fix="this adapter was trained for another model")
+
+
+def _add_lora(model, deltas: dict[str, tuple]) -> None:
+    """The localisation reference with the adapter merged, so modules are compared with what they should compute."""
+    import torch
+
+    from ktconvert.formats.lora_delta import lora_delta
+
+    state = model.state_dict()
+    with torch.no_grad():
+        for n, d in deltas.items():
+            state[n].add_(torch.from_numpy(lora_delta(d)).to(state[n].dtype))
+
+
+def _lora_effect(loaded, lora, gold, phases: list[PhaseResult], profile: Profile) -> dict:
+    """How far the adapter moves the logits: the golden's own (merged vs base transformers run) and the candidate's
+    against the base golden under the same profile. If that comparison passes, the profile cannot tell the adapter
+    from none: "no effect"."""
+    rec = loaded.record
+    out = {"path": str(lora), **{k: rec[k] for k in ("sha256", "form", "rank", "alpha", "scale")},
+           "golden_effect": gold.manifest["lora"]["effect"], "against_base": {}}
+    base = gold.tensors.get("base_logits")
+    if base is None:
+        raise InputError("the golden's manifest records an adapter but it has no base_logits", path=str(gold.path),
+                         fix="regenerate it with ktconvert golden MODEL OUT --lora ADAPTER")
+    passes = []
+    for p in phases:
+        stats = compare_logits(base[0], p.candidate_logits, profile.topk).summary()
+        broken = evaluate(profile, p.name, stats, [])
+        passes.append(not broken)
+        out["against_base"][p.name] = {"verdict": "pass" if not broken else "fail",
+                                       **{k: _num(stats[k]) for k in ("max_abs_diff", "nmse_max", "kl_mean", "kl_max",
+                                                                       "top1_agreement")}}
+    eff = out["golden_effect"]["logits_max_abs_diff"]
+    out["finding"] = None if not all(passes) else (
+        "no effect: the adapter leaves the logits unchanged (max |diff| 0 between the merged and the base golden)"
+        if eff == 0 else
+        f"no effect: with the adapter the logits stay within profile {profile.name}'s limits of the base golden "
+        f"(the adapter moves them by max |diff| {eff:.3g}); this verify cannot tell it from no adapter")
+    return out
 
 
 def _operator_of(injected, path: str) -> str | None:

@@ -7,7 +7,8 @@ stored, ggml blocks and all (what ``KExpertsCPU`` maps and the llamafile kernel 
 
 GGUF files follow llama.cpp's conventions and are read the way ktransformers' loader reads them: names through
 ``rules/naming``, a naming map's value transforms undone (:mod:`ktconvert.formats.transforms`), attention q/k rows of the ``llama`` architecture (Mixtral) un-permuted, ``kv_b_proj`` rebuilt
-from ``attn_k_b``/``attn_v_b`` where a newer DeepSeek GGUF stores it split. Safetensors checkpoints are loaded
+from ``attn_k_b``/``attn_v_b`` where a newer DeepSeek GGUF stores it split, Qwen3-Next's ``in_proj_qkvz`` from
+``attn_qkv``/``attn_gate``. Safetensors checkpoints are loaded
 whole (per-expert, fused and Mixtral spellings through :mod:`ktconvert.model.weights`); that is fine for the
 models verify can run on a CPU.
 """
@@ -15,6 +16,7 @@ models verify can run on a CPU.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,10 +28,12 @@ from ktconvert.errors import InputError
 from ktconvert.families.config import MoeConfig
 from ktconvert.formats import naming_map, open_checkpoint, quantized, transforms
 from ktconvert.formats.checkpoint import COMPANION
+from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.io.dtypes import TORCH_NAMES
 from ktconvert.model.weights import read_tensors, to_reference_state
 
 PROJECTIONS = ("gate", "up", "down")
+_EXPERT_NAME = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.\w+\.weight$")
 
 
 @dataclass
@@ -40,10 +44,15 @@ class Blocks:
     data: np.ndarray
     shape: tuple[int, int, int]  # elements: [E, rows, cols]
     names: tuple[str, ...]  # the stored tensor(s) it came from
+    lora: tuple | None = None  # verify --lora: per expert, the adapter's lora tuple (or None), added on decoding
 
     def expert(self, e: int) -> np.ndarray:
-        """Expert ``e`` dequantized to float32 ``[rows, cols]`` (each expert is whole blocks: rows hold them)."""
-        return quant.dequantize(self.data[e], self.qtype, name=self.names[0]).reshape(self.shape[1:])
+        """Expert ``e`` dequantized to float32 ``[rows, cols]`` (each expert is whole blocks: rows hold them), plus
+        ``alpha/r * B @ A`` when an adapter is applied."""
+        w = quant.dequantize(self.data[e], self.qtype, name=self.names[0]).reshape(self.shape[1:])
+        if self.lora is not None and self.lora[e] is not None:
+            w = w + lora_delta(self.lora[e])
+        return w
 
 
 @dataclass
@@ -118,6 +127,14 @@ class WeightSource:
                 self.container = "safetensors"
                 self._init_safetensors()
         self._blocks: dict[int, ExpertBlocks] = {}
+        self.lora: dict[str, tuple] = {}
+
+    def apply_lora(self, deltas: dict[str, tuple]) -> None:
+        """Read every weight the adapter adapts as ``W + alpha/r * B @ A`` in float32 (``deltas``: HF name ->
+        lora tuple, :func:`ktconvert.convert.lora_merge.load_lora`), as a served adapter changes what the model
+        computes. The stored blocks stay as they are: only the float32 views change."""
+        self.lora = dict(deltas)
+        self._blocks.clear()
 
     # --- safetensors ------------------------------------------------------------------------------------------
     def _init_safetensors(self) -> None:
@@ -128,6 +145,9 @@ class WeightSource:
         qmap = quantized.analyze(open_checkpoint(self.path))
         self.release_formats = tuple(sorted({w.fmt for n, w in qmap.weights.items() if ".experts." in n}))
         self.expert_names = tuple(n for n in qmap.weights if ".experts." in n)
+        # FP8 block shapes of the experts (kt-kernel's FP8 method reads 128x128 only)
+        self.fp8_blocks = tuple(sorted({tuple(w.block) for n, w in qmap.weights.items()
+                                        if ".experts." in n and w.fmt == "FP8"}))
 
     # --- llama.cpp-named: GGUF, or kernel-order safetensors (ktransformers' "hybrid" form) -------------------
     def _init_ggml_named(self) -> None:
@@ -186,6 +206,8 @@ class WeightSource:
             return self._read_gguf(gname)[m.expert]
         if dict(m.transform).get("kv_b_split"):  # an architecture that stores kv_b_proj only split (glm-dsa)
             return self._kv_b_from_split(gname.replace(".attn_k_b.", ".attn_kv_b.").replace(".attn_v_b.", ".attn_kv_b."), name)
+        if dict(m.transform).get("qkvz_split"):  # Qwen3-Next's in_proj_qkvz, stored as attn_qkv + attn_gate
+            return self._qkvz_from_split(m, name)
         if gname not in self._types and gname.endswith(".attn_kv_b.weight"):
             return self._kv_b_from_split(gname, name)
         if gname not in self._types:
@@ -211,6 +233,16 @@ class WeightSource:
         k_b = self._read_gguf(k_name).reshape(heads, rank, nope).transpose(0, 2, 1)
         v_b = self._read_gguf(v_name).reshape(heads, vdim, rank)
         return np.concatenate([k_b, v_b], axis=1).reshape(heads * (nope + vdim), rank)
+
+    def _qkvz_from_split(self, m, name: str) -> np.ndarray:
+        """``in_proj_qkvz`` from llama.cpp's ``attn_qkv`` (every q, k, value head) and ``attn_gate`` (every z),
+        interleaved back per key head."""
+        parts = {dict(s.transform)["qkvz_split"]: s.gguf_name for s in self._naming.hf_siblings(m)}
+        missing = [g for g in parts.values() if g not in self._types]
+        if missing:
+            raise _missing(self.path, missing, f"tensor for {name}")
+        return transforms.join_qkvz(self._read_gguf(parts["qkv"]), self._read_gguf(parts["z"]), self.cfg.raw,
+                                    f"tensor {parts['qkv']}")
 
     def _gguf_experts(self, layer: int) -> ExpertBlocks:
         cfg = self.cfg
@@ -271,7 +303,10 @@ class WeightSource:
                 raise _missing(self.path, [name], "tensor")
             arr = t.to(torch.float32).numpy()
         else:
-            arr = self._gguf_tensor(name)
+            arr = self._gguf_tensor(name)  # an expert's slice comes from expert_blocks, the adapter already added
+        d = self.lora.get(name)
+        if d is not None and (self.container == "safetensors" or not _EXPERT_NAME.match(name)):
+            arr = _fit(name, arr, shape, self.path) + lora_delta(d)
         return _fit(name, arr, shape, self.path)
 
     def stored_type(self, name: str) -> str:
@@ -291,6 +326,13 @@ class WeightSource:
         if found is None:
             found = self._blocks[layer] = (self._st_experts(layer) if self.container == "safetensors"
                                            else self._gguf_experts(layer))
+            if self.lora:
+                names = dict(zip(PROJECTIONS, self.cfg.expert_proj_names))
+                prefix = f"model.layers.{layer}.{self.cfg.moe_block_name}.experts"
+                for p in PROJECTIONS:
+                    per = tuple(self.lora.get(f"{prefix}.{e}.{names[p]}.weight") for e in range(self.cfg.num_experts))
+                    if any(d is not None for d in per):
+                        getattr(found, p).lora = per
         return found
 
     def _st_experts(self, layer: int) -> ExpertBlocks:

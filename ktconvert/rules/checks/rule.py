@@ -1,5 +1,5 @@
 """Checks of one rule against the catalog alone: regexes (KT30x), match classes (KT211/KT213), the operator, its
-backend and forward contract (KT201/KT203/KT204), its kwargs and their values (KT202/KT205-KT209/KT212)."""
+backend and forward contract (KT201/KT203/KT204), its kwargs and their values (KT202/KT205-KT209/KT212/KT214)."""
 
 from __future__ import annotations
 
@@ -96,7 +96,7 @@ def backend_contract_mismatch(ctx, op: Operator) -> str | None:
     backend = ctx.result.backend
     if not backend or op.role not in ("norm", "mlp"):
         return None
-    caller = ctx.catalog.backends.get(backend, {}).get("contract")
+    caller = ctx.catalog.decoder_contract(backend, op)
     return caller if caller and op.contract not in ("any", caller) else None
 
 
@@ -165,6 +165,15 @@ def unknown_kwarg(ctx, view: RuleView, op) -> None:
         ctx.add("KT206", path, why + (f"; did you mean {hint!r}?" if hint and hint != key else "") +
                 "; upstream passes it on verbatim, where it is ignored or raises TypeError at load",
                 f"remove it, or use one of: {', '.join(sorted(allowed))}", key=True)
+
+
+@check("KT214", stage="rule")
+def ignored_kwarg(ctx, view: RuleView, op) -> None:
+    for path, key, _, spec in _given(ctx, view, op):
+        if spec is not None and spec.get("ignored"):
+            ctx.add("KT214", path, f"{op.short} has no parameter {key!r}: upstream's constructor takes it into **kwargs "
+                    "and nothing reads it, so it changes nothing" + (f" ({spec['note']})" if spec.get("note") else ""),
+                    "remove it (or use the operator that has this parameter)", key=True)
 
 
 def _is_none(value) -> bool:

@@ -67,7 +67,7 @@ def experts_contract_of_moe_block(ctx, data, rules, tree, assigned) -> None:
                 break
 
 
-def _mlp_caller(ctx, tree, assignment_of, path: str) -> tuple[str, str] | None:
+def _mlp_caller(ctx, tree, assignment_of, path: str, op) -> tuple[str, str] | None:
     """``(contract, caller)`` the MLP at ``path`` is called with: a dense layer's MLP by the backend's decoder layer,
     a shared expert by its MoE block (the block's operator's ``calls.mlp``; the model's own block calls it HF-style).
     None where the caller is not known (e.g. an expert inside an experts list)."""
@@ -75,7 +75,7 @@ def _mlp_caller(ctx, tree, assignment_of, path: str) -> tuple[str, str] | None:
     role = ctx.catalog.role_of(parent.type) if parent is not None else None
     if role == "decoder-layer":
         backend = ctx.result.backend
-        want = ctx.catalog.backends.get(backend, {}).get("contract") if backend else None
+        want = ctx.catalog.decoder_contract(backend, op)
         return (want, f"the {backend} decoder layer") if want else None
     if role != "moe-block":
         return None
@@ -99,7 +99,7 @@ def mlp_caller_contract(ctx, data, rules, tree, assigned) -> None:
         if op is None or op.role != "mlp":
             continue
         for a in by_rule.get(rule.index, []):
-            caller = _mlp_caller(ctx, tree, assignment_of, a.path)
+            caller = _mlp_caller(ctx, tree, assignment_of, a.path, op)
             if caller and op.contract not in ("any", caller[0]):
                 ctx.add("KT204", (str(rule.index), "replace", "class"), contract_msg(op, caller[0], caller[1]),
                         contract_fix(op, caller[0]))
