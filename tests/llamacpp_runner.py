@@ -34,7 +34,7 @@ def _plain_cpu_buffers():
 native.llama_model_default_params = _plain_cpu_buffers
 spec = json.loads(sys.argv[1])
 llm = Llama(model_path=spec["model"], n_ctx=128, n_threads=1, n_batch=128, logits_all=True, verbose=False,
-            seed=0, vocab_only=False)
+            seed=0, vocab_only=False, flash_attn=bool(spec.get("flash_attn")))
 assert not llm.model_params.use_extra_bufts, "llama.cpp would load with extra buffer types"
 llm.eval(spec["ids"])
 scores = np.asarray(llm.scores[: len(spec["ids"])], dtype=np.float32)
@@ -87,12 +87,17 @@ def _build(target: Path, timeout: int) -> Path:
     return target
 
 
-def run(gguf: Path, ids: list[int], work: Path, text: str | None = None) -> tuple[np.ndarray, list[int] | None]:
-    """llama.cpp's logits for every position of ``ids`` (one thread, no sampling), and its tokens for ``text``."""
+def run(gguf: Path, ids: list[int], work: Path, text: str | None = None, *,
+        flash_attn: bool = False) -> tuple[np.ndarray, list[int] | None]:
+    """llama.cpp's logits for every position of ``ids`` (one thread, no sampling), and its tokens for ``text``.
+
+    ``flash_attn``: llama.cpp's MiniMax-M3 runs its sparse attention only with flash attention on (off, it warns and
+    attends densely, which is not the model)."""
     target = ensure_built()
     out = work / "llama_logits.npy"
     env = {**os.environ, "PYTHONPATH": str(target), "OMP_NUM_THREADS": "1"}
-    spec = json.dumps({"model": str(gguf), "ids": [int(i) for i in ids], "out": str(out), "text": text})
+    spec = json.dumps({"model": str(gguf), "ids": [int(i) for i in ids], "out": str(out), "text": text,
+                       "flash_attn": flash_attn})
     proc = subprocess.run([sys.executable, "-c", CHILD, spec], env=env, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"llama.cpp could not run {gguf.name}:\n" + "\n".join(proc.stderr.splitlines()[-15:]))

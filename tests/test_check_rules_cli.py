@@ -54,7 +54,8 @@ def test_shipped_rules_directory_is_clean():
 def test_shipped_rules_are_clean_against_their_model(tmp_path, family):
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(modeltree.PROBE_CONFIGS[family]))
-    targets = sorted((REPO / "rules" / "optimize").glob(f"{family}*.yaml"))
+    targets = sorted(p for p in (REPO / "rules" / "optimize").glob(f"{family}*.yaml")
+                     if p.stem.split("-")[0] == family)  # not deepseek_v32.yaml for deepseek_v3
     assert targets
     r = run("check-rules", "--strict", "--model", cfg, *targets)
     assert r.exit_code == 0, r.output

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import llamacpp_runner
+from ktconvert import families
 
 pytestmark = pytest.mark.interop
 
@@ -20,7 +21,8 @@ pytestmark = pytest.mark.interop
 # gpt-oss's wider expert activations (tiny.expert_gain) also put Q4_K at the q4_k profile's edge: kl_p99 0.0226/0.022)
 INTEROP = [(f, q, p) for f in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
            for q, p in (("F32", "f32"), ("Q8_0", "q8_0"), ("Q4_K", "q4_k"))]
-INTEROP += [(f, q, p) for f in ("glm4_moe", "minimax_m2", "gpt_oss", "qwen3_5_moe", "qwen3_vl_moe", "glm_moe_dsa", "qwen3_next")
+INTEROP += [(f, q, p) for f in ("glm4_moe", "minimax_m2", "gpt_oss", "qwen3_5_moe", "qwen3_vl_moe", "glm_moe_dsa", "qwen3_next", "kimi_k25", "deepseek_v32",
+                                "minimax_m3_vl")
             for q, p in (("F32", "f32"), ("Q8_0", "q8_0"))]
 
 
@@ -38,7 +40,9 @@ def test_llamacpp_reproduces_the_golden_from_our_gguf(llama_built, tmp_path, fam
     gguf = convert(model, tmp_path / "converted", type=qtype, allow_fallback=True).out / "model.gguf"
     gold = read_golden(golden_root() / family)
     ids = [int(i) for i in np.asarray(gold.input_ids).reshape(-1)]
-    got, _ = llamacpp_runner.run(gguf, ids, tmp_path)
+    # MiniMax-M3: llama.cpp runs its sparse attention only with flash attention on (the spec says so)
+    fa = bool(families.spec(family).section("gguf").get("flash_attention"))
+    got, _ = llamacpp_runner.run(gguf, ids, tmp_path, flash_attn=fa)
     want = np.asarray(gold.logits, dtype=np.float32).reshape(len(ids), -1)
     assert got.shape == want.shape
     profile = load_profile(profile_name).for_family(family)

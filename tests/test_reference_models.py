@@ -104,7 +104,9 @@ def _hub_spelling(family: str) -> dict:
     text = raw.get("text_config", raw)  # a multimodal wrapper nests the text model's keys
     rope = text.pop("rope_parameters")
     text["rope_theta"] = rope.pop("rope_theta")
-    rope.pop("rope_type")
+    kind = rope.pop("rope_type")
+    if kind != "default":
+        rope.setdefault("type", kind)  # the hub's legacy key (Kimi K2.5's text_config has only rope_type in tf5)
     raw.pop("dtype")
     raw["torch_dtype"] = "float32"
     if rope:
@@ -274,10 +276,17 @@ TREE = {
                     "model.layers.1.mlp.gate", "model.layers.2.mlp.shared_experts.up_proj"],
     "qwen3_vl_moe": ["model.layers.0.self_attn.q_norm", "model.layers.1.mlp.experts.7.gate_proj", "model.layers.1.mlp.gate",
                      "model.norm", "lm_head"],
+    "kimi_k25": ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.gate", "model.layers.2.self_attn.q_a_layernorm",
+                 "model.layers.1.mlp.shared_experts.up_proj", "model.embed_tokens", "lm_head"],
+    "deepseek_v32": ["model.layers.0.mlp.down_proj", "model.layers.1.self_attn.indexer.wq_b", "model.layers.2.self_attn.indexer.k_norm",
+                     "model.layers.1.mlp.gate", "model.layers.2.self_attn.q_a_layernorm"],
     "qwen3_next": ["model.layers.0.linear_attn.in_proj_qkvz", "model.layers.0.linear_attn.in_proj_ba",
                    "model.layers.0.linear_attn.conv1d", "model.layers.0.linear_attn.norm", "model.layers.0.linear_attn.out_proj",
                    "model.layers.1.self_attn.k_norm", "model.layers.1.self_attn.rotary_emb", "model.layers.1.mlp.shared_expert_gate",
                    "model.layers.1.mlp.shared_expert.down_proj", "model.layers.0.mlp.experts.7.up_proj"],
+    "minimax_m3_vl": ["model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.experts.3.w1",
+                      "model.layers.0.block_sparse_moe.shared_experts.up_proj", "model.layers.1.self_attn.index_q_proj",
+                      "model.layers.0.self_attn.index_k_norm", "model.layers.0.self_attn.k_norm"],
 }
 
 

@@ -4,6 +4,7 @@ and the designed routing margins (bf16 must not flip an expert)."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 import hashlib
 import json
 import os
@@ -18,6 +19,7 @@ from ktconvert import families
 from ktconvert.cli import cli
 from ktconvert.golden.paths import golden_root, load_tiny_hashes
 from ktconvert.model import rng
+from ktconvert import families
 from ktconvert.families.config import FAMILIES, normalize_config
 from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.model.tiny import (
@@ -218,7 +220,15 @@ def test_config_json_is_the_spelling_transformers_writes(family, tiny_root, tmp_
     transformers = _transformers_523()
     cfg = transformers.AutoConfig.from_pretrained(tiny_root / family)
     cfg.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text()) == json.loads((tiny_root / family / "config.json").read_text())
+    saved, ours = (json.loads((d / "config.json").read_text()) for d in (tmp_path, tiny_root / family))
+    if families.spec(family).tiny.get("spelling") == "release":
+        # the release's spelling: transformers respells or drops keys (MiniMax-M3's sparse_attention_config), and
+        # both spellings must read to the same normalised config
+        a, b = normalize_config(saved), normalize_config(ours)
+        assert a == b  # raw is left out of the comparison
+        assert saved != ours
+        return
+    assert saved == ours
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -117,7 +117,7 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
 
 
 FAMILIES = ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3", "glm4_moe", "minimax_m2", "qwen3_5_moe",
-            "qwen3_vl_moe", "glm_moe_dsa", "qwen3_next")
+            "qwen3_vl_moe", "glm_moe_dsa", "qwen3_next", "kimi_k25", "deepseek_v32")
 REPO = Path(__file__).resolve().parents[1]
 
 

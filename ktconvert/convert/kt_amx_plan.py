@@ -59,6 +59,25 @@ def _expert_segments(item, e: int, rows: int) -> tuple[Segment, ...]:
     return tuple(out)
 
 
+def _refuse_clamped_activation(src: SourceModel, method: str, shown: str) -> None:
+    """kt-kernel 0.7.2's AMX methods compute silu(gate) * up: its swiglu_limit / swiglu_alpha reach only the FP8,
+    MXFP4, MXFP8 and LLAMAFILE methods (AMXINT4/8 raise on them), so experts with a clamped SwiGLU (a spec's
+    moe.activation: gpt-oss, MiniMax-M3's swigluoai) would run the wrong activation from a kt-amx directory."""
+    if not src.config:
+        return
+    from ktconvert.families import find
+    from ktconvert.families.config import family_of, text_view
+
+    sp = find(family_of(src.config))
+    act = sp.section("moe").get("activation") if sp else None
+    if act and text_view(src.config).get(act["limit"].get("key", ""), 1) != 0:
+        raise UsageProblem(
+            f"{method} cannot run these experts: kt-kernel's AMX methods compute silu(gate) * up, and this model's "
+            f"experts use {act['kind']} (kt-kernel passes swiglu_limit / swiglu_alpha only to FP8, MXFP4, MXFP8 and "
+            "LLAMAFILE)", fix="write a GGUF for --kt-method LLAMAFILE (ktconvert quantize --type Q8_0), or serve the "
+                              "release as is (MiniMax-M3: --kt-method MXFP8)")
+
+
 def build_kt_amx_plan(src: SourceModel, method: str, parts: int) -> Plan:
     """The plan, or :class:`InputError` naming the problem (alignment, geometry) before anything is written."""
     try:
@@ -68,6 +87,7 @@ def build_kt_amx_plan(src: SourceModel, method: str, parts: int) -> Plan:
     if type(parts) is not int or parts < 1:
         raise UsageProblem(f"--threadpool-count {parts} must be a positive integer")
     shown = str(src.path)
+    _refuse_clamped_activation(src, method, shown)
     by_layer: dict[int, dict[str, object]] = {}
     for it in src.items:
         if it.group == "experts":

@@ -109,6 +109,15 @@ _ARCH_KEYS = {
                                 w.add_indexer_top_k(c.indexer.topk),
                                 _if(c.raw.get("indexer_types") is not None, lambda: w.add_array(
                                     f"{w.arch}.attention.indexer.types", [t == "full" for t in c.raw["indexer_types"]]))),
+    # MiniMax-M3: rotary_dim as the hub config says (llama.cpp's converter writes it and llama.cpp rotates that many
+    # dims; transformers 5.23 ignores it), else the rotated share the reference uses
+    "rotary_dim": lambda w, c, n: w.add_rope_dimension_count(
+        c.raw["rotary_dim"] if isinstance(c.raw.get("rotary_dim"), int) else c.rope.dim),
+    # MiniMax Sparse Attention: the indexer and its block selection (llama.cpp reads all five)
+    "msa_indexer": lambda w, c, n: (w.add_indexer_head_count(c.indexer.n_heads), w.add_indexer_key_length(c.indexer.head_dim),
+                                    w.add_indexer_top_k(c.indexer.topk),
+                                    w.add_uint32(f"{w.arch}.attention.indexer.block_size", c.indexer.block_size),
+                                    w.add_uint32(f"{w.arch}.attention.indexer.local_blocks", c.indexer.local_blocks)),
     # llama.cpp divides by 0.1 again
     "rope_scaling_yarn_log_mul": lambda w, c, n: _if(
         c.rope.kind == "yarn" and c.rope.mscale_all_dim, lambda: w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)),

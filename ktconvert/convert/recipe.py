@@ -47,7 +47,7 @@ FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4
 #: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies, SSM conv kernels,
 #: names not ending in .weight such as ssm_a): every preset and
 #: ``--type`` keep them in F32, as convert_hf_to_gguf and llama-quantize do.
-F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$|attn_sinks\.weight$|ssm_conv1d\.weight$|^(?!.*\.weight$)"
+F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$|attn_sinks\.weight$|ssm_conv1d\.weight$|indexer\.[qk]_proj\.weight$|^(?!.*\.weight$)"
 
 
 @dataclass(frozen=True)

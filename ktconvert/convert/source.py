@@ -183,6 +183,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     notes = [f"{p.kind}: {p.message}" for p in report.all_problems
              if p.severity == "warning" and p.kind != "ambiguous-orientation"]
     skipped: list[str] = []
+    outside_lm: list[str] = []
+    spec = families.find(model_type)
+    outside = spec.ignore_prefixes if spec is not None else ()
     hf = ck.container == "safetensors"
     cfg = _heads(cfg_dict, ck) if hf and families.permutes_qk(report.arch) else None
 
@@ -222,9 +225,6 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                 items.append(Item(sib.gguf_name, sib.hf_name, tuple(sshape), segs, info.dtype, sib.group, sib.layer))
             continue
         items.append(Item(out, m.hf_name, tuple(shape), (seg,), info.dtype, m.group, m.layer))
-    # tensors outside the language model (the spec's checkpoint.ignore_prefixes: mtp.*, a vision tower), which
-    # llama.cpp's converters leave out too
-    outside = families.find(model_type).ignore_prefixes if families.find(model_type) is not None else ()
     for name in report.unknown:
         if name in qmap.scales:  # read with its quantized weight
             continue
@@ -237,8 +237,13 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
             else:
                 skipped.append(name)
             continue
-        if name.endswith("rotary_emb.inv_freq") or (hf and name.startswith(outside)):
+        if name.endswith("rotary_emb.inv_freq"):
             skipped.append(name)
+            continue
+        # outside the language model (the spec's checkpoint.ignore_prefixes: an MTP head, a wrapper's vision tower and
+        # projector), which llama.cpp's converters leave out too
+        if hf and outside and name.startswith(outside):
+            outside_lm.append(name)
             continue
         m_layer = _layer_of(name)
         if m_layer is not None and n_layers is not None and m_layer >= n_layers:
@@ -268,8 +273,11 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
         notes.append("the kt-amx input holds only routed experts (kt-kernel takes everything else from the original "
                      "checkpoint): the output has no attention, router, norm or embedding weights")
     if skipped:
-        notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction), outside "
-                     f"the language model or rotary caches are not converted, e.g. {skipped[0]}")
+        notes.append(f"{len(skipped)} tensor(s) of layers past num_hidden_layers (multi-token-prediction) or "
+                     f"rotary caches are not converted, e.g. {skipped[0]}")
+    if outside_lm:
+        notes.append(f"{len(outside_lm)} tensor(s) outside the language model (MTP head, vision tower, projector) are "
+                     f"not converted, e.g. {outside_lm[0]}")
     if qmap.weights:
         items = [_with_scales(it, qmap) for it in items]
     _check_unique(items, shown)

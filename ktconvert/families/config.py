@@ -53,11 +53,15 @@ class LinearAttentionDims:
 
 @dataclass(frozen=True)
 class IndexerDims:
-    """DeepSeek Sparse Attention indexer sizes (config ``index_*``)."""
+    """Sparse-attention indexer sizes (config ``index_*``): DeepSeek Sparse Attention keeps ``topk`` keys; MiniMax
+    Sparse Attention keeps ``topk`` blocks of ``block_size`` keys, the ``local_blocks`` ending at the query's own
+    among them."""
 
     n_heads: int
     head_dim: int
     topk: int
+    block_size: int | None = None
+    local_blocks: int | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,10 @@ class MoeConfig:
     # hybrid attention (spec attention.kind gated_deltanet_hybrid): each layer's kind, and the linear layers' dims
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionDims | None = None
-    indexer: IndexerDims | None = None  # DSA (spec attention.dsa_indexer)
+    indexer: IndexerDims | None = None  # DSA (spec attention.dsa_indexer) or MSA (attention.msa_indexer)
+    msa_layers: tuple[int, ...] = ()  # the layers running MiniMax Sparse Attention
+    shared_experts_width: int | None = None  # the shared_experts MLP's width when a spec names its key
+    shared_swiglu: bool = False  # the shared experts use the clamped SwiGLU too (moe.activation.shared)
     bos_token_id: int | None = None
     eos_token_id: Any = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -183,7 +190,8 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     layers = g.int("num_hidden_layers")
     kv_heads = g.opt("num_key_value_heads")
     kv_heads = heads if kv_heads is None else int(kv_heads)
-    if g.opt("hidden_act", "silu") != "silu":
+    act = sp.section("moe").get("activation")
+    if g.opt("hidden_act", "silu") not in ("silu", (act or {}).get("hidden_act", "silu")):
         raise InputError(f"hidden_act {raw.get('hidden_act')!r} is not supported (only silu)", path=path, where="hidden_act")
 
     num_experts = g.first_int("num_experts", "num_local_experts", "n_routed_experts")
@@ -199,7 +207,8 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         head_dim = rope_dim
     else:
         head_dim = int(head_dim) if head_dim else hidden // heads
-        rope_dim = _rotary_dim(raw, head_dim, attn_facts.get("partial_rotary_factor", 1.0), path)
+        seen = raw if not attn_facts.get("rotary_dim_ignored") else {k: v for k, v in raw.items() if k != "rotary_dim"}
+        rope_dim = _rotary_dim(seen, head_dim, attn_facts.get("partial_rotary_factor", 1.0), path)
     if heads % kv_heads:
         raise InputError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}", path=path)
 
@@ -207,6 +216,9 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     rope = _rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
 
     moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts)))
+    if sp.dense_layers == "none" and _lists_dense(raw):
+        raise InputError("dense MLP layers (mlp_layer_types \"dense\" / moe_layer_freq 0) are not supported for "
+                         f"{family}: every layer must be MoE", path=path, where="mlp_layer_types")
 
     if sp.expert_width_key == "intermediate_size":
         moe_inter = g.int("intermediate_size")
@@ -258,7 +270,6 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         raise InputError("mlp_bias=true is not supported", path=path, where="mlp_bias")
 
     window, sliding = _sliding_window(raw, cfg_facts["sliding_window"], layers, path)
-    act = sp.section("moe").get("activation")
     if act:
         kwargs_act = dict(swiglu_alpha=float(_choice(g, act["alpha"])), swiglu_limit=float(_choice(g, act["limit"])))
         if kwargs_act["swiglu_limit"] <= 0:
@@ -295,8 +306,13 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
 
     if sp.section("attention")["kind"] == "gated_deltanet_hybrid":
         kwargs.update(_hybrid(g, raw, layers, path))
+    if attn_facts.get("msa_indexer"):
+        kwargs.update(_msa(g, raw, layers, kv_heads, rope_dim, path))
 
     shared = sp.shared_expert
+    width_key = sp.section("moe").get("shared_experts_width")
+    if shared == "shared_experts" and width_key:
+        kwargs.update(shared_experts_width=g.int(width_key), shared_swiglu=bool((act or {}).get("shared")))
     return MoeConfig(
         family=family,
         vocab_size=g.int("vocab_size"),
@@ -322,7 +338,8 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         topk_group=topk_group if method != "greedy" else None,
         routed_scaling_factor=scaling,
         shared_expert_intermediate_size=(g.int("shared_expert_intermediate_size") if shared == "gated" else None),
-        n_shared_experts=int(g.opt("n_shared_experts", 0) or 0) if shared == "shared_experts" else 0,
+        n_shared_experts=(int(g.opt("n_shared_experts", 1 if width_key else 0) or 0)
+                          if shared == "shared_experts" else 0),
         qk_norm=qk_norm,
         bos_token_id=g.opt("bos_token_id"),
         eos_token_id=g.opt("eos_token_id"),
@@ -345,6 +362,56 @@ def _indexer(g: "_Getter", raw: dict, layers: int, rope_dim: int, path: str | No
         raise InputError("only indexer_types of all \"full\" layers are supported (a \"shared\" layer reuses another "
                          "layer's selection)", path=path, where="indexer_types")
     return dims
+
+
+_MSA_KEYS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
+             "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
+             "index_local_blocks": "sparse_local_block"}
+_MSA_LAYER = "minimax_m3_sparse"
+
+
+def _msa(g: "_Getter", raw: dict, layers: int, kv_heads: int, rope_dim: int, path: str | None) -> dict:
+    """MiniMax Sparse Attention's indexer sizes and layers, from transformers' ``index_*`` / ``layer_types`` or the
+    hub's ``sparse_attention_config`` (``sparse_*``, ``sparse_attention_freq``), whichever the config holds."""
+    hub = raw.get("sparse_attention_config")
+    hub = hub if isinstance(hub, dict) else {}
+    vals = {}
+    for key, legacy in _MSA_KEYS.items():
+        v = hub.get(legacy, raw.get(key))
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "index_local_blocks" else 1):
+            raise InputError(f"{key} (sparse_attention_config.{legacy}) must be a "
+                             f"{'non-negative' if key == 'index_local_blocks' else 'positive'} integer, got {v!r}",
+                             path=path, where=key)
+        vals[key] = v
+    dims = IndexerDims(n_heads=vals["index_n_heads"], head_dim=vals["index_head_dim"], topk=vals["index_topk_blocks"],
+                       block_size=vals["index_block_size"], local_blocks=vals["index_local_blocks"])
+    if dims.n_heads != kv_heads:
+        raise InputError(f"index_n_heads={dims.n_heads} must equal num_key_value_heads={kv_heads} (one indexer head "
+                         "per KV group)", path=path, where="index_n_heads")
+    if dims.head_dim < rope_dim:
+        raise InputError(f"index_head_dim={dims.head_dim} must hold the {rope_dim} rotated dims", path=path,
+                         where="index_head_dim")
+    freq = hub.get("sparse_attention_freq")
+    types = raw.get("layer_types")
+    if freq is not None:
+        ok = isinstance(freq, list) and len(freq) == layers
+        sparse = tuple(i for i, f in enumerate(freq) if f) if ok else ()
+    elif types is not None:
+        ok = isinstance(types, list) and len(types) == layers and set(types) <= {_MSA_LAYER, "full_attention"}
+        sparse = tuple(i for i, t in enumerate(types) if t == _MSA_LAYER) if ok else ()
+    else:
+        ok, sparse = True, ()
+    if not ok:
+        raise InputError(f"layer_types (sparse_attention_config.sparse_attention_freq) must list {layers} entries of "
+                         f"{_MSA_LAYER} / full_attention", path=path, where="layer_types")
+    return {"indexer": dims, "msa_layers": sparse}
+
+
+def _lists_dense(raw: dict) -> bool:
+    """A per-layer MLP list (transformers' mlp_layer_types, the hub's moe_layer_freq) that names a dense layer."""
+    types, freq = raw.get("mlp_layer_types"), raw.get("moe_layer_freq")
+    return ((isinstance(types, list) and "dense" in types)
+            or (isinstance(freq, list) and any(not f for f in freq)))
 
 
 _LAYER_KINDS = ("linear_attention", "full_attention")

@@ -182,11 +182,13 @@ def family_of(raw: dict) -> str | None:
 
 
 def family_of_class(type_id: str) -> str | None:
-    """The family whose upstream class names start with ``type_id``'s prefix (``DeepseekV3MoE`` -> its family)."""
+    """The family whose upstream class names start with ``type_id``'s prefix (``DeepseekV3MoE`` -> its family): the
+    longest prefix wins (``DeepseekV32Indexer`` is DeepSeek-V3.2's, not DeepSeek-V3's), then the listing order."""
+    best = None
     for s in _registry().values():
-        if type_id.startswith(s.prefix):
-            return s.family
-    return None
+        if type_id.startswith(s.prefix) and (best is None or len(s.prefix) > len(best.prefix)):
+            best = s
+    return best.family if best else None
 
 
 def spec_for_arch(family: str, arch: str) -> FamilySpec:

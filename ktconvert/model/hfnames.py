@@ -34,7 +34,10 @@ def classes_module(family: str) -> str | None:
 
 
 def _tf_module(family: str) -> str:
-    return f"transformers.models.{family}.modeling_{family}"
+    """transformers' modeling module of the family's classes (the spec's ``classes.transformers_module``, else the
+    module named after the family)."""
+    return (families.spec(family).section("classes").get("transformers_module")
+            or f"transformers.models.{family}.modeling_{family}")
 
 
 def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:

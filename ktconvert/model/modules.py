@@ -169,7 +169,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *,
     ``window``: a query sees only the last ``window`` positions (itself included), as transformers' sliding
     mask and llama.cpp's standard SWA. ``sinks [h]``: one extra logit per head joins the softmax and is dropped
     after it, so the weights of the real keys sum to less than one (gpt-oss; max-subtracted as transformers).
-    ``allowed [B, T, S]`` (a sparse-attention selection) masks every other key as well.
+    ``allowed [B, T, S]`` (a sparse-attention selection) masks every other key as well; ``allowed [B, kv, T, S]``
+    selects per KV group (every query head of a group sees its group's selection).
     """
     groups = q.shape[1] // k.shape[1]
     if groups > 1:
@@ -185,7 +186,8 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float, *,
     if hidden.any():
         w = w.masked_fill(hidden, float("-inf"))
     if allowed is not None:
-        w = w.masked_fill(~allowed[:, None], float("-inf"))
+        allowed = allowed[:, None] if allowed.dim() == 3 else allowed.repeat_interleave(groups, dim=1)
+        w = w.masked_fill(~allowed, float("-inf"))
     if sinks is not None:
         w = torch.cat([w, sinks.reshape(1, -1, 1, 1).expand(w.shape[0], -1, t, 1).to(w.dtype)], dim=-1)
         w = w - w.max(dim=-1, keepdim=True).values
@@ -249,6 +251,14 @@ class Attention(Tagged, nn.Module):
             self.sinks = nn.Parameter(torch.zeros(nh))
         else:
             self.sinks = None
+        self.msa = layer_idx in cfg.msa_layers
+        if self.msa:  # MiniMax Sparse Attention's lightning indexer, flat in self_attn as the releases store it
+            d = cfg.indexer
+            self.index_q_proj = nn.Linear(h, d.n_heads * d.head_dim, bias=False)
+            self.index_k_proj = nn.Linear(h, d.head_dim, bias=False)
+            self.index_q_norm = rms_norm(cfg, d.head_dim)
+            self.index_k_norm = rms_norm(cfg, d.head_dim)
+            self.index_dims = d
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = hidden.shape
@@ -277,10 +287,42 @@ class Attention(Tagged, nn.Module):
             q, k = apply_rope(q, k, cos, sin)
         if cache is not None:
             k, v = cache.update(self.layer_idx, k, v)
-        out = attend(q, k, v, self.scaling, window=self.window, sinks=self.sinks)
+        allowed = self.msa_blocks(hidden, cos, sin, k.shape[2] - t, cache) if self.msa else None
+        out = attend(q, k, v, self.scaling, window=self.window, sinks=self.sinks, allowed=allowed)
         if gate is not None:
             out = out * torch.sigmoid(gate)
         return self.o_proj(out)
+
+
+    def msa_blocks(self, hidden, cos, sin, past: int, cache: KVCache | None) -> torch.Tensor:
+        """MiniMax Sparse Attention's selection ``allowed [B, kv, T, S]``: per indexer head (one per KV group),
+        unscaled ``q . k`` over the visible keys, max-pooled into blocks of ``block_size`` keys; the
+        ``local_blocks`` ending at the query's block are forced in, then the ``topk`` best blocks are kept (blocks
+        with no visible key never). float32, in transformers' operation order, so ties break the same way."""
+        d = self.index_dims
+        b, t, _ = hidden.shape
+        q = self.index_q_norm(self.index_q_proj(hidden).view(b, t, d.n_heads, d.head_dim)).transpose(1, 2)
+        k = self.index_k_norm(self.index_k_proj(hidden).view(b, t, 1, d.head_dim)).transpose(1, 2)
+        r = min(self.rope_dim, d.head_dim)
+        q_rot, k_rot = apply_rope(q[..., :r], k[..., :r], cos[..., :r], sin[..., :r])
+        q, k = torch.cat((q_rot, q[..., r:]), dim=-1), torch.cat((k_rot, k[..., r:]), dim=-1)
+        if cache is not None:
+            k = cache.update(("msa", self.layer_idx), k)[0]
+        s = k.shape[2]
+        blocks = -(-s // d.block_size)
+        qpos = torch.arange(t, device=hidden.device) + past
+        future = torch.arange(s, device=hidden.device)[None, :] > qpos[:, None]  # [T, S]
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)).masked_fill(future, float("-inf"))
+        scores = F.pad(scores, (0, blocks * d.block_size - s), value=float("-inf"))
+        block_scores = scores.view(b, d.n_heads, t, blocks, d.block_size).amax(dim=-1)
+        if d.local_blocks > 0:
+            local = (qpos // d.block_size)[:, None] - torch.arange(d.local_blocks, device=hidden.device)[None, :]
+            local = local.clamp(min=0).expand(b, d.n_heads, -1, -1)
+            block_scores = block_scores.scatter(-1, local, float("inf"))
+        top, ids = block_scores.topk(min(d.topk, blocks), dim=-1)
+        keep = torch.zeros(b, d.n_heads, t, blocks + 1, dtype=torch.bool, device=hidden.device)
+        keep = keep.scatter(-1, ids.masked_fill(top == float("-inf"), blocks), True)[..., :blocks]
+        return keep.repeat_interleave(d.block_size, dim=-1)[..., :s] & ~future
 
 
 class GatedRMSNorm(Tagged, nn.Module):
@@ -453,10 +495,11 @@ class MLAttention(Tagged, nn.Module):
 
 
 class DsaIndexer(Tagged, nn.Module):
-    """DeepSeek Sparse Attention's indexer (GLM-5): which ``index_topk`` keys each query may attend to.
+    """DeepSeek Sparse Attention's indexer (GLM-5, DeepSeek-V3.2): which ``index_topk`` keys each query may attend to.
 
     Per head ``h``: ``relu(q_h . k / sqrt(d))`` with ``q = wq_b(q_resid)`` and one shared key
-    ``k = LayerNorm(wk(x))``, their first ``qk_rope_head_dim`` dims rotated in interleaved pairs; the heads are
+    ``k = LayerNorm(wk(x))``, their first ``qk_rope_head_dim`` dims rotated in interleaved pairs (GLM-5) or in halves
+    (DeepSeek-V3.2; the spec's ``attention.dsa_indexer_rope``); the heads are
     summed with weights ``weights_proj(x) / sqrt(heads)``; future keys are masked; the top ``index_topk`` keys
     are kept. Computed in float32 in transformers' operation order, so score ties break the same way.
     """
@@ -467,6 +510,8 @@ class DsaIndexer(Tagged, nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.head_dim, self.topk = d.n_heads, d.head_dim, d.topk
         self.rope_dim = cfg.qk_rope_head_dim
+        halves = cfg.spec.section("attention").get("dsa_indexer_rope", "interleaved") == "rotate_half"
+        self.rope = apply_rope if halves else apply_rope_interleaved
         self.wq_b = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(d.head_dim, eps=1e-6)
@@ -479,7 +524,7 @@ class DsaIndexer(Tagged, nn.Module):
         q = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim)
         k = self.k_norm(self.wk(hidden)).unsqueeze(2)  # [B, T, 1, D]
         r = self.rope_dim
-        q_rot, k_rot = apply_rope_interleaved(q[..., :r].transpose(1, 2), k[..., :r].transpose(1, 2), cos, sin)
+        q_rot, k_rot = self.rope(q[..., :r].transpose(1, 2), k[..., :r].transpose(1, 2), cos, sin)
         q = torch.cat([q_rot.transpose(1, 2), q[..., r:]], dim=-1)
         k = torch.cat([k_rot.transpose(1, 2), k[..., r:]], dim=-1).squeeze(2)  # [B, T, D]
         if cache is not None:
@@ -704,11 +749,14 @@ class DeepseekMoE(Tagged, nn.Module):
         if bias is not None and cfg.spec.section("moe").get("score_bias") == "block":
             self.gate.register_buffer("e_score_correction_bias", bias, persistent=False)
             self.register_buffer("e_score_correction_bias", bias)
+        clamp = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit is not None else None
         self.experts = RoutedExperts(
-            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names) for _ in range(cfg.num_experts)
+            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names, clamp=clamp)
+            for _ in range(cfg.num_experts)
         )
         if cfg.n_shared_experts:
-            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+            width = cfg.shared_experts_width or cfg.moe_intermediate_size * cfg.n_shared_experts
+            self.shared_experts = GatedMLP(cfg.hidden_size, width, clamp=clamp if cfg.shared_swiglu else None)
         else:
             self.shared_experts = None
 

@@ -224,6 +224,12 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
                 whole = cfg.spec.section("attention").get("qk_norm_scope") == "projection"
                 add(f"{a}.q_norm.weight", (nh * hd if whole else hd,), norm)
                 add(f"{a}.k_norm.weight", (nkv * hd if whole else hd,), norm)
+            if layer in cfg.msa_layers:  # MiniMax Sparse Attention's indexer, flat in self_attn as released
+                d = cfg.indexer
+                add(f"{a}.index_q_proj.weight", (d.n_heads * d.head_dim, h), "linear")
+                add(f"{a}.index_k_proj.weight", (d.head_dim, h), "linear")
+                add(f"{a}.index_q_norm.weight", (d.head_dim,), norm)
+                add(f"{a}.index_k_norm.weight", (d.head_dim,), norm)
         m = f"{p}.{cfg.moe_block_name}"
         if layer not in cfg.moe_layers:
             mlp(m, cfg.intermediate_size)
@@ -242,7 +248,7 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
             mlp(f"{m}.shared_expert", cfg.shared_expert_intermediate_size)
             add(f"{m}.shared_expert_gate.weight", (1, h), "linear")
         if cfg.n_shared_experts:
-            mlp(f"{m}.shared_experts", cfg.moe_intermediate_size * cfg.n_shared_experts)
+            mlp(f"{m}.shared_experts", cfg.shared_experts_width or cfg.moe_intermediate_size * cfg.n_shared_experts)
     add("model.norm.weight", (h,), norm)
     add("lm_head.weight", (cfg.vocab_size, h), "head")
     return specs

@@ -4,10 +4,11 @@ releases (DeepSeek-V4-Flash, MiniMax-M3, Kimi-K2-Thinking, Qwen3.5 NVFP4 (ModelO
 
 Family-independent: any family's tiny model, its routed-expert matrices quantized (all linear layers for FP8
 per-channel, as GLM-4.7-FP8 does); every other tensor stays as the plain tiny model has it. The tensor *names* are
-the family's own HF names; a family whose releases rename the experts (DeepSeek-V4's ``ffn.experts.N.w1``) gets them
-from its own naming rules when it joins. A family whose releases store the experts another way says so in its
-spec (``checkpoint.releases``): ``fused_mxfp4`` is gpt-oss' stacked ``*_blocks``/``*_scales`` per layer
-(:mod:`ktconvert.formats.mxfp4_fused`), with that release's ``quantization_config``.
+the family's own HF names as its releases spell them (a multimodal wrapper's prefix); a family whose releases rename
+the experts (DeepSeek-V4's ``ffn.experts.N.w1``) gets them from its own naming rules when it joins. A family whose
+releases store the experts another way says so in its spec (``checkpoint.releases``): ``fused_mxfp4`` is gpt-oss'
+stacked ``*_blocks``/``*_scales`` per layer (:mod:`ktconvert.formats.mxfp4_fused`), with that release's
+``quantization_config``.
 """
 
 from __future__ import annotations
@@ -138,6 +139,10 @@ def tiny_release_files(family: str, fmt: str) -> dict[str, bytes]:
         t, d = _quantize(fmt, spec.name, x)
         tensors.update(t)
         dtypes.update(d)
+    # the names the family's releases use (a multimodal wrapper's prefix: the spec's checkpoint.prefix_aliases)
+    sp = cfg.spec
+    tensors = {sp.published_name(k): v for k, v in tensors.items()}
+    dtypes = {sp.published_name(k): v for k, v in dtypes.items()}
     files = {"config.json": (json.dumps(cfg_json, indent=2, sort_keys=True) + "\n").encode("utf-8")}
     files["model.safetensors"] = to_bytes(tensors, {"format": "pt"}, dtypes)
     for name, text in tokenizer_files(VOCAB).items():

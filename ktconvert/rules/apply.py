@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Callable
 
 from ktconvert.errors import InputError
+from ktconvert.families import find as find_family
 from ktconvert.rules import engine, lint
 from ktconvert.rules.catalog import Catalog, Operator, load_catalog
 from ktconvert.rules.compile import compile_rules
@@ -62,13 +63,21 @@ def load_rules(path: str | Path, catalog: Catalog | None = None, backend: str = 
         raise InputError(f"{f.id} {f.message}{more}", path=str(path), where=f"{f.line}:{f.col}",
                          fix=f"run ktconvert check-rules {path}")
     families = lint.rule_families(result.data, catalog)
-    if family is not None and families and family not in families:
+    if family is not None and families and not _same_classes(family, families):
         other = ", ".join(sorted(families))
         first = next(iter(families.values()))
         raise InputError(f"the rules are written for {other} (their match classes), the model is {family}",
                          path=str(path), where=f"rule {first}",
                          fix=f"use a rule file for {family}, such as rules/optimize/{family}.yaml")
     return compile_rules(result.data or [], catalog)
+
+
+def _same_classes(family: str, rule_families) -> bool:
+    """The model's family is one the rules were written for, or shares its upstream classes with one (Kimi K2.5's
+    language model is built from DeepSeek-V3's classes, so DeepSeek-V3's rule files match it as they match V3)."""
+    own = find_family(family)
+    return family in rule_families or (own is not None and any(
+        find_family(f) is not None and find_family(f).prefix == own.prefix for f in rule_families))
 
 
 def module_tree(model, type_of: Callable[[object], str]) -> _Node:

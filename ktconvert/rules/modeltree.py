@@ -185,6 +185,11 @@ def _attention(layer: Node, sp, mc, pre: str) -> None:
         attn.add("q_norm", f"{pre}RMSNorm")
         attn.add("k_norm", f"{pre}RMSNorm")
     attn.add("rotary_emb", f"{pre}RotaryEmbedding")
+    if layer.layer in mc.msa_layers:  # MiniMax Sparse Attention's indexer, flat in self_attn as released
+        attn.add("index_q_proj", "Linear")
+        attn.add("index_k_proj", "Linear")
+        attn.add("index_q_norm", f"{pre}RMSNorm")
+        attn.add("index_k_norm", f"{pre}RMSNorm")
 
 
 def _mlp(parent: Node, name: str, type_: str, projs=("gate_proj", "up_proj", "down_proj")) -> Node:
