@@ -31,25 +31,21 @@ def match(tensors: dict, name: str, read_small=None) -> Packed | None:
     p = Packed(FMT, wname, name, (n, k), 0, tuple(parts))
     sname, zname = base + ".scales", base + ".qzeros"
     if sname not in tensors:
-        return _bad(p, name, f"GPTQ weight has no scale tensor {sname}", "a shard is missing; re-download")
+        return p.refused(name, f"GPTQ weight has no scale tensor {sname}", "a shard is missing; re-download")
     s = tensors[sname]
     if s.dtype not in ("F16", "BF16", "F32") or len(s.shape) != 2 or s.shape[1] != n or s.shape[0] < 1:
-        return _bad(p, sname, f"scales {s.dtype} {list(s.shape)} do not match qweight {list(q.shape)} "
-                    f"(expected F16 [K/group, {n}])", FIX)
+        return p.refused(sname, f"scales {s.dtype} {list(s.shape)} do not match qweight {list(q.shape)} "
+                         f"(expected F16 [K/group, {n}])", FIX)
     if k % s.shape[0]:
-        return _bad(p, sname, f"{s.shape[0]} scale rows do not divide K = {k} into whole groups", FIX)
+        return p.refused(sname, f"{s.shape[0]} scale rows do not divide K = {k} into whole groups", FIX)
     if zname in tensors and (tensors[zname].dtype != "I32" or tuple(tensors[zname].shape) != (s.shape[0], -(-n // 8))):
-        return _bad(p, zname, f"qzeros {tensors[zname].dtype} {list(tensors[zname].shape)} does not match "
-                    f"[{s.shape[0]}, {-(-n // 8)}]", FIX)
+        return p.refused(zname, f"qzeros {tensors[zname].dtype} {list(tensors[zname].shape)} does not match "
+                         f"[{s.shape[0]}, {-(-n // 8)}]", FIX)
     gi = tensors.get(base + ".g_idx")
     if gi is not None and (gi.dtype not in ("I32", "I64") or tuple(gi.shape) != (k,)):
-        return _bad(p, base + ".g_idx", f"g_idx {gi.dtype} {list(gi.shape)} is not one integer per input column "
-                    f"[{k}]", FIX)
+        return p.refused(base + ".g_idx", f"g_idx {gi.dtype} {list(gi.shape)} is not one integer per input column "
+                         f"[{k}]", FIX)
     return Packed(FMT, wname, name, (n, k), k // s.shape[0], tuple(parts))
-
-
-def _bad(p: Packed, tensor: str, msg: str, fix: str) -> Packed:
-    return Packed(p.fmt, p.name, p.stored, p.shape, p.group, p.parts, msg, tensor, fix)
 
 
 def _unpack_rows(a: np.ndarray) -> np.ndarray:

@@ -18,6 +18,7 @@ FMT = "MXFP4"
 GROUP = 32
 CODE_DTYPES = ("I8", "U8")
 SCALE_DTYPES = ("F8_E8M0", "U8")
+_FIX = "the scale belongs to another weight or release; re-download the checkpoint"
 
 
 def match(tensors: dict, name: str, read_small=None) -> Packed | None:
@@ -32,18 +33,13 @@ def match(tensors: dict, name: str, read_small=None) -> Packed | None:
     parts = (("codes", name), ("scale", sname))
     p = Packed(FMT, name, name, (n, k), GROUP, parts)
     if s.dtype not in SCALE_DTYPES:
-        return _bad(p, sname, f"MXFP4 scale stored as {s.dtype}, expected F8_E8M0 (UE8M0 exponents)")
+        return p.refused(sname, f"MXFP4 scale stored as {s.dtype}, expected F8_E8M0 (UE8M0 exponents)", _FIX)
     if k % GROUP:
-        return _bad(p, name, f"{k} input columns do not fit whole MXFP4 groups of {GROUP}")
+        return p.refused(name, f"{k} input columns do not fit whole MXFP4 groups of {GROUP}", _FIX)
     if tuple(s.shape) != (n, k // GROUP):
-        return _bad(p, sname, f"scale shape {list(s.shape)} does not match weight {name} "
-                    f"[{n}, {k} (packed {k // 2})]: MXFP4 needs [{n}, {k // GROUP}]")
+        return p.refused(sname, f"scale shape {list(s.shape)} does not match weight {name} "
+                         f"[{n}, {k} (packed {k // 2})]: MXFP4 needs [{n}, {k // GROUP}]", _FIX)
     return p
-
-
-def _bad(p: Packed, tensor: str, msg: str) -> Packed:
-    return Packed(p.fmt, p.name, p.stored, p.shape, p.group, p.parts, msg, tensor,
-                  "the scale belongs to another weight or release; re-download the checkpoint")
 
 
 def scale_float32(raw: np.ndarray) -> np.ndarray:

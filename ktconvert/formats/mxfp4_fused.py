@@ -38,25 +38,21 @@ def match(tensors: dict, name: str, read_small=None) -> Packed | None:
     logical = (shape[0], shape[2] * GROUP, shape[1]) if ok else (0, 0, 0)
     p = Packed(FMT, base, name, logical, GROUP, (("codes", name), ("scale", sname)))
     if base in tensors:
-        return _bad(p, base, f"stored twice: as {base} and as MXFP4 blocks {name}",
-                    "keep one of them (a dequantized copy saved beside the release?)")
+        return p.refused(base, f"stored twice: as {base} and as MXFP4 blocks {name}",
+                         "keep one of them (a dequantized copy saved beside the release?)")
     if sname not in tensors:
-        return _bad(p, name, f"MXFP4 blocks without their scales {sname}",
-                    "a shard or the index is missing; re-download the checkpoint")
+        return p.refused(name, f"MXFP4 blocks without their scales {sname}",
+                         "a shard or the index is missing; re-download the checkpoint")
     if not ok:
-        return _bad(p, name, f"MXFP4 blocks shape {list(shape)}: expected [experts, rows, in/{GROUP}, "
-                    f"{BLOCK_BYTES}] ({GROUP} codes, two per byte, per block)", FIX)
+        return p.refused(name, f"MXFP4 blocks shape {list(shape)}: expected [experts, rows, in/{GROUP}, "
+                         f"{BLOCK_BYTES}] ({GROUP} codes, two per byte, per block)", FIX)
     s = tensors[sname]
     if s.dtype not in SCALE_DTYPES:
-        return _bad(p, sname, f"MXFP4 scales stored as {s.dtype}, expected U8 (UE8M0 exponents)", FIX)
+        return p.refused(sname, f"MXFP4 scales stored as {s.dtype}, expected U8 (UE8M0 exponents)", FIX)
     if tuple(s.shape) != shape[:3]:
-        return _bad(p, sname, f"scales shape {list(s.shape)} does not match blocks {name} {list(shape)}: "
-                    f"MXFP4 needs {list(shape[:3])}", FIX)
+        return p.refused(sname, f"scales shape {list(s.shape)} does not match blocks {name} {list(shape)}: "
+                         f"MXFP4 needs {list(shape[:3])}", FIX)
     return p
-
-
-def _bad(p: Packed, tensor: str, msg: str, fix: str) -> Packed:
-    return Packed(p.fmt, p.name, p.stored, p.shape, p.group, p.parts, msg, tensor, fix)
 
 
 def _decode_stored(blocks: np.ndarray, scales: np.ndarray) -> np.ndarray:

@@ -38,20 +38,16 @@ def match(tensors: dict, name: str, read_small=None) -> Packed | None:
     fix = "the scale belongs to another weight or release; re-download the checkpoint"
     s = tensors[sname]
     if glob not in tensors:
-        return _bad(p, name, f"NVFP4 weight has no per-tensor scale {glob}", "a shard is missing; re-download")
+        return p.refused(name, f"NVFP4 weight has no per-tensor scale {glob}", "a shard is missing; re-download")
     if tensors[glob].dtype != "F32" or tensors[glob].n_elements != 1:
-        return _bad(p, glob, f"per-tensor scale is {tensors[glob].dtype} {list(tensors[glob].shape)}, expected one F32",
-                    fix)
+        return p.refused(glob, f"per-tensor scale is {tensors[glob].dtype} {list(tensors[glob].shape)}, "
+                         "expected one F32", fix)
     if k % GROUP:
-        return _bad(p, name, f"{k} input columns do not fit whole NVFP4 groups of {GROUP}", fix)
+        return p.refused(name, f"{k} input columns do not fit whole NVFP4 groups of {GROUP}", fix)
     if tuple(s.shape) != (n, k // GROUP):
-        return _bad(p, sname, f"scale shape {list(s.shape)} does not match weight {name} [{n}, {k} (packed {k // 2})]"
-                    f": NVFP4 needs [{n}, {k // GROUP}]", fix)
+        return p.refused(sname, f"scale shape {list(s.shape)} does not match weight {name} [{n}, {k} (packed {k // 2})]"
+                         f": NVFP4 needs [{n}, {k // GROUP}]", fix)
     return p
-
-
-def _bad(p: Packed, tensor: str, msg: str, fix: str) -> Packed:
-    return Packed(p.fmt, p.name, p.stored, p.shape, p.group, p.parts, msg, tensor, fix)
 
 
 def folded_scale(ck, p: Packed, r0: int, r1: int) -> np.ndarray:

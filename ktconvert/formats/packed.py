@@ -11,7 +11,7 @@ a ``problem`` naming the tensor at fault, and left unpresented: inspect lists it
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -34,6 +34,10 @@ class Packed:
 
     def part(self, role: str) -> str | None:
         return next((n for r, n in self.parts if r == role), None)
+
+    def refused(self, tensor: str, msg: str, fix: str) -> "Packed":
+        """This weight, recognised but unusable: ``msg`` about ``tensor`` (reported before anything is written)."""
+        return replace(self, problem=msg, problem_tensor=tensor, fix=fix)
 
     @property
     def scale(self) -> str:

@@ -35,34 +35,30 @@ def match(tensors: dict, name: str, read_small=None) -> Packed | None:
     parts = [("codes", name), ("scale", sname)] + ([("shape", shname)] if shname in tensors else [])
     p = Packed(FMT, base, name, (n, k), 0, tuple(parts))
     if sname not in tensors:
-        return _bad(p, name, f"packed INT4 weight has no scale tensor {sname}", "a shard or the index is missing; "
-                    "re-download the checkpoint")
+        return p.refused(name, f"packed INT4 weight has no scale tensor {sname}", "a shard or the index is missing; "
+                         "re-download the checkpoint")
     if base + "_zero_point" in tensors:
-        return _bad(p, base + "_zero_point", "asymmetric INT4 (a weight_zero_point) is not supported",
-                    "use a symmetric release")
+        return p.refused(base + "_zero_point", "asymmetric INT4 (a weight_zero_point) is not supported",
+                         "use a symmetric release")
     if shname in tensors and read_small is not None:
         sh = tensors[shname]
         vals = read_small(sh) if sh.dtype in ("I32", "I64") and sh.n_elements == 2 else None
         if vals is None:
-            return _bad(p, shname, f"weight_shape is {sh.dtype} {list(sh.shape)}, expected two integers [N, K]", FIX)
+            return p.refused(shname, f"weight_shape is {sh.dtype} {list(sh.shape)}, expected two integers [N, K]", FIX)
         rn, rk = int(vals[0]), int(vals[1])
         if rn != n or not (k - per < rk <= k):
-            return _bad(p, shname, f"weight_shape [{rn}, {rk}] disagrees with {name} {list(w.shape)} "
-                        f"({per} codes per element: [{n}, {k - per + 1}..{k}])", FIX)
+            return p.refused(shname, f"weight_shape [{rn}, {rk}] disagrees with {name} {list(w.shape)} "
+                             f"({per} codes per element: [{n}, {k - per + 1}..{k}])", FIX)
         k = rk
         p = Packed(FMT, base, name, (n, k), 0, tuple(parts))
     s = tensors[sname]
     if s.dtype not in SCALE_DTYPES:
-        return _bad(p, sname, f"scale stored as {s.dtype}, expected one of {', '.join(SCALE_DTYPES)}", FIX)
+        return p.refused(sname, f"scale stored as {s.dtype}, expected one of {', '.join(SCALE_DTYPES)}", FIX)
     if len(s.shape) != 2 or s.shape[0] != n or s.shape[1] < 1:
-        return _bad(p, sname, f"scale shape {list(s.shape)} does not match weight {base} [{n}, {k}]", FIX)
+        return p.refused(sname, f"scale shape {list(s.shape)} does not match weight {base} [{n}, {k}]", FIX)
     if k % s.shape[1]:
-        return _bad(p, sname, f"{s.shape[1]} scale columns do not divide K = {k} of {base} into whole groups", FIX)
+        return p.refused(sname, f"{s.shape[1]} scale columns do not divide K = {k} of {base} into whole groups", FIX)
     return Packed(FMT, base, name, (n, k), k // s.shape[1], tuple(parts))
-
-
-def _bad(p: Packed, tensor: str, msg: str, fix: str) -> Packed:
-    return Packed(p.fmt, p.name, p.stored, p.shape, p.group, p.parts, msg, tensor, fix)
 
 
 def _scale(ck, p: Packed, r0: int, r1: int) -> np.ndarray:
