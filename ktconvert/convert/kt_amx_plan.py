@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import json
 
-from ktconvert import __version__
+from ktconvert import __version__, families
 from ktconvert.convert.plan import Plan, PlanTensor, _segment_bytes, fingerprints, place_shards
 from ktconvert.convert.recipe import Recipe
 from ktconvert.convert.source import Segment, SourceModel
 from ktconvert.errors import InputError, UsageProblem
+from ktconvert.families.config import family_of, text_view
 from ktconvert.formats import kt_amx
 
 LAUNCH_NOTE = ("kt-amx output holds the routed experts only: launch with --kt-weight-path OUT --kt-method {method} "
@@ -59,16 +60,13 @@ def _expert_segments(item, e: int, rows: int) -> tuple[Segment, ...]:
     return tuple(out)
 
 
-def _refuse_clamped_activation(src: SourceModel, method: str, shown: str) -> None:
+def _refuse_clamped_activation(src: SourceModel, method: str) -> None:
     """kt-kernel 0.7.2's AMX methods compute silu(gate) * up: its swiglu_limit / swiglu_alpha reach only the FP8,
     MXFP4, MXFP8 and LLAMAFILE methods (AMXINT4/8 raise on them), so experts with a clamped SwiGLU (a spec's
     moe.activation: gpt-oss, MiniMax-M3's swigluoai) would run the wrong activation from a kt-amx directory."""
     if not src.config:
         return
-    from ktconvert.families import find
-    from ktconvert.families.config import family_of, text_view
-
-    sp = find(family_of(src.config))
+    sp = families.find(family_of(src.config))
     act = sp.section("moe").get("activation") if sp else None
     if act and text_view(src.config).get(act["limit"].get("key", ""), 1) != 0:
         raise UsageProblem(
@@ -87,7 +85,7 @@ def build_kt_amx_plan(src: SourceModel, method: str, parts: int) -> Plan:
     if type(parts) is not int or parts < 1:
         raise UsageProblem(f"--threadpool-count {parts} must be a positive integer")
     shown = str(src.path)
-    _refuse_clamped_activation(src, method, shown)
+    _refuse_clamped_activation(src, method)
     by_layer: dict[int, dict[str, object]] = {}
     for it in src.items:
         if it.group == "experts":
