@@ -191,25 +191,13 @@ class KernelSession:
         self.loaded[key] = {"layer": blocks.layer, "H": h, "E": e, "types": types, "max_len": max_len}
 
     def load_bf16_layer(self, key: str, layer: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray, top_k: int,
-                        *, max_len: int = 64) -> None:
-        """BF16 on HF experts given as bf16 bits (uint16): gate/up ``[E, I, H]``, down ``[E, H, I]``."""
-        e, i, h = gate.shape
-        self._check(hidden=h, inter=i, types=None, where=f"layer {layer}")
-        req = {"op": "load", "key": key, "method": self.method, "E": e, "top_k": top_k, "H": h, "I": i,
-               "layer": layer, "max_len": max_len,
-               "arrays": {"gate": self._save(np.ascontiguousarray(gate, dtype=np.uint16)),
-                          "up": self._save(np.ascontiguousarray(up, dtype=np.uint16)),
-                          "down": self._save(np.ascontiguousarray(down, dtype=np.uint16))}}
-        self._call(req, f"loading layer {layer} (BF16)")
-        self.loaded[key] = {"layer": layer, "H": h, "E": e, "types": {"gate": "BF16", "up": "BF16", "down": "BF16"}, "max_len": max_len}
-
-    def load_bf16_sft_layer(self, key: str, layer: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
-                            lora: dict[str, np.ndarray], rank: int, alpha: float, top_k: int, *,
-                            max_len: int = 64) -> None:
-        """BF16 experts with a MoE LoRA adapter through kt-kernel's SFT class (``AMXBF16_SFT_MOE``): ``lora`` holds
-        bf16 bits in the fused form, ``{gate,up}_a [E, r, H]``, ``{gate,up}_b [E, I, r]``, ``down_a [E, r, I]``,
-        ``down_b [E, H, r]``; the kernel scales by ``alpha / rank``."""
-        if "AMXBF16_SFT_MOE" not in self.info.classes:
+                        *, max_len: int = 64, lora: dict[str, np.ndarray] | None = None, rank: int = 0,
+                        alpha: float = 0.0) -> None:
+        """BF16 on HF experts given as bf16 bits (uint16): gate/up ``[E, I, H]``, down ``[E, H, I]``. With ``lora``
+        (verify --lora) the experts run in kt-kernel's SFT class ``AMXBF16_SFT_MOE`` with the adapter: bf16 bits in
+        the fused form, ``{gate,up}_a [E, r, H]``, ``{gate,up}_b [E, I, r]``, ``down_a [E, r, I]``, ``down_b [E, H,
+        r]``; the kernel scales by ``alpha / rank``."""
+        if lora is not None and "AMXBF16_SFT_MOE" not in self.info.classes:
             raise KernelRefused(f"kt-kernel's {self.info.variant} variant has no AMXBF16_SFT_MOE (its LoRA path)",
                                 fix="verify --lora with --kernel emulate")
         e, i, h = gate.shape
@@ -217,10 +205,13 @@ class KernelSession:
         req = {"op": "load", "key": key, "method": self.method, "E": e, "top_k": top_k, "H": h, "I": i,
                "layer": layer, "max_len": max_len,
                "arrays": {p: self._save(np.ascontiguousarray(a, dtype=np.uint16))
-                          for p, a in (("gate", gate), ("up", up), ("down", down))},
-               "sft": {"rank": int(rank), "alpha": float(alpha),
-                       "lora": {n: self._save(np.ascontiguousarray(a, dtype=np.uint16)) for n, a in lora.items()}}}
-        self._call(req, f"loading layer {layer} (BF16 with LoRA, AMXBF16_SFT_MOE)")
+                          for p, a in (("gate", gate), ("up", up), ("down", down))}}
+        what = "BF16"
+        if lora is not None:
+            req["sft"] = {"rank": int(rank), "alpha": float(alpha),
+                          "lora": {n: self._save(np.ascontiguousarray(a, dtype=np.uint16)) for n, a in lora.items()}}
+            what = "BF16 with LoRA, AMXBF16_SFT_MOE"
+        self._call(req, f"loading layer {layer} ({what})")
         self.loaded[key] = {"layer": layer, "H": h, "E": e, "types": {"gate": "BF16", "up": "BF16", "down": "BF16"},
                             "max_len": max_len}
 

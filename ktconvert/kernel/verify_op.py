@@ -117,12 +117,10 @@ class KernelRuntime:
             bits = {p: getattr(blocks, p).data.view(np.uint16).reshape(getattr(blocks, p).shape)
                     for p in ("gate", "up", "down")}
             lora = _fused_lora_bits(self.lora, blocks.layer) if self.lora is not None else None
+            sft = {"lora": lora, "rank": self.lora.adapter.rank, "alpha": float(self.lora.alpha)} if lora else {}
+            s.load_bf16_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], top_k, **sft)
             if lora is not None:
-                s.load_bf16_sft_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], lora,
-                                      self.lora.adapter.rank, float(self.lora.alpha), top_k)
                 method = "AMXBF16_SFT"
-            else:
-                s.load_bf16_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], top_k)
         elif METHODS[method].release:
             s.load_release_layer(key, source.path, blocks.layer, experts=cfg.num_experts, top_k=top_k,
                                  hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
