@@ -17,7 +17,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
-import re
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +27,9 @@ from ktconvert.convert.lora_read import PROJS, read_adapter
 from ktconvert.convert.plan import Plan
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
+from ktconvert.formats.lora_delta import EXPERT_WEIGHT
 from ktconvert.io.atomic import sha256_file
 
-_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 def _deltas(ad, scale: float, model_type: str | None) -> dict[str, tuple]:
@@ -151,7 +150,7 @@ def attach_lora(plan: Plan, adapter: str | Path, *, lora_alpha: float | None = N
             t = dataclasses.replace(t, segments=tuple(segs), copy_bytes=False)
         tensors.append(t)
     missing = sorted(set(deltas) - used)
-    skipped = [n for n in missing if not _EXPERT.match(n)] if plan.format == "kt-amx" else []
+    skipped = [n for n in missing if not EXPERT_WEIGHT.match(n)] if plan.format == "kt-amx" else []
     if skipped:  # a kt-amx directory holds the routed experts only: the rest comes from --model-path
         plan.notes.append(f"the adapter's {len(skipped)} non-expert LoRA weight(s) (first {skipped[0]}) are not in a "
                           "kt-amx output: merge them into the --model-path checkpoint (quantize --to hf --lora)")

@@ -8,9 +8,14 @@ A ``lora`` tuple is ``(file of A, name of A, expert index in A or -1, file of B,
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 
 from ktconvert.formats.checkpoint import open_checkpoint
+
+#: an adapted routed-expert weight's HF name (layer, expert, projection): the deltas the expert slices carry
+EXPERT_WEIGHT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
 
 
 def lora_delta(lora: tuple, rows: np.ndarray | None = None, open_ck=open_checkpoint) -> np.ndarray:

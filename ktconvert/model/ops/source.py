@@ -16,7 +16,6 @@ models verify can run on a CPU.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,12 +27,11 @@ from ktconvert.errors import InputError
 from ktconvert.families.config import MoeConfig
 from ktconvert.formats import naming_map, open_checkpoint, quantized, transforms
 from ktconvert.formats.checkpoint import COMPANION
-from ktconvert.formats.lora_delta import lora_delta
+from ktconvert.formats.lora_delta import EXPERT_WEIGHT, lora_delta
 from ktconvert.io.dtypes import TORCH_NAMES
 from ktconvert.model.weights import read_tensors, to_reference_state
 
 PROJECTIONS = ("gate", "up", "down")
-_EXPERT_NAME = re.compile(r"^model\.layers\.\d+\.(?:mlp|block_sparse_moe)\.experts\.\d+\.\w+\.weight$")
 
 
 @dataclass
@@ -305,7 +303,7 @@ class WeightSource:
         else:
             arr = self._gguf_tensor(name)  # an expert's slice comes from expert_blocks, the adapter already added
         d = self.lora.get(name)
-        if d is not None and (self.container == "safetensors" or not _EXPERT_NAME.match(name)):
+        if d is not None and (self.container == "safetensors" or not EXPERT_WEIGHT.match(name)):
             arr = _fit(name, arr, shape, self.path) + lora_delta(d)
         return _fit(name, arr, shape, self.path)
 
