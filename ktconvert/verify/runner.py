@@ -27,6 +27,7 @@ import numpy as np
 from ktconvert.errors import InputError
 from ktconvert.golden import read_golden
 from ktconvert.io.atomic import sha256_file
+from ktconvert.io.datafile import read_json
 from ktconvert.model import build_model, load_config, load_weights, module_type_resolver
 from ktconvert.model.inject import EmulationOptions, inject
 from ktconvert.model.ops.experts import torch_dtype
@@ -405,13 +406,13 @@ def merged_lora(weights) -> dict | None:
         return None
     p = Path(weights)
     m = (p if p.is_dir() else p.parent) / "manifest.json"
-    try:
-        import json
-
-        data = json.loads(m.read_text()) if m.is_file() else None
-    except (OSError, ValueError):
+    if not m.exists():
         return None
-    return data.get("lora") if isinstance(data, dict) and data.get("kind") == "ktconvert-manifest" else None
+    try:
+        data = read_json(m, "manifest.json")
+    except InputError:  # not ktconvert's readable manifest: nothing says an adapter was merged
+        return None
+    return data.get("lora") if data.get("kind") == "ktconvert-manifest" else None
 
 
 def check_golden_lora(golden, lora, lora_alpha, cfg, model_dir: Path, weights=None):
