@@ -121,6 +121,17 @@ class MoeConfig:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def swiglu_clamp(self) -> tuple[float, float] | None:
+        """``(alpha, limit)`` of the experts' clamped SwiGLU; None for plain silu(gate) * up."""
+        return (self.swiglu_alpha, self.swiglu_limit) if self.swiglu_limit is not None else None
+
+    @property
+    def shared_experts_inter(self) -> int:
+        """The ``shared_experts`` MLP's width: the spec's width key where it names one, else ``n_shared_experts``
+        expert widths."""
+        return self.shared_experts_width or self.moe_intermediate_size * self.n_shared_experts
+
+    @property
     def spec(self) -> registry.FamilySpec:
         """The family's spec (``rules/families/<family>.yaml``): ask it instead of comparing family names."""
         return registry.spec(self.family)

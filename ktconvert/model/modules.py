@@ -705,10 +705,9 @@ class SparseMoeBlock(Tagged, nn.Module):
         # ktransformers' families route with an nn.Linear; a family it lacks keeps transformers' plain module
         router = TopKRouter if cfg.spec.section("classes").get("ktransformers_module") else LogitsRouter
         setattr(self, self.router_attr, router(cfg.hidden_size, cfg.num_experts, bias=bool(moe.get("router_bias"))))
-        clamp = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit is not None else None
         self.experts = RoutedExperts(
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names,
-                     bias=bool(moe.get("expert_bias")), clamp=clamp) for _ in range(cfg.num_experts)
+                     bias=bool(moe.get("expert_bias")), clamp=cfg.swiglu_clamp) for _ in range(cfg.num_experts)
         )
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
@@ -749,14 +748,14 @@ class DeepseekMoE(Tagged, nn.Module):
         if bias is not None and cfg.spec.section("moe").get("score_bias") == "block":
             self.gate.register_buffer("e_score_correction_bias", bias, persistent=False)
             self.register_buffer("e_score_correction_bias", bias)
-        clamp = (cfg.swiglu_alpha, cfg.swiglu_limit) if cfg.swiglu_limit is not None else None
+        clamp = cfg.swiglu_clamp
         self.experts = RoutedExperts(
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names, clamp=clamp)
             for _ in range(cfg.num_experts)
         )
         if cfg.n_shared_experts:
-            width = cfg.shared_experts_width or cfg.moe_intermediate_size * cfg.n_shared_experts
-            self.shared_experts = GatedMLP(cfg.hidden_size, width, clamp=clamp if cfg.shared_swiglu else None)
+            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.shared_experts_inter,
+                                           clamp=clamp if cfg.shared_swiglu else None)
         else:
             self.shared_experts = None
 

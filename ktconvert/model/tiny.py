@@ -248,7 +248,7 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
             mlp(f"{m}.shared_expert", cfg.shared_expert_intermediate_size)
             add(f"{m}.shared_expert_gate.weight", (1, h), "linear")
         if cfg.n_shared_experts:
-            mlp(f"{m}.shared_experts", cfg.shared_experts_width or cfg.moe_intermediate_size * cfg.n_shared_experts)
+            mlp(f"{m}.shared_experts", cfg.shared_experts_inter)
     add("model.norm.weight", (h,), norm)
     add("lm_head.weight", (cfg.vocab_size, h), "head")
     return specs
