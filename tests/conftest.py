@@ -44,3 +44,14 @@ def llama_built():
         if os.environ.get("CI"):
             pytest.fail(f"llama.cpp tiers required under CI: {exc}")
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """torch on one thread for a module's tests (results differ at ~1e-7 between thread counts); restored after."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

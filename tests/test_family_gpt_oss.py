@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 
+from transformers_helpers import modeling_523
 from ktconvert.golden import golden_root
 from ktconvert.io.resources import rules_dir
 from ktconvert.model import from_pretrained, load_config
@@ -29,12 +30,7 @@ TOL = 1e-5
 
 
 def _transformers():
-    transformers = pytest.importorskip("transformers")
-    if not transformers.__version__.startswith("5.23."):
-        pytest.skip(f"compared with transformers 5.23, found {transformers.__version__}")
-    from transformers.models.gpt_oss import modeling_gpt_oss
-
-    return transformers, modeling_gpt_oss
+    return modeling_523("gpt_oss")
 
 
 def _hf_config(**over):
@@ -44,12 +40,7 @@ def _hf_config(**over):
     return cfg
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

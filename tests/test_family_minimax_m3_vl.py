@@ -24,6 +24,7 @@ import pytest
 import torch
 
 from convert_helpers import assert_q8_0_matches_llama_quantize
+from transformers_helpers import modeling_523
 from ktconvert.errors import InputError
 from ktconvert.families import normalize_config
 from ktconvert.golden import golden_root, read_golden
@@ -38,12 +39,7 @@ RULES = rules_dir() / "optimize" / f"{FAMILY}.yaml"
 
 
 def _transformers():
-    transformers = pytest.importorskip("transformers")
-    if not transformers.__version__.startswith("5.23."):
-        pytest.skip(f"compared with transformers 5.23, found {transformers.__version__}")
-    from transformers.models.minimax_m3_vl import modeling_minimax_m3_vl
-
-    return transformers, modeling_minimax_m3_vl
+    return modeling_523("minimax_m3_vl")
 
 
 def _hf_text_config():
@@ -53,12 +49,7 @@ def _hf_text_config():
     return cfg
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(previous)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

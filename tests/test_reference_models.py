@@ -22,12 +22,7 @@ TOL = 1e-5
 PREFILL = 8  # decode test: prefill this many prompt tokens, then one token at a time
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _max_diff(a, b) -> float:

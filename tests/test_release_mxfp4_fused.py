@@ -15,6 +15,7 @@ import pytest
 from click.testing import CliRunner
 
 from fp8_helpers import rewrite
+from transformers_helpers import transformers_523
 from ktconvert.cli import cli
 from ktconvert.errors import InputError
 from ktconvert.formats import build_inspect_report, open_checkpoint, quantized
@@ -153,9 +154,7 @@ def test_to_hf_reads_the_release_and_kt_amx_is_refused(release, tmp_path):
 
 
 def test_transformers_dequantizes_the_release_to_our_decoding(release):
-    transformers = pytest.importorskip("transformers")
-    if not transformers.__version__.startswith("5.23."):
-        pytest.skip(f"compared with transformers 5.23, found {transformers.__version__}")
+    transformers = transformers_523()
     import torch
 
     from ktconvert.model import from_pretrained

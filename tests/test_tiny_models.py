@@ -4,7 +4,6 @@ and the designed routing margins (bf16 must not flip an expert)."""
 from __future__ import annotations
 
 import copy
-import dataclasses
 import hashlib
 import json
 import os
@@ -15,11 +14,11 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from transformers_helpers import transformers_523
 from ktconvert import families
 from ktconvert.cli import cli
 from ktconvert.golden.paths import golden_root, load_tiny_hashes
 from ktconvert.model import rng
-from ktconvert import families
 from ktconvert.families.config import FAMILIES, normalize_config
 from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.model.tiny import (
@@ -209,10 +208,7 @@ def test_routing_channels_are_never_written_by_residual_outputs():
 
 
 def _transformers_523():
-    transformers = pytest.importorskip("transformers")
-    if not transformers.__version__.startswith("5.23."):
-        pytest.skip(f"config spelling is pinned to transformers 5.23, found {transformers.__version__}")
-    return transformers
+    return transformers_523("config spelling is pinned to transformers 5.23")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
