@@ -33,7 +33,8 @@ def test_shipped_suite_covers_families_types_and_backends():
 
     assert {c.family for c in suite.cases} == set(FAMILIES)  # every registered family has gate cases
     assert {c.conversion for c in suite.cases} == {"type:F32", "type:BF16", "type:Q8_0", "recipe:Q4_K_M", "type:Q6_K",
-                                                   "kt-amx:type:AMXINT8", "kt-amx:type:AMXINT4"}
+                                                   "kt-amx:type:AMXINT8", "kt-amx:type:AMXINT4", "lora:type:Q8_0"}
+    assert {c.lora for c in suite.cases} == {None, "verify", "quantize"}
     assert {c.rules.name for c in suite.cases} >= {"qwen3_moe.yaml", "qwen3_moe-serve.yaml", "deepseek_v3-serve.yaml",
                                                    "glm4_moe-serve.yaml", "minimax_m2.yaml"}
 
@@ -53,10 +54,10 @@ def test_unmodified_tree_passes_the_whole_gate(tmp_path):
     from ktconvert.kernel import probe_kernel
 
     junit = tmp_path / "gate.xml"
-    expect = 72  # 63 emulated cases + 9 through the real kt-kernel (6 GGUF via LLAMAFILE, 3 kt-amx via AMX)
+    expect = 74  # 65 emulated cases + 9 through the real kt-kernel (6 GGUF via LLAMAFILE, 3 kt-amx via AMX)
     extra = []
     if not probe_kernel()["available"]:  # the kernel cases need kt-kernel; the rest of the gate still runs
-        extra, expect = [_suite_without_kernel_cases(tmp_path)], 63
+        extra, expect = [_suite_without_kernel_cases(tmp_path)], 65
     r = run("gate", *extra, "--jobs", "2", "--junit", junit)
     assert r.exit_code == 0, r.output
     assert f"{expect}/{expect} cases passed" in r.output and "gate green" in r.output
@@ -155,12 +156,34 @@ def test_router_score_bias_dropped_turns_the_gate_red(monkeypatch, tmp_path):
     _fail_names_case_and_metric(tmp_path, "deepseek_v3-f32", "deepseek_v3-f32")
 
 
+def test_adapter_at_half_strength_turns_both_lora_cases_red(monkeypatch, tmp_path):
+    """The LoRA cases check the adapter's arithmetic, not only that it is present: alpha/r halved wherever the
+    adapter is read (quantize --lora's merge and verify --lora's reference) turns both red."""
+    import ktconvert.convert.lora_merge as lora_merge
+
+    original = lora_merge._deltas
+    monkeypatch.setattr(lora_merge, "_deltas", lambda ad, scale, model_type: original(ad, scale / 2, model_type))
+    junit = tmp_path / "gate.xml"
+    r = run("gate", "-k", "lora", "--junit", junit)
+    assert r.exit_code == 1 and "0/2 cases passed" in r.output, r.output
+    for name in ("qwen3_moe-lora-q8_0", "qwen3_moe-lora-merged-q8_0"):
+        assert _junit_cases(junit)[name].find("failure") is not None, name
+
+
+def test_a_lora_case_against_a_base_golden_is_an_error_naming_both(tmp_path):
+    p = tmp_path / "suite.yaml"
+    p.write_text("kind: gate-suite\nversion: 1\ncases:\n  - {name: a, family: qwen3_moe, rules: qwen3_moe, type: Q8_0, "
+                 "lora: verify, golden: qwen3_moe, tolerance: q8_0}\n")
+    r = run("gate", p)
+    assert r.exit_code == 3 and "made without an adapter" in r.output, r.output
+
+
 # --- options and bad input --------------------------------------------------------------------------------
 def test_select_list_and_json(tmp_path):
     r = run("gate", "-k", "mixtral*", "--list")
     assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 5
     r = run("gate", "-k", "q8_0", "--list")
-    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 22  # thirteen single-request families, Kimi-K2 and Moonlight, five serve files, two kt-kernel
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 24  # thirteen single-request families, Kimi-K2 and Moonlight, five serve files, two kt-kernel, two LoRA
     r = run("gate", "-k", "nothing-like-this")
     assert r.exit_code == 2 and "selects no case" in r.output
 
@@ -181,6 +204,10 @@ def test_regen_is_refused_under_ci(monkeypatch):
      "tolerance profile 'loose'"),
     ("kind: gate-suite\nversion: 1\ncases:\n  - {name: a, family: qwen3_moe, rules: qwen3_moe, golden: qwen3_moe, tolerance: f32}\n",
      "not a valid gate suite"),
+    ("kind: gate-suite\nversion: 1\ncases:\n  - {name: a, family: deepseek_v3, variant: kimi_k2, rules: deepseek_v3, type: F32, "
+     "lora: verify, golden: qwen3_moe-lora, tolerance: f32}\n", "lora and variant together"),
+    ("kind: gate-suite\nversion: 1\ncases:\n  - {name: a, family: qwen3_moe, rules: qwen3_moe, type: F32, lora: yes, "
+     "golden: qwen3_moe-lora, tolerance: f32}\n", "not a valid gate suite"),
 ])
 def test_bad_suites_are_one_line_errors(tmp_path, text, needle):
     p = tmp_path / "suite.yaml"

@@ -86,6 +86,21 @@ def test_lora_alpha_without_lora_is_a_usage_error(env, monkeypatch):
         assert res.exit_code == 2 and "--lora-alpha without --lora" in res.output, res.output
 
 
+def test_committed_lora_golden_reproduces(env):
+    """golden/qwen3_moe-lora (the gate's LoRA cases) is what golden --lora makes of the tiny model and adapter now:
+    same adapter hashes, tensors within the bound test_goldens_reproduce uses (float32 kernels differ by CPU)."""
+    from ktconvert.golden import golden_root
+
+    made, committed = read_golden(env["root"] / "g-lora"), read_golden(golden_root() / "qwen3_moe-lora")
+    assert committed.manifest["lora"]["sha256"] == made.manifest["lora"]["sha256"]
+    assert committed.manifest["lora"]["files"] == made.manifest["lora"]["files"]
+    assert set(committed.tensors) == set(made.tensors)
+    for name, ref in committed.tensors.items():
+        ref = ref.astype(np.float64)
+        diff = np.max(np.abs(made.tensors[name].astype(np.float64) - ref))
+        assert diff <= 1e-5 * max(1.0, float(np.max(np.abs(ref)))), f"{name} moved by {diff}"
+
+
 def test_adapter_passes_against_merged_golden_and_fails_against_base(env):
     r = _verify(env, env["root"] / "g-lora", lora=env["adapter"])
     assert r.passed, [b.line() for b in r.breaches]

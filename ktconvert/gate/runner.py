@@ -21,6 +21,7 @@ from ktconvert.convert import convert
 from ktconvert.errors import KtError
 from ktconvert.gate.suite import Case, Suite
 from ktconvert.model.tiny import write_tiny_model
+from ktconvert.model.tiny_lora import write_tiny_lora
 from ktconvert.verify import EmulationOptions, run_verify
 
 KT_AMX_PARTS = 2  # threadpool parts of a kt-amx case (the launch default, --kt-threadpool-count 2)
@@ -95,9 +96,10 @@ def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: s
     with tempfile.TemporaryDirectory(prefix="ktconvert-gate-", dir=workdir) as tmp:
         # The tiny models are made here, once, before any worker starts (workers would race on them); a model
         # that cannot be made fails its cases with the reason, and its groups never run.
+        with_lora = {c.tiny for c in cases if c.lora}
         for case in {c.tiny: c for c in cases}.values():
             try:
-                _tiny_model(case, tmp)
+                _tiny_model(case, tmp, lora=case.tiny in with_lora)
             except Exception as exc:
                 for key in [k for k in groups if k[0] == case.tiny]:
                     for c in groups.pop(key):
@@ -126,7 +128,7 @@ def run_group_alone(cases: list[Case]) -> list[CaseResult]:
     """:func:`run_group` with its own tiny model in a temporary directory of this host (a Ray task's body)."""
     with tempfile.TemporaryDirectory(prefix="ktconvert-gate-") as tmp:
         try:
-            _tiny_model(cases[0], tmp)
+            _tiny_model(cases[0], tmp, lora=any(c.lora for c in cases))
         except Exception as exc:
             return [CaseResult(c, False, 0.0, error=_one_line(exc)) for c in cases]
         return run_group(cases, tmp)
@@ -143,23 +145,26 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
         if first.to == "kt-amx":
             result = convert(model_dir, out, type=first.type, format="kt-amx", threadpool_count=KT_AMX_PARTS, force=True)
         else:  # the suite's tolerances were measured with llama.cpp's fallbacks (DeepSeek's MLA rows of 64 and 128)
-            result = convert(model_dir, out, first.recipe, type=first.type, force=True, allow_fallback=True)
+            lora = _adapter_dir(first.tiny, workdir) if first.lora == "quantize" else None
+            result = convert(model_dir, out, first.recipe, type=first.type, force=True, allow_fallback=True, lora=lora)
         weights = _weights_path(result.out)
     except Exception as exc:  # the whole group cannot run: every case in it reports why
         message = _one_line(exc)
         spent = time.perf_counter() - began
         return [CaseResult(c, False, spent / len(cases), error=message) for c in cases]
     convert_share = (time.perf_counter() - began) / len(cases)
-    return [verify_case(c, model_dir, weights, convert_share) for c in cases]
+    adapter = _adapter_dir(first.tiny, workdir)
+    return [verify_case(c, model_dir, weights, convert_share, adapter if c.lora == "verify" else None) for c in cases]
 
 
-def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float = 0.0) -> CaseResult:
+def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float = 0.0,
+                lora: Path | None = None) -> CaseResult:
     began = time.perf_counter()
     # a kt-amx directory holds the experts only: the rest comes from the model, as in a kt-kernel launch
     where = {"kt_weights": weights} if case.to == "kt-amx" else {"weights": weights}
     try:
         report = run_verify(model_dir, case.rules, case.golden, profile=case.tolerance,
-                            options=EmulationOptions(kernel=case.kernel), **where)
+                            options=EmulationOptions(kernel=case.kernel), lora=lora, **where)
     except Exception as exc:
         return CaseResult(case, False, time.perf_counter() - began + extra_seconds, error=_one_line(exc))
     summary = {}
@@ -176,8 +181,15 @@ def _tiny_model_dir(tiny: str, workdir: str) -> Path:
     return Path(workdir) / "models" / tiny
 
 
-def _tiny_model(case: Case, workdir: str) -> None:
+def _adapter_dir(tiny: str, workdir: str) -> Path:
+    return Path(workdir) / "adapters" / tiny
+
+
+def _tiny_model(case: Case, workdir: str, lora: bool = False) -> None:
+    """The case's tiny model, and with ``lora`` the family's tiny adapter beside it (lora cases read it)."""
     write_tiny_model(case.family, _tiny_model_dir(case.tiny, workdir), variant=case.variant)
+    if lora:
+        write_tiny_lora(case.family, _adapter_dir(case.tiny, workdir))
 
 
 def _weights_path(out: Path) -> Path:

@@ -27,6 +27,7 @@ class Case:
     kernel: str = "emulate"  # verify --kernel: emulate, kt-kernel or both
     to: str = "gguf"  # quantize --to: gguf, or kt-amx (verified as --kt-weights)
     variant: str | None = None  # a tiny variant of the family (spec tiny.variants) instead of its tiny model
+    lora: str | None = None  # the family's tiny adapter: "verify" (verify --lora) or "quantize" (quantize --lora)
 
     @property
     def tiny(self) -> str:
@@ -37,6 +38,8 @@ class Case:
     def conversion(self) -> str:
         """What ``ktconvert quantize`` is asked for: cases sharing it share one converted checkpoint."""
         what = f"recipe:{self.recipe}" if self.recipe else f"type:{self.type}"
+        if self.lora == "quantize":
+            what = f"lora:{what}"
         return what if self.to == "gguf" else f"{self.to}:{what}"
 
 
@@ -84,7 +87,11 @@ def load_suite(path: str | Path, check_profiles: bool = True) -> Suite:
             golden=_golden(raw["golden"], path, where), tolerance=_tolerance(raw["tolerance"], path, where) if check_profiles else raw["tolerance"],
             type=raw.get("type"), recipe=raw.get("recipe"), tags=tuple(raw.get("tags", ())),
             kernel=raw.get("kernel", "emulate"), to=raw.get("to", "gguf"), variant=raw.get("variant"),
+            lora=raw.get("lora"),
         ))
+        if raw.get("lora") is not None and raw.get("variant") is not None:
+            raise InputError("lora and variant together: the tiny adapter is made for the family's tiny model only",
+                             path=str(path), where=where, fix="drop variant or lora")
         known = families.spec(raw["family"]).tiny.get("variants") or {}
         if raw.get("variant") is not None and raw["variant"] not in known:
             raise InputError(f"{raw['family']} has no tiny variant {raw['variant']!r}", path=str(path), where=where,
