@@ -178,6 +178,24 @@ def test_a_lora_case_against_a_base_golden_is_an_error_naming_both(tmp_path):
     assert r.exit_code == 3 and "made without an adapter" in r.output, r.output
 
 
+def test_regen_of_a_lora_case_makes_its_golden_with_the_adapter(monkeypatch, tmp_path):
+    import shutil
+
+    from ktconvert.golden import golden_root, read_golden
+
+    monkeypatch.delenv("CI", raising=False)
+    shutil.copytree(golden_root() / "qwen3_moe-lora", tmp_path / "g")
+    p = tmp_path / "suite.yaml"
+    p.write_text("kind: gate-suite\nversion: 1\ncases:\n  - {name: a, family: qwen3_moe, rules: qwen3_moe, type: Q8_0, "
+                 "lora: quantize, golden: g, tolerance: q8_0}\n")
+    r = run("gate", p, "--regen", "--reason", "test")
+    assert r.exit_code == 0, r.output
+    made = read_golden(tmp_path / "g")
+    assert made.manifest["lora"]["sha256"] == read_golden(golden_root() / "qwen3_moe-lora").manifest["lora"]["sha256"]
+    assert made.manifest["regenerations"][-1]["reason"] == "test" and "--lora <ADAPTER>" in made.manifest["command"]
+    assert run("gate", p).exit_code == 0
+
+
 # --- options and bad input --------------------------------------------------------------------------------
 def test_select_list_and_json(tmp_path):
     r = run("gate", "-k", "mixtral*", "--list")

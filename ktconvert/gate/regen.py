@@ -8,6 +8,7 @@ from pathlib import Path
 from ktconvert.gate.suite import Suite
 from ktconvert.golden.generate import generate_golden, refuse_under_ci
 from ktconvert.model.tiny import write_tiny_model
+from ktconvert.model.tiny_lora import write_tiny_lora
 
 
 def regenerate_goldens(suite: Suite, reason: str, select: str | None = None) -> list[Path]:
@@ -22,6 +23,11 @@ def regenerate_goldens(suite: Suite, reason: str, select: str | None = None) -> 
             model = Path(tmp) / case.tiny
             if not model.is_dir():
                 write_tiny_model(case.family, model, variant=case.variant)
-            generate_golden(model, case.golden, force=True, reason=reason)
+            adapter = None
+            if case.lora:  # the golden of a lora case is made with the adapter the case applies
+                adapter = Path(tmp) / f"{case.tiny}-lora"
+                if not adapter.is_dir():
+                    write_tiny_lora(case.family, adapter)
+            generate_golden(model, case.golden, force=True, reason=reason, lora=adapter)
             done.append(case.golden)
     return done
