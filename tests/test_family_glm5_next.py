@@ -1,0 +1,167 @@
+"""GLM-5-Next (glm5_next) beyond the family-parametrised tests: the reference blocks against transformers 5.23's own
+(Kimi Delta Attention, the k-pool DSA indexer with a shared layer, hyper-connections, the clamped SwiGLU of every
+MLP), that each of them decides the golden, the release and transformers spellings of the config, and the refusals."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ktconvert.errors import InputError
+from ktconvert.families import normalize_config
+from ktconvert.golden import read_golden
+from ktconvert.golden.paths import golden_root
+from ktconvert.model.tiny import tiny_config, write_tiny_model
+from transformers_helpers import transformers_523
+
+FAMILY = "glm5_next"
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    out = tmp_path_factory.mktemp("g5n") / "model"
+    write_tiny_model(FAMILY, out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def ref(model):
+    from ktconvert.model import from_pretrained
+
+    return from_pretrained(model)
+
+
+def _logits(m, ids):
+    import torch
+
+    with torch.no_grad():
+        return m(torch.from_numpy(ids)).logits.numpy()
+
+
+def test_every_block_matches_transformers(model, ref, one_torch_thread):
+    """Logits within 1e-5 and every attention / MLP block's output along the forward within 3e-5 (outputs up to ~3,
+    rounding accumulates over the layers): transformers' Glm5NextForConditionalGeneration reads the release layout
+    (per-expert experts, q/k/v_conv1d, flat forget-gate and hc_* names) the tiny model is written in."""
+    import torch
+
+    transformers = transformers_523()
+    hf = transformers.AutoModelForImageTextToText.from_pretrained(
+        str(model), dtype=torch.float32, attn_implementation="eager", experts_implementation="eager").eval()
+    gold = read_golden(golden_root() / FAMILY)
+    ids = torch.from_numpy(gold.input_ids)
+    got: dict = {}
+    lm = hf.model.language_model
+    hooks = []
+    for i, (a, b) in enumerate(zip(lm.layers, ref.model.layers)):
+        for name, mod in (("hf", a), ("ref", b)):
+            hooks.append(mod.self_attn.register_forward_hook(
+                lambda m, x, o, i=i, n=name: got.__setitem__((n, "attn", i), o[0] if isinstance(o, tuple) else o)))
+            hooks.append(mod.mlp.register_forward_hook(lambda m, x, o, i=i, n=name: got.__setitem__((n, "mlp", i), o)))
+    with torch.no_grad():
+        want = hf(input_ids=ids, use_cache=False).logits
+        have = ref(ids).logits
+    for h in hooks:
+        h.remove()
+    assert (want - have).abs().max() <= 1e-5
+    for i in range(len(lm.layers)):
+        for part in ("attn", "mlp"):
+            assert (got[("hf", part, i)] - got[("ref", part, i)]).abs().max() <= 3e-5, (part, i)
+
+
+def test_reference_decode_matches_the_golden(ref, one_torch_thread):
+    """Token by token with the cache (KDA conv windows and state, pooled indexer keys rebuilt each step)."""
+    import torch
+
+    gold = read_golden(golden_root() / FAMILY)
+    cache = ref.new_cache()
+    with torch.no_grad():
+        steps = [ref(torch.from_numpy(gold.input_ids[:, t:t + 1]), cache).logits for t in range(gold.input_ids.shape[1])]
+    assert np.abs(torch.cat(steps, dim=1).numpy() - gold.logits).max() <= 1e-5
+
+
+def test_sparse_selection_shared_layer_and_clamp_decide_the_golden(ref, one_torch_thread):
+    """index_topk 8 = 2 pools of 4 of up to 7 complete pools, plus the tail; layer 2 reuses layer 1's selection;
+    swiglu_limit 1 clamps. Undoing any of them moves the logits far past the 1e-5 the reference keeps."""
+    gold = read_golden(golden_root() / FAMILY)
+    base = _logits(ref, gold.input_ids)
+    assert np.abs(base - gold.logits).max() <= 1e-5
+    indexers = [l.self_attn.indexer for l in ref.model.layers if getattr(l.self_attn, "indexer", None) is not None]
+    assert len(indexers) == 1 and ref.model.layers[2].self_attn.selection_source is ref.model.layers[1].self_attn
+    try:
+        indexers[0].topk = 10**6
+        assert np.abs(_logits(ref, gold.input_ids) - gold.logits).max() > 0.1
+    finally:
+        indexers[0].topk = 8
+    shared = ref.model.layers[2].self_attn
+    src = shared.selection_source
+    try:
+        object.__setattr__(shared, "selection_source", None)  # layer 2 attends to every key
+        assert np.abs(_logits(ref, gold.input_ids) - gold.logits).max() > 0.1
+    finally:
+        object.__setattr__(shared, "selection_source", src)
+    clamped = [m for m in ref.modules() if getattr(m, "clamp", None) is not None]
+    assert len(clamped) == 1 + 3 * 9  # the dense MLP, then per MoE layer 8 experts and the shared one
+    try:
+        for m in clamped:
+            m.clamp = (None, 1e9)
+        assert np.abs(_logits(ref, gold.input_ids) - gold.logits).max() > 0.1
+    finally:
+        for m in clamped:
+            m.clamp = (None, 1.0)
+
+
+def _transformers_spelling() -> dict:
+    """The tiny config as transformers 5.23 saves it: linear_* keys for linear_attn_config, no first_k_dense_replace
+    (mlp_layer_types says it), no mla_use_nope."""
+    raw = tiny_config(FAMILY)
+    lin = raw.pop("linear_attn_config")
+    raw.update(linear_num_heads=lin["num_heads"], linear_head_dim=lin["head_dim"],
+               linear_conv_kernel_dim=lin["short_conv_kernel_size"], linear_lower_bound=lin["gate_lower_bound"])
+    for key in ("first_k_dense_replace", "mla_use_nope", "num_nextn_predict_layers"):
+        del raw[key]
+    return raw
+
+
+def test_release_and_transformers_spellings_read_alike():
+    rel, tf5 = normalize_config(tiny_config(FAMILY)), normalize_config(_transformers_spelling())
+    for field in ("kda", "layer_types", "moe_layers", "indexer", "dsa_shared_layers", "hyper_connections",
+                  "swiglu_limit", "latent_norm_eps"):
+        assert getattr(rel, field) == getattr(tf5, field), field
+    assert rel.moe_layers == (1, 2, 3) and rel.dsa_shared_layers == (2,) and rel.kda.lower_bound == -5.0
+    # the releases' index_topk_pattern spelling of indexer_types, and transformers' all-full default
+    raw = {k: v for k, v in tiny_config(FAMILY).items() if k != "indexer_types"}
+    assert normalize_config({**raw, "index_topk_pattern": "FFSF"}).dsa_shared_layers == (2,)
+    assert normalize_config(raw).dsa_shared_layers == ()
+
+
+@pytest.mark.parametrize("change,where", [
+    ({"index_topk": 6}, "index_topk"),
+    ({"linear_attn_config": {"num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 4}}, "linear_attn_config.num_heads"),
+    ({"linear_attn_config": {"num_heads": 4, "head_dim": 0, "short_conv_kernel_size": 4}}, "head_dim"),
+    ({"layer_types": ["linear_attention", "sliding_attention", "indexed_attention", "linear_attention"]}, "layer_types"),
+    ({"indexer_types": ["full", "shared", "full", "full"]}, "indexer_types"),  # layer 0 is linear: nothing to share
+    ({"indexer_types": ["full", "full", "sometimes", "full"]}, "indexer_types"),
+    ({"mlp_layer_types": ["dense", "dense", "sparse", "sparse"]}, "mlp_layer_types"),  # first_k_dense_replace says 1
+    ({"hc_mult": 0}, "hc_mult"),
+    ({"swiglu_limit": -1.0}, "swiglu_limit"),
+])
+def test_bad_config_is_one_error_naming_the_key(change, where):
+    raw = {**tiny_config(FAMILY), **change}
+    with pytest.raises(InputError) as exc:
+        normalize_config(raw, path="config.json")
+    assert exc.value.where == where and "config.json" in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_inspect_is_clean_on_the_release_layout(model):
+    import json
+
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    res = CliRunner().invoke(cli, ["inspect", str(model), "-o", "json"], catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert [p for p in report["problems"] if p["severity"] != "info"] == [], report["problems"]
+    assert report["architecture"]["arch"] == "glm5-next"
