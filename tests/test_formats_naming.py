@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import yaml
 
@@ -146,6 +147,27 @@ def test_guess_arch_from_names(root):
     # differs, and shapes never decide): no guess, the config.json has to say
     assert guess_arch(open_checkpoint(hf_checkpoint(root, "qwen3_moe", "fused"))) is None
     assert guess_arch(["nothing.we.know"]) is None
+
+
+def test_unsqueeze_transform_reshapes_without_moving_bytes(tmp_path):
+    """A KDA conv kernel [C, 1, K] becomes llama.cpp's [1, C, 1, K] (squeeze, then unsqueeze [0, 2]): same rows of
+    K, same bytes; a map's list-valued transform loads into a hashable entry."""
+    from ktconvert.formats import transforms
+    from ktconvert.convert.source import Segment
+
+    t = {"squeeze": True, "unsqueeze": [0, 2]}
+    p = _write_map(tmp_path, lambda d: d["tensors"].append(
+        {"gguf": "blk.{L}.ssm_conv1d.weight", "hf": "model.layers.{L}.conv.weight", "group": "attention", "transform": t}))
+    hit = load_naming_map(p).lookup("model.layers.0.conv.weight")
+    assert dict(hit.transform) == {"squeeze": True, "unsqueeze": (0, 2)} and isinstance(hash(hit), int)
+    seg = Segment(0, 12, "model.layers.0.conv.weight")
+    shape, segs = transforms.apply("conv", (12, 1, 4), dict(hit.transform), None, seg, "test")
+    assert shape == (1, 12, 1, 4) and segs == (seg,)
+    assert transforms.apply("conv", (12, 4), t, None, seg, "test")[0] == (1, 12, 1, 4)  # a 2-D kernel as well
+    w = np.arange(48, dtype=np.float32).reshape(12, 1, 4)
+    out = transforms.redo(w, t, None, "test")
+    assert out.shape == (1, 12, 1, 4) and np.array_equal(out.ravel(), w.ravel())
+    assert np.array_equal(transforms.undo(out, t, None, "test").ravel(), w.ravel())  # size-1 axes: the caller's
 
 
 def _write_map(tmp_path, mutate):
