@@ -112,7 +112,8 @@ class NamingMap:
                 group=t["group"],
                 model_types=tuple(t["model_types"]) if "model_types" in t else None,
                 derived=t.get("derived"),
-                transform=tuple(sorted((t.get("transform") or {}).items())),
+                transform=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)  # lists (unsqueeze) hashable
+                                       for k, v in (t.get("transform") or {}).items())),
             )
             for t in data["tensors"]
         )
