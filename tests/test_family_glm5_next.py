@@ -165,3 +165,139 @@ def test_inspect_is_clean_on_the_release_layout(model):
     report = json.loads(res.stdout)
     assert [p for p in report["problems"] if p["severity"] != "info"] == [], report["problems"]
     assert report["architecture"]["arch"] == "glm5-next"
+
+
+# --- conversion, verify, check-rules, kt-amx --------------------------------------------------------------------------
+
+RULES_NAME = "glm5_next.yaml"
+
+
+@pytest.fixture(scope="module")
+def converted(model, tmp_path_factory):
+    from ktconvert.convert import convert
+
+    root = tmp_path_factory.mktemp("g5nq")
+    return {"F32": convert(model, root / "f32", type="F32").out / "model.gguf",
+            "Q8_0": convert(model, root / "q8", type="Q8_0").out / "model.gguf"}
+
+
+def _rules():
+    from ktconvert.io.resources import rules_dir
+
+    return rules_dir() / "optimize" / RULES_NAME
+
+
+def test_gguf_keeps_what_llamacpp_reads(converted):
+    """The keys llama.cpp's glm5-next loader reads, including those transformers drops (linear_attn_config's KDA sizes
+    and gate bound, first_k_dense_replace) and the per-layer head_count_kv that marks the recurrent layers."""
+    from ktconvert.formats import open_checkpoint
+
+    md = open_checkpoint(converted["F32"]).metadata
+    a = "glm5-next"
+    assert md["general.architecture"] == a
+    assert list(md[f"{a}.attention.head_count_kv"].values) == [0, 1, 1, 0]
+    assert md[f"{a}.ssm.conv_kernel"] == 4 and md[f"{a}.kda.head_dim"] == 32 and md[f"{a}.kda.gate_lower_bound"] == -5.0
+    assert md[f"{a}.rope.dimension_count"] == 0 and md[f"{a}.attention.key_length"] == 64
+    assert md[f"{a}.attention.key_length_mla"] == 64 and md[f"{a}.attention.value_length_mla"] == 64
+    assert [md[f"{a}.attention.indexer.{k}"] for k in ("head_count", "key_length", "top_k", "kpool")] == [8, 64, 8, 4]
+    assert md[f"{a}.attention.indexer.kpool_select_tail"] is True
+    assert list(md[f"{a}.attention.indexer.types"].values) == [True, True, False, True]
+    assert [md[f"{a}.hyper_connection.{k}"] for k in ("count", "sinkhorn_iterations")] == [4, 20]
+    assert md[f"{a}.leading_dense_block_count"] == 1 and md[f"{a}.expert_weights_scale"] == 2.5
+    assert list(md[f"{a}.swiglu_clamp_exp"].values) == list(md[f"{a}.swiglu_clamp_shexp"].values) == [1.0] * 4
+    assert abs(md[f"{a}.attention.layer_norm_epsilon"] - 1e-6) < 1e-12
+
+
+def test_q8_0_keeps_what_llama_quantize_keeps(model, converted, tmp_path):
+    """--type Q8_0 leaves glm5-next's hyper-connections, indexer, KDA gates, conv kernels and MLA latents F32
+    (llama-quant.cpp's list for the architecture, the naming map's unquantized); a recipe file gets what it says."""
+    from ktconvert.convert import convert
+    from ktconvert.formats import open_checkpoint
+
+    q8 = open_checkpoint(converted["Q8_0"])
+    types = {n: q8[n].dtype for n in q8}
+    for name in ("blk.0.hc_attn_fn.weight", "blk.0.ssm_conv1d_q.weight", "blk.0.ssm_f_b.weight", "blk.0.ssm_beta.weight",
+                 "blk.1.indexer.attn_q_b.weight", "blk.1.indexer_compressor_gate.weight", "blk.1.attn_kv_a_mqa.weight",
+                 "blk.1.attn_k_b.weight", "blk.1.attn_v_b.weight"):
+        assert types[name] == "F32", name
+    for name in ("blk.0.attn_q.weight", "blk.1.attn_q_a.weight", "blk.1.ffn_down_exps.weight", "blk.0.ffn_gate.weight"):
+        assert types[name] == "Q8_0", name
+    recipe = tmp_path / "all-q8.yaml"
+    recipe.write_text("kind: convert-recipe\nname: all-q8\nrules:\n"
+                      "  - {match: '_norm\\.weight$|\\.bias$|ssm_conv1d|^(?!.*\\.weight$)|ffn_gate_inp', type: F32}\n"
+                      "  - {match: '.', type: Q8_0}\n")
+    own = open_checkpoint(convert(model, tmp_path / "own", recipe=str(recipe)).out / "model.gguf")
+    assert own["blk.0.ssm_f_b.weight"].dtype == own["blk.1.attn_kv_a_mqa.weight"].dtype == "Q8_0"
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_verify_passes_the_conversions(model, converted, qtype, one_torch_thread):
+    from ktconvert.verify import run_verify
+
+    report = run_verify(model, _rules(), golden_root() / FAMILY, weights=converted[qtype])
+    assert report.profile.name == qtype.lower()
+    assert report.passed, [b.line() for b in report.breaches]
+
+
+def test_verify_localises_swapped_gate_and_up_in_one_layer(model, converted, tmp_path, one_torch_thread):
+    """Layer 2's ffn_gate_exps and ffn_up_exps exchanged (a conversion that mixes gate and up up): verify fails there,
+    in both phases, at the MoE block."""
+    import shutil
+
+    from gguf import GGUFReader
+
+    from ktconvert.verify import run_verify
+
+    broken = tmp_path / "broken.gguf"
+    shutil.copyfile(converted["F32"], broken)
+    reader = GGUFReader(broken, "r+")
+    t = {x.name: x for x in reader.tensors}
+    gate, up = t["blk.2.ffn_gate_exps.weight"].data, t["blk.2.ffn_up_exps.weight"].data
+    g = np.array(gate)
+    gate[...] = up
+    up[...] = g
+    reader.data.flush()
+    del reader
+    report = run_verify(model, _rules(), golden_root() / FAMILY, weights=broken)
+    assert not report.passed
+    for phase in report.phases:
+        loc = phase.localization
+        assert loc["layer"] == "layer 2" and loc["module"] == "model.layers.2.mlp", (phase.name, loc)
+        assert loc["module_nmse_out"] > 10 * loc["module_nmse_in"]
+        assert all(v <= report.profile.hidden_nmse for _, v in phase.layers[:3])
+
+
+def test_check_rules_clean_on_the_shipped_port(model, converted):
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+    from ktconvert.rules import modeltree
+
+    rules = str(_rules())
+    for args in ([rules], [rules, "--model", str(model)], [rules, "--model", str(model), "--weights", str(converted["Q8_0"])]):
+        res = CliRunner().invoke(cli, ["check-rules", *args])
+        assert res.exit_code == 0 and "0 error(s), 0 warning(s)" in res.output, res.output
+    tree = modeltree.probe_tree(FAMILY)
+    types = {n.path: n.type for n in tree.nodes}
+    assert tree.num_layers == 45 and types["model.layers.44.mlp.gate"] == "Glm5NextTextTopkRouter"
+    assert types["model.layers.0.self_attn"] == "Glm5NextTextLinearAttention"
+    assert types["model.layers.3.self_attn"] == "Glm5NextTextAttention" and "model.layers.3.self_attn.rotary_emb" not in types
+
+
+def test_kt_amx_is_refused_the_amx_kernel_has_no_clamp(model, tmp_path):
+    """kt-kernel 0.7.2's AMXINT8/AMXINT4 compute silu(gate) * up (swiglu_limit reaches only its FP8, MXFP4, MXFP8 and
+    LLAMAFILE methods): a kt-amx directory would serve GLM-5-Next unclamped experts, so none is written."""
+    from ktconvert.convert import convert
+    from ktconvert.errors import UsageProblem
+
+    with pytest.raises(UsageProblem, match="silu_clamped") as exc:
+        convert(model, tmp_path / "amx", format="kt-amx", type="AMXINT8")
+    assert "LLAMAFILE" in exc.value.fix
+    assert not (tmp_path / "amx").exists()
+
+
+@pytest.mark.interop
+def test_q8_0_is_llamacpps_quantizer(llama_built, model, converted, tmp_path):
+    from convert_helpers import assert_q8_0_matches_llama_quantize
+
+    assert_q8_0_matches_llama_quantize(model, converted["F32"], tmp_path)

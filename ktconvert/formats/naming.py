@@ -121,6 +121,7 @@ class NamingMap:
         self.expert_scales: dict[str, dict[str, tuple[str, ...]]] = _forms(data.get("expert_scales", {}))
         self.expert_biases: dict[str, dict[str, tuple[str, ...]]] = _forms(data.get("expert_biases", {}))
         self.guess_requires: frozenset[str] = frozenset(_key_of_template(t)[0] for t in data.get("guess_requires", ()))
+        self.unquantized: str | None = data.get("unquantized")  # llama-quantize's per-architecture keep list
         self._index: dict[str, list[_Slot]] = {}
         self._build_index()
 
