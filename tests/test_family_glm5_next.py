@@ -138,6 +138,8 @@ def test_release_and_transformers_spellings_read_alike():
     ({"index_topk": 6}, "index_topk"),
     ({"linear_attn_config": {"num_heads": 2, "head_dim": 32, "short_conv_kernel_size": 4}}, "linear_attn_config.num_heads"),
     ({"linear_attn_config": {"num_heads": 4, "head_dim": 0, "short_conv_kernel_size": 4}}, "head_dim"),
+    ({"linear_attn_config": {"num_heads": 4, "head_dim": 32, "short_conv_kernel_size": 4, "gate_lower_bound": "low"}},
+     "gate_lower_bound"),
     ({"layer_types": ["linear_attention", "sliding_attention", "indexed_attention", "linear_attention"]}, "layer_types"),
     ({"indexer_types": ["full", "shared", "full", "full"]}, "indexer_types"),  # layer 0 is linear: nothing to share
     ({"indexer_types": ["full", "full", "sometimes", "full"]}, "indexer_types"),
@@ -301,3 +303,24 @@ def test_q8_0_is_llamacpps_quantizer(llama_built, model, converted, tmp_path):
     from convert_helpers import assert_q8_0_matches_llama_quantize
 
     assert_q8_0_matches_llama_quantize(model, converted["F32"], tmp_path)
+
+
+@pytest.mark.interop
+def test_q4_k_m_is_llamacpps_mix(llama_built, model, converted, tmp_path):
+    """The Q4_K_M preset, glm5-next's own rules included (its unquantized list, attn_q_a / attn_q_b kept at Q8_0), is
+    llama-quantize's Q4_K_M of our F32 GGUF tensor for tensor: same names, types and bytes."""
+    from gguf import GGUFReader
+
+    import llamacpp_runner
+    from ktconvert.convert import convert
+
+    ours = convert(model, tmp_path / "q4km", recipe="Q4_K_M").out / "model.gguf"
+    theirs = tmp_path / "llama-q4km.gguf"
+    llamacpp_runner.quantize(converted["F32"], theirs, 15)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    a = {t.name: t for t in GGUFReader(ours).tensors}
+    b = {t.name: t for t in GGUFReader(theirs).tensors}
+    assert set(a) == set(b)
+    assert a["blk.1.attn_q_b.weight"].tensor_type.name == "Q8_0" and a["blk.0.hc_ffn_fn.weight"].tensor_type.name == "F32"
+    for name in a:
+        assert a[name].tensor_type == b[name].tensor_type, name
+        assert a[name].data.tobytes() == b[name].data.tobytes(), name
