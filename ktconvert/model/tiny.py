@@ -431,9 +431,11 @@ FP8_VARIANTS: dict[str, tuple[tuple[int, int], str]] = {f: _fp8_variant(f) for f
 
 
 def _is_fp8_weight(spec: TensorSpec) -> bool:
-    """The linear layers FP8 releases store in FP8: attention, dense and expert MLPs; not the router, the shared
-    expert's scalar gate, embeddings, head or norms."""
-    return spec.kind in ("linear", "out_linear") and len(spec.shape) == 2 and not spec.name.endswith("_gate.weight")
+    """The linear layers FP8 releases store in FP8: attention, dense and expert MLPs (Linear ``.weight`` matrices);
+    not the router, the shared expert's scalar gate, embeddings, head, norms, nor bare parameters (GLM-5-Next's
+    hyper-connection and k-pool matrices)."""
+    return (spec.kind in ("linear", "out_linear") and len(spec.shape) == 2 and spec.name.endswith(".weight")
+            and not spec.name.endswith("_gate.weight"))
 
 
 def tiny_fp8_config(family: str) -> dict:
@@ -454,15 +456,17 @@ def tiny_fp8_files(family: str) -> dict[str, bytes]:
     cfg_json = tiny_fp8_config(family)
     block, scale_dtype = FP8_VARIANTS[family]
     cfg = normalize_config(tiny_config(family))
+    sp = families.spec(family)
     tensors, dtypes = {}, {}
     for spec in tensor_specs(cfg):
         x = _fill(family, cfg, spec)
+        name = sp.published_name(spec.name)  # a multimodal wrapper's release prefix (GLM-5-Next)
         if not _is_fp8_weight(spec):
-            tensors[spec.name] = x
+            tensors[name] = x
             continue
         codes, scale = fp8.quantize(x, block, scale_dtype)
-        tensors[spec.name], dtypes[spec.name] = codes, fp8.FP8_DTYPE
-        sname = spec.name + fp8.SCALE_SUFFIX
+        tensors[name], dtypes[name] = codes, fp8.FP8_DTYPE
+        sname = name + fp8.SCALE_SUFFIX
         tensors[sname] = fp8.to_bits(scale, scale_dtype)
         dtypes[sname] = scale_dtype
     files = {"config.json": (json.dumps(cfg_json, indent=2, sort_keys=True) + "\n").encode("utf-8")}
