@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import yaml
 
@@ -14,7 +15,8 @@ ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama", "glm4moe", "minimax-m2",
           "glm-dsa", "deepseek32", "qwen3next")
 # gguf 0.19.0 (the pinned gguf-py) predates llama.cpp's minimax-m3: its map's names were checked against llama.cpp
 # 0.3.36's own tables (src/llama-arch.cpp, gguf-py MINIMAXM3) and are proven by llama.cpp loading our GGUFs
-NOT_IN_GGUF_PY = ("minimax-m3",)
+# the same for glm5-next, whose map is checked against llama.cpp 0.3.36's converter tables below
+NOT_IN_GGUF_PY = ("minimax-m3", "glm5-next")
 
 
 @pytest.fixture(scope="module")
@@ -146,6 +148,89 @@ def test_guess_arch_from_names(root):
     # differs, and shapes never decide): no guess, the config.json has to say
     assert guess_arch(open_checkpoint(hf_checkpoint(root, "qwen3_moe", "fused"))) is None
     assert guess_arch(["nothing.we.know"]) is None
+
+
+# llama.cpp's own gguf-py (from the pinned llama-cpp-python sdist, as tests/llamacpp_convert.py extracts it), in a
+# child so that it does not shadow the pinned gguf package: the arch's tensor names and, for each HF name, the GGUF
+# name its converter maps it to (TextModel.filter_tensors strips language_model. and spells e_score_correction_bias
+# e_score_correction.bias first; Glm5NextModel renames dt_bias to dt_proj.bias and adds .weight to the suffix-less
+# hc_* / index_kpool_compress_* parameters, as modify_tensors does)
+_UPSTREAM_TABLES = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1] + "/gguf-py")
+import gguf
+arch, names, layers = sys.argv[2], json.loads(sys.argv[3]), int(sys.argv[4])
+key = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == arch)
+tmap = gguf.get_tensor_name_map(key, layers)
+mapped = {}
+for name in names:
+    up = name.replace("language_model.", "").replace("e_score_correction_bias", "e_score_correction.bias")
+    up = up.replace(".dt_bias", ".dt_proj.bias")
+    bare = not up.endswith((".weight", ".bias")) and not up.endswith(".A_log")
+    got = tmap.get_name(up, try_suffixes=(".weight", ".bias"))
+    mapped[name] = (got + ".weight") if (got and bare) else got
+known = sorted(gguf.TENSOR_NAMES[t] for t in gguf.MODEL_TENSORS[key])
+print(json.dumps({"known": known, "mapped": mapped}))
+"""
+
+
+def test_glm5_next_map_matches_llama_cpp_converter_tables():
+    """gguf 0.19.0 has no glm5-next: every GGUF template is one of llama.cpp 0.3.36's GLM5_NEXT tensors, and every
+    HF name of the map (the releases' names, under model.language_model.) is renamed as its converter renames it."""
+    import json
+    import subprocess
+    import sys
+
+    import ggml_ref
+    import llamacpp_convert
+
+    try:
+        root = llamacpp_convert.sources()
+    except ggml_ref.RefUnavailable as exc:
+        pytest.skip(str(exc))
+    m = naming_map("glm5-next")
+    hf_names = {}
+    for e in m.tensors:
+        if e.derived:  # kv_b_proj split per head: the converter's own code, not its tables
+            continue
+        hf_names["model.language_model." + e.hf[0].removeprefix("model.").replace("{L}", "3")] = e
+    hf_names.pop("model.language_model.lm_head.weight")
+    proc = subprocess.run([sys.executable, "-c", _UPSTREAM_TABLES, str(root), "glm5-next",
+                           json.dumps(sorted(hf_names)), "4"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    up = json.loads(proc.stdout)
+    known = {t.replace("{bid}", "{L}") for t in up["known"]}
+    templates = [e.gguf for e in m.tensors] + [f["gguf-merged"][0] for p, f in m.experts.items() if p != "gate_up"]
+    for t in templates:
+        assert t in known or t.rsplit(".", 1)[0] in known, t  # llama.cpp's ssm_a has no .weight
+    for name, e in hf_names.items():
+        assert up["mapped"][name] == e.gguf.replace("{L}", "3"), name
+        assert m.to_gguf(name) == e.gguf.replace("{L}", "3"), name  # through the prefix alias
+    assert m.to_gguf("lm_head.weight") == "output.weight"
+    conv = m.lookup("model.layers.0.self_attn.q_conv1d.weight")  # [C, 1, K] -> [1, C, 1, K] as the converter
+    assert conv.gguf_name == "blk.0.ssm_conv1d_q.weight" and dict(conv.transform) == {"squeeze": True,
+                                                                                       "unsqueeze": (0, 2)}
+
+
+def test_unsqueeze_transform_reshapes_without_moving_bytes(tmp_path):
+    """A KDA conv kernel [C, 1, K] becomes llama.cpp's [1, C, 1, K] (squeeze, then unsqueeze [0, 2]): same rows of
+    K, same bytes; a map's list-valued transform loads into a hashable entry."""
+    from ktconvert.formats import transforms
+    from ktconvert.convert.source import Segment
+
+    t = {"squeeze": True, "unsqueeze": [0, 2]}
+    p = _write_map(tmp_path, lambda d: d["tensors"].append(
+        {"gguf": "blk.{L}.ssm_conv1d.weight", "hf": "model.layers.{L}.conv.weight", "group": "attention", "transform": t}))
+    hit = load_naming_map(p).lookup("model.layers.0.conv.weight")
+    assert dict(hit.transform) == {"squeeze": True, "unsqueeze": (0, 2)} and isinstance(hash(hit), int)
+    seg = Segment(0, 12, "model.layers.0.conv.weight")
+    shape, segs = transforms.apply("conv", (12, 1, 4), dict(hit.transform), None, seg, "test")
+    assert shape == (1, 12, 1, 4) and segs == (seg,)
+    assert transforms.apply("conv", (12, 4), t, None, seg, "test")[0] == (1, 12, 1, 4)  # a 2-D kernel as well
+    w = np.arange(48, dtype=np.float32).reshape(12, 1, 4)
+    out = transforms.redo(w, t, None, "test")
+    assert out.shape == (1, 12, 1, 4) and np.array_equal(out.ravel(), w.ravel())
+    assert np.array_equal(transforms.undo(out, t, None, "test").ravel(), w.ravel())  # size-1 axes: the caller's
 
 
 def _write_map(tmp_path, mutate):

@@ -97,11 +97,12 @@ def _hub_spelling(family: str) -> dict:
     """The tiny config as the authors' remote-code configs on the hub spell it."""
     raw = tiny_config(family)
     text = raw.get("text_config", raw)  # a multimodal wrapper nests the text model's keys
-    rope = text.pop("rope_parameters")
-    text["rope_theta"] = rope.pop("rope_theta")
-    kind = rope.pop("rope_type")
-    if kind != "default":
-        rope.setdefault("type", kind)  # the hub's legacy key (Kimi K2.5's text_config has only rope_type in tf5)
+    rope = text.pop("rope_parameters", None)  # None: no rope at all (GLM-5-Next's NoPE attention)
+    if rope is not None:
+        text["rope_theta"] = rope.pop("rope_theta")
+        kind = rope.pop("rope_type")
+        if kind != "default":
+            rope.setdefault("type", kind)  # the hub's legacy key (Kimi K2.5's text_config has only rope_type in tf5)
     raw.pop("dtype")
     raw["torch_dtype"] = "float32"
     if rope:
@@ -282,6 +283,9 @@ TREE = {
     "minimax_m3_vl": ["model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.experts.3.w1",
                       "model.layers.0.block_sparse_moe.shared_experts.up_proj", "model.layers.1.self_attn.index_q_proj",
                       "model.layers.0.self_attn.index_k_norm", "model.layers.0.self_attn.k_norm"],
+    "glm5_next": ["model.layers.0.self_attn.q_conv1d", "model.layers.0.self_attn.f_b_proj", "model.layers.0.self_attn.o_norm",
+                  "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.indexer.wq_b", "model.layers.1.self_attn.kv_b_proj",
+                  "model.layers.2.self_attn.q_a_layernorm", "model.layers.1.mlp.gate", "model.layers.3.mlp.shared_experts.up_proj"],
 }
 
 

@@ -24,6 +24,7 @@ from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.model.tiny import (
     BOS_ID,
     EOS_ID,
+    FP8_VARIANTS,
     TINY_VARIANTS,
     VOCAB,
     routing_channels,
@@ -125,7 +126,8 @@ def test_tiny_hashes_file_lists_every_family():
     data = yaml.safe_load((golden_root() / "tiny-models.yaml").read_text())
     releases = [f"qwen3_moe-{f}" for f in RELEASE_FORMATS] + [f"{f}-{fmt}" for f, fmt in OWN_RELEASES]
     variants = [tiny_name(f, v) for f, v in TINY_VARIANTS]
-    assert sorted(data["models"]) == sorted([*FAMILIES, *variants, "deepseek_v3-fp8", "qwen3_moe-fp8", *releases])
+    fp8 = [f"{f}-fp8" for f in FP8_VARIANTS]  # deepseek_v3, qwen3_moe, glm5_next
+    assert sorted(data["models"]) == sorted([*FAMILIES, *variants, *fp8, *releases])
 
 
 @pytest.mark.parametrize("fmt", RELEASE_FORMATS)

@@ -30,7 +30,7 @@ from ktconvert import families
 from ktconvert.convert.tokenizer import GgufVocab, quiet_gguf
 from ktconvert.errors import InputError
 from ktconvert.io.files import regular_file_size
-from ktconvert.families.config import normalize_config
+from ktconvert.families.config import indexer_types, normalize_config
 from ktconvert.formats.gguf_write import encode_kv, kv_pairs_from_writer, raw_kv_pairs
 
 #: keys whose values an output recomputes; every other pair of a GGUF input is copied byte for byte
@@ -107,8 +107,28 @@ _ARCH_KEYS = {
     # DSA indexer (GLM-5); llama.cpp reads indexer.types when written, else every layer runs its own indexer
     "indexer": lambda w, c, n: (w.add_indexer_head_count(c.indexer.n_heads), w.add_indexer_key_length(c.indexer.head_dim),
                                 w.add_indexer_top_k(c.indexer.topk),
-                                _if(c.raw.get("indexer_types") is not None, lambda: w.add_array(
-                                    f"{w.arch}.attention.indexer.types", [t == "full" for t in c.raw["indexer_types"]]))),
+                                _if(c.indexer.kpool, lambda: (
+                                    w.add_uint32(f"{w.arch}.attention.indexer.kpool", c.indexer.kpool),
+                                    w.add_bool(f"{w.arch}.attention.indexer.kpool_select_tail", c.indexer.kpool_tail))),
+                                _if(c.raw.get("indexer_types") is not None or c.dsa_shared_layers, lambda: w.add_array(
+                                    f"{w.arch}.attention.indexer.types", [t == "full" for t in indexer_types(c.raw, n)]))),
+    # GLM-5-Next (what llama.cpp's Glm5NextModel converter writes): head_count_kv per layer, 0 marking a recurrent
+    # (Kimi Delta Attention) layer (written by hf_kv in the place of the single value); the indexer LayerNorm's
+    # fixed eps; the KDA sizes from linear_attn_config; the hyper-connection streams; swiglu_limit per layer for the
+    # routed experts and for the shared expert and dense MLP
+    "recurrent_head_count_kv": lambda w, c, n: None,
+    "layer_norm_epsilon": lambda w, c, n: w.add_layer_norm_eps(1e-6),
+    "kda": lambda w, c, n: (w.add_ssm_conv_kernel(c.kda.conv_kernel),
+                            w.add_uint32(f"{w.arch}.kda.head_dim", c.kda.head_dim),
+                            _if(c.kda.lower_bound is not None, lambda: w.add_float32(
+                                f"{w.arch}.kda.gate_lower_bound", c.kda.lower_bound))),
+    "hyper_connections": lambda w, c, n: (
+        w.add_uint32(f"{w.arch}.hyper_connection.count", c.hyper_connections.mult),
+        w.add_uint32(f"{w.arch}.hyper_connection.sinkhorn_iterations", c.hyper_connections.sinkhorn_iters),
+        w.add_float32(f"{w.arch}.hyper_connection.epsilon", c.hyper_connections.eps)),
+    "swiglu_clamp": lambda w, c, n: _if(c.swiglu_limit is not None, lambda: (
+        w.add_array(f"{w.arch}.swiglu_clamp_exp", [c.swiglu_limit] * n),
+        w.add_array(f"{w.arch}.swiglu_clamp_shexp", [c.swiglu_limit] * n))),
     # MiniMax-M3: rotary_dim as the hub config says (llama.cpp's converter writes it and llama.cpp rotates that many
     # dims; transformers 5.23 ignores it), else the rotated share the reference uses
     "rotary_dim": lambda w, c, n: w.add_rope_dimension_count(
@@ -184,7 +204,10 @@ def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, 
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(getattr(c, spec.section("gguf")["feed_forward_length"]))
     w.add_head_count(c.num_attention_heads)
-    w.add_head_count_kv(1 if spec.section("gguf").get("mla_mqa") else c.num_key_value_heads)
+    if "recurrent_head_count_kv" in spec.section("gguf")["metadata"]:
+        w.add_head_count_kv([0 if t == "linear_attention" else 1 for t in c.layer_types])
+    else:
+        w.add_head_count_kv(1 if spec.section("gguf").get("mla_mqa") else c.num_key_value_heads)
     w.add_rope_freq_base(c.rope.theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_expert_count(c.num_experts)

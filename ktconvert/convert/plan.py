@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ktconvert import __version__
 from ktconvert.convert import metadata
-from ktconvert.convert.recipe import KEEP, ModelFacts, Recipe
+from ktconvert.convert.recipe import KEEP, ModelFacts, Recipe, Rule
 from ktconvert.convert.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
 from ktconvert.convert.tokenizer import convert_tokenizer
@@ -243,7 +243,7 @@ def model_facts(src: SourceModel) -> ModelFacts:
     """The facts recipe rules may depend on (``when``, ``more_bits_counted``), from the analysed input."""
     n_experts = src.layout.dims.n_experts or max((ly.n_experts or 0 for ly in src.layout.layers), default=0) or None
     names = tuple(sorted((it.name for it in src.items), key=ModelFacts.order_key))
-    return ModelFacts(expert_count=n_experts, tied_embeddings="output.weight" not in names, names=names)
+    return ModelFacts(expert_count=n_experts, tied_embeddings="output.weight" not in names, arch=src.arch, names=names)
 
 
 def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str, facts: ModelFacts | None = None) -> tuple:
@@ -303,6 +303,7 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     chosen = []
     problems = []
     facts = model_facts(src)
+    recipe = _with_unquantized(recipe, src.arch)
     for item in src.items:
         t, rule, fb, prob = _choose(item, recipe, src.n_layers, container, facts)
         if prob:
@@ -356,6 +357,27 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     else:
         _lay_out_safetensors(plan, src, shard)
     return plan
+
+
+def _with_unquantized(recipe: Recipe, arch: str) -> Recipe:
+    """A shipped preset or ``--type`` recipe with, first, an F32 rule for the tensors llama-quantize never quantizes for
+    ``arch`` (its naming map's ``unquantized``: glm5-next's hyper-connections, indexer, KDA gates); a recipe file is
+    taken as written."""
+    from dataclasses import replace
+
+    from ktconvert.formats.naming import naming_map
+
+    if not recipe.source.startswith(("--type", "preset ")):
+        return recipe
+    try:
+        keep = naming_map(arch).unquantized
+    except InputError:  # no naming map: nothing to add (the source analysis names the problem)
+        return recipe
+    if not keep:
+        return recipe
+    first = Rule(index=0, match=keep, type="F32", where=f"rules/naming/{arch}.yaml:unquantized",
+                 note=f"{arch}: tensors llama-quantize never quantizes for this architecture")
+    return replace(recipe, rules=(first, *(replace(r, index=r.index + 1) for r in recipe.rules)))
 
 
 def _segment_bytes(info, s: Segment) -> int:

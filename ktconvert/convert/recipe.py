@@ -47,7 +47,7 @@ FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4
 #: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies, SSM conv kernels,
 #: names not ending in .weight such as ssm_a): every preset and
 #: ``--type`` keep them in F32, as convert_hf_to_gguf and llama-quantize do.
-F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$|attn_sinks\.weight$|ssm_conv1d\.weight$|indexer\.[qk]_proj\.weight$|^(?!.*\.weight$)"
+F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$|attn_sinks\.weight$|ssm_conv1d|indexer\.[qk]_proj\.weight$|^(?!.*\.weight$)"
 
 
 @dataclass(frozen=True)
@@ -96,17 +96,19 @@ class ModelFacts:
     """What a rule's ``when`` and ``layers: more_bits_counted`` look at, for one output model.
 
     ``expert_count`` (routed experts per MoE layer), ``tied_embeddings`` (the output has no ``output.weight``:
-    llama.cpp then gives ``token_embd.weight`` the output's type) and ``names``: every output tensor name, in
+    llama.cpp then gives ``token_embd.weight`` the output's type), ``arch`` (the llama.cpp architecture: llama-quant.cpp
+    keeps some tensors of some architectures unquantized, glm5-next's) and ``names``: every output tensor name, in
     llama.cpp's order (layer, then name), which ``more_bits_counted`` counts in.
     """
 
     expert_count: int | None = None
     tied_embeddings: bool | None = None
+    arch: str | None = None
     names: tuple[str, ...] = ()
     _hits: dict = field(default_factory=dict, compare=False, repr=False)
 
     def get(self, key: str):
-        return getattr(self, key, None) if key in ("expert_count", "tied_embeddings") else None
+        return getattr(self, key, None) if key in ("expert_count", "tied_embeddings", "arch") else None
 
     def counted(self, match: str, name: str) -> tuple[int, int] | None:
         """``(i, n)``: ``name`` is the i-th of the n output tensors ``match`` finds, in llama.cpp's order."""

@@ -52,6 +52,25 @@ class LinearAttentionDims:
 
 
 @dataclass(frozen=True)
+class KdaDims:
+    """Kimi Delta Attention sizes (the release's ``linear_attn_config``, or transformers' ``linear_*`` keys)."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    lower_bound: float | None  # the forget gate's safe lower bound; None: -exp(A_log) * softplus
+
+
+@dataclass(frozen=True)
+class HyperConnectionDims:
+    """Hyper-connection residual streams (``hc_mult``) and their Sinkhorn normalisation."""
+
+    mult: int
+    sinkhorn_iters: int
+    eps: float
+
+
+@dataclass(frozen=True)
 class IndexerDims:
     """Sparse-attention indexer sizes (config ``index_*``): DeepSeek Sparse Attention keeps ``topk`` keys; MiniMax
     Sparse Attention keeps ``topk`` blocks of ``block_size`` keys, the ``local_blocks`` ending at the query's own
@@ -62,6 +81,8 @@ class IndexerDims:
     topk: int
     block_size: int | None = None
     local_blocks: int | None = None
+    kpool: int | None = None  # DSA over pools of kpool keys (GLM-5-Next); topk counts keys, a multiple of kpool
+    kpool_tail: bool = True  # the query's incomplete pool is always attended
 
 
 @dataclass(frozen=True)
@@ -106,9 +127,15 @@ class MoeConfig:
     # sliding-window attention where a spec models it: the window and the layers that use it
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
-    # the experts' clamped SwiGLU (a spec's moe.activation), None for plain silu(gate) * up
+    # the experts' clamped SwiGLU (a spec's moe.activation), None for plain silu(gate) * up; alpha None with a
+    # limit: silu_clamped (GLM-5-Next)
     swiglu_alpha: float | None = None
     swiglu_limit: float | None = None
+    dense_swiglu: bool = False  # the dense MLP layers use the clamped activation too (moe.activation.dense)
+    kda: KdaDims | None = None  # Kimi Delta Attention on the linear_attention layers (attention.linear_attention)
+    hyper_connections: HyperConnectionDims | None = None  # config.hyper_connections
+    latent_norm_eps: float = 1e-6  # MLA's q_a / kv_a layernorms (attention.latent_norm_eps)
+    dsa_shared_layers: tuple[int, ...] = ()  # attention layers reusing the previous layer's DSA selection
     # hybrid attention (spec attention.kind gated_deltanet_hybrid): each layer's kind, and the linear layers' dims
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionDims | None = None
@@ -227,6 +254,13 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     rope = _rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
 
     moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts)))
+    types = raw.get("mlp_layer_types")
+    if sp.dense_layers == "first_k_dense" and isinstance(types, list) and "first_k_dense_replace" in raw and (
+            [t == "sparse" for t in types] != [i in moe_layers for i in range(layers)]):
+        # transformers reads only mlp_layer_types, llama.cpp's converters only first_k_dense_replace
+        raise InputError(f"mlp_layer_types {types} disagrees with first_k_dense_replace="
+                         f"{raw.get('first_k_dense_replace')}", path=path, where="mlp_layer_types",
+                         fix="make both name the same dense layers")
     if sp.dense_layers == "none" and _lists_dense(raw):
         raise InputError("dense MLP layers (mlp_layer_types \"dense\" / moe_layer_freq 0) are not supported for "
                          f"{family}: every layer must be MoE", path=path, where="mlp_layer_types")
@@ -282,7 +316,8 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
 
     window, sliding = _sliding_window(raw, cfg_facts["sliding_window"], layers, path)
     if act:
-        kwargs_act = dict(swiglu_alpha=float(_choice(g, act["alpha"])), swiglu_limit=float(_choice(g, act["limit"])))
+        kwargs_act = dict(swiglu_alpha=float(_choice(g, act["alpha"])) if act["kind"] == "swiglu_clamped" else None,
+                          swiglu_limit=float(_choice(g, act["limit"])), dense_swiglu=bool(act.get("dense")))
         if kwargs_act["swiglu_limit"] <= 0:
             raise InputError(f"swiglu_limit must be positive, got {kwargs_act['swiglu_limit']}", path=path,
                              where=act["limit"].get("key", "swiglu_limit"))
@@ -304,7 +339,11 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
             rope_interleave=bool(g.opt(interleave_key, True)) if interleave_key else True,
         )
         if sp.section("attention").get("dsa_indexer"):
-            kwargs["indexer"] = _indexer(g, raw, layers, int(kwargs["qk_rope_head_dim"]), path)
+            kwargs["indexer"] = _indexer(g, raw, layers, int(kwargs["qk_rope_head_dim"]), path,
+                                         kpool=bool(attn_facts.get("dsa_kpool")),
+                                         shared=bool(attn_facts.get("dsa_shared")))
+        if attn_facts.get("latent_norm_eps") == "rms_norm_eps":
+            kwargs["latent_norm_eps"] = float(g.opt("rms_norm_eps", defaults["rms_norm_eps"]))
             if kwargs["q_lora_rank"] is None:
                 raise InputError("the DSA indexer reads the q LoRA latent: q_lora_rank must be set", path=path,
                                  where="q_lora_rank")
@@ -317,13 +356,22 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
 
     if sp.section("attention")["kind"] == "gated_deltanet_hybrid":
         kwargs.update(_hybrid(g, raw, layers, path))
+    if attn_facts.get("linear_attention") == "kda":
+        kwargs.update(_kda(g, raw, layers, heads, path))
+    if attn_facts.get("dsa_shared"):
+        kwargs["dsa_shared_layers"] = _dsa_shared(raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers,
+                                                  path)
+    if cfg_facts.get("hyper_connections"):
+        kwargs["hyper_connections"] = _hyper_connections(g, path)
     if attn_facts.get("msa_indexer"):
         kwargs.update(_msa(g, raw, layers, kv_heads, rope_dim, path))
 
     shared = sp.shared_expert
     width_key = sp.section("moe").get("shared_experts_width")
     if shared == "shared_experts" and width_key:
-        kwargs.update(shared_experts_width=g.int(width_key), shared_swiglu=bool((act or {}).get("shared")))
+        kwargs.update(shared_experts_width=g.int(width_key))
+    if shared == "shared_experts":
+        kwargs.update(shared_swiglu=bool((act or {}).get("shared")))
     return MoeConfig(
         family=family,
         vocab_size=g.int("vocab_size"),
@@ -362,13 +410,27 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     )
 
 
-def _indexer(g: "_Getter", raw: dict, layers: int, rope_dim: int, path: str | None) -> IndexerDims:
-    """The DSA indexer's sizes; every layer must run its own indexer (``indexer_types`` all ``full``)."""
-    dims = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"))
+def _indexer(g: "_Getter", raw: dict, layers: int, rope_dim: int, path: str | None, *, kpool: bool = False,
+             shared: bool = False) -> IndexerDims:
+    """The DSA indexer's sizes; every layer must run its own indexer (``indexer_types`` all ``full``). With k-pools
+    (``attention.dsa_kpool``) ``index_topk`` counts keys and must be a multiple of ``index_kpool`` (as transformers
+    checks)."""
+    extra = {}
+    if kpool:
+        extra = dict(kpool=g.int("index_kpool") if "index_kpool" in raw else 16,
+                     kpool_tail=bool(g.opt("index_kpool_always_select_tail", True)))
+        if extra["kpool"] < 1 or g.int("index_topk") % extra["kpool"]:
+            raise InputError(f"index_topk ({raw.get('index_topk')}) must be a positive multiple of index_kpool "
+                             f"({extra['kpool']})", path=path, where="index_topk",
+                             fix="set index_topk to a multiple of index_kpool")
+    dims = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"),
+                       **extra)
     if dims.head_dim < rope_dim or min(dims.n_heads, dims.topk) < 1:
         raise InputError(f"index_head_dim={dims.head_dim} must hold qk_rope_head_dim={rope_dim}; index_n_heads and "
                          "index_topk must be positive", path=path, where="index_head_dim")
     types = raw.get("indexer_types")
+    if shared:  # checked with the layer kinds (_dsa_shared)
+        return dims
     if types is not None and (not isinstance(types, list) or len(types) != layers or set(types) != {"full"}):
         raise InputError("only indexer_types of all \"full\" layers are supported (a \"shared\" layer reuses another "
                          "layer's selection)", path=path, where="indexer_types")
@@ -426,6 +488,81 @@ def _lists_dense(raw: dict) -> bool:
 
 
 _LAYER_KINDS = ("linear_attention", "full_attention")
+_KDA_KINDS = ("linear_attention", "indexed_attention", "full_attention")
+_KDA_KEYS = {"num_heads": "linear_num_heads", "head_dim": "linear_head_dim",
+             "short_conv_kernel_size": "linear_conv_kernel_dim", "gate_lower_bound": "linear_lower_bound"}
+
+
+def _kda(g: "_Getter", raw: dict, layers: int, heads: int, path: str | None) -> dict:
+    """Kimi Delta Attention layers (``layer_types`` ``linear_attention``; the others are attention, transformers'
+    ``full_attention`` read as ``indexed_attention``) and sizes, from the release's ``linear_attn_config`` or
+    transformers' ``linear_*`` keys, whichever the config holds (the dict wins, as transformers reads it)."""
+    types = raw.get("layer_types")
+    if types is None:  # transformers' default: every fourth layer attention
+        types = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(t not in _KDA_KINDS for t in types):
+        raise InputError(f"layer_types must list {layers} entries, each one of {', '.join(_KDA_KINDS)}",
+                         path=path, where="layer_types")
+    hub = raw.get("linear_attn_config")
+    hub = hub if isinstance(hub, dict) else {}
+    vals = {}
+    for key, flat in _KDA_KEYS.items():
+        v = hub.get(key, raw.get(flat))
+        if key == "gate_lower_bound":
+            if v is None and (key not in hub and flat not in raw or hub.get("safe_gate", True)):
+                v = -5.0  # transformers' default and its safe_gate rule
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise InputError(f"linear_attn_config.{key} must be a number, got {v!r}", path=path, where=key)
+        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"linear_attn_config.{key} ({flat}) must be a positive integer, got {v!r}", path=path,
+                             where=key, fix="write the release's linear_attn_config")
+        vals[key] = v
+    if vals["num_heads"] != heads:
+        raise InputError(f"linear_attn_config.num_heads ({vals['num_heads']}) must equal num_attention_heads ({heads})",
+                         path=path, where="linear_attn_config.num_heads")
+    dims = KdaDims(num_heads=vals["num_heads"], head_dim=vals["head_dim"], conv_kernel=vals["short_conv_kernel_size"],
+                   lower_bound=None if vals["gate_lower_bound"] is None else float(vals["gate_lower_bound"]))
+    return {"layer_types": tuple("linear_attention" if t == "linear_attention" else "indexed_attention" for t in types),
+            "kda": dims}
+
+
+def indexer_types(raw: dict, layers: int) -> list:
+    """Each layer's DSA indexer mode as transformers 5.23 reads it: ``indexer_types``, else the releases'
+    ``index_topk_pattern`` (``F``/``S`` per layer), else every ``index_topk_freq``-th layer from
+    ``index_skip_topk_offset`` (defaults 1 and 2: all full) runs its own indexer."""
+    types = raw.get("indexer_types")
+    if types is not None:
+        return types
+    pattern = raw.get("index_topk_pattern")
+    if pattern is not None:
+        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
+    freq, offset = max(int(raw.get("index_topk_freq") or 1), 1), int(raw.get("index_skip_topk_offset", 2))
+    return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(layers)]
+
+
+def _dsa_shared(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, ...]:
+    """The attention layers that reuse the DSA selection of the layer right before them (``shared``); that layer must
+    be an attention layer running its own indexer (transformers passes the selection only between neighbours)."""
+    types = indexer_types(raw, layers)
+    if not isinstance(types, list) or len(types) != layers or any(t not in ("full", "shared") for t in types):
+        raise InputError(f"indexer_types must list {layers} entries of full / shared, got {types!r}", path=path,
+                         where="indexer_types")
+    shared = tuple(i for i, t in enumerate(types) if t == "shared" and kinds[i] != "linear_attention")
+    for i in shared:
+        if i == 0 or kinds[i - 1] == "linear_attention" or i - 1 in shared:
+            raise InputError(f"layer {i} reuses the DSA selection of layer {i - 1}, which runs no indexer of its own",
+                             path=path, where="indexer_types", fix=f"mark layer {i} full")
+    return shared
+
+
+def _hyper_connections(g: "_Getter", path: str | None) -> HyperConnectionDims:
+    """The residual streams of a hyper-connection family (transformers' defaults: 4 streams, 20 iterations)."""
+    dims = HyperConnectionDims(mult=int(g.opt("hc_mult", 4)), sinkhorn_iters=int(g.opt("hc_sinkhorn_iters", 20)),
+                               eps=float(g.opt("hc_eps", 1e-6)))
+    if dims.mult < 1 or dims.sinkhorn_iters < 1:
+        raise InputError(f"hc_mult ({dims.mult}) and hc_sinkhorn_iters ({dims.sinkhorn_iters}) must be positive",
+                         path=path, where="hc_mult")
+    return dims
 
 
 def _hybrid(g: "_Getter", raw: dict, layers: int, path: str | None) -> dict:
@@ -463,6 +600,10 @@ def _moe_layers(policy: str, raw: dict, layers: int, num_experts: int) -> set[in
         mlp_only = set(raw.get("mlp_only_layers") or [])
         return {i for i in range(layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0}
     if policy == "first_k_dense":
+        types = raw.get("mlp_layer_types")
+        if "first_k_dense_replace" not in raw and isinstance(types, list) and len(types) == layers:
+            # transformers 5's spelling of the dense layers (GLM-5 / GLM-5-Next save no first_k_dense_replace)
+            return {i for i, t in enumerate(types) if t == "sparse"}
         first_dense = opt_int("first_k_dense_replace", 0)
         freq = opt_int("moe_layer_freq", 1)
         return {i for i in range(layers) if i >= first_dense and i % freq == 0}

@@ -112,7 +112,8 @@ class NamingMap:
                 group=t["group"],
                 model_types=tuple(t["model_types"]) if "model_types" in t else None,
                 derived=t.get("derived"),
-                transform=tuple(sorted((t.get("transform") or {}).items())),
+                transform=tuple(sorted((k, tuple(v) if isinstance(v, list) else v)  # lists (unsqueeze) hashable
+                                       for k, v in (t.get("transform") or {}).items())),
             )
             for t in data["tensors"]
         )
@@ -120,6 +121,7 @@ class NamingMap:
         self.expert_scales: dict[str, dict[str, tuple[str, ...]]] = _forms(data.get("expert_scales", {}))
         self.expert_biases: dict[str, dict[str, tuple[str, ...]]] = _forms(data.get("expert_biases", {}))
         self.guess_requires: frozenset[str] = frozenset(_key_of_template(t)[0] for t in data.get("guess_requires", ()))
+        self.unquantized: str | None = data.get("unquantized")  # llama-quantize's per-architecture keep list
         self._index: dict[str, list[_Slot]] = {}
         self._build_index()
 

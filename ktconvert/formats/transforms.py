@@ -2,7 +2,8 @@
 
 A naming map's ``transform`` (schema: ``naming-map.schema.json``) says what ``convert_hf_to_gguf`` does to one
 tensor beyond renaming it: an elementwise ``value`` map (zero-centred norms gain 1, ``A_log`` becomes
-``-exp(A_log)``), ``squeeze`` (size-1 axes dropped) and ``v_heads``: linear attention's value heads reordered
+``-exp(A_log)``), ``squeeze`` (size-1 axes dropped), ``unsqueeze`` (size-1 axes inserted: KDA conv kernels
+``[C, 1, K]`` -> ``[1, C, 1, K]``) and ``v_heads``: linear attention's value heads reordered
 from grouped by key head (``[g0v0, g0v1, g1v0, g1v1]``) to tiled (``[g0v0, g1v0, g0v1, g1v1]``), which llama.cpp
 broadcasts against the key heads. Row reorders become ``rows`` segments (one per head), so bytes are still read
 row by row; a column reorder and a value map ride on the segments (``col_tile``, ``value``) and the worker applies
@@ -46,8 +47,7 @@ def apply(name: str, shape: tuple[int, ...], transform: dict, config: dict | Non
         return _kv_b_split(transform["kv_b_split"], shape, config, seg, where)
     if transform.get("qkvz_split"):
         return _qkvz_split(transform["qkvz_split"], shape, config, seg, where)
-    if transform.get("squeeze"):
-        shape = tuple(d for d in shape if d != 1) or (1,)
+    shape = _reshaped(shape, transform)
     segs = (replace(seg, value=transform.get("value", "")),)
     kind = transform.get("v_heads")
     if kind:
@@ -55,6 +55,17 @@ def apply(name: str, shape: tuple[int, ...], transform: dict, config: dict | Non
         if nv != nk:  # equal counts: grouped and tiled are the same order
             segs = _v_heads(kind, segs[0], shape, nk, nv // nk, kd, vd, name, where)
     return shape, segs
+
+
+def _reshaped(shape: tuple[int, ...], transform: dict) -> tuple[int, ...]:
+    """``squeeze`` (size-1 axes dropped), then ``unsqueeze`` (size-1 axes inserted at those positions, in increasing
+    order): layout only, the bytes keep their order."""
+    shape = tuple(shape)
+    if transform.get("squeeze"):
+        shape = tuple(d for d in shape if d != 1) or (1,)
+    for axis in sorted(transform.get("unsqueeze") or ()):
+        shape = shape[:axis] + (1,) + shape[axis:]
+    return shape
 
 
 def _mla_dims(config: dict | None, shape, where: str) -> tuple[int, int, int, int]:
@@ -154,8 +165,7 @@ def redo(arr: np.ndarray, transform: dict, config: dict | None, where: str) -> n
     if transform.get("qkvz_split"):
         nk, kd, pv = _qkvz_dims(out.shape, config, where)
         return np.concatenate([out[src:src + n] for _, n, src in _qkvz_rows(transform["qkvz_split"], nk, kd, pv)])
-    if transform.get("squeeze"):
-        out = out.reshape(tuple(d for d in out.shape if d != 1) or (1,))
+    out = out.reshape(_reshaped(out.shape, transform))
     kind = transform.get("v_heads")
     if kind:
         nk, nv, kd, vd = _linear_dims(config, where)

@@ -81,6 +81,10 @@ def _load(transformers, torch, model_dir):
         raise InputError(f"transformers cannot load the model: {exc}", path=str(model_dir))
 
 
+def _collapse(hidden):
+    return hidden.mean(dim=2) if hidden.dim() == 4 else hidden
+
+
 @dataclass
 class GoldenRun:
     tensors: dict[str, np.ndarray]
@@ -112,7 +116,10 @@ def compute_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threa
             decoder.embed_tokens.register_forward_hook(lambda m, a, o: captured.__setitem__("embed", first(o))),
             decoder.norm.register_forward_hook(lambda m, a, o: captured.__setitem__("norm", first(o))),
         ]
-        hooks += [layer.register_forward_hook(lambda m, a, o: layers_out.append(first(o))) for layer in decoder.layers]
+        # a layer whose output is hyper-connection streams [B, T, N, H] (GLM-5-Next) is recorded as their mean,
+        # the [B, T, H] its head feeds the final norm (and the reference model records)
+        hooks += [layer.register_forward_hook(lambda m, a, o: layers_out.append(_collapse(first(o))))
+                  for layer in decoder.layers]
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         try:
             with torch.no_grad():

@@ -62,7 +62,9 @@ def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tup
             "gated_rmsnorm": "RMSNormGated",
             "indexer": "Indexer",
         }[role]
-        return (p + suffix,), (p + suffix,)
+        # a spec may name a class that does not follow <prefix><Role> (classes.causal_lm / linear_attention)
+        name = classes.get(role) if role in ("causal_lm", "linear_attention") else None
+        return ((name,), (name,)) if name else ((p + suffix,), (p + suffix,))
     if role == "rotary":
         kt = (classes["rotary_yarn"], p + "RotaryEmbedding") if (yarn and "rotary_yarn" in classes) else (p + "RotaryEmbedding",)
         return kt, (p + "RotaryEmbedding",)

@@ -325,6 +325,196 @@ class Attention(Tagged, nn.Module):
         return keep.repeat_interleave(d.block_size, dim=-1)[..., :s] & ~future
 
 
+class DsaKPoolIndexer(Tagged, nn.Module):
+    """GLM-5-Next's DSA indexer over pools of ``kpool`` keys (transformers' ``Glm5NextTextIndexer``, no rope: NoPE).
+
+    Keys ``k = LayerNorm(wk(x))`` are grouped into consecutive pools of ``kpool`` positions from the first; a complete
+    pool's key is, per channel, the softmax over its positions of ``index_kpool_compress_gate(x) +
+    index_kpool_compress_ape`` weighting their keys. Per query, ``relu(q_h . pool / sqrt(d))`` summed over heads with
+    weights ``weights_proj(x) / sqrt(heads)`` scores the complete pools whose last key is visible; the
+    ``topk / kpool`` best are attended, and (``kpool_tail``) the visible keys of the query's incomplete pool too.
+    float32, in transformers' operation order, so score ties break the same way. The cache holds keys and gate
+    scores; pools are rebuilt from them at every step, as transformers does.
+    """
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int):
+        super().__init__()
+        d = cfg.indexer
+        self.layer_idx = layer_idx
+        self.n_heads, self.head_dim, self.topk, self.kpool, self.tail = d.n_heads, d.head_dim, d.topk, d.kpool, d.kpool_tail
+        self.wq_b = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(d.head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(cfg.hidden_size, d.n_heads, bias=False)
+        self.index_kpool_compress_ape = nn.Parameter(torch.zeros(d.kpool, d.head_dim))
+        self.index_kpool_compress_gate = nn.Parameter(torch.zeros(d.head_dim, cfg.hidden_size))
+
+    def forward(self, hidden, q_resid, cos_sin, past: int, cache: KVCache | None = None) -> torch.Tensor:
+        """``allowed [B, T, S]``: the keys each of the T queries (positions ``past ..``) keeps."""
+        b, t, _ = hidden.shape
+        dev = hidden.device
+        q = self.wq_b(q_resid).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_norm(self.wk(hidden))  # [B, T, D]
+        gate = F.linear(hidden, self.index_kpool_compress_gate)
+        if cache is not None:
+            k, gate = (x.squeeze(1) for x in cache.update(("dsa", self.layer_idx), k.unsqueeze(1), gate.unsqueeze(1)))
+        s, p = k.shape[1], self.kpool
+        pools = s // p  # complete pools only
+        qpos = torch.arange(t, device=dev) + past
+        allowed = torch.zeros(b, t, s, dtype=torch.bool, device=dev)
+        if pools:
+            logits = gate[:, : pools * p].view(b, pools, p, -1).float() + self.index_kpool_compress_ape.float()
+            pool_keys = (logits.softmax(dim=2).to(k.dtype) * k[:, : pools * p].view(b, pools, p, -1)).sum(dim=2)
+            scores = F.relu(torch.matmul(q.float(), pool_keys.transpose(-1, -2).float().unsqueeze(1)) * self.head_dim**-0.5)
+            weights = self.weights_proj(hidden).float() * self.n_heads**-0.5
+            index = torch.matmul(weights.unsqueeze(-2), scores).squeeze(-2)  # [B, T, pools]
+            ends = torch.arange(pools, device=dev) * p + p - 1
+            visible = ends[None, :] <= qpos[:, None]  # [T, pools]
+            index = index.masked_fill(~visible, torch.finfo(index.dtype).min)
+            ids = index.topk(min(self.topk // p, pools), dim=-1).indices
+            chosen = torch.zeros(b, t, pools, dtype=torch.bool, device=dev).scatter(-1, ids, True) & visible
+            allowed[..., : pools * p] = chosen.repeat_interleave(p, dim=-1)
+        if self.tail:
+            kpos = torch.arange(s, device=dev)
+            start = (qpos + 1) - (qpos + 1) % p
+            allowed |= (kpos[None, :] >= start[:, None]) & (kpos[None, :] <= qpos[:, None])
+        return allowed
+
+
+class HyperConnection:
+    """Manifold-constrained hyper-connections around one block (GLM-5-Next's ``hc_attn_*`` / ``hc_ffn_*``).
+
+    From the ``N`` residual streams ``x [B, T, N, H]`` (flattened, RMS-normalised without weight) one linear map
+    ``fn`` gives, after ``* scale + base``: ``pre = sigmoid(.) + eps`` (the block's input is the ``pre``-weighted sum
+    of the streams), ``post = 2 sigmoid(.)`` (how much of the block's output each stream gets) and ``comb`` (softmax
+    rows + eps, then Sinkhorn-normalised so the streams mix without growing); the new streams are
+    ``post * out + comb^T x``. float32 as transformers (``Glm5NextTextHyperConnection``). The parameters live on
+    the decoder layer under the checkpoint's names; this holds only the maths (no module, so the module tree has
+    no node upstream lacks).
+    """
+
+    def __init__(self, mult: int, iters: int, eps: float, norm_eps: float):
+        self.mult, self.iters, self.eps, self.norm_eps = mult, iters, eps, norm_eps
+
+    def weights(self, streams, fn, base, scale):
+        """``(post [B, T, N], comb [B, T, N, N], block input [B, T, H])``."""
+        b, t = streams.shape[:2]
+        n = self.mult
+        flat = streams.reshape(b, t, -1).float()
+        flat = flat * torch.rsqrt(flat.float().square().mean(-1, keepdim=True) + self.norm_eps).to(flat.dtype)
+        mixed = F.linear(flat, fn.float())
+        pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+        pre_b, post_b, comb_b = base.split([n, n, n * n])
+        pre_s, post_s, comb_s = scale.unbind(0)
+        comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
+        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
+        post = 2 * torch.sigmoid(post_w * post_s + post_b)
+        comb = torch.softmax(comb_w * comb_s + comb_b.view(n, n), dim=-1) + self.eps
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        for _ in range(self.iters - 1):
+            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
+            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
+        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+        return post, comb, collapsed
+
+    @staticmethod
+    def merge(post, comb, out, residual):
+        dtype = out.dtype
+        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
+
+
+class SigmoidGatedRMSNorm(Tagged, nn.Module):
+    """Kimi Delta Attention's output norm: ``weight * x / rms(x) * sigmoid(gate)``, all in float32 (transformers'
+    ``Glm5NextTextRMSNormGated``, which unlike Gated DeltaNet's keeps the weight in float32 and gates by sigmoid)."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return (self.weight.to(torch.float32) * h * torch.sigmoid(gate.to(torch.float32))).to(dtype)
+
+
+class KimiDeltaAttention(Tagged, nn.Module):
+    """Kimi Delta Attention (GLM-5-Next's ``linear_attention`` layers, held in ``self_attn``), as its per-token
+    recurrence (transformers runs prefill chunk-wise; the two agree to float32 rounding).
+
+    ``q/k/v_proj`` -> per projection a causal depthwise conv (``q/k/v_conv1d``, kernel ``short_conv_kernel_size``) +
+    SiLU -> heads; q and k L2-normalised (q also by 1/sqrt(d)). A per-channel decay ``g = lower_bound *
+    sigmoid(exp(A_log) * (f_b_proj(f_a_proj(x)) + dt_bias))`` (without a lower bound ``-exp(A_log) * softplus(.)``),
+    a step ``beta = sigmoid(b_proj(x))``; per head the state ``S [d, d]`` runs ``S <- S * exp(g)`` (row-wise),
+    ``S <- S + k (beta (v - S^T k))^T``, ``o = S^T q``; then ``o_norm(o, g_b_proj(g_a_proj(x)))`` and ``o_proj``.
+    Parameters carry the releases' flat names. The cache holds each conv's last ``kernel - 1`` inputs and ``S``.
+    """
+
+    def __init__(self, cfg: MoeConfig, layer_idx: int):
+        super().__init__()
+        d = cfg.kda
+        self.layer_idx = layer_idx
+        self.nh, self.dh, self.kernel, self.lower_bound = d.num_heads, d.head_dim, d.conv_kernel, d.lower_bound
+        h, dim = cfg.hidden_size, d.num_heads * d.head_dim
+        self.q_proj = nn.Linear(h, dim, bias=False)
+        self.k_proj = nn.Linear(h, dim, bias=False)
+        self.v_proj = nn.Linear(h, dim, bias=False)
+        self.q_conv1d = nn.Conv1d(dim, dim, self.kernel, groups=dim, bias=False)
+        self.k_conv1d = nn.Conv1d(dim, dim, self.kernel, groups=dim, bias=False)
+        self.v_conv1d = nn.Conv1d(dim, dim, self.kernel, groups=dim, bias=False)
+        self.f_a_proj = nn.Linear(h, d.head_dim, bias=False)
+        self.f_b_proj = nn.Linear(d.head_dim, dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(dim))
+        self.A_log = nn.Parameter(torch.zeros(d.num_heads))
+        self.b_proj = nn.Linear(h, d.num_heads, bias=False)
+        self.g_a_proj = nn.Linear(h, d.head_dim, bias=False)
+        self.g_b_proj = nn.Linear(d.head_dim, dim, bias=False)
+        self.o_norm = SigmoidGatedRMSNorm(d.head_dim, cfg.rms_norm_eps)
+        self.o_proj = nn.Linear(dim, h, bias=False)
+
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        b, t, _ = hidden.shape
+        dtype = hidden.dtype
+        state = cache.layers.get(self.layer_idx) if cache is not None else None
+        windows, convs = [], []
+        for i, (proj, conv) in enumerate(((self.q_proj, self.q_conv1d), (self.k_proj, self.k_conv1d),
+                                          (self.v_proj, self.v_conv1d))):
+            x = proj(hidden).transpose(1, 2)  # [B, C, T]
+            window = state[i] if state else x.new_zeros(b, x.shape[1], self.kernel - 1)
+            padded = torch.cat([window, x], dim=-1)
+            windows.append(padded[..., padded.shape[-1] - (self.kernel - 1):])
+            convs.append(F.silu(F.conv1d(padded, conv.weight, groups=x.shape[1])).transpose(1, 2))
+        q, k, v = (c.reshape(b, t, self.nh, self.dh).float() for c in convs)
+        q = _l2norm_div(q) * self.dh**-0.5
+        k = _l2norm_div(k)
+        f = (self.f_b_proj(self.f_a_proj(hidden)).float() + self.dt_bias.float()).view(b, t, self.nh, self.dh)
+        rate = self.A_log.float().exp().view(1, 1, self.nh, 1)
+        if self.lower_bound is not None:
+            g = self.lower_bound * torch.sigmoid(rate * f)
+        else:
+            g = -rate * torch.where(f > 20.0, f, torch.log(1.0 + torch.exp(f)))
+        beta = torch.sigmoid(self.b_proj(hidden)).float()
+        s = state[3] if state else q.new_zeros(b, self.nh, self.dh, self.dh)
+        outs = []
+        for i in range(t):
+            s = s * g[:, i].exp()[..., None]
+            k_i = k[:, i]
+            delta = (v[:, i] - (s * k_i[..., None]).sum(-2)) * beta[:, i, :, None]
+            s = s + k_i[..., None] * delta[..., None, :]
+            outs.append((s * q[:, i][..., None]).sum(-2))
+        if cache is not None:
+            cache.replace(self.layer_idx, *windows, s)
+        o = torch.stack(outs, dim=1).to(dtype)  # [B, T, nh, dh]
+        gate = self.g_b_proj(self.g_a_proj(hidden)).view(b, t, self.nh, self.dh)
+        return self.o_proj(self.o_norm(o, gate).reshape(b, t, -1))
+
+
+def _l2norm_div(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """``x / sqrt(|x|^2 + eps)`` (transformers' KDA l2norm: a division, matching FLA's kernel)."""
+    return x / torch.sqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
 class GatedRMSNorm(Tagged, nn.Module):
     """Gated DeltaNet's output norm: ``weight * x / rms(x) * silu(gate)`` (plain weight, not zero-centred)."""
 
@@ -449,18 +639,26 @@ class MLAttention(Tagged, nn.Module):
             self.q_proj = nn.Linear(h, nh * self.qk_head_dim, bias=False)
         else:
             self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias="q_a_proj" in bias)
-            # upstream builds both latent norms with the default eps (1e-6), not rms_norm_eps
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, 1e-6)
+            # DeepSeek's modeling code builds both latent norms with the default eps (1e-6), GLM-5-Next with
+            # rms_norm_eps (the spec's attention.latent_norm_eps)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.latent_norm_eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, nh * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias="kv_a_proj_with_mqa" in bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, 1e-6)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.latent_norm_eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(nh * self.v_dim, h, bias="o_proj" in bias)
-        self.rotary_emb = RotaryEmbedding(cfg.rope)
+        # NoPE MLA (GLM-5-Next: qk_rope_head_dim 0) has no rotary module upstream
+        self.rotary_emb = RotaryEmbedding(cfg.rope) if self.rope_dim else None
         self.interleave = cfg.rope_interleave
         self.complex_rope = bool(cfg.spec.section("attention").get("complex_rope"))  # transformers 5 V2 ignores rope_interleave
         self.scaling = softmax_scale(self.qk_head_dim, cfg.rope)
-        self.indexer = DsaIndexer(cfg, layer_idx) if cfg.indexer is not None else None
+        indexer = DsaKPoolIndexer if cfg.indexer is not None and cfg.indexer.kpool else DsaIndexer
+        own = cfg.indexer is not None and layer_idx not in cfg.dsa_shared_layers
+        self.indexer = indexer(cfg, layer_idx) if own else None
+        # a shared layer (GLM-5-Next) attends where the previous layer's indexer chose: DecoderModel links that
+        # layer's attention here (not a submodule) and it keeps its last selection for this one
+        self.selection_source: MLAttention | None = None
+        self.last_selection: torch.Tensor | None = None
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = hidden.shape
@@ -475,7 +673,9 @@ class MLAttention(Tagged, nn.Module):
         latent, k_rot = torch.split(self.kv_a_proj_with_mqa(hidden), [self.kv_lora_rank, self.rope_dim], dim=-1)
         latent = self.kv_a_layernorm(latent).view(b, 1, t, self.kv_lora_rank)
         k_rot = k_rot.view(b, 1, t, self.rope_dim)
-        if self.complex_rope:
+        if self.rotary_emb is None:
+            pass
+        elif self.complex_rope:
             q_rot, k_rot = apply_rope_complex(q_rot, k_rot, self.rotary_emb.freqs_cis(position_ids))
         else:
             cos, sin = self.rotary_emb(hidden, position_ids)
@@ -490,7 +690,10 @@ class MLAttention(Tagged, nn.Module):
         query = torch.cat((q_nope, q_rot), dim=-1)
         allowed = None
         if self.indexer is not None:
-            allowed = self.indexer(hidden, q_resid, self.rotary_emb(hidden, position_ids), s - t, cache)
+            cos_sin = self.rotary_emb(hidden, position_ids) if self.rotary_emb is not None else None
+            allowed = self.last_selection = self.indexer(hidden, q_resid, cos_sin, s - t, cache)
+        elif self.selection_source is not None:
+            allowed = self.selection_source.last_selection
         return self.o_proj(attend(query, key, value, self.scaling, allowed=allowed))
 
 
@@ -543,7 +746,8 @@ class GatedMLP(Tagged, nn.Module):
     """``down(silu(gate(x)) * up(x))``; projection names are configurable (Mixtral experts: w1, w3, w2).
 
     ``bias``: every projection has one; ``clamp`` ``(alpha, limit)``: the clamped SwiGLU of gpt-oss,
-    ``down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g))`` with ``g = min(gate, limit)``.
+    ``down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g))`` with ``g = min(gate, limit)``; ``(None, limit)``:
+    GLM-5-Next's ``down(silu(min(gate, limit)) * clamp(up, -limit, limit))``.
     """
 
     def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
@@ -558,6 +762,9 @@ class GatedMLP(Tagged, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
+        if self.clamp is not None and self.clamp[0] is None:
+            limit = self.clamp[1]
+            return down(self.act_fn(gate(x).clamp(max=limit)) * up(x).clamp(min=-limit, max=limit))
         if self.clamp is not None:
             return down(swiglu_clamped(gate(x), up(x), *self.clamp))
         return down(self.act_fn(gate(x)) * up(x))

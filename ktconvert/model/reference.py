@@ -35,12 +35,16 @@ from ktconvert.model.modules import (
     Attention,
     DeepseekMoE,
     DsaIndexer,
+    DsaKPoolIndexer,
     GatedMLP,
     GatedDeltaNet,
     GatedRMSNorm,
+    HyperConnection,
+    KimiDeltaAttention,
     KVCache,
     MLAttention,
     RMSNorm,
+    SigmoidGatedRMSNorm,
     SparseMoeBlock,
     Tagged,
     rms_norm,
@@ -63,8 +67,12 @@ class DecoderLayer(Tagged, nn.Module):
         self.layer_idx = layer_idx
         self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
         # hybrid families: layer_types names a linear-attention layer, which holds linear_attn instead of self_attn
-        self.attn_attr = "linear_attn" if cfg.layer_types and cfg.layer_types[layer_idx] == "linear_attention" else "self_attn"
-        if self.attn_attr == "linear_attn":
+        linear = bool(cfg.layer_types) and cfg.layer_types[layer_idx] == "linear_attention"
+        # Kimi Delta Attention (GLM-5-Next) keeps the name self_attn on its linear layers
+        self.attn_attr = "linear_attn" if linear and cfg.kda is None else "self_attn"
+        if linear and cfg.kda is not None:
+            self.self_attn = KimiDeltaAttention(cfg, layer_idx)
+        elif self.attn_attr == "linear_attn":
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
         else:
             self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
@@ -75,9 +83,18 @@ class DecoderLayer(Tagged, nn.Module):
             logits_router = cfg.spec.section("routing")["weights"] in ("softmax_topk", "topk_softmax")
             block: nn.Module = SparseMoeBlock(cfg) if logits_router else DeepseekMoE(cfg)
         else:
-            block = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+            block = GatedMLP(cfg.hidden_size, cfg.intermediate_size, clamp=cfg.swiglu_clamp if cfg.dense_swiglu else None)
         self.moe_attr = cfg.moe_block_name
         setattr(self, self.moe_attr, block)
+        hc = cfg.hyper_connections
+        self.hc = None
+        if hc is not None:  # hyper-connection weights under the checkpoint's names (hc_attn_fn, ...)
+            self.hc = HyperConnection(hc.mult, hc.sinkhorn_iters, hc.eps, cfg.rms_norm_eps)
+            width = (2 + hc.mult) * hc.mult
+            for part in ("attn", "ffn"):
+                setattr(self, f"hc_{part}_fn", nn.Parameter(torch.zeros(width, hc.mult * cfg.hidden_size)))
+                setattr(self, f"hc_{part}_base", nn.Parameter(torch.zeros(width)))
+                setattr(self, f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
 
     @property
     def mixer(self) -> nn.Module:
@@ -90,6 +107,12 @@ class DecoderLayer(Tagged, nn.Module):
         return getattr(self, self.moe_attr)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """``hidden [B, T, H]``, or ``[B, T, N, H]`` residual streams with hyper-connections."""
+        if self.hc is not None:
+            post, comb, x = self.hc.weights(hidden, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
+            hidden = self.hc.merge(post, comb, self.mixer(self.input_layernorm(x), position_ids, cache), hidden)
+            post, comb, x = self.hc.weights(hidden, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
+            return self.hc.merge(post, comb, self.feed_forward(self.post_attention_layernorm(x)), hidden)
         hidden = hidden + self.mixer(self.input_layernorm(hidden), position_ids, cache)
         return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
 
@@ -99,6 +122,8 @@ class DecoderModel(Tagged, nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        for i in cfg.dsa_shared_layers:  # a plain attribute: the source stays a module of its own layer only
+            object.__setattr__(self.layers[i].self_attn, "selection_source", self.layers[i - 1].self_attn)
         self.norm = rms_norm(cfg, cfg.hidden_size)
 
 
@@ -123,9 +148,14 @@ class ReferenceCausalLM(Tagged, nn.Module):
         position_ids = (torch.arange(t, device=input_ids.device) + past).unsqueeze(0).expand(input_ids.shape[0], -1)
         hidden = self.model.embed_tokens(input_ids)
         states = [hidden]
+        hc = self.config.hyper_connections
+        if hc is not None:  # every stream starts as the embedding; a layer's output is recorded as the streams' mean
+            hidden = hidden.unsqueeze(2).expand(-1, -1, hc.mult, -1).contiguous()
         for layer in self.model.layers:
             hidden = layer(hidden, position_ids, cache)
-            states.append(hidden)
+            states.append(hidden.mean(dim=2) if hc is not None else hidden)
+        if hc is not None:
+            hidden = hidden.mean(dim=2)  # GLM-5-Next's head: the streams' unweighted mean
         final = self.model.norm(hidden)
         if cache is not None:
             cache.seq_len = past + t
@@ -148,17 +178,18 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             _tag(norm, fam, "rmsnorm")
         attn = layer.mixer
-        if isinstance(attn, GatedDeltaNet):
+        if isinstance(attn, (GatedDeltaNet, KimiDeltaAttention)):
             _tag(attn, fam, "linear_attention")
         else:
             _tag(attn, fam, "attention")
-            _tag(attn.rotary_emb, fam, "rotary", yarn=yarn)
+            if attn.rotary_emb is not None:
+                _tag(attn.rotary_emb, fam, "rotary", yarn=yarn)
         for sub in attn.children():
             if isinstance(sub, RMSNorm):
                 _tag(sub, fam, "rmsnorm")
-            elif isinstance(sub, GatedRMSNorm):
+            elif isinstance(sub, (GatedRMSNorm, SigmoidGatedRMSNorm)):
                 _tag(sub, fam, "gated_rmsnorm")
-            elif isinstance(sub, DsaIndexer):
+            elif isinstance(sub, (DsaIndexer, DsaKPoolIndexer)):
                 _tag(sub, fam, "indexer")
         block = layer.feed_forward
         if isinstance(block, GatedMLP):

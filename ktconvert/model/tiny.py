@@ -172,7 +172,29 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
         add(f"{p}.input_layernorm.weight", (h,), norm)
         add(f"{p}.post_attention_layernorm.weight", (h,), norm)
         a = f"{p}.self_attn"
-        if cfg.layer_types and cfg.layer_types[layer] == "linear_attention":
+        hc = cfg.hyper_connections
+        if hc is not None:  # the releases' names (transformers renames them attn_hc.fn, ...)
+            for part in ("attn", "ffn"):
+                add(f"{p}.hc_{part}_fn", ((2 + hc.mult) * hc.mult, hc.mult * h), "linear")
+                add(f"{p}.hc_{part}_base", ((2 + hc.mult) * hc.mult,), "bias")
+                add(f"{p}.hc_{part}_scale", (3,), "norm")
+        if cfg.kda is not None and cfg.layer_types[layer] == "linear_attention":
+            d = cfg.kda
+            dim = d.num_heads * d.head_dim
+            for proj in ("q", "k", "v"):
+                add(f"{a}.{proj}_proj.weight", (dim, h), "linear")
+            for proj in ("q", "k", "v"):  # per projection, as released (transformers concatenates them)
+                add(f"{a}.{proj}_conv1d.weight", (dim, 1, d.conv_kernel), "conv")
+            add(f"{a}.f_a_proj.weight", (d.head_dim, h), "linear")
+            add(f"{a}.f_b_proj.weight", (dim, d.head_dim), "linear")
+            add(f"{a}.dt_bias", (dim,), "dt_bias")
+            add(f"{a}.A_log", (d.num_heads,), "a_log")
+            add(f"{a}.b_proj.weight", (d.num_heads, h), "linear")
+            add(f"{a}.g_a_proj.weight", (d.head_dim, h), "linear")
+            add(f"{a}.g_b_proj.weight", (dim, d.head_dim), "linear")
+            add(f"{a}.o_norm.weight", (d.head_dim,), "norm")
+            add(f"{a}.o_proj.weight", (h, dim), "out_linear")
+        elif cfg.layer_types and cfg.layer_types[layer] == "linear_attention":
             d, la = cfg.linear, f"{p}.linear_attn"
             conv = 2 * d.num_key_heads * d.key_head_dim + d.num_value_heads * d.value_head_dim
             value = d.num_value_heads * d.value_head_dim
@@ -202,13 +224,16 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
             add(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,), "norm")
             add(f"{a}.kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "linear")
             add(f"{a}.o_proj.weight", (h, nh * cfg.v_head_dim), "out_linear")
-            if cfg.indexer is not None:
+            if cfg.indexer is not None and layer not in cfg.dsa_shared_layers:  # a shared layer has no indexer
                 d, ix = cfg.indexer, f"{a}.indexer"
                 add(f"{ix}.wq_b.weight", (d.n_heads * d.head_dim, cfg.q_lora_rank), "linear")
                 add(f"{ix}.wk.weight", (d.head_dim, h), "linear")
                 add(f"{ix}.k_norm.weight", (d.head_dim,), "norm")
                 add(f"{ix}.k_norm.bias", (d.head_dim,), "bias")
                 add(f"{ix}.weights_proj.weight", (d.n_heads, h), "linear")
+                if d.kpool:
+                    add(f"{ix}.index_kpool_compress_ape", (d.kpool, d.head_dim), "sink")
+                    add(f"{ix}.index_kpool_compress_gate", (d.head_dim, h), "linear")
         else:
             hd, nh, nkv = cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads
             for proj, rows in (("q_proj", nh * hd * gated_q), ("k_proj", nkv * hd), ("v_proj", nkv * hd)):
@@ -406,9 +431,11 @@ FP8_VARIANTS: dict[str, tuple[tuple[int, int], str]] = {f: _fp8_variant(f) for f
 
 
 def _is_fp8_weight(spec: TensorSpec) -> bool:
-    """The linear layers FP8 releases store in FP8: attention, dense and expert MLPs; not the router, the shared
-    expert's scalar gate, embeddings, head or norms."""
-    return spec.kind in ("linear", "out_linear") and len(spec.shape) == 2 and not spec.name.endswith("_gate.weight")
+    """The linear layers FP8 releases store in FP8: attention, dense and expert MLPs (Linear ``.weight`` matrices);
+    not the router, the shared expert's scalar gate, embeddings, head, norms, nor bare parameters (GLM-5-Next's
+    hyper-connection and k-pool matrices)."""
+    return (spec.kind in ("linear", "out_linear") and len(spec.shape) == 2 and spec.name.endswith(".weight")
+            and not spec.name.endswith("_gate.weight"))
 
 
 def tiny_fp8_config(family: str) -> dict:
@@ -429,15 +456,17 @@ def tiny_fp8_files(family: str) -> dict[str, bytes]:
     cfg_json = tiny_fp8_config(family)
     block, scale_dtype = FP8_VARIANTS[family]
     cfg = normalize_config(tiny_config(family))
+    sp = families.spec(family)
     tensors, dtypes = {}, {}
     for spec in tensor_specs(cfg):
         x = _fill(family, cfg, spec)
+        name = sp.published_name(spec.name)  # a multimodal wrapper's release prefix (GLM-5-Next)
         if not _is_fp8_weight(spec):
-            tensors[spec.name] = x
+            tensors[name] = x
             continue
         codes, scale = fp8.quantize(x, block, scale_dtype)
-        tensors[spec.name], dtypes[spec.name] = codes, fp8.FP8_DTYPE
-        sname = spec.name + fp8.SCALE_SUFFIX
+        tensors[name], dtypes[name] = codes, fp8.FP8_DTYPE
+        sname = name + fp8.SCALE_SUFFIX
         tensors[sname] = fp8.to_bits(scale, scale_dtype)
         dtypes[sname] = scale_dtype
     files = {"config.json": (json.dumps(cfg_json, indent=2, sort_keys=True) + "\n").encode("utf-8")}

@@ -102,7 +102,7 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
     sp = mc.spec
     pre = sp.prefix
     classes = sp.section("classes")
-    root = Node("", f"{pre}ForCausalLM")
+    root = Node("", classes.get("causal_lm", f"{pre}ForCausalLM"))
     model = root.add("model", f"{pre}Model")
     model.add("embed_tokens", "Embedding")
     layers = model.add("layers", "ModuleList")
@@ -151,6 +151,17 @@ def probe_tree(family: str) -> ModelTree:
 
 
 def _attention(layer: Node, sp, mc, pre: str) -> None:
+    if mc.kda is not None and mc.layer_types[layer.layer] == "linear_attention":  # Kimi Delta Attention
+        lin = layer.add("self_attn", sp.section("classes").get("linear_attention", f"{pre}GatedDeltaNet"))
+        for name in ("q_proj", "k_proj", "v_proj"):
+            lin.add(name, "Linear")
+        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
+            lin.add(name, "Conv1d")
+        for name in ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj"):
+            lin.add(name, "Linear")
+        lin.add("o_norm", f"{pre}RMSNormGated")
+        lin.add("o_proj", "Linear")
+        return
     if mc.layer_types and mc.layer_types[layer.layer] == "linear_attention":
         lin = layer.add("linear_attn", f"{pre}GatedDeltaNet")
         for name in sp.linear_projections:
@@ -171,8 +182,9 @@ def _attention(layer: Node, sp, mc, pre: str) -> None:
         attn.add("kv_a_layernorm", f"{pre}RMSNorm")
         attn.add("kv_b_proj", "Linear")
         attn.add("o_proj", "Linear")
-        attn.add("rotary_emb", sp.section("classes").get("tree_rotary", f"{pre}RotaryEmbedding"))
-        if mc.indexer is not None:
+        if mc.qk_rope_head_dim:  # NoPE MLA (GLM-5-Next) has no rotary module
+            attn.add("rotary_emb", sp.section("classes").get("tree_rotary", f"{pre}RotaryEmbedding"))
+        if mc.indexer is not None and layer.layer not in mc.dsa_shared_layers:
             ix = attn.add("indexer", f"{pre}Indexer")
             ix.add("wq_b", "Linear")
             ix.add("wk", "Linear")
