@@ -14,7 +14,8 @@ ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama", "glm4moe", "minimax-m2",
           "glm-dsa", "deepseek32", "qwen3next")
 # gguf 0.19.0 (the pinned gguf-py) predates llama.cpp's minimax-m3: its map's names were checked against llama.cpp
 # 0.3.36's own tables (src/llama-arch.cpp, gguf-py MINIMAXM3) and are proven by llama.cpp loading our GGUFs
-NOT_IN_GGUF_PY = ("minimax-m3",)
+# deepseek4 likewise (its names are checked against llama.cpp 0.3.36's gguf-py in tests/test_family_deepseek_v4.py)
+NOT_IN_GGUF_PY = ("minimax-m3", "deepseek4")
 
 
 @pytest.fixture(scope="module")

@@ -97,6 +97,9 @@ def _hub_spelling(family: str) -> dict:
     """The tiny config as the authors' remote-code configs on the hub spell it."""
     raw = tiny_config(family)
     text = raw.get("text_config", raw)  # a multimodal wrapper nests the text model's keys
+    if "rope_parameters" not in text:  # already the release spelling (DeepSeek-V4: rope_theta, compress_ratios)
+        raw["torch_dtype"] = raw.pop("dtype")
+        return raw
     rope = text.pop("rope_parameters")
     text["rope_theta"] = rope.pop("rope_theta")
     kind = rope.pop("rope_type")
@@ -282,6 +285,9 @@ TREE = {
     "minimax_m3_vl": ["model.layers.0.block_sparse_moe.gate", "model.layers.1.block_sparse_moe.experts.3.w1",
                       "model.layers.0.block_sparse_moe.shared_experts.up_proj", "model.layers.1.self_attn.index_q_proj",
                       "model.layers.0.self_attn.index_k_norm", "model.layers.0.self_attn.k_norm"],
+    "deepseek_v4": ["model.layers.0.attn_hc", "model.layers.1.ffn_hc", "model.hc_head", "model.layers.0.self_attn.o_a_proj",
+                    "model.layers.1.self_attn.compressor.indexer.weights_proj", "model.layers.2.self_attn.compressor.kv_norm",
+                    "model.layers.0.mlp.gate", "model.layers.2.mlp.experts.7.w3", "model.layers.2.mlp.shared_experts.down_proj"],
 }
 
 

@@ -108,11 +108,16 @@ def compute_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threa
         def first(out):
             return out[0] if isinstance(out, (tuple, list)) else out
 
+        def layer_output(out):
+            """A layer's output; with hyper-connection residual streams [B, T, n, H], their mean."""
+            out = first(out)
+            return out.mean(dim=2) if out.dim() == 4 else out
+
         hooks = [
             decoder.embed_tokens.register_forward_hook(lambda m, a, o: captured.__setitem__("embed", first(o))),
             decoder.norm.register_forward_hook(lambda m, a, o: captured.__setitem__("norm", first(o))),
         ]
-        hooks += [layer.register_forward_hook(lambda m, a, o: layers_out.append(first(o))) for layer in decoder.layers]
+        hooks += [layer.register_forward_hook(lambda m, a, o: layers_out.append(layer_output(o))) for layer in decoder.layers]
         ids = torch.tensor([prompt_ids], dtype=torch.long)
         try:
             with torch.no_grad():

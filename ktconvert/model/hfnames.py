@@ -51,7 +51,7 @@ def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tup
     classes = sp.section("classes")
     p = sp.prefix
     if role in ("causal_lm", "model", "decoder_layer", "attention", "linear_attention", "rmsnorm", "gated_rmsnorm",
-                "indexer"):
+                "indexer", "hyper_connection", "hyper_head", "csa_compressor", "hca_compressor", "hash_gate"):
         suffix = {
             "causal_lm": "ForCausalLM",
             "model": "Model",
@@ -61,6 +61,11 @@ def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tup
             "rmsnorm": "RMSNorm",
             "gated_rmsnorm": "RMSNormGated",
             "indexer": "Indexer",
+            "hyper_connection": "HyperConnection",
+            "hyper_head": "HyperHead",
+            "csa_compressor": "CSACompressor",
+            "hca_compressor": "HCACompressor",
+            "hash_gate": "HashRouter",
         }[role]
         return (p + suffix,), (p + suffix,)
     if role == "rotary":

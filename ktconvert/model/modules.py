@@ -543,7 +543,8 @@ class GatedMLP(Tagged, nn.Module):
     """``down(silu(gate(x)) * up(x))``; projection names are configurable (Mixtral experts: w1, w3, w2).
 
     ``bias``: every projection has one; ``clamp`` ``(alpha, limit)``: the clamped SwiGLU of gpt-oss,
-    ``down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g))`` with ``g = min(gate, limit)``.
+    ``down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g))`` with ``g = min(gate, limit)``; with alpha
+    ``None`` DeepSeek-V4's ``down(silu(min(gate, limit)) * clamp(up, -limit, limit))``.
     """
 
     def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
@@ -558,6 +559,9 @@ class GatedMLP(Tagged, nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up, down = (getattr(self, n) for n in self._names)
+        if self.clamp is not None and self.clamp[0] is None:
+            limit = self.clamp[1]
+            return down(self.act_fn(gate(x).clamp(max=limit)) * up(x).clamp(min=-limit, max=limit))
         if self.clamp is not None:
             return down(swiglu_clamped(gate(x), up(x), *self.clamp))
         return down(self.act_fn(gate(x)) * up(x))
@@ -654,7 +658,7 @@ class MoEGate(Tagged, nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.logits(hidden)
-        scores = logits.softmax(dim=-1, dtype=torch.float32) if self.scoring == "softmax" else logits.sigmoid()
+        scores = router_scores(logits, self.scoring)
         n = scores.shape[0]
         if self.method == "greedy":
             weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
@@ -682,6 +686,15 @@ class MoEGate(Tagged, nn.Module):
         else:
             weights = weights * self.scaling
         return ids, weights
+
+
+def router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Router scores from float32 logits: softmax, sigmoid or sqrt(softplus) (DeepSeek-V4)."""
+    if scoring == "softmax":
+        return logits.softmax(dim=-1, dtype=torch.float32)
+    if scoring == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    return logits.sigmoid()
 
 
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

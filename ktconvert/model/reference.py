@@ -31,6 +31,16 @@ from torch import nn
 
 from ktconvert.families.config import MoeConfig, load_config
 from ktconvert.model import hfnames
+from ktconvert.model.compressed import (
+    CompressedAttention,
+    CompressedCompressor,
+    HashGate,
+    HashRoutedMoE,
+    HyperConnection,
+    HyperHead,
+    LightningIndexer,
+    hyper_residual,
+)
 from ktconvert.model.modules import (
     Attention,
     DeepseekMoE,
@@ -66,10 +76,14 @@ class DecoderLayer(Tagged, nn.Module):
         self.attn_attr = "linear_attn" if cfg.layer_types and cfg.layer_types[layer_idx] == "linear_attention" else "self_attn"
         if self.attn_attr == "linear_attn":
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        elif cfg.compressed is not None:
+            self.self_attn = CompressedAttention(cfg, layer_idx)
         else:
             self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
         self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
-        if layer_idx in cfg.moe_layers:
+        if layer_idx in cfg.hash_layers:
+            block = HashRoutedMoE(cfg)
+        elif layer_idx in cfg.moe_layers:
             # the spec's routing maths picks the block (DeepSeek's grouped routing with shared experts, or
             # softmax top-k), independently of the attention kind
             logits_router = cfg.spec.section("routing")["weights"] in ("softmax_topk", "topk_softmax")
@@ -78,6 +92,9 @@ class DecoderLayer(Tagged, nn.Module):
             block = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
         self.moe_attr = cfg.moe_block_name
         setattr(self, self.moe_attr, block)
+        if cfg.hyper is not None:  # hc_mult residual streams, mixed around each block
+            self.attn_hc = HyperConnection(cfg)
+            self.ffn_hc = HyperConnection(cfg)
 
     @property
     def mixer(self) -> nn.Module:
@@ -89,9 +106,22 @@ class DecoderLayer(Tagged, nn.Module):
         """The MLP or MoE block, whatever its attribute name (``mlp`` / ``block_sparse_moe``)."""
         return getattr(self, self.moe_attr)
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if hasattr(self, "attn_hc"):  # hidden: the streams [B, T, n, H]
+            post, comb, collapsed = self.attn_hc(hidden)
+            out = self.mixer(self.input_layernorm(collapsed), position_ids, cache)
+            hidden = hyper_residual(hidden, out, post, comb)
+            post, comb, collapsed = self.ffn_hc(hidden)
+            return hyper_residual(hidden, self._feed(self.post_attention_layernorm(collapsed), input_ids), post, comb)
         hidden = hidden + self.mixer(self.input_layernorm(hidden), position_ids, cache)
-        return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
+        return hidden + self._feed(self.post_attention_layernorm(hidden), input_ids)
+
+    def _feed(self, hidden: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """The MLP / MoE block; a hash-routed one also reads the token ids."""
+        if getattr(self.feed_forward, "takes_input_ids", False):
+            return self.feed_forward(hidden, input_ids)
+        return self.feed_forward(hidden)
 
 
 class DecoderModel(Tagged, nn.Module):
@@ -100,6 +130,8 @@ class DecoderModel(Tagged, nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         self.norm = rms_norm(cfg, cfg.hidden_size)
+        if cfg.hyper is not None:
+            self.hc_head = HyperHead(cfg)
 
 
 class ReferenceCausalLM(Tagged, nn.Module):
@@ -123,9 +155,15 @@ class ReferenceCausalLM(Tagged, nn.Module):
         position_ids = (torch.arange(t, device=input_ids.device) + past).unsqueeze(0).expand(input_ids.shape[0], -1)
         hidden = self.model.embed_tokens(input_ids)
         states = [hidden]
+        streams = self.config.hyper is not None
+        if streams:  # the embedding copied into each residual stream
+            hidden = hidden.unsqueeze(2).expand(-1, -1, self.config.hyper.mult, -1).contiguous()
         for layer in self.model.layers:
-            hidden = layer(hidden, position_ids, cache)
-            states.append(hidden)
+            hidden = layer(hidden, position_ids, cache, input_ids)
+            # a layer's output is its streams' mean where there are several (as the goldens record it)
+            states.append(hidden.mean(dim=2) if streams else hidden)
+        if streams:
+            hidden = self.model.hc_head(hidden)
         final = self.model.norm(hidden)
         if cache is not None:
             cache.seq_len = past + t
@@ -143,6 +181,8 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
     _tag(model, fam, "causal_lm")
     _tag(model.model, fam, "model")
     _tag(model.model.norm, fam, "rmsnorm")
+    if hasattr(model.model, "hc_head"):
+        _tag(model.model.hc_head, fam, "hyper_head")
     for layer in model.model.layers:
         _tag(layer, fam, "decoder_layer")
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -153,19 +193,25 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
         else:
             _tag(attn, fam, "attention")
             _tag(attn.rotary_emb, fam, "rotary", yarn=yarn)
-        for sub in attn.children():
+        for sub in attn.modules():
             if isinstance(sub, RMSNorm):
                 _tag(sub, fam, "rmsnorm")
             elif isinstance(sub, GatedRMSNorm):
                 _tag(sub, fam, "gated_rmsnorm")
-            elif isinstance(sub, DsaIndexer):
+            elif isinstance(sub, (DsaIndexer, LightningIndexer)):
                 _tag(sub, fam, "indexer")
+            elif isinstance(sub, CompressedCompressor):
+                _tag(sub, fam, "csa_compressor" if sub.indexer is not None else "hca_compressor")
+        for hc in (getattr(layer, "attn_hc", None), getattr(layer, "ffn_hc", None)):
+            if hc is not None:
+                _tag(hc, fam, "hyper_connection")
         block = layer.feed_forward
         if isinstance(block, GatedMLP):
             _tag(block, fam, "mlp")
             continue
         _tag(block, fam, "moe_block")
-        _tag(getattr(block, "router_module", None) or block.gate, fam, "gate")
+        gate = getattr(block, "router_module", None) or block.gate
+        _tag(gate, fam, "hash_gate" if isinstance(gate, HashGate) else "gate")
         _tag(block.experts, fam, "experts")
         for expert in block.experts:
             _tag(expert, fam, "mlp", expert=True)
