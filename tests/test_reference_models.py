@@ -286,7 +286,7 @@ TREE = {
                       "model.layers.0.block_sparse_moe.shared_experts.up_proj", "model.layers.1.self_attn.index_q_proj",
                       "model.layers.0.self_attn.index_k_norm", "model.layers.0.self_attn.k_norm"],
     "deepseek_v4": ["model.layers.0.attn_hc", "model.layers.1.ffn_hc", "model.hc_head", "model.layers.0.self_attn.o_a_proj",
-                    "model.layers.1.self_attn.compressor.indexer.weights_proj", "model.layers.2.self_attn.compressor.kv_norm",
+                    "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj", "model.layers.2.self_attn.compressor.kv_norm",
                     "model.layers.0.mlp.gate", "model.layers.2.mlp.experts.7.w3", "model.layers.2.mlp.shared_experts.down_proj"],
 }
 

@@ -79,17 +79,25 @@ class WindowCompressor(Tagged, nn.Module):
         return rope_tail(pooled.unsqueeze(1), cos, sin).squeeze(1)
 
 
+class IndexerScorer(Tagged, nn.Module):
+    """Holds the indexer's per-head weight projection (``scorer.weights_proj``), as transformers nests it."""
+
+    def __init__(self, cfg: MoeConfig):
+        super().__init__()
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.indexer.n_heads, bias=False)
+
+
 class LightningIndexer(WindowCompressor):
     """Which compressed entries each query of a ratio-4 layer sees: its own overlapping compressor at
     ``index_head_dim``, scores ``sum_h w_h relu(q_h . k) / sqrt(d)`` with ``q = q_b_proj(q_residual)`` rotated at the
-    query position and ``w = weights_proj(x) / sqrt(heads)``; the top ``index_topk`` causal entries are kept."""
+    query position and ``w = scorer.weights_proj(x) / sqrt(heads)``; the top ``index_topk`` causal entries are kept."""
 
     def __init__(self, cfg: MoeConfig, ratio: int):
         d = cfg.indexer
         super().__init__(cfg, ratio, d.head_dim, overlap=True)
         self.n_heads, self.topk = d.n_heads, d.topk
         self.q_b_proj = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
-        self.weights_proj = nn.Linear(cfg.hidden_size, d.n_heads, bias=False)
+        self.scorer = IndexerScorer(cfg)
 
     def select(self, hidden, q_residual, position_ids, rotary: PairRotary) -> torch.Tensor:
         """``allowed [B, S, n]`` over the ``n`` compressed entries."""
@@ -102,7 +110,7 @@ class LightningIndexer(WindowCompressor):
         q = self.q_b_proj(q_residual).view(b, s, -1, self.width).transpose(1, 2)
         q = rope_tail(q, cos, sin).transpose(1, 2)
         scores = F.relu(torch.matmul(q.float(), keys.transpose(-1, -2).float().unsqueeze(1))) * self.width**-0.5
-        weights = self.weights_proj(hidden).float() * self.n_heads**-0.5
+        weights = self.scorer.weights_proj(hidden).float() * self.n_heads**-0.5
         index = (scores * weights.unsqueeze(-1)).sum(dim=2)  # [B, S, n]
         visible = torch.arange(n, device=hidden.device).view(1, 1, -1) < ((position_ids + 1) // self.ratio).unsqueeze(-1)
         index = index.masked_fill(~visible, float("-inf"))

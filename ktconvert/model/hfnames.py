@@ -51,7 +51,7 @@ def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tup
     classes = sp.section("classes")
     p = sp.prefix
     if role in ("causal_lm", "model", "decoder_layer", "attention", "linear_attention", "rmsnorm", "gated_rmsnorm",
-                "indexer", "hyper_connection", "hyper_head", "csa_compressor", "hca_compressor", "hash_gate"):
+                "indexer", "hyper_connection", "hyper_head", "csa_compressor", "hca_compressor", "hash_gate", "indexer_scorer"):
         suffix = {
             "causal_lm": "ForCausalLM",
             "model": "Model",
@@ -66,6 +66,7 @@ def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tup
             "csa_compressor": "CSACompressor",
             "hca_compressor": "HCACompressor",
             "hash_gate": "HashRouter",
+            "indexer_scorer": "IndexerScorer",
         }[role]
         return (p + suffix,), (p + suffix,)
     if role == "rotary":

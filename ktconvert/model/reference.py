@@ -38,6 +38,7 @@ from ktconvert.model.compressed import (
     HashRoutedMoE,
     HyperConnection,
     HyperHead,
+    IndexerScorer,
     LightningIndexer,
     hyper_residual,
 )
@@ -200,6 +201,8 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
                 _tag(sub, fam, "gated_rmsnorm")
             elif isinstance(sub, (DsaIndexer, LightningIndexer)):
                 _tag(sub, fam, "indexer")
+            elif isinstance(sub, IndexerScorer):
+                _tag(sub, fam, "indexer_scorer")
             elif isinstance(sub, CompressedCompressor):
                 _tag(sub, fam, "csa_compressor" if sub.indexer is not None else "hca_compressor")
         for hc in (getattr(layer, "attn_hc", None), getattr(layer, "ffn_hc", None)):

@@ -295,7 +295,7 @@ def _compressed_specs(cfg: MoeConfig, a: str, layer: int, add) -> None:
     if csa:
         d = cfg.indexer
         add(f"{a}.compressor.indexer.q_b_proj.weight", (d.n_heads * d.head_dim, cfg.q_lora_rank), "linear")
-        add(f"{a}.compressor.indexer.weights_proj.weight", (d.n_heads, h), "linear")
+        add(f"{a}.compressor.indexer.scorer.weights_proj.weight", (d.n_heads, h), "linear")
 
 
 def token_codes(vocab: int = VOCAB, experts: int = EXPERTS) -> np.ndarray:

@@ -222,7 +222,7 @@ def _compressed_attention(attn: Node, mc, pre: str) -> None:
         part.add("kv_norm", f"{pre}RMSNorm")
     if csa:
         parts[1].add("q_b_proj", "Linear")
-        parts[1].add("weights_proj", "Linear")
+        parts[1].add("scorer", f"{pre}IndexerScorer").add("weights_proj", "Linear")
 
 
 def _mlp(parent: Node, name: str, type_: str, projs=("gate_proj", "up_proj", "down_proj")) -> Node:
