@@ -7,13 +7,18 @@
   compress_ratios / num_hash_layers / qk_rope_head_dim and transformers' layer_types / compress_rates /
   mlp_layer_types) read alike; bad configs are one error naming the key;
 * the native names round-trip through the spec's renames; ``inspect`` is clean; check-rules' probe tree has the
-  release's layer layout.
+  release's layer layout;
+* ``quantize`` writes the keys llama.cpp's deepseek4 loader requires (compress ratios, indexer, output groups,
+  hyper-connections, hash layers, swiglu clamps, sqrtsoftplus gating) and tid2eid as I32; ``verify`` passes the F32
+  and Q8_0 conversions and names the layer and module of a broken one; kt-amx is refused (the AMX kernels do not
+  clamp). llama.cpp's agreement is in ``tests/test_interop_llamacpp.py`` (F32 and Q8_0).
 """
 
 from __future__ import annotations
 
 import shutil
 
+import numpy as np
 import pytest
 import torch
 
@@ -22,11 +27,13 @@ from ktconvert import families
 from ktconvert.errors import InputError
 from ktconvert.families import normalize_config
 from ktconvert.golden import golden_root, read_golden
+from ktconvert.io.resources import rules_dir
 from ktconvert.model import from_pretrained
 from ktconvert.model.tiny import tiny_config, tiny_tensors
 
 FAMILY = "deepseek_v4"
 TOL = 1e-5
+RULES = rules_dir() / "optimize" / f"{FAMILY}.yaml"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -34,6 +41,14 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 @pytest.fixture(scope="module")
 def tiny(tiny_root):
     return tiny_root / FAMILY
+
+
+@pytest.fixture(scope="module")
+def converted(tiny, tmp_path_factory):
+    from ktconvert.convert import convert
+
+    root = tmp_path_factory.mktemp("deepseek_v4_q")
+    return {q: convert(tiny, root / q, type=q).out / "model.gguf" for q in ("F32", "Q8_0")}
 
 
 @pytest.fixture(scope="module")
@@ -145,6 +160,7 @@ def test_release_and_transformers_spellings_read_alike(hf):
                   "scoring_func", "routed_scaling_factor", "q_lora_rank", "head_dim"):
         assert getattr(rel, field) == getattr(tf, field), field
     assert rel.compressed.ratios == (0, 4, 128) and rel.hash_layers == (0,)
+    assert rel.swiglu_clamp == (None, 10.0) and rel.shared_swiglu  # transformers' DeepseekV4MLP clamps too
 
 
 @pytest.mark.parametrize("change, where", [
@@ -193,3 +209,101 @@ def test_probe_tree_has_the_release_layout():
     assert nodes["model.layers.2.self_attn.compressor.indexer"] == "DeepseekV4Indexer"
     assert nodes["model.layers.3.self_attn.compressor"] == "DeepseekV4HCACompressor"
     assert nodes["model.hc_head"] == "DeepseekV4HyperHead" and "model.layers.42.ffn_hc" in nodes
+
+
+# --- conversion, verify ----------------------------------------------------------------------------------------------
+
+
+def test_gguf_keeps_what_llamacpp_reads(tiny, converted):
+    """The keys llama.cpp 0.3.36's deepseek4 loader requires, with the release config's values (compress_ratios and
+    num_hash_layers, which transformers 5.23 respells, included); tid2eid stored as I32 [vocab, top_k]."""
+    from ktconvert.formats import open_checkpoint
+
+    ck = open_checkpoint(converted["F32"])
+    md = ck.metadata
+    a = "deepseek4"
+    assert md["general.architecture"] == a
+    ratios = md[f"{a}.attention.compress_ratios"]
+    assert ratios.element_type == "INT32" and list(ratios.values) == [0, 4, 128]
+    assert md[f"{a}.hash_layer_count"] == 1 and md[f"{a}.expert_gating_func"] == 4  # sqrtsoftplus
+    assert [md[f"{a}.attention.indexer.{k}"] for k in ("head_count", "key_length", "top_k")] == [16, 64, 4]
+    assert md[f"{a}.attention.output_group_count"] == 2 and md[f"{a}.attention.output_lora_rank"] == 64
+    assert md[f"{a}.attention.sliding_window"] == 8 and md[f"{a}.attention.q_lora_rank"] == 64
+    assert md[f"{a}.attention.compress_rope_freq_base"] == 160000.0 and md[f"{a}.rope.freq_base"] == 10000.0
+    assert md[f"{a}.rope.dimension_count"] == 16 and md[f"{a}.attention.key_length"] == 64
+    assert (md[f"{a}.hyper_connection.count"], md[f"{a}.hyper_connection.sinkhorn_iterations"]) == (4, 20)
+    assert md[f"{a}.embedding_length_out"] == 4 * 256
+    assert list(md[f"{a}.swiglu_clamp_exp"].values) == list(md[f"{a}.swiglu_clamp_shexp"].values) == [10.0] * 3
+    assert md[f"{a}.expert_weights_scale"] == 1.5 and md[f"{a}.expert_weights_norm"] is True
+    assert ck["blk.0.ffn_gate_tid2eid.weight"].dtype == "I32"
+    table = np.asarray(ck.read("blk.0.ffn_gate_tid2eid.weight")).reshape(512, 2)
+    assert np.array_equal(table, tiny_tensors(FAMILY)["layers.0.ffn.gate.tid2eid"])
+    assert "blk.0.exp_probs_b.bias" not in ck and "blk.1.exp_probs_b.bias" in ck  # hash layers have no score bias
+    q8 = open_checkpoint(converted["Q8_0"])
+    assert q8["blk.0.ffn_gate_tid2eid.weight"].dtype == "I32" and q8["blk.1.attn_output_a.weight"].dtype == "Q8_0"
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_verify_passes_the_conversions(tiny, converted, qtype):
+    from ktconvert.verify import run_verify
+
+    report = run_verify(tiny, RULES, golden_root() / FAMILY, weights=converted[qtype])
+    assert report.profile.name == qtype.lower()
+    assert report.passed, [b.line() for b in report.breaches]
+
+
+def test_verify_localises_swapped_gate_and_up_in_one_layer(tiny, converted, tmp_path):
+    """Layer 1's ffn_gate_exps and ffn_up_exps exchanged (a conversion that mixes w1 and w3 up): verify fails there,
+    in both phases, at the MoE block."""
+    from gguf import GGUFReader
+
+    from ktconvert.verify import run_verify
+
+    broken = tmp_path / "broken.gguf"
+    shutil.copyfile(converted["F32"], broken)
+    reader = GGUFReader(broken, "r+")
+    t = {x.name: x for x in reader.tensors}
+    gate, up = t["blk.1.ffn_gate_exps.weight"].data, t["blk.1.ffn_up_exps.weight"].data
+    g = np.array(gate)
+    gate[...] = up
+    up[...] = g
+    reader.data.flush()
+    del reader
+    report = run_verify(tiny, RULES, golden_root() / FAMILY, weights=broken)
+    assert not report.passed
+    for phase in report.phases:
+        loc = phase.localization
+        assert loc["layer"] == "layer 1" and loc["module"] == "model.layers.1.mlp", (phase.name, loc)
+        assert loc["module_nmse_out"] > 10 * loc["module_nmse_in"]
+        assert all(v <= report.profile.hidden_nmse for _, v in phase.layers[:2])
+
+
+def test_check_rules_clean_on_the_shipped_port(tiny, converted):
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    rules = str(RULES)
+    for args in ([rules], [rules, "--model", str(tiny)], [rules, "--model", str(tiny), "--weights", str(converted["Q8_0"])]):
+        res = CliRunner().invoke(cli, ["check-rules", "--strict", *args])
+        assert res.exit_code == 0 and "0 error(s), 0 warning(s)" in res.output, res.output
+
+
+def test_kt_amx_is_refused_the_amx_kernel_does_not_clamp(tiny, tmp_path):
+    """kt-kernel 0.7.2's AMXINT8/AMXINT4 compute silu(gate) * up (swiglu_limit reaches only FP8, MXFP4, MXFP8 and
+    LLAMAFILE): a kt-amx directory would serve DeepSeek-V4 unclamped experts, so none is written."""
+    from ktconvert.convert import convert
+    from ktconvert.errors import UsageProblem
+
+    with pytest.raises(UsageProblem, match="silu_clamped") as exc:
+        convert(tiny, tmp_path / "amx", format="kt-amx", type="AMXINT8")
+    assert "LLAMAFILE" in exc.value.fix
+    assert not (tmp_path / "amx").exists()
+
+
+def test_reference_clamps_routed_and_shared_experts():
+    from ktconvert.model import build_model
+
+    model = build_model(tiny_config(FAMILY), device="meta")
+    block = model.model.layers[1].mlp
+    assert block.shared_experts.clamp == (None, 10.0) and block.experts[0].clamp == (None, 10.0)

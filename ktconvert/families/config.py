@@ -365,7 +365,9 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     shared = sp.shared_expert
     width_key = sp.section("moe").get("shared_experts_width")
     if shared == "shared_experts" and width_key:
-        kwargs.update(shared_experts_width=g.int(width_key), shared_swiglu=bool((act or {}).get("shared")))
+        kwargs["shared_experts_width"] = g.int(width_key)
+    if shared == "shared_experts":
+        kwargs["shared_swiglu"] = bool((act or {}).get("shared"))
     return MoeConfig(
         family=family,
         vocab_size=g.int("vocab_size"),
