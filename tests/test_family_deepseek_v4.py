@@ -307,3 +307,48 @@ def test_reference_clamps_routed_and_shared_experts():
     model = build_model(tiny_config(FAMILY), device="meta")
     block = model.model.layers[1].mlp
     assert block.shared_experts.clamp == (None, 10.0) and block.experts[0].clamp == (None, 10.0)
+
+
+# --- the MXFP4 release, the only form llama.cpp's converter takes ------------------------------------------------------
+
+
+@pytest.mark.interop
+def test_mxfp4_release_converts_as_llama_cpps_own_converter_does(llama_built, tmp_path):
+    """``tiny-model --quant mxfp4`` (MXFP4 experts, FP8/UE8M0 rest, native names): llama.cpp's converter takes it; its
+    MXFP4 expert stacks dequantize (ggml's reference) bit for bit to our F32 GGUF's, and llama.cpp runs both GGUFs
+    alike (its conversion stores the FP8 matrices as Q8_0: measured NMSE 7.4e-5, top-1 100%)."""
+    import os
+
+    import ggml_ref
+    import llamacpp_convert
+    import llamacpp_runner
+    from gguf import GGUFReader
+
+    from ktconvert.convert import convert
+    from ktconvert.formats import open_checkpoint
+    from ktconvert.model.tiny import write_tiny_model
+
+    release = tmp_path / "release"
+    write_tiny_model(FAMILY, release, quant="mxfp4")
+    try:
+        ref = ggml_ref.load()
+        theirs = llamacpp_convert.convert(release, tmp_path / "llama.gguf")
+    except ggml_ref.RefUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"llama.cpp's converter and ggml's reference required under CI: {exc}")
+        pytest.skip(str(exc))
+    ours_path = convert(release, tmp_path / "ours", type="F32").out / "model.gguf"
+    ours = open_checkpoint(ours_path)
+    seen = 0
+    for t in GGUFReader(theirs).tensors:
+        if t.tensor_type.name != "MXFP4":
+            continue
+        x = ref.dequantize(np.asarray(t.data).reshape(-1), int(t.tensor_type)).reshape(ours[t.name].shape)
+        assert np.array_equal(x.view(np.uint32), ours.read_float32(t.name).view(np.uint32)), t.name
+        seen += 1
+    assert seen == 9  # gate, up, down of three layers
+    ids = [int(i) for i in np.asarray(read_golden(golden_root() / FAMILY).input_ids).reshape(-1)]
+    a, _ = llamacpp_runner.run(ours_path, ids, tmp_path)
+    b, _ = llamacpp_runner.run(theirs, ids, tmp_path)
+    assert float(((a - b) ** 2).mean() / (b ** 2).mean()) <= 1e-3
+    assert (a.argmax(-1) == b.argmax(-1)).mean() >= 0.9
