@@ -172,6 +172,10 @@ def test_release_and_transformers_spellings_read_alike(hf):
     ({"qk_rope_head_dim": 15}, "qk_rope_head_dim"),
     ({"num_hash_layers": -1}, "num_hash_layers"),
     ({"hc_mult": 0}, "hc_mult"),
+    ({"mlp_layer_types": ["moe", "hash_moe", "moe"]}, "mlp_layer_types"),
+    ({"compress_ratios": None, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
+     "layer_types"),
+    ({"compress_ratios": None}, "compress_ratios"),
 ])
 def test_bad_configs_are_one_error_naming_the_key(change, where):
     raw = {**tiny_config(FAMILY), **change}
@@ -190,12 +194,29 @@ def test_native_names_round_trip_through_the_spec():
     assert sp.canonical_name("layers.1.attn.kv_norm.weight") == "model.layers.1.self_attn.kv_norm.weight"
 
 
-def test_inspect_is_clean(tiny):
+def test_inspect_is_clean(tiny, converted):
     from ktconvert.formats.inspect_report import build_inspect_report
 
-    report = build_inspect_report(tiny)
-    assert report["problems"] == [] and report["exit_code"] == 0
-    assert report["architecture"]["arch"] == "deepseek4" and report["layouts"]
+    for src in (tiny, converted["Q8_0"]):
+        report = build_inspect_report(src)
+        assert report["problems"] == [] and report["exit_code"] == 0, src
+        assert report["architecture"]["arch"] == "deepseek4" and report["layouts"]
+
+
+def test_index_table_outside_int32_is_one_error_naming_the_tensor(tiny, tmp_path):
+    """tid2eid values llama.cpp's I32 cannot hold: the conversion stops naming the tensor, nothing is written."""
+    from ktconvert.convert import convert
+    from ktconvert.formats.safetensors_write import to_bytes
+
+    tensors = tiny_tensors(FAMILY)
+    tensors["layers.0.ffn.gate.tid2eid"][3, 1] = 2**40
+    model_dir = tmp_path / "m"
+    shutil.copytree(tiny, model_dir)
+    (model_dir / "model.safetensors").write_bytes(to_bytes(tensors, {"format": "pt"}))
+    with pytest.raises(InputError, match="do not fit llama.cpp's I32") as err:
+        convert(model_dir, tmp_path / "out", type="F32")
+    assert "layers.0.ffn.gate.tid2eid" in str(err.value)
+    assert not (tmp_path / "out").exists()
 
 
 def test_probe_tree_has_the_release_layout():

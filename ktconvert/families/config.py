@@ -575,7 +575,12 @@ def _hash_layers(g: "_Getter", raw: dict, choice: dict, layers: int, path: str |
         if not isinstance(types, list) or len(types) < layers or any(t not in ("hash_moe", "moe") for t in types[:layers]):
             raise InputError(f"mlp_layer_types must list {layers} entries of hash_moe / moe, got {types!r}", path=path,
                              where="mlp_layer_types")
-        return tuple(i for i, t in enumerate(types[:layers]) if t == "hash_moe")
+        hashed = tuple(i for i, t in enumerate(types[:layers]) if t == "hash_moe")
+        if hashed != tuple(range(len(hashed))):
+            raise InputError(f"hash_moe layers {list(hashed)} do not lead the stack: the release's num_hash_layers and "
+                             "llama.cpp's hash_layer_count name the first layers only", path=path,
+                             where="mlp_layer_types", fix="list hash_moe for the first layers, then moe")
+        return hashed
     n = _choice(g, choice)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise InputError(f"num_hash_layers must be a non-negative integer, got {n!r}", path=path,
