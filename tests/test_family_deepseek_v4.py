@@ -429,3 +429,24 @@ def test_llamacpp_runs_the_yarn_gguf_as_transformers(llama_built, yarn, tmp_path
     gguf = convert(yarn, tmp_path / "q", type="F32").out / "model.gguf"
     got, _ = llamacpp_runner.run(gguf, [int(i) for i in ids[0]], tmp_path)
     assert float(((got - want) ** 2).mean() / (want ** 2).mean()) <= 1e-4
+
+
+def test_preflight_accepts_the_mxfp4_release_in_native_names(tiny, tmp_path):
+    """kt-kernel's MXFP4 method reads DeepSeek-V4's native ``layers.L.ffn.experts.E.w1.weight`` / ``.scale``: preflight
+    finds every MoE layer's experts there and accepts the release; the float tiny model is refused (PF164)."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+    from ktconvert.model.tiny import write_tiny_model
+
+    rel = tmp_path / "mxfp4"
+    write_tiny_model(FAMILY, rel, quant="mxfp4")
+
+    def flags(model):
+        return ["preflight", "--model-path", str(model), "--kt-weight-path", str(model), "--kt-cpuinfer", "2",
+                "--kt-threadpool-count", "1", "--kt-num-gpu-experts", "0", "--kt-method", "MXFP4"]
+
+    ok = CliRunner().invoke(cli, flags(rel))
+    assert ok.exit_code == 0, ok.output
+    wrong = CliRunner().invoke(cli, flags(tiny))
+    assert wrong.exit_code == 1 and "PF164" in wrong.output and "PF163" not in wrong.output, wrong.output
