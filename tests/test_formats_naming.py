@@ -13,10 +13,10 @@ from ktconvert.formats import guess_arch, load_naming_map, naming_map, naming_ma
 
 ARCHES = ("qwen2moe", "qwen3moe", "deepseek2", "llama", "glm4moe", "minimax-m2", "gpt-oss", "qwen35moe", "qwen3vlmoe",
           "glm-dsa", "deepseek32", "qwen3next")
-# gguf 0.19.0 (the pinned gguf-py) predates llama.cpp's minimax-m3: its map's names were checked against llama.cpp
-# 0.3.36's own tables (src/llama-arch.cpp, gguf-py MINIMAXM3) and are proven by llama.cpp loading our GGUFs
-# the same for glm5-next, whose map is checked against llama.cpp 0.3.36's converter tables below
-NOT_IN_GGUF_PY = ("minimax-m3", "glm5-next")
+# gguf 0.19.0 (the pinned gguf-py) predates llama.cpp's minimax-m3, deepseek4 and glm5-next: their maps' names are
+# checked against the gguf-py llama.cpp 0.3.36 ships (test_maps_gguf_py_lacks_are_names_llama_cpps_own_gguf_py_knows) and
+# against llama.cpp 0.3.36's converter tables (glm5-next, below), and are proven by llama.cpp loading our GGUFs
+NOT_IN_GGUF_PY = ("minimax-m3", "deepseek4", "glm5-next")
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +63,46 @@ def test_every_gguf_template_is_a_tensor_gguf_py_knows_for_the_arch(arch):
     ]
     for t in templates:
         assert t in known or t.rsplit(".", 1)[0] in known, t  # llama.cpp's ssm_a has no .weight
+
+
+_LLAMA_CPP_TABLE = r"""
+import json, sys
+sys.path.insert(0, sys.argv[1])
+import gguf
+arch = next(a for a, n in gguf.MODEL_ARCH_NAMES.items() if n == sys.argv[2])
+print(json.dumps(sorted(gguf.TENSOR_NAMES[t].replace("{bid}", "{L}") for t in gguf.MODEL_TENSORS[arch])))
+"""
+
+
+@pytest.mark.parametrize("arch", NOT_IN_GGUF_PY)
+def test_maps_gguf_py_lacks_are_names_llama_cpps_own_gguf_py_knows(arch):
+    """The same check against the gguf-py vendored with llama.cpp 0.3.36 (beside its converter, run in a child so the
+    pinned gguf stays the one imported here)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    import ggml_ref
+    import llamacpp_convert
+
+    try:
+        root = llamacpp_convert.sources()
+    except ggml_ref.RefUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"llama.cpp's gguf-py required under CI: {exc}")
+        pytest.skip(str(exc))
+    proc = subprocess.run([sys.executable, "-c", _LLAMA_CPP_TABLE, str(root / "gguf-py"), arch], capture_output=True,
+                          text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    known = set(json.loads(proc.stdout))
+    m = naming_map(arch)
+    templates = [e.gguf for e in m.tensors] + [
+        forms["gguf-merged"][0] for proj, forms in m.experts.items() if proj != "gate_up" and "gguf-merged" in forms
+    ]
+    assert templates
+    for t in templates:
+        assert t in known or t.rsplit(".", 1)[0] in known, t
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))

@@ -54,10 +54,10 @@ def test_unmodified_tree_passes_the_whole_gate(tmp_path):
     from ktconvert.kernel import probe_kernel
 
     junit = tmp_path / "gate.xml"
-    expect = 77  # 68 emulated cases + 9 through the real kt-kernel (6 GGUF via LLAMAFILE, 3 kt-amx via AMX)
+    expect = 80  # 71 emulated cases + 9 through the real kt-kernel (6 GGUF via LLAMAFILE, 3 kt-amx via AMX)
     extra = []
     if not probe_kernel()["available"]:  # the kernel cases need kt-kernel; the rest of the gate still runs
-        extra, expect = [_suite_without_kernel_cases(tmp_path)], 68
+        extra, expect = [_suite_without_kernel_cases(tmp_path)], 71
     r = run("gate", *extra, "--jobs", "2", "--junit", junit)
     assert r.exit_code == 0, r.output
     assert f"{expect}/{expect} cases passed" in r.output and "gate green" in r.output
@@ -201,7 +201,7 @@ def test_select_list_and_json(tmp_path):
     r = run("gate", "-k", "mixtral*", "--list")
     assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 5
     r = run("gate", "-k", "q8_0", "--list")
-    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 25  # fourteen single-request families, Kimi-K2 and Moonlight, five serve files, two kt-kernel, two LoRA
+    assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 26  # fifteen single-request families, Kimi-K2 and Moonlight, five serve files, two kt-kernel, two LoRA
     r = run("gate", "-k", "nothing-like-this")
     assert r.exit_code == 2 and "selects no case" in r.output
 

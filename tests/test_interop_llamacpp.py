@@ -22,7 +22,7 @@ pytestmark = pytest.mark.interop
 INTEROP = [(f, q, p) for f in ("qwen2_moe", "qwen3_moe", "mixtral", "deepseek_v2", "deepseek_v3")
            for q, p in (("F32", "f32"), ("Q8_0", "q8_0"), ("Q4_K", "q4_k"))]
 INTEROP += [(f, q, p) for f in ("glm4_moe", "minimax_m2", "gpt_oss", "qwen3_5_moe", "qwen3_vl_moe", "glm_moe_dsa", "qwen3_next", "kimi_k25", "deepseek_v32",
-                                "minimax_m3_vl", "glm5_next")
+                                "minimax_m3_vl", "glm5_next", "deepseek_v4")
             for q, p in (("F32", "f32"), ("Q8_0", "q8_0"))]
 
 

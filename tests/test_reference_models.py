@@ -97,6 +97,9 @@ def _hub_spelling(family: str) -> dict:
     """The tiny config as the authors' remote-code configs on the hub spell it."""
     raw = tiny_config(family)
     text = raw.get("text_config", raw)  # a multimodal wrapper nests the text model's keys
+    if "rope_parameters" not in text and "rope_theta" in text:  # already the release spelling (DeepSeek-V4)
+        raw["torch_dtype"] = raw.pop("dtype")
+        return raw
     rope = text.pop("rope_parameters", None)  # None: no rope at all (GLM-5-Next's NoPE attention)
     if rope is not None:
         text["rope_theta"] = rope.pop("rope_theta")
@@ -286,6 +289,9 @@ TREE = {
     "glm5_next": ["model.layers.0.self_attn.q_conv1d", "model.layers.0.self_attn.f_b_proj", "model.layers.0.self_attn.o_norm",
                   "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.indexer.wq_b", "model.layers.1.self_attn.kv_b_proj",
                   "model.layers.2.self_attn.q_a_layernorm", "model.layers.1.mlp.gate", "model.layers.3.mlp.shared_experts.up_proj"],
+    "deepseek_v4": ["model.layers.0.attn_hc", "model.layers.1.ffn_hc", "model.hc_head", "model.layers.0.self_attn.o_a_proj",
+                    "model.layers.1.self_attn.compressor.indexer.scorer.weights_proj", "model.layers.2.self_attn.compressor.kv_norm",
+                    "model.layers.0.mlp.gate", "model.layers.2.mlp.experts.7.w3", "model.layers.2.mlp.shared_experts.down_proj"],
 }
 
 

@@ -261,10 +261,10 @@ def test_tokenizer_loads_and_round_trips(tiny_root):
 
 def _routing(model, ids):
     """Per MoE layer: selected expert ids (sorted per token) and the gap between the k-th and (k+1)-th
-    candidate in the space the selection is made in (logits, or V3's biased sigmoid scores)."""
+    candidate in the space the selection is made in (logits, or V3's biased sigmoid / V4's biased sqrtsoftplus scores)."""
     import torch
 
-    from ktconvert.model.modules import LogitsRouter, MoEGate, RoutedExperts, TopKRouter
+    from ktconvert.model.modules import LogitsRouter, MoEGate, RoutedExperts, TopKRouter, router_scores
 
     picks, gaps = [], []
 
@@ -275,7 +275,8 @@ def _routing(model, ids):
         h = args[0].reshape(-1, args[0].shape[-1]).float()
         if isinstance(mod, MoEGate):
             logits = mod.logits(h)
-            space = logits.sigmoid() + mod.e_score_correction_bias.float() if mod.scoring == "sigmoid" else logits
+            biased = mod.scoring != "softmax"
+            space = router_scores(logits, mod.scoring) + mod.e_score_correction_bias.float() if biased else logits
             k = mod.top_k
         else:
             space, k = out.float(), model.config.num_experts_per_tok
@@ -307,9 +308,9 @@ def test_bf16_does_not_flip_any_expert_over_the_golden_prompt(family, tiny_root,
     assert len(fp32) == len(normalize_config(tiny_config(family)).moe_layers)
     for layer, (a, b) in enumerate(zip(fp32, bf16)):
         assert torch.equal(a, b), f"{family}: bf16 changed the routing of MoE layer {layer}"
-    # the design margins (see ktconvert.model.tiny): several logits, or 0.2 in the sigmoid+bias space of
-    # DeepSeek-V3-style routing (a sigmoid saturates: its gaps are small in absolute terms)
-    sigmoid = normalize_config(tiny_config(family)).scoring_func == "sigmoid"
+    # the design margins (see ktconvert.model.tiny): several logits, or 0.2 in the score+bias space of
+    # DeepSeek-V3-style routing (a sigmoid saturates: its gaps are small in absolute terms; V4's sqrtsoftplus too)
+    sigmoid = normalize_config(tiny_config(family)).scoring_func != "softmax"
     assert min(gaps) > (0.2 if sigmoid else 3.0), gaps
     # every expert is used somewhere, so a fault in any expert shows in the outputs
     assert all(torch.bincount(p.flatten(), minlength=8).min() > 0 for p in fp32)

@@ -77,8 +77,7 @@ _ARCH_KEYS = {
     "expert_shared_count": lambda w, c, n: w.add_expert_shared_count(c.n_shared_experts),
     "expert_weights_scale": lambda w, c, n: w.add_expert_weights_scale(c.routed_scaling_factor),
     "expert_weights_norm": lambda w, c, n: _if(c.norm_topk_prob, lambda: w.add_expert_weights_norm(True)),
-    "expert_gating_func": lambda w, c, n: w.add_expert_gating_func(
-        ExpertGatingFuncType.SIGMOID if c.scoring_func == "sigmoid" else ExpertGatingFuncType.SOFTMAX),
+    "expert_gating_func": lambda w, c, n: _gating_func(w, c),
     "expert_group_count": lambda w, c, n: _if(c.n_group, lambda: w.add_expert_group_count(c.n_group)),
     "expert_group_used_count": lambda w, c, n: _if(c.topk_group, lambda: w.add_expert_group_used_count(c.topk_group)),
     # the window and which layers use it (llama.cpp reads the per-layer pattern before its architecture default)
@@ -138,10 +137,51 @@ _ARCH_KEYS = {
                                     w.add_indexer_top_k(c.indexer.topk),
                                     w.add_uint32(f"{w.arch}.attention.indexer.block_size", c.indexer.block_size),
                                     w.add_uint32(f"{w.arch}.attention.indexer.local_blocks", c.indexer.local_blocks)),
+    # DeepSeek-V4 (llama.cpp deepseek4, whose converter reads these from the release's config.json): the window,
+    # the lightning indexer, the grouped output projection, per-layer compress ratios (0 / 4 / 128) and the compressed
+    # layers' rope (its base, and YaRN where the release scales it: llama.cpp applies it to those layers only)
+    "compressed_mqa": lambda w, c, n: _compressed_mqa(w, c, n),
+    # the width of the hyper-connection streams a DeepSeek-V4 head reads (hidden_size * hc_mult)
+    "embedding_length_out": lambda w, c, n: w.add_embedding_length_out(c.hidden_size * c.hyper_connections.mult),
+    "hash_layers": lambda w, c, n: w.add_uint32(f"{w.arch}.hash_layer_count", len(c.hash_layers)),
+    # the clamped SwiGLU's limit per layer, for the routed and (where they clamp too) the shared experts
+    "swiglu_clamp": lambda w, c, n: (
+        w.add_swiglu_clamp_exp([float(c.swiglu_limit)] * n),
+        _if(c.shared_swiglu, lambda: w.add_swiglu_clamp_shexp([float(c.swiglu_limit)] * n))),
     # llama.cpp divides by 0.1 again
     "rope_scaling_yarn_log_mul": lambda w, c, n: _if(
         c.rope.kind == "yarn" and c.rope.mscale_all_dim, lambda: w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)),
 }
+
+
+#: llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRTSOFTPLUS (gguf-py 0.19.0's enum predates it)
+SQRTSOFTPLUS = 4
+
+
+def _gating_func(w, c) -> None:
+    if c.scoring_func == "sqrtsoftplus":
+        w.add_uint32(f"{w.arch}.expert_gating_func", SQRTSOFTPLUS)
+    else:
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if c.scoring_func == "sigmoid" else ExpertGatingFuncType.SOFTMAX)
+
+
+def _compressed_mqa(w, c, n: int) -> None:
+    d = c.compressed
+    w.add_sliding_window(c.sliding_window)
+    w.add_indexer_head_count(c.indexer.n_heads)
+    w.add_indexer_key_length(c.indexer.head_dim)
+    w.add_indexer_top_k(c.indexer.topk)
+    w.add_uint32(f"{w.arch}.attention.output_group_count", d.o_groups)
+    w.add_uint32(f"{w.arch}.attention.output_lora_rank", d.o_lora_rank)
+    w.add_array(f"{w.arch}.attention.compress_ratios", [int(r) for r in d.ratios])
+    w.add_float32(f"{w.arch}.attention.compress_rope_freq_base", d.compress_rope.theta)
+    r = d.compress_rope
+    if r.kind == "yarn":
+        w.add_rope_scaling_type(RopeScalingType.YARN)
+        w.add_rope_scaling_factor(r.factor)
+        w.add_rope_scaling_orig_ctx_len(r.original_max_position_embeddings)
+        w.add_rope_scaling_yarn_beta_fast(r.beta_fast)
+        w.add_rope_scaling_yarn_beta_slow(r.beta_slow)
 
 
 def _mrope_sections(c) -> list[int]:

@@ -28,7 +28,7 @@ from ktconvert.formats.gguf_write import DEFAULT_ALIGNMENT, layout_gguf
 from ktconvert.formats.safetensors_write import layout_safetensors
 from ktconvert.formats.fp8 import FP8_DTYPE
 from ktconvert.formats.quantized import FORMATS as RELEASE_FORMATS
-from ktconvert.io.dtypes import FLOAT_DTYPES
+from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES
 from ktconvert.quant import as_qtype, block_size, dequantizable, type_size
 
 FORMATS = ("gguf", "safetensors", "kt-amx")
@@ -253,6 +253,9 @@ def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str, fa
     if rule is None:
         return None, None, None, (f"no rule of recipe {recipe.name} matches {item.name}", recipe.source,
                                   "end the recipe with a catch-all rule such as {match: '.', type: keep}")
+    if container == "safetensors" and item.src_dtype in INT_DTYPES:
+        # an index table (token id -> expert ids): llama.cpp gathers with it as I32, whatever type the rule names
+        return "I32", rule, None, None
     tried = []
     for cand in (rule.type, *rule.fallback):
         t = _keep_type(item, container) if cand == KEEP else cand

@@ -20,7 +20,7 @@ from ktconvert.convert.source import Segment
 from ktconvert.errors import EnvironmentProblem, InputError
 from ktconvert.formats import fp8, kt_amx, open_checkpoint, quantized
 from ktconvert.formats.lora_delta import lora_delta
-from ktconvert.io.dtypes import FLOAT_DTYPES, decode_float32, raw_view
+from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
 from ktconvert.quant import dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
 from ktconvert.convert.kt_amx_io import pack_group
@@ -137,6 +137,8 @@ def _run(task: Task) -> int:
         ck = _checkpoint(task.src)
         if t.copy_bytes:
             data = _raw_rows(ck, t, task.r0, task.r1)
+        elif t.type == "I32" and ck[t.segments[0].source].dtype in INT_DTYPES:
+            data = _int_rows(ck, t, task.r0, task.r1)
         else:
 
             x = _float_rows(ck, t, task.r0, task.r1)
@@ -249,6 +251,18 @@ def _raw_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
         out[pos: pos + n] = rows
         del src, rows
     return out
+
+
+def _int_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
+    """Rows ``r0..r1`` of an integer index table as I32 (values outside int32 are an input error)."""
+    out = np.empty((r1 - r0, t.shape[-1] if t.shape else 1), dtype="<i4")
+    for s, i, n, pos in _overlaps(t, r0, r1):
+        rows = np.asarray(_rows2d(ck, s.source)[s.src_row + i: s.src_row + i + n])
+        if rows.size and (rows.min() < np.iinfo(np.int32).min or rows.max() > np.iinfo(np.int32).max):
+            raise InputError(f"index values {rows.min()}..{rows.max()} do not fit llama.cpp's I32",
+                             path=None, where=f"tensor {s.source}", fix="check the checkpoint's index table")
+        out[pos: pos + n] = rows.reshape(n, -1)
+    return out.view(np.uint8).reshape(-1)
 
 
 def _check_finite_raw(rows: np.ndarray, dtype: str, s: Segment, first: int) -> None:

@@ -63,11 +63,13 @@ class KdaDims:
 
 @dataclass(frozen=True)
 class HyperConnectionDims:
-    """Hyper-connection residual streams (``hc_mult``) and their Sinkhorn normalisation."""
+    """Hyper-connection residual streams (``hc_mult``), their Sinkhorn normalisation and how the final norm reads
+    them (spec ``config.hyper_connections``: ``mean_head`` GLM-5-Next, ``learned_head`` DeepSeek-V4's ``hc_head``)."""
 
     mult: int
     sinkhorn_iters: int
     eps: float
+    head: str = "mean_head"
 
 
 @dataclass(frozen=True)
@@ -83,6 +85,19 @@ class IndexerDims:
     local_blocks: int | None = None
     kpool: int | None = None  # DSA over pools of kpool keys (GLM-5-Next); topk counts keys, a multiple of kpool
     kpool_tail: bool = True  # the query's incomplete pool is always attended
+
+
+@dataclass(frozen=True)
+class CompressedDims:
+    """Compressed sparse MQA (spec ``attention.kind: compressed_mqa``): per layer the compress ratio (0: window only;
+    ``csa_ratio``: overlapping windows picked by the indexer; any other: every closed window), the rope of compressed
+    layers, and the grouped output projection."""
+
+    ratios: tuple[int, ...]
+    csa_ratio: int
+    compress_rope: RopeSpec
+    o_groups: int
+    o_lora_rank: int
 
 
 @dataclass(frozen=True)
@@ -143,6 +158,8 @@ class MoeConfig:
     msa_layers: tuple[int, ...] = ()  # the layers running MiniMax Sparse Attention
     shared_experts_width: int | None = None  # the shared_experts MLP's width when a spec names its key
     shared_swiglu: bool = False  # the shared experts use the clamped SwiGLU too (moe.activation.shared)
+    compressed: CompressedDims | None = None  # compressed sparse MQA (spec attention.kind compressed_mqa)
+    hash_layers: tuple[int, ...] = ()  # layers routing by tid2eid[input_id] (spec routing.hash_layers)
     bos_token_id: int | None = None
     eos_token_id: Any = None
     raw: dict = field(default_factory=dict, compare=False, repr=False)
@@ -240,7 +257,11 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     mla = sp.is_mla
     attn_facts = sp.section("attention")
     head_dim = g.opt("head_dim")
-    if mla:
+    compressed_mqa = attn_facts["kind"] == "compressed_mqa"
+    if compressed_mqa:
+        head_dim = g.int("head_dim")
+        rope_dim = _compressed_rope_dim(raw, head_dim, path)
+    elif mla:
         rope_dim = g.int("qk_rope_head_dim")
         head_dim = rope_dim
     else:
@@ -251,7 +272,10 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         raise InputError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}", path=path)
 
     max_pos = int(g.opt("max_position_embeddings", defaults["max_position_embeddings"]))
-    rope = _rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
+    if compressed_mqa:
+        rope, compress_rope = _compressed_ropes(raw, defaults["rope_theta"], rope_dim, max_pos, path)
+    else:
+        rope = _rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
 
     moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts)))
     types = raw.get("mlp_layer_types")
@@ -280,8 +304,9 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         method = "greedy"
     if method not in _TOPK_METHODS:
         raise InputError(f"topk_method {method!r} is not supported ({', '.join(sorted(_TOPK_METHODS))})", path=path, where="topk_method")
-    if scoring not in ("softmax", "sigmoid"):
-        raise InputError(f"scoring_func {scoring!r} is not supported (softmax, sigmoid)", path=path, where="scoring_func")
+    if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
+        raise InputError(f"scoring_func {scoring!r} is not supported (softmax, sigmoid, sqrtsoftplus)", path=path,
+                         where="scoring_func")
     allowed = routing.get("allowed") or {}
     if (scoring not in allowed.get("scoring_func", (scoring,))
             or method not in allowed.get("topk_method", (method,))):
@@ -362,9 +387,14 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         kwargs["dsa_shared_layers"] = _dsa_shared(raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers,
                                                   path)
     if cfg_facts.get("hyper_connections"):
-        kwargs["hyper_connections"] = _hyper_connections(g, path)
+        kwargs["hyper_connections"] = _hyper_connections(g, cfg_facts["hyper_connections"], path)
     if attn_facts.get("msa_indexer"):
         kwargs.update(_msa(g, raw, layers, kv_heads, rope_dim, path))
+    if compressed_mqa:
+        kwargs.update(_compressed(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
+        window, sliding = kwargs.pop("sliding_window"), kwargs.pop("sliding_layers")
+    if "hash_layers" in routing:
+        kwargs["hash_layers"] = _hash_layers(g, raw, routing["hash_layers"], layers, path)
 
     shared = sp.shared_expert
     width_key = sp.section("moe").get("shared_experts_width")
@@ -480,6 +510,124 @@ def _msa(g: "_Getter", raw: dict, layers: int, kv_heads: int, rope_dim: int, pat
     return {"indexer": dims, "msa_layers": sparse}
 
 
+_CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+_RATIO_KINDS = {0: "sliding_attention", 4: _CSA, 128: _HCA}
+
+
+def _compressed_rope_dim(raw: dict, head_dim: int, path: str | None) -> int:
+    """The rotated tail of each head: the release's ``qk_rope_head_dim``, else transformers' ``partial_rotary_factor``
+    (top level or in ``rope_parameters.main``)."""
+    dim = raw.get("qk_rope_head_dim")
+    if dim is None:
+        params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+        main = params.get("main") if isinstance(params.get("main"), dict) else params
+        factor = main.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+            raise InputError("the rotated head size is missing: give qk_rope_head_dim (or partial_rotary_factor in "
+                             "(0, 1])", path=path, where="qk_rope_head_dim")
+        dim = int(head_dim * factor)
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2 or dim > head_dim:
+        raise InputError(f"qk_rope_head_dim must be an even integer in 2..head_dim ({head_dim}), got {dim!r}",
+                         path=path, where="qk_rope_head_dim")
+    return dim
+
+
+def _compressed_ropes(raw: dict, default_theta: float, dim: int, max_pos: int, path: str | None) -> tuple[RopeSpec, RopeSpec]:
+    """``(main, compress)`` ropes: window-only layers rotate with ``rope_theta``, compressed layers (and their
+    compressors and indexers) with ``compress_rope_theta`` and the release's ``rope_scaling`` (YaRN without its
+    attention factor, as transformers 5.23 forces). transformers' nested ``rope_parameters`` {main, compress} too."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        main_raw, comp_raw = params["main"], params["compress"]
+    else:
+        scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else {}
+        main_raw = {"rope_type": "default", "rope_theta": raw.get("rope_theta", default_theta)}
+        comp_raw = {**scaling, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
+    comp_raw = dict(comp_raw)
+    if comp_raw.get("rope_type", comp_raw.get("type")) == "yarn":
+        comp_raw.setdefault("attention_factor", 1.0)
+    main_raw = {k: v for k, v in main_raw.items() if k != "partial_rotary_factor"}
+    comp_raw = {k: v for k, v in comp_raw.items() if k != "partial_rotary_factor"}
+    main = _rope({"rope_parameters": main_raw}, default_theta, dim, max_pos, path)
+    if main.kind != "default":
+        raise InputError(f"the window-only layers' rope must be the default rope, got {main.kind!r}", path=path,
+                         where="rope_parameters.main")
+    return main, _rope({"rope_parameters": comp_raw}, default_theta, dim, max_pos, path)
+
+
+def _compressed(g: "_Getter", raw: dict, layers: int, heads: int, kv_heads: int, head_dim: int, compress_rope: RopeSpec,
+                path: str | None) -> dict:
+    """Compressed sparse MQA: per-layer compress ratios (the release's ``compress_ratios``, or transformers'
+    ``layer_types`` + ``compress_rates``), the indexer, the window and the grouped output projection."""
+    if kv_heads != 1:
+        raise InputError(f"compressed MQA has one shared K=V head: num_key_value_heads must be 1, got {kv_heads}",
+                         path=path, where="num_key_value_heads")
+    rates = raw.get("compress_rates") if isinstance(raw.get("compress_rates"), dict) else {}
+    csa = rates.get(_CSA, raw.get("compress_rate_csa", 4))
+    hca = rates.get(_HCA, raw.get("compress_rate_hca", 128))
+    ratios, types = raw.get("compress_ratios"), raw.get("layer_types")
+    if ratios is not None:
+        ok = (isinstance(ratios, list) and len(ratios) >= layers
+              and all(not isinstance(r, bool) and r in _RATIO_KINDS for r in ratios))
+        if not ok:
+            raise InputError(f"compress_ratios must list {layers} entries of 0 / 4 / 128, got {ratios!r}", path=path,
+                             where="compress_ratios")
+        ratios = tuple({0: 0, 4: csa, 128: hca}[r] for r in ratios[:layers])
+    elif types is not None:
+        kinds = {"sliding_attention": 0, _CSA: csa, _HCA: hca}
+        if not isinstance(types, list) or len(types) < layers or any(t not in kinds for t in types[:layers]):
+            raise InputError(f"layer_types must list {layers} entries of {' / '.join(kinds)}, got {types!r}",
+                             path=path, where="layer_types")
+        ratios = tuple(kinds[t] for t in types[:layers])
+    else:
+        raise InputError("compressed MQA needs each layer's compress ratio: give compress_ratios (or layer_types)",
+                         path=path, where="compress_ratios")
+    for name, v in (("compress_rates.compressed_sparse_attention", csa),
+                    ("compress_rates.heavily_compressed_attention", hca)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{name} must be a positive integer, got {v!r}", path=path, where=name)
+    if csa == hca:
+        raise InputError(f"the two compress rates must differ (both {csa})", path=path, where="compress_rates")
+    o_groups, o_lora = g.int("o_groups"), g.int("o_lora_rank")
+    if o_groups < 1 or heads % o_groups:
+        raise InputError(f"o_groups={o_groups} must divide num_attention_heads={heads}", path=path, where="o_groups")
+    window = raw.get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InputError(f"sliding_window must be a positive integer, got {window!r}", path=path,
+                         where="sliding_window")
+    q_lora = g.int("q_lora_rank")
+    indexer = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"))
+    rope_dim = compress_rope.dim
+    if indexer.head_dim < rope_dim or min(indexer.n_heads, indexer.topk) < 1:
+        raise InputError(f"index_head_dim={indexer.head_dim} must hold qk_rope_head_dim={rope_dim}; index_n_heads and "
+                         "index_topk must be positive", path=path, where="index_head_dim")
+    dims = CompressedDims(ratios=ratios, csa_ratio=csa, compress_rope=compress_rope, o_groups=o_groups,
+                          o_lora_rank=o_lora)
+    return {"compressed": dims, "indexer": indexer, "q_lora_rank": q_lora, "qk_rope_head_dim": rope_dim,
+            "sliding_window": int(window), "sliding_layers": tuple(range(layers))}
+
+
+def _hash_layers(g: "_Getter", raw: dict, choice: dict, layers: int, path: str | None) -> tuple[int, ...]:
+    """The hash-routed layers: transformers' ``mlp_layer_types`` (``hash_moe`` / ``moe``) or the release's
+    ``num_hash_layers`` leading layers."""
+    types = raw.get("mlp_layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) < layers or any(t not in ("hash_moe", "moe") for t in types[:layers]):
+            raise InputError(f"mlp_layer_types must list {layers} entries of hash_moe / moe, got {types!r}", path=path,
+                             where="mlp_layer_types")
+        hashed = tuple(i for i, t in enumerate(types[:layers]) if t == "hash_moe")
+        if hashed != tuple(range(len(hashed))):
+            raise InputError(f"hash_moe layers {list(hashed)} do not lead the stack: the release's num_hash_layers and "
+                             "llama.cpp's hash_layer_count name the first layers only", path=path,
+                             where="mlp_layer_types", fix="list hash_moe for the first layers, then moe")
+        return hashed
+    n = _choice(g, choice)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InputError(f"num_hash_layers must be a non-negative integer, got {n!r}", path=path,
+                         where="num_hash_layers")
+    return tuple(range(min(n, layers)))
+
+
 def _lists_dense(raw: dict) -> bool:
     """A per-layer MLP list (transformers' mlp_layer_types, the hub's moe_layer_freq) that names a dense layer."""
     types, freq = raw.get("mlp_layer_types"), raw.get("moe_layer_freq")
@@ -555,13 +703,16 @@ def _dsa_shared(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, .
     return shared
 
 
-def _hyper_connections(g: "_Getter", path: str | None) -> HyperConnectionDims:
+def _hyper_connections(g: "_Getter", head: str, path: str | None) -> HyperConnectionDims:
     """The residual streams of a hyper-connection family (transformers' defaults: 4 streams, 20 iterations)."""
     dims = HyperConnectionDims(mult=int(g.opt("hc_mult", 4)), sinkhorn_iters=int(g.opt("hc_sinkhorn_iters", 20)),
-                               eps=float(g.opt("hc_eps", 1e-6)))
+                               eps=float(g.opt("hc_eps", 1e-6)), head=head)
     if dims.mult < 1 or dims.sinkhorn_iters < 1:
         raise InputError(f"hc_mult ({dims.mult}) and hc_sinkhorn_iters ({dims.sinkhorn_iters}) must be positive",
                          path=path, where="hc_mult")
+    if not dims.eps > 0:
+        raise InputError(f"hc_eps must be above 0, got {dims.eps}", path=path, where="hc_eps",
+                         fix="set hc_eps as the release does (1e-6)")
     return dims
 
 

@@ -117,19 +117,39 @@ class FamilySpec:
         the generic per-expert layout."""
         return self.data.get("checkpoint", {}).get("releases", {}).get(fmt)
 
+    @property
+    def layer_renames(self) -> tuple[tuple[str, str], ...]:
+        """``(published, means)`` pairs inside ``model.layers.L.`` (the spec's ``checkpoint.layer_renames``)."""
+        return tuple((r["published"], r["means"]) for r in self.data.get("checkpoint", {}).get("layer_renames", ()))
+
     def canonical_name(self, name: str) -> str:
-        """A published tensor name as the reference model names it (``model.language_model.x`` -> ``model.x``)."""
+        """A published tensor name as the reference model names it (``model.language_model.x`` -> ``model.x``;
+        inside a layer, the spec's ``layer_renames``: DeepSeek-V4's ``attn.wq_a.`` -> ``self_attn.q_a_proj.``)."""
         for prefix, means in self.prefix_aliases:
             if name.startswith(prefix):
-                return means + name[len(prefix):]
-        return name
+                name = means + name[len(prefix):]
+                break
+        return _rename_in_layer(name, self.layer_renames)
 
     def published_name(self, name: str) -> str:
-        """The inverse of :meth:`canonical_name`: the first alias whose meaning starts ``name``."""
+        """The inverse of :meth:`canonical_name`: the layer renames undone, then the first alias whose meaning
+        starts ``name``."""
+        name = _rename_in_layer(name, tuple((m, p) for p, m in self.layer_renames))
         for alias in self.data.get("checkpoint", {}).get("prefix_aliases", ()):
             if alias["means"] and name.startswith(alias["means"]):
                 return alias["prefix"] + name[len(alias["means"]):]
         return name
+
+
+def _rename_in_layer(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
+    """``model.layers.L.<old>rest`` -> ``model.layers.L.<new>rest`` for the longest matching ``old``."""
+    if not pairs or not name.startswith("model.layers."):
+        return name
+    head, _, rest = name[len("model.layers."):].partition(".")
+    best = max((p for p in pairs if rest.startswith(p[0])), key=lambda p: len(p[0]), default=None)
+    if best is None:
+        return name
+    return f"model.layers.{head}.{best[1]}{rest[len(best[0]):]}"
 
 
 def _load(path) -> FamilySpec:

@@ -116,8 +116,8 @@ def compute_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threa
             decoder.embed_tokens.register_forward_hook(lambda m, a, o: captured.__setitem__("embed", first(o))),
             decoder.norm.register_forward_hook(lambda m, a, o: captured.__setitem__("norm", first(o))),
         ]
-        # a layer whose output is hyper-connection streams [B, T, N, H] (GLM-5-Next) is recorded as their mean,
-        # the [B, T, H] its head feeds the final norm (and the reference model records)
+        # a layer whose output is hyper-connection streams [B, T, N, H] (GLM-5-Next, DeepSeek-V4) is recorded as
+        # their mean, as the reference model records it
         hooks += [layer.register_forward_hook(lambda m, a, o: layers_out.append(_collapse(first(o))))
                   for layer in decoder.layers]
         ids = torch.tensor([prompt_ids], dtype=torch.long)

@@ -59,6 +59,8 @@ SAFETENSORS_DTYPES: dict[str, SafetensorsDtype] = {
 }
 
 FLOAT_DTYPES = ("F32", "F16", "BF16", "F64")
+#: Safetensors integer dtypes of index tables (DeepSeek-V4's tid2eid), which a GGUF stores as llama.cpp's I32
+INT_DTYPES = ("I8", "U8", "I16", "U16", "I32", "U32", "I64", "U64")
 """Safetensors float dtypes every reader decodes exactly (float8/4/6 need their format's scales first)."""
 
 DTYPE_BYTES: dict[str, int] = {d.name: d.bits // 8 for d in SAFETENSORS_DTYPES.values() if d.bits % 8 == 0}

@@ -51,7 +51,7 @@ def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tup
     classes = sp.section("classes")
     p = sp.prefix
     if role in ("causal_lm", "model", "decoder_layer", "attention", "linear_attention", "rmsnorm", "gated_rmsnorm",
-                "indexer"):
+                "indexer", "hyper_connection", "hyper_head", "csa_compressor", "hca_compressor", "hash_gate", "indexer_scorer"):
         suffix = {
             "causal_lm": "ForCausalLM",
             "model": "Model",
@@ -61,6 +61,12 @@ def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tup
             "rmsnorm": "RMSNorm",
             "gated_rmsnorm": "RMSNormGated",
             "indexer": "Indexer",
+            "hyper_connection": "HyperConnection",
+            "hyper_head": "HyperHead",
+            "csa_compressor": "CSACompressor",
+            "hca_compressor": "HCACompressor",
+            "hash_gate": "HashRouter",
+            "indexer_scorer": "IndexerScorer",
         }[role]
         # a spec may name a class that does not follow <prefix><Role> (classes.causal_lm / linear_attention)
         name = classes.get(role) if role in ("causal_lm", "linear_attention") else None

@@ -381,46 +381,41 @@ class DsaKPoolIndexer(Tagged, nn.Module):
         return allowed
 
 
-class HyperConnection:
-    """Manifold-constrained hyper-connections around one block (GLM-5-Next's ``hc_attn_*`` / ``hc_ffn_*``).
+def hyper_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, dims, norm_eps: float):
+    """Manifold-constrained hyper-connections around one block (GLM-5-Next's ``hc_attn_*`` / ``hc_ffn_*``,
+    DeepSeek-V4's ``attn_hc`` / ``ffn_hc``): ``(post [B, T, N], comb [B, T, N, N], block input [B, T, H])``.
 
-    From the ``N`` residual streams ``x [B, T, N, H]`` (flattened, RMS-normalised without weight) one linear map
-    ``fn`` gives, after ``* scale + base``: ``pre = sigmoid(.) + eps`` (the block's input is the ``pre``-weighted sum
-    of the streams), ``post = 2 sigmoid(.)`` (how much of the block's output each stream gets) and ``comb`` (softmax
-    rows + eps, then Sinkhorn-normalised so the streams mix without growing); the new streams are
-    ``post * out + comb^T x``. float32 as transformers (``Glm5NextTextHyperConnection``). The parameters live on
-    the decoder layer under the checkpoint's names; this holds only the maths (no module, so the module tree has
-    no node upstream lacks).
+    From the ``N = dims.mult`` residual streams ``x [B, T, N, H]`` (flattened, RMS-normalised without weight) one
+    linear map ``fn`` gives, after ``* scale + base``: ``pre = sigmoid(.) + eps`` (the block's input is the
+    ``pre``-weighted sum of the streams), ``post = 2 sigmoid(.)`` (how much of the block's output each stream gets) and
+    ``comb`` (softmax rows + eps, then Sinkhorn-normalised so the streams mix without growing); float32 as
+    transformers. :func:`hyper_residual` gives the new streams. One function for both families, whose parameters sit
+    where each upstream module tree has them.
     """
+    b, t = streams.shape[:2]
+    n, eps = dims.mult, dims.eps
+    flat = streams.reshape(b, t, -1).float()
+    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    mixed = F.linear(flat, fn.float())
+    pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
+    pre_b, post_b, comb_b = base.split([n, n, n * n])
+    pre_s, post_s, comb_s = scale.unbind(0)
+    comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
+    pre = torch.sigmoid(pre_w * pre_s + pre_b) + eps
+    post = 2 * torch.sigmoid(post_w * post_s + post_b)
+    comb = torch.softmax(comb_w * comb_s + comb_b.view(n, n), dim=-1) + eps
+    comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    for _ in range(dims.sinkhorn_iters - 1):
+        comb = comb / (comb.sum(dim=-1, keepdim=True) + eps)
+        comb = comb / (comb.sum(dim=-2, keepdim=True) + eps)
+    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
+    return post, comb, collapsed
 
-    def __init__(self, mult: int, iters: int, eps: float, norm_eps: float):
-        self.mult, self.iters, self.eps, self.norm_eps = mult, iters, eps, norm_eps
 
-    def weights(self, streams, fn, base, scale):
-        """``(post [B, T, N], comb [B, T, N, N], block input [B, T, H])``."""
-        b, t = streams.shape[:2]
-        n = self.mult
-        flat = streams.reshape(b, t, -1).float()
-        flat = flat * torch.rsqrt(flat.float().square().mean(-1, keepdim=True) + self.norm_eps).to(flat.dtype)
-        mixed = F.linear(flat, fn.float())
-        pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
-        pre_b, post_b, comb_b = base.split([n, n, n * n])
-        pre_s, post_s, comb_s = scale.unbind(0)
-        comb_w = comb_w.view(*comb_w.shape[:-1], n, n)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + self.eps
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)
-        comb = torch.softmax(comb_w * comb_s + comb_b.view(n, n), dim=-1) + self.eps
-        comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        for _ in range(self.iters - 1):
-            comb = comb / (comb.sum(dim=-1, keepdim=True) + self.eps)
-            comb = comb / (comb.sum(dim=-2, keepdim=True) + self.eps)
-        collapsed = (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
-        return post, comb, collapsed
-
-    @staticmethod
-    def merge(post, comb, out, residual):
-        dtype = out.dtype
-        return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), residual)
+def hyper_residual(streams: torch.Tensor, block_out: torch.Tensor, post: torch.Tensor, comb: torch.Tensor) -> torch.Tensor:
+    """The streams after a block: ``post`` spreads its output, ``comb`` (transposed) mixes the old streams."""
+    dtype = block_out.dtype
+    return post.to(dtype).unsqueeze(-1) * block_out.unsqueeze(-2) + torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
 
 
 class SigmoidGatedRMSNorm(Tagged, nn.Module):
@@ -746,8 +741,8 @@ class GatedMLP(Tagged, nn.Module):
     """``down(silu(gate(x)) * up(x))``; projection names are configurable (Mixtral experts: w1, w3, w2).
 
     ``bias``: every projection has one; ``clamp`` ``(alpha, limit)``: the clamped SwiGLU of gpt-oss,
-    ``down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g))`` with ``g = min(gate, limit)``; ``(None, limit)``:
-    GLM-5-Next's ``down(silu(min(gate, limit)) * clamp(up, -limit, limit))``.
+    ``down((clamp(up, -limit, limit) + 1) * g * sigmoid(alpha * g))`` with ``g = min(gate, limit)``; with alpha
+    ``None`` (GLM-5-Next, DeepSeek-V4) ``down(silu(min(gate, limit)) * clamp(up, -limit, limit))``.
     """
 
     def __init__(self, hidden: int, intermediate: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj"),
@@ -861,7 +856,7 @@ class MoEGate(Tagged, nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.logits(hidden)
-        scores = logits.softmax(dim=-1, dtype=torch.float32) if self.scoring == "softmax" else logits.sigmoid()
+        scores = router_scores(logits, self.scoring)
         n = scores.shape[0]
         if self.method == "greedy":
             weights, ids = torch.topk(scores, k=self.top_k, dim=-1, sorted=False)
@@ -889,6 +884,15 @@ class MoEGate(Tagged, nn.Module):
         else:
             weights = weights * self.scaling
         return ids, weights
+
+
+def router_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """Router scores from float32 logits: softmax, sigmoid or sqrt(softplus) (DeepSeek-V4)."""
+    if scoring == "softmax":
+        return logits.softmax(dim=-1, dtype=torch.float32)
+    if scoring == "sqrtsoftplus":
+        return F.softplus(logits).sqrt()
+    return logits.sigmoid()
 
 
 def topk_softmax(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:

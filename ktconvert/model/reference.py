@@ -31,6 +31,16 @@ from torch import nn
 
 from ktconvert.families.config import MoeConfig, load_config
 from ktconvert.model import hfnames
+from ktconvert.model.compressed import (
+    CompressedAttention,
+    CompressedCompressor,
+    HashGate,
+    HashRoutedMoE,
+    HyperConnection,
+    HyperHead,
+    IndexerScorer,
+    LightningIndexer,
+)
 from ktconvert.model.modules import (
     Attention,
     DeepseekMoE,
@@ -39,7 +49,6 @@ from ktconvert.model.modules import (
     GatedMLP,
     GatedDeltaNet,
     GatedRMSNorm,
-    HyperConnection,
     KimiDeltaAttention,
     KVCache,
     MLAttention,
@@ -47,6 +56,8 @@ from ktconvert.model.modules import (
     SigmoidGatedRMSNorm,
     SparseMoeBlock,
     Tagged,
+    hyper_mix,
+    hyper_residual,
     rms_norm,
 )
 
@@ -74,10 +85,14 @@ class DecoderLayer(Tagged, nn.Module):
             self.self_attn = KimiDeltaAttention(cfg, layer_idx)
         elif self.attn_attr == "linear_attn":
             self.linear_attn = GatedDeltaNet(cfg, layer_idx)
+        elif cfg.compressed is not None:
+            self.self_attn = CompressedAttention(cfg, layer_idx)
         else:
             self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
         self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
-        if layer_idx in cfg.moe_layers:
+        if layer_idx in cfg.hash_layers:
+            block = HashRoutedMoE(cfg)
+        elif layer_idx in cfg.moe_layers:
             # the spec's routing maths picks the block (DeepSeek's grouped routing with shared experts, or
             # softmax top-k), independently of the attention kind
             logits_router = cfg.spec.section("routing")["weights"] in ("softmax_topk", "topk_softmax")
@@ -87,9 +102,11 @@ class DecoderLayer(Tagged, nn.Module):
         self.moe_attr = cfg.moe_block_name
         setattr(self, self.moe_attr, block)
         hc = cfg.hyper_connections
-        self.hc = None
-        if hc is not None:  # hyper-connection weights under the checkpoint's names (hc_attn_fn, ...)
-            self.hc = HyperConnection(hc.mult, hc.sinkhorn_iters, hc.eps, cfg.rms_norm_eps)
+        self.hc, self.hc_norm_eps = hc, cfg.rms_norm_eps
+        if hc is not None and hc.head == "learned_head":  # modules of their own, as transformers' tree has them
+            self.attn_hc = HyperConnection(cfg)
+            self.ffn_hc = HyperConnection(cfg)
+        elif hc is not None:  # parameters on the layer under the checkpoint's names (hc_attn_fn, ...)
             width = (2 + hc.mult) * hc.mult
             for part in ("attn", "ffn"):
                 setattr(self, f"hc_{part}_fn", nn.Parameter(torch.zeros(width, hc.mult * cfg.hidden_size)))
@@ -106,15 +123,30 @@ class DecoderLayer(Tagged, nn.Module):
         """The MLP or MoE block, whatever its attribute name (``mlp`` / ``block_sparse_moe``)."""
         return getattr(self, self.moe_attr)
 
-    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None,
+                input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden [B, T, H]``, or ``[B, T, N, H]`` residual streams with hyper-connections."""
         if self.hc is not None:
-            post, comb, x = self.hc.weights(hidden, self.hc_attn_fn, self.hc_attn_base, self.hc_attn_scale)
-            hidden = self.hc.merge(post, comb, self.mixer(self.input_layernorm(x), position_ids, cache), hidden)
-            post, comb, x = self.hc.weights(hidden, self.hc_ffn_fn, self.hc_ffn_base, self.hc_ffn_scale)
-            return self.hc.merge(post, comb, self.feed_forward(self.post_attention_layernorm(x)), hidden)
+            post, comb, x = self._hyper("attn", hidden)
+            hidden = hyper_residual(hidden, self.mixer(self.input_layernorm(x), position_ids, cache), post, comb)
+            post, comb, x = self._hyper("ffn", hidden)
+            return hyper_residual(hidden, self._feed(self.post_attention_layernorm(x), input_ids), post, comb)
         hidden = hidden + self.mixer(self.input_layernorm(hidden), position_ids, cache)
-        return hidden + self.feed_forward(self.post_attention_layernorm(hidden))
+        return hidden + self._feed(self.post_attention_layernorm(hidden), input_ids)
+
+    def _hyper(self, part: str, streams: torch.Tensor):
+        """``hyper_mix`` around the attention (``attn``) or the MLP (``ffn``), wherever its parameters live."""
+        module = getattr(self, f"{part}_hc", None)
+        if module is not None:
+            return module(streams)
+        fn, base, scale = (getattr(self, f"hc_{part}_{w}") for w in ("fn", "base", "scale"))
+        return hyper_mix(streams, fn, base, scale, self.hc, self.hc_norm_eps)
+
+    def _feed(self, hidden: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
+        """The MLP / MoE block; a hash-routed one also reads the token ids."""
+        if getattr(self.feed_forward, "takes_input_ids", False):
+            return self.feed_forward(hidden, input_ids)
+        return self.feed_forward(hidden)
 
 
 class DecoderModel(Tagged, nn.Module):
@@ -125,6 +157,8 @@ class DecoderModel(Tagged, nn.Module):
         for i in cfg.dsa_shared_layers:  # a plain attribute: the source stays a module of its own layer only
             object.__setattr__(self.layers[i].self_attn, "selection_source", self.layers[i - 1].self_attn)
         self.norm = rms_norm(cfg, cfg.hidden_size)
+        if cfg.hyper_connections is not None and cfg.hyper_connections.head == "learned_head":
+            self.hc_head = HyperHead(cfg)
 
 
 class ReferenceCausalLM(Tagged, nn.Module):
@@ -149,13 +183,14 @@ class ReferenceCausalLM(Tagged, nn.Module):
         hidden = self.model.embed_tokens(input_ids)
         states = [hidden]
         hc = self.config.hyper_connections
-        if hc is not None:  # every stream starts as the embedding; a layer's output is recorded as the streams' mean
+        if hc is not None:  # every stream starts as the embedding
             hidden = hidden.unsqueeze(2).expand(-1, -1, hc.mult, -1).contiguous()
         for layer in self.model.layers:
-            hidden = layer(hidden, position_ids, cache)
+            hidden = layer(hidden, position_ids, cache, input_ids)
+            # a layer's output is its streams' mean where there are several (as the goldens record it)
             states.append(hidden.mean(dim=2) if hc is not None else hidden)
-        if hc is not None:
-            hidden = hidden.mean(dim=2)  # GLM-5-Next's head: the streams' unweighted mean
+        if hc is not None:  # GLM-5-Next's head: the streams' unweighted mean; DeepSeek-V4's: hc_head
+            hidden = self.model.hc_head(hidden) if hc.head == "learned_head" else hidden.mean(dim=2)
         final = self.model.norm(hidden)
         if cache is not None:
             cache.seq_len = past + t
@@ -173,6 +208,8 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
     _tag(model, fam, "causal_lm")
     _tag(model.model, fam, "model")
     _tag(model.model.norm, fam, "rmsnorm")
+    if hasattr(model.model, "hc_head"):
+        _tag(model.model.hc_head, fam, "hyper_head")
     for layer in model.model.layers:
         _tag(layer, fam, "decoder_layer")
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
@@ -184,19 +221,27 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
             _tag(attn, fam, "attention")
             if attn.rotary_emb is not None:
                 _tag(attn.rotary_emb, fam, "rotary", yarn=yarn)
-        for sub in attn.children():
+        for sub in attn.modules():
             if isinstance(sub, RMSNorm):
                 _tag(sub, fam, "rmsnorm")
             elif isinstance(sub, (GatedRMSNorm, SigmoidGatedRMSNorm)):
                 _tag(sub, fam, "gated_rmsnorm")
-            elif isinstance(sub, (DsaIndexer, DsaKPoolIndexer)):
+            elif isinstance(sub, (DsaIndexer, DsaKPoolIndexer, LightningIndexer)):
                 _tag(sub, fam, "indexer")
+            elif isinstance(sub, IndexerScorer):
+                _tag(sub, fam, "indexer_scorer")
+            elif isinstance(sub, CompressedCompressor):
+                _tag(sub, fam, "csa_compressor" if sub.indexer is not None else "hca_compressor")
+        for hc in (getattr(layer, "attn_hc", None), getattr(layer, "ffn_hc", None)):
+            if hc is not None:
+                _tag(hc, fam, "hyper_connection")
         block = layer.feed_forward
         if isinstance(block, GatedMLP):
             _tag(block, fam, "mlp")
             continue
         _tag(block, fam, "moe_block")
-        _tag(getattr(block, "router_module", None) or block.gate, fam, "gate")
+        gate = getattr(block, "router_module", None) or block.gate
+        _tag(gate, fam, "hash_gate" if isinstance(gate, HashGate) else "gate")
         _tag(block.experts, fam, "experts")
         for expert in block.experts:
             _tag(expert, fam, "mlp", expert=True)

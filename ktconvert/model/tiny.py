@@ -173,7 +173,7 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
         add(f"{p}.post_attention_layernorm.weight", (h,), norm)
         a = f"{p}.self_attn"
         hc = cfg.hyper_connections
-        if hc is not None:  # the releases' names (transformers renames them attn_hc.fn, ...)
+        if hc is not None and hc.head == "mean_head":  # the releases' names (transformers renames them attn_hc.fn, ...)
             for part in ("attn", "ffn"):
                 add(f"{p}.hc_{part}_fn", ((2 + hc.mult) * hc.mult, hc.mult * h), "linear")
                 add(f"{p}.hc_{part}_base", ((2 + hc.mult) * hc.mult,), "bias")
@@ -211,6 +211,8 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
             add(f"{la}.A_log", (d.num_value_heads,), "a_log")
             add(f"{la}.norm.weight", (d.value_head_dim,), "norm")
             add(f"{la}.out_proj.weight", (h, d.num_value_heads * d.value_head_dim), "out_linear")
+        elif cfg.compressed is not None:
+            _compressed_specs(cfg, a, layer, add)
         elif cfg.is_mla:
             qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
             nh = cfg.num_attention_heads
@@ -255,6 +257,12 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
                 add(f"{a}.index_k_proj.weight", (d.head_dim, h), "linear")
                 add(f"{a}.index_q_norm.weight", (d.head_dim,), norm)
                 add(f"{a}.index_k_norm.weight", (d.head_dim,), norm)
+        if hc is not None and hc.head == "learned_head":
+            size = (2 + hc.mult) * hc.mult
+            for module in ("attn_hc", "ffn_hc"):
+                add(f"{p}.{module}.fn", (size, hc.mult * h), "linear")
+                add(f"{p}.{module}.base", (size,), "bias")
+                add(f"{p}.{module}.scale", (3,), "norm")
         m = f"{p}.{cfg.moe_block_name}"
         if layer not in cfg.moe_layers:
             mlp(m, cfg.intermediate_size)
@@ -264,7 +272,9 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
         add(f"{m}.{router}.weight", (cfg.num_experts, h), "router")
         if moe.get("router_bias"):
             add(f"{m}.{router}.bias", (cfg.num_experts,), "bias")
-        if cfg.topk_method == "noaux_tc":
+        if layer in cfg.hash_layers:  # routed by token id: the table instead of a score bias
+            add(f"{m}.gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "tid2eid")
+        elif cfg.topk_method == "noaux_tc":
             on_block = cfg.spec.section("moe").get("score_bias") == "block"
             add(f"{m}.{'' if on_block else 'gate.'}e_score_correction_bias", (cfg.num_experts,), "score_bias")
         for e in range(cfg.num_experts):
@@ -275,8 +285,43 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
         if cfg.n_shared_experts:
             mlp(f"{m}.shared_experts", cfg.shared_experts_inter)
     add("model.norm.weight", (h,), norm)
+    hc = cfg.hyper_connections
+    if hc is not None and hc.head == "learned_head":
+        add("model.hc_head.hc_fn", (hc.mult, hc.mult * h), "linear")
+        add("model.hc_head.hc_base", (hc.mult,), "bias")
+        add("model.hc_head.hc_scale", (1,), "norm")
     add("lm_head.weight", (cfg.vocab_size, h), "head")
     return specs
+
+
+def _compressed_specs(cfg: MoeConfig, a: str, layer: int, add) -> None:
+    """A compressed sparse MQA layer's tensors (reference names; the spec's layer_renames publish them)."""
+    h, hd, nh, c = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.compressed
+    add(f"{a}.q_a_proj.weight", (cfg.q_lora_rank, h), "linear")
+    add(f"{a}.q_a_norm.weight", (cfg.q_lora_rank,), "norm")
+    add(f"{a}.q_b_proj.weight", (nh * hd, cfg.q_lora_rank), "linear")
+    add(f"{a}.kv_proj.weight", (hd, h), "linear")
+    add(f"{a}.kv_norm.weight", (hd,), "norm")
+    add(f"{a}.o_a_proj.weight", (c.o_groups * c.o_lora_rank, nh * hd // c.o_groups), "linear")
+    add(f"{a}.o_b_proj.weight", (h, c.o_groups * c.o_lora_rank), "out_linear")
+    add(f"{a}.sinks", (nh,), "sink")
+    ratio = c.ratios[layer]
+    if not ratio:
+        return
+    csa = ratio == c.csa_ratio
+    parts = [(f"{a}.compressor", hd)]
+    if csa:
+        parts.append((f"{a}.compressor.indexer", cfg.indexer.head_dim))
+    for prefix, width in parts:
+        coff = 2 if csa else 1
+        add(f"{prefix}.kv_proj.weight", (coff * width, h), "linear")
+        add(f"{prefix}.gate_proj.weight", (coff * width, h), "linear")
+        add(f"{prefix}.position_bias", (ratio, coff * width), "bias")
+        add(f"{prefix}.kv_norm.weight", (width,), "norm")
+    if csa:
+        d = cfg.indexer
+        add(f"{a}.compressor.indexer.q_b_proj.weight", (d.n_heads * d.head_dim, cfg.q_lora_rank), "linear")
+        add(f"{a}.compressor.indexer.scorer.weights_proj.weight", (d.n_heads, h), "linear")
 
 
 def token_codes(vocab: int = VOCAB, experts: int = EXPERTS) -> np.ndarray:
@@ -329,12 +374,16 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
         gain = _router_gain(family)
         for j, ch in enumerate(chans):
             out[perm[j], ch] += gain
+    elif spec.kind == "tid2eid":  # each token's experts: its code's pair through a permutation of the layer's own
+        layer = spec.name.split(".")[2]
+        perm = rng.permutation(rng.stream_key(SEED, family, "hash-perm", layer), cfg.num_experts)
+        return np.asarray(perm)[token_codes(cfg.vocab_size, cfg.num_experts)].astype(np.int64)
     elif spec.kind == "score_bias":
         out = 0.02 * np.abs(u)  # non-negative: upstream masks with 0.0 or -inf, which then agree
         layer = int(spec.name.split(".")[2])
         if layer == max(cfg.moe_layers):
             boosted = rng.randint(rng.stream_key(SEED, family, "boost", layer), 1, cfg.num_experts)[0]
-            out[boosted] += V3_BIAS_BOOST
+            out[boosted] += families.spec(family).tiny.get("bias_boost", V3_BIAS_BOOST)
     else:
         raise ValueError(f"unknown tensor kind {spec.kind!r}")
     return out.astype(np.float32)

@@ -375,7 +375,7 @@ def _check_kt_tree(ctx: Ctx, path: Path, out: list[Finding]) -> None:
                            f"use --kt-method AMX{sorted(kinds)[0]}", "--kt-method"))
 
 
-_LAYER_OF = re.compile(r"^(?:model\.|language_model\.model\.|model\.language_model\.)layers\.(\d+)\.")
+_LAYER_OF = re.compile(r"^(?:model\.|language_model\.model\.|model\.language_model\.)?layers\.(\d+)\.")
 
 
 def _check_hf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
@@ -410,7 +410,8 @@ def _check_hf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
                                    "convert (ktconvert quantize --to kt-amx, or to GGUF for LLAMAFILE)", str(path)))
     _check_release(ctx, path, experts, fmts, out)
     if ctx.dims is not None:
-        # model.layers.L, or a multimodal wrapper's language model (MiniMax-M3: language_model.model.layers.L)
+        # model.layers.L, a multimodal wrapper's language model (MiniMax-M3: language_model.model.layers.L) or
+        # DeepSeek-V4's native layers.L
         layers = {int(m.group(1)) for m in map(_LAYER_OF.match, experts) if m}
         lacking = sorted(set(ctx.dims.moe_layers) - layers)
         if lacking:

@@ -124,7 +124,8 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
                 # no ktransformers modeling file: transformers' own block and router classes; its routed
                 # experts are fused into one module there, so each expert here is a plain Module
                 moe = layer.add(sp.moe_block_name, classes.get("moe_block", {}).get("transformers", f"{pre}SparseMoeBlock"))
-                moe.add(router, classes.get("gate", {}).get("transformers", "Linear"))
+                hashed = i in mc.hash_layers  # routed by token id (DeepSeek-V4's first layers)
+                moe.add(router, f"{pre}HashRouter" if hashed else classes.get("gate", {}).get("transformers", "Linear"))
                 expert_type = "Module"
             else:
                 kt_gate = "gate" in classes
@@ -139,7 +140,12 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
                 moe.add("shared_expert_gate", "Linear")
         layer.add("input_layernorm", f"{pre}RMSNorm")
         layer.add("post_attention_layernorm", f"{pre}RMSNorm")
+        if mc.hyper_connections is not None and mc.hyper_connections.head == "learned_head":
+            layer.add("attn_hc", f"{pre}HyperConnection")
+            layer.add("ffn_hc", f"{pre}HyperConnection")
     model.add("norm", f"{pre}RMSNorm", layer=None, dense=False)
+    if mc.hyper_connections is not None and mc.hyper_connections.head == "learned_head":
+        model.add("hc_head", f"{pre}HyperHead", layer=None, dense=False)
     root.add("lm_head", "Linear")
     return ModelTree(family, cfg, root, mc.num_hidden_layers, dense_layers, source, mc)
 
@@ -171,6 +177,9 @@ def _attention(layer: Node, sp, mc, pre: str) -> None:
         lin.add("out_proj", "Linear")
         return
     attn = layer.add("self_attn", f"{pre}Attention")
+    if mc.compressed is not None:
+        _compressed_attention(attn, mc, pre)
+        return
     if mc.is_mla:
         if mc.q_lora_rank:
             attn.add("q_a_proj", "Linear")
@@ -202,6 +211,30 @@ def _attention(layer: Node, sp, mc, pre: str) -> None:
         attn.add("index_k_proj", "Linear")
         attn.add("index_q_norm", f"{pre}RMSNorm")
         attn.add("index_k_norm", f"{pre}RMSNorm")
+
+
+def _compressed_attention(attn: Node, mc, pre: str) -> None:
+    """DeepSeek-V4's attention: q LoRA, one K=V projection, grouped output projection; a compressed layer's compressor
+    (its lightning indexer under it on the indexer-ratio layers)."""
+    for name, type_ in (("q_a_proj", "Linear"), ("q_a_norm", f"{pre}RMSNorm"), ("q_b_proj", "Linear"),
+                        ("kv_proj", "Linear"), ("kv_norm", f"{pre}RMSNorm"), ("o_a_proj", "Linear"),
+                        ("o_b_proj", "Linear"), ("rotary_emb", f"{pre}RotaryEmbedding")):
+        attn.add(name, type_)
+    ratio = mc.compressed.ratios[attn.layer]
+    if not ratio:
+        return
+    csa = ratio == mc.compressed.csa_ratio
+    comp = attn.add("compressor", f"{pre}CSACompressor" if csa else f"{pre}HCACompressor")
+    parts = [comp]
+    if csa:
+        parts.append(comp.add("indexer", f"{pre}Indexer"))
+    for part in parts:
+        part.add("kv_proj", "Linear")
+        part.add("gate_proj", "Linear")
+        part.add("kv_norm", f"{pre}RMSNorm")
+    if csa:
+        parts[1].add("q_b_proj", "Linear")
+        parts[1].add("scorer", f"{pre}IndexerScorer").add("weights_proj", "Linear")
 
 
 def _mlp(parent: Node, name: str, type_: str, projs=("gate_proj", "up_proj", "down_proj")) -> Node:

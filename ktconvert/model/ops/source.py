@@ -185,6 +185,8 @@ class WeightSource:
         raw = self._ck.read(gname)
         if qtype in ("F32", "F16"):
             out = np.array(raw, dtype=np.float32)
+        elif qtype in ("I8", "I16", "I32"):  # an index table (DeepSeek-V4's tid2eid): ids as they are
+            out = np.array(raw, dtype=np.int64)
         else:
             out = quant.dequantize(raw, qtype, name=gname)
         return out.reshape(shape)
