@@ -367,11 +367,11 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
             kwargs["indexer"] = _indexer(g, raw, layers, int(kwargs["qk_rope_head_dim"]), path,
                                          kpool=bool(attn_facts.get("dsa_kpool")),
                                          shared=bool(attn_facts.get("dsa_shared")))
-        if attn_facts.get("latent_norm_eps") == "rms_norm_eps":
-            kwargs["latent_norm_eps"] = float(g.opt("rms_norm_eps", defaults["rms_norm_eps"]))
             if kwargs["q_lora_rank"] is None:
                 raise InputError("the DSA indexer reads the q LoRA latent: q_lora_rank must be set", path=path,
                                  where="q_lora_rank")
+        if attn_facts.get("latent_norm_eps") == "rms_norm_eps":
+            kwargs["latent_norm_eps"] = float(g.opt("rms_norm_eps", defaults["rms_norm_eps"]))
         if kv_heads != heads:
             raise InputError(
                 f"MLA expands keys per attention head: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads})",

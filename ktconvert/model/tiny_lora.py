@@ -1,6 +1,6 @@
 """A deterministic tiny MoE LoRA adapter for each tiny model, in kt-kernel's raw training form: BF16
-``fused_expert_lora.safetensors`` for every MoE layer, a PEFT ``adapter_model.safetensors`` (F32, ``o_proj`` of
-every layer, under ``base_model.model.``), ``adapter_config.json`` and ``kt_adapter_manifest.json`` (sizes, sha256,
+``fused_expert_lora.safetensors`` for every MoE layer, a PEFT ``adapter_model.safetensors`` (F32, the attention output
+projection ``o_proj`` (DeepSeek-V4: ``o_b_proj``) of every layer, under ``base_model.model.``), ``adapter_config.json`` and ``kt_adapter_manifest.json`` (sizes, sha256,
 the fused tensor contract). Every other form comes from it through ``ktconvert convert-lora``.
 
 Its lora_B is not zero (an adapter fresh from initialisation has no effect, which convert-lora reports), and the
@@ -27,6 +27,7 @@ from ktconvert.model.tiny import tensor_specs, tiny_config
 RANK = 4
 ALPHA = 8.0
 SCALE = 0.05
+OUTPUT_PROJECTIONS = ("o_proj", "o_b_proj")
 
 
 def _values(family: str, name: str, shape: tuple[int, ...]) -> np.ndarray:
@@ -55,8 +56,11 @@ def tiny_lora_files(family: str, rank: int = RANK, alpha: float = ALPHA) -> dict
             fused[name] = (to_bf16_f32(_values(family, name, shape)).view(np.uint32) >> np.uint32(16)).astype(np.uint16)
             bits[name] = "BF16"
     peft = {}
-    for spec in tensor_specs(normalize_config(raw)):
-        if spec.name.endswith(".self_attn.o_proj.weight"):
+    specs = tensor_specs(normalize_config(raw))
+    # the attention's output projection: o_proj, or the second half of a grouped one (DeepSeek-V4's o_b_proj)
+    target = next(t for t in OUTPUT_PROJECTIONS if any(s.name.endswith(f".self_attn.{t}.weight") for s in specs))
+    for spec in specs:
+        if spec.name.endswith(f".self_attn.{target}.weight"):
             stem = "base_model.model." + spec.name[: -len(".weight")]
             out_f, in_f = spec.shape
             peft[f"{stem}.lora_A.weight"] = _values(family, f"{stem}.lora_A", (rank, in_f))
@@ -66,7 +70,7 @@ def tiny_lora_files(family: str, rank: int = RANK, alpha: float = ALPHA) -> dict
              "adapter_model.safetensors": _save_file_bytes(peft, {n: "F32" for n in peft}, {"format": "pt"}),
              "adapter_config.json": (json.dumps({"base_model_name_or_path": base, "bias": "none", "lora_alpha": alpha,
                                                  "lora_dropout": 0.0, "peft_type": "LORA", "r": rank,
-                                                 "target_modules": ["o_proj"], "task_type": "CAUSAL_LM"},
+                                                 "target_modules": [target], "task_type": "CAUSAL_LM"},
                                                 indent=2, sort_keys=True) + "\n").encode()}
     arts = {n: {"size": len(b), "sha256": hashlib.sha256(b).hexdigest()} for n, b in sorted(files.items())}
     arts["fused_expert_lora.safetensors"].update(
