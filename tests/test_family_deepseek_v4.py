@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from family_checks import assert_swap_localised, assert_verify_passes
 from transformers_helpers import transformers_523
 from ktconvert import families
 from ktconvert.errors import InputError
@@ -266,37 +267,13 @@ def test_gguf_keeps_what_llamacpp_reads(tiny, converted):
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_verify_passes_the_conversions(tiny, converted, qtype):
-    from ktconvert.verify import run_verify
-
-    report = run_verify(tiny, RULES, golden_root() / FAMILY, weights=converted[qtype])
-    assert report.profile.name == qtype.lower()
-    assert report.passed, [b.line() for b in report.breaches]
+    assert_verify_passes(tiny, RULES, FAMILY, converted[qtype], qtype)
 
 
 def test_verify_localises_swapped_gate_and_up_in_one_layer(tiny, converted, tmp_path):
-    """Layer 1's ffn_gate_exps and ffn_up_exps exchanged (a conversion that mixes w1 and w3 up): verify fails there,
-    in both phases, at the MoE block."""
-    from gguf import GGUFReader
-
-    from ktconvert.verify import run_verify
-
-    broken = tmp_path / "broken.gguf"
-    shutil.copyfile(converted["F32"], broken)
-    reader = GGUFReader(broken, "r+")
-    t = {x.name: x for x in reader.tensors}
-    gate, up = t["blk.1.ffn_gate_exps.weight"].data, t["blk.1.ffn_up_exps.weight"].data
-    g = np.array(gate)
-    gate[...] = up
-    up[...] = g
-    reader.data.flush()
-    del reader
-    report = run_verify(tiny, RULES, golden_root() / FAMILY, weights=broken)
-    assert not report.passed
-    for phase in report.phases:
-        loc = phase.localization
-        assert loc["layer"] == "layer 1" and loc["module"] == "model.layers.1.mlp", (phase.name, loc)
-        assert loc["module_nmse_out"] > 10 * loc["module_nmse_in"]
-        assert all(v <= report.profile.hidden_nmse for _, v in phase.layers[:2])
+    """Layer 1's experts with gate and up exchanged (w1 and w3 mixed up): verify fails there, in both phases, at
+    the MoE block."""
+    assert_swap_localised(tiny, RULES, FAMILY, converted["F32"], tmp_path, 1, "mlp")
 
 
 def test_check_rules_clean_on_the_shipped_port(tiny, converted):

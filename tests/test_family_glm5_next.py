@@ -12,6 +12,7 @@ from ktconvert.families import normalize_config
 from ktconvert.golden import read_golden
 from ktconvert.golden.paths import golden_root
 from ktconvert.model.tiny import tiny_config, write_tiny_model
+from family_checks import assert_swap_localised, assert_verify_passes
 from transformers_helpers import transformers_523
 
 FAMILY = "glm5_next"
@@ -234,39 +235,13 @@ def test_q8_0_keeps_what_llama_quantize_keeps(model, converted, tmp_path):
 
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 def test_verify_passes_the_conversions(model, converted, qtype, one_torch_thread):
-    from ktconvert.verify import run_verify
-
-    report = run_verify(model, _rules(), golden_root() / FAMILY, weights=converted[qtype])
-    assert report.profile.name == qtype.lower()
-    assert report.passed, [b.line() for b in report.breaches]
+    assert_verify_passes(model, _rules(), FAMILY, converted[qtype], qtype)
 
 
 def test_verify_localises_swapped_gate_and_up_in_one_layer(model, converted, tmp_path, one_torch_thread):
-    """Layer 2's ffn_gate_exps and ffn_up_exps exchanged (a conversion that mixes gate and up up): verify fails there,
-    in both phases, at the MoE block."""
-    import shutil
-
-    from gguf import GGUFReader
-
-    from ktconvert.verify import run_verify
-
-    broken = tmp_path / "broken.gguf"
-    shutil.copyfile(converted["F32"], broken)
-    reader = GGUFReader(broken, "r+")
-    t = {x.name: x for x in reader.tensors}
-    gate, up = t["blk.2.ffn_gate_exps.weight"].data, t["blk.2.ffn_up_exps.weight"].data
-    g = np.array(gate)
-    gate[...] = up
-    up[...] = g
-    reader.data.flush()
-    del reader
-    report = run_verify(model, _rules(), golden_root() / FAMILY, weights=broken)
-    assert not report.passed
-    for phase in report.phases:
-        loc = phase.localization
-        assert loc["layer"] == "layer 2" and loc["module"] == "model.layers.2.mlp", (phase.name, loc)
-        assert loc["module_nmse_out"] > 10 * loc["module_nmse_in"]
-        assert all(v <= report.profile.hidden_nmse for _, v in phase.layers[:3])
+    """Layer 2's experts with gate and up exchanged (gate and up mixed up): verify fails there, in both phases, at
+    the MoE block."""
+    assert_swap_localised(model, _rules(), FAMILY, converted["F32"], tmp_path, 2, "mlp")
 
 
 def test_check_rules_clean_on_the_shipped_port(model, converted):
