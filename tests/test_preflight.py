@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from ktconvert import families
 from ktconvert.cli import cli
 from ktconvert.preflight import Launch, parse_command, preflight
 
@@ -274,3 +275,22 @@ def test_ktamx_name_parser_agrees_with_the_pattern(name):
         (int(m.group(1)), m.group(2), int(m.group(3)), int(m.group(4)), m.group(5))
     got = parse_ktamx_name(name)
     assert (tuple(got) if got else None) == want
+
+
+CLAMPED = [f for f in families.FAMILIES if families.spec(f).section("moe").get("activation")]
+
+
+@pytest.mark.parametrize("family", CLAMPED)
+def test_clamped_experts_under_a_method_without_the_clamp_are_refused(tiny_root, family):
+    """A clamped SwiGLU family launched with a method sglang-kt does not give the clamp to would load and run with
+    silu(gate) * up: PF167 names the family, its limit and the methods that compute it; under those, no PF167."""
+    act = families.spec(family).section("moe")["activation"]
+    model = str(tiny_root / family)
+    base = dict(model_path=model, weight_path=model, cpuinfer="2", threadpools="1", gpu_experts="0")
+    for method in ("AMXINT4", "BF16", "LLAMAFILE"):
+        found = [f for f in preflight(Launch(method=method, **base)).findings if f.id == "PF167"]
+        assert len(found) == 1 and family in found[0].message and method in found[0].message, method
+        assert ("no kt-kernel 0.7.2 method" in found[0].fix) == (not act["kt_methods"])
+        assert all(m in found[0].fix for m in act["kt_methods"])
+    for method in act["kt_methods"]:
+        assert "PF167" not in ids(preflight(Launch(method=method, **base))), method

@@ -13,6 +13,7 @@ from ktconvert.families.config import (
 from ktconvert.families.registry import (
     FamilySpec,
     families,
+    family_of,
     family_of_class,
     ffn_is_expert_width,
     find,
@@ -26,7 +27,7 @@ from ktconvert.families.registry import (
 DEFAULT_FAMILY = "qwen3_moe"
 
 __all__ = [
-    "DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "MoeConfig", "RopeSpec", "families", "family_of_class",
+    "DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "MoeConfig", "RopeSpec", "families", "family_of", "family_of_class",
     "ffn_is_expert_width", "find", "gguf_arch", "load_config", "normalize_config", "permutes_qk", "spec",
     "spec_for_arch", "text_view",
 ]

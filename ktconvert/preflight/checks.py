@@ -15,6 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ktconvert import families
 from ktconvert.errors import InputError
 from ktconvert.formats import quantized
 from ktconvert.formats.checkpoint import open_checkpoint
@@ -168,7 +169,8 @@ def check_model(ctx: Ctx, out: list[Finding]) -> None:
         out.append(Finding("PF121", ERROR, "no config.json", "--model-path takes the Hugging Face model directory",
                            str(cfg_path)))
         return
-    dims = dims_from_hf_config(load_config(cfg_path), str(cfg_path))
+    raw = load_config(cfg_path)
+    dims = dims_from_hf_config(raw, str(cfg_path))
     if not (dims.hidden_size and dims.moe_intermediate_size and dims.n_experts and dims.moe_layers):
         out.append(Finding("PF122", ERROR, "config.json does not give H, I, the expert count and the MoE layers",
                            "is this a MoE model's config?", str(cfg_path)))
@@ -181,6 +183,23 @@ def check_model(ctx: Ctx, out: list[Finding]) -> None:
         for p in shape_problems(ctx.method, hidden=dims.hidden_size, inter=dims.moe_intermediate_size,
                                 parts=ctx.threadpools):
             out.append(Finding("PF124", ERROR, p.what, p.fix, "--kt-method"))
+    _check_activation(ctx, raw, str(cfg_path), out)
+
+
+def _check_activation(ctx: Ctx, raw: dict, where: str, out: list[Finding]) -> None:
+    """Experts with a clamped SwiGLU under a method that computes silu(gate) * up would load and run, wrong: the
+    family's spec lists the methods sglang-kt passes the clamp to (``moe.activation.kt_methods``)."""
+    sp = families.find(families.family_of(raw))
+    act = sp.section("moe").get("activation") if sp is not None else None
+    if not act or ctx.method not in METHODS or ctx.method in act.get("kt_methods", ()):
+        return
+    limit = families.text_view(raw).get(act["limit"].get("key", ""), act["limit"].get("default"))
+    allowed = act.get("kt_methods", [])
+    fix = (f"launch with --kt-method {' or '.join(allowed)} on the release in that format" if allowed
+           else "serve this model without kt-kernel (no kt-kernel 0.7.2 method computes its experts' activation)")
+    out.append(Finding("PF167", ERROR, f"{sp.family}'s experts use a clamped SwiGLU ({act['kind']}, limit {limit}); "
+                       f"sglang-kt 0.7.2 gives the clamp to kt-kernel only under {'/'.join(allowed) or 'no method'}, "
+                       f"so {ctx.method} would compute silu(gate) * up and run with wrong outputs", fix, "--kt-method"))
 
 
 def _detect_format(path: Path) -> str | None:
