@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import torch
 
+from convert_helpers import assert_q8_0_matches_llama_quantize
 from family_checks import assert_swap_localised, assert_verify_passes
 from transformers_helpers import transformers_523
 from ktconvert import families
@@ -427,3 +428,10 @@ def test_preflight_accepts_the_mxfp4_release_in_native_names(tiny, tmp_path):
     assert ok.exit_code == 0, ok.output
     wrong = CliRunner().invoke(cli, flags(tiny))
     assert wrong.exit_code == 1 and "PF164" in wrong.output and "PF163" not in wrong.output, wrong.output
+
+
+@pytest.mark.interop
+def test_q8_0_is_byte_identical_to_llamacpps_quantizer(llama_built, converted, tiny, tmp_path):
+    """Our Q8_0 is llama-quantize's Q8_0 of our F32 GGUF, tensor for tensor (the hyper-connection matrices and the
+    compressors' ape quantized as llama.cpp does; tid2eid stays I32, norms and routers F32)."""
+    assert_q8_0_matches_llama_quantize(tiny, converted["F32"], tmp_path)

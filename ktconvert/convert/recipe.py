@@ -45,9 +45,11 @@ FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4
                      "Q6_K": "Q6_K"}
 
 #: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies, SSM conv kernels,
-#: names not ending in .weight such as ssm_a): every preset and
-#: ``--type`` keep them in F32, as convert_hf_to_gguf and llama-quantize do.
-F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$|attn_sinks\.weight$|ssm_conv1d|indexer\.[qk]_proj\.weight$|^(?!.*\.weight$)"
+#: the 1-D hyper-connection base/scale vectors, llama.cpp names not ending in .weight such as ssm_a; a rule also sees
+#: the HF name, so an HF name is exempt from that last clause: DeepSeek-V4's attn_hc.fn is blk.L.hc_attn_fn.weight,
+#: which llama-quantize quantizes): every preset and ``--type`` keep them in F32, as convert_hf_to_gguf and
+#: llama-quantize do.
+F32_MATCH = r"_norm\.weight$|\.bias$|ffn_gate_inp(_shexp)?\.weight$|^rope_freqs\.weight$|attn_sinks\.weight$|ssm_conv1d|indexer\.[qk]_proj\.weight$|hc_(\w+_)?(base|scale)\.weight$|^(?!model\.|lm_head\.|.*\.weight$)"
 
 
 @dataclass(frozen=True)
