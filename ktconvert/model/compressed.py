@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ktconvert.families.config import MoeConfig
-from ktconvert.model.modules import (DeepseekMoE, KVCache, RMSNorm, RotaryEmbedding, Tagged, hyper_mix, rms_norm,
-                                     router_scores)
+from ktconvert.model.hyper import hyper_mix
+from ktconvert.model.modules import DeepseekMoE, KVCache, RMSNorm, RotaryEmbedding, Tagged, rms_norm, router_scores
 
 
 def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
@@ -191,7 +191,7 @@ class CompressedAttention(Tagged, nn.Module):
 
 
 class HyperConnection(Tagged, nn.Module):
-    """DeepSeek-V4's ``attn_hc`` / ``ffn_hc``: the parameters of :func:`~ktconvert.model.modules.hyper_mix` as a
+    """DeepSeek-V4's ``attn_hc`` / ``ffn_hc``: the parameters of :func:`~ktconvert.model.hyper.hyper_mix` as a
     module of their own, where transformers' tree has one; returns ``post, comb, collapsed``."""
 
     def __init__(self, cfg: MoeConfig):

@@ -47,19 +47,15 @@ from ktconvert.model.modules import (
     DsaIndexer,
     DsaKPoolIndexer,
     GatedMLP,
-    GatedDeltaNet,
-    GatedRMSNorm,
-    KimiDeltaAttention,
     KVCache,
     MLAttention,
     RMSNorm,
-    SigmoidGatedRMSNorm,
     SparseMoeBlock,
     Tagged,
-    hyper_mix,
-    hyper_residual,
     rms_norm,
 )
+from ktconvert.model.hyper import hyper_mix, hyper_residual
+from ktconvert.model.linear_attention import GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention, SigmoidGatedRMSNorm
 
 
 @dataclass
