@@ -113,8 +113,7 @@ _ARCH_KEYS = {
                                     f"{w.arch}.attention.indexer.types", [t == "full" for t in indexer_types(c.raw, n)]))),
     # GLM-5-Next (what llama.cpp's Glm5NextModel converter writes): head_count_kv per layer, 0 marking a recurrent
     # (Kimi Delta Attention) layer (written by hf_kv in the place of the single value); the indexer LayerNorm's
-    # fixed eps; the KDA sizes from linear_attn_config; the hyper-connection streams; swiglu_limit per layer for the
-    # routed experts and for the shared expert and dense MLP
+    # fixed eps; the KDA sizes from linear_attn_config; the hyper-connection streams (swiglu_clamp: below)
     "recurrent_head_count_kv": lambda w, c, n: None,
     "layer_norm_epsilon": lambda w, c, n: w.add_layer_norm_eps(1e-6),
     "kda": lambda w, c, n: (w.add_ssm_conv_kernel(c.kda.conv_kernel),
@@ -125,9 +124,6 @@ _ARCH_KEYS = {
         w.add_uint32(f"{w.arch}.hyper_connection.count", c.hyper_connections.mult),
         w.add_uint32(f"{w.arch}.hyper_connection.sinkhorn_iterations", c.hyper_connections.sinkhorn_iters),
         w.add_float32(f"{w.arch}.hyper_connection.epsilon", c.hyper_connections.eps)),
-    "swiglu_clamp": lambda w, c, n: _if(c.swiglu_limit is not None, lambda: (
-        w.add_array(f"{w.arch}.swiglu_clamp_exp", [c.swiglu_limit] * n),
-        w.add_array(f"{w.arch}.swiglu_clamp_shexp", [c.swiglu_limit] * n))),
     # MiniMax-M3: rotary_dim as the hub config says (llama.cpp's converter writes it and llama.cpp rotates that many
     # dims; transformers 5.23 ignores it), else the rotated share the reference uses
     "rotary_dim": lambda w, c, n: w.add_rope_dimension_count(
@@ -144,7 +140,8 @@ _ARCH_KEYS = {
     # the width of the hyper-connection streams a DeepSeek-V4 head reads (hidden_size * hc_mult)
     "embedding_length_out": lambda w, c, n: w.add_embedding_length_out(c.hidden_size * c.hyper_connections.mult),
     "hash_layers": lambda w, c, n: w.add_uint32(f"{w.arch}.hash_layer_count", len(c.hash_layers)),
-    # the clamped SwiGLU's limit per layer, for the routed and (where they clamp too) the shared experts
+    # the clamped SwiGLU's limit per layer, for the routed and (where they clamp too: GLM-5-Next, DeepSeek-V4) the
+    # shared experts
     "swiglu_clamp": lambda w, c, n: (
         w.add_swiglu_clamp_exp([float(c.swiglu_limit)] * n),
         _if(c.shared_swiglu, lambda: w.add_swiglu_clamp_shexp([float(c.swiglu_limit)] * n))),
