@@ -12,22 +12,6 @@ from ktconvert.families.config import MoeConfig
 from ktconvert.model.modules import KVCache, Tagged
 
 
-class SigmoidGatedRMSNorm(Tagged, nn.Module):
-    """Kimi Delta Attention's output norm: ``weight * x / rms(x) * sigmoid(gate)``, all in float32 (transformers'
-    ``Glm5NextTextRMSNormGated``, which unlike Gated DeltaNet's keeps the weight in float32 and gates by sigmoid)."""
-
-    def __init__(self, size: int, eps: float):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(size))
-        self.variance_epsilon = eps
-
-    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (self.weight.to(torch.float32) * h * torch.sigmoid(gate.to(torch.float32))).to(dtype)
-
-
 class KimiDeltaAttention(Tagged, nn.Module):
     """Kimi Delta Attention (GLM-5-Next's ``linear_attention`` layers, held in ``self_attn``), as its per-token
     recurrence (transformers runs prefill chunk-wise; the two agree to float32 rounding).
@@ -112,11 +96,21 @@ class GatedRMSNorm(Tagged, nn.Module):
         self.weight = nn.Parameter(torch.ones(size))
         self.variance_epsilon = eps
 
+    def _normalised(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.to(torch.float32)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
-        h = x.to(torch.float32)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return (self.weight * h.to(dtype) * F.silu(gate.to(torch.float32))).to(dtype)
+        return (self.weight * self._normalised(x).to(dtype) * F.silu(gate.to(torch.float32))).to(dtype)
+
+
+class SigmoidGatedRMSNorm(GatedRMSNorm):
+    """Kimi Delta Attention's output norm: ``weight * x / rms(x) * sigmoid(gate)``, all in float32 (transformers'
+    ``Glm5NextTextRMSNormGated``, which unlike Gated DeltaNet's keeps the weight in float32 and gates by sigmoid)."""
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        return (self.weight.to(torch.float32) * self._normalised(x) * torch.sigmoid(gate.to(torch.float32))).to(x.dtype)
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -55,7 +55,7 @@ from ktconvert.model.modules import (
     rms_norm,
 )
 from ktconvert.model.hyper import hyper_mix, hyper_residual
-from ktconvert.model.linear_attention import GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention, SigmoidGatedRMSNorm
+from ktconvert.model.linear_attention import GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention
 
 
 @dataclass
@@ -220,7 +220,7 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
         for sub in attn.modules():
             if isinstance(sub, RMSNorm):
                 _tag(sub, fam, "rmsnorm")
-            elif isinstance(sub, (GatedRMSNorm, SigmoidGatedRMSNorm)):
+            elif isinstance(sub, GatedRMSNorm):  # either gate (silu or sigmoid)
                 _tag(sub, fam, "gated_rmsnorm")
             elif isinstance(sub, (DsaIndexer, DsaKPoolIndexer, LightningIndexer)):
                 _tag(sub, fam, "indexer")
