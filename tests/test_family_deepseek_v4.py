@@ -174,6 +174,7 @@ def test_release_and_transformers_spellings_read_alike(hf):
     ({"qk_rope_head_dim": 15}, "qk_rope_head_dim"),
     ({"num_hash_layers": -1}, "num_hash_layers"),
     ({"hc_mult": 0}, "hc_mult"),
+    ({"hc_eps": 0.0}, "hc_eps"),
     ({"mlp_layer_types": ["moe", "hash_moe", "moe"]}, "mlp_layer_types"),
     ({"compress_ratios": None, "layer_types": ["sliding_attention", "full_attention", "sliding_attention"]},
      "layer_types"),

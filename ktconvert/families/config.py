@@ -440,6 +440,17 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     )
 
 
+def _indexer_dims(g: "_Getter", rope_dim: int, path: str | None, **extra) -> IndexerDims:
+    """``index_n_heads`` / ``index_head_dim`` / ``index_topk``, checked against the rotated size the indexer keys hold
+    (a DSA indexer's and DeepSeek-V4's lightning indexer alike)."""
+    dims = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"),
+                       **extra)
+    if dims.head_dim < rope_dim or min(dims.n_heads, dims.topk) < 1:
+        raise InputError(f"index_head_dim={dims.head_dim} must hold qk_rope_head_dim={rope_dim}; index_n_heads and "
+                         "index_topk must be positive", path=path, where="index_head_dim")
+    return dims
+
+
 def _indexer(g: "_Getter", raw: dict, layers: int, rope_dim: int, path: str | None, *, kpool: bool = False,
              shared: bool = False) -> IndexerDims:
     """The DSA indexer's sizes; every layer must run its own indexer (``indexer_types`` all ``full``). With k-pools
@@ -453,11 +464,7 @@ def _indexer(g: "_Getter", raw: dict, layers: int, rope_dim: int, path: str | No
             raise InputError(f"index_topk ({raw.get('index_topk')}) must be a positive multiple of index_kpool "
                              f"({extra['kpool']})", path=path, where="index_topk",
                              fix="set index_topk to a multiple of index_kpool")
-    dims = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"),
-                       **extra)
-    if dims.head_dim < rope_dim or min(dims.n_heads, dims.topk) < 1:
-        raise InputError(f"index_head_dim={dims.head_dim} must hold qk_rope_head_dim={rope_dim}; index_n_heads and "
-                         "index_topk must be positive", path=path, where="index_head_dim")
+    dims = _indexer_dims(g, rope_dim, path, **extra)
     types = raw.get("indexer_types")
     if shared:  # checked with the layer kinds (_dsa_shared)
         return dims
@@ -596,11 +603,8 @@ def _compressed(g: "_Getter", raw: dict, layers: int, heads: int, kv_heads: int,
         raise InputError(f"sliding_window must be a positive integer, got {window!r}", path=path,
                          where="sliding_window")
     q_lora = g.int("q_lora_rank")
-    indexer = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"))
     rope_dim = compress_rope.dim
-    if indexer.head_dim < rope_dim or min(indexer.n_heads, indexer.topk) < 1:
-        raise InputError(f"index_head_dim={indexer.head_dim} must hold qk_rope_head_dim={rope_dim}; index_n_heads and "
-                         "index_topk must be positive", path=path, where="index_head_dim")
+    indexer = _indexer_dims(g, rope_dim, path)
     dims = CompressedDims(ratios=ratios, csa_ratio=csa, compress_rope=compress_rope, o_groups=o_groups,
                           o_lora_rank=o_lora)
     return {"compressed": dims, "indexer": indexer, "q_lora_rank": q_lora, "qk_rope_head_dim": rope_dim,
