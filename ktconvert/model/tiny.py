@@ -167,12 +167,12 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
     norm = "norm0" if cfg.spec.section("config").get("rms_norm") == "zero_centered" else "norm"
     gated_q = 2 if cfg.spec.section("attention").get("output_gate") else 1
     add("model.embed_tokens.weight", (cfg.vocab_size, h), "embed")
+    hc = cfg.hyper_connections
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}"
         add(f"{p}.input_layernorm.weight", (h,), norm)
         add(f"{p}.post_attention_layernorm.weight", (h,), norm)
         a = f"{p}.self_attn"
-        hc = cfg.hyper_connections
         if hc is not None and hc.head == "mean_head":  # the releases' names (transformers renames them attn_hc.fn, ...)
             for part in ("attn", "ffn"):
                 add(f"{p}.hc_{part}_fn", ((2 + hc.mult) * hc.mult, hc.mult * h), "linear")
@@ -285,7 +285,6 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
         if cfg.n_shared_experts:
             mlp(f"{m}.shared_experts", cfg.shared_experts_inter)
     add("model.norm.weight", (h,), norm)
-    hc = cfg.hyper_connections
     if hc is not None and hc.head == "learned_head":
         add("model.hc_head.hc_fn", (hc.mult, hc.mult * h), "linear")
         add("model.hc_head.hc_base", (hc.mult,), "bias")
