@@ -14,12 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from ktconvert.families.config import MoeConfig
-from ktconvert.model.hyper import hyper_mix
+from ktconvert.model.hyper import hyper_mix, unweighted_rms_norm
 from ktconvert.model.modules import DeepseekMoE, KVCache, RMSNorm, RotaryEmbedding, Tagged, rms_norm, router_scores
-
-
-def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
-    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
 
 
 def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

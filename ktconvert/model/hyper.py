@@ -7,6 +7,11 @@ import torch
 import torch.nn.functional as F
 
 
+def unweighted_rms_norm(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x / rms(x)``, no weight: how the streams are normalised before their mixing weights (and DeepSeek-V4's q)."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
 def hyper_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, dims, norm_eps: float):
     """Manifold-constrained hyper-connections around one block (GLM-5-Next's ``hc_attn_*`` / ``hc_ffn_*``,
     DeepSeek-V4's ``attn_hc`` / ``ffn_hc``): ``(post [B, T, N], comb [B, T, N, N], block input [B, T, H])``.
@@ -20,8 +25,7 @@ def hyper_mix(streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale
     """
     b, t = streams.shape[:2]
     n, eps = dims.mult, dims.eps
-    flat = streams.reshape(b, t, -1).float()
-    flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
+    flat = unweighted_rms_norm(streams.reshape(b, t, -1).float(), norm_eps)
     mixed = F.linear(flat, fn.float())
     pre_w, post_w, comb_w = mixed.split([n, n, n * n], dim=-1)
     pre_b, post_b, comb_b = base.split([n, n, n * n])
