@@ -165,6 +165,12 @@ class MoeConfig:
     raw: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
+    def hc_modules(self) -> bool:
+        """Hyper-connections held in modules of their own (``attn_hc`` / ``ffn_hc`` per layer, ``hc_head``: spec
+        ``learned_head``, DeepSeek-V4's tree); ``mean_head`` keeps the weights on the layer and has no head."""
+        return self.hyper_connections is not None and self.hyper_connections.head == "learned_head"
+
+    @property
     def swiglu_clamp(self) -> tuple[float, float] | None:
         """``(alpha, limit)`` of the experts' clamped SwiGLU; None for plain silu(gate) * up."""
         return (self.swiglu_alpha, self.swiglu_limit) if self.swiglu_limit is not None else None

@@ -99,7 +99,7 @@ class DecoderLayer(Tagged, nn.Module):
         setattr(self, self.moe_attr, block)
         hc = cfg.hyper_connections
         self.hc, self.hc_norm_eps = hc, cfg.rms_norm_eps
-        if hc is not None and hc.head == "learned_head":  # modules of their own, as transformers' tree has them
+        if cfg.hc_modules:  # modules of their own, as transformers' tree has them
             self.attn_hc = HyperConnection(cfg)
             self.ffn_hc = HyperConnection(cfg)
         elif hc is not None:  # parameters on the layer under the checkpoint's names (hc_attn_fn, ...)
@@ -153,7 +153,7 @@ class DecoderModel(Tagged, nn.Module):
         for i in cfg.dsa_shared_layers:  # a plain attribute: the source stays a module of its own layer only
             object.__setattr__(self.layers[i].self_attn, "selection_source", self.layers[i - 1].self_attn)
         self.norm = rms_norm(cfg, cfg.hidden_size)
-        if cfg.hyper_connections is not None and cfg.hyper_connections.head == "learned_head":
+        if cfg.hc_modules:
             self.hc_head = HyperHead(cfg)
 
 
@@ -186,7 +186,7 @@ class ReferenceCausalLM(Tagged, nn.Module):
             # a layer's output is its streams' mean where there are several (as the goldens record it)
             states.append(hidden.mean(dim=2) if hc is not None else hidden)
         if hc is not None:  # GLM-5-Next's head: the streams' unweighted mean; DeepSeek-V4's: hc_head
-            hidden = self.model.hc_head(hidden) if hc.head == "learned_head" else hidden.mean(dim=2)
+            hidden = self.model.hc_head(hidden) if self.config.hc_modules else hidden.mean(dim=2)
         final = self.model.norm(hidden)
         if cache is not None:
             cache.seq_len = past + t

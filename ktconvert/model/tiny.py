@@ -173,7 +173,7 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
         add(f"{p}.input_layernorm.weight", (h,), norm)
         add(f"{p}.post_attention_layernorm.weight", (h,), norm)
         a = f"{p}.self_attn"
-        if hc is not None and hc.head == "mean_head":  # the releases' names (transformers renames them attn_hc.fn, ...)
+        if hc is not None and not cfg.hc_modules:  # the releases' names (transformers renames them attn_hc.fn, ...)
             for part in ("attn", "ffn"):
                 add(f"{p}.hc_{part}_fn", ((2 + hc.mult) * hc.mult, hc.mult * h), "linear")
                 add(f"{p}.hc_{part}_base", ((2 + hc.mult) * hc.mult,), "bias")
@@ -257,7 +257,7 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
                 add(f"{a}.index_k_proj.weight", (d.head_dim, h), "linear")
                 add(f"{a}.index_q_norm.weight", (d.head_dim,), norm)
                 add(f"{a}.index_k_norm.weight", (d.head_dim,), norm)
-        if hc is not None and hc.head == "learned_head":
+        if cfg.hc_modules:
             size = (2 + hc.mult) * hc.mult
             for module in ("attn_hc", "ffn_hc"):
                 add(f"{p}.{module}.fn", (size, hc.mult * h), "linear")
@@ -285,7 +285,7 @@ def tensor_specs(cfg: MoeConfig) -> list[TensorSpec]:
         if cfg.n_shared_experts:
             mlp(f"{m}.shared_experts", cfg.shared_experts_inter)
     add("model.norm.weight", (h,), norm)
-    if hc is not None and hc.head == "learned_head":
+    if cfg.hc_modules:
         add("model.hc_head.hc_fn", (hc.mult, hc.mult * h), "linear")
         add("model.hc_head.hc_base", (hc.mult,), "bias")
         add("model.hc_head.hc_scale", (1,), "norm")

@@ -140,11 +140,11 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
                 moe.add("shared_expert_gate", "Linear")
         layer.add("input_layernorm", f"{pre}RMSNorm")
         layer.add("post_attention_layernorm", f"{pre}RMSNorm")
-        if mc.hyper_connections is not None and mc.hyper_connections.head == "learned_head":
+        if mc.hc_modules:
             layer.add("attn_hc", f"{pre}HyperConnection")
             layer.add("ffn_hc", f"{pre}HyperConnection")
     model.add("norm", f"{pre}RMSNorm", layer=None, dense=False)
-    if mc.hyper_connections is not None and mc.hyper_connections.head == "learned_head":
+    if mc.hc_modules:
         model.add("hc_head", f"{pre}HyperHead", layer=None, dense=False)
     root.add("lm_head", "Linear")
     return ModelTree(family, cfg, root, mc.num_hidden_layers, dense_layers, source, mc)
