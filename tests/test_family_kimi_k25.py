@@ -15,6 +15,7 @@ from convert_helpers import assert_q8_0_matches_llama_quantize
 from ktconvert.cli import cli
 from ktconvert.families import normalize_config
 from ktconvert.model.tiny import tiny_config, tiny_tensors, write_tiny_model
+from numeric import assert_close
 
 FAMILY = "kimi_k25"
 
@@ -60,7 +61,7 @@ def test_k26_reference_matches_its_transformers_golden(models):
     assert gold.manifest["model"]["tiny_model"] == f"{FAMILY}-kimi_k26"
     with torch.no_grad():
         got = from_pretrained(models / "k26")(torch.from_numpy(gold.input_ids)).logits.numpy()
-    assert np.abs(got - gold.logits).max() <= 1e-5
+    assert_close(got, gold.logits, "logits")
 
 
 def _inspect(path) -> dict:

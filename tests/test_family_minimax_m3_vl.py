@@ -31,9 +31,9 @@ from ktconvert.io.resources import rules_dir
 from ktconvert.model import from_pretrained
 from ktconvert.model.modules import GatedMLP
 from ktconvert.model.tiny import tiny_config
+from numeric import assert_close
 
 FAMILY = "minimax_m3_vl"
-TOL = 1e-5
 RULES = rules_dir() / "optimize" / f"{FAMILY}.yaml"
 
 
@@ -100,8 +100,8 @@ def test_sparse_attention_matches_transformers_and_drops_blocks(tiny):
         got_step = ours(x[:, 40:], pos[:, 40:], kv)
         ours.msa = False  # every visible key instead: the selection must matter here
         dense = ours(x[:, :40], pos[:, :40])
-    assert (got - want).abs().max() <= TOL
-    assert (got_step - want_step).abs().max() <= TOL
+    assert_close(got, want, "prefill")
+    assert_close(got_step, want_step, "decode step")
     assert (dense - want).abs().max() > 1e-2
 
 
@@ -135,7 +135,7 @@ def test_swigluoai_experts_match_transformers():
                 got[t] += ours[int(ids[t, k])](x[t:t + 1])[0] * w[t, k]
         gu = torch.einsum("th,eih->tei", x, theirs.gate_up_proj)
     assert (gu[..., :inter] > 7).sum() > 50 and (gu[..., inter:].abs() > 7).sum() > 50
-    assert (got - want).abs().max() <= TOL
+    assert_close(got, want, "experts")
 
 
 def test_the_block_selection_decides_the_golden(tiny):
@@ -147,7 +147,7 @@ def test_the_block_selection_decides_the_golden(tiny):
         for layer in m.model.layers:
             layer.self_attn.msa = False
         dense = m(ids).logits.numpy()
-    assert np.abs(sparse - gold.logits).max() <= TOL
+    assert_close(sparse, gold.logits, "logits")
     assert np.abs(dense - gold.logits).max() > 0.1
 
 

@@ -14,6 +14,7 @@ from ktconvert.errors import InputError
 from ktconvert.families import normalize_config
 from ktconvert.formats import transforms
 from ktconvert.model.tiny import tiny_config, write_tiny_model
+from numeric import assert_close
 
 FAMILY = "qwen3_next"
 
@@ -120,8 +121,8 @@ def test_grouped_projections_unpack_as_transformers_does():
         want = torch.cat([t.reshape(1, 9, -1) for t in (q_, k_, v_)], dim=-1)
         assert torch.equal(qkv, want) and torch.equal(z, z_.reshape(1, 9, -1))
         assert torch.equal(b, b_) and torch.equal(a, a_)
-        diff = (ref(x, torch.arange(9)[None]) - theirs(x)).abs().max().item()
-    assert diff <= 1e-5, diff
+        got, want = ref(x, torch.arange(9)[None]), theirs(x)
+    assert_close(got, want, "layer output")
 
 
 def _llamacpp_qkvz(w: np.ndarray, cfg: dict) -> tuple[np.ndarray, np.ndarray]:

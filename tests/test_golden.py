@@ -19,6 +19,7 @@ from ktconvert.errors import InputError
 from ktconvert.golden import golden_root, load_tiny_hashes, read_golden, read_manifest, validate_manifest
 from ktconvert.model import FAMILIES
 from ktconvert.io.resources import load_schema, schemas_dir
+from numeric import assert_close
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -45,6 +46,7 @@ def test_committed_golden_is_valid_small_and_tied_to_its_tiny_model(family):
     assert m["model"]["files"] == load_tiny_hashes()[family]
     assert m["model"]["config_sha256"] == m["model"]["files"]["config.json"]
     assert m["producer"]["dtype"] == "float32" and m["producer"]["threads"] == 1
+    # a fixed bound is right here: the number was measured once, where the golden was made, and is committed data
     assert m["checks"]["hf_decode_vs_prefill_max_abs_diff"] < 1e-5
     assert len(m["regenerations"]) >= 1 and m["regenerations"][-1]["tensors_sha256"] == m["tensors"]["sha256"]
     for command in [m["command"]] + [e["command"] for e in m["regenerations"]]:
@@ -78,10 +80,7 @@ def test_goldens_reproduce(family, tiny_root):
     # reproduces to a few float32 ulps of its magnitude, not to a fixed absolute (gpt_oss' hidden states reach 11.5
     # and moved by 1.08e-5 between the two kinds of machine). 1e-5 per unit of magnitude is about 80 ulps.
     for name, arr in run.tensors.items():
-        ref = golden.tensors[name].astype(np.float64)
-        diff = np.max(np.abs(arr.astype(np.float64) - ref))
-        bound = 1e-5 * max(1.0, float(np.max(np.abs(ref))))
-        assert diff <= bound, f"{name} moved by {diff} (bound {bound})"
+        assert_close(arr, golden.tensors[name], name)
 
 
 def test_generate_then_regenerate_logs_both(tiny_root, tmp_path, no_ci, monkeypatch):

@@ -32,7 +32,6 @@ def test_llamacpp_reproduces_the_golden_from_our_gguf(llama_built, tmp_path, fam
     from ktconvert.golden import read_golden
     from ktconvert.golden.paths import golden_root
     from ktconvert.model.tiny import write_tiny_model
-    from ktconvert.verify.metrics import compare_logits
     from ktconvert.verify.profile import evaluate, load_profile
 
     model = tmp_path / "model"
@@ -46,7 +45,7 @@ def test_llamacpp_reproduces_the_golden_from_our_gguf(llama_built, tmp_path, fam
     want = np.asarray(gold.logits, dtype=np.float32).reshape(len(ids), -1)
     assert got.shape == want.shape
     profile = load_profile(profile_name).for_family(family)
-    stats = compare_logits(want, got, profile.topk).summary()
+    stats = profile.compare(want, got).summary()
     assert evaluate(profile, "llama.cpp", stats, []) == [], stats
 
 

@@ -17,8 +17,8 @@ from ktconvert.golden import golden_root, read_golden
 from ktconvert.model import hfnames
 from ktconvert.model import FAMILIES, build_model, from_pretrained, load_config, load_weights, module_class_paths, normalize_config
 from ktconvert.model.tiny import tiny_config, tiny_tensors, write_tiny_model
+from numeric import assert_close
 
-TOL = 1e-5
 PREFILL = 8  # decode test: prefill this many prompt tokens, then one token at a time
 
 
@@ -38,12 +38,12 @@ def test_prefill_matches_the_golden(family, tiny_root):
     model = from_pretrained(tiny_root / family)
     with torch.no_grad():
         out = model(torch.from_numpy(golden.input_ids))
-    assert _max_diff(out.logits, golden.logits) <= TOL
+    assert_close(out.logits, golden.logits, "logits")
     hidden = torch.stack(out.hidden_states)
     assert hidden.shape == golden.hidden_states.shape
     for layer in range(hidden.shape[0]):
-        assert _max_diff(hidden[layer], golden.hidden_states[layer]) <= TOL, f"hidden state {layer}"
-    assert _max_diff(out.final_hidden, golden.final_hidden) <= TOL
+        assert_close(hidden[layer], golden.hidden_states[layer], f"hidden state {layer}")
+    assert_close(out.final_hidden, golden.final_hidden, "final hidden")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -62,8 +62,9 @@ def test_token_by_token_decode_matches_the_golden(family, tiny_root):
             logits.append(out.logits)
             hidden.append(torch.stack(out.hidden_states))
     assert cache.seq_len == ids.shape[1]
-    assert _max_diff(torch.cat(logits, dim=1), golden.logits) <= TOL
-    assert _max_diff(torch.cat(hidden, dim=2), golden.hidden_states) <= TOL
+    assert_close(torch.cat(logits, dim=1), golden.logits, "decode logits")
+    for layer, (have, want) in enumerate(zip(torch.cat(hidden, dim=2), golden.hidden_states)):
+        assert_close(have, want, f"decode hidden state {layer}")
     # the cache is what makes decode agree: without it, one token alone sees no context
     with torch.no_grad():
         alone = model(ids[:, -1:]).logits
@@ -135,7 +136,7 @@ def test_hub_and_transformers5_spellings_normalise_alike(family, tiny_root):
     load_weights(model, tiny_root / family)
     golden = read_golden(golden_root() / family)
     with torch.no_grad():
-        assert _max_diff(model(torch.from_numpy(golden.input_ids)).logits, golden.logits) <= TOL
+        assert_close(model(torch.from_numpy(golden.input_ids)).logits, golden.logits, "logits")
 
 
 def test_real_hub_config_builds_on_meta():
@@ -206,7 +207,7 @@ def test_fused_experts_load_like_per_expert(family, transposed, tf5_names):
     report = load_weights(model, _fused(family, transposed, tf5_names))
     assert set(report.fused_layout.values()) == {"transposed" if transposed else "standard"}
     with torch.no_grad():
-        assert _max_diff(model(torch.from_numpy(golden.input_ids)).logits, golden.logits) <= TOL
+        assert_close(model(torch.from_numpy(golden.input_ids)).logits, golden.logits, "logits")
 
 
 def test_fused_experts_with_wrong_dims_are_refused():
@@ -365,7 +366,7 @@ def test_experts_are_swappable_through_their_contract():
     with torch.no_grad():
         logits = model(torch.from_numpy(golden.input_ids)).logits
     assert calls == [(31, 2)]
-    assert _max_diff(logits, golden.logits) <= TOL
+    assert_close(logits, golden.logits, "logits")
     broken = copy.deepcopy(original)
     broken[0], broken[1] = broken[1], broken[0]  # the expert-order misreading
     block.experts = broken

@@ -20,6 +20,7 @@ from ktconvert.cli import cli
 from ktconvert.errors import InputError
 from ktconvert.formats import build_inspect_report, open_checkpoint, quantized
 from ktconvert.io.resources import rules_dir
+from numeric import assert_close
 
 L1 = "model.layers.1.mlp.experts."
 E, H, I = 8, 256, 256  # the tiny gpt_oss model
@@ -177,7 +178,7 @@ def test_transformers_dequantizes_the_release_to_our_decoding(release):
             a = hf(ids).logits
             b = from_pretrained(release).eval()(ids)
         b = getattr(b, "logits", b)
-        assert float((a - b).abs().max()) <= 1e-5
+        assert_close(b, a, "logits")
     finally:
         torch.set_num_threads(threads)
 
@@ -199,7 +200,6 @@ def test_llamacpp_runs_the_gguf_made_from_the_release(llama_built, release, conv
                                                       profile_name):
     import llamacpp_runner
     from ktconvert.golden import read_golden
-    from ktconvert.verify.metrics import compare_logits
     from ktconvert.verify.profile import evaluate, load_profile
 
     gold = read_golden(golden)
@@ -207,7 +207,7 @@ def test_llamacpp_runs_the_gguf_made_from_the_release(llama_built, release, conv
     got, _ = llamacpp_runner.run(converted[qtype], ids, tmp_path)
     want = np.asarray(gold.logits, dtype=np.float32).reshape(len(ids), -1)
     profile = load_profile(profile_name).for_family("gpt_oss")
-    stats = compare_logits(want, got, profile.topk).summary()
+    stats = profile.compare(want, got).summary()
     assert evaluate(profile, "llama.cpp", stats, []) == [], stats
 
 

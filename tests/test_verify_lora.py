@@ -18,6 +18,7 @@ from ktconvert.golden import read_golden
 from ktconvert.io import resources
 from ktconvert.model.inject import EmulationOptions
 from ktconvert.verify import run_verify
+from numeric import assert_close
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 FAMILY = "qwen3_moe"
@@ -70,7 +71,7 @@ def test_golden_records_the_adapter_and_its_effect(env):
     assert (lo["form"], lo["rank"], lo["alpha"], lo["scale"]) == ("raw-dir", 4, 8.0, 2.0)
     assert set(lo["files"]) == {"fused_expert_lora.safetensors", "adapter_model.safetensors"}
     base = read_golden(env["base"])
-    np.testing.assert_allclose(g.tensors["base_logits"], base.logits, atol=1e-5)  # the committed base golden
+    assert_close(g.tensors["base_logits"], base.logits, "base logits")  # the committed base golden, made elsewhere
     moved = np.abs(g.logits - base.logits).max()
     assert moved > 0.1 and lo["effect"]["logits_max_abs_diff"] == pytest.approx(moved, abs=1e-5)
     assert read_golden(env["root"] / "g-zero").manifest["lora"]["effect"]["logits_max_abs_diff"] == 0
@@ -97,8 +98,7 @@ def test_committed_lora_golden_reproduces(env):
     assert set(committed.tensors) == set(made.tensors)
     for name, ref in committed.tensors.items():
         ref = ref.astype(np.float64)
-        diff = np.max(np.abs(made.tensors[name].astype(np.float64) - ref))
-        assert diff <= 1e-5 * max(1.0, float(np.max(np.abs(ref)))), f"{name} moved by {diff}"
+        assert_close(made.tensors[name], ref, name)
 
 
 def test_adapter_passes_against_merged_golden_and_fails_against_base(env):

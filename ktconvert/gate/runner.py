@@ -26,7 +26,7 @@ from ktconvert.verify import EmulationOptions, run_verify
 
 KT_AMX_PARTS = 2  # threadpool parts of a kt-amx case (the launch default, --kt-threadpool-count 2)
 
-SUMMARY_METRICS = ("max_abs_diff", "nmse_max", "kl_mean", "kl_max", "top1_agreement")
+SUMMARY_METRICS = ("max_abs_diff", "nmse_max", "kl_mean", "kl_max", "top1_agreement", "top1_agreement_raw", "top1_near_ties")
 
 
 @dataclass

@@ -15,6 +15,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.io.datafile import load_yaml, validate
 from ktconvert.io.resources import rules_dir
+from ktconvert.verify.metrics import LogitStats, compare_logits, tie_margins
 
 KIND = "tolerance-profile"
 DEFAULT_MIN_SHARE = 0.1  # localisation heuristic when a profile does not set one (not a pass/fail limit)
@@ -48,6 +49,17 @@ class Profile:
     @property
     def topk(self) -> int:
         return int(self.logits.get("topk", {}).get("k", 5))
+
+    @property
+    def top1_tie_margin(self) -> float | None:
+        m = self.logits.get("top1_tie_margin")
+        return None if m is None else float(m)
+
+    def compare(self, golden, candidate) -> LogitStats:
+        """Golden vs candidate logits ``[T, V]`` as this profile judges them: top-k with its k, top-1 with the
+        near-ties of its noise set aside (:func:`ktconvert.verify.metrics.tie_margins`)."""
+        margins = tie_margins(golden, self.logits.get("nmse_max"), self.top1_tie_margin)
+        return compare_logits(golden, candidate, self.topk, margins)
 
     @property
     def not_emulated_policy(self) -> str:
@@ -163,8 +175,10 @@ def evaluate(profile: Profile, phase: str, summary: dict, layer_nmse: list[tuple
     upper("kl_p99", summary["kl_p99"], lg.get("kl_p99"))
     upper("kl_max", summary["kl_max"], lg.get("kl_max"), f"position {summary['kl_max_position']}")
     first = summary.get("first_top1_mismatch")
-    lower("top1_agreement", summary["top1_agreement"], lg.get("top1_agreement_min"),
-          f"first mismatch: position {first}" if first is not None else "")
+    ties = summary.get("top1_near_ties") or []
+    where = "; ".join(x for x in (f"first mismatch: position {first}" if first is not None else "",
+                                  f"{len(ties)} near-tie position(s) set aside" if ties else "") if x)
+    lower("top1_agreement", summary["top1_agreement"], lg.get("top1_agreement_min"), where)
     tk = lg.get("topk", {})
     lower(f"top{summary['topk']}_overlap_mean", summary["topk_overlap_mean"], tk.get("overlap_mean_min"))
     lower(f"top{summary['topk']}_overlap_min", summary["topk_overlap_min"], tk.get("overlap_min"))

@@ -61,6 +61,15 @@ def render_text(report) -> str:
         lines.append(f"{name:8} {_g(s['max_abs_diff']):>9} {_g(s['nmse_max']):>9} {_g(s['kl_mean']):>9} "
                      f"{_g(s['kl_p99']):>9} {_g(s['kl_max']):>9} {_g(s['top1_agreement']):>6} "
                      f"{_g(s['topk_overlap_mean']):>6}")
+    for name, ph in d["phases"].items():
+        s = ph["logits"]
+        if s["top1_near_ties"]:
+            flips = s["top1_near_tie_flips"]
+            lines.append(f"{name}: top-1 judged on {s['top1_positions_judged']} of {s['positions']} positions; near-ties "
+                         f"set aside (golden top-2 gap under the margin, up to {_g(s['top1_tie_margin_max'])}): "
+                         f"{', '.join(map(str, s['top1_near_ties']))}"
+                         + (f"; flipped there: {', '.join(map(str, flips))}" if flips else "")
+                         + f"; raw top-1 {_g(s['top1_agreement_raw'])}")
     lines.append("")
     lines.append("hidden-state NMSE per layer (prefill / decode):")
     names = [x["layer"] for x in next(iter(d["phases"].values()))["layers"]]

@@ -34,7 +34,7 @@ from ktconvert.model.ops.experts import torch_dtype
 from ktconvert.model.ops.source import WeightSource, read_safetensors
 from ktconvert.rules.apply import injection_plan, load_rules
 from ktconvert.rules.catalog import load_catalog
-from ktconvert.verify.metrics import LogitStats, compare_logits, first_nonfinite, nmse
+from ktconvert.verify.metrics import LogitStats, first_nonfinite, nmse
 from ktconvert.verify.profile import (
     Breach,
     Profile,
@@ -154,7 +154,7 @@ def _phase(name: str, injected, reference, golden, profile: Profile, layerwise: 
         if tap is not None:
             tap.close()
     cand_logits = np.concatenate(logits, axis=0)
-    stats = compare_logits(golden.logits[0], cand_logits, profile.topk)
+    stats = profile.compare(golden.logits[0], cand_logits)
     layers = []
     for li in range(len(hidden[0])):
         got = np.concatenate([h[li] for h in hidden], axis=0)
@@ -497,7 +497,7 @@ def _lora_effect(loaded, lora, gold, phases: list[PhaseResult], profile: Profile
                          fix="regenerate it with ktconvert golden MODEL OUT --lora ADAPTER")
     passes = []
     for p in phases:
-        stats = compare_logits(base[0], p.candidate_logits, profile.topk).summary()
+        stats = profile.compare(base[0], p.candidate_logits).summary()
         broken = evaluate(profile, p.name, stats, [])
         passes.append(not broken)
         out["against_base"][p.name] = {"verdict": "pass" if not broken else "fail",
