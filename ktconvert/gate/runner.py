@@ -141,13 +141,7 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
     began = time.perf_counter()
     model_dir = _tiny_model_dir(first.tiny, workdir)
     try:
-        out = Path(workdir) / "converted" / f"{first.tiny}-{first.conversion.replace(':', '-').replace('/', '_')}"
-        if first.to == "kt-amx":
-            result = convert(model_dir, out, type=first.type, format="kt-amx", threadpool_count=KT_AMX_PARTS, force=True)
-        else:  # the suite's tolerances were measured with llama.cpp's fallbacks (DeepSeek's MLA rows of 64 and 128)
-            lora = _adapter_dir(first.tiny, workdir) if first.lora == "quantize" else None
-            result = convert(model_dir, out, first.recipe, type=first.type, force=True, allow_fallback=True, lora=lora)
-        weights = _weights_path(result.out)
+        weights = convert_case(first, model_dir, workdir)
     except Exception as exc:  # the whole group cannot run: every case in it reports why
         message = _one_line(exc)
         spent = time.perf_counter() - began
@@ -157,14 +151,30 @@ def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
     return [verify_case(c, model_dir, weights, convert_share, adapter if c.lora == "verify" else None) for c in cases]
 
 
+def convert_case(case: Case, model_dir: Path, workdir: str | Path) -> Path:
+    """The case's conversion of ``model_dir`` (under ``workdir``): the GGUF, or the kt-amx directory."""
+    out = Path(workdir) / "converted" / f"{case.tiny}-{case.conversion.replace(':', '-').replace('/', '_')}"
+    if case.to == "kt-amx":
+        result = convert(model_dir, out, type=case.type, format="kt-amx", threadpool_count=KT_AMX_PARTS, force=True)
+    else:  # the suite's tolerances were measured with llama.cpp's fallbacks (DeepSeek's MLA rows of 64 and 128)
+        lora = _adapter_dir(case.tiny, workdir) if case.lora == "quantize" else None
+        result = convert(model_dir, out, case.recipe, type=case.type, force=True, allow_fallback=True, lora=lora)
+    return _weights_path(result.out)
+
+
+def verify_run(case: Case, model_dir: Path, weights: Path, lora: Path | None = None, profile=None):
+    """The case's verify report (``profile``: another profile than the case's, e.g. one that only measures)."""
+    # a kt-amx directory holds the experts only: the rest comes from the model, as in a kt-kernel launch
+    where = {"kt_weights": weights} if case.to == "kt-amx" else {"weights": weights}
+    return run_verify(model_dir, case.rules, case.golden, profile=profile or case.tolerance,
+                      options=EmulationOptions(kernel=case.kernel), lora=lora, **where)
+
+
 def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float = 0.0,
                 lora: Path | None = None) -> CaseResult:
     began = time.perf_counter()
-    # a kt-amx directory holds the experts only: the rest comes from the model, as in a kt-kernel launch
-    where = {"kt_weights": weights} if case.to == "kt-amx" else {"weights": weights}
     try:
-        report = run_verify(model_dir, case.rules, case.golden, profile=case.tolerance,
-                            options=EmulationOptions(kernel=case.kernel), lora=lora, **where)
+        report = verify_run(case, model_dir, weights, lora)
     except Exception as exc:
         return CaseResult(case, False, time.perf_counter() - began + extra_seconds, error=_one_line(exc))
     summary = {}
