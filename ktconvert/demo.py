@@ -128,7 +128,8 @@ def _verify(state) -> Step:
     for phase in report.phases:
         s = phase.as_dict()["logits"]
         lines.append(f"{phase.name}: {s['positions']} positions, KL mean {s['kl_mean']:.2e}, max |diff| {s['max_abs_diff']:.3f}, "
-                     f"top-1 agreement {s['top1_agreement']:.0%}")
+                     f"top-1 agreement {s['top1_agreement']:.0%} of {s['top1_positions_judged']} positions clear of "
+                     f"near-ties ({s['top1_agreement_raw']:.0%} of all)")
     lines.append(f"within tolerance profile {report.profile.name}" if report.passed else
                  "OUT of tolerance: " + "; ".join(b.line() for b in report.breaches[:3]))
     return Step("verify it against the Hugging Face golden", report.passed, 0.0, lines)
