@@ -6,6 +6,7 @@ in process, with the converter or a quantizer deliberately broken the way real b
 
 from __future__ import annotations
 
+import re
 import xml.etree.ElementTree as ET
 
 import numpy as np
@@ -204,6 +205,15 @@ def test_select_list_and_json(tmp_path):
     assert r.exit_code == 0 and len(r.output.strip().splitlines()) == 26  # fifteen single-request families, Kimi-K2 and Moonlight, five serve files, two kt-kernel, two LoRA
     r = run("gate", "-k", "nothing-like-this")
     assert r.exit_code == 2 and "selects no case" in r.output
+
+
+def test_junit_carries_judged_and_raw_top1_and_the_near_ties(tmp_path):
+    junit = tmp_path / "gate.xml"
+    r = run("gate", "-k", "qwen3_moe-q4_k_m", "--junit", junit)
+    assert r.exit_code == 0, r.output
+    out = _junit_cases(junit)["qwen3_moe-q4_k_m"].find("system-out").text
+    assert "decode.top1_agreement=" in out and "decode.top1_agreement_raw=" in out
+    assert re.search(r"decode\.top1_near_ties=\[[0-9,]+\]", out), out  # the q4_k_m noise sets some aside
 
 
 def test_regen_is_refused_under_ci(monkeypatch):

@@ -22,11 +22,18 @@ def junit_xml(result: GateResult) -> str:
             failure.text = "\n".join(lines) + where
             case.result = [failure]
         case.system_out = (f"rules={r.case.rules.name} conversion={r.case.conversion} tolerance={r.profile or r.case.tolerance} "
-                           + " ".join(f"{ph}.{m}={v:.4g}" for ph, ms in r.summary.items() for m, v in ms.items() if v is not None))
+                           + " ".join(f"{ph}.{m}={_value(v)}" for ph, ms in r.summary.items() for m, v in ms.items() if v is not None))
         suite.add_testcase(case)
     xml = JUnitXml()
     xml.add_testsuite(suite)
     return xml.tostring().decode() if isinstance(xml.tostring(), bytes) else xml.tostring()
+
+
+def _value(v) -> str:
+    """A summary value: a number to 4 digits, a list of positions (the near-ties) as ``[a,b]``."""
+    if isinstance(v, (list, tuple)):
+        return "[" + ",".join(str(x) for x in v) + "]"
+    return f"{v:.4g}"
 
 
 def _breach_line(b: dict) -> str:
