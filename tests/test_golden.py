@@ -187,3 +187,26 @@ def test_manifest_json_round_trip_is_schema_valid():
     m = read_manifest(golden_root() / "deepseek_v2")
     assert json.loads(json.dumps(m)) == m
     validate_manifest(json.loads(json.dumps(m)))
+
+
+def _copy_tiny(tiny_root, tmp_path, family="qwen3_moe"):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_root / family, model)
+    return model
+
+
+def test_a_torch_zip_named_model_safetensors_is_refused_in_one_line_unread(tiny_root, tmp_path, no_ci):
+    # the same sniffing inspect, quantize and verify use: one line naming the file, never unpickled, nothing written
+    import torch
+
+    model = _copy_tiny(tiny_root, tmp_path)
+    torch.save({"w": torch.zeros(2)}, model / "model.safetensors")
+    res = CliRunner().invoke(cli, ["golden", str(model), str(tmp_path / "g"), "--prompt-ids", "1,2"])
+    assert res.exit_code == 3, res.output
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ktconvert: error: "), res.stderr
+    assert f"{model / 'model.safetensors'}:byte 0: this is a zip archive" in lines[0] and "never unpickles" in lines[0]
+    assert "internal error" not in res.stderr and not (tmp_path / "g").exists()
+

@@ -327,6 +327,9 @@ def generate_golden(
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
     model_dir, out = Path(model_dir), Path(out_dir)
     cfg = load_config(model_dir)
+    # every weights file's header is validated (a torch pickle named model.safetensors is refused in one line,
+    # never unpickled) before transformers is given the directory
+    open_checkpoint(model_dir)
     previous = None
     if (out / MANIFEST_NAME).exists():
         if not force:
