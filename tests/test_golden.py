@@ -94,7 +94,7 @@ def test_generate_then_regenerate_logs_both(tiny_root, tmp_path, no_ci, monkeypa
     assert first.manifest["command"] == "ktconvert tiny-model qwen3_moe <MODEL_DIR> && ktconvert golden <MODEL_DIR> g/qwen3_moe --threads 1"
 
     again = runner.invoke(cli, ["golden", str(tiny_root / "qwen3_moe"), "g/qwen3_moe"])
-    assert again.exit_code == 3 and "--force" in again.output
+    assert again.exit_code == 2 and "--force" in again.output
 
     res = runner.invoke(cli, ["golden", str(tiny_root / "qwen3_moe"), "g/qwen3_moe", "--force", "--reason", "test rerun"])
     assert res.exit_code == 0, res.output
@@ -210,3 +210,21 @@ def test_a_torch_zip_named_model_safetensors_is_refused_in_one_line_unread(tiny_
     assert f"{model / 'model.safetensors'}:byte 0: this is a zip archive" in lines[0] and "never unpickles" in lines[0]
     assert "internal error" not in res.stderr and not (tmp_path / "g").exists()
 
+
+def test_an_existing_golden_is_a_usage_error_like_every_other_existing_out(tiny_root, tmp_path, no_ci):
+    out = tmp_path / "g"
+    out.mkdir()
+    (out / "manifest.yaml").write_text("schema_version: 1\n")
+    before = sorted(p.name for p in out.iterdir())
+    res = CliRunner().invoke(cli, ["golden", str(tiny_root / "qwen3_moe"), str(out), "--prompt-ids", "1,2"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and f"{out}: a golden already exists here" in res.stderr and "--force" in res.stderr
+    assert sorted(p.name for p in out.iterdir()) == before
+    # the OUT guard every command uses: not inside the model, not over another non-empty directory
+    res = CliRunner().invoke(cli, ["golden", str(tiny_root / "qwen3_moe"), str(tiny_root / "qwen3_moe" / "g"), "--prompt-ids", "1,2"])
+    assert res.exit_code == 2 and "the output would be written inside the input" in res.stderr, res.output
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    res = CliRunner().invoke(cli, ["golden", str(tiny_root / "qwen3_moe"), str(tmp_path / "other"), "--prompt-ids", "1,2"])
+    assert res.exit_code == 2 and "output already exists" in res.stderr, res.output
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["notes.txt"] and not (tiny_root / "qwen3_moe" / "g").exists()
