@@ -62,8 +62,9 @@ def test_model_card_and_tokenizer_files(root, tmp_path):
 
 
 def test_type_is_labelled_with_what_is_used(root, tmp_path):
-    """--type Q4_K is one type everywhere: llama-quantize --pure labels that Q4_K_S, not Q4_K_M."""
-    for t, ft in (("Q4_K", "MOSTLY_Q4_K_S"), ("Q5_K", "MOSTLY_Q5_K_S"), ("Q6_K", "MOSTLY_Q6_K")):
+    """--type Q4_K is one type everywhere, labelled as llama-quantize --pure labels it: llama-quantize takes Q4_K as
+    an alias of Q4_K_M (tools/quantize/quantize.cpp's QUANT_OPTIONS), and Q3_K / Q5_K of Q3_K_M / Q5_K_M."""
+    for t, ft in (("Q3_K", "MOSTLY_Q3_K_M"), ("Q4_K", "MOSTLY_Q4_K_M"), ("Q5_K", "MOSTLY_Q5_K_M"), ("Q6_K", "MOSTLY_Q6_K")):
         res = CliRunner().invoke(cli, ["quantize", str(tiny(root, "qwen3_moe")), str(tmp_path / t), "--type", t])
         assert res.exit_code == 0, res.output
         assert _kv(tmp_path / t / "model.gguf")["general.file_type"] == int(LlamaFileType[ft])
