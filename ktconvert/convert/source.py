@@ -282,6 +282,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                      f"not converted, e.g. {outside_lm[0]}")
     if qmap.weights:
         items = [_with_scales(it, qmap) for it in items]
+    act = quantized.activation_scale_note(qmap)
+    if act:
+        notes.append(act)
     _check_unique(items, shown)
     _check_config(items, report, shown)
     items = _ordered(items, nm, ck)
