@@ -145,8 +145,20 @@ def test_unsupported_model_family_is_said_plainly(files, tmp_path):
     cfg.write_text(json.dumps({"model_type": "ernie4_5_moe", "num_hidden_layers": 4}))
     r = run("check-rules", "--model", cfg, files / "good.yaml")
     assert r.exit_code == 3
-    assert "model_type 'ernie4_5_moe' has no module tree" in r.output and "supported: qwen2_moe" in r.output
+    assert "config.json:model_type: model_type 'ernie4_5_moe' is not one of the supported families (qwen2_moe," in r.output
+    assert "check-rules without --model still runs the model-independent checks" in r.output
 
+
+
+def test_a_release_model_type_that_names_its_family_by_architectures_is_checked(tmp_path):
+    # Kimi-K2's model_type kimi_k2 is DeepseekV3ForCausalLM: quantize converts it, so check-rules --model checks it
+    from ktconvert.model.tiny import tiny_config
+
+    cfg = tiny_config("deepseek_v3", variant="kimi_k2")
+    assert cfg["model_type"] == "kimi_k2"
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    r = run("check-rules", "--model", tmp_path / "config.json", REPO / "rules" / "optimize" / "deepseek_v3.yaml")
+    assert r.exit_code == 0, r.output
 
 # --- outputs and options ----------------------------------------------------------------------------------
 def test_json_output_follows_its_schema(files):

@@ -229,6 +229,20 @@ def test_output_rules(tmp_path):
                           ["adapter_config.json", "adapter_model.safetensors"])
 
 
+
+def test_a_file_input_s_parent_is_not_the_input(tmp_path):
+    # DIR/adapter.safetensors -> DIR/out is a sibling, not inside the input; DIR itself, which --force would
+    # delete with the adapter in it, is still refused
+    src = _write_stacked(tmp_path / "kt", _stacked())
+    adapter = src / "fused_expert_lora.safetensors"
+    res = _run(adapter, src / "out")
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in (src / "out").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    before = sorted(p.name for p in src.iterdir())
+    res = _run(adapter, src, "--force")
+    assert res.exit_code == 2 and "the input lies inside the output directory" in res.stderr, res.output
+    assert sorted(p.name for p in src.iterdir()) == before
+
 def test_safetensors_header_length_that_looks_like_a_pickle_opcode(tmp_path):
     """A safetensors file whose header is 1152 bytes starts 0x80 0x04, like a protocol-4 pickle: it must still be
     read as safetensors (this refused ~1 KB LoRA adapters before)."""

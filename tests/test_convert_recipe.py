@@ -76,7 +76,9 @@ def test_first_match_wins_and_fallback_is_recorded(root, tmp_path):
 def test_type_shorthand():
     r = recipe_for_type("q4_k")
     assert r.name == "Q4_K" and [x.type for x in r.rules] == ["F32", "Q4_K"] and r.rules[1].fallback == ("Q5_0", "F16")
-    assert r.file_type == "Q4_K_S"  # what llama-quantize --pure writes for one type everywhere, not Q4_K_M
+    # llama-quantize's Q4_K is an alias of Q4_K_M: `--pure Q4_K` labels the one type everywhere Q4_K_M
+    assert r.file_type == "Q4_K_M"
+    assert [recipe_for_type(t).file_type for t in ("Q3_K", "Q5_K", "Q6_K", "Q2_K")] == ["Q3_K_M", "Q5_K_M", "Q6_K", "Q2_K"]
     assert recipe_for_type("keep").rules[1].type == "keep"
     assert load_recipe("q8_0").name == "Q8_0"  # preset names are case-insensitive
     assert set(presets()) == {"Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "cpu-experts-Q4_K"}

@@ -93,7 +93,7 @@ def test_generate_then_regenerate_logs_both(tiny_root, tmp_path, no_ci, monkeypa
     assert first.manifest["command"] == "ktconvert tiny-model qwen3_moe <MODEL_DIR> && ktconvert golden <MODEL_DIR> g/qwen3_moe --threads 1"
 
     again = runner.invoke(cli, ["golden", str(tiny_root / "qwen3_moe"), "g/qwen3_moe"])
-    assert again.exit_code == 3 and "--force" in again.output
+    assert again.exit_code == 2 and "--force" in again.output
 
     res = runner.invoke(cli, ["golden", str(tiny_root / "qwen3_moe"), "g/qwen3_moe", "--force", "--reason", "test rerun"])
     assert res.exit_code == 0, res.output
@@ -186,3 +186,44 @@ def test_manifest_json_round_trip_is_schema_valid():
     m = read_manifest(golden_root() / "deepseek_v2")
     assert json.loads(json.dumps(m)) == m
     validate_manifest(json.loads(json.dumps(m)))
+
+
+def _copy_tiny(tiny_root, tmp_path, family="qwen3_moe"):
+    import shutil
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_root / family, model)
+    return model
+
+
+def test_a_torch_zip_named_model_safetensors_is_refused_in_one_line_unread(tiny_root, tmp_path, no_ci):
+    # the same sniffing inspect, quantize and verify use: one line naming the file, never unpickled, nothing written
+    import torch
+
+    model = _copy_tiny(tiny_root, tmp_path)
+    torch.save({"w": torch.zeros(2)}, model / "model.safetensors")
+    res = CliRunner().invoke(cli, ["golden", str(model), str(tmp_path / "g"), "--prompt-ids", "1,2"])
+    assert res.exit_code == 3, res.output
+    lines = res.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ktconvert: error: "), res.stderr
+    assert f"{model / 'model.safetensors'}:byte 0: this is a zip archive" in lines[0] and "never unpickles" in lines[0]
+    assert "internal error" not in res.stderr and not (tmp_path / "g").exists()
+
+
+def test_an_existing_golden_is_a_usage_error_like_every_other_existing_out(tiny_root, tmp_path, no_ci):
+    out = tmp_path / "g"
+    out.mkdir()
+    (out / "manifest.yaml").write_text("schema_version: 1\n")
+    before = sorted(p.name for p in out.iterdir())
+    res = CliRunner().invoke(cli, ["golden", str(tiny_root / "qwen3_moe"), str(out), "--prompt-ids", "1,2"])
+    assert res.exit_code == 2, res.output
+    assert res.stderr.count("\n") == 1 and f"{out}: a golden already exists here" in res.stderr and "--force" in res.stderr
+    assert sorted(p.name for p in out.iterdir()) == before
+    # the OUT guard every command uses: not inside the model, not over another non-empty directory
+    res = CliRunner().invoke(cli, ["golden", str(tiny_root / "qwen3_moe"), str(tiny_root / "qwen3_moe" / "g"), "--prompt-ids", "1,2"])
+    assert res.exit_code == 2 and "the output would be written inside the input" in res.stderr, res.output
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "notes.txt").write_text("mine")
+    res = CliRunner().invoke(cli, ["golden", str(tiny_root / "qwen3_moe"), str(tmp_path / "other"), "--prompt-ids", "1,2"])
+    assert res.exit_code == 2 and "output already exists" in res.stderr, res.output
+    assert [p.name for p in (tmp_path / "other").iterdir()] == ["notes.txt"] and not (tiny_root / "qwen3_moe" / "g").exists()

@@ -74,6 +74,25 @@ def test_launch_mistake(env, kw, expect):
     assert expect in found, found
 
 
+
+@pytest.mark.parametrize("kw, flag, expect", [
+    (dict(expert_lora_path="{raw}"), "--kt-expert-lora-path", "PF175"),
+    (dict(kt_lora_path="{raw}"), "--kt-lora-path", "PF175"),  # the deprecated alias is named as given
+    (dict(lora_paths=["a={raw}"]), "--lora-paths", "PF175"),
+    (dict(expert_lora_path="{raw}/fused_expert_lora.safetensors"), "--kt-expert-lora-path", "PF179"),
+    (dict(expert_lora_path="{root}"), "--kt-expert-lora-path", "PF180"),
+    (dict(lora_paths=["{merged}/adapter_model.safetensors"]), "--lora-paths", "PF174"),
+    (dict(lora_paths=["{expert}"]), "--lora-paths", "PF203"),
+])
+def test_a_finding_about_a_flag_s_adapter_names_the_flag_then_the_path(env, kw, flag, expect):
+    # the finding format is `error PFnnn --flag: ...`: the flag where the finding is placed, its value in the message
+    kw = {k: ([x.format(**env) for x in v] if isinstance(v, list) else v.format(**env)) for k, v in kw.items()}
+    path = next(iter(kw.values()))
+    path = (path[0] if isinstance(path, list) else path).split("=", 1)[-1]
+    found = [f for f in run(env, **kw).findings if f.id == expect]
+    assert len(found) == 1, [f.line() for f in run(env, **kw).findings]
+    assert found[0].where == flag and found[0].line().startswith(f"error {expect} {flag}: {path} "), found[0].line()
+
 def test_llamafile_has_no_sft_path(env, tiny_root, tmp_path):
     convert(env["model"], tmp_path / "q8", type="Q8_0")
     r = run(env, expert_lora_path=str(env["expert"]), weight_path=str(tmp_path / "q8"), method="LLAMAFILE",

@@ -96,6 +96,24 @@ def test_unknown_tensor(models, tmp_path):
     assert code == 3 and "tensor model.layers.0.mystery.weight" in line and "naming map" in line
 
 
+@pytest.mark.parametrize("to, qtype", [("gguf", "Q8_0"), ("safetensors", "Q8_0")])
+def test_unknown_model_type_names_config_json_as_check_rules_does(models, tmp_path, to, qtype):
+    # one refusal for quantize and check-rules --model: config.json:model_type, the supported families, the fix
+    # (--to hf is left out: it copies any model's own names and dequantizes, whatever its family)
+    def cfg(c):
+        c["model_type"], c["architectures"] = "ernie4_5_moe", ["Ernie4_5_MoeForCausalLM"]
+
+    src = _variant(models, tmp_path, "qwen3_moe", config=cfg)
+    code, line = _quantize(tmp_path, src, "--type", qtype, "--to", to)
+    expect = f"{src / 'config.json'}:model_type: model_type 'ernie4_5_moe' is not one of the supported families (qwen2_moe,"
+    assert code == 3 and expect in line, line
+    rules = tmp_path / "r.yaml"
+    rules.write_text("- match:\n    name: '^model$'\n  replace:\n    class: default\n")
+    res = CliRunner().invoke(cli, ["check-rules", "--model", str(src), str(rules)])
+    assert res.exit_code == 3 and res.stderr.splitlines() == [line], res.output
+    rules.unlink()
+
+
 def test_nan_in_weights_leaves_nothing(models, tmp_path):
     """Only data reveals a NaN: the run stops with exit 3 naming the tensor, and removes its partial output."""
 

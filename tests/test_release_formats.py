@@ -268,3 +268,56 @@ def test_nvfp4_compressed_tensors_spelling_divides_by_its_global_scale(releases,
     s2 = np.float32(np.asarray(mo.read(W + ".weight_scale_2")).reshape(-1)[0])
     values = quantized.read_float32(mo, mo.packed[W + ".weight"]) / np.repeat(bs * s2, 16, axis=1)  # the e2m1 codes
     assert np.array_equal(quantized.read_float32(ct, p), values * np.repeat(bs / g, 16, axis=1))
+
+
+@pytest.fixture(scope="module")
+def nvfp4_w4a4(tmp_path_factory):
+    """The tiny NVFP4 release as ModelOpt writes it: an F32 ``input_scale`` beside every quantized expert weight."""
+    from ktconvert.model.tiny_release import tiny_release_files
+
+    d = tmp_path_factory.mktemp("nvfp4-w4a4") / "nvfp4"  # the name of the plain release: general.name alike
+    d.mkdir()
+    for name, data in tiny_release_files("qwen3_moe", "nvfp4", activation_scales=True).items():
+        (d / name).write_bytes(data)
+    return d
+
+
+def test_nvfp4_activation_scales_are_read_with_their_weight(nvfp4_w4a4):
+    ck = open_checkpoint(nvfp4_w4a4)
+    assert ck[W + ".input_scale"].dtype == "F32"
+    qm = quantized.require(ck)
+    assert qm.scales[W + ".input_scale"] == W + ".weight"  # a companion of its weight, not an unknown tensor
+    assert W + ".input_scale" in quantized.describe(qm.weights[W + ".weight"])["companions"]
+    assert len(quantized.activation_scales(qm)) == 48
+    r = build_inspect_report(nvfp4_w4a4)
+    assert r["problems"] == [] or not any(p["kind"] == "unknown-tensors" for p in r["problems"])
+
+
+@pytest.mark.parametrize("args, out_name", [
+    (["--type", "Q8_0"], "model.gguf"),
+    (["--type", "BF16", "--to", "hf"], None),
+    (["--type", "AMXINT8", "--to", "kt-amx", "--threadpool-count", "1"], None),
+])
+def test_nvfp4_activation_scales_are_dropped_with_a_note_and_change_nothing_else(releases, nvfp4_w4a4, tmp_path,
+                                                                                args, out_name):
+    # the weights are exact without the activation scale; no output keeps NVFP4 weights, so none has a place for it
+    runner = CliRunner()
+    res = runner.invoke(cli, ["quantize", str(nvfp4_w4a4), str(tmp_path / "with"), *args])
+    assert res.exit_code == 0, res.output
+    plain = runner.invoke(cli, ["quantize", str(releases["nvfp4"]), str(tmp_path / "without"), *args])
+    assert plain.exit_code == 0, plain.output
+    got, want = open_checkpoint(tmp_path / "with"), open_checkpoint(tmp_path / "without")
+    assert sorted(n for n, _ in got.items()) == sorted(n for n, _ in want.items())
+    assert not any(n.endswith("input_scale") for n, _ in got.items())
+    if out_name:
+        assert (tmp_path / "with" / out_name).read_bytes() == (tmp_path / "without" / out_name).read_bytes()
+    notes = json.loads((tmp_path / "with" / "manifest.json").read_text())["plan"]["notes"]
+    said = [n for n in notes if "input_scale" in n]
+    assert len(said) == 1 and "48 NVFP4 activation scale(s)" in said[0] and "not carried" in said[0], notes
+
+
+def test_a_malformed_nvfp4_activation_scale_is_refused_naming_it(nvfp4_w4a4, tmp_path):
+    src = rewrite(nvfp4_w4a4, tmp_path / "bad", lambda t, d, c: t.__setitem__(W + ".input_scale", np.ones(3, np.float32)))
+    with pytest.raises(InputError, match="activation scale") as exc:
+        quantized.require(open_checkpoint(src))
+    assert exc.value.where == f"tensor {W}.input_scale"

@@ -147,6 +147,18 @@ def test_weights_not_found(ws, tmp_path):
     assert "weights not found" in line
 
 
+
+@pytest.mark.parametrize("flag", ["--weights", "--prefill-weights"])
+def test_a_kt_amx_directory_as_weights_is_sent_to_kt_weights(ws, tmp_path, flag):
+    # kt-kernel's AMX expert blobs hold no attention or norms: the directory is read through --kt-weights
+    from ktconvert.convert import convert
+
+    amx = tmp_path / "amx"
+    convert(ws.model("qwen3_moe"), amx, type="AMXINT8", format="kt-amx")
+    line = _error(_verify(ws, "qwen3_moe", flag, amx), code=2)
+    assert f"{amx}: this is a kt-amx directory (kt-kernel's AMX expert blobs, no other weights)" in line
+    assert "--kt-weights" in line and "no tensor" not in line
+
 def test_bad_tolerance_file(ws, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("kind: tolerance-profile\nversion: 1\nname: bad\ndescription: x\nlogits:\n  kl_maxx: 1\n")

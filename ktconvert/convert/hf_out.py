@@ -79,6 +79,9 @@ def build_hf_plan(src: str | Path, recipe: Recipe, type_name: str | None, *, con
                           f"{len(tensors) - len(qmap.weights)} tensor(s) copied as stored")
     else:
         plan.notes.append(f"no quantized weights: {len(tensors)} tensor(s) copied as stored")
+    act = quantized.activation_scale_note(qmap)
+    if act:
+        plan.notes.append(act)
     _lay_out(plan, shard_size if shard_size is not None else DEFAULT_SAFETENSORS_SHARD)
     model_dir = Path(src) if Path(src).is_dir() else Path(src).parent
     plan.extra["config.json"] = (json.dumps(hf_config(cfg, type_name), indent=2) + "\n").encode()

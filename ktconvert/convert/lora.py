@@ -116,7 +116,9 @@ def convert_lora(src: str | Path, out: str | Path, *, base_config=None, lora_alp
         raise UsageProblem("no lora_alpha: neither adapter_config.json nor kt_adapter_manifest.json says it",
                            path=str(src), fix="pass --lora-alpha (the alpha the adapter was trained with)")
     name = base_model_name or _base_name(ad, base_config)
-    guard_output(out, inputs=[src if src.is_dir() else src.parent], force=force)
+    # a file input is that file (a sibling OUT is not inside it); the directory holding it is refused as OUT by
+    # the guard, since --force would delete the adapter with it
+    guard_output(out, inputs=[src], force=force)
     if target == "sglang":
         if name is None:
             raise UsageProblem("no base model name to write as base_model_name_or_path", path=str(src),

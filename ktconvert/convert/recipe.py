@@ -31,12 +31,13 @@ FALLBACKS = {
     "Q5_1": ("F16",),
 }
 
-#: ``general.file_type`` of ``--type T``: what ``llama-quantize --pure`` writes for the ftype whose default type is T
-#: (one type everywhere, with the same fallbacks), so ``--type Q4_K`` is labelled Q4_K_S, not Q4_K_M (whose mix is
-#: different). ``keep`` has none: it is derived from the types used.
+#: ``general.file_type`` of ``--type T``: what ``llama-quantize --pure IN OUT T`` writes (one type everywhere, with
+#: the same fallbacks). llama-quantize takes the K-quant type names as aliases of the _M mixes (``Q4_K`` is
+#: ``Q4_K_M``, ``Q3_K`` ``Q3_K_M``, ``Q5_K`` ``Q5_K_M``: QUANT_OPTIONS in tools/quantize/quantize.cpp) and writes
+#: the ftype it was given, whatever ``--pure`` made of the mix. ``keep`` has none: it is derived from the types used.
 PURE_FILE_TYPE = {"F32": "ALL_F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
-                  "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K": "Q3_K_S", "Q4_K": "Q4_K_S",
-                  "Q5_K": "Q5_K_S", "Q6_K": "Q6_K"}
+                  "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M",
+                  "Q5_K": "Q5_K_M", "Q6_K": "Q6_K"}
 
 #: llama.cpp's default type of each ftype (``llama_ftype_get_default_type``), for the file types a recipe may state
 FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",

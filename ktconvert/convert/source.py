@@ -164,6 +164,8 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     if ck.container == "safetensors" and cfg_dict is None:
         raise InputError("no config.json beside the checkpoint: the hyperparameters and the expert geometry come "
                          "from it", path=shown, fix="pass --config path/to/config.json")
+    if ck.container == "safetensors":  # another model is refused here, before layout detection, as check-rules does
+        families.require_family(cfg_dict, cfg_path)
     qmap = quantized.require(ck, cfg_dict, shown)
     report = detect_layout(ck, cfg_dict)
     if report.arch is None:
@@ -280,6 +282,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                      f"not converted, e.g. {outside_lm[0]}")
     if qmap.weights:
         items = [_with_scales(it, qmap) for it in items]
+    act = quantized.activation_scale_note(qmap)
+    if act:
+        notes.append(act)
     _check_unique(items, shown)
     _check_config(items, report, shown)
     items = _ordered(items, nm, ck)

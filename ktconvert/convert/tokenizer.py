@@ -127,8 +127,26 @@ def convert_tokenizer(model_dir: Path, n_vocab: int, config: dict | None) -> Ggu
     for m in model.get("merges") or []:
         merges.append(" ".join(m) if isinstance(m, list) else str(m))
     sv = _special_vocab(model_dir, n_vocab)
+    _byte_level_adds_nothing(sv, data.get("post_processor"))
     return GgufVocab(model="gpt2", pre=pre, tokens=tuple(tokens), token_types=tuple(types),
                      merges=tuple(sv.merges) if sv.merges else tuple(merges), special=sv)
+
+
+def _byte_level_adds_nothing(sv, post_processor) -> None:
+    """A ByteLevel post-processor adds no BOS and no EOS, and llama.cpp's converter (the gguf-py of llama.cpp 0.3.36,
+    newer than the pinned one) writes ``add_bos_token``/``add_eos_token`` = false for it. What the post-processor says
+    wins over tokenizer_config.json's flags there: alone, ByteLevel makes both false; in a chain, a template or
+    RoBERTa step beside it keeps the flags it sets and ByteLevel makes the others false."""
+    steps = post_processor.get("processors", [post_processor]) if isinstance(post_processor, dict) else []
+    kinds = {p.get("type") for p in steps if isinstance(p, dict)}
+    if "ByteLevel" not in kinds:
+        return
+    alone = not kinds & {"TemplateProcessing", "RobertaProcessing"}
+    for typ in ("bos", "eos"):
+        if alone:
+            sv.add_special_token[typ] = False
+        else:
+            sv.add_special_token.setdefault(typ, False)
 
 
 def _special_vocab(model_dir: Path, n_vocab: int):

@@ -8,6 +8,7 @@ from ktconvert.families.config import (
     RopeSpec,
     load_config,
     normalize_config,
+    require_family,
     text_view,
 )
 from ktconvert.families.registry import (
@@ -28,6 +29,6 @@ DEFAULT_FAMILY = "qwen3_moe"
 
 __all__ = [
     "DEFAULT_FAMILY", "FAMILIES", "FamilySpec", "MoeConfig", "RopeSpec", "families", "family_of", "family_of_class",
-    "ffn_is_expert_width", "find", "gguf_arch", "load_config", "normalize_config", "permutes_qk", "spec",
+    "ffn_is_expert_width", "find", "gguf_arch", "load_config", "normalize_config", "permutes_qk", "require_family", "spec",
     "spec_for_arch", "text_view",
 ]

@@ -231,16 +231,25 @@ def text_view(raw: dict) -> dict:
     return merged
 
 
-def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
-    """Resolve both spellings and every per-family default into a :class:`MoeConfig`."""
+def require_family(raw: dict, path: str | None = None) -> str:
+    """The family of a ``config.json`` dict (its model_type, else its architectures), or the one refusal every
+    command gives for another model: ``config.json:model_type``, the supported families and what still works."""
     family = family_of(raw)
-    raw = text_view(raw)
     if family is None:
         raise InputError(
-            f"model_type {raw.get('model_type')!r} is not one of the supported families ({', '.join(FAMILIES)})",
+            f"model_type {text_view(raw).get('model_type')!r} is not one of the supported families ({', '.join(FAMILIES)})",
             path=path,
             where="model_type",
+            fix="ktconvert converts and models only these families; check-rules without --model still runs the "
+                "model-independent checks",
         )
+    return family
+
+
+def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
+    """Resolve both spellings and every per-family default into a :class:`MoeConfig`."""
+    family = require_family(raw, path)
+    raw = text_view(raw)
     g = _Getter(raw, path)
     sp = registry.spec(family)
     cfg_facts, routing = sp.section("config"), sp.section("routing")

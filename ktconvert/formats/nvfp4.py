@@ -5,6 +5,9 @@ Two spellings, recognised from the tensor names:
   ``[N, K/16]``, ``X.weight_scale_2`` F32 (one value). Value = ``e2m1 * fl32(e4m3 * scale_2)``.
 - compressed-tensors ``nvfp4-pack-quantized``: ``X.weight_packed`` U8, ``X.weight_scale`` F8_E4M3,
   ``X.weight_global_scale`` F32 (one value, the reciprocal). Value = ``e2m1 * fl32(e4m3 / global_scale)``.
+ModelOpt's W4A4 releases (``quant_algo`` NVFP4) also store ``X.input_scale`` F32 (one value), the static scale of the
+activations a W4A4 kernel quantizes (compressed-tensors: ``X.input_global_scale``). It is read as a companion of its
+weight (role ``activation``) and never used: the weight's values do not depend on it.
 Both references fold the two scales first (one float32 rounding), then multiply by the code (a second rounding: the
 float32 folded scale times a 2-bit value is not always exact). kt-kernel folds the same product but rounds it to
 BF16 before the kernel uses it, so the kernel is not exact where the format is.
@@ -42,6 +45,12 @@ def match(tensors: dict, name: str, read_small=None) -> Packed | None:
     if tensors[glob].dtype != "F32" or tensors[glob].n_elements != 1:
         return p.refused(glob, f"per-tensor scale is {tensors[glob].dtype} {list(tensors[glob].shape)}, "
                          "expected one F32", fix)
+    act = base[: -len("weight")] + ("input_scale" if role == "global" else "input_global_scale")
+    if act in tensors:
+        p = Packed(FMT, base, name, (n, k), GROUP, (*p.parts, ("activation", act)))
+        if tensors[act].dtype != "F32" or tensors[act].n_elements != 1:
+            return p.refused(act, f"activation scale is {tensors[act].dtype} {list(tensors[act].shape)}, expected "
+                             "one F32", fix)
     if k % GROUP:
         return p.refused(name, f"{k} input columns do not fit whole NVFP4 groups of {GROUP}", fix)
     if tuple(s.shape) != (n, k // GROUP):

@@ -241,6 +241,24 @@ def companions(w) -> tuple[str, ...]:
     return (w.scale,) if isinstance(w, fp8.Fp8Weight) else tuple(c for c in w.companions if c != w.stored)
 
 
+def activation_scales(qm: QuantMap) -> list[str]:
+    """The activation scales among the companions (NVFP4's ``input_scale``): read with their weights, never needed to
+    decode them, and written by no output (none keeps the weights in their release format)."""
+    return sorted(n for w in qm.weights.values() if not isinstance(w, fp8.Fp8Weight)
+                  for r, n in w.parts if r == "activation")
+
+
+def activation_scale_note(qm: QuantMap) -> str | None:
+    """The plan note that says so, or None when there are none."""
+    names = activation_scales(qm)
+    if not names:
+        return None
+    fmts = sorted({qm.weights[qm.scales[n]].fmt for n in names})
+    return (f"{len(names)} {'/'.join(fmts)} activation scale(s) (input_scale, e.g. {names[0]}) not carried: they "
+            "scale the activations of a W4A4 kernel, the weights decode exactly without them, and no ktconvert "
+            "output keeps a weight in its release format to pair them with")
+
+
 def describe(w) -> dict:
     """What inspect shows per quantized weight: format, group, every companion tensor."""
     if isinstance(w, fp8.Fp8Weight):

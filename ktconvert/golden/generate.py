@@ -31,7 +31,7 @@ from ktconvert.golden.store import (
     read_golden,
     sha256_bytes,
 )
-from ktconvert.io.atomic import replace_files
+from ktconvert.io.atomic import guard_output, replace_files
 from ktconvert.model.tinytok import PROMPT_TEXT
 from ktconvert.optional import require
 
@@ -327,11 +327,15 @@ def generate_golden(
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
     model_dir, out = Path(model_dir), Path(out_dir)
     cfg = load_config(model_dir)
+    # every weights file's header is validated (a torch pickle named model.safetensors is refused in one line,
+    # never unpickled) before transformers is given the directory
+    open_checkpoint(model_dir)
     previous = None
     if (out / MANIFEST_NAME).exists():
-        if not force:
-            raise InputError("a golden already exists here", path=str(out), fix="pass --force to regenerate it (the manifest logs every regeneration)")
+        if not force:  # OUT exists: a usage error (exit 2), as for every other command
+            raise UsageProblem("a golden already exists here", path=str(out), fix="pass --force to regenerate it (the manifest logs every regeneration)")
         previous = read_golden(out)
+    guard_output(out, inputs=[model_dir, *([Path(lora)] if lora is not None else [])], force=force)
     ids, text, prepended = prompt_for(model_dir, prompt_text, prompt_ids, bos)
     if max(ids) >= cfg.vocab_size:
         raise InputError(f"prompt id {max(ids)} is outside the vocabulary (vocab_size={cfg.vocab_size})")

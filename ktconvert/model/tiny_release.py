@@ -64,7 +64,13 @@ RELEASES: dict[str, tuple[dict, str]] = {
 FORMATS = tuple(RELEASES)
 
 
-def _quantize(fmt: str, base: str, x: np.ndarray) -> tuple[dict[str, np.ndarray], dict[str, str]]:
+#: ModelOpt's NVFP4 activation scale of the tiny releases' ``activation_scales``: amax/(6*448) for an activation
+#: amax of 1 (the real one is calibrated; converting weights never reads it)
+INPUT_SCALE = np.float32(1.0 / (6.0 * 448.0))
+
+
+def _quantize(fmt: str, base: str, x: np.ndarray, activation_scales: bool = False
+              ) -> tuple[dict[str, np.ndarray], dict[str, str]]:
     """The stored tensors of one matrix ``base + '.weight'`` in ``fmt``: {name: array}, {name: dtype}."""
     stem = base[: -len(".weight")]
     if fmt == "mxfp8":
@@ -81,6 +87,8 @@ def _quantize(fmt: str, base: str, x: np.ndarray) -> tuple[dict[str, np.ndarray]
         parts = mxfp4.encode(x)
     elif fmt == "nvfp4":
         parts = nvfp4.encode(x)
+        if activation_scales:  # ModelOpt's W4A4 NVFP4 (quant_algo NVFP4) writes one beside every quantized weight
+            parts["input_scale"] = (np.array(INPUT_SCALE, dtype=np.float32), "F32")
     elif fmt == "rawint4":
         parts = rawint4.encode(x, GROUP)
     else:
@@ -118,8 +126,14 @@ def _fused_mxfp4(family: str) -> dict[str, tuple[np.ndarray, str]]:
     return out
 
 
-def tiny_release_files(family: str, fmt: str) -> dict[str, bytes]:
-    """config.json, model.safetensors and the tokenizer of the tiny ``family`` model released as ``fmt``."""
+def tiny_release_files(family: str, fmt: str, *, activation_scales: bool = False) -> dict[str, bytes]:
+    """config.json, model.safetensors and the tokenizer of the tiny ``family`` model released as ``fmt``.
+
+    ``activation_scales`` (NVFP4 only): an F32 ``X.input_scale`` beside each quantized weight, as ModelOpt writes
+    its NVFP4 releases; off by default, which keeps the recorded release byte-stable."""
+    if activation_scales and fmt != "nvfp4":
+        raise UsageProblem(f"activation scales are written for the nvfp4 release only, not {fmt}",
+                           fix="drop activation_scales, or ask for nvfp4")
     cfg_json = tiny_release_config(family, fmt)
     which = RELEASES[fmt][1]
     cfg = normalize_config(tiny_config(family))
@@ -136,7 +150,7 @@ def tiny_release_files(family: str, fmt: str) -> dict[str, bytes]:
         if not (expert if which == "experts" else _is_fp8_weight(spec)):
             tensors[spec.name] = x
             continue
-        t, d = _quantize(fmt, spec.name, x)
+        t, d = _quantize(fmt, spec.name, x, activation_scales)
         tensors.update(t)
         dtypes.update(d)
     # the names the family's releases use (a multimodal wrapper's prefix: the spec's checkpoint.prefix_aliases)

@@ -474,7 +474,8 @@ def check_lora(ctx: Ctx, out: list[Finding]) -> None:
                            "pass one: --kt-expert-lora-path (--kt-lora-path is its deprecated alias)", "--kt-lora-path"))
     expert = lc.expert_lora_path or lc.kt_lora_path
     if expert:
-        if _check_expert_adapter(ctx, Path(expert), out):
+        flag = "--kt-expert-lora-path" if lc.expert_lora_path else "--kt-lora-path"
+        if _check_expert_adapter(ctx, Path(expert), flag, out):
             _check_adapter_content(ctx, Path(expert), out)
         if lc.lora_paths:
             out.append(Finding("PF171", ERROR, "--kt-expert-lora-path cannot be combined with --lora-paths",
@@ -483,17 +484,17 @@ def check_lora(ctx: Ctx, out: list[Finding]) -> None:
     for entry in lc.lora_paths or []:
         p = Path(entry.split("=", 1)[-1])
         if p.is_file():
-            out.append(Finding("PF174", ERROR, "--lora-paths expects an adapter directory, not a file",
-                               "pass the directory holding adapter_config.json", str(p)))
+            out.append(Finding("PF174", ERROR, f"{p} is a file; --lora-paths expects an adapter directory",
+                               "pass the directory holding adapter_config.json", "--lora-paths"))
         elif (p / "fused_expert_lora.safetensors").is_file() and _native_manifest(p) is None:
-            out.append(Finding("PF175", ERROR, "a raw KT training adapter (fused_expert_lora.safetensors)",
-                               "convert it first: ktconvert convert-lora RAW OUT", str(p)))
+            out.append(Finding("PF175", ERROR, f"{p} is a raw KT training adapter (fused_expert_lora.safetensors)",
+                               "convert it first: ktconvert convert-lora RAW OUT", "--lora-paths"))
         elif (p / "adapter_model.safetensors").is_file() and not _not_safetensors(p / "adapter_model.safetensors", out):
             names = _safetensors_names(p / "adapter_model.safetensors")
             if names and all(_is_expert_key(n) for n in names):
-                out.append(Finding("PF203", ERROR, "an expert-only adapter: sglang-kt refuses it through --lora-paths "
-                                   "(no non-expert tensors)", "pass it with --kt-expert-lora-path and --kt-weight-path",
-                                   str(p)))
+                out.append(Finding("PF203", ERROR, f"{p} is an expert-only adapter: sglang-kt refuses it through "
+                                   "--lora-paths (no non-expert tensors)",
+                                   "pass it with --kt-expert-lora-path and --kt-weight-path", "--lora-paths"))
             elif any(_is_expert_key(n) for n in names):
                 _check_adapter_content(ctx, p, out)
     if expert or (lc.lora_paths and lc.weight_path):
@@ -603,23 +604,23 @@ def _family(ctx: Ctx) -> str:
     return {"kt-amx": "kt-amx", "kt-tree": "kt-amx", "gguf": "gguf"}.get(fmt, "hf")
 
 
-def _check_expert_adapter(ctx: Ctx, p: Path, out: list[Finding]) -> bool:
-    """Form checks of sglang-kt's own; True when the directory is an expert-only adapter worth reading."""
+def _check_expert_adapter(ctx: Ctx, p: Path, flag: str, out: list[Finding]) -> bool:
+    """Form checks of sglang-kt's own on the directory ``flag`` names; True when it is an expert-only adapter worth
+    reading. A finding about the flag's value is placed at the flag (``error PFnnn --flag: PATH ...``)."""
     if not ctx.launch.weight_path:
-        out.append(Finding("PF178", ERROR, "--kt-expert-lora-path needs --kt-weight-path", "pass the expert weights",
-                           "--kt-expert-lora-path"))
+        out.append(Finding("PF178", ERROR, f"{flag} needs --kt-weight-path", "pass the expert weights", flag))
     if p.is_file():
-        out.append(Finding("PF179", ERROR, "is a file; pass the converted expert adapter directory",
-                           "ktconvert convert-lora writes it", str(p)))
+        out.append(Finding("PF179", ERROR, f"{p} is a file; pass the converted expert adapter directory",
+                           "ktconvert convert-lora writes it", flag))
         return False
     if (p / "fused_expert_lora.safetensors").is_file():
-        out.append(Finding("PF175", ERROR, "a raw KT training adapter (fused_expert_lora.safetensors)",
-                           "convert it first: ktconvert convert-lora RAW OUT --expert-only --base-model MODEL", str(p)))
+        out.append(Finding("PF175", ERROR, f"{p} is a raw KT training adapter (fused_expert_lora.safetensors)",
+                           "convert it first: ktconvert convert-lora RAW OUT --expert-only --base-model MODEL", flag))
         return False
     model = p / "adapter_model.safetensors"
     if not (p / "adapter_config.json").is_file() or not model.is_file():
-        out.append(Finding("PF180", ERROR, "must contain adapter_config.json and adapter_model.safetensors",
-                           "pass the converted adapter directory", str(p)))
+        out.append(Finding("PF180", ERROR, f"{p} must contain adapter_config.json and adapter_model.safetensors",
+                           "pass the converted adapter directory", flag))
         return False
     if _not_safetensors(model, out):
         return False

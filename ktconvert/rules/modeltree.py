@@ -89,16 +89,13 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
     spellings (hub and transformers 5) give the same layers, dense layers and attention layout.
     """
 
-    family = cfg.get("model_type")
-    if family not in FAMILIES:
-        raise InputError(f"model_type {family!r} has no module tree in ktconvert (supported: {', '.join(FAMILIES)})",
-                         path=where, where="model_type", fix="run check-rules without --model for the model-independent checks")
     try:
-        mc = normalize_config(dict(cfg))
+        mc = normalize_config(dict(cfg))  # another model_type is refused there, as quantize refuses it
     except InputError as exc:
         if exc.path is not None:  # about another file (a family spec), already placed there
             raise
         raise InputError(exc.message, path=where, where=exc.where, fix=exc.fix) from None
+    family = mc.family
     sp = mc.spec
     pre = sp.prefix
     classes = sp.section("classes")

@@ -23,10 +23,11 @@ import numpy as np
 import torch
 
 from ktconvert import quant
-from ktconvert.errors import InputError
+from ktconvert.errors import InputError, UsageProblem
 from ktconvert.families.config import MoeConfig
 from ktconvert.formats import naming_map, open_checkpoint, quantized, transforms
 from ktconvert.formats.checkpoint import COMPANION
+from ktconvert.formats.kt_amx import NAME_RE as KT_AMX_NAME
 from ktconvert.formats.lora_delta import EXPERT_WEIGHT, lora_delta
 from ktconvert.io.dtypes import TORCH_NAMES
 from ktconvert.model.weights import read_tensors, to_reference_state
@@ -117,6 +118,10 @@ class WeightSource:
             self._init_ggml_named()
         else:
             ck = open_checkpoint(p)
+            if any(KT_AMX_NAME.match(n) for n in ck):  # kt-kernel's expert blobs: the kernel reads them, not the model
+                raise UsageProblem("this is a kt-amx directory (kt-kernel's AMX expert blobs, no other weights)",
+                                   path=self.path, fix="pass it as --kt-weights (with --kernel kt-kernel), and the "
+                                   "model's own weights or a GGUF/safetensors conversion as --weights")
             if any(n.endswith(COMPANION) for n in ck):  # llama.cpp names, ggml blocks, types beside them
                 self.container = "kernel-safetensors"
                 self._ck = ck
