@@ -1,0 +1,355 @@
+"""Layer-major execution: the one way a reference (or injected) causal LM runs, with its weights resident or streamed.
+
+:class:`LayerMajor` runs a :class:`~ktconvert.model.reference.ReferenceCausalLM` one part at a time: the embedding,
+then each decoder layer over **every** position before the next layer starts, then the head (hyper-connection head,
+final norm, ``lm_head``). ``step`` says how many positions one call of a layer takes: all of them (prefill), or one
+at a time (decode: each position attends to the cache the earlier positions of *that layer* wrote). This is exact:
+a layer's output at position t depends only on that layer's inputs at positions <= t, so running layer L over every
+position before layer L + 1 computes the same float operations, on the same shapes, as running every layer for one
+position at a time; the results are bit-identical (``tests/test_executor.py``).
+
+Where the weights come from is a *weight provider*:
+
+* :data:`RESIDENT` (:class:`Resident`): everything is already in the model (``build_model`` + ``load_weights``, or
+  an injected candidate). ``ReferenceCausalLM.forward`` is this executor with this provider, so the in-memory path
+  and the streamed one are the same code.
+* :class:`CheckpointWeights`: the model is a skeleton (:func:`~ktconvert.model.reference.build_skeleton`: the
+  module tree, its large tensors on the meta device) and each part's weights are read from the checkpoint just
+  before the part runs and dropped after. Routed experts are read one expert at a time, only those the tokens pick
+  (``RoutedExperts.fetch``). Stored tensors are decoded by :func:`ktconvert.model.weights.stored_tensor`, the same
+  function the in-memory loader uses (and, through :mod:`ktconvert.formats.quantized`, the decoder ``quantize``
+  uses for FP8 block, MXFP4, NVFP4, RAWINT4 and GPTQ releases).
+
+A provider's ``part(model, kind, layer)`` is a context manager around one part's run (``kind`` is ``embed``,
+``layer`` or ``head``); it may set ``fetch`` on the layer's :class:`~ktconvert.model.modules.RoutedExperts`.
+
+Hooks for later users: ``run(..., on_layer=fn)`` calls ``fn(index, hidden_in, hidden_out)`` after each layer (the
+verify's teacher-forced error runs a candidate layer on the reference's ``hidden_in`` with :meth:`LayerMajor.layer`);
+module forward hooks (``ktconvert imatrix``'s input activations, verify's ``ModuleTap``) fire as usual, because
+the module objects stay and only their tensors come and go.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ktconvert.errors import InputError
+from ktconvert.io.sizes import format_size
+from ktconvert.model.modules import KVCache, RoutedExperts
+
+
+@dataclass
+class ForwardOutput:
+    """``logits [B, T, V]``; ``hidden_states``: embeddings then each decoder layer's output (num_layers + 1
+    tensors ``[B, T, H]``, before the final norm); ``final_hidden``: after the final norm."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+    final_hidden: torch.Tensor
+
+
+class Resident:
+    """Every weight already in the model: nothing to read or drop."""
+
+    def part(self, model: nn.Module, kind: str, layer: int | None = None):
+        return nullcontext()
+
+
+RESIDENT = Resident()
+
+
+class LayerMajor:
+    """Run ``model`` part by part with ``weights`` (default :data:`RESIDENT`); see the module docstring."""
+
+    def __init__(self, model: nn.Module, weights=None):
+        self.model = model
+        self.weights = weights if weights is not None else RESIDENT
+
+    def run(self, input_ids: torch.Tensor, cache: KVCache | None = None, *, step: int | None = None,
+            on_layer=None) -> ForwardOutput:
+        """``input_ids [B, T]`` at positions ``cache.seq_len ..``; each layer takes ``step`` positions per call
+        (default: all). Appends to ``cache`` when given; without one, a run of several steps keeps its own, each
+        layer's entries dropped once the layer is done with them."""
+        model = self.model
+        cfg = model.config
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        b, t = input_ids.shape
+        step = t if step is None else step
+        own_cache = cache is None and step < t
+        if own_cache:
+            cache = KVCache()
+        past = cache.seq_len if cache is not None else 0
+        position_ids = (torch.arange(t, device=input_ids.device) + past).unsqueeze(0).expand(b, -1)
+        chunks = [(a, min(a + step, t)) for a in range(0, t, step)]
+        with self.weights.part(model, "embed"):
+            hidden = model.model.embed_tokens(input_ids)
+        states = [hidden]
+        hc = cfg.hyper_connections
+        if hc is not None:  # every stream starts as the embedding
+            hidden = hidden.unsqueeze(2).expand(-1, -1, hc.mult, -1).contiguous()
+        selections: dict[int, list] = {}  # a DSA source layer's selection per chunk, for the layer sharing it
+        for index, layer in enumerate(model.model.layers):
+            out = self.layer(index, hidden, position_ids, cache, input_ids, chunks, selections)
+            if on_layer is not None:
+                on_layer(index, hidden, out)
+            hidden = out
+            if own_cache:
+                cache.drop(layer.layer_idx)
+            # a layer's output is its streams' mean where there are several (as the goldens record it)
+            states.append(hidden.mean(dim=2) if hc is not None else hidden)
+        finals, logits = [], []
+        with self.weights.part(model, "head"):  # per chunk too: a matmul over 1 row and over T rows round apart
+            for a, z in chunks:
+                h = hidden[:, a:z]
+                if hc is not None:  # GLM-5-Next's head: the streams' unweighted mean; DeepSeek-V4's: hc_head
+                    h = model.model.hc_head(h) if cfg.hc_modules else h.mean(dim=2)
+                finals.append(model.model.norm(h))
+                logits.append(model.lm_head(finals[-1]))
+        final, logits = (finals[0], logits[0]) if len(chunks) == 1 else (torch.cat(finals, 1), torch.cat(logits, 1))
+        if cache is not None and not own_cache:
+            cache.seq_len = past + t
+        return ForwardOutput(logits=logits, hidden_states=tuple(states), final_hidden=final)
+
+    def layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None,
+              input_ids: torch.Tensor, chunks: list[tuple[int, int]] | None = None,
+              selections: dict[int, list] | None = None) -> torch.Tensor:
+        """Decoder layer ``index`` over every position of ``hidden``, ``chunks`` of positions per call (default:
+        one call), its weights resident for the whole of it."""
+        layer = self.model.model.layers[index]
+        chunks = chunks or [(0, hidden.shape[1])]
+        selections = selections if selections is not None else {}
+        mixer = layer.mixer
+        source = getattr(mixer, "selection_source", None)
+        outs = []
+        with self.weights.part(self.model, "layer", index):
+            for c, (a, z) in enumerate(chunks):
+                if source is not None and id(source) in selections:
+                    source.last_selection = selections[id(source)][c]  # the source layer's selection at this chunk
+                outs.append(layer(hidden[:, a:z], position_ids[:, a:z], cache, input_ids[:, a:z]))
+                if hasattr(mixer, "last_selection"):
+                    selections.setdefault(id(mixer), []).append(mixer.last_selection)
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+
+
+# --- the streaming provider ----------------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_FUSED = re.compile(r"^model\.layers\.\d+\.[a-z_]+\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?(?:\.weight)?$")
+_EXPERT = re.compile(r"^model\.layers\.\d+\.[a-z_]+\.experts\.(\d+)\.")
+
+
+def _slots(root: nn.Module, prefix: str, skip: set[int]):
+    """Every parameter and buffer slot under ``root`` (``(module, table, attr, state name or None, tensor)``; the
+    name is None for a non-persistent buffer), modules in ``skip`` (by id) left out."""
+    for path, mod in root.named_modules(remove_duplicate=False):
+        if id(mod) in skip:
+            continue
+        for table in (mod._parameters, mod._buffers):
+            for attr, t in table.items():
+                if t is None:
+                    continue
+                persistent = table is mod._parameters or attr not in mod._non_persistent_buffers_set
+                yield mod, table, attr, (prefix + (f"{path}." if path else "") + attr) if persistent else None, t
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class StreamStats:
+    """What a streaming provider did: bytes read from disk (stored), bytes of float32 weights resident now and at
+    most (with the stored copies being decoded), parts and experts loaded."""
+
+    bytes_read: int = 0
+    resident: int = 0
+    peak: int = 0
+    parts: int = 0
+    experts: int = 0
+
+
+class CheckpointWeights:
+    """A Hugging Face safetensors checkpoint (plain or any quantized release format) read part by part.
+
+    ``model_dir``: what :func:`ktconvert.formats.open_checkpoint` opens; ``cfg``: its parsed config. ``budget``:
+    bytes the resident weights may take at most (``None``: no limit); a budget below what the largest part needs
+    is refused up front, naming that minimum (:meth:`minimum`).
+    """
+
+    def __init__(self, model_dir, cfg, budget: int | None = None):
+        from ktconvert.formats import open_checkpoint, quantized
+
+        self.path = str(model_dir)
+        self.cfg = cfg
+        ck = open_checkpoint(model_dir)
+        if ck.container != "safetensors":
+            raise InputError(f"a {ck.container} checkpoint, not Hugging Face safetensors", path=self.path,
+                             fix="pass the Hugging Face checkpoint directory")
+        self.ck = ck
+        self.qmap = quantized.require(ck, path=self.path)
+        self.files = tuple(Path(f) for f in ck.files)
+        self.stats = StreamStats()
+        self.budget = budget
+        sp = cfg.spec
+        self.groups: dict[tuple, list[str]] = {}  # ("embed",) / ("head",) / ("layer", L) / ("expert", L, e)
+        self.fused: dict[int, list[str]] = {}  # layer -> its stacked expert tensors (read one expert's slab each)
+        block = cfg.moe_block_name
+        for name in ck:
+            if name in self.qmap.scales or name.startswith(sp.ignore_prefixes):
+                continue
+            key = sp.canonical_name(name)
+            m = _LAYER.match(key)
+            if m is None:
+                self.groups.setdefault(("embed",) if key.startswith("model.embed_tokens.") else ("head",), []).append(name)
+                continue
+            layer = int(m.group(1))
+            if layer >= cfg.num_hidden_layers or key.endswith("rotary_emb.inv_freq"):
+                continue  # to_reference_state skips these too (multi-token prediction, rotary tables)
+            key = re.sub(r"^(model\.layers\.\d+)\.mlp\.", rf"\1.{block}.", key)
+            if _FUSED.match(key):
+                self.fused.setdefault(layer, []).append(name)
+            elif (x := _EXPERT.match(key)) is not None:
+                self.groups.setdefault(("expert", layer, int(x.group(1))), []).append(name)
+            else:
+                self.groups.setdefault(("layer", layer), []).append(name)
+        self.tied = bool(cfg.tie_word_embeddings) and "lm_head.weight" not in ck
+        if self.tied:  # lm_head is the embedding: the head part reads it as well
+            self.groups.setdefault(("head",), []).extend(self.groups.get(("embed",), []))
+
+    # --- budget ---------------------------------------------------------------------------------------------------
+    def _stored_bytes(self, names) -> int:
+        return sum(self.ck[n].nbytes for n in names)
+
+    def minimum(self, model: nn.Module) -> tuple[int, str]:
+        """The most bytes one part needs resident at once (its float32 weights, the stored copies being decoded,
+        and the largest expert of a layer with the same), and which part that is."""
+        best = (0, "")
+        for kind, index, roots, skip, experts in self._parts(model):
+            weights = sum(_bytes(s[4]) for r, _ in roots for s in _slots(r, "", skip) if s[3] is not None)
+            group = ("layer", index) if kind == "layer" else (kind,)
+            need = weights + self._stored_bytes(self.groups.get(group, []))
+            if experts is not None:
+                e_weights = max((sum(_bytes(p) for p in ex.parameters()) for ex in experts), default=0)
+                e_stored = max((self._stored_bytes(v) for k, v in self.groups.items()
+                                if k[0] == "expert" and k[1] == index), default=0)
+                e_stored = max(e_stored, sum(self._stored_bytes([n]) // len(experts) for n in self.fused.get(index, [])))
+                need += e_weights + e_stored
+            where = f"layer {index}" if kind == "layer" else kind
+            best = max(best, (need, where))
+        return best
+
+    def check_budget(self, model: nn.Module) -> None:
+        """Refuse a budget below :meth:`minimum`, naming the minimum and the part that needs it."""
+        if self.budget is None:
+            return
+        need, where = self.minimum(model)
+        if self.budget < need:
+            raise InputError(f"--max-memory {format_size(self.budget)} is below the {format_size(need)} one part of "
+                             f"this model needs resident ({where}'s weights and one expert, float32)", path=self.path,
+                             fix=f"pass --max-memory {format_size(need)} or more")
+
+    # --- parts ----------------------------------------------------------------------------------------------------
+    def _parts(self, model: nn.Module):
+        """``(kind, layer, [(module, state prefix)], skip ids, routed experts or None)`` for every part."""
+        yield "embed", None, [(model.model.embed_tokens, "model.embed_tokens.")], set(), None
+        for index, layer in enumerate(model.model.layers):
+            experts = next((m for m in layer.modules() if isinstance(m, RoutedExperts)), None)
+            skip = {id(m) for ex in (experts or ()) for m in ex.modules()}
+            yield "layer", index, [(layer, f"model.layers.{index}.")], skip, experts
+        head = [(model.model.norm, "model.norm."), (model.lm_head, "lm_head.")]
+        if hasattr(model.model, "hc_head"):
+            head.append((model.model.hc_head, "model.hc_head."))
+        yield "head", None, head, set(), None
+
+    @contextmanager
+    def part(self, model: nn.Module, kind: str, layer: int | None = None):
+        roots, skip, experts = next((r, s, e) for k, i, r, s, e in self._parts(model) if k == kind and i == layer)
+        group = ("layer", layer) if kind == "layer" else (kind,)
+        drop = set()
+        if self.tied:  # the alias the other part owns
+            drop = {"lm_head.weight"} if kind == "embed" else {"model.embed_tokens.weight"} if kind == "head" else set()
+        held = self._load(self.groups.get(group, []), [s for r, p in roots for s in _slots(r, p, skip)], drop=drop)
+        if experts is not None:
+            prefix = next(f"model.layers.{layer}.{p}." for p, m in model.model.layers[layer].named_modules()
+                          if m is experts)
+            experts.fetch = lambda e: self._expert(layer, experts[e], f"{prefix}{e}.", e)
+        self._kept: dict[int, tuple] = {}  # this layer's experts still resident, least recently used first
+        self.stats.parts += 1
+        try:
+            yield
+        finally:
+            if experts is not None:
+                experts.fetch = None
+            for kept in self._kept.values():
+                self._drop(kept)
+            self._kept = {}
+            self._drop(held)
+
+    @contextmanager
+    def _expert(self, layer: int, module: nn.Module, prefix: str, e: int):
+        """Expert ``e`` resident for the block. It stays while its layer runs (decode fetches it again at every
+        position), until the budget needs the room: then the least recently used experts go first."""
+        kept = self._kept
+        if e in kept:
+            kept[e] = kept.pop(e)  # most recently used last
+            yield
+            return
+        fused = self.fused.get(layer)
+        names = fused if fused else self.groups.get(("expert", layer, e), [])
+        if self.budget is not None:
+            need = sum(_bytes(p) for p in module.parameters()) + sum(
+                self._stored_bytes([n]) // self.cfg.num_experts if fused else self._stored_bytes([n]) for n in names)
+            while kept and self.stats.resident + need > self.budget:
+                self._drop(kept.pop(next(iter(kept))))
+        kept[e] = self._load(names, list(_slots(module, prefix, set())), expert=e if fused else None)
+        self.stats.experts += 1
+        yield
+
+    def _load(self, names: list[str], slots: list, *, expert: int | None = None, drop: set[str] = frozenset()):
+        """Read ``names``, turn them into reference state (:func:`~ktconvert.model.weights.to_reference_state`),
+        check them strictly against ``slots`` and put them there; return what to drop after."""
+        from ktconvert.model.weights import check_state, stored_tensor, to_reference_state
+
+        tensors = {n: stored_tensor(self.ck, self.qmap, n, expert=expert) for n in names}
+        stored = sum(_bytes(t) for t in tensors.values())
+        state = {k: v for k, v in to_reference_state(self.cfg, tensors, expert=expert).items() if k not in drop}
+        groups: dict[int, list] = {}  # slots sharing one tensor (a gate's view of its block's score bias)
+        for slot in slots:
+            groups.setdefault(id(slot[4]), []).append(slot)
+        expected = {s[3]: tuple(s[4].shape) for s in slots if s[3] is not None}
+        check_state(expected, state, self.path, self.cfg.family)
+        held, weights = [], 0
+        with torch.no_grad():
+            for group in groups.values():
+                name = next((s[3] for s in group if s[3] is not None), None)
+                if name is None:
+                    continue  # a non-persistent buffer computed from the config (rotary tables): already real
+                old = group[0][4]
+                new = torch.empty(old.shape, dtype=old.dtype).copy_(state[name])  # as load_weights copies
+                weights += _bytes(new)
+                for mod, table, attr, _, _ in group:
+                    table[attr] = nn.Parameter(new, requires_grad=False) if table is mod._parameters else new
+                held.append(group)
+        st = self.stats
+        st.bytes_read += sum(self._stored_bytes([n]) if expert is None else
+                             self._stored_bytes([n]) // self.cfg.num_experts for n in names)
+        st.peak = max(st.peak, st.resident + weights + stored)
+        st.resident += weights
+        del tensors, state
+        return held, weights
+
+    def _drop(self, held) -> None:
+        groups, weights = held
+        for group in groups:
+            old = group[0][4]
+            meta = torch.empty(old.shape, dtype=old.dtype, device="meta")
+            for mod, table, attr, _, _ in group:
+                table[attr] = nn.Parameter(meta, requires_grad=False) if table is mod._parameters else meta
+        self.stats.resident -= weights

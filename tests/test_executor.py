@@ -1,0 +1,140 @@
+"""The layer-major executor (ktconvert.model.executor): streamed from disk part by part, it computes bit for bit what
+the in-memory model computes, in prefill and in decode, on every tiny family and every release format; and a budget
+smaller than the model holds."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from ktconvert.errors import InputError
+from ktconvert.families.config import FAMILIES
+from ktconvert.formats.safetensors_write import to_bytes
+from ktconvert.model import from_pretrained, load_config
+from ktconvert.model.executor import CheckpointWeights, LayerMajor
+from ktconvert.model.reference import build_skeleton
+from ktconvert.model.tiny import FP8_VARIANTS, TINY_VARIANTS, tiny_name, tiny_tensors, write_tiny_model
+from ktconvert.model.tiny_release import FORMATS as RELEASE_FORMATS
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+#: a prompt long enough to route every expert of the tiny models, with repeats (decode attends to real history)
+PROMPT = torch.tensor([[1, 17, 250, 3, 99, 402, 17, 8, 77, 310, 5, 250, 64, 2, 128, 411]])
+
+
+def _in_memory(model_dir):
+    """Today's path: the whole model loaded, prefill as one forward, decode one position per forward."""
+    ref = from_pretrained(model_dir)
+    with torch.no_grad():
+        pre = ref(PROMPT, ref.new_cache())
+        cache = ref.new_cache()
+        steps = [ref(PROMPT[:, t:t + 1], cache) for t in range(PROMPT.shape[1])]
+    cat = [torch.cat([s.hidden_states[i] for s in steps], dim=1) for i in range(len(pre.hidden_states))]
+    dec = (torch.cat([s.logits for s in steps], dim=1), cat, torch.cat([s.final_hidden for s in steps], dim=1))
+    return (pre.logits, list(pre.hidden_states), pre.final_hidden), dec
+
+
+def _streamed(model_dir, budget=None):
+    cfg = load_config(model_dir)
+    weights = CheckpointWeights(model_dir, cfg, budget=budget)
+    skeleton = build_skeleton(cfg)
+    weights.check_budget(skeleton)
+    run = LayerMajor(skeleton, weights)
+    with torch.no_grad():
+        pre, dec = run.run(PROMPT), run.run(PROMPT, step=1)
+    return ((pre.logits, list(pre.hidden_states), pre.final_hidden),
+            (dec.logits, list(dec.hidden_states), dec.final_hidden), weights)
+
+
+def _assert_identical(want, got, what):
+    (wl, wh, wf), (gl, gh, gf) = want, got
+    assert torch.equal(wl, gl), f"{what}: logits differ by {(wl - gl).abs().max().item()}"
+    assert len(wh) == len(gh)
+    for i, (a, b) in enumerate(zip(wh, gh)):
+        assert torch.equal(a, b), f"{what}: hidden state {i} differs by {(a - b).abs().max().item()}"
+    assert torch.equal(wf, gf), f"{what}: final hidden differs"
+
+
+def _check(model_dir):
+    pre, dec = _in_memory(model_dir)
+    spre, sdec, weights = _streamed(model_dir)
+    _assert_identical(pre, spre, "prefill")
+    _assert_identical(dec, sdec, "decode")
+    assert weights.stats.resident == 0  # everything dropped after the run
+    return weights
+
+
+@pytest.mark.parametrize("family,variant", [(f, None) for f in FAMILIES] + list(TINY_VARIANTS),
+                         ids=lambda x: x or "base")
+def test_streamed_run_is_bit_identical_to_the_in_memory_run(tmp_path, family, variant):
+    d = tmp_path / tiny_name(family, variant)
+    write_tiny_model(family, d, variant=variant)
+    weights = _check(d)
+    cfg = load_config(d)
+    # routed experts came one at a time, only the picked ones: never more than every (layer, expert) pair per run
+    assert 0 < weights.stats.experts <= 2 * len(cfg.moe_layers) * cfg.num_experts
+
+
+@pytest.mark.parametrize("fmt", RELEASE_FORMATS)
+def test_streamed_release_formats_decode_as_the_in_memory_loader(tmp_path, fmt):
+    """MXFP4, MXFP8, RAWINT4, NVFP4, FP8 per-channel, GPTQ: decoded through formats.quantized, one expert's rows at
+    a time, bit-identical to the whole-tensor decoding the in-memory loader uses."""
+    write_tiny_model("qwen3_moe", tmp_path / "m", quant=fmt)
+    _check(tmp_path / "m")
+
+
+@pytest.mark.parametrize("family", sorted(FP8_VARIANTS))
+def test_streamed_fp8_block_releases(tmp_path, family):
+    write_tiny_model(family, tmp_path / "m", fp8=True)
+    _check(tmp_path / "m")
+
+
+def test_streamed_fused_mxfp4_release(tmp_path):
+    """gpt-oss' stacked [E, in, out] MXFP4 experts: one expert's slab read per fetch."""
+    write_tiny_model("gpt_oss", tmp_path / "m", quant="mxfp4")
+    _check(tmp_path / "m")
+
+
+@pytest.mark.parametrize("dtype", ["BF16", "F16"])
+def test_streamed_half_precision_checkpoints(tmp_path, dtype):
+    """A BF16 / F16 release (what most are): widened to float32 exactly as load_weights widens it."""
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(_tiny_config("qwen3_moe")))
+    tensors = tiny_tensors("qwen3_moe")
+    if dtype == "BF16":
+        bits = {k: (torch.from_numpy(v).to(torch.bfloat16).view(torch.uint16).numpy()) for k, v in tensors.items()}
+        data = to_bytes(bits, {"format": "pt"}, {k: "BF16" for k in bits})
+    else:
+        data = to_bytes({k: v.astype(np.float16) for k, v in tensors.items()}, {"format": "pt"})
+    (d / "model.safetensors").write_bytes(data)
+    _check(d)
+
+
+def _tiny_config(family):
+    from ktconvert.model.tiny import tiny_config
+
+    return tiny_config(family)
+
+
+def test_a_budget_smaller_than_the_model_holds(tmp_path):
+    """Resident weights (float32, plus the stored copies being decoded) never pass the budget, which is far below
+    the model's float32 size; a budget below one part's minimum is refused naming that minimum."""
+    d = tmp_path / "m"
+    write_tiny_model("deepseek_v3", d)
+    cfg = load_config(d)
+    skeleton = build_skeleton(cfg)
+    model_bytes = sum(p.numel() * 4 for p in from_pretrained(d).parameters())
+    need, where = CheckpointWeights(d, cfg).minimum(skeleton)
+    assert need < model_bytes / 2
+    pre, dec = _in_memory(d)
+    spre, sdec, weights = _streamed(d, budget=need)
+    _assert_identical(pre, spre, "prefill")
+    _assert_identical(dec, sdec, "decode")
+    assert 0 < weights.stats.peak <= need < model_bytes
+    with pytest.raises(InputError) as exc:
+        CheckpointWeights(d, cfg, budget=need - 1).check_budget(skeleton)
+    assert f"{where}" in exc.value.message and "below" in exc.value.message
