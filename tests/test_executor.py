@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from ktconvert.errors import InputError
+from ktconvert.errors import UsageProblem
 from ktconvert.families.config import FAMILIES
 from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.model import from_pretrained, load_config
@@ -135,6 +135,6 @@ def test_a_budget_smaller_than_the_model_holds(tmp_path):
     _assert_identical(pre, spre, "prefill")
     _assert_identical(dec, sdec, "decode")
     assert 0 < weights.stats.peak <= need < model_bytes
-    with pytest.raises(InputError) as exc:
+    with pytest.raises(UsageProblem) as exc:
         CheckpointWeights(d, cfg, budget=need - 1).check_budget(skeleton)
     assert f"{where}" in exc.value.message and "below" in exc.value.message

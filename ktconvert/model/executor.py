@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from ktconvert.errors import InputError
+from ktconvert.errors import InputError, UsageProblem
 from ktconvert.io.sizes import format_size
 from ktconvert.model.modules import KVCache, RoutedExperts
 
@@ -251,9 +251,10 @@ class CheckpointWeights:
             return
         need, where = self.minimum(model)
         if self.budget < need:
-            raise InputError(f"--max-memory {format_size(self.budget)} is below the {format_size(need)} one part of "
-                             f"this model needs resident ({where}'s weights and one expert, float32)", path=self.path,
-                             fix=f"pass --max-memory {format_size(need)} or more")
+            raise UsageProblem(f"--max-memory {format_size(self.budget)} is below the minimum {format_size(need)} "
+                               f"({need} bytes): {where} needs that much resident (its float32 weights, one expert, "
+                               "and the stored copies being decoded)", path=self.path,
+                               fix=f"pass --max-memory {need} or more")
 
     # --- parts ----------------------------------------------------------------------------------------------------
     def _parts(self, model: nn.Module):
