@@ -120,6 +120,40 @@ def _tiny_config(family):
     return tiny_config(family)
 
 
+@pytest.mark.parametrize("family,spec,fmt", [("qwen3_moe", "Q4_K", "gguf"), ("mixtral", "Q4_K_M", "gguf"),
+                                             ("deepseek_v3", "Q8_0", "gguf"), ("qwen3_moe", "Q8_0", "safetensors")])
+def test_streamed_converted_weights_load_as_the_in_memory_candidate(tmp_path, family, spec, fmt):
+    """A GGUF (llama-arch q/k un-permuted for Mixtral, MLA for DeepSeek) or kernel-order safetensors, read part by
+    part through WeightSource, runs bit-identically to the model inject's default loader fills whole."""
+    from ktconvert.convert import convert, presets
+    from ktconvert.model import build_model
+    from ktconvert.model.executor import ConvertedWeights
+    from ktconvert.model.inject import _load_defaults
+    from ktconvert.model.ops.source import WeightSource
+
+    write_tiny_model(family, tmp_path / "m")
+    kw = {"recipe": spec} if spec in presets() else {"type": spec, "allow_fallback": True}
+    convert(tmp_path / "m", tmp_path / "c", format=fmt, **kw)
+    weights = tmp_path / "c" / "model.gguf" if fmt == "gguf" else tmp_path / "c"
+    cfg = load_config(tmp_path / "m")
+    whole = build_model(cfg)
+    _load_defaults(whole, WeightSource(weights, cfg))
+    streamed = ConvertedWeights(WeightSource(weights, cfg), cfg)
+    run = LayerMajor(build_skeleton(cfg), streamed)
+    with torch.no_grad():
+        pre = whole(PROMPT, whole.new_cache())
+        cache = whole.new_cache()
+        steps = [whole(PROMPT[:, t:t + 1], cache) for t in range(PROMPT.shape[1])]
+        spre, sdec = run.run(PROMPT), run.run(PROMPT, step=1)
+    _assert_identical((pre.logits, list(pre.hidden_states), pre.final_hidden),
+                      (spre.logits, list(spre.hidden_states), spre.final_hidden), "prefill")
+    _assert_identical((torch.cat([s.logits for s in steps], 1),
+                       [torch.cat([s.hidden_states[i] for s in steps], 1) for i in range(len(pre.hidden_states))],
+                       torch.cat([s.final_hidden for s in steps], 1)),
+                      (sdec.logits, list(sdec.hidden_states), sdec.final_hidden), "decode")
+    assert streamed.stats.resident == 0 and streamed.source._blocks == {}
+
+
 def test_a_budget_smaller_than_the_model_holds(tmp_path):
     """Resident weights (float32, plus the stored copies being decoded) never pass the budget, which is far below
     the model's float32 size; a budget below one part's minimum is refused naming that minimum."""

@@ -19,6 +19,11 @@ Where the weights come from is a *weight provider*:
   (``RoutedExperts.fetch``). Stored tensors are decoded by :func:`ktconvert.model.weights.stored_tensor`, the same
   function the in-memory loader uses (and, through :mod:`ktconvert.formats.quantized`, the decoder ``quantize``
   uses for FP8 block, MXFP4, NVFP4, RAWINT4 and GPTQ releases).
+* :class:`ConvertedWeights`: the same for a converted checkpoint (GGUF, split sets too, or kernel-order
+  safetensors) through :class:`~ktconvert.model.ops.source.WeightSource`, as ``inject`` loads a candidate whole.
+  Both share :class:`StreamedWeights` (slots, budget, expert cache, :class:`StreamStats`); a new source is a
+  subclass with ``part_state`` / ``expert_state`` / ``stored_bytes``. Not yet a source: a kt-amx directory (its
+  experts decoded as ``quantize`` reads them, :mod:`ktconvert.convert.kt_amx_io`, everything else from the release).
 
 A provider's ``part(model, kind, layer)`` is a context manager around one part's run (``kind`` is ``embed``,
 ``layer`` or ``head``); it may set ``fetch`` on the layer's :class:`~ktconvert.model.modules.RoutedExperts`.
@@ -36,6 +41,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -198,75 +204,50 @@ class StreamStats:
     experts: int = 0
 
 
-class CheckpointWeights:
-    """A Hugging Face safetensors checkpoint (plain or any quantized release format) read part by part.
+class StreamedWeights:
+    """What every streaming provider shares: parts and experts put into the skeleton's slots and dropped after,
+    the budget (``None``: no limit; below what the largest part needs is refused up front by :meth:`check_budget`,
+    naming that minimum), the expert cache of a running layer, and :class:`StreamStats`.
 
-    ``model_dir``: what :func:`ktconvert.formats.open_checkpoint` opens; ``cfg``: its parsed config. ``budget``:
-    bytes the resident weights may take at most (``None``: no limit); a budget below what the largest part needs
-    is refused up front, naming that minimum (:meth:`minimum`).
+    A source says what a part holds (:meth:`part_state`, :meth:`expert_state`: reference state-dict name -> tensor
+    for the names asked, and the bytes read for them) and what it costs to decode (:meth:`stored_bytes`).
     """
 
-    def __init__(self, model_dir, cfg, budget: int | None = None):
-        from ktconvert.formats import open_checkpoint, quantized
-
-        self.path = str(model_dir)
+    def __init__(self, path, cfg, budget: int | None = None):
+        self.path = str(path)
         self.cfg = cfg
-        ck = open_checkpoint(model_dir)
-        if ck.container != "safetensors":
-            raise InputError(f"a {ck.container} checkpoint, not Hugging Face safetensors", path=self.path,
-                             fix="pass the Hugging Face checkpoint directory")
-        self.ck = ck
-        self.qmap = quantized.require(ck, path=self.path)
-        _return_freed_memory()
-        self.files = tuple(Path(f) for f in ck.files)
-        self.stats = StreamStats()
         self.budget = budget
-        sp = cfg.spec
-        self.groups: dict[tuple, list[str]] = {}  # ("embed",) / ("head",) / ("layer", L) / ("expert", L, e)
-        self.fused: dict[int, list[str]] = {}  # layer -> its stacked expert tensors (read one expert's slab each)
-        block = cfg.moe_block_name
-        for name in ck:
-            if name in self.qmap.scales or name.startswith(sp.ignore_prefixes):
-                continue
-            key = sp.canonical_name(name)
-            m = _LAYER.match(key)
-            if m is None:
-                self.groups.setdefault(("embed",) if key.startswith("model.embed_tokens.") else ("head",), []).append(name)
-                continue
-            layer = int(m.group(1))
-            if layer >= cfg.num_hidden_layers or key.endswith("rotary_emb.inv_freq"):
-                continue  # to_reference_state skips these too (multi-token prediction, rotary tables)
-            key = re.sub(r"^(model\.layers\.\d+)\.mlp\.", rf"\1.{block}.", key)
-            if _FUSED.match(key):
-                self.fused.setdefault(layer, []).append(name)
-            elif (x := _EXPERT.match(key)) is not None:
-                self.groups.setdefault(("expert", layer, int(x.group(1))), []).append(name)
-            else:
-                self.groups.setdefault(("layer", layer), []).append(name)
-        self.tied = bool(cfg.tie_word_embeddings) and "lm_head.weight" not in ck
-        if self.tied:  # lm_head is the embedding: the head part reads it as well
-            self.groups.setdefault(("head",), []).extend(self.groups.get(("embed",), []))
+        self.stats = StreamStats()
+        self._kept: dict[int, tuple] = {}
+        _return_freed_memory()
+
+    # --- what a source provides -------------------------------------------------------------------------------
+    def part_state(self, kind: str, layer: int | None, expected: dict[str, tuple]) -> tuple[dict, int]:
+        raise NotImplementedError
+
+    def expert_state(self, layer: int, e: int, expected: dict[str, tuple]) -> tuple[dict, int]:
+        raise NotImplementedError
+
+    def stored_bytes(self, kind: str, layer: int | None, expert: bool = False, weights: int = 0) -> int:
+        """Bytes of stored copies held while a part (or its largest expert, ``expert``) is decoded; ``weights``: the
+        float32 bytes it takes resident."""
+        return 0
+
+    def part_done(self, kind: str, layer: int | None) -> None:
+        """A part's run is over (a source may free what it cached for it)."""
 
     # --- budget ---------------------------------------------------------------------------------------------------
-    def _stored_bytes(self, names) -> int:
-        return sum(self.ck[n].nbytes for n in names)
-
     def minimum(self, model: nn.Module) -> tuple[int, str]:
         """The most bytes one part needs resident at once (its float32 weights, the stored copies being decoded,
         and the largest expert of a layer with the same), and which part that is."""
         best = (0, "")
         for kind, index, roots, skip, experts in self._parts(model):
             weights = sum(_bytes(s[4]) for r, _ in roots for s in _slots(r, "", skip) if s[3] is not None)
-            group = ("layer", index) if kind == "layer" else (kind,)
-            need = weights + self._stored_bytes(self.groups.get(group, []))
+            need = weights + self.stored_bytes(kind, index, weights=weights)
             if experts is not None:
-                e_weights = max((sum(_bytes(p) for p in ex.parameters()) for ex in experts), default=0)
-                e_stored = max((self._stored_bytes(v) for k, v in self.groups.items()
-                                if k[0] == "expert" and k[1] == index), default=0)
-                e_stored = max(e_stored, sum(self._stored_bytes([n]) // len(experts) for n in self.fused.get(index, [])))
-                need += e_weights + e_stored
-            where = f"layer {index}" if kind == "layer" else kind
-            best = max(best, (need, where))
+                one = max((sum(_bytes(p) for p in ex.parameters()) for ex in experts), default=0)
+                need += one + self.stored_bytes(kind, index, expert=True, weights=one)
+            best = max(best, (need, f"layer {index}" if kind == "layer" else kind))
         return best
 
     def check_budget(self, model: nn.Module) -> None:
@@ -296,16 +277,14 @@ class CheckpointWeights:
     @contextmanager
     def part(self, model: nn.Module, kind: str, layer: int | None = None):
         roots, skip, experts = next((r, s, e) for k, i, r, s, e in self._parts(model) if k == kind and i == layer)
-        group = ("layer", layer) if kind == "layer" else (kind,)
-        drop = set()
-        if self.tied:  # the alias the other part owns
-            drop = {"lm_head.weight"} if kind == "embed" else {"model.embed_tokens.weight"} if kind == "head" else set()
-        held = self._load(self.groups.get(group, []), [s for r, p in roots for s in _slots(r, p, skip)], drop=drop)
+        slots = [s for r, p in roots for s in _slots(r, p, skip)]
+        state, stored = self.part_state(kind, layer, _expected(slots))
+        held = self._load(slots, state, stored)
         if experts is not None:
             prefix = next(f"model.layers.{layer}.{p}." for p, m in model.model.layers[layer].named_modules()
                           if m is experts)
             experts.fetch = lambda e: self._expert(layer, experts[e], f"{prefix}{e}.", e)
-        self._kept: dict[int, tuple] = {}  # this layer's experts still resident, least recently used first
+        self._kept = {}  # this layer's experts still resident, least recently used first
         self.stats.parts += 1
         try:
             yield
@@ -316,6 +295,7 @@ class CheckpointWeights:
                 self._drop(kept)
             self._kept = {}
             self._drop(held)
+            self.part_done(kind, layer)
 
     @contextmanager
     def _expert(self, layer: int, module: nn.Module, prefix: str, e: int):
@@ -326,30 +306,25 @@ class CheckpointWeights:
             kept[e] = kept.pop(e)  # most recently used last
             yield
             return
-        fused = self.fused.get(layer)
-        names = fused if fused else self.groups.get(("expert", layer, e), [])
+        slots = list(_slots(module, prefix, set()))
         if self.budget is not None:
-            need = sum(_bytes(p) for p in module.parameters()) + sum(
-                self._stored_bytes([n]) // self.cfg.num_experts if fused else self._stored_bytes([n]) for n in names)
+            one = sum(_bytes(s[4]) for s in slots if s[3] is not None)
+            need = one + self.stored_bytes("layer", layer, True, one)
             while kept and self.stats.resident + need > self.budget:
                 self._drop(kept.pop(next(iter(kept))))
-        kept[e] = self._load(names, list(_slots(module, prefix, set())), expert=e if fused else None)
+        state, stored = self.expert_state(layer, e, _expected(slots))
+        kept[e] = self._load(slots, state, stored)
         self.stats.experts += 1
         yield
 
-    def _load(self, names: list[str], slots: list, *, expert: int | None = None, drop: set[str] = frozenset()):
-        """Read ``names``, turn them into reference state (:func:`~ktconvert.model.weights.to_reference_state`),
-        check them strictly against ``slots`` and put them there; return what to drop after."""
-        from ktconvert.model.weights import check_state, stored_tensor, to_reference_state
+    def _load(self, slots: list, state: dict, stored: int):
+        """Check ``state`` strictly against ``slots`` and put it there; return what to drop after."""
+        from ktconvert.model.weights import check_state
 
-        tensors = {n: stored_tensor(self.ck, self.qmap, n, expert=expert) for n in names}
-        stored = sum(_bytes(t) for t in tensors.values())
-        state = {k: v for k, v in to_reference_state(self.cfg, tensors, expert=expert).items() if k not in drop}
         groups: dict[int, list] = {}  # slots sharing one tensor (a gate's view of its block's score bias)
         for slot in slots:
             groups.setdefault(id(slot[4]), []).append(slot)
-        expected = {s[3]: tuple(s[4].shape) for s in slots if s[3] is not None}
-        check_state(expected, state, self.path, self.cfg.family)
+        check_state(_expected(slots), state, self.path, self.cfg.family)
         held, weights = [], 0
         with torch.no_grad():
             for group in groups.values():
@@ -363,11 +338,8 @@ class CheckpointWeights:
                     table[attr] = nn.Parameter(new, requires_grad=False) if table is mod._parameters else new
                 held.append(group)
         st = self.stats
-        st.bytes_read += sum(self._stored_bytes([n]) if expert is None else
-                             self._stored_bytes([n]) // self.cfg.num_experts for n in names)
         st.peak = max(st.peak, st.resident + weights + stored)
         st.resident += weights
-        del tensors, state
         return held, weights
 
     def _drop(self, held) -> None:
@@ -378,3 +350,109 @@ class CheckpointWeights:
             for mod, table, attr, _, _ in group:
                 table[attr] = nn.Parameter(meta, requires_grad=False) if table is mod._parameters else meta
         self.stats.resident -= weights
+
+
+def _expected(slots) -> dict[str, tuple]:
+    return {s[3]: tuple(s[4].shape) for s in slots if s[3] is not None}
+
+
+class CheckpointWeights(StreamedWeights):
+    """A Hugging Face safetensors release (plain or any quantized format :mod:`ktconvert.formats.quantized` reads),
+    read part by part through :func:`~ktconvert.model.weights.stored_tensor` and
+    :func:`~ktconvert.model.weights.to_reference_state`, as the in-memory loader reads it whole."""
+
+    def __init__(self, model_dir, cfg, budget: int | None = None):
+        from ktconvert.formats import open_checkpoint, quantized
+
+        super().__init__(model_dir, cfg, budget)
+        ck = open_checkpoint(model_dir)
+        if ck.container != "safetensors":
+            raise InputError(f"a {ck.container} checkpoint, not Hugging Face safetensors", path=self.path,
+                             fix="pass the Hugging Face checkpoint directory")
+        self.ck = ck
+        self.qmap = quantized.require(ck, path=self.path)
+        self.files = tuple(Path(f) for f in ck.files)
+        sp = cfg.spec
+        self.groups: dict[tuple, list[str]] = {}  # ("embed",) / ("head",) / ("layer", L) / ("expert", L, e)
+        self.fused: dict[int, list[str]] = {}  # layer -> its stacked expert tensors (read one expert's slab each)
+        block = cfg.moe_block_name
+        for name in ck:
+            if name in self.qmap.scales or name.startswith(sp.ignore_prefixes):
+                continue
+            key = sp.canonical_name(name)
+            m = _LAYER.match(key)
+            if m is None:
+                self.groups.setdefault(("embed",) if key.startswith("model.embed_tokens.") else ("head",), []).append(name)
+                continue
+            layer = int(m.group(1))
+            if layer >= cfg.num_hidden_layers or key.endswith("rotary_emb.inv_freq"):
+                continue  # to_reference_state skips these too (multi-token prediction, rotary tables)
+            key = re.sub(r"^(model\.layers\.\d+)\.mlp\.", rf"\1.{block}.", key)
+            if _FUSED.match(key):
+                self.fused.setdefault(layer, []).append(name)
+            elif (x := _EXPERT.match(key)) is not None:
+                self.groups.setdefault(("expert", layer, int(x.group(1))), []).append(name)
+            else:
+                self.groups.setdefault(("layer", layer), []).append(name)
+        self.tied = bool(cfg.tie_word_embeddings) and "lm_head.weight" not in ck
+        if self.tied:  # lm_head is the embedding: the head part reads it as well
+            self.groups.setdefault(("head",), []).extend(self.groups.get(("embed",), []))
+
+    def _bytes_of(self, names) -> int:
+        return sum(self.ck[n].nbytes for n in names)
+
+    def stored_bytes(self, kind: str, layer: int | None, expert: bool = False, weights: int = 0) -> int:
+        if not expert:
+            return self._bytes_of(self.groups.get(("layer", layer) if kind == "layer" else (kind,), []))
+        split = max((self._bytes_of(v) for k, v in self.groups.items() if k[0] == "expert" and k[1] == layer), default=0)
+        return max(split, self._bytes_of(self.fused.get(layer, [])) // self.cfg.num_experts)
+
+    def part_state(self, kind, layer, expected):
+        drop = set()
+        if self.tied:  # the alias the other part owns
+            drop = {"lm_head.weight"} if kind == "embed" else {"model.embed_tokens.weight"} if kind == "head" else set()
+        names = self.groups.get(("layer", layer) if kind == "layer" else (kind,), [])
+        return self._state(names, None, drop)
+
+    def expert_state(self, layer, e, expected):
+        fused = self.fused.get(layer)
+        return self._state(fused if fused else self.groups.get(("expert", layer, e), []), e if fused else None)
+
+    def _state(self, names: list[str], expert: int | None, drop: set[str] = frozenset()) -> tuple[dict, int]:
+        from ktconvert.model.weights import stored_tensor, to_reference_state
+
+        tensors = {n: stored_tensor(self.ck, self.qmap, n, expert=expert) for n in names}
+        stored = sum(_bytes(t) for t in tensors.values())
+        self.stats.bytes_read += sum(self._bytes_of([n]) // (1 if expert is None else self.cfg.num_experts)
+                                     for n in names)
+        state = to_reference_state(self.cfg, tensors, expert=expert)
+        return {k: v for k, v in state.items() if k not in drop}, stored
+
+
+class ConvertedWeights(StreamedWeights):
+    """A converted checkpoint (a GGUF, split sets too, or kernel-order safetensors) read part by part through
+    :class:`ktconvert.model.ops.source.WeightSource`, each reference tensor dequantized as the in-memory candidate
+    loader (``inject``'s default loading) dequantizes it; an expert's ggml blocks are a memory map, so only the
+    picked experts' bytes are touched."""
+
+    def __init__(self, source, cfg, budget: int | None = None):
+        super().__init__(source.path, cfg, budget)
+        self.source = source
+
+    def part_state(self, kind, layer, expected):
+        return self._state(expected)
+
+    def expert_state(self, layer, e, expected):
+        return self._state(expected)
+
+    def _state(self, expected: dict[str, tuple]) -> tuple[dict, int]:
+        state = {n: torch.from_numpy(np.ascontiguousarray(self.source.tensor(n, shape))) for n, shape in expected.items()}
+        self.stats.bytes_read += sum(_bytes(t) for t in state.values())  # float32 handed over (stored is smaller)
+        return state, sum(_bytes(t) for t in state.values())
+
+    def stored_bytes(self, kind: str, layer: int | None, expert: bool = False, weights: int = 0) -> int:
+        return weights  # the dequantized float32 copies, before they go into the slots
+
+    def part_done(self, kind, layer):
+        if kind == "layer":
+            self.source.forget(layer)
