@@ -226,3 +226,35 @@ def test_peak_rss_of_a_streamed_golden_stays_near_its_budget(tmp_path):
 
     base, peak = child("open"), child("run")
     assert peak - base <= budget + 32 * 2**20, f"streamed run grew RSS by {(peak - base) / 2**20:.0f} MiB"
+
+
+@pytest.mark.parametrize("step", [None, 1], ids=["prefill", "decode"])
+def test_run_pair_teacher_forcing_names_the_faulty_layer(tmp_path, step):
+    """Reference (the release, streamed) and candidate (a Q8_0 GGUF whose layer 1 has gate and up swapped, streamed)
+    in lockstep: outputs bit-identical to separate runs; free-running error stays high after the fault, while the
+    error each layer adds on the reference's input (teacher-forced) is high at layer 1 only."""
+    from verify_helpers import write_gguf
+
+    from ktconvert.model.executor import ConvertedWeights, run_pair
+    from ktconvert.model.ops.source import WeightSource
+
+    d = tmp_path / "m"
+    write_tiny_model("deepseek_v3", d)  # layer 0 dense, layers 1 and 2 MoE
+    cfg = load_config(d)
+    broken = write_gguf(d, tmp_path / "broken.gguf", "Q8_0", faults=[("gate-up-swapped", 1)])
+    ref = LayerMajor(build_skeleton(cfg), CheckpointWeights(d, cfg))
+    cand = LayerMajor(build_skeleton(cfg), ConvertedWeights(WeightSource(broken, cfg), cfg))
+    with torch.no_grad():
+        pair = run_pair(ref, cand, PROMPT, step=step)
+        alone_ref, alone_cand = ref.run(PROMPT, step=step), cand.run(PROMPT, step=step)
+    assert torch.equal(pair.reference.logits, alone_ref.logits) and torch.equal(pair.candidate.logits, alone_cand.logits)
+    assert all(torch.equal(a, b) for a, b in zip(pair.candidate.hidden_states, alone_cand.hidden_states))
+
+    def nmse(a, b):
+        return float(((a - b) ** 2).sum() / (b ** 2).sum())
+
+    ref_h = pair.reference.hidden_states  # [embed, layer 0, layer 1, layer 2]
+    free = [nmse(c, r) for c, r in zip(pair.candidate.hidden_states, ref_h)]
+    forced = [nmse(f, r) for f, r in zip(pair.forced, ref_h)]
+    assert forced[2] > 1e-2 and max(forced[1], forced[3]) < 1e-3  # only layer 1 adds error
+    assert free[3] > 1e-2  # free-running, the fault's error carries into layer 2

@@ -28,8 +28,9 @@ Where the weights come from is a *weight provider*:
 A provider's ``part(model, kind, layer)`` is a context manager around one part's run (``kind`` is ``embed``,
 ``layer`` or ``head``); it may set ``fetch`` on the layer's :class:`~ktconvert.model.modules.RoutedExperts`.
 
-Hooks for later users: ``run(..., on_layer=fn)`` calls ``fn(index, hidden_in, hidden_out)`` after each layer (the
-verify's teacher-forced error runs a candidate layer on the reference's ``hidden_in`` with :meth:`LayerMajor.layer`);
+Hooks for later users: ``run(..., on_layer=fn)`` calls ``fn(index, hidden_in, hidden_out)`` after each layer;
+:func:`run_pair` runs a reference and a candidate in lockstep, the candidate's layer also on the reference's input
+(teacher-forced per-layer error, for ``verify --max-memory``);
 module forward hooks (``ktconvert imatrix``'s input activations, verify's ``ModuleTap``) fire as usual, because
 the module objects stay and only their tensors come and go.
 """
@@ -82,8 +83,23 @@ class LayerMajor:
         """``input_ids [B, T]`` at positions ``cache.seq_len ..``; each layer takes ``step`` positions per call
         (default: all). Appends to ``cache`` when given; without one, a run of several steps keeps its own, each
         layer's entries dropped once the layer is done with them."""
-        model = self.model
-        cfg = model.config
+        ids, t, step, cache, own_cache, past, positions, chunks = self._setup(input_ids, cache, step)
+        hidden, states = self.embed(ids)
+        selections: dict[int, list] = {}  # a DSA source layer's selection per chunk, for the layer sharing it
+        for index, layer in enumerate(self.model.model.layers):
+            out = self.layer(index, hidden, positions, cache, ids, chunks, selections)
+            if on_layer is not None:
+                on_layer(index, hidden, out)
+            hidden = out
+            if own_cache:
+                cache.drop(layer.layer_idx)
+            states.append(self.collapse(hidden))
+        logits, final = self.head(hidden, chunks)
+        if cache is not None and not own_cache:
+            cache.seq_len = past + t
+        return ForwardOutput(logits=logits, hidden_states=tuple(states), final_hidden=final)
+
+    def _setup(self, input_ids, cache, step):
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
         b, t = input_ids.shape
@@ -92,56 +108,109 @@ class LayerMajor:
         if own_cache:
             cache = KVCache()
         past = cache.seq_len if cache is not None else 0
-        position_ids = (torch.arange(t, device=input_ids.device) + past).unsqueeze(0).expand(b, -1)
+        positions = (torch.arange(t, device=input_ids.device) + past).unsqueeze(0).expand(b, -1)
         chunks = [(a, min(a + step, t)) for a in range(0, t, step)]
-        with self.weights.part(model, "embed"):
-            hidden = model.model.embed_tokens(input_ids)
+        return input_ids, t, step, cache, own_cache, past, positions, chunks
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The embedding part: the first layer's input (every hyper-connection stream starts as the embedding) and
+        the recorded states so far (``[embedding]``)."""
+        with self.weights.part(self.model, "embed"):
+            hidden = self.model.model.embed_tokens(input_ids)
+        hc = self.model.config.hyper_connections
         states = [hidden]
-        hc = cfg.hyper_connections
-        if hc is not None:  # every stream starts as the embedding
+        if hc is not None:
             hidden = hidden.unsqueeze(2).expand(-1, -1, hc.mult, -1).contiguous()
-        selections: dict[int, list] = {}  # a DSA source layer's selection per chunk, for the layer sharing it
-        for index, layer in enumerate(model.model.layers):
-            out = self.layer(index, hidden, position_ids, cache, input_ids, chunks, selections)
-            if on_layer is not None:
-                on_layer(index, hidden, out)
-            hidden = out
-            if own_cache:
-                cache.drop(layer.layer_idx)
-            # a layer's output is its streams' mean where there are several (as the goldens record it)
-            states.append(hidden.mean(dim=2) if hc is not None else hidden)
+        return hidden, states
+
+    def collapse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A layer's output as recorded: its streams' mean where there are several (as the goldens record it)."""
+        return hidden.mean(dim=2) if self.model.config.hyper_connections is not None else hidden
+
+    def head(self, hidden: torch.Tensor, chunks: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, final hidden)``, per chunk too: a matmul over 1 row and over T rows round apart."""
+        model, cfg = self.model, self.model.config
         finals, logits = [], []
-        with self.weights.part(model, "head"):  # per chunk too: a matmul over 1 row and over T rows round apart
+        with self.weights.part(model, "head"):
             for a, z in chunks:
                 h = hidden[:, a:z]
-                if hc is not None:  # GLM-5-Next's head: the streams' unweighted mean; DeepSeek-V4's: hc_head
+                if cfg.hyper_connections is not None:  # GLM-5-Next: the streams' unweighted mean; DeepSeek-V4: hc_head
                     h = model.model.hc_head(h) if cfg.hc_modules else h.mean(dim=2)
                 finals.append(model.model.norm(h))
                 logits.append(model.lm_head(finals[-1]))
-        final, logits = (finals[0], logits[0]) if len(chunks) == 1 else (torch.cat(finals, 1), torch.cat(logits, 1))
-        if cache is not None and not own_cache:
-            cache.seq_len = past + t
-        return ForwardOutput(logits=logits, hidden_states=tuple(states), final_hidden=final)
+        if len(chunks) == 1:
+            return logits[0], finals[0]
+        return torch.cat(logits, 1), torch.cat(finals, 1)
 
     def layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None,
               input_ids: torch.Tensor, chunks: list[tuple[int, int]] | None = None,
               selections: dict[int, list] | None = None) -> torch.Tensor:
         """Decoder layer ``index`` over every position of ``hidden``, ``chunks`` of positions per call (default:
         one call), its weights resident for the whole of it."""
+        return self.layer_jobs(index, [(hidden, cache, selections)], position_ids, input_ids, chunks)[0]
+
+    def layer_jobs(self, index: int, jobs: list[tuple], position_ids: torch.Tensor, input_ids: torch.Tensor,
+                   chunks: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+        """Decoder layer ``index`` over several inputs while its weights are resident once: ``jobs`` are
+        ``(hidden, cache, selections)``, each with a cache (and DSA selections) of its own (a verify runs the
+        candidate's layer on its own input and on the reference's, :func:`run_pair`)."""
         layer = self.model.model.layers[index]
-        chunks = chunks or [(0, hidden.shape[1])]
-        selections = selections if selections is not None else {}
         mixer = layer.mixer
         source = getattr(mixer, "selection_source", None)
         outs = []
         with self.weights.part(self.model, "layer", index):
-            for c, (a, z) in enumerate(chunks):
-                if source is not None and id(source) in selections:
-                    source.last_selection = selections[id(source)][c]  # the source layer's selection at this chunk
-                outs.append(layer(hidden[:, a:z], position_ids[:, a:z], cache, input_ids[:, a:z]))
-                if hasattr(mixer, "last_selection"):
-                    selections.setdefault(id(mixer), []).append(mixer.last_selection)
-        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            for hidden, cache, selections in jobs:
+                selections = selections if selections is not None else {}
+                parts = []
+                for c, (a, z) in enumerate(chunks or [(0, hidden.shape[1])]):
+                    if source is not None and id(source) in selections:
+                        source.last_selection = selections[id(source)][c]  # the source layer's, same chunk
+                    parts.append(layer(hidden[:, a:z], position_ids[:, a:z], cache, input_ids[:, a:z]))
+                    if hasattr(mixer, "last_selection"):
+                        selections.setdefault(id(mixer), []).append(mixer.last_selection)
+                outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        return outs
+
+
+@dataclass
+class PairOutput:
+    """:func:`run_pair`'s result: both models' outputs, and the candidate's layers run on the reference's input
+    (``forced[i + 1]``: candidate layer i's output given reference layer i's input, as recorded; ``forced[0]`` is
+    the candidate's own embedding), indexed like ``hidden_states``."""
+
+    reference: ForwardOutput
+    candidate: ForwardOutput
+    forced: tuple[torch.Tensor, ...]
+
+
+def run_pair(reference: LayerMajor, candidate: LayerMajor, input_ids: torch.Tensor, *,
+             step: int | None = None) -> PairOutput:
+    """Reference and candidate in lockstep, one layer of each resident at a time: each layer runs on its own
+    model's previous output (free-running, where error compounds) and the candidate's layer also on the
+    reference's input (teacher-forced: the error that layer alone adds, which names the faulty layer at scale).
+    Each of the three streams keeps its own per-layer caches; every cache entry of a layer is dropped when the
+    layer is done. Outputs are bit-identical to two separate :meth:`LayerMajor.run` calls."""
+    ids, t, step, _, _, _, positions, chunks = reference._setup(input_ids, None, step)
+    caches = [KVCache() if step < t else None for _ in range(3)]  # reference, candidate, candidate forced
+    sel = [{}, {}, {}]
+    rh, ref_states = reference.embed(ids)
+    ch, cand_states = candidate.embed(ids)
+    forced = [cand_states[0]]
+    for index, layer in enumerate(reference.model.model.layers):
+        r_out = reference.layer(index, rh, positions, caches[0], ids, chunks, sel[0])
+        c_out, f_out = candidate.layer_jobs(index, [(ch, caches[1], sel[1]), (rh, caches[2], sel[2])],
+                                            positions, ids, chunks)
+        for cache in caches:
+            if cache is not None:
+                cache.drop(layer.layer_idx)
+        rh, ch = r_out, c_out
+        ref_states.append(reference.collapse(rh))
+        cand_states.append(candidate.collapse(ch))
+        forced.append(candidate.collapse(f_out))
+    r_logits, r_final = reference.head(rh, chunks)
+    c_logits, c_final = candidate.head(ch, chunks)
+    return PairOutput(ForwardOutput(r_logits, tuple(ref_states), r_final),
+                      ForwardOutput(c_logits, tuple(cand_states), c_final), tuple(forced))
 
 
 # --- the streaming provider ----------------------------------------------------------------------------------------
