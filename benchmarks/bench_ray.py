@@ -84,7 +84,7 @@ def main(argv=None) -> None:
     import ray
 
     from ktconvert.convert.execute import ray_task_memory
-    from ktconvert.convert.sizes import parse_size
+    from ktconvert.io.sizes import parse_size
 
     base = Path(tempfile.mkdtemp(prefix="bench-ray-", dir=args.dir))
     try:

@@ -52,3 +52,10 @@ def close(got, want, rel: float = REL) -> bool:
 def assert_close(got, want, what: str = "", rel: float = REL) -> None:
     d, b = max_diff(got, want), bound(want, rel)
     assert d <= b, f"{what + ': ' if what else ''}max |diff| {d:.4g} > {b:.4g} ({rel:g} x magnitude {scale(want):.4g})"
+
+
+def assert_reproduces(tensors: dict, golden) -> None:
+    """A run's golden tensors name the same entries as ``golden`` and each is close to its own (the bound above)."""
+    assert set(tensors) == set(golden.tensors)
+    for name, arr in tensors.items():
+        assert_close(arr, golden.tensors[name], name)

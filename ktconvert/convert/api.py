@@ -11,7 +11,7 @@ from ktconvert.convert.execute import Progress, RunResult, check_paths, execute,
 from ktconvert.convert.hf_out import build_hf_plan
 from ktconvert.convert.plan import Plan, build_plan
 from ktconvert.convert.recipe import Recipe, load_recipe, recipe_for_type
-from ktconvert.convert.sizes import parse_size
+from ktconvert.io.sizes import parse_size
 from ktconvert.convert.source import analyze
 from ktconvert.errors import UsageProblem
 from ktconvert.convert.kt_amx_plan import build_kt_amx_plan

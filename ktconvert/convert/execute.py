@@ -31,7 +31,7 @@ from typing import Callable
 
 from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
-from ktconvert.convert.sizes import format_size
+from ktconvert.io.sizes import format_size
 from ktconvert.convert.worker import Task, close_all, run_task, run_task_synced, source_digest, worker_init
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint

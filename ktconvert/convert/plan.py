@@ -20,7 +20,7 @@ from pathlib import Path
 from ktconvert import __version__
 from ktconvert.convert import metadata
 from ktconvert.convert.recipe import KEEP, ModelFacts, Recipe, Rule
-from ktconvert.convert.sizes import format_size
+from ktconvert.io.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
 from ktconvert.convert.tokenizer import convert_tokenizer
 from ktconvert.errors import InputError, UsageProblem

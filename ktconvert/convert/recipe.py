@@ -14,7 +14,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType
 
-from ktconvert.convert.sizes import parse_size
+from ktconvert.io.sizes import parse_size
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.io import resources
 from ktconvert.io.datafile import load_yaml, validate

@@ -31,7 +31,8 @@ from ktconvert.golden.store import (
     read_golden,
     sha256_bytes,
 )
-from ktconvert.io.atomic import guard_output, replace_files
+from ktconvert.io.atomic import guard_output, replace_files, sha256_file
+from ktconvert.io.files import read_text
 from ktconvert.model.tinytok import PROMPT_TEXT
 from ktconvert.optional import require
 
@@ -90,6 +91,7 @@ class GoldenRun:
     tensors: dict[str, np.ndarray]
     producer: dict
     decode_max_abs_diff: float
+    stream: dict | None = None  # engine stream: budget, peak resident weights, bytes read, seconds
 
 
 def compute_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threads: int = 1, decode_check: bool = True) -> GoldenRun:
@@ -151,6 +153,7 @@ def compute_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threa
     }
     producer = {
         "tool": f"ktconvert {__version__}",
+        "engine": "transformers",
         "transformers": str(transformers.__version__),
         "torch": str(torch.__version__),
         "python": platform.python_version(),
@@ -212,17 +215,15 @@ def prompt_for(model_dir: str | os.PathLike, text: str | None, ids: list[int] | 
     return out, text, prepended
 
 
-def model_file_hashes(model_dir: str | os.PathLike) -> dict[str, str]:
-    """sha256 of config.json, every weights file and the tokenizer files present."""
+def model_file_hashes(model_dir: str | os.PathLike, *, weights: bool = True) -> dict[str, str]:
+    """sha256 of config.json, every weights file (unless ``weights`` is false: the stream engine records their
+    headers instead, :func:`ktconvert.golden.stream.source_records`) and the tokenizer files present."""
     root = Path(model_dir)
-    paths = [root / "config.json", *open_checkpoint(root).files]
+    paths = [root / "config.json", *(open_checkpoint(root).files if weights else ())]
     for name in ("model.safetensors.index.json", *_TOKENIZER_FILES):
         if (root / name).is_file():
             paths.append(root / name)
-    out = {}
-    for p in sorted(set(paths)):
-        out[p.name] = sha256_bytes(p.read_bytes())
-    return out
+    return {p.name: sha256_file(p) for p in sorted(set(paths))}
 
 
 def match_tiny_model(files: dict[str, str]) -> str | None:
@@ -316,20 +317,42 @@ def generate_golden(
     reason: str | None = None,
     lora: str | os.PathLike | None = None,
     lora_alpha: float | None = None,
+    engine: str = "auto",
+    max_memory: int | None = None,
+    prompt_file: str | os.PathLike | None = None,
 ) -> GoldenResult:
     """Compute and write a golden directory; regenerating needs ``force`` and appends to the manifest's log.
 
     ``lora``: a MoE LoRA adapter (any form convert-lora reads), merged into the weights in float32 by
     ``quantize --to hf --type F32 --lora``'s own merge before transformers runs; the base model's logits are kept
-    as ``base_logits`` and the manifest records the adapter and how far it moves the logits."""
+    as ``base_logits`` and the manifest records the adapter and how far it moves the logits.
+
+    ``engine``: ``transformers``, ``stream`` (:mod:`ktconvert.golden.stream`: the reference modules layer by layer
+    from disk within ``max_memory`` bytes, default :func:`~ktconvert.golden.stream.default_budget`) or ``auto``
+    (transformers when installed and the float32 model fits ``max_memory``, else stream). ``prompt_file``: UTF-8
+    text tokenized like ``prompt_text`` (longer calibration text)."""
+    from ktconvert.golden import stream as streamed
+
     refuse_under_ci()
     if lora is None and lora_alpha is not None:
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
+    if engine not in streamed.ENGINES:
+        raise UsageProblem(f"--engine {engine!r} is none of {', '.join(streamed.ENGINES)}")
+    if sum(x is not None for x in (prompt_text, prompt_ids, prompt_file)) > 1:
+        raise UsageProblem("give one of --prompt, --prompt-file and --prompt-ids")
+    if prompt_file is not None:
+        prompt_text = read_text(prompt_file, "prompt file", fix="pass a UTF-8 text file")
+        if not prompt_text.strip():
+            raise InputError("prompt file is empty", path=str(prompt_file), fix="put the prompt text in it")
     model_dir, out = Path(model_dir), Path(out_dir)
     cfg = load_config(model_dir)
     # every weights file's header is validated (a torch pickle named model.safetensors is refused in one line,
-    # never unpickled) before transformers is given the directory
+    # never unpickled) before either engine reads the directory
     open_checkpoint(model_dir)
+    budget = streamed.default_budget() if max_memory is None else max_memory
+    engine = streamed.pick_engine("transformers" if engine == "auto" and lora is not None else engine, model_dir, budget)
+    if engine == "stream" and lora is not None:
+        raise UsageProblem("--lora is merged by the transformers engine only", fix="add --engine transformers")
     previous = None
     if (out / MANIFEST_NAME).exists():
         if not force:  # OUT exists: a usage error (exit 2), as for every other command
@@ -339,17 +362,21 @@ def generate_golden(
     ids, text, prepended = prompt_for(model_dir, prompt_text, prompt_ids, bos)
     if max(ids) >= cfg.vocab_size:
         raise InputError(f"prompt id {max(ids)} is outside the vocabulary (vocab_size={cfg.vocab_size})")
-    if lora is None:
+    if engine == "stream":
+        run, lora_record = streamed.compute_stream_golden(model_dir, ids, threads=threads, max_memory=budget), None
+    elif lora is None:
         run, lora_record = compute_golden(model_dir, ids, threads=threads), None
     else:
         run, lora_record = _merged_golden(model_dir, cfg, ids, threads, Path(lora), lora_alpha)
-    files = model_file_hashes(model_dir)
+    files = model_file_hashes(model_dir, weights=engine != "stream")
     tiny = match_tiny_model(files)
     data = to_bytes(run.tensors, {"format": "pt", "producer": "ktconvert golden"})
     digest = sha256_bytes(data)
 
-    opts = [f"--threads {threads}"]
-    if prompt_ids is not None:
+    opts = [f"--threads {threads}"] + (["--engine stream"] if engine == "stream" else [])
+    if prompt_file is not None:
+        opts.append("--prompt-file <PROMPT_FILE>")
+    elif prompt_ids is not None:
         opts.append("--prompt-ids " + ",".join(str(i) for i in ids))
     elif prompt_text is not None:
         opts.append("--prompt " + repr(prompt_text))
@@ -393,6 +420,7 @@ def generate_golden(
             "config_sha256": files["config.json"],
             "files": files,
             "tiny_model": tiny,
+            "sources": streamed.source_records(model_dir),
         },
         "producer": run.producer,
         "prompt": {"ids": ids, "text": text, "bos_prepended": prepended},
@@ -404,7 +432,8 @@ def generate_golden(
                 for name, arr in run.tensors.items()
             },
         },
-        "checks": {"hf_decode_vs_prefill_max_abs_diff": run.decode_max_abs_diff},
+        "checks": {("stream" if engine == "stream" else "hf") + "_decode_vs_prefill_max_abs_diff": run.decode_max_abs_diff},
+        **({"stream": run.stream} if run.stream is not None else {}),
         **({"lora": lora_record} if lora_record is not None else {}),
         "command": command,
         "regenerations": log,

@@ -39,6 +39,8 @@ _Dumper.add_representer(list, _represent_list)
 def dump_manifest(data: dict) -> str:
     """The manifest as YAML text (validated first, so an invalid manifest is never written)."""
     validate_manifest(data)
-    header = "# Golden outputs of a Hugging Face transformers run; written by `ktconvert golden`, do not edit.\n"
+    who = ("ktconvert's reference modules, streamed from disk" if data["producer"].get("engine") == "stream"
+           else "Hugging Face transformers")
+    header = f"# Golden outputs of a run of {who}; written by `ktconvert golden`, do not edit.\n"
     body = yaml.dump(data, Dumper=_Dumper, sort_keys=False, default_flow_style=False, width=120, allow_unicode=True)
     return header + body

@@ -29,3 +29,19 @@ def regular_file_size(path: Path, what: str = "file", *, limit: int | None = Non
         raise InputError(f"{what} is {st.st_size / 1e6:.1f} MB, too large to be one (limit {limit / 1e6:.0f} MB)",
                          path=str(path), fix=fix)
     return st.st_size
+
+
+def read_text(path: str | os.PathLike, what: str = "text file", *, limit: int = 16 * 1024**2,
+              fix: str | None = None) -> str:
+    """A UTF-8 text file (a prompt file, ...), or one InputError naming it: missing, not a regular file, larger than
+    ``limit``, unreadable or not UTF-8 (with the byte where decoding fails)."""
+    p = Path(path)
+    regular_file_size(p, what, limit=limit, fix=fix)
+    try:
+        data = p.read_bytes()
+    except OSError as exc:
+        raise InputError(f"cannot read {what}: {exc.strerror}", path=str(p), fix=fix) from None
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"{what} is not UTF-8 text (byte {exc.start})", path=str(p), fix=fix or "save it as UTF-8") from None

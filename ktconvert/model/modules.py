@@ -13,6 +13,7 @@ operator can replace one of them without touching the others:
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 
 import torch
 import torch.nn.functional as F
@@ -212,6 +213,12 @@ class KVCache:
     def replace(self, layer_idx: int, *state: torch.Tensor) -> None:
         """Recurrent layers keep a fixed-size state (conv window, DeltaNet matrix) replaced each step."""
         self.layers[layer_idx] = state
+
+    def drop(self, layer_idx: int) -> None:
+        """Forget layer ``layer_idx``'s entries (its own and its indexer's, ``("dsa", L)`` ...): a layer-major run
+        drops a layer's cache once every position has gone through the layer."""
+        for key in [k for k in self.layers if k == layer_idx or (isinstance(k, tuple) and k[-1] == layer_idx)]:
+            del self.layers[key]
 
     def update(self, layer_idx: int, *new: torch.Tensor) -> tuple[torch.Tensor, ...]:
         old = self.layers.get(layer_idx)
@@ -541,7 +548,15 @@ class RoutedExperts(Tagged, nn.ModuleList):
 
     ``forward(hidden [N, H], topk_ids [N, K], topk_weights [N, K]) -> [N, H]``, the contract of
     ktransformers' expert operators, so an operator reading converted ggml blocks can take this module's place.
+
+    ``fetch``: ``None`` when every expert is resident; a streaming weight provider
+    (:mod:`ktconvert.model.executor`) sets it to ``fetch(e)``, a context manager that makes expert ``e``'s weights
+    resident for the ``with`` block and drops them after, so only the experts the tokens pick are ever read, one
+    at a time. Forward hooks on ``experts.E.*`` fire either way (the module objects stay; only their tensors come
+    and go).
     """
+
+    fetch = None
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(hidden)
@@ -551,7 +566,8 @@ class RoutedExperts(Tagged, nn.ModuleList):
             raise ValueError(f"expert ids {chosen[0]}..{chosen[-1]} outside 0..{len(self) - 1}")
         for e in chosen:
             tok, pos = torch.where(topk_ids == e)
-            y = self[e](hidden[tok]) * topk_weights[tok, pos, None]
+            with self.fetch(e) if self.fetch is not None else nullcontext():
+                y = self[e](hidden[tok]) * topk_weights[tok, pos, None]
             out.index_add_(0, tok, y.to(out.dtype))
         return out
 

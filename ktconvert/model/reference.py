@@ -23,7 +23,6 @@ RotaryEmbedding class).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -41,6 +40,7 @@ from ktconvert.model.compressed import (
     IndexerScorer,
     LightningIndexer,
 )
+from ktconvert.model.executor import ForwardOutput, LayerMajor
 from ktconvert.model.modules import (
     Attention,
     DeepseekMoE,
@@ -56,16 +56,6 @@ from ktconvert.model.modules import (
 )
 from ktconvert.model.hyper import hyper_mix, hyper_residual
 from ktconvert.model.linear_attention import GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention
-
-
-@dataclass
-class ForwardOutput:
-    """``logits [B, T, V]``; ``hidden_states``: embeddings then each decoder layer's output (num_layers + 1
-    tensors ``[B, T, H]``, before the final norm); ``final_hidden``: after the final norm."""
-
-    logits: torch.Tensor
-    hidden_states: tuple[torch.Tensor, ...]
-    final_hidden: torch.Tensor
 
 
 class DecoderLayer(Tagged, nn.Module):
@@ -170,27 +160,9 @@ class ReferenceCausalLM(Tagged, nn.Module):
         return KVCache()
 
     def forward(self, input_ids: torch.Tensor, cache: KVCache | None = None) -> ForwardOutput:
-        """Run ``input_ids [B, T]`` at positions ``cache.seq_len ..``; appends to ``cache`` when given."""
-        if input_ids.dim() == 1:
-            input_ids = input_ids.unsqueeze(0)
-        past = cache.seq_len if cache is not None else 0
-        t = input_ids.shape[1]
-        position_ids = (torch.arange(t, device=input_ids.device) + past).unsqueeze(0).expand(input_ids.shape[0], -1)
-        hidden = self.model.embed_tokens(input_ids)
-        states = [hidden]
-        hc = self.config.hyper_connections
-        if hc is not None:  # every stream starts as the embedding
-            hidden = hidden.unsqueeze(2).expand(-1, -1, hc.mult, -1).contiguous()
-        for layer in self.model.layers:
-            hidden = layer(hidden, position_ids, cache, input_ids)
-            # a layer's output is its streams' mean where there are several (as the goldens record it)
-            states.append(hidden.mean(dim=2) if hc is not None else hidden)
-        if hc is not None:  # GLM-5-Next's head: the streams' unweighted mean; DeepSeek-V4's: hc_head
-            hidden = self.model.hc_head(hidden) if self.config.hc_modules else hidden.mean(dim=2)
-        final = self.model.norm(hidden)
-        if cache is not None:
-            cache.seq_len = past + t
-        return ForwardOutput(logits=self.lm_head(final), hidden_states=tuple(states), final_hidden=final)
+        """Run ``input_ids [B, T]`` at positions ``cache.seq_len ..``; appends to ``cache`` when given. The layer-major
+        executor (:mod:`ktconvert.model.executor`) with every weight resident: one call of each layer over all T."""
+        return LayerMajor(self).run(input_ids, cache)
 
 
 def _tag(module: nn.Module, family: str, role: str, **kw) -> None:
@@ -260,6 +232,27 @@ def build_model(config: MoeConfig | dict | str | os.PathLike, *, dtype: torch.dt
         # parameters only: rotary tables and the V3 score bias stay float32, as upstream keeps them
         for param in model.parameters():
             param.data = param.data.to(dtype)
+    return model.eval()
+
+
+def build_skeleton(config: MoeConfig | dict | str | os.PathLike) -> ReferenceCausalLM:
+    """The float32 module tree for ``config`` without its weights: every tensor created with ``torch.empty`` (every
+    ``nn.Linear`` / ``nn.Embedding`` weight: the experts, projections, embedding, head) lives on the meta device and
+    costs nothing; small tensors filled at construction (norms, rotary tables) are real. A streaming weight provider
+    (:class:`ktconvert.model.executor.CheckpointWeights`) puts each part's weights in just before it runs."""
+    from torch.overrides import TorchFunctionMode
+
+    class EmptyOnMeta(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = dict(kwargs or {})
+            if func is torch.empty:
+                kwargs["device"] = "meta"
+            return func(*args, **kwargs)
+
+    cfg = config if isinstance(config, MoeConfig) else load_config(config)
+    with torch.device("cpu"), EmptyOnMeta():
+        model = ReferenceCausalLM(cfg)
+    _tag_tree(model)
     return model.eval()
 
 

@@ -51,13 +51,30 @@ def read_tensors(model_dir: str | os.PathLike, report: LoadReport | None = None)
         if name in qmap.scales:
             if report is not None:
                 report.skipped[name] = f"{qmap.weights[qmap.scales[name]].fmt} scale, applied to its weight"
-        elif name in qmap.weights:
-            out[name] = torch.from_numpy(quantized.read_float32(ck, qmap.weights[name]))
         else:
-            out[name] = as_torch(arr, ck[name].dtype, name)
+            out[name] = stored_tensor(ck, qmap, name, arr)
     if report is not None:
         report.files.extend(str(f) for f in ck.files)
     return out
+
+
+def stored_tensor(ck, qmap: quantized.QuantMap, name: str, arr: np.ndarray | None = None,
+                  expert: int | None = None) -> torch.Tensor:
+    """One stored tensor of a safetensors checkpoint as :func:`read_tensors` hands it out: a quantized release
+    weight as its exact float32 decoding (:mod:`ktconvert.formats.quantized`, the decoder ``quantize`` uses), any
+    other tensor in its stored dtype. ``arr``: the stored data already read (else it is read here); ``expert``: only
+    the slab ``[expert:expert + 1]`` of a stacked ``[E, ...]`` tensor (the rows of one expert, nothing else read)."""
+    w = qmap.weights.get(name)
+    if w is not None:
+        if expert is None:
+            return torch.from_numpy(quantized.read_float32(ck, w))
+        per = quantized.n_rows(w) // w.shape[0]
+        rows = quantized.read_rows(ck, w, expert * per, (expert + 1) * per)
+        return torch.from_numpy(rows.reshape(1, *w.shape[1:]))
+    if arr is None:
+        view = ck.read(name)
+        arr = np.array(view if expert is None else view[expert:expert + 1])
+    return as_torch(arr, ck[name].dtype, name)
 
 
 def as_torch(arr: np.ndarray, dtype: str, name: str = "") -> torch.Tensor:
@@ -71,12 +88,19 @@ def as_torch(arr: np.ndarray, dtype: str, name: str = "") -> torch.Tensor:
                      fix="dequantize the checkpoint first (ktconvert quantize --type F32)")
 
 
-def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report: LoadReport | None = None) -> dict[str, torch.Tensor]:
-    """Rename and split checkpoint tensors into the reference model's state-dict names."""
+def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report: LoadReport | None = None,
+                       expert: int | None = None) -> dict[str, torch.Tensor]:
+    """Rename and split checkpoint tensors into the reference model's state-dict names.
+
+    ``expert``: the fused expert tensors among ``tensors`` hold only that expert's slab (``[1, ...]``, as
+    :func:`stored_tensor` reads it), so only that expert's weights come out (a streaming provider's one-expert read).
+    """
     report = report if report is not None else LoadReport()
     block = cfg.moe_block_name
     gate_n, up_n, down_n = cfg.expert_proj_names
     e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    if expert is not None:
+        e = 1
     state: dict[str, torch.Tensor] = {}
     fused: dict[str, dict[str, torch.Tensor]] = {}
     sp = cfg.spec
@@ -116,14 +140,15 @@ def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report:
             gu, dn = gu.transpose(1, 2), dn.transpose(1, 2)
         gub, dnb = parts.get("gate_up_proj_bias"), parts.get("down_proj_bias")
         for x in range(e):
-            state[f"{prefix}.{x}.{gate_n}.weight"] = gu[x, halves[0]]
-            state[f"{prefix}.{x}.{up_n}.weight"] = gu[x, halves[1]]
-            state[f"{prefix}.{x}.{down_n}.weight"] = dn[x]
+            n = x if expert is None else expert
+            state[f"{prefix}.{n}.{gate_n}.weight"] = gu[x, halves[0]]
+            state[f"{prefix}.{n}.{up_n}.weight"] = gu[x, halves[1]]
+            state[f"{prefix}.{n}.{down_n}.weight"] = dn[x]
             if gub is not None:
-                state[f"{prefix}.{x}.{gate_n}.bias"] = gub[x, halves[0]]
-                state[f"{prefix}.{x}.{up_n}.bias"] = gub[x, halves[1]]
+                state[f"{prefix}.{n}.{gate_n}.bias"] = gub[x, halves[0]]
+                state[f"{prefix}.{n}.{up_n}.bias"] = gub[x, halves[1]]
             if dnb is not None:
-                state[f"{prefix}.{x}.{down_n}.bias"] = dnb[x]
+                state[f"{prefix}.{n}.{down_n}.bias"] = dnb[x]
     if cfg.tie_word_embeddings and "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
         state["lm_head.weight"] = state["model.embed_tokens.weight"]
     return state
@@ -157,6 +182,18 @@ def load_weights(model: torch.nn.Module, source: str | os.PathLike | dict[str, t
     where = None if isinstance(source, dict) else str(source)
     state = to_reference_state(model.config, tensors, report)
     expected = model.state_dict()
+    check_state({k: tuple(v.shape) for k, v in expected.items()}, state, where, model.config.family)
+    with torch.no_grad():
+        for key, ref in expected.items():
+            ref.copy_(state[key])
+    report.loaded = len(expected)
+    return report
+
+
+def check_state(expected: dict[str, tuple[int, ...]], state: dict[str, torch.Tensor], where: str | None,
+                family: str) -> None:
+    """Strict loading: every expected name present with its exact shape, nothing unexplained left over (the whole
+    model for :func:`load_weights`, one part of it for a streaming provider)."""
     missing = [k for k in expected if k not in state]
     unexpected = [k for k in state if k not in expected]
     if missing:
@@ -167,19 +204,14 @@ def load_weights(model: torch.nn.Module, source: str | os.PathLike | dict[str, t
         )
     if unexpected:
         raise InputError(
-            f"{len(unexpected)} tensor(s) the {model.config.family} reference does not know, first: {', '.join(unexpected[:3])}",
+            f"{len(unexpected)} tensor(s) the {family} reference does not know, first: {', '.join(unexpected[:3])}",
             path=where,
             fix="quantized (e.g. fp8 with weight_scale_inv) checkpoints must be dequantized first",
         )
-    for key, ref in expected.items():
-        if tuple(state[key].shape) != tuple(ref.shape):
+    for key, shape in expected.items():
+        if tuple(state[key].shape) != tuple(shape):
             raise InputError(
-                f"shape {list(state[key].shape)} does not match the config's {list(ref.shape)}",
+                f"shape {list(state[key].shape)} does not match the config's {list(shape)}",
                 path=where,
                 where=key,
             )
-    with torch.no_grad():
-        for key, ref in expected.items():
-            ref.copy_(state[key])
-    report.loaded = len(expected)
-    return report

@@ -112,6 +112,19 @@ def check_golden_matches(golden, model_dir: Path) -> list[str]:
             raise InputError(f"weights differ from those golden {manifest['name']!r} was made with "
                              f"(sha256 {digest[:12]}…)", path=str(f),
                              fix="the golden belongs to other weights: regenerate it or pass the original model")
+    sources = {n: r for n, r in manifest["model"].get("sources", {}).items() if n not in manifest["model"]["files"]}
+    if sources:  # a streamed golden records each weight file's size and header hash, not a whole-file hash
+        from ktconvert.golden.stream import source_records
+
+        have = source_records(model_dir)
+        for name, rec in sources.items():
+            if name not in have:
+                unchecked.append(f"{name} (not in the model directory)")
+            elif have[name] != rec:
+                raise InputError(f"weights differ from those golden {manifest['name']!r} was made with (size "
+                                 f"{rec['bytes']}, header sha256 {rec['header_sha256'][:12]}…)",
+                                 path=str(model_dir / name),
+                                 fix="the golden belongs to other weights: regenerate it or pass the original model")
     return unchecked
 
 

@@ -360,6 +360,10 @@ class WeightSource:
             out[p] = Blocks(qtype, _as_bytes(raw.contiguous().numpy()), tuple(stacked.shape), (keys[0],))
         return ExpertBlocks(layer, out["gate"], out["up"], out["down"])
 
+    def forget(self, layer: int) -> None:
+        """Drop what :meth:`expert_blocks` keeps of ``layer`` (a layer-major run is done with it)."""
+        self._blocks.pop(layer, None)
+
     def expert_types(self) -> dict[int, dict[str, str]]:
         """``{layer: {projection: ggml type}}`` for every MoE layer (reads headers, not data, for GGUF)."""
         return {layer: self.expert_blocks(layer).types() for layer in sorted(self.cfg.moe_layers)}

@@ -1,0 +1,527 @@
+"""Layer-major execution: the one way a reference (or injected) causal LM runs, with its weights resident or streamed.
+
+:class:`LayerMajor` runs a :class:`~ktconvert.model.reference.ReferenceCausalLM` one part at a time: the embedding,
+then each decoder layer over **every** position before the next layer starts, then the head (hyper-connection head,
+final norm, ``lm_head``). ``step`` says how many positions one call of a layer takes: all of them (prefill), or one
+at a time (decode: each position attends to the cache the earlier positions of *that layer* wrote). This is exact:
+a layer's output at position t depends only on that layer's inputs at positions <= t, so running layer L over every
+position before layer L + 1 computes the same float operations, on the same shapes, as running every layer for one
+position at a time; the results are bit-identical (``tests/test_executor.py``).
+
+Where the weights come from is a *weight provider*:
+
+* :data:`RESIDENT` (:class:`Resident`): everything is already in the model (``build_model`` + ``load_weights``, or
+  an injected candidate). ``ReferenceCausalLM.forward`` is this executor with this provider, so the in-memory path
+  and the streamed one are the same code.
+* :class:`CheckpointWeights`: the model is a skeleton (:func:`~ktconvert.model.reference.build_skeleton`: the
+  module tree, its large tensors on the meta device) and each part's weights are read from the checkpoint just
+  before the part runs and dropped after. Routed experts are read one expert at a time, only those the tokens pick
+  (``RoutedExperts.fetch``). Stored tensors are decoded by :func:`ktconvert.model.weights.stored_tensor`, the same
+  function the in-memory loader uses (and, through :mod:`ktconvert.formats.quantized`, the decoder ``quantize``
+  uses for FP8 block, MXFP4, NVFP4, RAWINT4 and GPTQ releases).
+* :class:`ConvertedWeights`: the same for a converted checkpoint (GGUF, split sets too, or kernel-order
+  safetensors) through :class:`~ktconvert.model.ops.source.WeightSource`, as ``inject`` loads a candidate whole.
+  Both share :class:`StreamedWeights` (slots, budget, expert cache, :class:`StreamStats`); a new source is a
+  subclass with ``part_state`` / ``expert_state`` / ``stored_bytes``. Not yet a source: a kt-amx directory (its
+  experts decoded as ``quantize`` reads them, :mod:`ktconvert.convert.kt_amx_io`, everything else from the release).
+
+A provider's ``part(model, kind, layer)`` is a context manager around one part's run (``kind`` is ``embed``,
+``layer`` or ``head``); it may set ``fetch`` on the layer's :class:`~ktconvert.model.modules.RoutedExperts`.
+
+Hooks for later users: ``run(..., on_layer=fn)`` calls ``fn(index, hidden_in, hidden_out)`` after each layer;
+:func:`run_pair` runs a reference and a candidate in lockstep, the candidate's layer also on the reference's input
+(teacher-forced per-layer error, for ``verify --max-memory``);
+module forward hooks (``ktconvert imatrix``'s input activations, verify's ``ModuleTap``) fire as usual, because
+the module objects stay and only their tensors come and go.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from ktconvert.errors import InputError, UsageProblem
+from ktconvert.io.sizes import format_size
+from ktconvert.model.modules import KVCache, RoutedExperts
+
+
+@dataclass
+class ForwardOutput:
+    """``logits [B, T, V]``; ``hidden_states``: embeddings then each decoder layer's output (num_layers + 1
+    tensors ``[B, T, H]``, before the final norm); ``final_hidden``: after the final norm."""
+
+    logits: torch.Tensor
+    hidden_states: tuple[torch.Tensor, ...]
+    final_hidden: torch.Tensor
+
+
+class Resident:
+    """Every weight already in the model: nothing to read or drop."""
+
+    def part(self, model: nn.Module, kind: str, layer: int | None = None):
+        return nullcontext()
+
+
+RESIDENT = Resident()
+
+
+class LayerMajor:
+    """Run ``model`` part by part with ``weights`` (default :data:`RESIDENT`); see the module docstring."""
+
+    def __init__(self, model: nn.Module, weights=None):
+        self.model = model
+        self.weights = weights if weights is not None else RESIDENT
+
+    def run(self, input_ids: torch.Tensor, cache: KVCache | None = None, *, step: int | None = None,
+            on_layer=None) -> ForwardOutput:
+        """``input_ids [B, T]`` at positions ``cache.seq_len ..``; each layer takes ``step`` positions per call
+        (default: all). Appends to ``cache`` when given; without one, a run of several steps keeps its own, each
+        layer's entries dropped once the layer is done with them."""
+        ids, t, step, cache, own_cache, past, positions, chunks = self._setup(input_ids, cache, step)
+        hidden, states = self.embed(ids)
+        selections: dict[int, list] = {}  # a DSA source layer's selection per chunk, for the layer sharing it
+        for index, layer in enumerate(self.model.model.layers):
+            out = self.layer(index, hidden, positions, cache, ids, chunks, selections)
+            if on_layer is not None:
+                on_layer(index, hidden, out)
+            hidden = out
+            if own_cache:
+                cache.drop(layer.layer_idx)
+            states.append(self.collapse(hidden))
+        logits, final = self.head(hidden, chunks)
+        if cache is not None and not own_cache:
+            cache.seq_len = past + t
+        return ForwardOutput(logits=logits, hidden_states=tuple(states), final_hidden=final)
+
+    def _setup(self, input_ids, cache, step):
+        if input_ids.dim() == 1:
+            input_ids = input_ids.unsqueeze(0)
+        b, t = input_ids.shape
+        step = t if step is None else step
+        own_cache = cache is None and step < t
+        if own_cache:
+            cache = KVCache()
+        past = cache.seq_len if cache is not None else 0
+        positions = (torch.arange(t, device=input_ids.device) + past).unsqueeze(0).expand(b, -1)
+        chunks = [(a, min(a + step, t)) for a in range(0, t, step)]
+        return input_ids, t, step, cache, own_cache, past, positions, chunks
+
+    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """The embedding part: the first layer's input (every hyper-connection stream starts as the embedding) and
+        the recorded states so far (``[embedding]``)."""
+        with self.weights.part(self.model, "embed"):
+            hidden = self.model.model.embed_tokens(input_ids)
+        hc = self.model.config.hyper_connections
+        states = [hidden]
+        if hc is not None:
+            hidden = hidden.unsqueeze(2).expand(-1, -1, hc.mult, -1).contiguous()
+        return hidden, states
+
+    def collapse(self, hidden: torch.Tensor) -> torch.Tensor:
+        """A layer's output as recorded: its streams' mean where there are several (as the goldens record it)."""
+        return hidden.mean(dim=2) if self.model.config.hyper_connections is not None else hidden
+
+    def head(self, hidden: torch.Tensor, chunks: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits, final hidden)``, per chunk too: a matmul over 1 row and over T rows round apart."""
+        model, cfg = self.model, self.model.config
+        finals, logits = [], []
+        with self.weights.part(model, "head"):
+            for a, z in chunks:
+                h = hidden[:, a:z]
+                if cfg.hyper_connections is not None:  # GLM-5-Next: the streams' unweighted mean; DeepSeek-V4: hc_head
+                    h = model.model.hc_head(h) if cfg.hc_modules else h.mean(dim=2)
+                finals.append(model.model.norm(h))
+                logits.append(model.lm_head(finals[-1]))
+        if len(chunks) == 1:
+            return logits[0], finals[0]
+        return torch.cat(logits, 1), torch.cat(finals, 1)
+
+    def layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None,
+              input_ids: torch.Tensor, chunks: list[tuple[int, int]] | None = None,
+              selections: dict[int, list] | None = None) -> torch.Tensor:
+        """Decoder layer ``index`` over every position of ``hidden``, ``chunks`` of positions per call (default:
+        one call), its weights resident for the whole of it."""
+        return self.layer_jobs(index, [(hidden, cache, selections)], position_ids, input_ids, chunks)[0]
+
+    def layer_jobs(self, index: int, jobs: list[tuple], position_ids: torch.Tensor, input_ids: torch.Tensor,
+                   chunks: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+        """Decoder layer ``index`` over several inputs while its weights are resident once: ``jobs`` are
+        ``(hidden, cache, selections)``, each with a cache (and DSA selections) of its own (a verify runs the
+        candidate's layer on its own input and on the reference's, :func:`run_pair`)."""
+        layer = self.model.model.layers[index]
+        mixer = layer.mixer
+        source = getattr(mixer, "selection_source", None)
+        outs = []
+        with self.weights.part(self.model, "layer", index):
+            for hidden, cache, selections in jobs:
+                selections = selections if selections is not None else {}
+                parts = []
+                for c, (a, z) in enumerate(chunks or [(0, hidden.shape[1])]):
+                    if source is not None and id(source) in selections:
+                        source.last_selection = selections[id(source)][c]  # the source layer's, same chunk
+                    parts.append(layer(hidden[:, a:z], position_ids[:, a:z], cache, input_ids[:, a:z]))
+                    if hasattr(mixer, "last_selection"):
+                        selections.setdefault(id(mixer), []).append(mixer.last_selection)
+                outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+        return outs
+
+
+@dataclass
+class PairOutput:
+    """:func:`run_pair`'s result: both models' outputs, and the candidate's layers run on the reference's input
+    (``forced[i + 1]``: candidate layer i's output given reference layer i's input, as recorded; ``forced[0]`` is
+    the candidate's own embedding), indexed like ``hidden_states``."""
+
+    reference: ForwardOutput
+    candidate: ForwardOutput
+    forced: tuple[torch.Tensor, ...]
+
+
+def run_pair(reference: LayerMajor, candidate: LayerMajor, input_ids: torch.Tensor, *,
+             step: int | None = None) -> PairOutput:
+    """Reference and candidate in lockstep, one layer of each resident at a time: each layer runs on its own
+    model's previous output (free-running, where error compounds) and the candidate's layer also on the
+    reference's input (teacher-forced: the error that layer alone adds, which names the faulty layer at scale).
+    Each of the three streams keeps its own per-layer caches; every cache entry of a layer is dropped when the
+    layer is done. Outputs are bit-identical to two separate :meth:`LayerMajor.run` calls."""
+    ids, t, step, _, _, _, positions, chunks = reference._setup(input_ids, None, step)
+    caches = [KVCache() if step < t else None for _ in range(3)]  # reference, candidate, candidate forced
+    sel = [{}, {}, {}]
+    rh, ref_states = reference.embed(ids)
+    ch, cand_states = candidate.embed(ids)
+    forced = [cand_states[0]]
+    for index, layer in enumerate(reference.model.model.layers):
+        r_out = reference.layer(index, rh, positions, caches[0], ids, chunks, sel[0])
+        c_out, f_out = candidate.layer_jobs(index, [(ch, caches[1], sel[1]), (rh, caches[2], sel[2])],
+                                            positions, ids, chunks)
+        for cache in caches:
+            if cache is not None:
+                cache.drop(layer.layer_idx)
+        rh, ch = r_out, c_out
+        ref_states.append(reference.collapse(rh))
+        cand_states.append(candidate.collapse(ch))
+        forced.append(candidate.collapse(f_out))
+    r_logits, r_final = reference.head(rh, chunks)
+    c_logits, c_final = candidate.head(ch, chunks)
+    return PairOutput(ForwardOutput(r_logits, tuple(ref_states), r_final),
+                      ForwardOutput(c_logits, tuple(cand_states), c_final), tuple(forced))
+
+
+# --- the streaming provider ----------------------------------------------------------------------------------------
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+_FUSED = re.compile(r"^model\.layers\.\d+\.[a-z_]+\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?(?:\.weight)?$")
+_EXPERT = re.compile(r"^model\.layers\.\d+\.[a-z_]+\.experts\.(\d+)\.")
+
+
+def _slots(root: nn.Module, prefix: str, skip: set[int]):
+    """Every parameter and buffer slot under ``root`` (``(module, table, attr, state name or None, tensor)``; the
+    name is None for a non-persistent buffer), modules in ``skip`` (by id) left out."""
+    for path, mod in root.named_modules(remove_duplicate=False):
+        if id(mod) in skip:
+            continue
+        for table in (mod._parameters, mod._buffers):
+            for attr, t in table.items():
+                if t is None:
+                    continue
+                persistent = table is mod._parameters or attr not in mod._non_persistent_buffers_set
+                yield mod, table, attr, (prefix + (f"{path}." if path else "") + attr) if persistent else None, t
+
+
+#: tensors at least this large get memory of their own from the OS (glibc's mmap threshold), returned when freed
+MMAP_THRESHOLD = 128 * 1024
+_tuned = False
+
+
+def _return_freed_memory() -> None:
+    """Make glibc give a dropped part's memory back to the OS. By default glibc raises its mmap threshold after
+    large frees (up to 32 MiB), so the next parts' tensors come from the heap, which fragments and keeps its peak:
+    a streamed run of a 400 MB model under a 16 MiB budget grew by 146 MiB that way, by 23 MiB with a fixed
+    threshold (measured on tests/test_executor.py's RSS test). Nothing happens off glibc."""
+    global _tuned
+    if _tuned:
+        return
+    _tuned = True
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (fixing it also stops glibc's dynamic raise)
+    except (OSError, AttributeError):
+        pass
+
+
+def _bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+@dataclass
+class StreamStats:
+    """What a streaming provider did: bytes read from disk (stored), bytes of float32 weights resident now and at
+    most (with the stored copies being decoded), parts and experts loaded."""
+
+    bytes_read: int = 0
+    resident: int = 0
+    peak: int = 0
+    parts: int = 0
+    experts: int = 0
+
+
+class StreamedWeights:
+    """What every streaming provider shares: parts and experts put into the skeleton's slots and dropped after,
+    the budget (``None``: no limit; below what the largest part needs is refused up front by :meth:`check_budget`,
+    naming that minimum), the expert cache of a running layer, and :class:`StreamStats`.
+
+    A source says what a part holds (:meth:`part_state`, :meth:`expert_state`: reference state-dict name -> tensor
+    for the names asked, and the bytes read for them) and what it costs to decode (:meth:`stored_bytes`).
+    """
+
+    def __init__(self, path, cfg, budget: int | None = None):
+        self.path = str(path)
+        self.cfg = cfg
+        self.budget = budget
+        self.stats = StreamStats()
+        self._kept: dict[int, tuple] = {}
+        _return_freed_memory()
+
+    # --- what a source provides -------------------------------------------------------------------------------
+    def part_state(self, kind: str, layer: int | None, expected: dict[str, tuple]) -> tuple[dict, int]:
+        raise NotImplementedError
+
+    def expert_state(self, layer: int, e: int, expected: dict[str, tuple]) -> tuple[dict, int]:
+        raise NotImplementedError
+
+    def stored_bytes(self, kind: str, layer: int | None, expert: bool = False, weights: int = 0) -> int:
+        """Bytes of stored copies held while a part (or its largest expert, ``expert``) is decoded; ``weights``: the
+        float32 bytes it takes resident."""
+        return 0
+
+    def part_done(self, kind: str, layer: int | None) -> None:
+        """A part's run is over (a source may free what it cached for it)."""
+
+    # --- budget ---------------------------------------------------------------------------------------------------
+    def minimum(self, model: nn.Module) -> tuple[int, str]:
+        """The most bytes one part needs resident at once (its float32 weights, the stored copies being decoded,
+        and the largest expert of a layer with the same), and which part that is."""
+        best = (0, "")
+        for kind, index, roots, skip, experts in self._parts(model):
+            weights = sum(_bytes(s[4]) for r, _ in roots for s in _slots(r, "", skip) if s[3] is not None)
+            need = weights + self.stored_bytes(kind, index, weights=weights)
+            if experts is not None:
+                one = max((sum(_bytes(p) for p in ex.parameters()) for ex in experts), default=0)
+                need += one + self.stored_bytes(kind, index, expert=True, weights=one)
+            best = max(best, (need, f"layer {index}" if kind == "layer" else kind))
+        return best
+
+    def check_budget(self, model: nn.Module) -> None:
+        """Refuse a budget below :meth:`minimum`, naming the minimum and the part that needs it."""
+        if self.budget is None:
+            return
+        need, where = self.minimum(model)
+        if self.budget < need:
+            raise UsageProblem(f"--max-memory {format_size(self.budget)} is below the minimum {format_size(need)} "
+                               f"({need} bytes): {where} needs that much resident (its float32 weights, one expert, "
+                               "and the stored copies being decoded)", path=self.path,
+                               fix=f"pass --max-memory {need} or more")
+
+    # --- parts ----------------------------------------------------------------------------------------------------
+    def _parts(self, model: nn.Module):
+        """``(kind, layer, [(module, state prefix)], skip ids, routed experts or None)`` for every part."""
+        yield "embed", None, [(model.model.embed_tokens, "model.embed_tokens.")], set(), None
+        for index, layer in enumerate(model.model.layers):
+            experts = next((m for m in layer.modules() if isinstance(m, RoutedExperts)), None)
+            skip = {id(m) for ex in (experts or ()) for m in ex.modules()}
+            yield "layer", index, [(layer, f"model.layers.{index}.")], skip, experts
+        head = [(model.model.norm, "model.norm."), (model.lm_head, "lm_head.")]
+        if hasattr(model.model, "hc_head"):
+            head.append((model.model.hc_head, "model.hc_head."))
+        yield "head", None, head, set(), None
+
+    @contextmanager
+    def part(self, model: nn.Module, kind: str, layer: int | None = None):
+        roots, skip, experts = next((r, s, e) for k, i, r, s, e in self._parts(model) if k == kind and i == layer)
+        slots = [s for r, p in roots for s in _slots(r, p, skip)]
+        state, stored = self.part_state(kind, layer, _expected(slots))
+        held = self._load(slots, state, stored)
+        if experts is not None:
+            prefix = next(f"model.layers.{layer}.{p}." for p, m in model.model.layers[layer].named_modules()
+                          if m is experts)
+            experts.fetch = lambda e: self._expert(layer, experts[e], f"{prefix}{e}.", e)
+        self._kept = {}  # this layer's experts still resident, least recently used first
+        self.stats.parts += 1
+        try:
+            yield
+        finally:
+            if experts is not None:
+                experts.fetch = None
+            for kept in self._kept.values():
+                self._drop(kept)
+            self._kept = {}
+            self._drop(held)
+            self.part_done(kind, layer)
+
+    @contextmanager
+    def _expert(self, layer: int, module: nn.Module, prefix: str, e: int):
+        """Expert ``e`` resident for the block. It stays while its layer runs (decode fetches it again at every
+        position), until the budget needs the room: then the least recently used experts go first."""
+        kept = self._kept
+        if e in kept:
+            kept[e] = kept.pop(e)  # most recently used last
+            yield
+            return
+        slots = list(_slots(module, prefix, set()))
+        if self.budget is not None:
+            one = sum(_bytes(s[4]) for s in slots if s[3] is not None)
+            need = one + self.stored_bytes("layer", layer, True, one)
+            while kept and self.stats.resident + need > self.budget:
+                self._drop(kept.pop(next(iter(kept))))
+        state, stored = self.expert_state(layer, e, _expected(slots))
+        kept[e] = self._load(slots, state, stored)
+        self.stats.experts += 1
+        yield
+
+    def _load(self, slots: list, state: dict, stored: int):
+        """Check ``state`` strictly against ``slots`` and put it there; return what to drop after."""
+        from ktconvert.model.weights import check_state
+
+        groups: dict[int, list] = {}  # slots sharing one tensor (a gate's view of its block's score bias)
+        for slot in slots:
+            groups.setdefault(id(slot[4]), []).append(slot)
+        check_state(_expected(slots), state, self.path, self.cfg.family)
+        held, weights = [], 0
+        with torch.no_grad():
+            for group in groups.values():
+                name = next((s[3] for s in group if s[3] is not None), None)
+                if name is None:
+                    continue  # a non-persistent buffer computed from the config (rotary tables): already real
+                old = group[0][4]
+                new = torch.empty(old.shape, dtype=old.dtype).copy_(state[name])  # as load_weights copies
+                weights += _bytes(new)
+                for mod, table, attr, _, _ in group:
+                    table[attr] = nn.Parameter(new, requires_grad=False) if table is mod._parameters else new
+                held.append(group)
+        st = self.stats
+        st.peak = max(st.peak, st.resident + weights + stored)
+        st.resident += weights
+        return held, weights
+
+    def _drop(self, held) -> None:
+        groups, weights = held
+        for group in groups:
+            old = group[0][4]
+            meta = torch.empty(old.shape, dtype=old.dtype, device="meta")
+            for mod, table, attr, _, _ in group:
+                table[attr] = nn.Parameter(meta, requires_grad=False) if table is mod._parameters else meta
+        self.stats.resident -= weights
+
+
+def _expected(slots) -> dict[str, tuple]:
+    return {s[3]: tuple(s[4].shape) for s in slots if s[3] is not None}
+
+
+class CheckpointWeights(StreamedWeights):
+    """A Hugging Face safetensors release (plain or any quantized format :mod:`ktconvert.formats.quantized` reads),
+    read part by part through :func:`~ktconvert.model.weights.stored_tensor` and
+    :func:`~ktconvert.model.weights.to_reference_state`, as the in-memory loader reads it whole."""
+
+    def __init__(self, model_dir, cfg, budget: int | None = None):
+        from ktconvert.formats import open_checkpoint, quantized
+
+        super().__init__(model_dir, cfg, budget)
+        ck = open_checkpoint(model_dir)
+        if ck.container != "safetensors":
+            raise InputError(f"a {ck.container} checkpoint, not Hugging Face safetensors", path=self.path,
+                             fix="pass the Hugging Face checkpoint directory")
+        self.ck = ck
+        self.qmap = quantized.require(ck, path=self.path)
+        self.files = tuple(Path(f) for f in ck.files)
+        sp = cfg.spec
+        self.groups: dict[tuple, list[str]] = {}  # ("embed",) / ("head",) / ("layer", L) / ("expert", L, e)
+        self.fused: dict[int, list[str]] = {}  # layer -> its stacked expert tensors (read one expert's slab each)
+        block = cfg.moe_block_name
+        for name in ck:
+            if name in self.qmap.scales or name.startswith(sp.ignore_prefixes):
+                continue
+            key = sp.canonical_name(name)
+            m = _LAYER.match(key)
+            if m is None:
+                self.groups.setdefault(("embed",) if key.startswith("model.embed_tokens.") else ("head",), []).append(name)
+                continue
+            layer = int(m.group(1))
+            if layer >= cfg.num_hidden_layers or key.endswith("rotary_emb.inv_freq"):
+                continue  # to_reference_state skips these too (multi-token prediction, rotary tables)
+            key = re.sub(r"^(model\.layers\.\d+)\.mlp\.", rf"\1.{block}.", key)
+            if _FUSED.match(key):
+                self.fused.setdefault(layer, []).append(name)
+            elif (x := _EXPERT.match(key)) is not None:
+                self.groups.setdefault(("expert", layer, int(x.group(1))), []).append(name)
+            else:
+                self.groups.setdefault(("layer", layer), []).append(name)
+        self.tied = bool(cfg.tie_word_embeddings) and "lm_head.weight" not in ck
+        if self.tied:  # lm_head is the embedding: the head part reads it as well
+            self.groups.setdefault(("head",), []).extend(self.groups.get(("embed",), []))
+
+    def _bytes_of(self, names) -> int:
+        return sum(self.ck[n].nbytes for n in names)
+
+    def stored_bytes(self, kind: str, layer: int | None, expert: bool = False, weights: int = 0) -> int:
+        if not expert:
+            return self._bytes_of(self.groups.get(("layer", layer) if kind == "layer" else (kind,), []))
+        split = max((self._bytes_of(v) for k, v in self.groups.items() if k[0] == "expert" and k[1] == layer), default=0)
+        return max(split, self._bytes_of(self.fused.get(layer, [])) // self.cfg.num_experts)
+
+    def part_state(self, kind, layer, expected):
+        drop = set()
+        if self.tied:  # the alias the other part owns
+            drop = {"lm_head.weight"} if kind == "embed" else {"model.embed_tokens.weight"} if kind == "head" else set()
+        names = self.groups.get(("layer", layer) if kind == "layer" else (kind,), [])
+        return self._state(names, None, drop)
+
+    def expert_state(self, layer, e, expected):
+        fused = self.fused.get(layer)
+        return self._state(fused if fused else self.groups.get(("expert", layer, e), []), e if fused else None)
+
+    def _state(self, names: list[str], expert: int | None, drop: set[str] = frozenset()) -> tuple[dict, int]:
+        from ktconvert.model.weights import stored_tensor, to_reference_state
+
+        tensors = {n: stored_tensor(self.ck, self.qmap, n, expert=expert) for n in names}
+        stored = sum(_bytes(t) for t in tensors.values())
+        self.stats.bytes_read += sum(self._bytes_of([n]) // (1 if expert is None else self.cfg.num_experts)
+                                     for n in names)
+        state = to_reference_state(self.cfg, tensors, expert=expert)
+        return {k: v for k, v in state.items() if k not in drop}, stored
+
+
+class ConvertedWeights(StreamedWeights):
+    """A converted checkpoint (a GGUF, split sets too, or kernel-order safetensors) read part by part through
+    :class:`ktconvert.model.ops.source.WeightSource`, each reference tensor dequantized as the in-memory candidate
+    loader (``inject``'s default loading) dequantizes it; an expert's ggml blocks are a memory map, so only the
+    picked experts' bytes are touched."""
+
+    def __init__(self, source, cfg, budget: int | None = None):
+        super().__init__(source.path, cfg, budget)
+        self.source = source
+
+    def part_state(self, kind, layer, expected):
+        return self._state(expected)
+
+    def expert_state(self, layer, e, expected):
+        return self._state(expected)
+
+    def _state(self, expected: dict[str, tuple]) -> tuple[dict, int]:
+        state = {n: torch.from_numpy(np.ascontiguousarray(self.source.tensor(n, shape))) for n, shape in expected.items()}
+        self.stats.bytes_read += sum(_bytes(t) for t in state.values())  # float32 handed over (stored is smaller)
+        return state, sum(_bytes(t) for t in state.values())
+
+    def stored_bytes(self, kind: str, layer: int | None, expert: bool = False, weights: int = 0) -> int:
+        return weights  # the dequantized float32 copies, before they go into the slots
+
+    def part_done(self, kind, layer):
+        if kind == "layer":
+            self.source.forget(layer)
