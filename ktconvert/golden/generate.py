@@ -31,7 +31,7 @@ from ktconvert.golden.store import (
     read_golden,
     sha256_bytes,
 )
-from ktconvert.io.atomic import replace_files
+from ktconvert.io.atomic import claim_output, replace_files
 from ktconvert.model.tinytok import PROMPT_TEXT
 from ktconvert.optional import require
 
@@ -304,7 +304,14 @@ class GoldenResult:
     regenerated: bool
 
 
-def generate_golden(
+def generate_golden(model_dir: str | os.PathLike, out_dir: str | os.PathLike, **options) -> GoldenResult:
+    """Compute and write a golden directory (:func:`_generate_golden` has the options), holding OUT's lock for
+    the whole run: a second run on the same OUT is refused, never interleaved."""
+    with claim_output(Path(out_dir), in_place=True):
+        return _generate_golden(model_dir, out_dir, **options)
+
+
+def _generate_golden(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
