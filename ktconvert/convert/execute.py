@@ -32,7 +32,8 @@ from typing import Callable
 from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.sizes import format_size
-from ktconvert.convert.worker import Task, close_all, run_task, run_task_synced, source_digest, worker_init
+from ktconvert.convert.worker import (Task, close_all, run_task, run_task_synced, source_digest, worker_context,
+                                      worker_init)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import (WRITE_ERRNOS, fsync_dir, partial_dir, replace_dir, sha256_file, write_durable,
@@ -361,11 +362,10 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
             state.record(pending_journal)
             raise
     else:
-        import multiprocessing
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         queue = deque(todo)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = worker_context()
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init,
                                  initargs=(os.getpid(),)) as pool:
             inflight = {}

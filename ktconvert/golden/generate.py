@@ -297,6 +297,20 @@ def _merged_golden(model_dir: Path, cfg, ids: list[int], threads: int, lora: Pat
     return run, record
 
 
+def _check_vocab(model_dir: Path, vocab_size: int) -> None:
+    """config.json's ``vocab_size`` against the rows of the checkpoint's token embedding, read from the header:
+    transformers would first build (allocate) the embedding of that size, then fail on the mismatch."""
+    ck = open_checkpoint(model_dir)
+    embd = next((n for n, _ in ck.items() if n.endswith("embed_tokens.weight")), None)
+    if embd is None:
+        return
+    rows = ck[embd].shape[0]
+    if vocab_size != rows:
+        raise InputError(f"vocab_size {vocab_size} disagrees with the checkpoint: {embd} has {rows} rows",
+                         path=str(model_dir / "config.json"), where="vocab_size",
+                         fix=f"set vocab_size to {rows} (the model's tokens), or use the checkpoint it describes")
+
+
 @dataclass
 class GoldenResult:
     out_dir: Path
@@ -334,6 +348,7 @@ def _generate_golden(
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
     model_dir, out = Path(model_dir), Path(out_dir)
     cfg = load_config(model_dir)
+    _check_vocab(model_dir, cfg.vocab_size)
     previous = None
     if (out / MANIFEST_NAME).exists():
         if not force:

@@ -246,6 +246,27 @@ def guard_output(out: Path, *, inputs: Iterable[Path] = (), force: bool = False,
         raise UsageProblem("output already exists", path=str(out), fix="pass --force to replace it, or choose a new name")
 
 
+def check_output_file(path: str | os.PathLike, flag: str) -> Path:
+    """Refuse, before a run starts, a file output (``--junit``, ``--plot``) that could not be written when the run
+    ends: its directory missing or not a directory, or the path a directory. Returns the path."""
+    p = Path(path)
+    parent = Path(os.path.abspath(p)).parent
+    if p.is_dir():
+        raise UsageProblem("is a directory; this option names the file to write", path=str(p), where=flag,
+                           fix="give a file name (e.g. report.xml) inside it")
+    if not parent.is_dir():
+        what = "is not a directory" if parent.exists() else "does not exist"
+        raise UsageProblem(f"its directory {p.parent} {what}", path=str(p), where=flag,
+                           fix="create the directory first, or name a file in an existing one")
+    return p
+
+
+def write_file(path: Path, data: bytes) -> None:
+    """Write one file atomically (built under a temporary name beside it, renamed when complete)."""
+    path = Path(path)
+    replace_files(path.parent, {path.name: data})
+
+
 def write_durable(path: Path, data: bytes) -> None:
     with open(path, "wb") as fh:
         fh.write(data)
@@ -335,10 +356,10 @@ def atomic_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
         raise
 
 
-def write_dirs(outputs: dict[Path, dict[str, bytes]], *, force: bool = False) -> None:
-    """Write directories of in-memory files (``{OUT: {name: bytes}}``), every OUT claimed (:func:`claim_output`)
+def write_dirs(outputs: list[tuple[Path, dict[str, bytes]]], *, force: bool = False) -> None:
+    """Write directories of in-memory files (``[(OUT, {name: bytes})]``), every OUT claimed (:func:`claim_output`)
     and none inside another before anything is written, each built aside and renamed when all are complete."""
-    outs = [Path(o) for o in outputs]
+    outs = [Path(o) for o, _ in outputs]
     for a in outs:
         for b in outs:
             if a is not b and (a.resolve() == b.resolve() or a.resolve() in b.resolve().parents):
@@ -348,7 +369,7 @@ def write_dirs(outputs: dict[Path, dict[str, bytes]], *, force: bool = False) ->
     with ExitStack() as stack:
         for o in outs:
             stack.enter_context(claim_output(o, force=force))
-        for o, files in zip(outs, outputs.values()):
+        for o, (_, files) in zip(outs, outputs):
             tmp = stack.enter_context(atomic_dir(o, force=force))
             for name, data in files.items():
                 (tmp / name).parent.mkdir(parents=True, exist_ok=True)

@@ -548,13 +548,13 @@ def write_tiny(family: str, out_dir: str | os.PathLike, *, lora_dir: str | os.Pa
         files = tiny_release_files(family, quant)
     else:
         files = tiny_fp8_files(family) if fp8 else tiny_files(family, variant)
-    outputs = {Path(out_dir): files}
+    outputs = [(Path(out_dir), files)]
     if lora_dir is not None:
         from ktconvert.model.tiny_lora import tiny_lora_files  # builds on this module
 
-        outputs[Path(lora_dir)] = tiny_lora_files(family)
+        outputs.append((Path(lora_dir), tiny_lora_files(family)))
     write_dirs(outputs, force=force)
-    hashes = [{name: hashlib.sha256(data).hexdigest() for name, data in sorted(f.items())} for f in outputs.values()]
+    hashes = [{name: hashlib.sha256(data).hexdigest() for name, data in sorted(f.items())} for _, f in outputs]
     return hashes[0], (hashes[1] if lora_dir is not None else None)
 
 

@@ -84,5 +84,5 @@ def tiny_lora_files(family: str, rank: int = RANK, alpha: float = ALPHA) -> dict
 def write_tiny_lora(family: str, out_dir: str | os.PathLike, *, force: bool = False) -> dict[str, str]:
     """Write the tiny adapter of ``family`` into ``out_dir`` atomically; ``{file: sha256}``."""
     files = tiny_lora_files(family)
-    write_dirs({Path(out_dir): files}, force=force)
+    write_dirs([(Path(out_dir), files)], force=force)
     return {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())}
