@@ -179,6 +179,18 @@ def test_gate_junit_into_a_missing_directory_is_refused_before_the_run(tmp_path,
     assert _listing(tmp_path) == []
 
 
+def test_gate_junit_into_a_directory_that_cannot_be_written_is_refused_before_the_run(tmp_path, monkeypatch):
+    import ktconvert.gate as gate
+    from ktconvert.io import atomic
+
+    monkeypatch.setattr(gate, "run_suite", lambda *a, **k: pytest.fail("the suite ran"))
+    monkeypatch.setattr(atomic.os, "access", lambda path, mode: False)  # root passes every permission check
+    junit = tmp_path / "report.xml"
+    _one_line(CliRunner().invoke(cli, ["gate", "-k", "qwen3", "--junit", str(junit)]), 3,
+              f"ktconvert: error: {junit}:--junit: its directory {tmp_path} is not writable")
+    assert _listing(tmp_path) == []
+
+
 def test_verify_plot_into_a_missing_directory_is_refused_before_the_run(tmp_path, monkeypatch):
     import ktconvert.verify as verify
 

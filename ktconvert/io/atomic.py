@@ -67,8 +67,11 @@ def _describe(holder: dict) -> str:
 
 
 def _record() -> bytes:
-    argv = [os.path.basename(sys.argv[0] or "python")] + sys.argv[1:2]
-    return (json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": " ".join(argv)}) + "\n").encode()
+    """This process's record for the lock file: pid, host and the command (``quantize`` for ktconvert's own)."""
+    prog = os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] not in ("", "-c") else "python"
+    if prog in ("ktconvert", "__main__.py"):
+        prog = next((a for a in sys.argv[1:] if not a.startswith("-")), "ktconvert")
+    return (json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "command": prog}) + "\n").encode()
 
 
 def _read_holder(fd: int) -> dict | None:
@@ -258,6 +261,9 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
         what = "is not a directory" if parent.exists() else "does not exist"
         raise UsageProblem(f"its directory {p.parent} {what}", path=str(p), where=flag,
                            fix="create the directory first, or name a file in an existing one")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise EnvironmentProblem(f"its directory {p.parent} is not writable", path=str(p), where=flag,
+                                 fix="name a file in a directory you can write to")
     return p
 
 
