@@ -234,6 +234,7 @@ if "--multiprocessing-fork" in sys.argv:
 """
 
 
+@pytest.mark.slow  # two spawned workers import torch before the run can end (~10-20 s on 2 busy cores)
 def test_ctrl_c_while_quantize_j2_starts_its_workers_is_one_line(src, tmp_path):
     site, marks = tmp_path / "site", tmp_path / "marks"
     site.mkdir()
