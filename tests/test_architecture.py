@@ -88,6 +88,7 @@ def _definitions(pattern: str) -> list[str]:
 @pytest.mark.parametrize("what,pattern,home", [
     ("atomic rename of a file or directory", r"\bos\.replace\(", ["ktconvert/io/atomic.py"]),
     ("the OUT-exists guard", r'"output already exists"', ["ktconvert/io/atomic.py"]),
+    ("the lock on an output", r"\bfcntl\.flock\(", ["ktconvert/io/atomic.py"]),
     ("a YAML parser call", r"\byaml\.(safe_load|load|compose)\(", ["ktconvert/io/yamlpos.py"]),
     ("a JSON Schema validator", r"Draft202012Validator\(", ["ktconvert/io/datafile.py"]),
     ("the ggml writable types", r'^WRITABLE\b.*=', ["ktconvert/quant/_types.py"]),

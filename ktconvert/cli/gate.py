@@ -29,7 +29,10 @@ def command(ctx, suite, select, jobs, junit, fmt, list_cases, regen, reason, exe
     """
     from ktconvert.errors import UsageProblem
     from ktconvert.gate import default_suite_path, junit_xml, load_suite, run_suite
+    from ktconvert.io.atomic import check_output_file, write_file
 
+    if junit:
+        check_output_file(junit, "--junit")  # before the run, not after it
     loaded = load_suite(suite or default_suite_path())
     cases = loaded.select(select)
     if not cases:
@@ -58,8 +61,7 @@ def command(ctx, suite, select, jobs, junit, fmt, list_cases, regen, reason, exe
 
     result = run_suite(loaded, select, jobs=jobs, progress=progress, executor=executor, ray_address=ray_address)
     if junit:
-        with open(junit, "w", encoding="utf-8") as fh:
-            fh.write(junit_xml(result))
+        write_file(junit, junit_xml(result).encode("utf-8"))
     if fmt == "json":
         click.echo(json.dumps(result.as_dict(), indent=2))
     else:

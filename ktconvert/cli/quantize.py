@@ -146,6 +146,5 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, lora
     elif obj.get("verbosity", 1) > 0:
 
         click.echo(describe(result))
-        if result.manifest.get("layout") == "kt-amx":
-            for note in result.manifest["plan"]["notes"]:
-                click.echo(f"note: {note}")
+        for note in result.manifest["plan"]["notes"]:
+            click.echo(f"note: {note}")

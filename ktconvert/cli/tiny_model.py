@@ -36,16 +36,12 @@ def command(family: str, out_dir: str, force: bool, fp8: bool, quant: str | None
     The bytes depend on nothing but ktconvert's source: the sha256 of each file is recorded in
     golden/tiny-models.yaml and checked by the tests.
     """
-    from ktconvert.model.tiny import write_tiny_model
+    from ktconvert.model.tiny import write_tiny
 
     if fp8 and quant:
         raise click.UsageError("--fp8 and --quant are two different releases; pick one")
-    hashes = write_tiny_model(family, out_dir, force=force, fp8=fp8, quant=quant, variant=variant)
-    lora_hashes = None
-    if lora:
-        from ktconvert.model.tiny_lora import write_tiny_lora
-
-        lora_hashes = write_tiny_lora(family, lora, force=force)
+    hashes, lora_hashes = write_tiny(family, out_dir, lora_dir=lora, force=force, fp8=fp8, quant=quant,
+                                     variant=variant)
     if fmt == "json":
         click.echo(json.dumps({"family": family, "out_dir": out_dir, "sha256": hashes,
                                **({"lora": {"out_dir": lora, "sha256": lora_hashes}} if lora else {})}, indent=2))

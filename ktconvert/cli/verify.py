@@ -56,7 +56,10 @@ def command(ctx, model_dir, rules, weights, prefill_weights, golden, tolerance, 
     from ktconvert.verify.report import render_json, render_text, require_matplotlib
 
     if plot_path:
-        require_matplotlib()  # fail before the run, not after
+        from ktconvert.io.atomic import check_output_file
+
+        check_output_file(plot_path, "--plot")  # fail before the run, not after
+        require_matplotlib()
     from ktconvert.model.inject import EmulationOptions
     from ktconvert.rules.catalog import load_catalog
     from ktconvert.verify import run_verify

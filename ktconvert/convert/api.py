@@ -7,13 +7,14 @@ import dataclasses
 from pathlib import Path
 
 from ktconvert.cluster import check_executor, check_fits, connect
-from ktconvert.convert.execute import Progress, RunResult, check_paths, execute, ray_task_memory
+from ktconvert.convert.execute import Progress, RunResult, execute, input_roots, ray_task_memory
 from ktconvert.convert.hf_out import build_hf_plan
 from ktconvert.convert.plan import Plan, build_plan
 from ktconvert.convert.recipe import Recipe, load_recipe, recipe_for_type
 from ktconvert.io.sizes import parse_size
 from ktconvert.convert.source import analyze
 from ktconvert.errors import UsageProblem
+from ktconvert.io.atomic import claim_output
 from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
 from ktconvert.convert.lora_merge import attach_lora
 from ktconvert.convert.kt_tree_out import check_tree_paths, finish_tree, scratch_dir, write_tree
@@ -112,26 +113,26 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
         raise UsageProblem(f"--jobs {jobs} must be at least 1")
     check_executor(executor, ray_address)
     budget = parse_size(max_memory, what="--max-memory")
+    if form not in (None, "merged", "kt-tree"):
+        raise UsageProblem(f"--form {form}: unknown", fix="use merged or kt-tree")
+    if form == "kt-tree" and (format != "kt-amx" or str(type).upper() != "AMXINT8"):
+        raise UsageProblem("--form kt-tree is kt-kernel's persistent INT8 tree: it needs --to kt-amx --type AMXINT8",
+                           fix="add --to kt-amx --type AMXINT8, or drop --form kt-tree")
     plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
                            tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
                            allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha)
-    check_paths(Path(src), [Path(f) for f in plan.input_files], Path(out), force)
-    if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
-        ray = connect(ray_address)
-        check_fits(ray, ray_task_memory(budget, jobs), "one conversion task")
-    if form in (None, "merged"):
-        return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress,
-                       executor=executor)
-    if form != "kt-tree":
-        raise UsageProblem(f"--form {form}: unknown", fix="use merged or kt-tree")
-    if format != "kt-amx" or str(type).upper() != "AMXINT8":
-        raise UsageProblem("--form kt-tree is kt-kernel's persistent INT8 tree: it needs --to kt-amx --type AMXINT8",
-                           fix="add --to kt-amx --type AMXINT8, or drop --form kt-tree")
-    out = Path(out)
-    check_tree_paths(out, force)
-    merged = scratch_dir(out)
-    run = execute(plan, merged, max_memory=budget, jobs=jobs, resume=resume, force=True, progress=progress,
-                  executor=executor)
-    kt = write_tree(merged, out, force=force)
-    return dataclasses.replace(run, out=out, manifest=finish_tree(run.manifest, merged, out, kt))
+    with claim_output(Path(out), inputs=input_roots(Path(src), [Path(f) for f in plan.input_files]), force=force):
+        if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
+            ray = connect(ray_address)
+            check_fits(ray, ray_task_memory(budget, jobs), "one conversion task")
+        if form in (None, "merged"):
+            return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress,
+                           executor=executor)
+        out = Path(out)
+        check_tree_paths(out, force)
+        merged = scratch_dir(out)
+        run = execute(plan, merged, max_memory=budget, jobs=jobs, resume=resume, force=True, progress=progress,
+                      executor=executor)
+        kt = write_tree(merged, out, force=force)
+        return dataclasses.replace(run, out=out, manifest=finish_tree(run.manifest, merged, out, kt))
 

@@ -32,10 +32,11 @@ from typing import Callable
 from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.io.sizes import format_size
-from ktconvert.convert.worker import Task, close_all, run_task, run_task_synced, source_digest, worker_init
+from ktconvert.convert.worker import (Task, close_all, run_task, run_task_synced, source_digest, worker_context,
+                                      worker_init)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
-from ktconvert.io.atomic import (WRITE_ERRNOS, fsync_dir, guard_output, partial_dir, replace_dir, sha256_file, write_durable,
+from ktconvert.io.atomic import (WRITE_ERRNOS, fsync_dir, partial_dir, replace_dir, sha256_file, write_durable,
                                  write_failure)
 from ktconvert.io.dtypes import FLOAT_DTYPES
 
@@ -125,14 +126,14 @@ def _row_working_set(plan: Plan, t: PlanTensor) -> int:
     return per_row
 
 
-def check_paths(src: Path, files: list[Path], out: Path, force: bool) -> None:
-    """Refuse to write inside the input, over an input file, or over an existing output without ``force``."""
+def input_roots(src: Path, files: list[Path]) -> list[Path]:
+    """What counts as input for the OUT guard: the input files, and the checkpoint directory or shard set's folder."""
     roots = list(files)
     if src.resolve().is_dir():
         roots.append(src)
     elif len(files) > 1:
         roots.append(Path(files[0]).parent)
-    guard_output(out, inputs=roots, force=force)
+    return roots
 
 
 class _State:
@@ -361,11 +362,10 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
             state.record(pending_journal)
             raise
     else:
-        import multiprocessing
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
         queue = deque(todo)
-        ctx = multiprocessing.get_context("spawn")
+        ctx = worker_context()
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init,
                                  initargs=(os.getpid(),)) as pool:
             inflight = {}
@@ -472,5 +472,5 @@ def describe(result: RunResult) -> str:
             f"{rate:.0f} MB/s read{resumed}")
 
 
-__all__ = ["RunResult", "Unit", "check_paths", "describe", "execute", "make_units", "partial_dir", "ray_task_memory",
+__all__ = ["RunResult", "Unit", "input_roots", "describe", "execute", "make_units", "partial_dir", "ray_task_memory",
            "sha256_file"]

@@ -34,7 +34,7 @@ from ktconvert.formats import ModelDims, dims_from_hf_config
 from ktconvert.formats.config import load_config
 from ktconvert.formats.kt_amx import to_bf16_f32
 from ktconvert.formats.safetensors_write import save_file_order, write_safetensors
-from ktconvert.io.atomic import atomic_dir, guard_output, sha256_file
+from ktconvert.io.atomic import atomic_dir, claim_output, sha256_file
 from ktconvert.io.dtypes import DTYPE_BYTES
 
 STACKED_FILE = FUSED_FILE  # the seed-era name of the same file
@@ -116,22 +116,22 @@ def convert_lora(src: str | Path, out: str | Path, *, base_config=None, lora_alp
         raise UsageProblem("no lora_alpha: neither adapter_config.json nor kt_adapter_manifest.json says it",
                            path=str(src), fix="pass --lora-alpha (the alpha the adapter was trained with)")
     name = base_model_name or _base_name(ad, base_config)
+    if target == "sglang" and name is None:
+        raise UsageProblem("no base model name to write as base_model_name_or_path", path=str(src),
+                           fix="pass --base-model-name-or-path NAME (kt-kernel's converter requires it too)")
     # a file input is that file (a sibling OUT is not inside it); the directory holding it is refused as OUT by
     # the guard, since --force would delete the adapter with it
-    guard_output(out, inputs=[src], force=force)
-    if target == "sglang":
-        if name is None:
-            raise UsageProblem("no base model name to write as base_model_name_or_path", path=str(src),
-                               fix="pass --base-model-name-or-path NAME (kt-kernel's converter requires it too)")
-        if not ad.others and not expert_only:
-            found.append(LoraFinding("warning", "adapter_model.safetensors", "no non-expert tensors: sglang-kt refuses "
-                                     "this merged adapter through --lora-paths", "serve it with --expert-only output "
-                                     "and --kt-expert-lora-path"))
-        files = _write_sglang(ad, out, alpha, name, expert_only, force)
-        direction = f"{ad.form}->sglang-{'expert-only' if expert_only else 'merged'}"
-    else:
-        files = _write_kt(ad, out, alpha, name, force)
-        direction = f"{ad.form}->kt"
+    with claim_output(out, inputs=[src], force=force):
+        if target == "sglang":
+            if not ad.others and not expert_only:
+                found.append(LoraFinding("warning", "adapter_model.safetensors", "no non-expert tensors: sglang-kt "
+                                         "refuses this merged adapter through --lora-paths", "serve it with "
+                                         "--expert-only output and --kt-expert-lora-path"))
+            files = _write_sglang(ad, out, alpha, name, expert_only, force)
+            direction = f"{ad.form}->sglang-{'expert-only' if expert_only else 'merged'}"
+        else:
+            files = _write_kt(ad, out, alpha, name, force)
+            direction = f"{ad.form}->kt"
     return LoraResult(direction, out, files, ad.rank, ad.layers, ad.experts, ad.form, alpha, found)
 
 

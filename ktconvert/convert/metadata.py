@@ -11,6 +11,8 @@ its original bytes, except the few that describe the container or the quantizati
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import numpy as np
@@ -223,6 +225,30 @@ def model_card(model_dir: Path, tensors: list[tuple[str, tuple[int, ...]]]) -> M
     if meta.size_label is None and total > 0:
         meta.size_label = size_label(total, shared, expert, count)
     return meta
+
+
+def utf8_card(meta: Metadata) -> list[str]:
+    """Make every text of ``meta`` valid UTF-8 in place (a GGUF string is UTF-8; a directory name need not be:
+    its undecodable bytes reach Python as surrogates), each undecodable byte written as U+FFFD; the notes saying
+    which ``general.*`` values were changed, for the plan."""
+    notes = []
+
+    def clean(value, key: str):
+        if isinstance(value, str):
+            fixed = value.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+            if fixed != value:
+                notes.append(f"general.{key} {fixed!r}: the model directory's name (or the model card) is not valid "
+                             "UTF-8; each undecodable byte is written as U+FFFD")
+            return fixed
+        if isinstance(value, list):
+            return [clean(v, key) for v in value]
+        if isinstance(value, dict):
+            return {k: clean(v, f"{key}.{k}") for k, v in value.items()}
+        return value
+
+    for f in dataclasses.fields(meta):
+        setattr(meta, f.name, clean(getattr(meta, f.name), f.name))
+    return notes
 
 
 def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, vocab: GgufVocab | None,

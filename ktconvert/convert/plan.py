@@ -447,6 +447,7 @@ def _lay_out_gguf(plan: Plan, src: SourceModel, shard: int, tokenizer: bool) -> 
                           if vocab else "none (tokenizer.ggml.model = none)")
         ftype = metadata.file_type(plan.recipe.file_type, by_type)
         card = metadata.model_card(model_dir, [(t.name, t.shape) for t in plan.tensors if t.const is None])
+        plan.notes += metadata.utf8_card(card)
         # general.quantization_version always, as convert_hf_to_gguf writes it (also for F32/F16/BF16 outputs)
         kv = metadata.hf_kv(src.arch, src.config, card, src.n_layers, n_vocab, vocab, ftype, True)
     plan.kv_keys = [k for k, _ in kv]

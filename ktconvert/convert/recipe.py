@@ -18,6 +18,7 @@ from ktconvert.io.sizes import parse_size
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.io import resources
 from ktconvert.io.datafile import load_yaml, validate
+from ktconvert.io.userregex import FIX as USER_REGEX_FIX, backtracking_risk
 from ktconvert.quant import WRITABLE
 
 #: A recipe may name any of ``WRITABLE``, or ``keep``: the input tensor's own type.
@@ -213,6 +214,9 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
         except re.error as exc:
             raise InputError(f"rule {i} match {r['match']!r} is not a valid regex: {exc}", path=path,
                              where=at("rules", i, "match"), fix="fix the regular expression") from None
+        if (risk := backtracking_risk(r["match"])) is not None:
+            raise InputError(f"rule {i} match {r['match']!r} has {risk}: matching it against the tensor names could "
+                             "run for hours", path=path, where=at("rules", i, "match"), fix=USER_REGEX_FIX)
         layers = r.get("layers")
         when = tuple(sorted((k, tuple(v) if isinstance(v, list) else v) for k, v in (r.get("when") or {}).items()))
         rules.append(Rule(

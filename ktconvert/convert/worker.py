@@ -9,7 +9,9 @@ when the unit ends, so resident memory does not grow with the checkpoint.
 from __future__ import annotations
 
 import hashlib
+import multiprocessing.context
 import os
+import signal
 import time
 from dataclasses import dataclass
 
@@ -67,6 +69,36 @@ def close_all() -> None:
     _CHECKPOINTS.clear()
 
 
+class _WorkerProcess(multiprocessing.context.SpawnProcess):
+    """A spawned worker that starts with SIGINT blocked: Ctrl-C goes to the whole process group, and a worker
+    still importing would die of it with a traceback. The parent keeps it pending while it starts one (blocked in
+    the starting thread only, so the parent still gets its KeyboardInterrupt); the worker, which inherits the
+    mask, ignores it for good in :func:`ignore_interrupts`. The converting process alone reports an interrupt."""
+
+    def start(self) -> None:
+        before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            super().start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+class _WorkerContext(multiprocessing.context.SpawnContext):
+    Process = _WorkerProcess
+
+
+def worker_context() -> multiprocessing.context.SpawnContext:
+    """The multiprocessing context of every local worker pool (quantize -j, gate -j): spawn (torch and forked
+    workers do not mix), workers deaf to Ctrl-C. Their initializer must call :func:`ignore_interrupts`."""
+    return _WorkerContext()
+
+
+def ignore_interrupts() -> None:
+    """In a worker of :func:`worker_context`: ignore SIGINT (dropping one sent while it started), then unblock."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+
+
 def worker_init(parent: int | None = None) -> None:
     """Per worker process: one core each (the executor runs ``jobs`` processes side by side), and exit when the
     converting process dies (a ``kill -9`` of it must not leave workers behind, blocked on their task queue).
@@ -76,6 +108,7 @@ def worker_init(parent: int | None = None) -> None:
     """
     import threading
 
+    ignore_interrupts()
     parent = parent or os.getppid()
     if os.getppid() != parent:
         os._exit(1)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ktconvert import __version__
 from ktconvert.errors import InputError, UsageProblem
+from ktconvert.io.userregex import FIX as USER_REGEX_FIX, backtracking_risk
 from ktconvert.formats.checkpoint import open_checkpoint
 from ktconvert.formats.config import dims_from_hf_config, load_config
 from ktconvert.formats.kt_tree import check_kt_tree, is_kt_tree
@@ -28,9 +29,14 @@ def compile_tensor_filter(pattern: str | None) -> re.Pattern | None:
     if pattern is None:
         return None
     try:
-        return re.compile(pattern)
+        compiled = re.compile(pattern)
     except re.error as exc:
         raise UsageProblem(f"--tensors {pattern!r} is not a valid regex: {exc}", fix="fix the pattern") from None
+    risk = backtracking_risk(pattern)
+    if risk is not None:
+        raise UsageProblem(f"--tensors {pattern!r} has {risk}: matching it against the tensor names could run for "
+                           "hours", fix=USER_REGEX_FIX)
+    return compiled
 
 
 def build_inspect_report(

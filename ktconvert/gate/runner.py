@@ -8,7 +8,6 @@ group is a Ray task that makes its own tiny model and conversion in a temporary 
 
 from __future__ import annotations
 
-import multiprocessing
 import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor, as_completed
@@ -18,6 +17,7 @@ from typing import Callable
 
 from ktconvert.cluster import check_executor, check_fits, connect, run_tasks
 from ktconvert.convert import convert
+from ktconvert.convert.worker import ignore_interrupts, worker_context
 from ktconvert.errors import KtError
 from ktconvert.gate.suite import Case, Suite
 from ktconvert.model.tiny import write_tiny_model
@@ -113,8 +113,7 @@ def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: s
                     if progress:
                         progress(r)
         else:
-            ctx = multiprocessing.get_context("spawn")  # torch and forked workers do not mix
-            with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx) as pool:
+            with ProcessPoolExecutor(max_workers=jobs, mp_context=worker_context(), initializer=ignore_interrupts) as pool:
                 futures = [pool.submit(run_group, group, tmp) for group in groups.values()]
                 for fut in as_completed(futures):
                     for r in fut.result():

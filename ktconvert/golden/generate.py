@@ -31,7 +31,7 @@ from ktconvert.golden.store import (
     read_golden,
     sha256_bytes,
 )
-from ktconvert.io.atomic import guard_output, replace_files, sha256_file
+from ktconvert.io.atomic import claim_output, guard_output, replace_files, sha256_file
 from ktconvert.io.files import read_text
 from ktconvert.model.tinytok import PROMPT_TEXT
 from ktconvert.optional import require
@@ -298,6 +298,20 @@ def _merged_golden(model_dir: Path, cfg, ids: list[int], threads: int, lora: Pat
     return run, record
 
 
+def _check_vocab(model_dir: Path, vocab_size: int) -> None:
+    """config.json's ``vocab_size`` against the rows of the checkpoint's token embedding, read from the header:
+    transformers would first build (allocate) the embedding of that size, then fail on the mismatch."""
+    ck = open_checkpoint(model_dir)
+    embd = next((n for n, _ in ck.items() if n.endswith("embed_tokens.weight")), None)
+    if embd is None:
+        return
+    rows = ck[embd].shape[0]
+    if vocab_size != rows:
+        raise InputError(f"vocab_size {vocab_size} disagrees with the checkpoint: {embd} has {rows} rows",
+                         path=str(model_dir / "config.json"), where="vocab_size",
+                         fix=f"set vocab_size to {rows} (the model's tokens), or use the checkpoint it describes")
+
+
 @dataclass
 class GoldenResult:
     out_dir: Path
@@ -305,7 +319,14 @@ class GoldenResult:
     regenerated: bool
 
 
-def generate_golden(
+def generate_golden(model_dir: str | os.PathLike, out_dir: str | os.PathLike, **options) -> GoldenResult:
+    """Compute and write a golden directory (:func:`_generate_golden` has the options), holding OUT's lock for
+    the whole run: a second run on the same OUT is refused, never interleaved."""
+    with claim_output(Path(out_dir), in_place=True):
+        return _generate_golden(model_dir, out_dir, **options)
+
+
+def _generate_golden(
     model_dir: str | os.PathLike,
     out_dir: str | os.PathLike,
     *,
@@ -353,6 +374,7 @@ def generate_golden(
     engine = streamed.pick_engine("transformers" if engine == "auto" and lora is not None else engine, model_dir, budget)
     if engine == "stream" and lora is not None:
         raise UsageProblem("--lora is merged by the transformers engine only", fix="add --engine transformers")
+    _check_vocab(model_dir, cfg.vocab_size)
     previous = None
     if (out / MANIFEST_NAME).exists():
         if not force:  # OUT exists: a usage error (exit 2), as for every other command

@@ -33,7 +33,7 @@ from ktconvert import families
 from ktconvert.errors import UsageProblem
 from ktconvert.families.config import FAMILIES, MoeConfig, normalize_config
 from ktconvert.formats.safetensors_write import to_bytes
-from ktconvert.io.atomic import atomic_dir, guard_output, sha256_file
+from ktconvert.io.atomic import sha256_file, write_dirs
 from ktconvert.model import rng
 from ktconvert.model.tinytok import tokenizer_files
 
@@ -532,8 +532,14 @@ def write_tiny_model(family: str, out_dir: str | os.PathLike, *, force: bool = F
 
     Returns ``{file name: sha256}``. An existing non-empty ``out_dir`` is replaced only with ``force``.
     """
-    out = Path(out_dir)
-    guard_output(out, force=force)
+    return write_tiny(family, out_dir, force=force, fp8=fp8, quant=quant, variant=variant)[0]
+
+
+def write_tiny(family: str, out_dir: str | os.PathLike, *, lora_dir: str | os.PathLike | None = None,
+               force: bool = False, fp8: bool = False, quant: str | None = None,
+               variant: str | None = None) -> tuple[dict[str, str], dict[str, str] | None]:
+    """:func:`write_tiny_model`, and with ``lora_dir`` the tiny MoE LoRA adapter too; both outputs are checked
+    (neither inside the other, each new or ``force``) before either is written. ``(model sha256s, adapter's)``."""
     if (fp8 or quant is not None) and variant is not None:
         raise UsageProblem("--fp8/--quant and --variant do not combine", fix="ask for one of them")
     if quant is not None:
@@ -542,10 +548,14 @@ def write_tiny_model(family: str, out_dir: str | os.PathLike, *, force: bool = F
         files = tiny_release_files(family, quant)
     else:
         files = tiny_fp8_files(family) if fp8 else tiny_files(family, variant)
-    with atomic_dir(out, force=force) as tmp:
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
-    return {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())}
+    outputs = [(Path(out_dir), files)]
+    if lora_dir is not None:
+        from ktconvert.model.tiny_lora import tiny_lora_files  # builds on this module
+
+        outputs.append((Path(lora_dir), tiny_lora_files(family)))
+    write_dirs(outputs, force=force)
+    hashes = [{name: hashlib.sha256(data).hexdigest() for name, data in sorted(f.items())} for _, f in outputs]
+    return hashes[0], (hashes[1] if lora_dir is not None else None)
 
 
 def file_hashes(model_dir: str | os.PathLike, names: list[str] | None = None) -> dict[str, str]:

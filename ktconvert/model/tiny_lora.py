@@ -20,7 +20,7 @@ from ktconvert.families.config import normalize_config
 from ktconvert.formats.config import dims_from_hf_config
 from ktconvert.formats.kt_amx import to_bf16_f32
 from ktconvert.formats.safetensors_write import layout_safetensors, save_file_order
-from ktconvert.io.atomic import atomic_dir, guard_output
+from ktconvert.io.atomic import write_dirs
 from ktconvert.model import rng
 from ktconvert.model.tiny import tensor_specs, tiny_config
 
@@ -83,10 +83,6 @@ def tiny_lora_files(family: str, rank: int = RANK, alpha: float = ALPHA) -> dict
 
 def write_tiny_lora(family: str, out_dir: str | os.PathLike, *, force: bool = False) -> dict[str, str]:
     """Write the tiny adapter of ``family`` into ``out_dir`` atomically; ``{file: sha256}``."""
-    out = Path(out_dir)
-    guard_output(out, force=force)
     files = tiny_lora_files(family)
-    with atomic_dir(out, force=force) as tmp:
-        for name, data in files.items():
-            (tmp / name).write_bytes(data)
+    write_dirs([(Path(out_dir), files)], force=force)
     return {name: hashlib.sha256(data).hexdigest() for name, data in sorted(files.items())}

@@ -1,7 +1,8 @@
 """Rule file data -> compiled rules, the one pure step that check-rules, ``--explain`` and verify's injection share.
 
 Compiling never reports: the checks in :mod:`ktconvert.rules.checks` say what is wrong with a rule; here a rule
-too broken to match anything (not a mapping, a regex that does not compile) is left out, as upstream would fail
+too broken to match anything (not a mapping, a regex that does not compile or could backtrack without end) is
+left out, as upstream would fail
 on it before matching.
 """
 
@@ -10,6 +11,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ktconvert.io.userregex import backtracking_risk
 from ktconvert.rules.catalog import Catalog, Operator
 from ktconvert.rules.engine import CompiledRule
 
@@ -30,6 +32,7 @@ class RuleView:
     kwargs: dict
     has_kwargs: bool
     recursive: bool
+    regex_risk: str | None = None  # why match.name could backtrack catastrophically (then name_re is None)
 
     @property
     def path(self) -> tuple:
@@ -43,16 +46,18 @@ def view_rule(index: int, rule) -> RuleView | None:
     match = rule.get("match") if isinstance(rule.get("match"), dict) else {}
     replace = rule.get("replace") if isinstance(rule.get("replace"), dict) else {}
     name = match.get("name")
-    name_re, error = None, None
+    name_re, error, risk = None, None, None
     if isinstance(name, str):
         try:
             name_re = re.compile(name)
         except re.error as exc:
             error = exc
+        if name_re is not None and (risk := backtracking_risk(name)) is not None:
+            name_re = None  # never matched: it could hang check-rules, --explain and verify
     kwargs = replace.get("kwargs")
     return RuleView(index, rule, match, replace, name, name_re, error, match.get("class"),
                     replace.get("class", "default"), kwargs if isinstance(kwargs, dict) else {}, "kwargs" in replace,
-                    bool(rule["recursive"]) if "recursive" in rule else True)
+                    bool(rule["recursive"]) if "recursive" in rule else True, risk)
 
 
 def operator_of(view: RuleView, catalog: Catalog) -> Operator | None:
@@ -60,7 +65,7 @@ def operator_of(view: RuleView, catalog: Catalog) -> Operator | None:
 
 
 def compile_view(view: RuleView, catalog: Catalog) -> CompiledRule | None:
-    if view.regex_error is not None:
+    if view.regex_error is not None or view.regex_risk is not None:
         return None
     class_type, class_known = None, True
     if isinstance(view.cls, str):

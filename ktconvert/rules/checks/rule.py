@@ -1,10 +1,12 @@
-"""Checks of one rule against the catalog alone: regexes (KT30x), match classes (KT211/KT213), the operator, its
-backend and forward contract (KT201/KT203/KT204), its kwargs and their values (KT202/KT205-KT209/KT212/KT214)."""
+"""Checks of one rule against the catalog alone: regexes (KT301-KT303, KT305), match classes (KT211/KT213), the
+operator, its backend and forward contract (KT201/KT203/KT204), its kwargs and their values (KT202/KT205-KT209/KT212/
+KT214)."""
 
 from __future__ import annotations
 
 import re
 
+from ktconvert.io.userregex import FIX as USER_REGEX_FIX
 from ktconvert.rules import regexlint
 from ktconvert.rules.catalog import Operator
 from ktconvert.rules.checks import check
@@ -22,6 +24,13 @@ def regex_does_not_compile(ctx, view: RuleView, op) -> None:
     if exc is not None:
         ctx.add("KT301", view.path + ("match", "name"), f"regex does not compile: {exc.msg} at offset {exc.pos}",
                 "fix the pattern (remember YAML double quotes need \\\\. for a literal dot)")
+
+
+@check("KT305", stage="rule")
+def regex_can_backtrack_without_end(ctx, view: RuleView, op) -> None:
+    if view.regex_risk is not None:
+        ctx.add("KT305", view.path + ("match", "name"), f"regex {view.name!r} has {view.regex_risk}: matching it "
+                "against a module path can run for hours, so it is not matched", USER_REGEX_FIX)
 
 
 @check("KT302", stage="rule")
