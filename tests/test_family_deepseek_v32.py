@@ -33,7 +33,7 @@ def f32(model, tmp_path_factory):
 
 
 def test_the_indexer_selection_and_its_rope_decide_the_golden(model):
-    """index_topk 16 of up to 31 keys, the indexer's rope in halves (GLM-5's is in interleaved pairs): attending to
+    """index_topk 26 of up to 31 keys, the indexer's rope in halves (GLM-5's is in interleaved pairs): attending to
     every key, or rotating the indexer as GLM-5 does, moves the logits far past the 1e-5 the reference keeps."""
     import torch
 
@@ -68,7 +68,7 @@ def test_gguf_is_llamacpps_absorbed_mla_with_the_indexer(model, f32):
     assert kv["deepseek32.attention.key_length"].contents() == 64 + 16  # kv_lora_rank + qk_rope_head_dim
     assert kv["deepseek32.attention.key_length_mla"].contents() == 32 + 16  # qk_nope + qk_rope
     assert kv["deepseek32.attention.value_length_mla"].contents() == 32
-    assert [kv[f"deepseek32.attention.indexer.{k}"].contents() for k in ("head_count", "key_length", "top_k")] == [8, 64, 16]
+    assert [kv[f"deepseek32.attention.indexer.{k}"].contents() for k in ("head_count", "key_length", "top_k")] == [32, 64, 26]
     assert "deepseek32.attention.indexer.types" not in kv  # V3.2's config has no indexer_types: every layer its own
     assert [kv[f"deepseek32.expert_group_{k}count"].contents() for k in ("", "used_")] == [4, 2]
     got = {t.name: np.asarray(t.data) for t in r.tensors}

@@ -33,7 +33,7 @@ def f32(model, tmp_path_factory):
 
 
 def test_the_indexer_selection_decides_the_golden(model):
-    """index_topk 16 of up to 31 keys: attending to every key instead moves the logits far past the 1e-5 the
+    """index_topk 28 of up to 31 keys: attending to every key instead moves the logits far past the 1e-5 the
     reference keeps to transformers, so the golden checks the sparse selection itself."""
     import torch
 
@@ -63,7 +63,7 @@ def test_gguf_is_llamacpps_absorbed_mla_with_the_indexer(model, f32):
     assert kv["glm-dsa.attention.key_length"].contents() == 64 + 32  # kv_lora_rank + qk_rope_head_dim
     assert kv["glm-dsa.attention.key_length_mla"].contents() == 64 + 32  # qk_nope + qk_rope
     assert kv["glm-dsa.attention.value_length_mla"].contents() == 64
-    assert [kv[f"glm-dsa.attention.indexer.{k}"].contents() for k in ("head_count", "key_length", "top_k")] == [8, 64, 16]
+    assert [kv[f"glm-dsa.attention.indexer.{k}"].contents() for k in ("head_count", "key_length", "top_k")] == [12, 64, 28]
     assert kv["glm-dsa.attention.indexer.types"].contents() == [True, True, True]
     got = {t.name: np.asarray(t.data) for t in r.tensors}
     kv_b = read_tensors(model)["model.layers.1.self_attn.kv_b_proj.weight"].numpy().reshape(4, 64 + 64, 64)

@@ -328,3 +328,19 @@ def test_v3_score_correction_bias_decides_routing_in_the_last_moe_layer(tiny_roo
             mod.e_score_correction_bias.zero_()
     without, _ = _routing(model, ids)
     assert not (with_bias[-1] == without[-1]).all()
+
+
+@pytest.mark.parametrize("family", [f for f in FAMILIES if (normalize_config(tiny_config(f)).n_group or 1) > 1])
+def test_group_limited_routing_designates_experts_of_two_groups(family):
+    """With expert groups, each token's two designated experts lie in different groups in every MoE layer, so the
+    group selection never compares two groups of rejected experts (a near-tie: see tests/test_tiny_selection_gaps.py)."""
+    from ktconvert.model.tiny import router_permutation
+
+    cfg = normalize_config(tiny_config(family))
+    size = cfg.num_experts // cfg.n_group
+    codes = token_codes(cfg.vocab_size, cfg.num_experts, cfg.n_group)
+    assert np.all(codes[:, 0] != codes[:, 1])
+    for layer in cfg.moe_layers:
+        perm = np.asarray(router_permutation(family, layer, cfg.num_experts, cfg.n_group))
+        assert sorted(perm) == list(range(cfg.num_experts))
+        assert np.all(perm[codes[:, 0]] // size != perm[codes[:, 1]] // size), layer

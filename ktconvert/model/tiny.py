@@ -323,11 +323,30 @@ def _compressed_specs(cfg: MoeConfig, a: str, layer: int, add) -> None:
         add(f"{a}.compressor.indexer.scorer.weights_proj.weight", (d.n_heads, h), "linear")
 
 
-def token_codes(vocab: int = VOCAB, experts: int = EXPERTS) -> np.ndarray:
-    """``[vocab, 2]``: each token's two designated code channels (distinct)."""
+def token_codes(vocab: int = VOCAB, experts: int = EXPERTS, groups: int = 1) -> np.ndarray:
+    """``[vocab, 2]``: each token's two designated code channels (distinct). With ``groups`` > 1 (group-limited
+    routing) the channels form that many consecutive groups and the two lie in different ones: a second channel
+    drawn in the first's group moves to the same place in the next group."""
     first = rng.randint(rng.stream_key(SEED, "code", "first"), vocab, experts)
     offset = rng.randint(rng.stream_key(SEED, "code", "second"), vocab, experts - 1)
-    return np.stack([first, (first + 1 + offset) % experts], axis=1)
+    second = (first + 1 + offset) % experts
+    if groups > 1:
+        size = experts // groups
+        second = np.where(second // size == first // size, (second + size) % experts, second)
+    return np.stack([first, second], axis=1)
+
+
+def router_permutation(family: str, layer: int | str, experts: int = EXPERTS, groups: int = 1) -> list[int]:
+    """Which expert each routing channel drives in one MoE layer (``perm[channel]``). With ``groups`` > 1 a channel
+    group goes to one expert group as a whole (groups in a drawn order, the experts in a drawn order within), so a
+    token's two channels, in different groups (:func:`token_codes`), pick experts of two different groups: the
+    group selection then compares a designated expert's score with rejected ones, never two rejected groups."""
+    if groups <= 1:
+        return rng.permutation(rng.stream_key(SEED, family, "router-perm", layer), experts)
+    size = experts // groups
+    order = rng.permutation(rng.stream_key(SEED, family, "router-perm", layer), groups)
+    within = [rng.permutation(rng.stream_key(SEED, family, "router-perm", layer, g), size) for g in range(groups)]
+    return [order[j // size] * size + within[j // size][j % size] for j in range(experts)]
 
 
 def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
@@ -360,7 +379,7 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
         out[chans, :] = 0.0
     elif spec.kind == "embed":
         out = u.copy()
-        codes = token_codes(cfg.vocab_size, cfg.num_experts)
+        codes = token_codes(cfg.vocab_size, cfg.num_experts, cfg.n_group or 1)
         first, second, rest = _code_levels(family)
         levels = np.full((cfg.vocab_size, cfg.num_experts), rest)
         levels[np.arange(cfg.vocab_size), codes[:, 0]] = first
@@ -368,7 +387,7 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
         out[:, chans] = levels
     elif spec.kind == "router":
         layer = spec.name.split(".")[2]
-        perm = rng.permutation(rng.stream_key(SEED, family, "router-perm", layer), cfg.num_experts)
+        perm = router_permutation(family, layer, cfg.num_experts, cfg.n_group or 1)
         out = ROUTER_NOISE * u
         gain = _router_gain(family)
         for j, ch in enumerate(chans):
