@@ -25,17 +25,21 @@ from ._jit import (
     F0,
     F1,
     F_0_1,
-    F_15,
     F_32,
     F_EPS,
-    F_63,
     F32,
     _fp16,
     _fp16_f32,
-    _i8,
     _njit,
+    _nint_clamp_f,
     _put16,
+    _qkx2_lanes,
     nearest_int,
+    pack_2bit,
+    pack_q4k_qs,
+    pack_q5k_qs,
+    q3k_tail,
+    q6k_tail,
 )
 
 F_RMIN = F32(-0.9)       # make_qkx3_quants' rmin, rdelta and nstep as every _impl passes them
@@ -45,7 +49,8 @@ F_TWO = F32(2.0)
 F_256 = F32(256.0)
 
 #: the 16 levels of IQ4_NL / IQ4_XS (ggml's ``kvalues_iq4nl``; also in the gguf package's dequantizer)
-IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int64)
+IQ4NL_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.float32)
+_LANES = 16  # sub-blocks (or trial scales) searched side by side
 
 
 @_njit(inline="always", **_OPTS)
@@ -74,70 +79,20 @@ def _sum_sq(x, o, n):
     return s
 
 
-@_njit(**_OPTS)
-def _qkx3(x, o, n, w, nmax, L, lo, Laux):
-    """make_qkx3_quants(n, nmax, x + o, w, L + lo, &the_min, Laux, -0.9f, 0.05f, 36, false): returns
-    (scale, the_min); ``min`` is updated in place when a trial is taken, as in the C."""
-    fnmax = F32(nmax)
-    mn = x[o]
-    mx = x[o]
-    sum_w = w[0]
-    sum_x = sum_w * x[o]
-    for i in range(1, n):
-        v = x[o + i]
-        if v < mn:
-            mn = v
-        if v > mx:
-            mx = v
-        sum_w += w[i]
-        sum_x += w[i] * v
-    if mn > F0:
-        mn = F0
-    if mx <= mn:
+@_njit(inline="always", **_OPTS)
+def _load_lanes(xr, q, o, n, cnt, sigma2, X, Wt, sw, s0):
+    """Sub-blocks o, o+n, ... (``cnt`` of them) of a row into lanes s0.. of ``X``/``Wt`` (element i of lane s
+    at ``[i, s]``), with weights ``q * sqrtf(sigma2 + x^2)`` and their sequential sums in ``sw``."""
+    for c in range(cnt):
+        s = s0 + c
+        t = F0
         for i in range(n):
-            L[lo + i] = 0
-        return F0, -mn
-    iscale = fnmax / (mx - mn)
-    scale = F1 / iscale
-    best = F0
-    for i in range(n):
-        v = x[o + i]
-        l = min(nmax, max(0, nearest_int(iscale * (v - mn))))
-        L[lo + i] = l
-        diff = scale * F32(l) + mn - v
-        best += w[i] * (diff * diff)
-    for k in range(NSTEP + 1):
-        iscale = (F_RMIN + F_RDELTA * F32(k) + fnmax) / (mx - mn)
-        sl = F0
-        sl2 = F0
-        sxl = F0
-        for i in range(n):
-            v = x[o + i]
-            l = min(nmax, max(0, nearest_int(iscale * (v - mn))))
-            Laux[i] = l
-            fl = F32(l)
-            wl = w[i] * fl
-            sl += wl
-            sl2 += wl * fl
-            sxl += wl * v
-        D = sum_w * sl2 - sl * sl
-        if D > F0:
-            ts = (sum_w * sxl - sum_x * sl) / D
-            tm = (sl2 * sum_x - sl * sxl) / D
-            if tm > F0:
-                tm = F0
-                ts = sxl / sl2
-            mad = F0
-            for i in range(n):
-                diff = ts * F32(Laux[i]) + tm - x[o + i]
-                mad += w[i] * (diff * diff)
-            if mad < best:
-                for i in range(n):
-                    L[lo + i] = Laux[i]
-                best = mad
-                scale = ts
-                mn = tm
-    return scale, -mn
+            v = xr[o + n * c + i]
+            w = q[o + n * c + i] * np.sqrt(sigma2 + v * v)
+            X[i, s] = v
+            Wt[i, s] = w
+            t += w
+        sw[s] = t
 
 
 @_njit(**_OPTS)
@@ -204,15 +159,11 @@ def _qp(n, nmax, x, L, qw):
     return sumlx / suml2 if suml2 > F0 else F0
 
 
-@_njit(inline="always", **_OPTS)
-def _qx_levels(x, o, n, nmax, iscale, L, lo):
-    for i in range(n):
-        L[lo + i] = nmax + min(nmax - 1, max(-nmax, nearest_int(iscale * x[o + i])))
-
-
 @_njit(**_OPTS)
-def _qx(x, o, n, nmax, L, lo, w):
-    """make_qx_quants(n, nmax, x + o, L + lo, rmse_type=1, w): L gets l + nmax."""
+def _qx(x, o, n, nmax, L, lo, w, T):
+    """make_qx_quants(n, nmax, x + o, L + lo, rmse_type=1, w): L gets l + nmax. The 18 trial scales do not
+    depend on each other's outcome, so their sums run side by side (lanes of ``T``, each still over the
+    elements in order) and the C's sequential pick among them follows."""
     fnmax = F32(nmax)
     amax = F0
     mx = F0
@@ -226,55 +177,43 @@ def _qx(x, o, n, nmax, L, lo, w):
         for i in range(n):
             L[lo + i] = 0
         return F0
-    iscale = -fnmax / mx
-    sumlx = F0
-    suml2 = F0
+    isc, slx, sl2 = T[0], T[1], T[2]
+    isc[18] = -fnmax / mx                       # the first guess, then is = -9..-1, 1..9
+    for t in range(18):
+        isc[t] = -(fnmax + F_0_1 * F32(t - 9 if t < 9 else t - 8)) / mx
+    for t in range(19):
+        slx[t] = F0
+        sl2[t] = F0
     for i in range(n):
         v = x[o + i]
-        fl = F32(min(nmax - 1, max(-nmax, nearest_int(iscale * v))))
-        sumlx += w[i] * v * fl
-        suml2 += w[i] * fl * fl
-    _qx_levels(x, o, n, nmax, iscale, L, lo)
-    scale = sumlx / suml2 if suml2 != F0 else F0
-    best = scale * sumlx
-    for k in range(-9, 10):
-        if k == 0:
-            continue
-        iscale = -(fnmax + F_0_1 * F32(k)) / mx
-        sumlx = F0
-        suml2 = F0
-        for i in range(n):
-            v = x[o + i]
-            fl = F32(min(nmax - 1, max(-nmax, nearest_int(iscale * v))))
-            sumlx += w[i] * v * fl
-            suml2 += w[i] * fl * fl
-        if suml2 > F0 and sumlx * sumlx > best * suml2:
-            _qx_levels(x, o, n, nmax, iscale, L, lo)
-            scale = sumlx / suml2
-            best = scale * sumlx
+        wi = w[i]
+        wv = wi * v
+        for t in range(19):
+            l = _nint_clamp_f(isc[t] * v, -nmax, nmax - 1)
+            slx[t] += wv * l                   # w*x*l
+            sl2[t] += wi * l * l               # w*l*l
+    take = isc[18]
+    scale = slx[18] / sl2[18] if sl2[18] != F0 else F0
+    best = scale * slx[18]
+    for t in range(18):
+        if sl2[t] > F0 and slx[t] * slx[t] > best * sl2[t]:
+            take = isc[t]
+            scale = slx[t] / sl2[t]
+            best = scale * slx[t]
+    for i in range(n):
+        L[lo + i] = nmax + min(nmax - 1, max(-nmax, nearest_int(take * x[o + i])))
     return scale
 
 
-# ----------------------------------------------------------------------------------------------------
-# K-quants
-
-
 @_njit(inline="always", **_OPTS)
-def _pack_scale_min_k4(out, b, Ls, Lm, clamp63):
-    """The 12 bytes of 6-bit scales and mins of Q4_K/Q5_K (uint8 stores, as the C's)."""
-    for j in range(8):
-        ls = Ls[j] & 0xFF
-        lm = Lm[j] & 0xFF
-        if clamp63:
-            ls = min(63, ls)
-            lm = min(63, lm)
-        if j < 4:
-            out[b, 4 + j] = ls
-            out[b, 8 + j] = lm
-        else:
-            out[b, 8 + j] = ((ls & 0x0F) | ((lm & 0x0F) << 4)) & 0xFF
-            out[b, j] = (np.int64(out[b, j]) | ((ls >> 4) << 6)) & 0xFF
-            out[b, 4 + j] = (np.int64(out[b, 4 + j]) | ((lm >> 4) << 6)) & 0xFF
+def _scratch():
+    """Lane buffers: X, Wt, Laux, Lf (32 x 16), V (17 x 16: the lane search's vectors), F (rows 0-2: a
+    trial-lane search's sums, 3: sub-block weight sums, 4: sub-block scales, 5: one block's weights),
+    L (levels of 16 lanes of 32), Ls/Lm (16 packed sub-scales each)."""
+    return (np.empty((32, _LANES), dtype=np.float32), np.empty((32, _LANES), dtype=np.float32),
+            np.empty((32, _LANES), dtype=np.float32), np.empty((32, _LANES), dtype=np.float32),
+            np.empty((17, _LANES), dtype=np.float32), np.empty((6, 32), dtype=np.float32),
+            np.empty(32 * _LANES, dtype=np.int64), np.empty((2, 16), dtype=np.int64))
 
 
 @_njit(inline="always", **_OPTS)
@@ -288,215 +227,186 @@ def _scale_min_k4(out, b, j):
 
 
 @_njit(inline="always", **_OPTS)
-def _q45_block(x, o, q, out, b, nmax, clamp63, L, Laux, w, scales, mins, sw, Ls, Lm):
-    """One Q4_K / Q5_K super-block of quantize_row_q{4,5}_K_impl; leaves its levels in L[0:256]."""
-    sigma2 = F_TWO * _sum_sq(x, o, 256) / F_256
-    for j in range(8):
-        sw[j] = _weights(x, o + 32 * j, 32, q, sigma2, w)
-        scales[j], mins[j] = _qkx3(x, o + 32 * j, 32, w, nmax, L, 32 * j, Laux)
-    d_block = _qp(8, 63, scales, Ls, sw)
-    m_block = _qp(8, 63, mins, Lm, sw)
-    _pack_scale_min_k4(out, b, Ls, Lm, clamp63)
-    dh = _fp16(d_block)
-    mh = _fp16(m_block)
-    _put16(out, b, 0, dh)
-    _put16(out, b, 2, mh)
-    d_all = _fp16_f32(dh)
-    m_all = _fp16_f32(mh)
-    for j in range(8):
-        sc, m = _scale_min_k4(out, b, j)
-        d = d_all * F32(sc)
-        if d == F0:
-            continue
-        dm = m_all * F32(m)
-        for i in range(32):
-            L[32 * j + i] = min(nmax, max(0, nearest_int((x[o + 32 * j + i] + dm) / d)))
+def _q45(xr, q, o, g, out, b, nmax, X, Wt, Laux, Lf, V, F, L, LsLm):
+    """``g`` (1 or 2) Q4_K (nmax 15) / Q5_K (31) super-blocks of quantize_row_q{4,5}_K_impl from ``o``, their
+    8*g sub-blocks searched as lanes; leaves block t's levels in ``L[256*t:]``. (The lane count is a runtime
+    value on purpose: with a constant 8 LLVM unrolls the lane loops instead of vectorizing them.)"""
+    sw = F[3]
+    for t in range(g):
+        sigma2 = F_TWO * _sum_sq(xr, o + 256 * t, 256) / F_256
+        _load_lanes(xr, q, o + 256 * t, 32, 8, sigma2, X, Wt, sw, 8 * t)
+    _qkx2_lanes(X, Wt, 32, 8 * g, nmax, F_RMIN, F_RDELTA, NSTEP, False, Laux, V, Lf)
+    Ls, Lm = LsLm[0], LsLm[1]
+    for t in range(g):
+        bt = b + t
+        ot = o + 256 * t
+        Lt = L[256 * t:256 * t + 256]
+        for j in range(8):
+            for i in range(32):
+                Lt[32 * j + i] = np.int64(Lf[i, 8 * t + j])
+        d_block = _qp(8, 63, V[4, 8 * t:8 * t + 8], Ls, sw[8 * t:8 * t + 8])  # V[4]: scales, V[0]: -mins
+        m_block = _qp(8, 63, V[0, 8 * t:8 * t + 8], Lm, sw[8 * t:8 * t + 8])
+        for j in range(8):
+            ls = Ls[j] & 0xFF
+            lm = Lm[j] & 0xFF
+            if nmax == 31:                        # Q5_K clamps the sub-scales, Q4_K stores them as they are
+                ls = min(63, ls)
+                lm = min(63, lm)
+            if j < 4:
+                out[bt, 4 + j] = ls
+                out[bt, 8 + j] = lm
+            else:
+                out[bt, 8 + j] = ((ls & 0x0F) | ((lm & 0x0F) << 4)) & 0xFF
+                out[bt, j] = (np.int64(out[bt, j]) | ((ls >> 4) << 6)) & 0xFF
+                out[bt, 4 + j] = (np.int64(out[bt, 4 + j]) | ((lm >> 4) << 6)) & 0xFF
+        dh = _fp16(d_block)
+        mh = _fp16(m_block)
+        _put16(out, bt, 0, dh)
+        _put16(out, bt, 2, mh)
+        d_all = _fp16_f32(dh)
+        m_all = _fp16_f32(mh)
+        for j in range(8):
+            sc, m = _scale_min_k4(out, bt, j)
+            d = d_all * F32(sc)
+            if d == F0:
+                continue
+            dm = m_all * F32(m)
+            for i in range(32):
+                Lt[32 * j + i] = min(nmax, max(0, nearest_int((xr[ot + 32 * j + i] + dm) / d)))
+        if nmax == 15:
+            pack_q4k_qs(out, bt, Lt)
+        else:
+            pack_q5k_qs(out, bt, Lt)
 
 
 @_njit(inline="always", **_OPTS)
-def _k_scratch():
-    return (np.empty(256, dtype=np.int64), np.empty(32, dtype=np.int64), np.empty(32, dtype=np.float32),
-            np.empty((3, 16), dtype=np.float32), np.empty((2, 16), dtype=np.int64))
+def _q2k(xr, q, o, out, b, X, Wt, Laux, Lf, V, F, L, LsLm):
+    """One Q2_K super-block of quantize_row_q2_K_impl (16 sub-blocks of 16 as lanes)."""
+    sigma2 = _sum_sq(xr, o, 256) / F_256
+    sw = F[3]
+    _load_lanes(xr, q, o, 16, 16, sigma2, X, Wt, sw, 0)
+    _qkx2_lanes(X, Wt, 16, X.shape[1], 3, F_RMIN, F_RDELTA, NSTEP, False, Laux, V, Lf)  # 16, as a runtime value
+    for j in range(16):
+        for i in range(16):
+            L[16 * j + i] = np.int64(Lf[i, j])
+    Ls, Lm = LsLm[0], LsLm[1]
+    dm = _qp(16, 15, V[4], Ls, sw)
+    mm = _qp(16, 15, V[0], Lm, sw)
+    dh = _fp16(dm)
+    mh = _fp16(mm)
+    _put16(out, b, 80, dh)
+    _put16(out, b, 82, mh)
+    d_all = _fp16_f32(dh)
+    m_all = _fp16_f32(mh)
+    for j in range(16):
+        sc = (Ls[j] | (Lm[j] << 4)) & 0xFF
+        out[b, j] = sc
+        d = d_all * F32(sc & 0x0F)
+        if d == F0:
+            continue
+        m = m_all * F32(sc >> 4)
+        for i in range(16):
+            L[16 * j + i] = min(3, max(0, nearest_int((xr[o + 16 * j + i] + m) / d)))
+    pack_2bit(out, b, 16, L)
+
+
+@_njit(inline="always", **_OPTS)
+def _q3k(xr, q, o, out, b, F, L, LsLm):
+    """One Q3_K super-block of quantize_row_q3_K_impl."""
+    sigma2 = F_TWO * _sum_sq(xr, o, 256) / F_256
+    w, sw, scales = F[5], F[3], F[4]
+    T = F[:3]
+    for j in range(16):
+        sw[j] = _weights(xr, o + 16 * j, 16, q, sigma2, w)
+        scales[j] = _qx(xr, o + 16 * j, 16, 4, L, 16 * j, w, T)
+    for i in range(96, 108):
+        out[b, i] = 0
+    Ls = LsLm[0]
+    d_block = _qx(scales, 0, 16, 32, Ls, 0, sw, T)
+    for j in range(16):
+        l = Ls[j]
+        if j < 8:
+            out[b, 96 + j] = l & 0x0F
+        else:
+            out[b, 96 + j - 8] |= (l & 0x0F) << 4
+        out[b, 104 + j % 4] |= (l >> 4) << (2 * (j // 4))
+    _put16(out, b, 108, _fp16(d_block))
+    q3k_tail(xr, o, out, b, L)
+
+
+@_njit(inline="always", **_OPTS)
+def _q6k(xr, q, o, out, b, F, L):
+    """One Q6_K super-block of quantize_row_q6_K_impl: the search weighted by the importances alone."""
+    scales = F[4]
+    T = F[:3]
+    for j in range(16):
+        scales[j] = _qx(xr, o + 16 * j, 16, 32, L, 16 * j, q[o + 16 * j:o + 16 * j + 16], T)
+    q6k_tail(xr, o, out, b, L, scales)
+
+
+@_njit(**_OPTS)
+def _q4k_block(xr, q, o, g, out, b, S):
+    X, Wt, Laux, Lf, V, F, L, LsLm = S
+    _q45(xr, q, o, g, out, b, 15, X, Wt, Laux, Lf, V, F, L, LsLm)
+
+
+@_njit(**_OPTS)
+def _q5k_block(xr, q, o, g, out, b, S):
+    X, Wt, Laux, Lf, V, F, L, LsLm = S
+    _q45(xr, q, o, g, out, b, 31, X, Wt, Laux, Lf, V, F, L, LsLm)
+
+
+@_njit(**_OPTS)
+def _q2k_block(xr, q, o, g, out, b, S):
+    X, Wt, Laux, Lf, V, F, L, LsLm = S
+    _q2k(xr, q, o, out, b, X, Wt, Laux, Lf, V, F, L, LsLm)
+
+
+@_njit(**_OPTS)
+def _q3k_block(xr, q, o, g, out, b, S):
+    _q3k(xr, q, o, out, b, S[5], S[6], S[7])
+
+
+@_njit(**_OPTS)
+def _q6k_block(xr, q, o, g, out, b, S):
+    _q6k(xr, q, o, out, b, S[5], S[6])
+
+
+@_njit(inline="always", **_OPTS)
+def _rows(x, qw, r0, rpe, out, per, block):
+    """``block`` (one of the ``_*_block`` kernels) on every row's 256-element super-blocks, ``per`` at a time."""
+    S = _scratch()
+    nb = x.shape[1] // 256
+    for r in range(x.shape[0]):
+        xr = x[r]
+        q = _qrow(qw, r0, r, rpe)
+        for k in range(0, nb, per):
+            block(xr, q, 256 * k, min(per, nb - k), out, r * nb + k, S)
 
 
 @_njit(**_OPTS)
 def q4_k(x, qw, r0, rpe, out):
-    L, Laux, w, f16s, i16s = _k_scratch()
-    nb = x.shape[1] // 256
-    for r in range(x.shape[0]):
-        xr = x[r]
-        q = _qrow(qw, r0, r, rpe)
-        for k in range(nb):
-            b = r * nb + k
-            _q45_block(xr, 256 * k, q, out, b, 15, False, L, Laux, w, f16s[0], f16s[1], f16s[2], i16s[0], i16s[1])
-            for c in range(4):
-                for l in range(32):
-                    out[b, 16 + 32 * c + l] = L[64 * c + l] | (L[64 * c + 32 + l] << 4)
+    _rows(x, qw, r0, rpe, out, 2, _q4k_block)
 
 
 @_njit(**_OPTS)
 def q5_k(x, qw, r0, rpe, out):
-    L, Laux, w, f16s, i16s = _k_scratch()
-    nb = x.shape[1] // 256
-    for r in range(x.shape[0]):
-        xr = x[r]
-        q = _qrow(qw, r0, r, rpe)
-        for k in range(nb):
-            b = r * nb + k
-            _q45_block(xr, 256 * k, q, out, b, 31, True, L, Laux, w, f16s[0], f16s[1], f16s[2], i16s[0], i16s[1])
-            for l in range(32):
-                out[b, 16 + l] = 0
-            for c in range(4):
-                m1 = 1 << (2 * c)
-                for l in range(32):
-                    l1 = L[64 * c + l]
-                    l2 = L[64 * c + 32 + l]
-                    h = 0
-                    if l1 > 15:
-                        l1 -= 16
-                        h |= m1
-                    if l2 > 15:
-                        l2 -= 16
-                        h |= m1 << 1
-                    out[b, 16 + l] |= h
-                    out[b, 48 + 32 * c + l] = l1 | (l2 << 4)
-
-
-@_njit(inline="always", **_OPTS)
-def _pack_2bit(out, b, at, L):
-    for h in range(2):
-        for l in range(32):
-            o = 128 * h + l
-            out[b, at + 32 * h + l] = (L[o] | (L[o + 32] << 2) | (L[o + 64] << 4) | (L[o + 96] << 6)) & 0xFF
+    _rows(x, qw, r0, rpe, out, 2, _q5k_block)
 
 
 @_njit(**_OPTS)
 def q2_k(x, qw, r0, rpe, out):
-    L, Laux, w, f16s, i16s = _k_scratch()
-    scales, mins, sw = f16s[0], f16s[1], f16s[2]
-    Ls, Lm = i16s[0], i16s[1]
-    nb = x.shape[1] // 256
-    for r in range(x.shape[0]):
-        xr = x[r]
-        q = _qrow(qw, r0, r, rpe)
-        for k in range(nb):
-            b = r * nb + k
-            o = 256 * k
-            sigma2 = _sum_sq(xr, o, 256) / F_256
-            for j in range(16):
-                sw[j] = _weights(xr, o + 16 * j, 16, q, sigma2, w)
-                scales[j], mins[j] = _qkx3(xr, o + 16 * j, 16, w, 3, L, 16 * j, Laux)
-            dm = _qp(16, 15, scales, Ls, sw)
-            mm = _qp(16, 15, mins, Lm, sw)
-            dh = _fp16(dm)
-            mh = _fp16(mm)
-            _put16(out, b, 80, dh)
-            _put16(out, b, 82, mh)
-            d_all = _fp16_f32(dh)
-            m_all = _fp16_f32(mh)
-            for j in range(16):
-                sc = (Ls[j] | (Lm[j] << 4)) & 0xFF
-                out[b, j] = sc
-                d = d_all * F32(sc & 0x0F)
-                if d == F0:
-                    continue
-                m = m_all * F32(sc >> 4)
-                for i in range(16):
-                    L[16 * j + i] = min(3, max(0, nearest_int((xr[o + 16 * j + i] + m) / d)))
-            _pack_2bit(out, b, 16, L)
+    _rows(x, qw, r0, rpe, out, 1, _q2k_block)
 
 
 @_njit(**_OPTS)
 def q3_k(x, qw, r0, rpe, out):
-    L, Laux, w, f16s, i16s = _k_scratch()
-    scales, sw = f16s[0], f16s[2]
-    Ls = i16s[0]
-    nb = x.shape[1] // 256
-    for r in range(x.shape[0]):
-        xr = x[r]
-        q = _qrow(qw, r0, r, rpe)
-        for k in range(nb):
-            b = r * nb + k
-            o = 256 * k
-            sigma2 = F_TWO * _sum_sq(xr, o, 256) / F_256
-            for j in range(16):
-                sw[j] = _weights(xr, o + 16 * j, 16, q, sigma2, w)
-                scales[j] = _qx(xr, o + 16 * j, 16, 4, L, 16 * j, w)
-            for i in range(96, 108):
-                out[b, i] = 0
-            d_block = _qx(scales, 0, 16, 32, Ls, 0, sw)
-            for j in range(16):
-                l = Ls[j]
-                if j < 8:
-                    out[b, 96 + j] = l & 0x0F
-                else:
-                    out[b, 96 + j - 8] |= (l & 0x0F) << 4
-                out[b, 104 + j % 4] |= (l >> 4) << (2 * (j // 4))
-            dh = _fp16(d_block)
-            _put16(out, b, 108, dh)
-            d_all = _fp16_f32(dh)
-            for j in range(16):
-                lo = np.int64(out[b, 96 + j]) & 0x0F if j < 8 else np.int64(out[b, 96 + j - 8]) >> 4
-                sc = _i8((lo | (((np.int64(out[b, 104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32)
-                d = d_all * F32(sc)
-                if d == F0:
-                    continue
-                for i in range(16):
-                    L[16 * j + i] = 4 + min(3, max(-4, nearest_int(xr[o + 16 * j + i] / d)))
-            for m in range(32):
-                hm = 0
-                for c in range(8):
-                    if L[32 * c + m] > 3:
-                        hm |= 1 << c
-                        L[32 * c + m] -= 4
-                out[b, m] = hm
-            _pack_2bit(out, b, 32, L)
+    _rows(x, qw, r0, rpe, out, 1, _q3k_block)
 
 
 @_njit(**_OPTS)
 def q6_k(x, qw, r0, rpe, out):
-    L, Laux, w, f16s, i16s = _k_scratch()
-    scales = f16s[0]
-    nb = x.shape[1] // 256
-    for r in range(x.shape[0]):
-        xr = x[r]
-        q = _qrow(qw, r0, r, rpe)
-        for k in range(nb):
-            b = r * nb + k
-            o = 256 * k
-            max_scale = F0
-            max_abs = F0
-            for j in range(16):
-                s = _qx(xr, o + 16 * j, 16, 32, L, 16 * j, q[o + 16 * j:o + 16 * j + 16])
-                scales[j] = s
-                a = abs(s)
-                if a > max_abs:
-                    max_abs = a
-                    max_scale = s
-            if max_abs < F_EPS:
-                for i in range(210):
-                    out[b, i] = 0
-                continue
-            iscale = F32(-128.0) / max_scale
-            dh = _fp16(F1 / iscale)
-            _put16(out, b, 208, dh)
-            d_all = _fp16_f32(dh)
-            for j in range(16):
-                sq = _i8(min(127, nearest_int(iscale * scales[j])))
-                out[b, 192 + j] = sq & 0xFF
-                d = d_all * F32(sq)
-                if d == F0:
-                    continue
-                for i in range(16):
-                    L[16 * j + i] = 32 + min(31, max(-32, nearest_int(xr[o + 16 * j + i] / d)))
-            for h in range(2):
-                for l in range(32):
-                    p = 128 * h + l
-                    a0, a1, a2, a3 = L[p], L[p + 32], L[p + 64], L[p + 96]
-                    out[b, 64 * h + l] = (a0 & 0x0F) | ((a2 & 0x0F) << 4)
-                    out[b, 64 * h + 32 + l] = (a1 & 0x0F) | ((a3 & 0x0F) << 4)
-                    out[b, 128 + 32 * h + l] = ((a0 >> 4) | ((a1 >> 4) << 2) | ((a2 >> 4) << 4)
-                                                | ((a3 >> 4) << 6)) & 0xFF
+    _rows(x, qw, r0, rpe, out, 1, _q6k_block)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -504,12 +414,12 @@ def q6_k(x, qw, r0, rpe, out):
 
 
 @_njit(inline="always", **_OPTS)
-def _pack_q5(out, b, at, L):
+def _pack_q5(out, b, at, L, lo):
     """qs (16 bytes at ``at + 4``) and the 32 fifth bits (4 bytes at ``at``) of Q5_0/Q5_1."""
     qh = np.int64(0)
     for j in range(16):
-        a = L[j] & 0xFF
-        c = L[j + 16] & 0xFF
+        a = L[lo + j] & 0xFF
+        c = L[lo + j + 16] & 0xFF
         out[b, at + 4 + j] = (a & 0x0F) | ((c & 0x0F) << 4)
         qh |= ((a & 0x10) >> 4) << j
         qh |= ((c & 0x10) >> 4) << (j + 16)
@@ -518,11 +428,10 @@ def _pack_q5(out, b, at, L):
 
 
 @_njit(inline="always", **_OPTS)
-def _legacy_row(x, qw, r0, rpe, out, kind):
-    """quantize_row_{q4_0,q4_1,q5_0,q5_1}_impl (kind 0..3) over every row."""
-    L = np.empty(32, dtype=np.int64)
-    Laux = np.empty(32, dtype=np.int64)
-    w = np.empty(32, dtype=np.float32)
+def _legacy_rows(x, qw, r0, rpe, out, kind):
+    """quantize_row_{q4_0,q4_1,q5_0,q5_1}_impl (kind 0..3) over every row; Q4_1/Q5_1 search 16 blocks of a row
+    side by side."""
+    X, Wt, Laux, Lf, V, F, L, LsLm = _scratch()
     n = x.shape[1]
     nb = n // 32
     fn = F32(n)
@@ -530,47 +439,55 @@ def _legacy_row(x, qw, r0, rpe, out, kind):
         xr = x[r]
         q = _qrow(qw, r0, r, rpe)
         sigma2 = _sum_sq(xr, 0, n) / fn
-        for k in range(nb):
-            b = r * nb + k
-            o = 32 * k
-            _weights(xr, o, 32, q, sigma2, w)
-            if kind == 0 or kind == 2:
-                d = _qx(xr, o, 32, 8 if kind == 0 else 16, L, 0, w)
-                _put16(out, b, 0, _fp16(d))
-                if kind == 0:
-                    for j in range(16):
-                        out[b, 2 + j] = (L[j] | (L[j + 16] << 4)) & 0xFF
+        for k0 in range(0, nb, _LANES):
+            g = min(_LANES, nb - k0)
+            if kind == 1 or kind == 3:
+                nmax = 15 if kind == 1 else 31
+                _load_lanes(xr, q, 32 * k0, 32, g, sigma2, X, Wt, F[3], 0)
+                _qkx2_lanes(X, Wt, 32, g, nmax, F_RMIN, F_RDELTA, NSTEP, False, Laux, V, Lf)
+                for t in range(g):
+                    for i in range(32):
+                        L[32 * t + i] = np.int64(Lf[i, t])
+            for t in range(g):
+                b = r * nb + k0 + t
+                if kind == 1 or kind == 3:
+                    _put16(out, b, 0, _fp16(V[4, t]))
+                    _put16(out, b, 2, _fp16(-V[0, t]))
+                    if kind == 1:
+                        for j in range(16):
+                            out[b, 4 + j] = (L[32 * t + j] | (L[32 * t + j + 16] << 4)) & 0xFF
+                    else:
+                        _pack_q5(out, b, 4, L, 32 * t)
                 else:
-                    _pack_q5(out, b, 2, L)
-            else:
-                d, the_min = _qkx3(xr, o, 32, w, 15 if kind == 1 else 31, L, 0, Laux)
-                _put16(out, b, 0, _fp16(d))
-                _put16(out, b, 2, _fp16(-the_min))
-                if kind == 1:
-                    for j in range(16):
-                        out[b, 4 + j] = (L[j] | (L[j + 16] << 4)) & 0xFF
-                else:
-                    _pack_q5(out, b, 4, L)
+                    w = F[5]
+                    _weights(xr, 32 * (k0 + t), 32, q, sigma2, w)
+                    d = _qx(xr, 32 * (k0 + t), 32, 8 if kind == 0 else 16, L, 0, w, F)
+                    _put16(out, b, 0, _fp16(d))
+                    if kind == 0:
+                        for j in range(16):
+                            out[b, 2 + j] = (L[j] | (L[j + 16] << 4)) & 0xFF
+                    else:
+                        _pack_q5(out, b, 2, L, 0)
 
 
 @_njit(**_OPTS)
 def q4_0(x, qw, r0, rpe, out):
-    _legacy_row(x, qw, r0, rpe, out, 0)
+    _legacy_rows(x, qw, r0, rpe, out, 0)
 
 
 @_njit(**_OPTS)
 def q4_1(x, qw, r0, rpe, out):
-    _legacy_row(x, qw, r0, rpe, out, 1)
+    _legacy_rows(x, qw, r0, rpe, out, 1)
 
 
 @_njit(**_OPTS)
 def q5_0(x, qw, r0, rpe, out):
-    _legacy_row(x, qw, r0, rpe, out, 2)
+    _legacy_rows(x, qw, r0, rpe, out, 2)
 
 
 @_njit(**_OPTS)
 def q5_1(x, qw, r0, rpe, out):
-    _legacy_row(x, qw, r0, rpe, out, 3)
+    _legacy_rows(x, qw, r0, rpe, out, 3)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -579,26 +496,23 @@ def q5_1(x, qw, r0, rpe, out):
 
 @_njit(inline="always", **_OPTS)
 def _best_index(vals, v):
-    """best_index_int8(16, vals, v): the nearest level by bisection, ties (and NaN) as the C resolves them."""
-    if v <= F32(vals[0]):
+    """best_index_int8(16, vals, v) without its bisection's branches: the bisection ends at the last level
+    ``v`` is not below (``!(v < vals[k])``, so a NaN walks to the top as in the C), then the nearer of it and
+    the next, ties to the upper one."""
+    if v <= vals[0]:
         return 0
-    if v >= F32(vals[15]):
+    if v >= vals[15]:
         return 15
     ml = 0
-    mu = 15
-    while mu - ml > 1:
-        mav = (ml + mu) // 2
-        if v < F32(vals[mav]):
-            mu = mav
-        else:
-            ml = mav
-    return mu - 1 if v - F32(vals[mu - 1]) < F32(vals[mu]) - v else mu
+    for k in range(1, 15):
+        ml += 0 if v < vals[k] else 1
+    return ml if v - vals[ml] < vals[ml + 1] - v else ml + 1
 
 
 @_njit(inline="always", **_OPTS)
-def _iq4_sub(xr, o, w, vals, L):
+def _iq4_sub(xr, o, w, vals, T):
     """The 32-element search of quantize_row_iq4_nl_impl with ntry = 7: returns the block's scale (0 for an
-    all-zero block, whose levels L keeps from before, as the C's)."""
+    all-zero block). The 15 trial scales run side by side (lanes of ``T``), then the C's sequential pick."""
     amax = F0
     mx = F0
     for j in range(32):
@@ -609,30 +523,28 @@ def _iq4_sub(xr, o, w, vals, L):
             mx = v
     if amax < F_EPS:
         return F0
-    v0 = F32(vals[0])
-    d = -mx / v0
-    idd = F1 / d
-    sumqx = F0
-    sumq2 = F0
+    isc, sqx, sq2 = T[0], T[1], T[2]
+    isc[15] = F1 / (-mx / vals[0])
+    for t in range(15):
+        isc[t] = F32(t - 7) + vals[0]
+        isc[t] = isc[t] / mx
+    for t in range(16):
+        sqx[t] = F0
+        sq2[t] = F0
     for j in range(32):
-        l = _best_index(vals, idd * xr[o + j])
-        L[j] = l
-        qv = F32(vals[l])
-        sumqx += w[j] * qv * xr[o + j]
-        sumq2 += w[j] * qv * qv
-    d = sumqx / sumq2 if sumq2 > F0 else F0
-    best = d * sumqx
-    for t in range(-7, 8):
-        idd = F32(t + vals[0]) / mx
-        sumqx = F0
-        sumq2 = F0
-        for j in range(32):
-            qv = F32(vals[_best_index(vals, idd * xr[o + j])])
-            sumqx += w[j] * qv * xr[o + j]
-            sumq2 += w[j] * qv * qv
-        if sumq2 > F0 and sumqx * sumqx > best * sumq2:
-            d = sumqx / sumq2
-            best = d * sumqx
+        v = xr[o + j]
+        wj = w[j]
+        for t in range(16):
+            qv = vals[_best_index(vals, isc[t] * v)]
+            wq = wj * qv
+            sqx[t] += wq * v                  # w*q*x
+            sq2[t] += wq * qv                 # w*q*q
+    d = sqx[15] / sq2[15] if sq2[15] > F0 else F0
+    best = d * sqx[15]
+    for t in range(15):
+        if sq2[t] > F0 and sqx[t] * sqx[t] > best * sq2[t]:
+            d = sqx[t] / sq2[t]
+            best = d * sqx[t]
     return d
 
 
@@ -646,70 +558,55 @@ def _iq4_weights(xr, o, q, has_qw, sigma2, w):
             w[j] = v * v
 
 
-@_njit(**_OPTS)
-def iq4_nl(x, qw, r0, rpe, out):
-    """quantize_iq4_nl: one 32-element block at a time (its own sigma2), the levels for the fp32 scale."""
-    vals = IQ4NL_VALUES
-    L = np.zeros(32, dtype=np.int64)  # a zero block keeps the previous block's levels in the C: they are
-    w = np.empty(32, dtype=np.float32)  # rewritten below from scale 0 before they are stored
-    has_qw = qw.shape[0] > 0
-    nb = x.shape[1] // 32
-    for r in range(x.shape[0]):
-        xr = x[r]
-        q = _qrow(qw, r0, r, rpe) if has_qw else xr
-        for k in range(nb):
-            b = r * nb + k
-            o = 32 * k
-            sigma2 = _sum_sq(xr, o, 32) * (F_TWO / F_32)
-            _iq4_weights(xr, o, q, has_qw, sigma2, w)
-            d = _iq4_sub(xr, o, w, vals, L)
-            _put16(out, b, 0, _fp16(d))
-            idd = F1 / d if d != F0 else F0
-            for j in range(32):
-                L[j] = _best_index(vals, idd * xr[o + j])
-            for j in range(16):
-                out[b, 2 + j] = L[j] | (L[16 + j] << 4)
+@_njit(inline="always", **_OPTS)
+def _iq4_levels(out, b, at, xr, o, idl, vals):
+    """The 32 levels for inverse scale ``idl``, packed element j and j+16 in one byte at ``at + j``."""
+    for j in range(16):
+        out[b, at + j] = _best_index(vals, idl * xr[o + j]) | (_best_index(vals, idl * xr[o + 16 + j]) << 4)
 
 
-@_njit(**_OPTS)
-def iq4_xs(x, qw, r0, rpe, out):
-    """quantize_iq4_xs: 256-element super-blocks, eight 32-element scales fitted, then 6-bit sub-scales."""
+@_njit(inline="always", **_OPTS)
+def _iq4_rows(x, qw, r0, rpe, out, xs):
+    """quantize_iq4_nl (``xs`` False: 32-element blocks, the fp16 scale is the fitted one) and quantize_iq4_xs
+    (256-element super-blocks, eight fitted scales as 6-bit multiples of the largest / -32)."""
     vals = IQ4NL_VALUES
-    L = np.zeros(32, dtype=np.int64)
     w = np.empty(32, dtype=np.float32)
+    T = np.empty((3, 16), dtype=np.float32)
     scales = np.empty(8, dtype=np.float32)
     has_qw = qw.shape[0] > 0
-    nb = x.shape[1] // 256
+    sbs = 256 if xs else 32
+    nsub = sbs // 32
+    nb = x.shape[1] // sbs
     for r in range(x.shape[0]):
         xr = x[r]
         q = _qrow(qw, r0, r, rpe) if has_qw else xr
         for k in range(nb):
             b = r * nb + k
-            o = 256 * k
-            sigma2 = _sum_sq(xr, o, 256) * (F_TWO / F_256)
+            o = sbs * k
+            sigma2 = _sum_sq(xr, o, sbs) * (F_TWO / F32(sbs))
             max_scale = F0
             amax_scale = F0
-            for ib in range(8):
+            for ib in range(nsub):
                 _iq4_weights(xr, o + 32 * ib, q, has_qw, sigma2, w)
-                s = _iq4_sub(xr, o + 32 * ib, w, vals, L)
+                s = _iq4_sub(xr, o + 32 * ib, w, vals, T)
                 scales[ib] = s
                 a = abs(s)
                 if a > amax_scale:
                     amax_scale = a
                     max_scale = s
+            if not xs:
+                d = scales[0]
+                _put16(out, b, 0, _fp16(d))
+                _iq4_levels(out, b, 2, xr, o, F1 / d if d != F0 else F0, vals)
+                continue
             d = -max_scale / F_32
-            dh = _fp16(d)
-            _put16(out, b, 0, dh)
+            _put16(out, b, 0, _fp16(d))
             idd = F1 / d if d != F0 else F0
             sh = 0
             for ib in range(8):
                 l = min(31, max(-32, nearest_int(idd * scales[ib])))
                 dl = d * F32(l)
-                idl = F1 / dl if dl != F0 else F0
-                for j in range(32):
-                    L[j] = _best_index(vals, idl * xr[o + 32 * ib + j])
-                for j in range(16):
-                    out[b, 8 + 16 * ib + j] = L[j] | (L[16 + j] << 4)
+                _iq4_levels(out, b, 8 + 16 * ib, xr, o + 32 * ib, F1 / dl if dl != F0 else F0, vals)
                 l += 32
                 if ib % 2 == 0:
                     out[b, 4 + ib // 2] = l & 0x0F
@@ -717,3 +614,13 @@ def iq4_xs(x, qw, r0, rpe, out):
                     out[b, 4 + ib // 2] |= (l & 0x0F) << 4
                 sh |= (l >> 4) << (2 * ib)
             _put16(out, b, 2, sh)
+
+
+@_njit(**_OPTS)
+def iq4_nl(x, qw, r0, rpe, out):
+    _iq4_rows(x, qw, r0, rpe, out, False)
+
+
+@_njit(**_OPTS)
+def iq4_xs(x, qw, r0, rpe, out):
+    _iq4_rows(x, qw, r0, rpe, out, True)
