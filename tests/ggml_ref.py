@@ -130,16 +130,26 @@ class GgmlRef:
         lib.ggml_get_type_traits.restype = ctypes.POINTER(_TypeTraits)
         lib.ggml_get_type_traits.argtypes = [ctypes.c_int]
 
-    def quantize(self, x: np.ndarray, qtype: int) -> np.ndarray:
-        """Quantize rows (last axis) exactly as ``llama-quantize`` does without an importance matrix."""
+    def quantize(self, x: np.ndarray, qtype: int, imatrix: np.ndarray | None = None) -> np.ndarray:
+        """Quantize rows (last axis) exactly as ``llama-quantize`` does, without an importance matrix or with
+        ``imatrix``: ``(n_per_row,)`` for every row, or ``(E, n_per_row)`` for a tensor of ``E`` experts on its
+        first axis (llama-quantize passes expert e's slice with expert e's rows, one call per expert)."""
         x = np.ascontiguousarray(x, dtype=np.float32)
         n_per_row = x.shape[-1]
         nrows = x.size // n_per_row
         row_size = self.lib.ggml_row_size(int(qtype), n_per_row)
         out = np.empty((nrows, row_size), dtype=np.uint8)
         self.lib.ggml_quantize_init(int(qtype))
-        got = self.lib.ggml_quantize_chunk(int(qtype), x.ctypes.data, out.ctypes.data, 0, nrows, n_per_row, None)
-        assert got == out.nbytes
+        if imatrix is None:
+            parts = [(0, nrows, None)]
+        else:
+            qw = np.ascontiguousarray(imatrix, dtype=np.float32).reshape(-1, n_per_row)
+            per = nrows // qw.shape[0]
+            parts = [(e * per, per, qw[e]) for e in range(qw.shape[0])]
+        for r0, nr, w in parts:
+            got = self.lib.ggml_quantize_chunk(int(qtype), x.ctypes.data, out.ctypes.data, r0 * n_per_row, nr,
+                                               n_per_row, None if w is None else w.ctypes.data)
+            assert got == nr * row_size
         return out.reshape(*x.shape[:-1], row_size)
 
     def dequantize(self, q: np.ndarray, qtype: int) -> np.ndarray:

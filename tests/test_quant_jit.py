@@ -1,4 +1,4 @@
-"""The compiled quantizers (ktconvert/quant/_jit.py) as compiled code: no fused multiply-add anywhere (the C
+"""The compiled quantizers (ktconvert/quant/_jit.py, _jit_imatrix.py) as compiled code: no fused multiply-add anywhere (the C
 reference has none on x86-64, and a contraction would change the last bit of some scales), and numba's disk
 cache works when the installed package directory cannot be written. Byte equality with ggml's C is
 tests/test_quant_exact.py."""
@@ -14,16 +14,24 @@ import sys
 from pathlib import Path
 
 JIT = Path(__file__).resolve().parents[1] / "ktconvert" / "quant" / "_jit.py"
+JIT_IMATRIX = JIT.with_name("_jit_imatrix.py")
 
 _INSPECT = r"""
 import json, re, sys
 import numpy as np
 sys.path.insert(0, sys.argv[1])
 import kt_jit_probe as J
+from kt_jit_probe_pkg import _jit_imatrix as W
 res = {}
-for name, bs, ts in (("q4_k", 256, 144), ("q6_k", 256, 210), ("q8_0", 32, 34)):  # q2_k/q5_k share q4_k's search
-    fn = getattr(J, name)
-    fn(np.ones((2, bs), np.float32), np.zeros((2, ts), np.uint8))
+x, qw = np.ones((2, 256), np.float32), np.ones((1, 256), np.float32)
+kernels = (  # q2_k/q5_k share q4_k's search; the imatrix kernels share _qkx3/_qp/_qx
+    ("q4_k", J.q4_k, (x, np.zeros((2, 144), np.uint8))), ("q6_k", J.q6_k, (x, np.zeros((2, 210), np.uint8))),
+    ("q8_0", J.q8_0, (np.ones((2, 32), np.float32), np.zeros((2, 34), np.uint8))),
+    ("q4_k imatrix", W.q4_k, (x, qw, 0, 2, np.zeros((2, 144), np.uint8))),
+    ("iq4_xs", W.iq4_xs, (x, qw, 0, 2, np.zeros((2, 136), np.uint8))),
+)
+for name, fn, args in kernels:
+    fn(*args)
     asm = "\n".join(fn.inspect_asm().values())
     ir = "\n".join(fn.inspect_llvm().values())
     res[name] = {
@@ -45,6 +53,17 @@ def _probe(tmp_path: Path) -> Path:
     return pkg
 
 
+def _probe_pkg(tmp_path: Path) -> Path:
+    """_probe plus a package holding _jit.py and _jit_imatrix.py (which imports ._jit)."""
+    pkg = _probe(tmp_path)
+    sub = pkg / "kt_jit_probe_pkg"
+    sub.mkdir()
+    (sub / "__init__.py").write_text("")
+    shutil.copy(JIT, sub / "_jit.py")
+    shutil.copy(JIT_IMATRIX, sub / "_jit_imatrix.py")
+    return pkg
+
+
 def _env(tmp_path: Path, **extra: str) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_")}
     env.update(XDG_CACHE_HOME=str(tmp_path / "xdg"), OMP_NUM_THREADS="1", **extra)
@@ -54,7 +73,7 @@ def _env(tmp_path: Path, **extra: str) -> dict:
 def test_compiled_kernels_hold_no_fused_multiply_add(tmp_path):
     """fastmath is off: LLVM gets no ``contract`` flag, emits no fmuladd, and the machine code (compiled for
     this CPU, FMA units included where it has them) has no FMA instruction."""
-    pkg = _probe(tmp_path)
+    pkg = _probe_pkg(tmp_path)
     res = subprocess.run([sys.executable, "-c", _INSPECT, str(pkg)], capture_output=True, text=True, timeout=600,
                          env=_env(tmp_path, NUMBA_CACHE_DIR=str(tmp_path / "fresh")))  # fresh compile: inspectable
     assert res.returncode == 0, res.stderr[-3000:]

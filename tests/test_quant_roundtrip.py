@@ -2,7 +2,7 @@
 
 rel_rmse = sqrt(mean((x' - x)^2) / mean(x^2)) over N(0,1) rows of 4096 (the ratio is scale-free);
 block_err = max over blocks of max|x' - x| / max|x| in the block (32 elements for the 32-blocks and
-F16/BF16, 256 for K-quants), on the same data and on Student-t(3) data. The bounds sit ~10-20% above
+F16/BF16, 256 for K-quants and IQ4_XS), on the same data and on Student-t(3) data. The bounds sit ~10-20% above
 what these quantizers measure, so a regression in the search or the packing trips them.
 """
 
@@ -27,6 +27,8 @@ BOUNDS = {
     T.Q4_1: (8.6e-2, 6.85e-2),
     T.Q4_0: (9.5e-2, 1.27e-1),
     T.Q4_K: (7.9e-2, 1.25e-1),
+    T.IQ4_XS: (8.7e-2, 1.17e-1),
+    T.IQ4_NL: (8.6e-2, 1.3e-1),
     T.Q3_K: (1.66e-1, 2.5e-1),
     T.Q2_K: (3.26e-1, 4.9e-1),
 }

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from ._api import cpu_count, dequantizable, dequantize, quantize, quantize_parallel
 from ._types import (
+                     IMATRIX_TYPES,
                      QUANTIZABLE,
                      WRITABLE,
                      QType,
@@ -34,6 +35,7 @@ from ._types import (
 from .errors import QuantError
 
 __all__ = [
+    "IMATRIX_TYPES",
     "QType",
     "QUANTIZABLE",
     "WRITABLE",

@@ -13,6 +13,7 @@ import numpy as np
 from . import _kquants as K
 from . import _legacy as G
 from ._types import (
+    IMATRIX_TYPES,
     QUANTIZABLE,
     QType,
     as_qtype,
@@ -45,7 +46,12 @@ _QUANT: dict[QType, tuple[str, int]] = {
     QType.Q5_K: ("q5_k", _CHUNK),
     QType.Q6_K: ("q6_k", _CHUNK),
 }
-assert set(_QUANT) == QUANTIZABLE
+# the kernels of ``_jit_imatrix`` (whole float32 rows + one importance row per expert -> the rows' blocks): every
+# type that takes an importance matrix, used when one is given; IQ4_NL/IQ4_XS have only these (their search
+# with weights x*x is ggml's path without one)
+_QUANT_ROWS: dict[QType, str] = {qt: qt.name.lower() for qt in IMATRIX_TYPES}
+_ROWS_ONLY = frozenset(QType[n] for n in ("IQ4_NL", "IQ4_XS"))
+assert set(_QUANT) | _ROWS_ONLY == QUANTIZABLE and set(_QUANT_ROWS) <= QUANTIZABLE
 # the float types' kernels write element for element into this view of the output bytes
 _FLOAT_VIEW = {QType.F32: np.int32, QType.F16: np.uint16, QType.BF16: np.uint16}
 
@@ -56,6 +62,45 @@ def _kernel(name: str) -> Callable[[np.ndarray, np.ndarray], None]:
     from . import _jit
 
     return getattr(_jit, name)
+
+
+def _row_kernel(name: str) -> Callable[..., None]:
+    """The compiled whole-row kernel ``name`` of ``_jit_imatrix`` (loaded as :func:`_kernel`)."""
+    from . import _jit_imatrix
+
+    return getattr(_jit_imatrix, name)
+
+
+def _importance(imatrix: Any, rows: "_Rows", qt: QType, name: str | None) -> tuple[np.ndarray, int]:
+    """The importance matrix as float32 ``(E, n)`` rows and the tensor rows each covers.
+
+    ``(n,)``: one importance per column for every row (a 2-D weight); ``(E, n)``: one row per expert of a
+    tensor whose first axis holds ``E`` experts (llama.cpp's ``ne[0]*ne[2]`` entries of a 3-D expert tensor).
+    """
+    a = imatrix.detach().cpu().numpy() if _is_torch(imatrix) else np.asarray(imatrix)
+    n = rows.n
+    fix_shape = (f"pass one importance per column: shape ({n},), or ({rows.shape[0]}, {n}) with one row per "
+                 f"expert" if len(rows.shape) >= 3 else f"pass one importance per column: shape ({n},)")
+    if a.dtype.kind not in "fiu":
+        raise QuantError(f"the importance matrix for {qt.name} holds {a.dtype}, not numbers", where=name,
+                         fix=fix_shape)
+    if a.ndim == 1 and a.shape[0] == n:
+        e = 1
+    elif a.ndim == 2 and a.shape[1] == n and len(rows.shape) >= 3 and a.shape[0] == rows.shape[0]:
+        e = a.shape[0]
+    else:
+        raise QuantError(f"the importance matrix has shape {tuple(a.shape)}; a tensor of shape {rows.shape} "
+                         f"needs ({n},)" + (f" or ({rows.shape[0]}, {n})" if len(rows.shape) >= 3 else ""),
+                         where=name, fix="use the importance matrix made for this tensor (" + fix_shape + ")")
+    qw = np.ascontiguousarray(a.reshape(e, n), dtype=np.float32)
+    bad = ~np.isfinite(qw) | (qw < 0)
+    if bad.any():
+        at = tuple(int(i) for i in np.argwhere(bad)[0])
+        at = at[1:] if e == 1 else at
+        raise QuantError(f"the importance matrix holds {qw[bad][0]} at index {at}; importances are sums of "
+                         f"squares, finite and >= 0", where=name,
+                         fix="recompute the importance matrix, or quantize without one")
+    return qw, max(1, rows.nrows // e)
 
 
 _DEQUANT: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
@@ -194,9 +239,11 @@ def _raise_non_finite(rows: _Rows, qt: QType, name: str | None) -> None:
                      where=name, fix="fix or drop the NaN/inf in the source tensor before quantizing")
 
 
-def _work_items(nrows: int, n: int, bs: int, chunk: int) -> Iterator[tuple[int, int, int, int]]:
-    """(r0, r1, c0, c1) pieces of about ``chunk`` elements; a row longer than that is split at block edges."""
-    if n <= chunk:
+def _work_items(nrows: int, n: int, bs: int, chunk: int, whole_rows: bool = False
+                ) -> Iterator[tuple[int, int, int, int]]:
+    """(r0, r1, c0, c1) pieces of about ``chunk`` elements; a row longer than that is split at block edges
+    unless ``whole_rows`` (the importance-matrix searches of the 32-element types weigh by the whole row)."""
+    if n <= chunk or whole_rows:
         rows_per = max(1, chunk // n)
         for r0 in range(0, nrows, rows_per):
             yield r0, min(nrows, r0 + rows_per), 0, n
@@ -207,18 +254,22 @@ def _work_items(nrows: int, n: int, bs: int, chunk: int) -> Iterator[tuple[int, 
                 yield r, r + 1, c0, min(n, c0 + step)
 
 
-def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, name: str | None = None,
-             out: np.ndarray | None = None) -> np.ndarray:
+def quantize(data: Any, qtype: QType | int | str, *, imatrix: Any = None, workers: int | None = 1,
+             name: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """Quantize float rows (last axis) to ``qtype``; returns uint8 in byte shape ``(..., row_bytes)``.
 
-    Bit-exact with ggml's ``ggml_quantize_chunk(..., imatrix=NULL)``, i.e. what ``llama-quantize`` writes
-    without an importance matrix. ``data``: a numpy array (float16/32/64, memmaps welcome) or a torch
+    Bit-exact with ggml's ``ggml_quantize_chunk(..., imatrix)``, i.e. what ``llama-quantize`` writes with
+    or without (``imatrix=None``) an importance matrix. ``imatrix``: one non-negative float per column,
+    shape ``(row_len,)``, or ``(E, row_len)`` for a tensor whose first axis holds ``E`` experts; Q2_K..Q6_K,
+    Q4_0..Q5_1 and IQ4_NL/IQ4_XS then take ggml's weighted search, Q8_0/F16/BF16/F32 ignore it as ggml does.
+    ``data``: a numpy array (float16/32/64, memmaps welcome) or a torch
     tensor (any float dtype, bf16 included); it is read in chunks, so memory beyond ``out`` stays bounded.
     ``workers``: threads over chunks (``None``: every core). ``out``: optional preallocated uint8 array of
     the byte shape (e.g. a memmap into the output file). ``name`` (the tensor's) goes into error messages.
 
     Raises :class:`QuantError`, before any work, for an unsupported type, a row length the type cannot
-    hold, or a NaN/inf anywhere in ``data``. F32/F16/BF16 come back as their raw little-endian bytes.
+    hold, a NaN/inf anywhere in ``data``, or an importance matrix of the wrong shape or with a negative or
+    non-finite value. F32/F16/BF16 come back as their raw little-endian bytes.
     """
     qt = as_qtype(qtype)
     if qt not in QUANTIZABLE:
@@ -226,6 +277,7 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
                          fix="choose one of " + ", ".join(sorted(t.name for t in QUANTIZABLE)))
     rows = _Rows(data, qt, name)
     check_row(rows.n, qt, name=name)
+    qw, rpe = (None, 1) if imatrix is None else _importance(imatrix, rows, qt, name)
     bs, ts = block_size(qt), type_size(qt)
     bshape = (*rows.shape[:-1], rows.n // bs * ts)
     caller_out = out
@@ -239,10 +291,17 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
     out2 = out.reshape(rows.nrows, bshape[-1])
     if not np.may_share_memory(out2, out):
         raise QuantError("out must be C-contiguous", where=name, fix="allocate out with np.empty or a memmap")
-    kname, chunk = _QUANT[qt]
-    kernel = _kernel(kname)
+    by_rows = qt in _ROWS_ONLY or (qw is not None and qt in _QUANT_ROWS)
+    if by_rows:
+        kernel = _row_kernel(_QUANT_ROWS[qt])
+        chunk = _CHUNK
+        if qw is None:
+            qw = np.zeros((0, rows.n), dtype=np.float32)
+    else:
+        kname, chunk = _QUANT[qt]
+        kernel = _kernel(kname)
     finite = _kernel("finite")
-    items = list(_work_items(rows.nrows, rows.n, bs, chunk))
+    items = list(_work_items(rows.nrows, rows.n, bs, chunk, whole_rows=by_rows))
     # NaN/inf are refused before anything reaches the caller: with a caller's `out` (a memmap into a file, say)
     # by a scan before any write; otherwise each chunk is checked just before it is quantized, while it is in
     # cache, and the fresh output is dropped on a failure.
@@ -260,7 +319,9 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
             return
         if fused and not finite(x):
             raise _NonFinite
-        if dst.flags.c_contiguous:  # whole rows: the kernel writes straight into the output
+        if by_rows:  # whole rows: the rows' blocks are contiguous in the output
+            kernel(x, qw, r0, rpe, dst.reshape(-1, ts))
+        elif dst.flags.c_contiguous:  # whole rows: the kernel writes straight into the output
             kernel(x.reshape(-1, bs), dst.reshape(-1, ts))
         else:  # part of a row longer than a chunk
             q = np.empty((x.size // bs, ts), dtype=np.uint8)
@@ -285,10 +346,10 @@ def quantize(data: Any, qtype: QType | int | str, *, workers: int | None = 1, na
     return out
 
 
-def quantize_parallel(data: Any, qtype: QType | int | str, *, workers: int | None = None,
+def quantize_parallel(data: Any, qtype: QType | int | str, *, imatrix: Any = None, workers: int | None = None,
                       name: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """:func:`quantize` on every core (or ``workers`` threads) for one large tensor; same bytes."""
-    return quantize(data, qtype, workers=workers, name=name, out=out)
+    return quantize(data, qtype, imatrix=imatrix, workers=workers, name=name, out=out)
 
 
 @lru_cache(maxsize=1)
@@ -341,7 +402,8 @@ def dequantize(data: Any, qtype: QType | int | str, *, name: str | None = None) 
     if fn is None:
         from gguf import quants as gq
 
-        return np.asarray(gq.dequantize(np.ascontiguousarray(b), qt), dtype=np.float32).reshape(shape)
+        with np.errstate(all="ignore"):  # as below: an overflowed fp16 scale gives the C's inf/NaN too
+            return np.asarray(gq.dequantize(np.ascontiguousarray(b), qt), dtype=np.float32).reshape(shape)
     bs, ts = block_size(qt), type_size(qt)
     blocks = b.reshape(-1, ts) if b.flags.c_contiguous else np.ascontiguousarray(b).reshape(-1, ts)
     y = np.empty((blocks.shape[0], bs), dtype=np.float32)

@@ -366,8 +366,10 @@ def _requant_asym(x, b, o, n, d, dm, nmax, L):
 
 
 @_njit(inline="always", **_OPTS)
-def _qkx2_lanes(X, Wt, n, S, nmax, rmin, nstep, use_mad, Laux, V, Lf):
-    """make_qkx2_quants(n, nmax, x, w, L, &the_min, Laux, rmin, 0.1f, nstep, use_mad) for S sub-blocks at once.
+def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
+    """make_qkx2_quants(n, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep, use_mad) for S sub-blocks at once
+    (also make_qkx3_quants with its weights given: the two differ only in ``max <= min`` for ``max == min``,
+    the same test once ``min`` is clamped to <= 0).
 
     ``X[i, s]``/``Wt[i, s]``: element i of sub-block s and its weight, so each sub-block's sums still run over
     its elements in order while the loops over s (independent lanes) vectorize. Returns nothing: ``V[4]`` gets
@@ -410,7 +412,7 @@ def _qkx2_lanes(X, Wt, n, S, nmax, rmin, nstep, use_mad, Laux, V, Lf):
             diff = abs(diff) if use_mad else diff * diff
             best[s] += Wt[i, s] * diff
     for it in range(nstep + 1):
-        c = rmin + F_0_1 * F32(it) + fnmax
+        c = rmin + rdelta * F32(it) + fnmax
         for s in range(S):
             isc[s] = c / (mx[s] - mn[s])
             sl[s] = F0
@@ -481,7 +483,7 @@ def _q45_group(x, out, b0, g, nmax, rmin, nstep, L, X, Wt, Laux, V, Lf):
     for i in range(32):
         for s in range(S):
             Wt[i, s] = sx2[s] + abs(X[i, s])      # weights[l] = av_x + fabsf(x[l])
-    _qkx2_lanes(X, Wt, 32, S, nmax, rmin, nstep, False, Laux, V, Lf)
+    _qkx2_lanes(X, Wt, 32, S, nmax, rmin, F_0_1, nstep, False, Laux, V, Lf)
     for t in range(g):
         b = b0 + t
         max_scale = F0
@@ -518,6 +520,104 @@ def _q45_group(x, out, b0, g, nmax, rmin, nstep, L, X, Wt, Laux, V, Lf):
             _requant_asym(x, b, 32 * j, 32, d_all * F32(ls), m_all * F32(lm), nmax, L[t])
 
 
+@_njit(inline="always", **_OPTS)
+def pack_q4k_qs(out, b, L):
+    """Q4_K's 128 bytes of levels: 64-element chunks, element l and l+32 in one byte."""
+    for c in range(4):
+        for l in range(32):
+            out[b, 16 + 32 * c + l] = L[64 * c + l] | (L[64 * c + 32 + l] << 4)
+
+
+@_njit(inline="always", **_OPTS)
+def pack_q5k_qs(out, b, L):
+    """Q5_K's high bits (32 bytes) and low nibbles (128 bytes)."""
+    for l in range(32):
+        out[b, 16 + l] = 0
+    for c in range(4):
+        m1 = 1 << (2 * c)
+        for l in range(32):
+            l1 = L[64 * c + l]
+            l2 = L[64 * c + 32 + l]
+            h = 0
+            if l1 > 15:
+                l1 -= 16
+                h |= m1
+            if l2 > 15:
+                l2 -= 16
+                h |= m1 << 1
+            out[b, 16 + l] |= h
+            out[b, 48 + 32 * c + l] = l1 | (l2 << 4)
+
+
+@_njit(inline="always", **_OPTS)
+def pack_2bit(out, b, at, L):
+    """Q2_K/Q3_K's 64 bytes of 2-bit levels at ``at``: element l, l+32, l+64, l+96 of each 128 in one byte."""
+    for h in range(2):
+        for l in range(32):
+            o = 128 * h + l
+            out[b, at + 32 * h + l] = (L[o] | (L[o + 32] << 2) | (L[o + 64] << 4) | (L[o + 96] << 6)) & 0xFF
+
+
+@_njit(inline="always", **_OPTS)
+def q3k_tail(xr, o, out, b, L):
+    """Q3_K after its scales (bytes 96..107) and d (108) are stored: re-quantize each sub-block with the stored
+    scale (a zero one keeps its levels), then the high-bit mask and the 2-bit levels."""
+    d_all = _fp16_f32(np.int64(out[b, 108]) | (np.int64(out[b, 109]) << 8))
+    for j in range(16):
+        lo = np.int64(out[b, 96 + j]) & 0x0F if j < 8 else np.int64(out[b, 96 + j - 8]) >> 4
+        sc = (lo | (((np.int64(out[b, 104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
+        d = d_all * F32(sc)
+        if d == F0:
+            continue
+        for i in range(16):
+            L[16 * j + i] = 4 + min(3, max(-4, nearest_int(xr[o + 16 * j + i] / d)))
+    for m in range(32):
+        hm = 0
+        for k in range(8):
+            if L[32 * k + m] > 3:
+                hm |= 1 << k
+                L[32 * k + m] -= 4
+        out[b, m] = hm
+    pack_2bit(out, b, 32, L)
+
+
+@_njit(inline="always", **_OPTS)
+def q6k_tail(xr, o, out, b, L, scales):
+    """Q6_K after the 16 sub-block searches: int8 sub-scales against the largest, fp16 d, re-quantization with
+    the stored scales (a zero one keeps its levels), packing; an all-zero block is 210 zero bytes."""
+    max_scale = F0
+    max_abs = F0
+    for j in range(16):
+        s = scales[j]
+        a = abs(s)
+        if a > max_abs:
+            max_abs = a
+            max_scale = s
+    if max_abs < F_EPS:
+        for k in range(210):
+            out[b, k] = 0
+        return
+    iscale = F32(-128.0) / max_scale
+    dh = _fp16(F1 / iscale)
+    _put16(out, b, 208, dh)
+    d_all = _fp16_f32(dh)
+    for j in range(16):
+        q = _i8(min(127, nearest_int(iscale * scales[j])))
+        out[b, 192 + j] = q & 0xFF
+        d = d_all * F32(q)
+        if d == F0:
+            continue
+        for i in range(16):
+            L[16 * j + i] = 32 + min(31, max(-32, nearest_int(xr[o + 16 * j + i] / d)))
+    for h in range(2):
+        for l in range(32):
+            p = 128 * h + l
+            a0, a1, a2, a3 = L[p], L[p + 32], L[p + 64], L[p + 96]
+            out[b, 64 * h + l] = (a0 & 0x0F) | ((a2 & 0x0F) << 4)
+            out[b, 64 * h + 32 + l] = (a1 & 0x0F) | ((a3 & 0x0F) << 4)
+            out[b, 128 + 32 * h + l] = (a0 >> 4) | ((a1 >> 4) << 2) | ((a2 >> 4) << 4) | ((a3 >> 4) << 6)
+
+
 _G = 2  # super-blocks searched together: 16 lanes of sub-blocks
 
 
@@ -536,10 +636,7 @@ def q4_k(x, out):
         g = min(_G, nb - b0)
         _q45_group(x, out, b0, g, 15, F32(-1.0), 20, L, X, Wt, Laux, V, Lf)
         for t in range(g):
-            b = b0 + t
-            for c in range(4):
-                for l in range(32):
-                    out[b, 16 + 32 * c + l] = L[t, 64 * c + l] | (L[t, 64 * c + 32 + l] << 4)
+            pack_q4k_qs(out, b0 + t, L[t])
 
 
 @_njit(**_OPTS)
@@ -550,23 +647,7 @@ def q5_k(x, out):
         g = min(_G, nb - b0)
         _q45_group(x, out, b0, g, 31, F32(-0.5), 15, L, X, Wt, Laux, V, Lf)
         for t in range(g):
-            b = b0 + t
-            for l in range(32):
-                out[b, 16 + l] = 0
-            for c in range(4):
-                m1 = 1 << (2 * c)
-                for l in range(32):
-                    l1 = L[t, 64 * c + l]
-                    l2 = L[t, 64 * c + 32 + l]
-                    h = 0
-                    if l1 > 15:
-                        l1 -= 16
-                        h |= m1
-                    if l2 > 15:
-                        l2 -= 16
-                        h |= m1 << 1
-                    out[b, 16 + l] |= h
-                    out[b, 48 + 32 * c + l] = l1 | (l2 << 4)
+            pack_q5k_qs(out, b0 + t, L[t])
 
 
 @_njit(**_OPTS)
@@ -579,7 +660,7 @@ def q2_k(x, out):
                 v = x[b, 16 * j + i]
                 X[i, j] = v
                 Wt[i, j] = abs(v)
-        _qkx2_lanes(X, Wt, 16, 16, 3, F32(-0.5), 15, True, Laux, V, Lf)
+        _qkx2_lanes(X, Wt, 16, 16, 3, F32(-0.5), F_0_1, 15, True, Laux, V, Lf)
         scales, mins = V[4], V[0]
         max_scale = F0
         max_min = F0
@@ -613,10 +694,7 @@ def q2_k(x, out):
         for j in range(16):
             sc = np.int64(out[b, j])
             _requant_asym(x, b, 16 * j, 16, d_all * F32(sc & 0x0F), m_all * F32(sc >> 4), 3, L)
-        for h in range(2):
-            for l in range(32):
-                o = 128 * h + l
-                out[b, 16 + 32 * h + l] = L[o] | (L[o + 32] << 2) | (L[o + 64] << 4) | (L[o + 96] << 6)
+        pack_2bit(out, b, 16, L)
 
 
 @_njit(inline="always", **_OPTS)
@@ -694,37 +772,7 @@ def q6_k(x, out):
     amax, den, isc, slx, sl2, scales, best, best_isc = v16[0], v16[1], v16[2], v16[3], v16[4], v16[5], v16[6], v16[7]
     for b in range(x.shape[0]):
         _make_qx_q6_all(x, b, L, Xt, W, WX, amax, den, isc, slx, sl2, scales, best, best_isc)
-        max_scale = F0
-        max_abs = F0
-        for j in range(16):
-            s = scales[j]
-            a = abs(s)
-            if a > max_abs:
-                max_abs = a
-                max_scale = s
-        if max_abs < F_EPS:
-            for k in range(210):
-                out[b, k] = 0
-            continue
-        iscale = F32(-128.0) / max_scale
-        dh = _fp16(F1 / iscale)
-        _put16(out, b, 208, dh)
-        d_all = _fp16_f32(dh)
-        for j in range(16):
-            q = _i8(min(127, nearest_int(iscale * scales[j])))
-            out[b, 192 + j] = q & 0xFF
-            d = d_all * F32(q)
-            if d == F0:
-                continue
-            for i in range(16):
-                L[16 * j + i] = 32 + min(31, max(-32, nearest_int(x[b, 16 * j + i] / d)))
-        for h in range(2):
-            for l in range(32):
-                o = 128 * h + l
-                a0, a1, a2, a3 = L[o], L[o + 32], L[o + 64], L[o + 96]
-                out[b, 64 * h + l] = (a0 & 0x0F) | ((a2 & 0x0F) << 4)
-                out[b, 64 * h + 32 + l] = (a1 & 0x0F) | ((a3 & 0x0F) << 4)
-                out[b, 128 + 32 * h + l] = (a0 >> 4) | ((a1 >> 4) << 2) | ((a2 >> 4) << 4) | ((a3 >> 4) << 6)
+        q6k_tail(x[b], 0, out, b, L, scales)
 
 
 @_njit(inline="always", **_OPTS)
@@ -808,23 +856,4 @@ def q3_k(x, out):
         else:
             dh = _fp16(F0)
         _put16(out, b, 108, dh)
-        d_all = _fp16_f32(dh)
-        for j in range(16):
-            lo = np.int64(out[b, 96 + j]) & 0x0F if j < 8 else np.int64(out[b, 96 + j - 8]) >> 4
-            sc = (lo | (((np.int64(out[b, 104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
-            d = d_all * F32(sc)
-            if d == F0:
-                continue
-            for i in range(16):
-                L[16 * j + i] = 4 + min(3, max(-4, nearest_int(x[b, 16 * j + i] / d)))
-        for m in range(32):
-            hm = 0
-            for k in range(8):
-                if L[32 * k + m] > 3:
-                    hm |= 1 << k
-            out[b, m] = hm
-        for h in range(2):
-            for l in range(32):
-                o = 128 * h + l
-                out[b, 32 + 32 * h + l] = ((L[o] & 3) | ((L[o + 32] & 3) << 2) | ((L[o + 64] & 3) << 4)
-                                           | ((L[o + 96] & 3) << 6))
+        q3k_tail(x[b], 0, out, b, L)
