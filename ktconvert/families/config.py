@@ -16,6 +16,7 @@ from typing import Any
 
 from ktconvert.errors import InputError
 from ktconvert.families import registry
+from ktconvert.families.limits import check_counts
 from ktconvert.io.datafile import read_json
 
 FAMILIES = registry.families()
@@ -241,6 +242,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
             path=path,
             where="model_type",
         )
+    check_counts(raw, path)
     g = _Getter(raw, path)
     sp = registry.spec(family)
     cfg_facts, routing = sp.section("config"), sp.section("routing")
