@@ -35,7 +35,7 @@ FIELD_LIMITS: dict[str, tuple[int, int]] = {
     "max_position_embeddings": (1, 1 << 28),
     "num_attention_heads": (1, 4096),
     "num_key_value_heads": (1, 4096),
-    "head_dim": (1, 1 << 14),
+    "head_dim": (0, 1 << 14),  # 0: MLA configs transformers saves (GLM-5-Next), where head_dim is unused
     "first_k_dense_replace": (0, 1024),
     "decoder_sparse_step": (1, 1024),
     "n_group": (1, 8192),

@@ -86,11 +86,17 @@ def _key_of_template(t: str) -> tuple[str, tuple[str, ...]]:
 
 def _key_of_name(name: str) -> tuple[str, tuple[int, ...]]:
     parts = name.split(".")
-    values = tuple(int(p) for p in parts if p.isdigit() and p.isascii())
-    return ".".join("#" if p.isdigit() and p.isascii() else p for p in parts), values
+    values = []
+    for i, p in enumerate(parts):  # one pass: this runs once per tensor of checkpoints with 10^6 of them
+        if p.isdigit() and p.isascii():
+            values.append(int(p))
+            parts[i] = "#"
+    return ".".join(parts), tuple(values)
 
 
 def _render(template: str, **values) -> str:
+    if "{" not in template:  # a model-wide name: nothing to fill
+        return template
     return template.format(**{k: v for k, v in values.items() if v is not None})
 
 
@@ -318,12 +324,20 @@ def guess_arch(names) -> str | None:
     Maps that recognise equally many names are told apart by how much of each map the names use (the share of its
     non-expert entries seen): a Qwen3-MoE checkpoint's names are all GLM-4.5 names too, but leave GLM's biases,
     shared experts and score bias unused. A tie on both is still refused."""
-    names = list(names)
     maps = naming_maps()
-    keys = {_key_of_name(n)[0] for n in names}
-    hits = {arch: [m._lookup_direct(n) for n in names] for arch, m in maps.items()
+    # a name matches a map exactly when its key (numbers replaced by #) is in the map's index: classify one name
+    # per distinct key and weigh it by the key's count (a 10^6-tensor header has a few hundred distinct keys)
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for n in names:
+        k = _key_of_name(n)[0]
+        if k not in counts:
+            counts[k], first[k] = 0, n
+        counts[k] += 1
+    keys = set(counts)
+    hits = {arch: {k: m._lookup_direct(first[k]) for k in keys if k in m._index} for arch, m in maps.items()
             if not m.guess_requires or m.guess_requires & keys}
-    scores = {arch: sum(h is not None for h in hs) for arch, hs in hits.items()}
+    scores = {arch: sum(counts[k] for k in hs) for arch, hs in hits.items()}
     best = max(scores.values(), default=0)
     winners = [a for a, s in scores.items() if s == best]
     if not best:
@@ -331,7 +345,7 @@ def guess_arch(names) -> str | None:
     if len(winners) > 1:
         def used(arch: str) -> float:
             seen = {h.gguf_name.split(".", 2)[-1] if h.layer is not None else h.gguf_name
-                    for h in hits[arch] if h is not None and h.group not in ("experts", "expert_scales") and h.gguf_name}
+                    for h in hits[arch].values() if h.group not in ("experts", "expert_scales") and h.gguf_name}
             return len(seen) / max(1, len({e.gguf for e in maps[arch].tensors}))
 
         usage = {a: used(a) for a in winners}
