@@ -17,7 +17,7 @@ from ktconvert.formats.checkpoint import COMPANION, Checkpoint
 from ktconvert.formats.completeness import missing_tensors
 from ktconvert.formats.config import ModelDims, load_config
 from ktconvert.formats.fp8 import CHANNEL_SUFFIX, SCALE_SUFFIX
-from ktconvert.formats.naming import LAYOUTS, NameMatch, NamingMap, guess_arch, naming_maps
+from ktconvert.formats.naming import LAYOUTS, NameMatch, NamingMap, guess_arch, key_of_name, naming_maps
 from ktconvert.formats.tensor_info import TensorInfo
 
 ORIENT_STD = "[E,2I,H]"
@@ -112,10 +112,11 @@ def detect_layout(checkpoint: Checkpoint, config: str | Path | dict | None = Non
     matches: dict[str, NameMatch] = {}
     unknown: list[str] = []
     for name in checkpoint:
-        m = primary.lookup(name) if primary else None
+        key = key_of_name(name)  # once per name, whatever the number of maps tried
+        m = primary.lookup(name, key) if primary else None
         if m is None:
             for other in others:
-                cand = other.lookup(name)
+                cand = other.lookup(name, key)
                 if cand is not None and (primary is None or cand.group in ("experts", "expert_scales")):
                     m = cand
                     break

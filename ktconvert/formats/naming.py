@@ -94,6 +94,15 @@ def _key_of_name(name: str) -> tuple[str, tuple[int, ...]]:
     return ".".join(parts), tuple(values)
 
 
+#: A name's lookup key and the numbers it holds (``model.layers.#.mlp.gate.weight``, ``(3,)``).
+key_of_name = _key_of_name
+
+
+def _plain(prefix: str) -> bool:
+    """A prefix of whole literal components (empty, or ending in a dot, no all-digit part)."""
+    return prefix == "" or (prefix.endswith(".") and not any(p.isdigit() for p in prefix[:-1].split(".")))
+
+
 def _render(template: str, **values) -> str:
     if "{" not in template:  # a model-wide name: nothing to fill
         return template
@@ -129,6 +138,7 @@ class NamingMap:
         self.guess_requires: frozenset[str] = frozenset(_key_of_template(t)[0] for t in data.get("guess_requires", ()))
         self.unquantized: str | None = data.get("unquantized")  # llama-quantize's per-architecture keep list
         self._index: dict[str, list[_Slot]] = {}
+        self._plain_aliases = frozenset((p, m) for p, m in self.aliases if _plain(p) and _plain(m))
         self._build_index()
 
     def __repr__(self) -> str:
@@ -172,14 +182,19 @@ class NamingMap:
         raise InputError(msg, path=self.source, fix="fix the naming map")
 
     # --- lookups --------------------------------------------------------------------------------------------------
-    def lookup(self, name: str) -> NameMatch | None:
-        """What ``name`` is under this map (trying ``hf_prefix_aliases`` if it matches no template), or ``None``."""
-        m = self._lookup_direct(name)
+    def lookup(self, name: str, key: tuple[str, tuple[int, ...]] | None = None) -> NameMatch | None:
+        """What ``name`` is under this map (trying ``hf_prefix_aliases`` if it matches no template), or ``None``.
+        ``key``: the name's :func:`key_of_name`, when the caller tries several maps (computed once, not per map)."""
+        key = key or _key_of_name(name)
+        m = self._lookup_direct(name, key)
         if m is not None:
             return m
         for prefix, means in self.aliases:
             if name.startswith(prefix):
-                m = self._lookup_direct(means + name[len(prefix) :])
+                # a prefix and its meaning made of whole literal components: the aliased key is the name's key
+                # with the prefix replaced (no second pass over the name)
+                akey = (means + key[0][len(prefix):], key[1]) if (prefix, means) in self._plain_aliases else None
+                m = self._lookup_direct(means + name[len(prefix) :], akey)
                 if m is not None and m.side == "hf":
                     return NameMatch(**{**m.__dict__, "name": name, "via_alias": True})
         return None
@@ -197,8 +212,8 @@ class NamingMap:
                                  via_alias=m.via_alias, transform=e.transform))
         return out
 
-    def _lookup_direct(self, name: str) -> NameMatch | None:
-        key, values = _key_of_name(name)
+    def _lookup_direct(self, name: str, key: tuple[str, tuple[int, ...]] | None = None) -> NameMatch | None:
+        key, values = key or _key_of_name(name)
         slots = self._index.get(key)
         if not slots:
             return None
