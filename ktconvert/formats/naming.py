@@ -8,7 +8,7 @@ tensors, where trying a list of regexes per name would not be.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -40,7 +40,7 @@ class TensorEntry:
     transform: tuple[tuple[str, object], ...] = ()  # llama.cpp's value/shape changes (schema: tensor.transform)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per tensor: 10^6 of them in the largest headers
 class NameMatch:
     """What a tensor name means.
 
@@ -196,7 +196,7 @@ class NamingMap:
                 akey = (means + key[0][len(prefix):], key[1]) if (prefix, means) in self._plain_aliases else None
                 m = self._lookup_direct(means + name[len(prefix) :], akey)
                 if m is not None and m.side == "hf":
-                    return NameMatch(**{**m.__dict__, "name": name, "via_alias": True})
+                    return replace(m, name=name, via_alias=True)
         return None
 
     def hf_siblings(self, m: NameMatch) -> list[NameMatch]:

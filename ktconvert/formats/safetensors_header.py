@@ -19,7 +19,7 @@ from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 MAX_HEADER_BYTES = 100_000_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per tensor: 10^6 of them in the largest headers
 class SafetensorsEntry:
     name: str
     dtype: str
