@@ -12,6 +12,7 @@ exit 3 everywhere.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ktconvert.errors import InputError
@@ -95,7 +96,7 @@ def check_counts(values: dict, path: str | None, names: dict[str, str] | None = 
         v: Any = values.get(field)
         if v is None:
             continue
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or v != v or int(v) != v:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or int(v) != v:
             raise bad(field, f"{{key}} must be an integer, got {v!r}", "write the model's {key} as an integer")
         v = int(v)
         if not lo <= v <= hi:
