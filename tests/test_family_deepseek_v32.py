@@ -102,7 +102,7 @@ def test_q8_0_is_byte_identical_to_llamacpps_quantizer(llama_built, f32, model, 
 @pytest.mark.parametrize("change,where", [
     ({"index_head_dim": 8}, "index_head_dim"),
     ({"q_lora_rank": None}, "q_lora_rank"),
-    ({"index_topk": 0}, "index_head_dim"),
+    ({"index_topk": 0}, "index_topk"),  # the count validator names the field itself
 ])
 def test_bad_indexer_config_is_one_error_naming_the_key(change, where):
     raw = {**tiny_config(FAMILY), **change}

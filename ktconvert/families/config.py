@@ -16,6 +16,7 @@ from typing import Any
 
 from ktconvert.errors import InputError
 from ktconvert.families import registry
+from ktconvert.families.limits import check_counts
 from ktconvert.io.datafile import read_json
 
 FAMILIES = registry.families()
@@ -250,6 +251,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     """Resolve both spellings and every per-family default into a :class:`MoeConfig`."""
     family = require_family(raw, path)
     raw = text_view(raw)
+    check_counts(raw, path)
     g = _Getter(raw, path)
     sp = registry.spec(family)
     cfg_facts, routing = sp.section("config"), sp.section("routing")

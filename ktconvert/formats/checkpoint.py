@@ -133,7 +133,7 @@ class Checkpoint(Mapping):
         if self.config is not None:
             return dims_from_hf_config(self.config, str(self.config_path))
         if self.container == "gguf":
-            return dims_from_gguf(self.metadata)
+            return dims_from_gguf(self.metadata, path=str(self.files[0]))
         return ModelDims(source="none")
 
     def kv(self, key: str):

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from ktconvert import families
 from ktconvert.families.config import moe_layers_of
+from ktconvert.families.limits import check_counts, check_gguf_counts
 from ktconvert.io.datafile import read_json
 
 # HF model_type -> llama.cpp architecture name (general.architecture), from each family's spec.
@@ -49,11 +50,16 @@ def _int_keys(cfg: dict) -> dict:
 
 
 def load_config(path: str | Path) -> dict:
-    return read_json(path, "config.json", fix="fix or re-download it, or check the --config path")
+    """``config.json`` as written; its counts are checked on reading (:mod:`ktconvert.families.limits`)."""
+    cfg = read_json(path, "config.json", fix="fix or re-download it, or check the --config path")
+    if isinstance(cfg, dict):
+        check_counts(families.text_view(cfg), str(path))
+    return cfg
 
 
 def dims_from_hf_config(cfg: dict, source: str = "config.json") -> ModelDims:
     cfg = families.text_view(cfg)
+    check_counts(cfg, source)
     model_type = cfg.get("model_type") if isinstance(cfg.get("model_type"), str) else None
     n_layers = _int(cfg.get("num_hidden_layers"))
     n_experts = next(
@@ -86,10 +92,11 @@ def dims_from_hf_config(cfg: dict, source: str = "config.json") -> ModelDims:
     )
 
 
-def dims_from_gguf(kv: dict, source: str = "GGUF metadata") -> ModelDims:
+def dims_from_gguf(kv: dict, source: str = "GGUF metadata", path: str | None = None) -> ModelDims:
     arch = kv.get("general.architecture")
     if not isinstance(arch, str):
         return ModelDims(source=source)
+    check_gguf_counts(kv, arch, path or source)
 
     def get(key: str) -> int | None:
         return _int(kv.get(f"{arch}.{key}"))

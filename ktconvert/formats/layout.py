@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ktconvert.formats.checkpoint import COMPANION, Checkpoint
-from ktconvert.formats.config import ModelDims
+from ktconvert.formats.completeness import missing_tensors
+from ktconvert.formats.config import ModelDims, load_config
 from ktconvert.formats.fp8 import CHANNEL_SUFFIX, SCALE_SUFFIX
-from ktconvert.formats.naming import LAYOUTS, NameMatch, NamingMap, guess_arch, naming_maps
+from ktconvert.formats.naming import LAYOUTS, NameMatch, NamingMap, guess_arch, key_of_name, naming_maps
 from ktconvert.formats.tensor_info import TensorInfo
 
 ORIENT_STD = "[E,2I,H]"
@@ -111,10 +112,11 @@ def detect_layout(checkpoint: Checkpoint, config: str | Path | dict | None = Non
     matches: dict[str, NameMatch] = {}
     unknown: list[str] = []
     for name in checkpoint:
-        m = primary.lookup(name) if primary else None
+        key = key_of_name(name)  # once per name, whatever the number of maps tried
+        m = primary.lookup(name, key) if primary else None
         if m is None:
             for other in others:
-                cand = other.lookup(name)
+                cand = other.lookup(name, key)
                 if cand is not None and (primary is None or cand.group in ("experts", "expert_scales")):
                     m = cand
                     break
@@ -156,6 +158,7 @@ def detect_layout(checkpoint: Checkpoint, config: str | Path | dict | None = Non
             )
         )
     problems = _global_problems(layers, dims, n_layers, unknown, checkpoint)
+    problems.extend(_missing(checkpoint, config, arch, matches, layers))
     return LayoutReport(arch, arch_source, dims, n_layers, tuple(layers), tuple(problems), matches, tuple(unknown))
 
 
@@ -533,6 +536,25 @@ def _layer_expectations(L: int, ly: LayerLayout, dims: ModelDims) -> tuple[Probl
         if got is not None and want is not None and got != want:
             out.append(Problem("config-mismatch", "error", f"layer {L}: {what} is {got} but {src} says {want}", L))
     return tuple(out)
+
+
+def _missing(ck: Checkpoint, config, arch: str | None, matches, layers) -> list[Problem]:
+    """The spec's non-expert tensors the checkpoint lacks (:mod:`ktconvert.formats.completeness`), one error per
+    layer (and one for the model-wide tensors), when a config says what the model is. kt-kernel's AMX files hold
+    the experts only: nothing else is expected there."""
+    if any(ly.layout == "kt-amx" for ly in layers):
+        return []
+    raw = config if isinstance(config, dict) else load_config(config) if config is not None else ck.config
+    missing = missing_tensors(raw, arch, matches) if isinstance(raw, dict) else None
+    by_layer: dict[int | None, list[str]] = defaultdict(list)
+    for name in missing or ():
+        parts = name.split(".")
+        layer = next((int(b) for a, b in zip(parts, parts[1:]) if a == "layers" and b.isdigit()), None)
+        by_layer[layer].append(name)
+    return [Problem("missing-tensor", "error", f"{'layer ' + str(L) if L is not None else 'model'}: "
+                    f"{len(names)} tensor(s) the {arch} spec requires are missing: {', '.join(names[:4])}"
+                    f"{', ...' if len(names) > 4 else ''}", L, tuple(names))
+            for L, names in sorted(by_layer.items(), key=lambda kv: -1 if kv[0] is None else kv[0])]
 
 
 def _global_problems(layers, dims: ModelDims, n_layers, unknown, ck: Checkpoint) -> list[Problem]:

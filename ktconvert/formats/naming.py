@@ -8,7 +8,7 @@ tensors, where trying a list of regexes per name would not be.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
@@ -40,7 +40,7 @@ class TensorEntry:
     transform: tuple[tuple[str, object], ...] = ()  # llama.cpp's value/shape changes (schema: tensor.transform)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per tensor: 10^6 of them in the largest headers
 class NameMatch:
     """What a tensor name means.
 
@@ -86,11 +86,26 @@ def _key_of_template(t: str) -> tuple[str, tuple[str, ...]]:
 
 def _key_of_name(name: str) -> tuple[str, tuple[int, ...]]:
     parts = name.split(".")
-    values = tuple(int(p) for p in parts if p.isdigit() and p.isascii())
-    return ".".join("#" if p.isdigit() and p.isascii() else p for p in parts), values
+    values = []
+    for i, p in enumerate(parts):  # one pass: this runs once per tensor of checkpoints with 10^6 of them
+        if p.isdigit() and p.isascii():
+            values.append(int(p))
+            parts[i] = "#"
+    return ".".join(parts), tuple(values)
+
+
+#: A name's lookup key and the numbers it holds (``model.layers.#.mlp.gate.weight``, ``(3,)``).
+key_of_name = _key_of_name
+
+
+def _plain(prefix: str) -> bool:
+    """A prefix of whole literal components (empty, or ending in a dot, no all-digit part)."""
+    return prefix == "" or (prefix.endswith(".") and not any(p.isdigit() for p in prefix[:-1].split(".")))
 
 
 def _render(template: str, **values) -> str:
+    if "{" not in template:  # a model-wide name: nothing to fill
+        return template
     return template.format(**{k: v for k, v in values.items() if v is not None})
 
 
@@ -123,6 +138,7 @@ class NamingMap:
         self.guess_requires: frozenset[str] = frozenset(_key_of_template(t)[0] for t in data.get("guess_requires", ()))
         self.unquantized: str | None = data.get("unquantized")  # llama-quantize's per-architecture keep list
         self._index: dict[str, list[_Slot]] = {}
+        self._plain_aliases = frozenset((p, m) for p, m in self.aliases if _plain(p) and _plain(m))
         self._build_index()
 
     def __repr__(self) -> str:
@@ -166,16 +182,21 @@ class NamingMap:
         raise InputError(msg, path=self.source, fix="fix the naming map")
 
     # --- lookups --------------------------------------------------------------------------------------------------
-    def lookup(self, name: str) -> NameMatch | None:
-        """What ``name`` is under this map (trying ``hf_prefix_aliases`` if it matches no template), or ``None``."""
-        m = self._lookup_direct(name)
+    def lookup(self, name: str, key: tuple[str, tuple[int, ...]] | None = None) -> NameMatch | None:
+        """What ``name`` is under this map (trying ``hf_prefix_aliases`` if it matches no template), or ``None``.
+        ``key``: the name's :func:`key_of_name`, when the caller tries several maps (computed once, not per map)."""
+        key = key or _key_of_name(name)
+        m = self._lookup_direct(name, key)
         if m is not None:
             return m
         for prefix, means in self.aliases:
             if name.startswith(prefix):
-                m = self._lookup_direct(means + name[len(prefix) :])
+                # a prefix and its meaning made of whole literal components: the aliased key is the name's key
+                # with the prefix replaced (no second pass over the name)
+                akey = (means + key[0][len(prefix):], key[1]) if (prefix, means) in self._plain_aliases else None
+                m = self._lookup_direct(means + name[len(prefix) :], akey)
                 if m is not None and m.side == "hf":
-                    return NameMatch(**{**m.__dict__, "name": name, "via_alias": True})
+                    return replace(m, name=name, via_alias=True)
         return None
 
     def hf_siblings(self, m: NameMatch) -> list[NameMatch]:
@@ -191,8 +212,8 @@ class NamingMap:
                                  via_alias=m.via_alias, transform=e.transform))
         return out
 
-    def _lookup_direct(self, name: str) -> NameMatch | None:
-        key, values = _key_of_name(name)
+    def _lookup_direct(self, name: str, key: tuple[str, tuple[int, ...]] | None = None) -> NameMatch | None:
+        key, values = key or _key_of_name(name)
         slots = self._index.get(key)
         if not slots:
             return None
@@ -318,12 +339,20 @@ def guess_arch(names) -> str | None:
     Maps that recognise equally many names are told apart by how much of each map the names use (the share of its
     non-expert entries seen): a Qwen3-MoE checkpoint's names are all GLM-4.5 names too, but leave GLM's biases,
     shared experts and score bias unused. A tie on both is still refused."""
-    names = list(names)
     maps = naming_maps()
-    keys = {_key_of_name(n)[0] for n in names}
-    hits = {arch: [m._lookup_direct(n) for n in names] for arch, m in maps.items()
+    # a name matches a map exactly when its key (numbers replaced by #) is in the map's index: classify one name
+    # per distinct key and weigh it by the key's count (a 10^6-tensor header has a few hundred distinct keys)
+    counts: dict[str, int] = {}
+    first: dict[str, str] = {}
+    for n in names:
+        k = _key_of_name(n)[0]
+        if k not in counts:
+            counts[k], first[k] = 0, n
+        counts[k] += 1
+    keys = set(counts)
+    hits = {arch: {k: m._lookup_direct(first[k]) for k in keys if k in m._index} for arch, m in maps.items()
             if not m.guess_requires or m.guess_requires & keys}
-    scores = {arch: sum(h is not None for h in hs) for arch, hs in hits.items()}
+    scores = {arch: sum(counts[k] for k in hs) for arch, hs in hits.items()}
     best = max(scores.values(), default=0)
     winners = [a for a, s in scores.items() if s == best]
     if not best:
@@ -331,7 +360,7 @@ def guess_arch(names) -> str | None:
     if len(winners) > 1:
         def used(arch: str) -> float:
             seen = {h.gguf_name.split(".", 2)[-1] if h.layer is not None else h.gguf_name
-                    for h in hits[arch] if h is not None and h.group not in ("experts", "expert_scales") and h.gguf_name}
+                    for h in hits[arch].values() if h.group not in ("experts", "expert_scales") and h.gguf_name}
             return len(seen) / max(1, len({e.gguf for e in maps[arch].tensors}))
 
         usage = {a: used(a) for a in winners}

@@ -19,7 +19,7 @@ from ktconvert.io.dtypes import SAFETENSORS_DTYPES
 MAX_HEADER_BYTES = 100_000_000
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per tensor: 10^6 of them in the largest headers
 class SafetensorsEntry:
     name: str
     dtype: str
@@ -44,7 +44,10 @@ def _collect_duplicates(found: list[str]):
     """A json object hook that keeps the first value of a repeated key and remembers the key."""
 
     def hook(pairs):
-        out: dict = {}
+        out = dict(pairs)
+        if len(out) == len(pairs):  # no repeated key: the common case, at C speed (it runs once per tensor)
+            return out
+        out = {}
         for key, value in pairs:
             if key in out:
                 found.append(key)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)  # one per tensor: 10^6 of them in the largest headers
 class TensorInfo:
     """A tensor as its container describes it.
 

@@ -384,6 +384,11 @@ def _generate_golden(
     ids, text, prepended = prompt_for(model_dir, prompt_text, prompt_ids, bos)
     if max(ids) >= cfg.vocab_size:
         raise InputError(f"prompt id {max(ids)} is outside the vocabulary (vocab_size={cfg.vocab_size})")
+    if len(ids) > cfg.max_position_embeddings:  # attention and the rope tables grow with the prompt: check first
+        raise InputError(f"the prompt has {len(ids)} tokens, more than the model's max_position_embeddings="
+                         f"{cfg.max_position_embeddings}", path=str(model_dir / "config.json"),
+                         where="max_position_embeddings",
+                         fix=f"pass a prompt of at most {cfg.max_position_embeddings} tokens")
     if engine == "stream":
         run, lora_record = streamed.compute_stream_golden(model_dir, ids, threads=threads, max_memory=budget), None
     elif lora is None:

@@ -27,7 +27,7 @@ _PROBE_BASE = {"vocab_size": 512, "hidden_size": 256, "intermediate_size": 512, 
 PROBE_CONFIGS = {f: {**_PROBE_BASE, "model_type": f, **families.spec(f).probe} for f in FAMILIES}
 
 
-@dataclass
+@dataclass(slots=True)
 class Node:
     path: str
     type: str
@@ -42,9 +42,13 @@ class Node:
         return child
 
     def walk(self):
-        yield self
-        for c in self.children:
-            yield from c.walk()
+        """Every node below and including this one, depth first in insertion order (iterative: a recursive generator
+        costs a frame per level for every node it yields)."""
+        stack = [self]
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(reversed(node.children))
 
 
 @dataclass
