@@ -22,6 +22,7 @@ Atomic groups and possessive quantifiers (Python 3.11+) never backtrack, so what
 from __future__ import annotations
 
 import re
+from functools import lru_cache
 
 try:  # Python 3.11+
     import re._parser as _p
@@ -274,6 +275,7 @@ class _Analysis:
         return None
 
 
+@lru_cache(maxsize=4096)  # rule files repeat the same few patterns, a generated one thousands of times
 def backtracking_risk(pattern: str) -> str | None:
     """Why ``pattern`` can make ``re.search`` backtrack catastrophically, or ``None``. A pattern that does not
     compile is ``None`` here (``re.compile`` reports it)."""

@@ -77,7 +77,16 @@ def compile_view(view: RuleView, catalog: Catalog) -> CompiledRule | None:
     return compiled
 
 
+def view_rules(rules_data: list) -> list[RuleView]:
+    """The views of a file's rules (entries that are not mappings are left out: the schema check reports them)."""
+    return [v for v in (view_rule(i, r) for i, r in enumerate(rules_data or [])) if v is not None]
+
+
+def compile_views(views: list[RuleView], catalog: Catalog) -> list[CompiledRule]:
+    """Views compiled for ``engine.resolve`` (rules too broken to compile are left out)."""
+    return [c for c in (compile_view(v, catalog) for v in views) if c is not None]
+
+
 def compile_rules(rules_data: list, catalog: Catalog) -> list[CompiledRule]:
     """The rules of a file's data, compiled for ``engine.resolve`` (rules too broken to compile are left out)."""
-    views = (view_rule(i, r) for i, r in enumerate(rules_data or []))
-    return [c for c in (compile_view(v, catalog) for v in views if v is not None) if c is not None]
+    return compile_views(view_rules(rules_data), catalog)

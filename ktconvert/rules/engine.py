@@ -35,7 +35,8 @@ class Assignment:
         return self.rule.replace_class if self.rule else "default"
 
 
-def _class_ok(rule: CompiledRule, module_type: str, is_instance: Callable[[str, str], bool]) -> bool:
+def class_ok(rule: CompiledRule, module_type: str, is_instance: Callable[[str, str], bool]) -> bool:
+    """The rule's class test alone (``match.class`` as isinstance of the module's type)."""
     if not rule.class_known:
         return False
     return rule.class_type is None or is_instance(module_type, rule.class_type)
@@ -59,7 +60,7 @@ def _searcher(pattern: re.Pattern | None, cache: dict | None):
 
 def rule_matches(rule: CompiledRule, path: str, module_type: str, is_instance: Callable[[str, str], bool]) -> bool:
     """Upstream order: the class test first, then ``re.search`` of the name on the dotted path."""
-    if not _class_ok(rule, module_type, is_instance):
+    if not class_ok(rule, module_type, is_instance):
         return False
     return rule.name is None or rule.name.search(path) is not None
 
@@ -82,7 +83,7 @@ def resolve(root, rules: list[CompiledRule], is_instance: Callable[[str, str], b
         candidates = by_type.get(node.type)
         if candidates is None:
             candidates = by_type[node.type] = [
-                (r, _searcher(r.name, search_cache)) for r in rules if _class_ok(r, node.type, is_instance)
+                (r, _searcher(r.name, search_cache)) for r in rules if class_ok(r, node.type, is_instance)
             ]
         winner = None
         for rule, search in candidates:

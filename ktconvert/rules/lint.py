@@ -18,7 +18,7 @@ from ktconvert.io import yamlpos
 from ktconvert.io.datafile import schema_errors
 from ktconvert.rules import checks, engine, modeltree
 from ktconvert.rules.catalog import Catalog
-from ktconvert.rules.compile import compile_rules, operator_of, view_rule
+from ktconvert.rules.compile import compile_rules, compile_views, operator_of, view_rules
 from ktconvert.rules.findings import Finding, registry, selected
 
 _BACKEND_COMMENT = re.compile(r"#\s*ktconvert:\s*backend\s*=\s*([A-Za-z_]+)")
@@ -201,12 +201,13 @@ def _lint(ctx: LintContext, tree) -> None:
     ctx.schema_errors = schema_errors(data, "optimize-rules")
     _resolve_backend(ctx)
     _run("document", ctx, data)
-    for view in filter(None, (view_rule(i, r) for i, r in enumerate(data))):
+    views = view_rules(data)  # once: the rule checks and the compiled rules share them
+    for view in views:
         op = operator_of(view, ctx.catalog)
         for c in checks.checks("rule"):
             if view.regex_error is None or "KT301" in c.ids:  # a rule whose regex fails: upstream stops there
                 c.fn(ctx, view, op)
-    rules = compile_rules(data, ctx.catalog)
+    rules = compile_views(views, ctx.catalog)
     ctx.result.data = data
     if tree is None:
         family = probe_family(data, ctx.catalog)

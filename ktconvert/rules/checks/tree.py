@@ -116,15 +116,17 @@ def rule_never_applies(ctx, data, rules, tree, assigned) -> None:
     matching no module of the model at all (KT401, only against a real ``--model``)."""
     by_rule = _hits(rules, assigned)
     assignment_of = {a.path: a for a in assigned}
+    types = {node.type for node in tree.nodes}  # the class test depends on the module type only: once per type
     for rule in rules:
         if by_rule.get(rule.index):
             continue
         rp = (str(rule.index), "match")
         shadowing: dict[int, int] = {}
         hidden: set[int] = set()
-        for node in tree.nodes:
-            if not engine.rule_matches(rule, node.path, node.type, ctx.catalog.is_instance):
-                continue
+        ok = {t for t in types if engine.class_ok(rule, t, ctx.catalog.is_instance)}
+        matched = (node for node in tree.nodes  # in tree order, as upstream visits them
+                   if node.type in ok and (rule.name is None or rule.name.search(node.path) is not None))
+        for node in matched:
             a = assignment_of.get(node.path)
             if a is None:
                 up = tree.parent.get(node.path)
