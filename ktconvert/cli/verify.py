@@ -88,7 +88,9 @@ def command(ctx, model_dir, rules, weights, prefill_weights, golden, tolerance, 
 
 
 def _tty() -> bool:
-    return click.get_text_stream("stderr").isatty()
+    import sys
+
+    return sys.stderr.isatty()
 
 
 def _progress(phase: str, done: int, layers: int, seconds: float) -> None:
