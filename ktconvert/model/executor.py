@@ -315,6 +315,10 @@ class StreamedWeights:
     def part_done(self, kind: str, layer: int | None) -> None:
         """A part's run is over (a source may free what it cached for it)."""
 
+    def part_extra(self, kind: str, layer: int | None) -> int:
+        """Bytes a part needs resident beyond its own weights' slots (an injected candidate's operators)."""
+        return 0
+
     # --- budget ---------------------------------------------------------------------------------------------------
     def minimum(self, model: nn.Module) -> tuple[int, str]:
         """The most bytes one part needs resident at once (its float32 weights, the stored copies being decoded,
@@ -322,7 +326,7 @@ class StreamedWeights:
         best = (0, "")
         for kind, index, roots, skip, experts in self._parts(model):
             weights = sum(_bytes(s[4]) for r, _ in roots for s in _slots(r, "", skip) if s[3] is not None)
-            need = weights + self.stored_bytes(kind, index, weights=weights)
+            need = weights + self.stored_bytes(kind, index, weights=weights) + self.part_extra(kind, index)
             if experts is not None:
                 one = max((sum(_bytes(p) for p in ex.parameters()) for ex in experts), default=0)
                 need += one + self.stored_bytes(kind, index, expert=True, weights=one)
@@ -537,13 +541,33 @@ class ConvertedWeights(StreamedWeights):
             self.source.forget(layer)
 
 
-def _op_bytes(op) -> int:
-    """Bytes of the tensors an injected operator holds (its dequantized weights, the experts it has decoded)."""
-    if op is None:
-        return 0
-    total = sum(_bytes(t) for t in vars(op).values() if isinstance(t, torch.Tensor))
-    total += sum(_bytes(t) for t in getattr(op, "_cache", {}).values())
-    return total
+class _ExpertCache(dict):
+    """A CPU-experts operator's decoded experts (``CpuExpertsGGML._cache``) held within the provider's budget:
+    adding one drops the least recently used first while the budget is short (each is used as soon as it is
+    fetched, so dropping it costs a decode again, never a wrong number)."""
+
+    def __init__(self, provider: "StreamedWeights"):
+        super().__init__()
+        self.provider = provider
+
+    def get(self, key, default=None):
+        w = super().pop(key, None)
+        if w is None:
+            return default
+        super().__setitem__(key, w)  # most recently used last
+        return w
+
+    def __setitem__(self, key, w) -> None:
+        st, budget, need = self.provider.stats, self.provider.budget, _bytes(w)
+        while self and budget is not None and st.resident + need > budget:
+            st.resident -= _bytes(self.pop(next(iter(self))))
+        super().__setitem__(key, w)
+        st.resident += need
+        st.peak = max(st.peak, st.resident)
+
+    def release(self) -> None:
+        self.provider.stats.resident -= sum(_bytes(w) for w in self.values())
+        self.clear()
 
 
 class InjectedWeights(ConvertedWeights):
@@ -564,16 +588,35 @@ class InjectedWeights(ConvertedWeights):
             return "layer", int(m.group(1))
         return ("embed", None) if path.startswith("model.embed_tokens") else ("head", None)
 
+    def _mine(self, kind: str, layer: int | None) -> list:
+        return [s for p, s in self.switches.items() if self._part_of(p) == (kind, layer)]
+
+    def part_extra(self, kind: str, layer: int | None) -> int:
+        """The least the part's operators hold while they run (``resident_bytes`` of each op ``inject`` built)."""
+        ops = {id(d): d for s in self._mine(kind, layer) for d in s.described.values() if d is not None}
+        return sum(d.resident_bytes for d in ops.values())
+
     @contextmanager
     def part(self, model: nn.Module, kind: str, layer: int | None = None):
-        mine = [s for p, s in self.switches.items() if self._part_of(p) == (kind, layer)]
+        mine = self._mine(kind, layer)
         with super().part(model, kind, layer):
+            held, caches = 0, []
+            st = self.stats
             try:
                 for switch in mine:
                     switch.load()
+                    for op in {id(o): o for o in switch.ops.values() if o is not None}.values():
+                        if isinstance(getattr(op, "_cache", None), dict):  # decodes experts as tokens pick them
+                            op._cache = _ExpertCache(self)
+                            caches.append(op._cache)
+                        else:  # holds its dequantized weights from the start
+                            held += op.resident_bytes() if hasattr(op, "resident_bytes") else 0
+                st.resident += held
+                st.peak = max(st.peak, st.resident)
                 yield
             finally:
-                held = sum(_op_bytes(op) for s in mine for op in {id(o): o for o in s.ops.values()}.values())
-                self.stats.peak = max(self.stats.peak, self.stats.resident + held)
+                for cache in caches:
+                    cache.release()
+                st.resident -= held
                 for switch in mine:
                     switch.release()

@@ -231,6 +231,7 @@ def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weigh
             if lazy:
                 switch.builders = {mode: None if op is None else op.build for mode, op in (("generate", gen),
                                                                                              ("prefill", pre))}
+                switch.described = {"generate": gen, "prefill": pre}
                 switch.release()
             _set_module(model, inj.path, switch)
             switches[inj.path] = switch
@@ -281,6 +282,7 @@ class _Described:
         self.emulation = getattr(op, "emulation", None)
         self.unknown_act = tuple(getattr(op, "unknown_act", ()))
         self.text = op.describe()
+        self.resident_bytes = op.resident_bytes() if hasattr(op, "resident_bytes") else 0
 
     def describe(self) -> str:
         return self.text

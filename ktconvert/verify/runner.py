@@ -516,8 +516,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     peak = report.run["peak_resident_weights"]
     if peak is not None and peak > run.budget:
         report.notes.append(f"peak {format_size(peak)} of weights resident is over the budget "
-                            f"{format_size(run.budget)}: the experts a CPU-experts operator decodes for its layer "
-                            "are not yet held within it")
+                            f"{format_size(run.budget)}")
     if loaded is not None:
         report.lora = _lora_effect(loaded, lora, gold, phases, profile)
         if report.lora["finding"]:

@@ -19,6 +19,7 @@ class PhaseSwitch(nn.Module):
         self.names = names  # {"generate": op name | None, "prefill": op name | None}
         self.mode = "generate"
         self.builders: dict | None = None  # {"generate": fn | None, "prefill": fn | None}: ops built per part
+        self.described: dict = {}  # with builders: what inject learnt of each op (describe, resident_bytes)
 
     def load(self) -> None:
         """Build the ops (``inject(..., lazy=True)``: a streamed candidate builds them when their layer runs); one
