@@ -150,3 +150,27 @@ def test_streaming_with_the_real_kernel_or_lora_is_refused_up_front(ws):
     assert "does not stream yet" in line
     line = _one_line(_verify(ws, "qwen2_moe", "--weights", weights, "--max-memory", "1GiB", "--lora", weights), 2)
     assert "--lora does not stream yet" in line
+
+
+def test_release_disappearing_mid_run_is_one_line(ws, tmp_path, monkeypatch):
+    """The streamed reference reads the release layer by layer: its file going away mid-run is one line, exit 3."""
+    import shutil
+
+    from ktconvert.model import executor
+
+    model = tmp_path / "m"
+    shutil.copytree(ws.model("qwen2_moe"), model)
+    gguf = ws.gguf("qwen2_moe", "Q8_0")
+    weights = model / "model.safetensors"
+    real = executor.LayerMajor.layer
+
+    def vanish(self, index, *a, **kw):
+        if index == 1 and weights.exists():
+            weights.unlink()
+        return real(self, index, *a, **kw)
+
+    monkeypatch.setattr(executor.LayerMajor, "layer", vanish)
+    args = ["verify", "--model", str(model), "--rules", str(ws.rules("qwen2_moe")), "--golden",
+            str(ws.golden("qwen2_moe")), "--weights", str(gguf), "--max-memory", str(_budget(ws, "qwen2_moe"))]
+    line = _one_line(CliRunner().invoke(cli, args, catch_exceptions=False), 3)
+    assert "model.safetensors" in line and "No such file" in line
