@@ -43,9 +43,16 @@ import click
               help="A MoE LoRA adapter (any form convert-lora reads) applied as W + alpha/r * B @ A to the weights it "
                    "adapts; --golden must be made with `ktconvert golden --lora` of the same adapter.")
 @click.option("--lora-alpha", type=float, help="LoRA alpha, when the adapter does not say it.")
+@click.option("--max-memory", metavar="SIZE",
+              help="Memory budget for the weights resident at once (1GiB, 512MiB): the reference and the candidate "
+                   "then run layer by layer from disk, with the same numbers. Default: half the memory available, "
+                   "everything in memory when both float32 models fit it.")
+@click.option("--progress/--no-progress", default=None,
+              help="Per-layer progress on stderr (default: on when stderr is a terminal).")
 @click.pass_context
 def command(ctx, model_dir, rules, weights, prefill_weights, golden, tolerance, fmt, plot_path, compute_dtype,
-            cpu_hidden_dtype, act_quant, catalogs, backend, threads, kernel, kt_weights, lora, lora_alpha):
+            cpu_hidden_dtype, act_quant, catalogs, backend, threads, kernel, kt_weights, lora, lora_alpha, max_memory,
+            progress):
     """Run the model as --rules injects it, on --weights, against --golden: prefill over the golden prompt,
     then token-by-token decode with a KV cache; per position max |diff|, NMSE, KL, top-1/top-k agreement;
     per-layer hidden-state NMSE per phase; the first layer and module where error jumps.
@@ -60,6 +67,7 @@ def command(ctx, model_dir, rules, weights, prefill_weights, golden, tolerance, 
 
         check_output_file(plot_path, "--plot")  # fail before the run, not after
         require_matplotlib()
+    from ktconvert.io.sizes import parse_size
     from ktconvert.model.inject import EmulationOptions
     from ktconvert.rules.catalog import load_catalog
     from ktconvert.verify import run_verify
@@ -68,10 +76,26 @@ def command(ctx, model_dir, rules, weights, prefill_weights, golden, tolerance, 
                                kernel=kernel)
     report = run_verify(model_dir, rules, golden, weights=weights, prefill_weights=prefill_weights, profile=tolerance,
                         options=options, catalog=load_catalog(catalogs), backend=backend, threads=threads,
-                        kt_weights=kt_weights, lora=lora, lora_alpha=lora_alpha)
+                        kt_weights=kt_weights, lora=lora, lora_alpha=lora_alpha,
+                        max_memory=None if max_memory is None else parse_size(max_memory, what="--max-memory"),
+                        progress=_progress if (progress if progress is not None else _tty()) else None)
     if plot_path:
         from ktconvert.verify.report import plot
 
         plot(report, plot_path)
     click.echo(render_json(report) if fmt == "json" else render_text(report))
     ctx.exit(0 if report.passed else 1)
+
+
+def _tty() -> bool:
+    import sys
+
+    return sys.stderr.isatty()
+
+
+def _progress(phase: str, done: int, layers: int, seconds: float) -> None:
+    """One line per layer on stderr (rewritten in place on a terminal)."""
+    end = "\n" if done == layers or not _tty() else ""
+    click.echo(f"\r{phase}: layer {done}/{layers} ({seconds:.1f} s)", err=True, nl=False)
+    if end:
+        click.echo("", err=True)

@@ -22,7 +22,8 @@ Where the weights come from is a *weight provider*:
 * :class:`ConvertedWeights`: the same for a converted checkpoint (GGUF, split sets too, or kernel-order
   safetensors) through :class:`~ktconvert.model.ops.source.WeightSource`, as ``inject`` loads a candidate whole.
   Both share :class:`StreamedWeights` (slots, budget, expert cache, :class:`StreamStats`); a new source is a
-  subclass with ``part_state`` / ``expert_state`` / ``stored_bytes``. Not yet a source: a kt-amx directory (its
+  subclass with ``part_state`` / ``expert_state`` / ``stored_bytes``. :class:`InjectedWeights` streams an injected
+  candidate (``verify --max-memory``): its operators are built per part too. Not yet a source: a kt-amx directory (its
   experts decoded as ``quantize`` reads them, :mod:`ktconvert.convert.kt_amx_io`, everything else from the release).
 
 A provider's ``part(model, kind, layer)`` is a context manager around one part's run (``kind`` is ``embed``,
@@ -84,7 +85,7 @@ class LayerMajor:
         (default: all). Appends to ``cache`` when given; without one, a run of several steps keeps its own, each
         layer's entries dropped once the layer is done with them."""
         ids, t, step, cache, own_cache, past, positions, chunks = self._setup(input_ids, cache, step)
-        hidden, states = self.embed(ids)
+        hidden, states = self.embed(ids, chunks)
         selections: dict[int, list] = {}  # a DSA source layer's selection per chunk, for the layer sharing it
         for index, layer in enumerate(self.model.model.layers):
             out = self.layer(index, hidden, positions, cache, ids, chunks, selections)
@@ -112,11 +113,13 @@ class LayerMajor:
         chunks = [(a, min(a + step, t)) for a in range(0, t, step)]
         return input_ids, t, step, cache, own_cache, past, positions, chunks
 
-    def embed(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, list]:
+    def embed(self, input_ids: torch.Tensor, chunks: list[tuple[int, int]] | None = None) -> tuple[torch.Tensor, list]:
         """The embedding part: the first layer's input (every hyper-connection stream starts as the embedding) and
-        the recorded states so far (``[embedding]``)."""
+        the recorded states so far (``[embedding]``); one lookup per chunk, as a token-by-token run calls it (the
+        values are the same either way; module hooks see the calls of that run)."""
         with self.weights.part(self.model, "embed"):
-            hidden = self.model.model.embed_tokens(input_ids)
+            parts = [self.model.model.embed_tokens(input_ids[:, a:z]) for a, z in chunks or [(0, input_ids.shape[1])]]
+            hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
         hc = self.model.config.hyper_connections
         states = [hidden]
         if hc is not None:
@@ -152,22 +155,24 @@ class LayerMajor:
     def layer_jobs(self, index: int, jobs: list[tuple], position_ids: torch.Tensor, input_ids: torch.Tensor,
                    chunks: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
         """Decoder layer ``index`` over several inputs while its weights are resident once: ``jobs`` are
-        ``(hidden, cache, selections)``, each with a cache (and DSA selections) of its own (a verify runs the
-        candidate's layer on its own input and on the reference's, :func:`run_pair`)."""
+        ``(hidden, cache, selections[, guard])``, each with a cache (and DSA selections) of its own (a verify runs
+        the candidate's layer on its own input and on the reference's, :func:`run_pair`); ``guard``: a context
+        manager factory entered around that job (verify's module tap looks away from the teacher-forced job)."""
         layer = self.model.model.layers[index]
         mixer = layer.mixer
         source = getattr(mixer, "selection_source", None)
         outs = []
         with self.weights.part(self.model, "layer", index):
-            for hidden, cache, selections in jobs:
+            for hidden, cache, selections, *guard in jobs:
                 selections = selections if selections is not None else {}
                 parts = []
-                for c, (a, z) in enumerate(chunks or [(0, hidden.shape[1])]):
-                    if source is not None and id(source) in selections:
-                        source.last_selection = selections[id(source)][c]  # the source layer's, same chunk
-                    parts.append(layer(hidden[:, a:z], position_ids[:, a:z], cache, input_ids[:, a:z]))
-                    if hasattr(mixer, "last_selection"):
-                        selections.setdefault(id(mixer), []).append(mixer.last_selection)
+                with guard[0]() if guard and guard[0] is not None else nullcontext():
+                    for c, (a, z) in enumerate(chunks or [(0, hidden.shape[1])]):
+                        if source is not None and id(source) in selections:
+                            source.last_selection = selections[id(source)][c]  # the source layer's, same chunk
+                        parts.append(layer(hidden[:, a:z], position_ids[:, a:z], cache, input_ids[:, a:z]))
+                        if hasattr(mixer, "last_selection"):
+                            selections.setdefault(id(mixer), []).append(mixer.last_selection)
                 outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
         return outs
 
@@ -184,21 +189,24 @@ class PairOutput:
 
 
 def run_pair(reference: LayerMajor, candidate: LayerMajor, input_ids: torch.Tensor, *,
-             step: int | None = None) -> PairOutput:
+             step: int | None = None, on_layer=None, forced_guard=None) -> PairOutput:
     """Reference and candidate in lockstep, one layer of each resident at a time: each layer runs on its own
     model's previous output (free-running, where error compounds) and the candidate's layer also on the
     reference's input (teacher-forced: the error that layer alone adds, which names the faulty layer at scale).
     Each of the three streams keeps its own per-layer caches; every cache entry of a layer is dropped when the
-    layer is done. Outputs are bit-identical to two separate :meth:`LayerMajor.run` calls."""
+    layer is done. Outputs are bit-identical to two separate :meth:`LayerMajor.run` calls.
+
+    ``on_layer(index)`` is called once both models are done with layer ``index``; ``forced_guard``: a context
+    manager factory entered around the candidate's teacher-forced job (see :meth:`LayerMajor.layer_jobs`)."""
     ids, t, step, _, _, _, positions, chunks = reference._setup(input_ids, None, step)
     caches = [KVCache() if step < t else None for _ in range(3)]  # reference, candidate, candidate forced
     sel = [{}, {}, {}]
-    rh, ref_states = reference.embed(ids)
-    ch, cand_states = candidate.embed(ids)
+    rh, ref_states = reference.embed(ids, chunks)
+    ch, cand_states = candidate.embed(ids, chunks)
     forced = [cand_states[0]]
     for index, layer in enumerate(reference.model.model.layers):
         r_out = reference.layer(index, rh, positions, caches[0], ids, chunks, sel[0])
-        c_out, f_out = candidate.layer_jobs(index, [(ch, caches[1], sel[1]), (rh, caches[2], sel[2])],
+        c_out, f_out = candidate.layer_jobs(index, [(ch, caches[1], sel[1]), (rh, caches[2], sel[2], forced_guard)],
                                             positions, ids, chunks)
         for cache in caches:
             if cache is not None:
@@ -207,6 +215,8 @@ def run_pair(reference: LayerMajor, candidate: LayerMajor, input_ids: torch.Tens
         ref_states.append(reference.collapse(rh))
         cand_states.append(candidate.collapse(ch))
         forced.append(candidate.collapse(f_out))
+        if on_layer is not None:
+            on_layer(index)
     r_logits, r_final = reference.head(rh, chunks)
     c_logits, c_final = candidate.head(ch, chunks)
     return PairOutput(ForwardOutput(r_logits, tuple(ref_states), r_final),
@@ -305,6 +315,10 @@ class StreamedWeights:
     def part_done(self, kind: str, layer: int | None) -> None:
         """A part's run is over (a source may free what it cached for it)."""
 
+    def part_extra(self, kind: str, layer: int | None) -> int:
+        """Bytes a part needs resident beyond its own weights' slots (an injected candidate's operators)."""
+        return 0
+
     # --- budget ---------------------------------------------------------------------------------------------------
     def minimum(self, model: nn.Module) -> tuple[int, str]:
         """The most bytes one part needs resident at once (its float32 weights, the stored copies being decoded,
@@ -312,7 +326,7 @@ class StreamedWeights:
         best = (0, "")
         for kind, index, roots, skip, experts in self._parts(model):
             weights = sum(_bytes(s[4]) for r, _ in roots for s in _slots(r, "", skip) if s[3] is not None)
-            need = weights + self.stored_bytes(kind, index, weights=weights)
+            need = weights + self.stored_bytes(kind, index, weights=weights) + self.part_extra(kind, index)
             if experts is not None:
                 one = max((sum(_bytes(p) for p in ex.parameters()) for ex in experts), default=0)
                 need += one + self.stored_bytes(kind, index, expert=True, weights=one)
@@ -525,3 +539,84 @@ class ConvertedWeights(StreamedWeights):
     def part_done(self, kind, layer):
         if kind == "layer":
             self.source.forget(layer)
+
+
+class _ExpertCache(dict):
+    """A CPU-experts operator's decoded experts (``CpuExpertsGGML._cache``) held within the provider's budget:
+    adding one drops the least recently used first while the budget is short (each is used as soon as it is
+    fetched, so dropping it costs a decode again, never a wrong number)."""
+
+    def __init__(self, provider: "StreamedWeights"):
+        super().__init__()
+        self.provider = provider
+
+    def get(self, key, default=None):
+        w = super().pop(key, None)
+        if w is None:
+            return default
+        super().__setitem__(key, w)  # most recently used last
+        return w
+
+    def __setitem__(self, key, w) -> None:
+        st, budget, need = self.provider.stats, self.provider.budget, _bytes(w)
+        while self and budget is not None and st.resident + need > budget:
+            st.resident -= _bytes(self.pop(next(iter(self))))
+        super().__setitem__(key, w)
+        st.resident += need
+        st.peak = max(st.peak, st.resident)
+
+    def release(self) -> None:
+        self.provider.stats.resident -= sum(_bytes(w) for w in self.values())
+        self.clear()
+
+
+class InjectedWeights(ConvertedWeights):
+    """An injected candidate streamed: the weights its modules keep (``inject``'s default loading) come part by part
+    as :class:`ConvertedWeights` reads them, and the operators ``inject(..., lazy=True)`` left unbuilt (the wrapper
+    operators' generate and prefill ops: CPU experts, dequantized linears) are built when their part starts and
+    released when it ends, from the same sources and with the same numerics as when ``inject`` builds them at once.
+    What the built operators hold counts in :class:`StreamStats` ``peak``."""
+
+    def __init__(self, source, cfg, switches: dict, budget: int | None = None):
+        super().__init__(source, cfg, budget)
+        self.switches = switches  # path -> PhaseSwitch
+
+    @staticmethod
+    def _part_of(path: str) -> tuple[str, int | None]:
+        m = _LAYER.match(path + ".")
+        if m is not None:
+            return "layer", int(m.group(1))
+        return ("embed", None) if path.startswith("model.embed_tokens") else ("head", None)
+
+    def _mine(self, kind: str, layer: int | None) -> list:
+        return [s for p, s in self.switches.items() if self._part_of(p) == (kind, layer)]
+
+    def part_extra(self, kind: str, layer: int | None) -> int:
+        """The least the part's operators hold while they run (``resident_bytes`` of each op ``inject`` built)."""
+        ops = {id(d): d for s in self._mine(kind, layer) for d in s.described.values() if d is not None}
+        return sum(d.resident_bytes for d in ops.values())
+
+    @contextmanager
+    def part(self, model: nn.Module, kind: str, layer: int | None = None):
+        mine = self._mine(kind, layer)
+        with super().part(model, kind, layer):
+            held, caches = 0, []
+            st = self.stats
+            try:
+                for switch in mine:
+                    switch.load()
+                    for op in {id(o): o for o in switch.ops.values() if o is not None}.values():
+                        if isinstance(getattr(op, "_cache", None), dict):  # decodes experts as tokens pick them
+                            op._cache = _ExpertCache(self)
+                            caches.append(op._cache)
+                        else:  # holds its dequantized weights from the start
+                            held += op.resident_bytes() if hasattr(op, "resident_bytes") else 0
+                st.resident += held
+                st.peak = max(st.peak, st.resident)
+                yield
+            finally:
+                for cache in caches:
+                    cache.release()
+                st.resident -= held
+                for switch in mine:
+                    switch.release()

@@ -141,13 +141,19 @@ class _Uses:
 
 
 def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weights: WeightSource | None = None,
-           options: EmulationOptions | None = None, catalog=None, prompt_len: int | None = None) -> Injected:
+           options: EmulationOptions | None = None, catalog=None, prompt_len: int | None = None,
+           lazy: bool = False) -> Injected:
     """Replace ``model``'s modules as ``plan`` (:func:`ktconvert.rules.apply.injection_plan` of the compiled rules
     over this model) says and load every weight from the sources.
 
     ``prompt_len``: the longest forward that will run; prefill ops are only built when layer-wise prefill
     can happen for it (upstream loads them only then), so a checkpoint lacking what an unused op would read
     is no error. Missing tensors of used ops are, before anything runs.
+
+    ``lazy``: ``model`` is a skeleton (:func:`~ktconvert.model.reference.build_skeleton`) whose weights a streaming
+    provider (:class:`~ktconvert.model.executor.InjectedWeights`) puts in part by part; the wrapper operators are
+    built once here (checked and described) and then dropped, and :meth:`PhaseSwitch.load` builds them again when
+    their part runs. Nothing else is loaded here.
     """
     options = options or EmulationOptions()
     catalog = catalog or load_catalog()
@@ -189,27 +195,12 @@ def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weigh
         key = (inj.path, run, id(source))
         op = built.get(key)
         if op is None:
-            if kind == "experts":
-                layer = _layer_of(inj.path)
-                if layer is None:
-                    raise InputError(f"an experts operator on {inj.path}, which is not in a decoder layer",
-                                     where=inj.path, fix="match experts modules only (…\\.mlp\\.experts$)")
-                blocks = source.expert_blocks(layer)
-                if run == "cpu-experts-ggml":
-                    op = CpuExpertsGGML(blocks, CpuKernelNumerics(options.cpu_hidden_dtype, options.cpu_act_quant))
-                    if options.kernel_runtime is not None:  # the real kernel, in its child process
-                        op = options.kernel_runtime.wrap(op, source, blocks, source.cfg, inj.path)
-                else:
-                    op = ExpertsDequant(blocks, options.compute_dtype)
-            else:
-                lin = inj.module
-                w_name = f"{inj.path}.weight"
-                weight = source.tensor(w_name, tuple(lin.weight.shape))
-                bias = None
-                if getattr(lin, "bias", None) is not None:
-                    bias = source.tensor(f"{inj.path}.bias", tuple(lin.bias.shape))
-                op = LinearDequant(torch.from_numpy(weight), None if bias is None else torch.from_numpy(bias),
-                                   options.compute_dtype, source.stored_type(w_name))
+            build = _op_builder(inj, kind, run, source, options)
+            op = build()
+            if lazy:  # built once to check and describe it, then per part (InjectedWeights)
+                op = _Described(op, build)
+                if kind == "experts":
+                    source.forget(_layer_of(inj.path))
             built[key] = op
         if getattr(op, "emulation", None) == "kt-kernel":
             run, emulated, detail = "kt-kernel", True, ""
@@ -237,6 +228,11 @@ def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weigh
                 prefill_paths.add(inj.path)
             switch = PhaseSwitch(inj.path, {"generate": gen, "prefill": pre},
                                  {"generate": inj.op("generate_op"), "prefill": prefill_name})
+            if lazy:
+                switch.builders = {mode: None if op is None else op.build for mode, op in (("generate", gen),
+                                                                                             ("prefill", pre))}
+                switch.described = {"generate": gen, "prefill": pre}
+                switch.release()
             _set_module(model, inj.path, switch)
             switches[inj.path] = switch
             replaced.append(inj.path)
@@ -247,8 +243,49 @@ def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weigh
                    else "the catalog names no emulation for this operator")
             uses.add(inj.path, inj.replace_class, None, None, None, False, f"{why}; ran the reference module")
 
-    _load_defaults(model, weights)
+    if not lazy:
+        _load_defaults(model, weights)
     return Injected(model, plan, model_operator, threshold, switches, frozenset(prefill_paths), list(uses.rows.values()))
+
+
+def _op_builder(inj, kind: str, run: str, source: WeightSource, options: EmulationOptions):
+    """A function building ``inj``'s op that runs ``run`` on ``source`` (called once, or per part when lazy)."""
+    def build():
+        if kind == "experts":
+            layer = _layer_of(inj.path)
+            if layer is None:
+                raise InputError(f"an experts operator on {inj.path}, which is not in a decoder layer",
+                                 where=inj.path, fix="match experts modules only (…\\.mlp\\.experts$)")
+            blocks = source.expert_blocks(layer)
+            if run == "cpu-experts-ggml":
+                op = CpuExpertsGGML(blocks, CpuKernelNumerics(options.cpu_hidden_dtype, options.cpu_act_quant))
+                if options.kernel_runtime is not None:  # the real kernel, in its child process
+                    op = options.kernel_runtime.wrap(op, source, blocks, source.cfg, inj.path)
+                return op
+            return ExpertsDequant(blocks, options.compute_dtype)
+        lin = inj.module
+        w_name = f"{inj.path}.weight"
+        weight = source.tensor(w_name, tuple(lin.weight.shape))
+        bias = None
+        if getattr(lin, "bias", None) is not None:
+            bias = source.tensor(f"{inj.path}.bias", tuple(lin.bias.shape))
+        return LinearDequant(torch.from_numpy(weight), None if bias is None else torch.from_numpy(bias),
+                             options.compute_dtype, source.stored_type(w_name))
+    return build
+
+
+class _Described:
+    """What a lazy injection keeps of an op it built once: its description, activation types and its builder."""
+
+    def __init__(self, op, build):
+        self.build = build
+        self.emulation = getattr(op, "emulation", None)
+        self.unknown_act = tuple(getattr(op, "unknown_act", ()))
+        self.text = op.describe()
+        self.resident_bytes = op.resident_bytes() if hasattr(op, "resident_bytes") else 0
+
+    def describe(self) -> str:
+        return self.text
 
 
 def _load_defaults(model: nn.Module, weights: WeightSource) -> None:

@@ -235,11 +235,12 @@ def build_model(config: MoeConfig | dict | str | os.PathLike, *, dtype: torch.dt
     return model.eval()
 
 
-def build_skeleton(config: MoeConfig | dict | str | os.PathLike) -> ReferenceCausalLM:
+def build_skeleton(config: MoeConfig | dict | str | os.PathLike, *, dtype: torch.dtype = torch.float32) -> ReferenceCausalLM:
     """The float32 module tree for ``config`` without its weights: every tensor created with ``torch.empty`` (every
     ``nn.Linear`` / ``nn.Embedding`` weight: the experts, projections, embedding, head) lives on the meta device and
     costs nothing; small tensors filled at construction (norms, rotary tables) are real. A streaming weight provider
-    (:class:`ktconvert.model.executor.CheckpointWeights`) puts each part's weights in just before it runs."""
+    (:class:`ktconvert.model.executor.CheckpointWeights`) puts each part's weights in just before it runs.
+    ``dtype``: the parameters' dtype, as :func:`build_model` casts them (buffers stay float32)."""
     from torch.overrides import TorchFunctionMode
 
     class EmptyOnMeta(TorchFunctionMode):
@@ -253,6 +254,9 @@ def build_skeleton(config: MoeConfig | dict | str | os.PathLike) -> ReferenceCau
     with torch.device("cpu"), EmptyOnMeta():
         model = ReferenceCausalLM(cfg)
     _tag_tree(model)
+    if dtype != torch.float32:
+        for param in model.parameters():
+            param.data = param.data.to(dtype)
     return model.eval()
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+from ktconvert.io.sizes import format_size
 from ktconvert.optional import require
 
 
@@ -76,6 +77,11 @@ def render_text(report) -> str:
     for i, name in enumerate(names):
         vals = " / ".join(_g(ph["layers"][i]["nmse"]) for ph in d["phases"].values())
         lines.append(f"  {name:10} {vals}")
+    if all(ph.get("forced") for ph in d["phases"].values()):
+        lines.append("teacher-forced NMSE per layer, each layer alone on the reference's input (prefill / decode):")
+        for i, name in enumerate(names):
+            vals = " / ".join(_g(ph["forced"][i]["nmse"]) for ph in d["phases"].values())
+            lines.append(f"  {name:10} {vals}")
     for name, ph in d["phases"].items():
         loc = ph["localization"]
         if ph["nonfinite"]:
@@ -89,6 +95,9 @@ def render_text(report) -> str:
                 where += (f", module {mod} ({(loc.get('operator') or 'default').rsplit('.', 1)[-1]}; "
                           f"NMSE in {_g(loc.get('module_nmse_in'))} -> out {_g(loc.get('module_nmse_out'))})")
             lines.append(f"{name}: error jumps at {where}")
+        if loc and loc.get("forced_layer"):
+            lines.append(f"{name}: {loc['forced_layer']} alone adds NMSE {_g(loc['forced_layer_nmse'])} on the "
+                         "reference's input (teacher-forced), over the hidden-state limit")
     if d.get("kernel") and not d["kernel"]["layers"]:
         lines.append("CPU experts by kt-kernel: none (no module runs a CPU experts op under this rule file)")
     elif d.get("kernel"):
@@ -113,6 +122,16 @@ def render_text(report) -> str:
     if ne:
         lines.append(f"warning: {len(ne)} operator use(s) not emulated; their numbers are the fallback's "
                      f"(profile policy: {d['profile']['limits'].get('not_emulated', 'warn')})")
+    r = d.get("run")
+    if r is not None:
+        budget = f"budget {format_size(r['max_memory'])}" + (" (default: half the memory available)"
+                                                            if r["max_memory_default"] else "")
+        if r["mode"] == "stream":
+            lines.append(f"streamed layer by layer within {budget}: {format_size(r['bytes_read'])} read, peak "
+                         f"{format_size(r['peak_resident_weights'])} of weights resident, {r['experts_loaded']} "
+                         f"expert loads; peak RSS {format_size(r['peak_rss'])}")
+        else:
+            lines.append(f"resident: both models in memory within {budget}; peak RSS {format_size(r['peak_rss'])}")
     lines.append("")
     if report.passed:
         lines.append(f"PASS ({report.seconds:.2f} s)")

@@ -28,6 +28,7 @@ from ktconvert.errors import InputError
 from ktconvert.golden import read_golden
 from ktconvert.io.atomic import sha256_file
 from ktconvert.io.datafile import read_json
+from ktconvert.io.sizes import format_size
 from ktconvert.model import build_model, load_config, load_weights, module_type_resolver
 from ktconvert.model.inject import EmulationOptions, inject
 from ktconvert.model.ops.experts import torch_dtype
@@ -56,6 +57,9 @@ class PhaseResult:
     localization: dict | None
     breaches: list[Breach] = field(default_factory=list)
     candidate_logits: np.ndarray | None = field(default=None, repr=False)  # [T, V], for verify --lora's base check
+    # teacher-forced: ("embed", nmse), ("layer 0", nmse), ... each candidate layer on the reference's input against
+    # the reference's output (the error that layer alone adds); None when no reference ran
+    forced: list[tuple[str, float]] | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -63,6 +67,7 @@ class PhaseResult:
             "logits": _clean(self.logits.summary()),
             "positions": [_clean(p) for p in self.logits.per_position()],
             "layers": [{"layer": name, "nmse": _num(v)} for name, v in self.layers],
+            "forced": None if self.forced is None else [{"layer": name, "nmse": _num(v)} for name, v in self.forced],
             "nonfinite": self.nonfinite,
             "localization": self.localization,
             "modules": None if self.modules is None else [m.as_dict() for m in self.modules],
@@ -128,52 +133,61 @@ def check_golden_matches(golden, model_dir: Path) -> list[str]:
     return unchecked
 
 
-def _phase(name: str, injected, reference, golden, profile: Profile, layerwise: bool, tokens_per_step: int) -> PhaseResult:
+def _phase(name: str, run: "_Run", golden, profile: Profile, layerwise: bool, tokens_per_step: int,
+           progress=None) -> PhaseResult:
+    """One phase through the layer-major executor: the candidate alone, or in lockstep with the reference
+    (:func:`~ktconvert.model.executor.run_pair`: module errors, and each layer's teacher-forced error)."""
     import torch
 
+    from ktconvert.model.executor import run_pair
 
     ids = torch.from_numpy(np.ascontiguousarray(golden.input_ids)).to(torch.long)
     t = ids.shape[1]
-    cand = injected.model
-    tap = ModuleTap(reference, cand) if reference is not None else None
-    cand_cache = cand.new_cache()
-    ref_cache = reference.new_cache() if reference is not None else None
-    injected.set_layerwise(layerwise)
-    logits, hidden = [], []
-    nonfinite = None
+    n_layers = len(run.candidate.model.model.layers)
+    tap = ModuleTap(run.reference.model, run.candidate.model) if run.reference is not None else None
+    began = time.perf_counter()
+
+    def on_layer(index, *_):
+        if tap is not None:
+            tap.step()  # this layer's modules are compared: forget the reference's calls
+        if progress is not None:
+            progress(name, index + 1, n_layers, time.perf_counter() - began)
+
+    run.injected.set_layerwise(layerwise)
+    forced = None
     try:
         with torch.no_grad():
-            for start in range(0, t, tokens_per_step):
-                step = ids[:, start:start + tokens_per_step]
-                if tap is not None:
-                    tap.step()
-                    reference(step, ref_cache)
-                out = cand(step, cand_cache)
-                lg = out.logits[0].to(torch.float32).numpy()
-                hs = [h[0].to(torch.float32).numpy() for h in out.hidden_states]
-                if nonfinite is None:
-                    for li, h in enumerate(hs):  # execution order within the step: embeddings, layers, logits
-                        bad = first_nonfinite(h)
-                        if bad is not None:
-                            nonfinite = {"where": "hidden_states", "layer": _layer_name(li),
-                                         "position": start + bad[0], "index": bad[1]}
-                            break
-                    if nonfinite is None and (bad := first_nonfinite(lg)) is not None:
-                        nonfinite = {"where": "logits", "layer": None, "position": start + bad[0], "index": bad[1]}
-                logits.append(lg)
-                hidden.append(hs)
+            if run.reference is not None:
+                pair = run_pair(run.reference, run.candidate, ids, step=tokens_per_step, on_layer=on_layer,
+                                forced_guard=tap.paused)
+                out = pair.candidate
+                forced = [(_layer_name(li), nmse(r[0].to(torch.float32).numpy(), f[0].to(torch.float32).numpy()))
+                          for li, (r, f) in enumerate(zip(pair.reference.hidden_states, pair.forced))]
+            else:
+                out = run.candidate.run(ids, step=tokens_per_step, on_layer=on_layer)
     finally:
-        injected.set_layerwise(False)
+        run.injected.set_layerwise(False)
         if tap is not None:
             tap.close()
-    cand_logits = np.concatenate(logits, axis=0)
+    cand_logits = out.logits[0].to(torch.float32).numpy()
+    hidden = [h[0].to(torch.float32).numpy() for h in out.hidden_states]
+    nonfinite = None
+    for start in range(0, t, tokens_per_step):  # the first step with one, then execution order within it
+        z = start + tokens_per_step
+        for li, h in enumerate(hidden):
+            bad = first_nonfinite(h[start:z])
+            if bad is not None:
+                nonfinite = {"where": "hidden_states", "layer": _layer_name(li), "position": start + bad[0],
+                             "index": bad[1]}
+                break
+        if nonfinite is None and (bad := first_nonfinite(cand_logits[start:z])) is not None:
+            nonfinite = {"where": "logits", "layer": None, "position": start + bad[0], "index": bad[1]}
+        if nonfinite is not None:
+            break
     stats = profile.compare(golden.logits[0], cand_logits)
-    layers = []
-    for li in range(len(hidden[0])):
-        got = np.concatenate([h[li] for h in hidden], axis=0)
-        layers.append((_layer_name(li), nmse(golden.hidden_states[li, 0], got)))
+    layers = [(_layer_name(li), nmse(golden.hidden_states[li, 0], got)) for li, got in enumerate(hidden)]
     result = PhaseResult(name, layerwise, stats, layers, nonfinite, tap.results() if tap else None, None,
-                         candidate_logits=cand_logits)
+                         candidate_logits=cand_logits, forced=forced)
     result.breaches = evaluate(profile, name, stats.summary(), layers)
     if nonfinite is not None:
         result.breaches.insert(0, Breach(name, "nonfinite", None, None, "", _where_nonfinite(nonfinite)))
@@ -207,6 +221,11 @@ def _localize(result: PhaseResult, profile: Profile) -> dict | None:
            (result.layers[breach_layer][0] if breach_layer < len(result.layers) else "head"),
            "layer_nmse": None if breach_layer is None or breach_layer >= len(result.layers) else
            _num(result.layers[breach_layer][1])}
+    out["forced_layer"], out["forced_layer_nmse"] = None, None
+    if result.forced is not None and limit is not None:  # the first layer that alone adds more than the limit
+        hit = next(((n, v) for n, v in result.forced if not (v <= limit)), None)
+        if hit is not None:
+            out["forced_layer"], out["forced_layer_nmse"] = hit[0], _num(hit[1])
     if not result.modules:
         out["module"] = None
         out["note"] = "module-level localisation needs the original weights in --model" if result.modules is None else ""
@@ -228,6 +247,109 @@ def _localize(result: PhaseResult, profile: Profile) -> dict | None:
 
 
 @dataclass
+class _Run:
+    """What a verify runs: the injected candidate and (for localisation) the plain reference, each a
+    :class:`~ktconvert.model.executor.LayerMajor` whose weights are resident or streamed within ``budget``."""
+
+    injected: object
+    candidate: object  # LayerMajor
+    reference: object | None  # LayerMajor, None without the original weights
+    budget: int
+    default_budget: bool
+    streamed: bool
+
+    def summary(self) -> dict:
+        """How the run held its weights, what it read and the process's peak RSS."""
+        import resource
+
+        providers = [r.weights for r in (self.candidate, self.reference) if r is not None and self.streamed]
+        return {"mode": "stream" if self.streamed else "resident", "max_memory": int(self.budget),
+                "max_memory_default": self.default_budget,
+                "bytes_read": sum(p.stats.bytes_read for p in providers) if providers else None,
+                "peak_resident_weights": max(p.stats.peak for p in providers) if providers else None,
+                "experts_loaded": sum(p.stats.experts for p in providers) if providers else None,
+                "peak_rss": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+
+
+def _resident_bytes(model_dir: Path, localize: bool) -> int | None:
+    """What the in-memory run holds in float32: the candidate, and the reference when localisation runs (None
+    where the release cannot be measured: then the run stays in memory, as it always did)."""
+    from ktconvert.golden.stream import float32_bytes
+
+    try:
+        return float32_bytes(model_dir) * (2 if localize else 1)
+    except InputError:
+        return None
+
+
+def _refuse_streaming(kernel: bool, lora: bool) -> None:
+    """What does not stream yet, refused before anything starts."""
+    from ktconvert.errors import UsageProblem
+
+    if kernel:
+        raise UsageProblem("--kernel kt-kernel/both does not stream yet: the kernel child loads the whole model",
+                           fix="verify with --kernel emulate under --max-memory, or on a machine it fits")
+    if lora:
+        raise UsageProblem("--lora does not stream yet", fix="verify with --lora on a machine the model fits")
+
+
+def _build_run(model_dir: Path, cfg, compiled, catalog, source, pre_source, weights, options, loaded, prompt_len: int,
+               localize: bool, budget: int | None, notes: list[str]) -> _Run:
+    """The models of the run. ``budget`` None: half the available memory (as ``golden``), everything resident
+    when both float32 models fit it, else streamed within it; a budget given: streamed within it."""
+    from ktconvert.golden.stream import DEFAULT_SHARE, default_budget
+    from ktconvert.model.executor import CheckpointWeights, InjectedWeights, LayerMajor
+    from ktconvert.model.reference import build_skeleton
+
+    default = budget is None
+    if default:
+        budget = default_budget()
+        need = _resident_bytes(model_dir, localize)
+        streamed = need is not None and need > budget
+        if streamed:
+            notes.append(f"the float32 models need {format_size(need)}, more than the default budget "
+                         f"{format_size(budget)} ({DEFAULT_SHARE:.0%} of the available memory): streamed layer by layer")
+    else:
+        streamed = True
+    if streamed:
+        _refuse_streaming(options.kernel_runtime is not None, loaded is not None)
+    dtype = torch_dtype(options.compute_dtype)
+    reference = None
+    if localize:
+        try:
+            if streamed:
+                skeleton = build_skeleton(cfg)
+                provider = CheckpointWeights(model_dir, cfg, budget=budget)
+                provider.check_budget(skeleton)
+                reference = LayerMajor(skeleton, provider)
+            else:
+                own = weights is None and source.container == "safetensors"
+                original = source.raw if own else read_safetensors(model_dir)
+                model = build_model(cfg)
+                load_weights(model, original)
+                if loaded is not None:
+                    _add_lora(model, loaded.deltas)
+                reference = LayerMajor(model)
+        except InputError as exc:
+            reference = None
+            notes.append(f"module-level localisation skipped: the original weights in --model are unusable ({exc.message})")
+    model = build_skeleton(cfg, dtype=dtype) if streamed else build_model(cfg, dtype=dtype)
+    if loaded is not None:
+        _check_lora_fits(loaded, model.state_dict(), cfg)
+        for src in (source, pre_source):
+            if src is not None:
+                src.apply_lora(loaded.deltas)
+    plan = injection_plan(model, compiled, catalog, module_type_resolver(catalog))
+    injected = inject(model, plan, source, prefill_weights=pre_source, options=options, catalog=catalog,
+                      prompt_len=prompt_len, lazy=streamed)
+    provider = None
+    if streamed:
+        provider = InjectedWeights(source, cfg, injected.switches, budget=budget)
+        provider.check_budget(model)
+    return _Run(injected, LayerMajor(model, provider), reference, budget, default, streamed)
+
+
+@dataclass
 class VerifyReport:
     """Everything a run found; ``passed`` is the verdict, ``breaches`` say which limit broke where."""
 
@@ -243,6 +365,7 @@ class VerifyReport:
     seconds: float
     policy_breaches: list[Breach] = field(default_factory=list)
     kernel: dict | None = None  # verify --kernel: kernel, method, variant (and agreement) per layer
+    run: dict | None = None  # _Run.summary(): resident or streamed, the budget, bytes read, peak RSS
     lora: dict | None = None  # verify --lora: the adapter and how far it moves the logits from the base golden
 
     @property
@@ -272,13 +395,14 @@ class VerifyReport:
             "breaches": [b.as_dict() for b in self.breaches],
             "notes": list(self.notes),
             "seconds": round(self.seconds, 3),
-        } | ({"kernel": self.kernel} if self.kernel is not None else {}) | (
+        } | ({"run": self.run} if self.run is not None else {}) | ({"kernel": self.kernel} if self.kernel is not None else {}) | (
             {"lora": self.lora} if self.lora is not None else {})
 
 
 def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, profile="auto", options=None,
                catalog=None, backend: str = "auto", localize: bool = True, threads: int | None = None,
-               kt_weights=None, lora=None, lora_alpha: float | None = None) -> VerifyReport:
+               kt_weights=None, lora=None, lora_alpha: float | None = None, max_memory: int | None = None,
+               progress=None) -> VerifyReport:
     """Verify ``model_dir`` injected by ``rules`` (a rule file) on ``weights`` against the ``golden`` directory.
 
     ``weights``: the converted checkpoint (.gguf, safetensors file or directory; default: ``model_dir``'s own
@@ -290,6 +414,10 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     ``options.kernel`` kt-kernel/both (AMXINT8/AMXINT4). ``lora``: a MoE LoRA adapter (any form convert-lora
     reads) applied as ``W + alpha/r * B @ A`` to every weight it adapts, checked against a golden made with
     ``golden --lora`` of the same adapter; the report says how far it moves the logits from the base golden.
+    ``max_memory``: bytes the weights may take resident; both models then stream layer by layer from disk
+    (:mod:`ktconvert.model.executor`), with the same numbers as in memory. None: half the available memory, the
+    whole run in memory when both float32 models fit it. ``progress(phase, layers done, layers, seconds)`` is
+    called after each layer.
     Raises :class:`~ktconvert.errors.InputError` for unusable inputs; a numeric
     regression is no error but a report with ``passed == False``.
     """
@@ -304,6 +432,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         from ktconvert.errors import UsageProblem
 
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
+    if max_memory is not None:
+        _refuse_streaming(options.kernel != "emulate", lora is not None)
     if options.kernel != "emulate" and options.kernel_runtime is None:  # the real kernel: children per method
         from ktconvert.kernel.verify_op import KernelRuntime
 
@@ -311,7 +441,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         try:
             return run_verify(model_dir, rules, golden, weights=weights, prefill_weights=prefill_weights,
                               profile=profile, options=options, catalog=catalog, backend=backend, localize=localize,
-                              threads=threads, lora=lora, lora_alpha=lora_alpha)
+                              threads=threads, lora=lora, lora_alpha=lora_alpha, max_memory=max_memory,
+                              progress=progress)
         finally:
             options.kernel_runtime.close()
             options.kernel_runtime = None
@@ -344,30 +475,12 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
             profile = auto_profile({t for layer in source.expert_types().values() for t in layer.values()})
         profile = profile.for_family(cfg.family)
         prompt_len = int(gold.input_ids.shape[1])
-        reference = None
-        if localize:
-            try:
-                own = weights is None and source.container == "safetensors"
-                original = source.raw if own else read_safetensors(model_dir)
-                reference = build_model(cfg)
-                load_weights(reference, original)
-                if loaded is not None:
-                    _add_lora(reference, loaded.deltas)
-            except InputError as exc:
-                reference = None
-                notes.append(f"module-level localisation skipped: the original weights in --model are unusable ({exc.message})")
-        model = build_model(cfg, dtype=torch_dtype(options.compute_dtype))
-        if loaded is not None:
-            _check_lora_fits(loaded, model.state_dict(), cfg)
-            for src in (source, pre_source):
-                if src is not None:
-                    src.apply_lora(loaded.deltas)
-        plan = injection_plan(model, compiled, catalog, module_type_resolver(catalog))
-        injected = inject(model, plan, source, prefill_weights=pre_source, options=options, catalog=catalog,
-                          prompt_len=prompt_len)
+        run = _build_run(model_dir, cfg, compiled, catalog, source, pre_source, weights, options, loaded,
+                         prompt_len, localize, max_memory, notes)
+        injected = run.injected
         phases = [
-            _phase("prefill", injected, reference, gold, profile, injected.layerwise(prompt_len), prompt_len),
-            _phase("decode", injected, reference, gold, profile, False, 1),
+            _phase("prefill", run, gold, profile, injected.layerwise(prompt_len), prompt_len, progress),
+            _phase("decode", run, gold, profile, False, 1, progress),
         ]
     uses = [u.as_dict() for u in injected.uses]
     not_emulated = [u for u in injected.uses if not u.emulated]
@@ -399,6 +512,11 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
             loc["operator"] = _operator_of(injected, loc["module"])
     if options.kernel_runtime is not None:
         report.kernel = options.kernel_runtime.summary()
+    report.run = run.summary()
+    peak = report.run["peak_resident_weights"]
+    if peak is not None and peak > run.budget:
+        report.notes.append(f"peak {format_size(peak)} of weights resident is over the budget "
+                            f"{format_size(run.budget)}")
     if loaded is not None:
         report.lora = _lora_effect(loaded, lora, gold, phases, profile)
         if report.lora["finding"]:

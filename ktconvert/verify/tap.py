@@ -12,6 +12,7 @@ as the ids (the routing weights) are reordered with them.
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -98,7 +99,10 @@ def _layer(path: str) -> int | None:
 
 
 class ModuleTap:
-    """Hooks on both models; call :meth:`step` around each pair of forwards (reference first)."""
+    """Hooks on both models. Each module's reference calls must come before the candidate's, in the same order:
+    the layer-major lockstep of :func:`ktconvert.model.executor.run_pair` runs each layer of the reference, then
+    of the candidate, over every position; :meth:`step` after each layer forgets what it kept, and the
+    candidate's teacher-forced job runs under :meth:`paused` (its calls are not the candidate's own)."""
 
     def __init__(self, reference: nn.Module, candidate: nn.Module):
         ref_modules = dict(reference.named_modules())
@@ -108,6 +112,7 @@ class ModuleTap:
         self._ref: dict[str, list] = {}
         self._cursor: dict[str, int] = {}
         self._order = 0
+        self._paused = False
         self._handles = []
         cand_modules = dict(candidate.named_modules())
         for p in self.paths:
@@ -121,6 +126,8 @@ class ModuleTap:
 
     def _cand_hook(self, path: str):
         def hook(module, args, output):
+            if self._paused:
+                return
             calls = self._ref.get(path, [])
             i = self._cursor.get(path, 0)
             self._cursor[path] = i + 1
@@ -152,9 +159,18 @@ class ModuleTap:
                 ids[1] += int(a.size)
 
     def step(self) -> None:
-        """Forget the previous step's reference calls (call before each reference forward)."""
+        """Forget the reference calls kept so far (every module that made them has been compared)."""
         self._ref.clear()
         self._cursor.clear()
+
+    @contextmanager
+    def paused(self):
+        """The candidate's calls in the block are not compared."""
+        self._paused = True
+        try:
+            yield
+        finally:
+            self._paused = False
 
     def close(self) -> None:
         for h in self._handles:

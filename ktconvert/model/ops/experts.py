@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 import torch
@@ -70,6 +72,11 @@ class CpuExpertsGGML(nn.Module):
         types = "/".join(getattr(self.blocks, p).qtype for p in PROJECTIONS)
         return f"weights {types}, activations {acts}, hidden {self.numerics.hidden_dtype}"
 
+    def resident_bytes(self) -> int:
+        """The least this op holds while it runs: one expert's three projections in float32 (it decodes the
+        experts the tokens pick, one at a time, and keeps them in ``_cache``)."""
+        return sum(math.prod(getattr(self.blocks, p).shape[1:]) * 4 for p in PROJECTIONS)
+
     def _weight(self, proj: str, e: int) -> torch.Tensor:
         key = (proj, e)
         w = self._cache.get(key)
@@ -118,6 +125,10 @@ class ExpertsDequant(nn.Module):
 
     def describe(self) -> str:
         return f"weights {'/'.join(self.types[p] for p in PROJECTIONS)} dequantized to {self.compute_dtype}"
+
+    def resident_bytes(self) -> int:
+        """Every expert of the layer, dequantized (it holds them all while it runs)."""
+        return sum(t.numel() * t.element_size() for t in (self.gate, self.up, self.down))
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
         org = hidden.dtype

@@ -22,6 +22,10 @@ class LinearDequant(nn.Module):
     def describe(self) -> str:
         return f"weight {self.qtype} dequantized to {self.compute_dtype}"
 
+    def resident_bytes(self) -> int:
+        """The dequantized weight and bias it holds."""
+        return sum(t.numel() * t.element_size() for t in (self.weight, self.bias) if t is not None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         org = x.dtype
         return nn.functional.linear(x.to(self.dtype), self.weight, self.bias).to(org)

@@ -18,6 +18,24 @@ class PhaseSwitch(nn.Module):
         self.ops = ops  # {"generate": module | None, "prefill": module | None}
         self.names = names  # {"generate": op name | None, "prefill": op name | None}
         self.mode = "generate"
+        self.builders: dict | None = None  # {"generate": fn | None, "prefill": fn | None}: ops built per part
+        self.described: dict = {}  # with builders: what inject learnt of each op (describe, resident_bytes)
+
+    def load(self) -> None:
+        """Build the ops (``inject(..., lazy=True)``: a streamed candidate builds them when their layer runs); one
+        builder serving both modes builds one op, as ``inject`` shares it."""
+        if self.builders is None:
+            return
+        made: dict[int, object] = {}
+        for mode, build in self.builders.items():
+            if build is not None and id(build) not in made:
+                made[id(build)] = build()
+        self.ops = {mode: None if b is None else made[id(b)] for mode, b in self.builders.items()}
+
+    def release(self) -> None:
+        """Drop the ops :meth:`load` built (their weights go with them)."""
+        if self.builders is not None:
+            self.ops = {mode: None for mode in self.ops}
 
     def forward(self, *args):
         op = self.ops.get(self.mode)

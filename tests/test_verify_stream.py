@@ -1,0 +1,176 @@
+"""``verify --max-memory``: the reference and the injected candidate streamed layer by layer within a budget
+smaller than the model give the numbers of the in-memory verify, bit for bit; the teacher-forced per-layer error
+names the planted layer; a budget below one layer's minimum and a golden of another model are one line each."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from verify_helpers import FAMILIES, Workspace, experts_path, gate_path
+from ktconvert.cli import cli
+from ktconvert.golden.stream import float32_bytes
+from ktconvert.io import resources
+from ktconvert.verify import run_verify
+
+FAULT_LAYER = 1
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory):
+    return Workspace(tmp_path_factory.mktemp("verify-stream"))
+
+
+def _budget(ws, family) -> int:
+    """Half the float32 model: smaller than the model, above every tiny family's one-layer minimum."""
+    return float32_bytes(ws.model(family)) // 2
+
+
+def _run(ws, family, weights, **kw):
+    return run_verify(ws.model(family), ws.rules(family), ws.golden(family), weights=weights, **kw)
+
+
+def _numbers(report) -> dict:
+    """Every number and finding of the report but how the run held its weights (and its wall time)."""
+    d = report.as_dict()
+    for k in ("run", "seconds", "notes"):
+        d.pop(k, None)
+    return d
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_verify_is_bit_identical_to_the_in_memory_one(ws, family, qtype):
+    weights = ws.gguf(family, qtype)
+    budget = _budget(ws, family)
+    seen = []
+    mem = _run(ws, family, weights)
+    st = _run(ws, family, weights, max_memory=budget, progress=lambda *a: seen.append(a))
+    assert mem.run["mode"] == "resident" and mem.run["max_memory_default"]
+    assert st.run["mode"] == "stream" and st.run["max_memory"] == budget < float32_bytes(ws.model(family))
+    assert st.run["bytes_read"] > 0 and st.run["peak_rss"] > 0
+    assert 0 < st.run["peak_resident_weights"] <= budget  # the operators' decoded experts too
+    assert _numbers(st) == _numbers(mem)
+    for a, b in zip(mem.phases, st.phases):
+        assert np.array_equal(a.candidate_logits, b.candidate_logits)
+        assert a.forced is not None and [v for _, v in a.forced] == [v for _, v in b.forced]
+    layers = len(mem.phases[0].layers) - 1
+    assert seen[:layers] == [("prefill", i + 1, layers, seen[i][3]) for i in range(layers)]
+    assert [s[:3] for s in seen[layers:]] == [("decode", i + 1, layers) for i in range(layers)]
+
+
+@pytest.mark.parametrize("fault,module", [("gate-up-swapped", experts_path), ("router-transposed", gate_path)])
+@pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "qwen3_next", "glm_moe_dsa"])
+def test_streamed_localisation_and_teacher_forced_error_name_the_planted_layer(ws, family, fault, module):
+    weights = ws.gguf(family, "F32", faults=[(fault, FAULT_LAYER)])
+    mem = _run(ws, family, weights)
+    st = _run(ws, family, weights, max_memory=_budget(ws, family))
+    assert not st.passed
+    for a, b in zip(mem.phases, st.phases):
+        assert b.localization == a.localization
+        loc = b.localization
+        assert loc["layer"] == f"layer {FAULT_LAYER}" and loc["module"] == module(family, FAULT_LAYER)
+        assert loc["forced_layer"] == f"layer {FAULT_LAYER}"
+        forced = dict(b.forced)
+        limit = st.profile.hidden_nmse
+        # the layers before it add nothing over the limit; after it, free-running error is large but each layer
+        # alone on the reference's input adds far less than the planted one
+        assert all(forced[f"layer {i}"] <= limit for i in range(FAULT_LAYER))
+        assert forced[f"layer {FAULT_LAYER}"] == max(forced.values())
+
+
+def test_teacher_forced_error_of_a_clean_conversion_stays_under_the_limit(ws):
+    rep = _run(ws, "qwen3_moe", ws.gguf("qwen3_moe", "Q8_0"), max_memory=_budget(ws, "qwen3_moe"))
+    assert rep.passed
+    for p in rep.phases:
+        assert p.localization["forced_layer"] is None
+        assert all(v <= rep.profile.hidden_nmse for _, v in p.forced)
+
+
+def _verify(ws, family, *extra, golden=None):
+    args = ["verify", "--model", str(ws.model(family)), "--rules", str(ws.rules(family)),
+            "--golden", str(golden or ws.golden(family)), *map(str, extra)]
+    return CliRunner().invoke(cli, args, catch_exceptions=False)
+
+
+def _files(root) -> set:
+    return {p for p in root.rglob("*")}
+
+
+def _one_line(res, code):
+    assert res.exit_code == code, res.output
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("ktconvert: error: "), res.stderr
+    assert res.stdout == ""
+    return lines[0]
+
+
+def test_cli_streamed_json_matches_the_schema_and_says_how_it_ran(ws):
+    import jsonschema
+
+    weights = ws.gguf("qwen2_moe", "F32", faults=[("gate-up-swapped", FAULT_LAYER)])
+    res = _verify(ws, "qwen2_moe", "--weights", weights, "--max-memory", _budget(ws, "qwen2_moe"), "-o", "json")
+    assert res.exit_code == 1, res.output
+    report = json.loads(res.stdout)
+    jsonschema.Draft202012Validator(resources.load_schema("verify-report")).validate(report)
+    assert report["run"]["mode"] == "stream" and not report["run"]["max_memory_default"]
+    assert [x["layer"] for x in report["phases"]["decode"]["forced"]] == ["embed", "layer 0", "layer 1"]
+    text = _verify(ws, "qwen2_moe", "--weights", weights, "--max-memory", _budget(ws, "qwen2_moe"), "--progress")
+    assert "prefill: layer 2/2" in text.stderr and "decode: layer 2/2" in text.stderr
+    assert "streamed layer by layer within budget" in text.stdout
+    assert f"decode: layer {FAULT_LAYER} alone adds NMSE" in text.stdout
+
+
+def test_budget_below_one_layer_is_one_line_naming_the_minimum(ws):
+    weights = ws.gguf("qwen2_moe", "Q8_0")
+    before = _files(ws.root)
+    line = _one_line(_verify(ws, "qwen2_moe", "--weights", weights, "--max-memory", "64KiB"), 2)
+    assert "--max-memory 64 KiB is below the minimum" in line and "layer" in line and "pass --max-memory" in line
+    need = int(line.split("(")[1].split(" bytes")[0])
+    assert _files(ws.root) == before
+    ok = _verify(ws, "qwen2_moe", "--weights", weights, "--max-memory", need)
+    assert ok.exit_code == 0, ok.output
+
+
+def test_golden_of_another_model_is_one_line_when_streamed(ws):
+    weights = ws.gguf("qwen2_moe", "Q8_0")
+    before = _files(ws.root)
+    line = _one_line(_verify(ws, "qwen2_moe", "--weights", weights, "--max-memory", "1GiB",
+                             golden=ws.golden("qwen3_moe")), 3)
+    assert "config.json differs from the one golden" in line
+    assert _files(ws.root) == before
+
+
+def test_streaming_with_the_real_kernel_or_lora_is_refused_up_front(ws):
+    weights = ws.gguf("qwen2_moe", "Q8_0")
+    line = _one_line(_verify(ws, "qwen2_moe", "--weights", weights, "--max-memory", "1GiB", "--kernel", "kt-kernel"), 2)
+    assert "does not stream yet" in line
+    line = _one_line(_verify(ws, "qwen2_moe", "--weights", weights, "--max-memory", "1GiB", "--lora", weights), 2)
+    assert "--lora does not stream yet" in line
+
+
+def test_release_disappearing_mid_run_is_one_line(ws, tmp_path, monkeypatch):
+    """The streamed reference reads the release layer by layer: its file going away mid-run is one line, exit 3."""
+    import shutil
+
+    from ktconvert.model import executor
+
+    model = tmp_path / "m"
+    shutil.copytree(ws.model("qwen2_moe"), model)
+    gguf = ws.gguf("qwen2_moe", "Q8_0")
+    weights = model / "model.safetensors"
+    real = executor.LayerMajor.layer
+
+    def vanish(self, index, *a, **kw):
+        if index == 1 and weights.exists():
+            weights.unlink()
+        return real(self, index, *a, **kw)
+
+    monkeypatch.setattr(executor.LayerMajor, "layer", vanish)
+    args = ["verify", "--model", str(model), "--rules", str(ws.rules("qwen2_moe")), "--golden",
+            str(ws.golden("qwen2_moe")), "--weights", str(gguf), "--max-memory", str(_budget(ws, "qwen2_moe"))]
+    line = _one_line(CliRunner().invoke(cli, args, catch_exceptions=False), 3)
+    assert "model.safetensors" in line and "No such file" in line
