@@ -1,0 +1,146 @@
+"""A GGUF alone (no config.json beside it, no --config) is complete or refused too (issue 31): its own metadata
+settles the layer count (``{arch}.block_count``), and every layer of every family holds the norm before its mixer and
+the norm before its FFN (``families.tensors.LAYER_NORMS``); every model holds the embeddings and the output norm; a
+layer holding routed experts holds a router. Taking any of those away from the tiny model of each family, as
+ktconvert writes it, is refused by quantize (exit 3, one line naming the tensor and the file, nothing written) and
+reported by inspect (exit 1)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import gguf
+import pytest
+from click.testing import CliRunner
+
+from ktconvert.cli import cli
+from ktconvert.families import FAMILIES
+from ktconvert.families.tensors import LAYER_NORMS, MODEL_WIDE
+from ktconvert.formats.checkpoint import open_checkpoint
+from ktconvert.formats.completeness import missing_everywhere
+from ktconvert.formats.gguf_write import layout_gguf, raw_kv_pairs
+from ktconvert.formats.layout import detect_layout
+from ktconvert.formats.naming import naming_maps
+
+
+def _without(src, dst, drop: str):
+    """``src`` rewritten without tensor ``drop``: every KV pair byte for byte, every other tensor's bytes."""
+    reader = gguf.GGUFReader(str(src))
+    tensors = [t for t in reader.tensors if t.name != drop]
+    assert len(tensors) == len(reader.tensors) - 1, drop
+    header, slots, size = layout_gguf(raw_kv_pairs(src),
+                                      [(t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.n_bytes))
+                                       for t in tensors])
+    with open(dst, "wb") as f:
+        f.write(header)
+        for t, slot in zip(tensors, slots):
+            f.seek(slot.offset)
+            f.write(bytes(t.data.view("uint8").reshape(-1)))
+        f.truncate(size)
+    return dst
+
+
+@pytest.fixture(scope="module")
+def ggufs(tiny_root, tmp_path_factory):
+    """Each family's tiny model as ktconvert writes it (F32), copied alone into a directory of its own."""
+    root = tmp_path_factory.mktemp("gguf-alone")
+
+    def get(family: str):
+        alone = root / family / "model.gguf"
+        if not alone.exists():
+            out = root / f"{family}-out"
+            res = CliRunner().invoke(cli, ["quantize", str(tiny_root / family), str(out), "--type", "F32"])
+            assert res.exit_code == 0, res.output
+            alone.parent.mkdir()
+            shutil.copyfile(out / "model.gguf", alone)
+            shutil.rmtree(out)
+        return alone
+
+    return get
+
+
+def _required(rep) -> set[str]:
+    """The llama.cpp names the metadata-only check requires of this GGUF, listed independently of it."""
+    nm = naming_maps()[rep.arch]
+    names = [*MODEL_WIDE, *(f"model.layers.{L}.{n}" for L in range(rep.dims.n_layers) for n in LAYER_NORMS)]
+    want = {m.gguf_name for m in map(nm.lookup, names) if m is not None}
+    routers = {f"blk.{ly.layer}.ffn_gate_inp.weight" for ly in rep.layers if ly.layout}  # llama.cpp's router
+    return want | routers
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_alone_complete_and_each_everywhere_tensor_required(ggufs, family):
+    path = ggufs(family)
+    assert os.listdir(path.parent) == ["model.gguf"]
+    ck = open_checkpoint(path)
+    assert ck.config is None
+    rep = detect_layout(ck)
+    assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
+    n = rep.dims.n_layers
+    assert n and n == rep.n_layers
+    required = _required(rep)
+    # embeddings, output norm, two norms per layer, at least one router
+    assert len(required) > 2 + 2 * n and required <= set(ck), sorted(required - set(ck))
+    experts = {ly.layer for ly in rep.layers if ly.layout}
+    assert missing_everywhere(rep.arch, n, experts, rep.matches) == []
+    for name in sorted(required):
+        without = {k: v for k, v in rep.matches.items() if k != name}
+        got = missing_everywhere(rep.arch, n, experts, without)
+        assert [t[1] for t in got] == [name], f"{family}: {name} is not required ({got})"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_gguf_alone_missing_layer_norm_refused(ggufs, tmp_path, family):
+    """Removing ``blk.0.attn_norm.weight`` (or the family's name for layer 0's first norm) from the GGUF alone."""
+    src = ggufs(family)
+    arch = open_checkpoint(src).architecture
+    drop = naming_maps()[arch].lookup(f"model.layers.0.{LAYER_NORMS[0]}").gguf_name
+    cut = _without(src, tmp_path / "cut.gguf", drop)
+    res = CliRunner().invoke(cli, ["inspect", str(cut)])
+    assert res.exit_code == 1 and "[missing-tensor]" in res.output and drop in res.output, res.output
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["quantize", str(cut), str(out), "--type", "Q8_0"])
+    lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
+    assert res.exit_code == 3 and len(lines) == 1, res.output
+    assert drop in lines[0] and "cut.gguf" in lines[0] and "missing" in lines[0], lines
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
+
+
+@pytest.mark.parametrize("drop", ["token_embd.weight", "output_norm.weight", "blk.1.ffn_norm.weight",
+                                  "blk.1.ffn_gate_inp.weight"])
+def test_gguf_alone_missing_tensor_refused(ggufs, tmp_path, drop):
+    cut = _without(ggufs("qwen3_moe"), tmp_path / "cut.gguf", drop)
+    res = CliRunner().invoke(cli, ["inspect", str(cut)])
+    assert res.exit_code == 1 and "[missing-tensor]" in res.output and drop in res.output, res.output
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["quantize", str(cut), str(out), "--type", "F32"])
+    assert res.exit_code == 3 and drop in res.stderr and "cut.gguf" in res.stderr, res.output
+    assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
+
+
+def test_gguf_alone_output_head_not_required(ggufs, tmp_path):
+    """A GGUF without output.weight is a tied model to llama.cpp (it reads token_embd): not refused."""
+    cut = _without(ggufs("qwen3_moe"), tmp_path / "cut.gguf", "output.weight")
+    rep = detect_layout(open_checkpoint(cut))
+    assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
+
+
+@pytest.mark.interop
+def test_llamacpp_converter_gguf_alone(tiny_root, tmp_path):
+    """llama.cpp's own converter output for the tiny Qwen3-MoE: accepted alone, and refused without a layer norm
+    (skipped where the converter cannot be had, required under CI)."""
+    import ggml_ref
+    import llamacpp_convert
+
+    try:
+        theirs = llamacpp_convert.convert(tiny_root / "qwen3_moe", tmp_path / "llama.gguf")
+    except ggml_ref.RefUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"llama.cpp's converter required under CI: {exc}")
+        pytest.skip(str(exc))
+    rep = detect_layout(open_checkpoint(theirs))
+    assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
+    cut = _without(theirs, tmp_path / "cut.gguf", "blk.1.attn_norm.weight")
+    res = CliRunner().invoke(cli, ["inspect", str(cut)])
+    assert res.exit_code == 1 and "blk.1.attn_norm.weight" in res.output, res.output
