@@ -19,17 +19,21 @@ from ktconvert.families import FAMILIES
 from ktconvert.families.tensors import LAYER_NORMS, MODEL_WIDE
 from ktconvert.formats.checkpoint import open_checkpoint
 from ktconvert.formats.completeness import missing_everywhere
-from ktconvert.formats.gguf_write import layout_gguf, raw_kv_pairs
+from ktconvert.formats.gguf_write import encode_kv, layout_gguf, raw_kv_pairs
 from ktconvert.formats.layout import detect_layout
 from ktconvert.formats.naming import naming_maps
 
 
-def _without(src, dst, drop: str):
-    """``src`` rewritten without tensor ``drop``: every KV pair byte for byte, every other tensor's bytes."""
+def _rewrite(src, dst, drop: str | None = None, kv: dict | None = None):
+    """``src`` rewritten without tensor ``drop`` and with the uint32 KV pairs ``kv`` replaced or appended: every
+    other KV pair byte for byte, every other tensor's bytes."""
+    pairs = dict(raw_kv_pairs(src))
+    for key, value in (kv or {}).items():
+        pairs[key] = encode_kv(key, gguf.GGUFValueType.UINT32, value)
     reader = gguf.GGUFReader(str(src))
     tensors = [t for t in reader.tensors if t.name != drop]
-    assert len(tensors) == len(reader.tensors) - 1, drop
-    header, slots, size = layout_gguf(raw_kv_pairs(src),
+    assert drop is None or len(tensors) == len(reader.tensors) - 1, drop
+    header, slots, size = layout_gguf(list(pairs.items()),
                                       [(t.name, tuple(int(d) for d in t.shape), int(t.tensor_type), int(t.n_bytes))
                                        for t in tensors])
     with open(dst, "wb") as f:
@@ -39,6 +43,10 @@ def _without(src, dst, drop: str):
             f.write(bytes(t.data.view("uint8").reshape(-1)))
         f.truncate(size)
     return dst
+
+
+def _without(src, dst, drop: str):
+    return _rewrite(src, dst, drop)
 
 
 @pytest.fixture(scope="module")
@@ -126,21 +134,54 @@ def test_gguf_alone_output_head_not_required(ggufs, tmp_path):
     assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
 
 
+# the families whose tiny model the pinned convert_hf_to_gguf.py converts (the others: its tokenizer or config
+# handling refuses the tiny models, e.g. GLM's [gMASK], Mixtral's sentencepiece, DeepSeek-V4's release names)
+LLAMACPP_CONVERTS = ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "qwen3_vl_moe", "minimax_m2",
+                     "kimi_k25", "gpt_oss")
+
+
 @pytest.mark.interop
-def test_llamacpp_converter_gguf_alone(tiny_root, tmp_path):
-    """llama.cpp's own converter output for the tiny Qwen3-MoE: accepted alone, and refused without a layer norm
-    (skipped where the converter cannot be had, required under CI)."""
+@pytest.mark.parametrize("family", LLAMACPP_CONVERTS)  # about 8 s each
+def test_llamacpp_converter_gguf_alone(tiny_root, tmp_path, family):
+    """llama.cpp's own converter output for each tiny model it converts: accepted alone, each tensor the check
+    covers required, and refused by quantize without layer 1's first norm (skipped where the converter cannot be
+    had, required under CI)."""
     import ggml_ref
     import llamacpp_convert
 
     try:
-        theirs = llamacpp_convert.convert(tiny_root / "qwen3_moe", tmp_path / "llama.gguf")
+        theirs = llamacpp_convert.convert(tiny_root / family, tmp_path / "llama.gguf")
     except ggml_ref.RefUnavailable as exc:
         if os.environ.get("CI"):
             pytest.fail(f"llama.cpp's converter required under CI: {exc}")
         pytest.skip(str(exc))
-    rep = detect_layout(open_checkpoint(theirs))
+    ck = open_checkpoint(theirs)
+    assert ck.config is None
+    rep = detect_layout(ck)
     assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
-    cut = _without(theirs, tmp_path / "cut.gguf", "blk.1.attn_norm.weight")
-    res = CliRunner().invoke(cli, ["inspect", str(cut)])
-    assert res.exit_code == 1 and "blk.1.attn_norm.weight" in res.output, res.output
+    experts = {ly.layer for ly in rep.layers if ly.layout}
+    for name in sorted(_required(rep)):
+        without = {k: v for k, v in rep.matches.items() if k != name}
+        got = missing_everywhere(rep.arch, rep.dims.n_layers, experts, without)
+        assert [t[1] for t in got] == [name], f"{family}: {name} is not required ({got})"
+    drop = naming_maps()[rep.arch].lookup(f"model.layers.1.{LAYER_NORMS[0]}").gguf_name
+    cut = _without(theirs, tmp_path / "cut.gguf", drop)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["quantize", str(cut), str(out), "--type", "Q8_0"])
+    assert res.exit_code == 3 and drop in res.stderr and "cut.gguf" in res.stderr, res.output
+    assert not out.exists()
+
+
+def test_gguf_alone_mtp_layers_not_required(ggufs, tmp_path):
+    """llama.cpp counts the MTP layers in block_count and says how many with nextn_predict_layers; a converter may
+    leave their tensors out, so they are not required. block_count one past the layers held, unexplained, is."""
+    src = ggufs("qwen3_moe")
+    n = open_checkpoint(src).dims().n_layers
+    mtp = _rewrite(src, tmp_path / "mtp.gguf", kv={"qwen3moe.block_count": n + 1, "qwen3moe.nextn_predict_layers": 1})
+    rep = detect_layout(open_checkpoint(mtp))
+    assert rep.dims.n_mtp_layers == 1
+    assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
+    more = _rewrite(src, tmp_path / "more.gguf", kv={"qwen3moe.block_count": n + 1})
+    rep = detect_layout(open_checkpoint(more))
+    assert [p.tensors for p in rep.all_problems if p.kind == "missing-tensor"] == \
+        [(f"blk.{n}.attn_norm.weight", f"blk.{n}.ffn_norm.weight")], rep.all_problems
