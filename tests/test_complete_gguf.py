@@ -135,9 +135,10 @@ def test_gguf_alone_output_head_not_required(ggufs, tmp_path):
 
 
 # the families whose tiny model the pinned convert_hf_to_gguf.py converts (the others: its tokenizer or config
-# handling refuses the tiny models, e.g. GLM's [gMASK], Mixtral's sentencepiece, DeepSeek-V4's release names)
+# handling refuses the tiny models, e.g. GLM's [gMASK], Mixtral's sentencepiece), and DeepSeek-V4 as released
+# (``tiny-model --quant mxfp4``, the form its converter reads)
 LLAMACPP_CONVERTS = ("qwen2_moe", "qwen3_moe", "deepseek_v2", "deepseek_v3", "qwen3_vl_moe", "minimax_m2",
-                     "kimi_k25", "gpt_oss")
+                     "kimi_k25", "gpt_oss", "deepseek_v4:mxfp4")
 
 
 @pytest.mark.interop
@@ -149,8 +150,15 @@ def test_llamacpp_converter_gguf_alone(tiny_root, tmp_path, family):
     import ggml_ref
     import llamacpp_convert
 
+    from ktconvert.model.tiny import write_tiny_model
+
+    family, _, quant = family.partition(":")
+    src = tiny_root / family
+    if quant:
+        src = tmp_path / "release"
+        write_tiny_model(family, src, quant=quant)
     try:
-        theirs = llamacpp_convert.convert(tiny_root / family, tmp_path / "llama.gguf")
+        theirs = llamacpp_convert.convert(src, tmp_path / "llama.gguf")
     except ggml_ref.RefUnavailable as exc:
         if os.environ.get("CI"):
             pytest.fail(f"llama.cpp's converter required under CI: {exc}")
