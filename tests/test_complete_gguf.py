@@ -74,7 +74,16 @@ def _required(rep) -> set[str]:
     names = [*MODEL_WIDE, *(f"model.layers.{L}.{n}" for L in range(rep.dims.n_layers) for n in LAYER_NORMS)]
     want = {m.gguf_name for m in map(nm.lookup, names) if m is not None}
     routers = {f"blk.{ly.layer}.ffn_gate_inp.weight" for ly in rep.layers if ly.layout}  # llama.cpp's router
-    return want | routers
+    shared = set()
+    if _shared(rep):  # llama.cpp's shared-expert tensors, and the Qwen shared expert's gate
+        shared = {n for ly in rep.layers if ly.layout for n in rep.matches
+                  if n.startswith(f"blk.{ly.layer}.ffn_") and "_shexp." in n}
+        assert shared
+    return want | routers | shared
+
+
+def _shared(rep) -> bool:
+    return bool(rep.dims.n_shared_experts or rep.dims.shared_expert_width)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -91,10 +100,10 @@ def test_gguf_alone_complete_and_each_everywhere_tensor_required(ggufs, family):
     # embeddings, output norm, two norms per layer, at least one router
     assert len(required) > 2 + 2 * n and required <= set(ck), sorted(required - set(ck))
     experts = {ly.layer for ly in rep.layers if ly.layout}
-    assert missing_everywhere(rep.arch, n, experts, rep.matches) == []
+    assert missing_everywhere(rep.arch, n, experts, rep.matches, _shared(rep)) == []
     for name in sorted(required):
         without = {k: v for k, v in rep.matches.items() if k != name}
-        got = missing_everywhere(rep.arch, n, experts, without)
+        got = missing_everywhere(rep.arch, n, experts, without, _shared(rep))
         assert [t[1] for t in got] == [name], f"{family}: {name} is not required ({got})"
 
 
@@ -115,10 +124,12 @@ def test_gguf_alone_missing_layer_norm_refused(ggufs, tmp_path, family):
     assert not out.exists() and sorted(p.name for p in tmp_path.iterdir()) == ["cut.gguf"]
 
 
-@pytest.mark.parametrize("drop", ["token_embd.weight", "output_norm.weight", "blk.1.ffn_norm.weight",
-                                  "blk.1.ffn_gate_inp.weight"])
-def test_gguf_alone_missing_tensor_refused(ggufs, tmp_path, drop):
-    cut = _without(ggufs("qwen3_moe"), tmp_path / "cut.gguf", drop)
+@pytest.mark.parametrize("family,drop", [("qwen3_moe", "token_embd.weight"), ("qwen3_moe", "output_norm.weight"),
+                                         ("qwen3_moe", "blk.1.ffn_norm.weight"), ("qwen3_moe", "blk.1.ffn_gate_inp.weight"),
+                                         ("deepseek_v3", "blk.1.ffn_up_shexp.weight"),
+                                         ("qwen2_moe", "blk.0.ffn_gate_inp_shexp.weight")])
+def test_gguf_alone_missing_tensor_refused(ggufs, tmp_path, family, drop):
+    cut = _without(ggufs(family), tmp_path / "cut.gguf", drop)
     res = CliRunner().invoke(cli, ["inspect", str(cut)])
     assert res.exit_code == 1 and "[missing-tensor]" in res.output and drop in res.output, res.output
     out = tmp_path / "out"
@@ -170,7 +181,7 @@ def test_llamacpp_converter_gguf_alone(tiny_root, tmp_path, family):
     experts = {ly.layer for ly in rep.layers if ly.layout}
     for name in sorted(_required(rep)):
         without = {k: v for k, v in rep.matches.items() if k != name}
-        got = missing_everywhere(rep.arch, rep.dims.n_layers, experts, without)
+        got = missing_everywhere(rep.arch, rep.dims.n_layers, experts, without, _shared(rep))
         assert [t[1] for t in got] == [name], f"{family}: {name} is not required ({got})"
     drop = naming_maps()[rep.arch].lookup(f"model.layers.1.{LAYER_NORMS[0]}").gguf_name
     cut = _without(theirs, tmp_path / "cut.gguf", drop)

@@ -10,7 +10,8 @@ their tensors hold. A name the naming map does not know is not required (llama.c
 A GGUF read without its config.json (the common case) is checked for what its own metadata settles whatever the
 family: ``{arch}.block_count`` layers (less ``nextn_predict_layers`` MTP layers, whose tensors a converter may leave
 out), each holding the two norms every layer of every kind holds (``families.tensors.LAYER_NORMS``), the embeddings
-and the output norm, and a router in every layer that holds routed experts. The rest of a layer (attention,
+and the output norm, and in every layer that holds routed experts a router and, where the metadata gives shared
+experts (``expert_shared_count`` or ``expert_shared_feed_forward_length``), the naming map's shared-expert tensors. The rest of a layer (attention,
 linear attention, compressed or shared-indexer layers, a dense FFN) varies with config keys the metadata does not
 carry for every family, and the head is absent from a tied model: those need the config.json.
 """
@@ -56,10 +57,10 @@ def missing_tensors(config: dict, arch: str | None, matches: Mapping[str, NameMa
 
 
 def missing_everywhere(arch: str | None, n_layers: int | None, expert_layers, matches: Mapping[str, NameMatch],
-                       ) -> list[tuple[int | None, str]] | None:
+                       shared: bool = False) -> list[tuple[int | None, str]] | None:
     """``(layer, llama.cpp name)`` of what every model of ``n_layers`` layers holds (and, for each layer of
-    ``expert_layers``, the router) that no tensor of the checkpoint holds; ``None`` when the architecture or the
-    layer count is unknown."""
+    ``expert_layers``, the router, and the shared expert when ``shared``) that no tensor of the checkpoint holds;
+    ``None`` when the architecture or the layer count is unknown."""
     nm = naming_maps().get(arch or "")
     if nm is None or n_layers is None:
         return None
@@ -74,7 +75,9 @@ def missing_everywhere(arch: str | None, n_layers: int | None, expert_layers, ma
             missing.append((m.layer, m.gguf_name or m.hf_name))
     # the map's first router entry is the router's weight (a bias or a hash table, where a family has one, follows)
     router = next((e.gguf for e in nm.tensor_entries() if e.group == "router" and "{L}" in e.gguf), None)
-    for L in sorted(expert_layers) if router else ():
-        if router.replace("{L}", str(L)) not in present:
-            missing.append((L, router.replace("{L}", str(L))))
+    per_moe_layer = [router] if router else []
+    if shared:
+        per_moe_layer += [e.gguf for e in nm.tensor_entries() if e.group == "shared_experts" and "{L}" in e.gguf]
+    for L in sorted(expert_layers):
+        missing.extend((L, t.replace("{L}", str(L))) for t in per_moe_layer if t.replace("{L}", str(L)) not in present)
     return sorted(missing, key=lambda t: -1 if t[0] is None else t[0])

@@ -556,7 +556,8 @@ def _missing(ck: Checkpoint, config, arch: str | None, matches, layers, dims: Mo
         what = f"the {arch} spec requires"
     elif ck.container == "gguf" and dims.n_layers is not None:
         n = dims.n_layers - dims.n_mtp_layers
-        for layer, name in missing_everywhere(arch, n, expert_layers, matches) or ():
+        shared = bool(dims.n_shared_experts or dims.shared_expert_width)
+        for layer, name in missing_everywhere(arch, n, expert_layers, matches, shared) or ():
             by_layer[layer].append(name)
         what = f"that every {arch} GGUF of block_count {dims.n_layers} holds"
     return [Problem("missing-tensor", "error", f"{'layer ' + str(L) if L is not None else 'model'}: "
