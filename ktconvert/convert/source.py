@@ -173,7 +173,9 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                          "the tensor names fit no naming map)", path=shown,
                          fix="pass --config with the model's config.json")
     nm = naming_map(report.arch)
-    errors = [(p.message, f"layer {p.layer}" if p.layer is not None else None)
+    # the place is the layer; a message that starts by naming it again loses that start
+    errors = [(p.message.removeprefix(f"layer {p.layer}: "), f"layer {p.layer}") if p.layer is not None
+              else (p.message, None)
               for p in report.all_problems
               if p.severity == "error" or p.kind == "ambiguous-orientation"]
     if errors:

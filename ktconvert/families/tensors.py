@@ -9,6 +9,19 @@ from dataclasses import dataclass
 from ktconvert.families.config import MoeConfig
 
 
+#: the tensors every layer of every family holds, whatever its kind (full, linear, compressed or sparse attention;
+#: MoE or dense): the norms before the mixer and before the FFN; and the model-wide tensors every model holds (the
+#: head is not one: a tied model has none). ``tensor_specs`` adds them from here, and a GGUF read without its
+#: config.json is checked for them (``ktconvert.formats.completeness.missing_everywhere``).
+LAYER_NORMS = ("input_layernorm.weight", "post_attention_layernorm.weight")
+MODEL_WIDE = ("model.embed_tokens.weight", "model.norm.weight")
+
+
+def everywhere_names(n_layers: int) -> list[str]:
+    """The canonical names of what every model of ``n_layers`` layers holds, whatever its family and config."""
+    return [MODEL_WIDE[0], *(f"model.layers.{L}.{n}" for L in range(n_layers) for n in LAYER_NORMS), MODEL_WIDE[1]]
+
+
 @dataclass(frozen=True)
 class TensorSpec:
     name: str
@@ -40,12 +53,12 @@ def tensor_specs(cfg: MoeConfig, *, experts: bool = True) -> list[TensorSpec]:
 
     norm = "norm0" if cfg.spec.section("config").get("rms_norm") == "zero_centered" else "norm"
     gated_q = 2 if cfg.spec.section("attention").get("output_gate") else 1
-    add("model.embed_tokens.weight", (cfg.vocab_size, h), "embed")
+    add(MODEL_WIDE[0], (cfg.vocab_size, h), "embed")
     hc = cfg.hyper_connections
     for layer in range(cfg.num_hidden_layers):
         p = f"model.layers.{layer}"
-        add(f"{p}.input_layernorm.weight", (h,), norm)
-        add(f"{p}.post_attention_layernorm.weight", (h,), norm)
+        for n in LAYER_NORMS:
+            add(f"{p}.{n}", (h,), norm)
         a = f"{p}.self_attn"
         if hc is not None and not cfg.hc_modules:  # the releases' names (transformers renames them attn_hc.fn, ...)
             for part in ("attn", "ffn"):
@@ -158,7 +171,7 @@ def tensor_specs(cfg: MoeConfig, *, experts: bool = True) -> list[TensorSpec]:
             add(f"{m}.shared_expert_gate.weight", (1, h), "linear")
         if cfg.n_shared_experts:
             mlp(f"{m}.shared_experts", cfg.shared_experts_inter)
-    add("model.norm.weight", (h,), norm)
+    add(MODEL_WIDE[1], (h,), norm)
     if cfg.hc_modules:
         add("model.hc_head.hc_fn", (hc.mult, hc.mult * h), "linear")
         add("model.hc_head.hc_base", (hc.mult,), "bias")

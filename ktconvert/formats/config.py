@@ -31,8 +31,10 @@ class ModelDims:
     n_experts: int | None = None
     n_experts_used: int | None = None
     n_shared_experts: int | None = None
+    shared_expert_width: int | None = None  # a GGUF's expert_shared_feed_forward_length (the Qwen shared expert's)
     n_layers: int | None = None
     moe_layers: frozenset[int] | None = None  # layers that should hold routed experts
+    n_mtp_layers: int = 0  # of n_layers, the multi-token-prediction layers at the end (a GGUF's nextn_predict_layers)
     fused_orientation: str | None = None  # the family's published packed-expert orientation (standard / transposed)
 
     def is_moe_layer(self, layer: int) -> bool | None:
@@ -118,6 +120,8 @@ def dims_from_gguf(kv: dict, source: str = "GGUF metadata", path: str | None = N
         n_experts=n_experts,
         n_experts_used=get("expert_used_count"),
         n_shared_experts=get("expert_shared_count"),
+        shared_expert_width=get("expert_shared_feed_forward_length"),
         n_layers=n_layers,
         moe_layers=moe_layers,
+        n_mtp_layers=min(get("nextn_predict_layers") or 0, n_layers or 0),
     )

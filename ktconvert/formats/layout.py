@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ktconvert.formats.checkpoint import COMPANION, Checkpoint
-from ktconvert.formats.completeness import missing_tensors
+from ktconvert.formats.completeness import missing_everywhere, missing_tensors
 from ktconvert.formats.config import ModelDims, load_config
 from ktconvert.formats.fp8 import CHANNEL_SUFFIX, SCALE_SUFFIX
 from ktconvert.formats.naming import LAYOUTS, NameMatch, NamingMap, guess_arch, key_of_name, naming_maps
@@ -158,7 +158,7 @@ def detect_layout(checkpoint: Checkpoint, config: str | Path | dict | None = Non
             )
         )
     problems = _global_problems(layers, dims, n_layers, unknown, checkpoint)
-    problems.extend(_missing(checkpoint, config, arch, matches, layers))
+    problems.extend(_missing(checkpoint, config, arch, matches, layers, dims, set(by_layer)))
     return LayoutReport(arch, arch_source, dims, n_layers, tuple(layers), tuple(problems), matches, tuple(unknown))
 
 
@@ -538,21 +538,30 @@ def _layer_expectations(L: int, ly: LayerLayout, dims: ModelDims) -> tuple[Probl
     return tuple(out)
 
 
-def _missing(ck: Checkpoint, config, arch: str | None, matches, layers) -> list[Problem]:
+def _missing(ck: Checkpoint, config, arch: str | None, matches, layers, dims: ModelDims, expert_layers) -> list[Problem]:
     """The spec's non-expert tensors the checkpoint lacks (:mod:`ktconvert.formats.completeness`), one error per
-    layer (and one for the model-wide tensors), when a config says what the model is. kt-kernel's AMX files hold
-    the experts only: nothing else is expected there."""
+    layer (and one for the model-wide tensors), when a config says what the model is; a GGUF without one is checked
+    for what its metadata settles (``missing_everywhere``). kt-kernel's AMX files hold the experts only: nothing
+    else is expected there."""
     if any(ly.layout == "kt-amx" for ly in layers):
         return []
     raw = config if isinstance(config, dict) else load_config(config) if config is not None else ck.config
-    missing = missing_tensors(raw, arch, matches) if isinstance(raw, dict) else None
     by_layer: dict[int | None, list[str]] = defaultdict(list)
-    for name in missing or ():
-        parts = name.split(".")
-        layer = next((int(b) for a, b in zip(parts, parts[1:]) if a == "layers" and b.isdigit()), None)
-        by_layer[layer].append(name)
+    what = ""
+    if isinstance(raw, dict):
+        for name in missing_tensors(raw, arch, matches) or ():
+            parts = name.split(".")
+            layer = next((int(b) for a, b in zip(parts, parts[1:]) if a == "layers" and b.isdigit()), None)
+            by_layer[layer].append(name)
+        what = f"the {arch} spec requires"
+    elif ck.container == "gguf" and dims.n_layers is not None:
+        n = dims.n_layers - dims.n_mtp_layers
+        shared = bool(dims.n_shared_experts or dims.shared_expert_width)
+        for layer, name in missing_everywhere(arch, n, expert_layers, matches, shared) or ():
+            by_layer[layer].append(name)
+        what = f"that every {arch} GGUF of block_count {dims.n_layers} holds"
     return [Problem("missing-tensor", "error", f"{'layer ' + str(L) if L is not None else 'model'}: "
-                    f"{len(names)} tensor(s) the {arch} spec requires are missing: {', '.join(names[:4])}"
+                    f"{len(names)} tensor(s) {what} are missing: {', '.join(names[:4])}"
                     f"{', ...' if len(names) > 4 else ''}", L, tuple(names))
             for L, names in sorted(by_layer.items(), key=lambda kv: -1 if kv[0] is None else kv[0])]
 
