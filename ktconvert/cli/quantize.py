@@ -68,6 +68,9 @@ def _bar(enabled: bool):
 @click.option("--lora", "lora", metavar="ADAPTER", type=click.Path(path_type=str),
               help="Merge this MoE LoRA adapter (any form convert-lora reads) into the weights in float32 first: "
               "W + alpha/r * B @ A; manifest.json records its files' sha256.")
+@click.option("--imatrix", "imatrix", metavar="FILE", type=click.Path(path_type=str),
+              help="llama.cpp's importance matrix (llama-imatrix's GGUF or the legacy .dat): every tensor it has "
+              "data for is quantized with it, the others without, as llama-quantize --imatrix (GGUF output).")
 @click.option("--lora-alpha", type=float, help="The adapter's alpha when its adapter_config.json does not say it.")
 @click.option("--config", metavar="FILE", type=click.Path(path_type=str),
               help="config.json (default: the one beside the checkpoint).")
@@ -93,7 +96,7 @@ def _bar(enabled: bool):
               help="List the preset recipes and exit.")
 @executor_options("the conversion's units")
 @click.pass_context
-def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, lora_alpha, config, shard_size, max_memory,
+def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imatrix, lora_alpha, config, shard_size, max_memory,
             jobs, allow_fallback, dry_run, resume, force, no_tokenizer, allow_requantize, fmt, executor, ray_address):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
@@ -111,7 +114,7 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, lora
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                                tokenizer=not no_tokenizer, threadpool_count=threadpool_count,
                                allow_requantize=allow_requantize, allow_fallback=allow_fallback, lora=lora,
-                               lora_alpha=lora_alpha)
+                               lora_alpha=lora_alpha, imatrix=imatrix)
         if fmt == "llama":
             from ktconvert.convert import plan_llama_text
 
@@ -125,7 +128,7 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, lora
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
                          progress=update, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
                          allow_fallback=allow_fallback, form=form, lora=lora, lora_alpha=lora_alpha,
-                         executor=executor, ray_address=ray_address)
+                         executor=executor, ray_address=ray_address, imatrix=imatrix)
     except KeyboardInterrupt:
 
 

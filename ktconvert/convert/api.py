@@ -17,6 +17,7 @@ from ktconvert.errors import UsageProblem
 from ktconvert.io.atomic import claim_output
 from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
 from ktconvert.convert.lora_merge import attach_lora
+from ktconvert.convert.imatrix_plan import attach_imatrix
 from ktconvert.convert.kt_tree_out import check_tree_paths, finish_tree, scratch_dir, write_tree
 
 DEFAULT_MAX_MEMORY = "2GiB"
@@ -51,13 +52,16 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
                     format: str | None = None, config: str | Path | dict | None = None,
                     shard_size: int | str | None = None, tokenizer: bool = True, threadpool_count: int | None = None,
                     allow_requantize: bool = False, allow_fallback: bool | None = None,
-                    lora: str | Path | None = None, lora_alpha: float | None = None) -> Plan:
+                    lora: str | Path | None = None, lora_alpha: float | None = None,
+                    imatrix: str | Path | None = None) -> Plan:
     """Validate everything that can be validated without reading tensor data and return the plan.
 
     ``lora``: an adapter (any form convert-lora reads) merged in float32 into the weights it adapts
     (:mod:`ktconvert.convert.lora_merge`).
     ``format="kt-amx"`` with ``type="AMXINT8"``/``"AMXINT4"`` plans kt-kernel's expert directory for
     ``threadpool_count`` parts (default 2; :mod:`ktconvert.convert.kt_amx_plan`).
+    ``imatrix``: llama.cpp's importance matrix (GGUF or legacy .dat), used as llama-quantize uses it
+    (:mod:`ktconvert.convert.imatrix_plan`).
 
     Raises :class:`~ktconvert.errors.InputError` (bad input, impossible type, recipe problem: exit 3) or
     :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
@@ -68,6 +72,8 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
         plan = attach_lora(plan, lora, lora_alpha=lora_alpha)
     elif lora_alpha is not None:
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
+    if imatrix is not None:
+        plan = attach_imatrix(plan, imatrix)
     return plan
 
 
@@ -96,7 +102,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
             progress: Progress | None = None, threadpool_count: int | None = None,
             allow_requantize: bool = False, allow_fallback: bool | None = None, form: str | None = None,
             lora: str | Path | None = None, lora_alpha: float | None = None, executor: str = "local",
-            ray_address: str | None = None) -> RunResult:
+            ray_address: str | None = None, imatrix: str | Path | None = None) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
 
     ``executor="ray"`` runs the units as Ray tasks (``jobs`` at a time) on the cluster at ``ray_address`` (or the
@@ -120,7 +126,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
                            fix="add --to kt-amx --type AMXINT8, or drop --form kt-tree")
     plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
                            tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
-                           allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha)
+                           allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha, imatrix=imatrix)
     with claim_output(Path(out), inputs=input_roots(Path(src), [Path(f) for f in plan.input_files]), force=force):
         if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
             ray = connect(ray_address)

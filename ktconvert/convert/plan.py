@@ -60,6 +60,7 @@ class PlanTensor:
     const: bytes | None = None
     kt_pack: tuple | None = None  # kt-amx: (method, proj, parts, rows, cols, group bytes) of a group's lead tensor
     written_by: str | None = None  # kt-amx: the lead tensor whose unit writes this one
+    imatrix: str | None = None  # quantize --imatrix: the importance-matrix file this tensor's entry is read from
 
     @property
     def rows(self) -> int:
@@ -107,6 +108,8 @@ class PlanTensor:
             d["kt_pack"] = list(self.kt_pack)
         if self.written_by is not None:
             d["written_by"] = self.written_by
+        if self.imatrix:
+            d["imatrix"] = True
         if self.st_dtype:
             d["safetensors"] = {"dtype": self.st_dtype, "shape": list(self.st_shape)}
         return d
@@ -142,6 +145,7 @@ class Plan:
     input_files: list[str] = field(default_factory=list)
     _in_bytes: dict = field(default_factory=dict, repr=False)  # input bytes read per output tensor
     lora: dict = field(default_factory=dict)  # the adapter merged in (quantize --lora): files and sha256, r, alpha
+    imatrix: dict = field(default_factory=dict)  # quantize --imatrix: the file's sha256, entries, experts without data
 
     @property
     def in_bytes(self) -> int:
@@ -164,6 +168,7 @@ class Plan:
             "tensors": [t.to_dict() for t in self.tensors],
             "extra": {k: hashlib.sha256(v).hexdigest() for k, v in sorted(self.extra.items())},
             **({"lora": self.lora} if self.lora else {}),
+            **({"imatrix": self.imatrix} if self.imatrix else {}),
         }
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 

@@ -1,0 +1,52 @@
+"""``quantize --imatrix``: which output tensors take which importances, checked before anything is written.
+
+llama-quantize's rules (``src/llama-quant.cpp``, the pinned version): every tensor it quantizes looks its own
+llama.cpp name up in the importance matrix; with an entry of ``n_in * n_expert`` values it quantizes with it, with
+no entry it quantizes without one (and says so), with an entry of another size it refuses (``token_embd.weight``
+excepted: quantized without one). ggml's Q8_0, F16, BF16 and F32 ignore an importance matrix. ktconvert refuses,
+beyond that, an importance matrix none of whose entries names a tensor of this model (made for another model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from ktconvert.convert.plan import Plan
+from ktconvert.errors import InputError, UsageProblem
+from ktconvert.formats.imatrix import read_imatrix
+from ktconvert.quant import IMATRIX_TYPES, as_qtype
+
+
+def attach_imatrix(plan: Plan, path: str | Path) -> Plan:
+    """``plan`` with ``imatrix`` set on every tensor quantized to a type that takes one and named in the file."""
+    if plan.format != "gguf":
+        raise UsageProblem(f"--imatrix applies to GGUF output, not {plan.format}",
+                           fix="drop --imatrix, or write GGUF (--to gguf)")
+    imx = read_imatrix(path)
+    names = {t.name for t in plan.tensors}
+    if not names & set(imx.values):
+        first = sorted(imx.values)[0]
+        raise InputError(f"none of its {len(imx.values)} entries (first: {first}) names a tensor of this model",
+                         path=str(path), where=first, fix="this imatrix was made for another model; remake it "
+                         "with llama-imatrix for this model")
+    used, without = 0, []
+    tensors = []
+    for t in plan.tensors:
+        if t.const is None and not t.copy_bytes and t.kt_pack is None and as_qtype(t.type) in IMATRIX_TYPES:
+            if imx.for_tensor(t.name, t.shape) is not None:
+                t = dataclasses.replace(t, imatrix=str(Path(path).resolve()))
+                used += 1
+            else:
+                without.append(t.name)
+        tensors.append(t)
+    plan.tensors = tensors
+    plan.imatrix = {**imx.summary(), "tensors_with": used, "tensors_without": without}
+    if without:
+        plan.notes.append(f"the importance matrix has no data for {len(without)} quantized tensor(s) (first: "
+                          f"{without[0]}); they are quantized without one, as llama-quantize does")
+    for name, experts in sorted(imx.no_data.items()):
+        if name in names:
+            plan.notes.append(f"the importance matrix has no data for {name} expert(s) {list(experts)[:8]}"
+                              f"{' ...' if len(experts) > 8 else ''}: importance 1 there, as llama-quantize")
+    return plan
