@@ -16,6 +16,8 @@ from ktconvert.convert import (
     plan_conversion,
     plan_text,
     presets,
+    resolve_recipe,
+    with_overrides,
 )
 from ktconvert.convert.execute import describe
 from ktconvert.cli.executor import executor_options
@@ -71,6 +73,15 @@ def _bar(enabled: bool):
 @click.option("--imatrix", "imatrix", metavar="FILE", type=click.Path(path_type=str),
               help="llama.cpp's importance matrix (llama-imatrix's GGUF or the legacy .dat): every tensor it has "
               "data for is quantized with it, the others without, as llama-quantize --imatrix (GGUF output).")
+@click.option("--tensor-type", "tensor_types", metavar="REGEX=TYPE", multiple=True,
+              help="llama-quantize's --tensor-type: tensors whose llama.cpp name REGEX finds get TYPE (repeatable; "
+              "the first that matches wins).")
+@click.option("--output-tensor-type", metavar="TYPE", help="output.weight's type (llama-quantize's option).")
+@click.option("--token-embedding-type", metavar="TYPE", help="token_embd.weight's type (llama-quantize's option).")
+@click.option("--leave-output-tensor", is_flag=True, help="Keep output.weight in its input type (llama-quantize's "
+              "option).")
+@click.option("--pure", is_flag=True, help="One type for every weight: the recipe's file type's (llama-quantize "
+              "--pure); --type T already is.")
 @click.option("--lora-alpha", type=float, help="The adapter's alpha when its adapter_config.json does not say it.")
 @click.option("--config", metavar="FILE", type=click.Path(path_type=str),
               help="config.json (default: the one beside the checkpoint).")
@@ -96,7 +107,8 @@ def _bar(enabled: bool):
               help="List the preset recipes and exit.")
 @executor_options("the conversion's units")
 @click.pass_context
-def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imatrix, lora_alpha, config, shard_size, max_memory,
+def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imatrix, tensor_types, output_tensor_type,
+            token_embedding_type, leave_output_tensor, pure, lora_alpha, config, shard_size, max_memory,
             jobs, allow_fallback, dry_run, resume, force, no_tokenizer, allow_requantize, fmt, executor, ray_address):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
@@ -110,6 +122,11 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imat
     obj = ctx.find_object(dict) or {}
     if fmt == "llama" and not dry_run:
         raise click.UsageError("-o llama prints llama-quantize's --dry-run table; add --dry-run")
+    if tensor_types or output_tensor_type or token_embedding_type or leave_output_tensor or pure:
+        recipe = with_overrides(resolve_recipe(recipe, qtype, allow_fallback), tensor_types=tensor_types,
+                                output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type,
+                                leave_output_tensor=leave_output_tensor, pure=pure)
+        qtype = None
     if dry_run:
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                                tokenizer=not no_tokenizer, threadpool_count=threadpool_count,
