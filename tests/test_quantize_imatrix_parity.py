@@ -1,0 +1,116 @@
+"""Parity tier: ``ktconvert quantize --imatrix`` writes the tensors ``llama-quantize --imatrix`` writes.
+
+llama.cpp's own tools are built from the pinned source into the cache (tests/llamacpp_tools.py). On the tiny
+qwen3_moe (8 merged experts), ktconvert writes the F32 GGUF, ``llama-imatrix`` computes the importance matrix of a
+short text on it (GGUF, and the legacy .dat), and both quantizers quantize that F32 GGUF with it: every tensor must
+have the same type and the same bytes. Presets are compared with llama-quantize's ftype of the same name, ``--type
+T`` with ``llama-quantize --pure``. Keys are compared too, except the ``quantize.imatrix.*`` provenance keys
+llama-quantize adds (ktconvert records the imatrix in manifest.json instead).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from convert_helpers import tiny
+from llamacpp_tools import run_tool
+from test_parity_llamacpp import read
+
+pytestmark = pytest.mark.interop
+
+TEXT = ("The quick brown fox jumps over the lazy dog while the river runs to the sea. "
+        "Numbers such as 3, 14, 159 and 2653 appear between words; so do commas, colons: and questions? ") * 12
+
+
+@pytest.fixture(scope="module")
+def inputs(tmp_path_factory, llama_tools):
+    """(F32 GGUF, GGUF imatrix, legacy .dat imatrix) of the tiny qwen3_moe."""
+    from ktconvert.convert import convert
+
+    root = tmp_path_factory.mktemp("imx-parity")
+    f32 = convert(tiny(root, "qwen3_moe"), root / "f32", type="F32").out / "model.gguf"
+    text = root / "text.txt"
+    text.write_text(TEXT)
+    imx = root / "imatrix.gguf"
+    common = ["-m", str(f32), "-f", str(text), "-c", "64", "--chunks", "4", "-t", "1", "--no-ppl"]
+    run_tool("llama-imatrix", [*common, "-o", str(imx)])
+    dat = root / "imatrix.dat"
+    run_tool("llama-imatrix", [*common, "-o", str(dat), "--output-format", "dat"])
+    return f32, imx, dat
+
+
+def differences(want: Path, got: Path) -> list[str]:
+    wt, wk = read(want)
+    gt, gk = read(got)
+    out = [f"tensor {n}: only in {'llama.cpp' if n in wt else 'ktconvert'}" for n in sorted(set(wt) ^ set(gt))]
+    for n in sorted(set(wt) & set(gt)):
+        if wt[n][0] != gt[n][0]:
+            out.append(f"tensor {n}: llama.cpp {wt[n][0]}, ktconvert {gt[n][0]}")
+        elif wt[n][1] != gt[n][1]:
+            out.append(f"tensor {n}: {wt[n][0]} bytes differ")
+    for k in sorted((set(wk) | set(gk)) - {k for k in wk if k.startswith("quantize.imatrix.")}):
+        if wk.get(k) != gk.get(k):
+            out.append(f"key {k}: llama.cpp {str(wk.get(k))[:60]!r}, ktconvert {str(gk.get(k))[:60]!r}")
+    return out
+
+
+def _llama_quantize(f32: Path, imatrix: Path, out: Path, ftype: str, *flags: str) -> Path:
+    run_tool("llama-quantize", [*flags, "--imatrix", str(imatrix), str(f32), str(out), ftype, "1"])
+    return out
+
+
+@pytest.mark.parametrize("preset", ["Q4_K_M", "Q5_K_M", "Q6_K", "Q4_0"])
+def test_preset_with_imatrix_equals_llama_quantize(inputs, tmp_path, preset):
+    from ktconvert.convert import convert
+
+    f32, imx, _ = inputs
+    want = _llama_quantize(f32, imx, tmp_path / "llama.gguf", preset)
+    got = convert(f32, tmp_path / "ours", preset, imatrix=imx).out / "model.gguf"
+    assert differences(want, got) == []
+    plain = convert(f32, tmp_path / "plain", preset).out / "model.gguf"
+    assert differences(want, plain) != [], "the importance matrix changed nothing: the test cannot fail"
+
+
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"])
+def test_type_with_imatrix_equals_llama_quantize_pure(inputs, tmp_path, qtype):
+    from ktconvert.convert import convert, recipe_for_type
+
+    f32, imx, _ = inputs
+    want = _llama_quantize(f32, imx, tmp_path / "llama.gguf", recipe_for_type(qtype).file_type, "--pure")
+    got = convert(f32, tmp_path / "ours", type=qtype, allow_fallback=True, imatrix=imx).out / "model.gguf"
+    assert differences(want, got) == []
+
+
+def test_legacy_dat_imatrix_equals_llama_quantize(inputs, tmp_path):
+    from ktconvert.convert import convert
+
+    f32, _, dat = inputs
+    want = _llama_quantize(f32, dat, tmp_path / "llama.gguf", "Q4_K_M")
+    got = convert(f32, tmp_path / "ours", "Q4_K_M", imatrix=dat).out / "model.gguf"
+    assert differences(want, got) == []
+
+
+OVERRIDES = {
+    "tensor-type": (["--tensor-type", "ffn_.*_exps=Q2_K", "--tensor-type", "attn_q=Q5_K"],
+                    {"tensor_types": ("ffn_.*_exps=Q2_K", "attn_q=Q5_K")}),
+    "tensor-type equal to the mix's type": (["--tensor-type", "ffn_down_exps=Q4_K"],
+                                            {"tensor_types": ("ffn_down_exps=Q4_K",)}),
+    "output-tensor-type": (["--output-tensor-type", "q8_0"], {"output_tensor_type": "Q8_0"}),
+    "token-embedding-type": (["--token-embedding-type", "q4_k"], {"token_embedding_type": "Q4_K"}),
+    "leave-output-tensor": (["--leave-output-tensor"], {"leave_output_tensor": True}),
+    "pure": (["--pure"], {"pure": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(OVERRIDES))
+def test_override_with_imatrix_equals_llama_quantize(inputs, tmp_path, case):
+    """Each of llama-quantize's per-tensor options on the Q4_K_M mix, with the importance matrix."""
+    from ktconvert.convert import convert, load_recipe, with_overrides
+
+    f32, imx, _ = inputs
+    flags, kw = OVERRIDES[case]
+    want = _llama_quantize(f32, imx, tmp_path / "llama.gguf", "Q4_K_M", *flags)
+    got = convert(f32, tmp_path / "ours", with_overrides(load_recipe("Q4_K_M"), **kw), imatrix=imx).out / "model.gguf"
+    assert differences(want, got) == []
