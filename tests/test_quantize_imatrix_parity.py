@@ -4,8 +4,8 @@ llama.cpp's own tools are built from the pinned source into the cache (tests/lla
 qwen3_moe (8 merged experts), ktconvert writes the F32 GGUF, ``llama-imatrix`` computes the importance matrix of a
 short text on it (GGUF, and the legacy .dat), and both quantizers quantize that F32 GGUF with it: every tensor must
 have the same type and the same bytes. Presets are compared with llama-quantize's ftype of the same name, ``--type
-T`` with ``llama-quantize --pure``. Keys are compared too, except the ``quantize.imatrix.*`` provenance keys
-llama-quantize adds (ktconvert records the imatrix in manifest.json instead).
+T`` with ``llama-quantize --pure``. Every key/value is compared too, llama-quantize's ``quantize.imatrix.*``
+provenance keys included.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import pytest
 
 from convert_helpers import tiny
 from llamacpp_tools import run_tool
-from test_parity_llamacpp import read
+from test_parity_llamacpp import differences
 
 pytestmark = pytest.mark.interop
 
@@ -39,21 +39,6 @@ def inputs(tmp_path_factory, llama_tools):
     dat = root / "imatrix.dat"
     run_tool("llama-imatrix", [*common, "-o", str(dat), "--output-format", "dat"])
     return f32, imx, dat
-
-
-def differences(want: Path, got: Path) -> list[str]:
-    wt, wk = read(want)
-    gt, gk = read(got)
-    out = [f"tensor {n}: only in {'llama.cpp' if n in wt else 'ktconvert'}" for n in sorted(set(wt) ^ set(gt))]
-    for n in sorted(set(wt) & set(gt)):
-        if wt[n][0] != gt[n][0]:
-            out.append(f"tensor {n}: llama.cpp {wt[n][0]}, ktconvert {gt[n][0]}")
-        elif wt[n][1] != gt[n][1]:
-            out.append(f"tensor {n}: {wt[n][0]} bytes differ")
-    for k in sorted((set(wk) | set(gk)) - {k for k in wk if k.startswith("quantize.imatrix.")}):
-        if wk.get(k) != gk.get(k):
-            out.append(f"key {k}: llama.cpp {str(wk.get(k))[:60]!r}, ktconvert {str(gk.get(k))[:60]!r}")
-    return out
 
 
 def _llama_quantize(f32: Path, imatrix: Path, out: Path, ftype: str, *flags: str) -> Path:

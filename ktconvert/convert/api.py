@@ -17,7 +17,6 @@ from ktconvert.errors import UsageProblem
 from ktconvert.io.atomic import claim_output
 from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
 from ktconvert.convert.lora_merge import attach_lora
-from ktconvert.convert.imatrix_plan import attach_imatrix
 from ktconvert.convert.kt_tree_out import check_tree_paths, finish_tree, scratch_dir, write_tree
 
 DEFAULT_MAX_MEMORY = "2GiB"
@@ -67,19 +66,18 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
     :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
     """
     plan = _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_count, allow_requantize,
-                 allow_fallback)
+                 allow_fallback, imatrix)
     if lora is not None:
         plan = attach_lora(plan, lora, lora_alpha=lora_alpha)
     elif lora_alpha is not None:
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
-    if imatrix is not None:
-        plan = attach_imatrix(plan, imatrix)
     return plan
 
 
 def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_count, allow_requantize,
-          allow_fallback) -> Plan:
+          allow_fallback, imatrix=None) -> Plan:
     if format == "kt-amx":
+        _gguf_only(imatrix, format)
         if recipe is not None or type is None:
             raise UsageProblem("--to kt-amx needs --type AMXINT8 or --type AMXINT4 (and no recipe)")
         return build_kt_amx_plan(analyze(src, config), type, 2 if threadpool_count is None else threadpool_count)
@@ -89,10 +87,16 @@ def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_c
     r = resolve_recipe(recipe, type, allow_fallback)
     shard = None if shard_size is None else parse_size(shard_size, what="--shard-size")
     if (format or r.format) == "hf":  # the input's own names and layout, FP8 dequantized (convert/hf_out.py)
+        _gguf_only(imatrix, "hf")
         return build_hf_plan(src, r, type, config=config, shard_size=shard)
     source = analyze(src, config)
     return build_plan(source, r, format=format, shard_size=shard, tokenizer=tokenizer,
-                      allow_requantize=allow_requantize)
+                      allow_requantize=allow_requantize, imatrix=imatrix)
+
+
+def _gguf_only(imatrix, format: str) -> None:
+    if imatrix is not None:
+        raise UsageProblem(f"--imatrix applies to GGUF output, not {format}", fix="drop --imatrix, or write GGUF (--to gguf)")
 
 
 def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,

@@ -11,18 +11,37 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ktconvert.convert.plan import Plan
-from ktconvert.errors import InputError, UsageProblem
-from ktconvert.formats.imatrix import read_imatrix
+from gguf import GGUFValueType
+
+from ktconvert.errors import InputError
+from ktconvert.formats.gguf_write import encode_kv
+from ktconvert.formats.imatrix import Imatrix, read_imatrix
 from ktconvert.quant import IMATRIX_TYPES, as_qtype
 
+if TYPE_CHECKING:
+    from ktconvert.convert.plan import Plan
 
-def attach_imatrix(plan: Plan, path: str | Path) -> Plan:
-    """``plan`` with ``imatrix`` set on every tensor quantized to a type that takes one and named in the file."""
-    if plan.format != "gguf":
-        raise UsageProblem(f"--imatrix applies to GGUF output, not {plan.format}",
-                           fix="drop --imatrix, or write GGUF (--to gguf)")
+
+def provenance_kv(imx: Imatrix, given: str) -> list[tuple[str, bytes]]:
+    """The keys llama-quantize adds (tools/quantize/quantize.cpp, as KV overrides): the imatrix path as given and its
+    first dataset (each cut to 127 bytes), its entry count and chunk count (UINT32, the latter only when > 0)."""
+    def s127(v: str) -> str:
+        return v.encode("utf-8")[:127].decode("utf-8", errors="ignore")
+
+    out = [("quantize.imatrix.file", GGUFValueType.STRING, s127(given))]
+    if imx.datasets:
+        out.append(("quantize.imatrix.dataset", GGUFValueType.STRING, s127(imx.datasets[0])))
+    out.append(("quantize.imatrix.entries_count", GGUFValueType.UINT32, len(imx.values)))
+    if imx.chunk_count > 0:
+        out.append(("quantize.imatrix.chunks_count", GGUFValueType.UINT32, imx.chunk_count))
+    return [(k, encode_kv(k, t, v)) for k, t, v in out]
+
+
+def attach_imatrix(plan: "Plan", path: str | Path) -> "Plan":
+    """``plan`` (not laid out yet) with ``imatrix`` set on every tensor quantized to a type that takes one and
+    named in the file, and llama-quantize's ``quantize.imatrix.*`` keys to write."""
     imx = read_imatrix(path)
     names = {t.name for t in plan.tensors}
     if not names & set(imx.values):
@@ -42,6 +61,7 @@ def attach_imatrix(plan: Plan, path: str | Path) -> Plan:
         tensors.append(t)
     plan.tensors = tensors
     plan.imatrix = {**imx.summary(), "tensors_with": used, "tensors_without": without}
+    plan.extra_kv = provenance_kv(imx, str(path))
     if without:
         plan.notes.append(f"the importance matrix has no data for {len(without)} quantized tensor(s) (first: "
                           f"{without[0]}); they are quantized without one, as llama-quantize does")

@@ -19,6 +19,7 @@ from pathlib import Path
 
 from ktconvert import __version__
 from ktconvert.convert import metadata
+from ktconvert.convert.imatrix_plan import attach_imatrix
 from ktconvert.convert.recipe import KEEP, ModelFacts, Recipe, Rule
 from ktconvert.io.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
@@ -146,6 +147,7 @@ class Plan:
     _in_bytes: dict = field(default_factory=dict, repr=False)  # input bytes read per output tensor
     lora: dict = field(default_factory=dict)  # the adapter merged in (quantize --lora): files and sha256, r, alpha
     imatrix: dict = field(default_factory=dict)  # quantize --imatrix: the file's sha256, entries, experts without data
+    extra_kv: list = field(default_factory=list)  # (key, encoded KV) appended to the GGUF's keys (quantize.imatrix.*)
 
     @property
     def in_bytes(self) -> int:
@@ -292,7 +294,7 @@ def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str, fa
 
 
 def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, shard_size: int | None = None,
-               tokenizer: bool = True, allow_requantize: bool = False) -> Plan:
+               tokenizer: bool = True, allow_requantize: bool = False, imatrix: str | Path | None = None) -> Plan:
     """The complete plan, or :class:`InputError` naming the first problem (recipe line, tensor, fix).
 
     As ``llama-quantize`` does, a tensor stored in a quantized (lossy) type is not quantized again to another
@@ -307,6 +309,8 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     shard = shard_size if shard_size is not None else recipe.shard_size
     if shard is None:
         shard = 0 if fmt == "gguf" else DEFAULT_SAFETENSORS_SHARD
+    if imatrix is not None and fmt != "gguf":
+        raise UsageProblem(f"--imatrix applies to GGUF output, not {fmt}", fix="drop --imatrix, or write GGUF (--to gguf)")
     container = src.checkpoint.container
     chosen = []
     problems = []
@@ -361,6 +365,8 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
                 input_files=[str(f) for f in ck.files])
     plan._in_bytes = in_bytes
     if fmt == "gguf":
+        if imatrix is not None:
+            attach_imatrix(plan, imatrix)
         _lay_out_gguf(plan, src, shard, tokenizer)
     else:
         _lay_out_safetensors(plan, src, shard)
@@ -455,6 +461,7 @@ def _lay_out_gguf(plan: Plan, src: SourceModel, shard: int, tokenizer: bool) -> 
         plan.notes += metadata.utf8_card(card)
         # general.quantization_version always, as convert_hf_to_gguf writes it (also for F32/F16/BF16 outputs)
         kv = metadata.hf_kv(src.arch, src.config, card, src.n_layers, n_vocab, vocab, ftype, True)
+    kv = [*kv, *plan.extra_kv]
     plan.kv_keys = [k for k, _ in kv]
     idx = _shards([t.nbytes for t in plan.tensors], shard)
     count = max(idx) + 1 if idx else 1
