@@ -186,3 +186,13 @@ def test_imatrix_needs_gguf_output(tmp_path, model):
                                    "safetensors", "--imatrix", str(_good(tmp_path / "i.gguf"))])
     assert res.exit_code == 2 and "--imatrix applies to GGUF output" in res.stderr, res.stderr
     assert not (tmp_path / "out").exists()
+
+
+def test_include_and_exclude_weights_together_is_a_usage_error(tmp_path, model):
+    imx = _good(tmp_path / "i.gguf")
+    for args, expect in ((["--imatrix", str(imx), "--include-weights", "ffn", "--exclude-weights", "attn"],
+                          "cannot be used together"),
+                         (["--include-weights", "ffn"], "add --imatrix FILE")):
+        res = CliRunner().invoke(cli, ["quantize", str(model), str(tmp_path / "out"), "--type", "Q4_K", *args])
+        assert res.exit_code == 2 and expect in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
+        assert not (tmp_path / "out").exists()

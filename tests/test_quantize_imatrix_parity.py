@@ -99,3 +99,18 @@ def test_override_with_imatrix_equals_llama_quantize(inputs, tmp_path, case):
     want = _llama_quantize(f32, imx, tmp_path / "llama.gguf", "Q4_K_M", *flags)
     got = convert(f32, tmp_path / "ours", with_overrides(load_recipe("Q4_K_M"), **kw), imatrix=imx).out / "model.gguf"
     assert differences(want, got) == []
+
+
+@pytest.mark.parametrize("flag,names", [("--include-weights", ("ffn_down", "attn_q")),
+                                        ("--exclude-weights", ("_exps",))])
+def test_include_exclude_weights_equal_llama_quantize(inputs, tmp_path, flag, names):
+    from ktconvert.convert import convert
+
+    f32, imx, _ = inputs
+    flags = [x for n in names for x in (flag, n)]
+    want = _llama_quantize(f32, imx, tmp_path / "llama.gguf", "Q4_K_M", *flags)
+    kw = {"include_weights" if flag == "--include-weights" else "exclude_weights": names}
+    got = convert(f32, tmp_path / "ours", "Q4_K_M", imatrix=imx, **kw).out / "model.gguf"
+    assert differences(want, got) == []
+    whole = convert(f32, tmp_path / "whole", "Q4_K_M", imatrix=imx).out / "model.gguf"
+    assert differences(want, whole) != [], "the selection changed nothing: the test cannot fail"

@@ -52,7 +52,8 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
                     shard_size: int | str | None = None, tokenizer: bool = True, threadpool_count: int | None = None,
                     allow_requantize: bool = False, allow_fallback: bool | None = None,
                     lora: str | Path | None = None, lora_alpha: float | None = None,
-                    imatrix: str | Path | None = None) -> Plan:
+                    imatrix: str | Path | None = None, include_weights: tuple[str, ...] = (),
+                    exclude_weights: tuple[str, ...] = ()) -> Plan:
     """Validate everything that can be validated without reading tensor data and return the plan.
 
     ``lora``: an adapter (any form convert-lora reads) merged in float32 into the weights it adapts
@@ -60,13 +61,14 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
     ``format="kt-amx"`` with ``type="AMXINT8"``/``"AMXINT4"`` plans kt-kernel's expert directory for
     ``threadpool_count`` parts (default 2; :mod:`ktconvert.convert.kt_amx_plan`).
     ``imatrix``: llama.cpp's importance matrix (GGUF or legacy .dat), used as llama-quantize uses it
-    (:mod:`ktconvert.convert.imatrix_plan`).
+    (:mod:`ktconvert.convert.imatrix_plan`); ``include_weights``/``exclude_weights`` llama-quantize's
+    ``--include-weights``/``--exclude-weights``.
 
     Raises :class:`~ktconvert.errors.InputError` (bad input, impossible type, recipe problem: exit 3) or
     :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
     """
     plan = _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_count, allow_requantize,
-                 allow_fallback, imatrix)
+                 allow_fallback, imatrix, include_weights, exclude_weights)
     if lora is not None:
         plan = attach_lora(plan, lora, lora_alpha=lora_alpha)
     elif lora_alpha is not None:
@@ -75,7 +77,7 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
 
 
 def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_count, allow_requantize,
-          allow_fallback, imatrix=None) -> Plan:
+          allow_fallback, imatrix=None, include_weights=(), exclude_weights=()) -> Plan:
     if format == "kt-amx":
         _gguf_only(imatrix, format)
         if recipe is not None or type is None:
@@ -91,7 +93,8 @@ def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_c
         return build_hf_plan(src, r, type, config=config, shard_size=shard)
     source = analyze(src, config)
     return build_plan(source, r, format=format, shard_size=shard, tokenizer=tokenizer,
-                      allow_requantize=allow_requantize, imatrix=imatrix)
+                      allow_requantize=allow_requantize, imatrix=imatrix, include_weights=include_weights,
+                      exclude_weights=exclude_weights)
 
 
 def _gguf_only(imatrix, format: str) -> None:
@@ -106,7 +109,8 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
             progress: Progress | None = None, threadpool_count: int | None = None,
             allow_requantize: bool = False, allow_fallback: bool | None = None, form: str | None = None,
             lora: str | Path | None = None, lora_alpha: float | None = None, executor: str = "local",
-            ray_address: str | None = None, imatrix: str | Path | None = None) -> RunResult:
+            ray_address: str | None = None, imatrix: str | Path | None = None,
+            include_weights: tuple[str, ...] = (), exclude_weights: tuple[str, ...] = ()) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
 
     ``executor="ray"`` runs the units as Ray tasks (``jobs`` at a time) on the cluster at ``ray_address`` (or the
@@ -130,7 +134,8 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
                            fix="add --to kt-amx --type AMXINT8, or drop --form kt-tree")
     plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
                            tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
-                           allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha, imatrix=imatrix)
+                           allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha, imatrix=imatrix,
+                           include_weights=include_weights, exclude_weights=exclude_weights)
     with claim_output(Path(out), inputs=input_roots(Path(src), [Path(f) for f in plan.input_files]), force=force):
         if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
             ray = connect(ray_address)

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from gguf import GGUFValueType
 
-from ktconvert.errors import InputError
+from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats.gguf_write import encode_kv
 from ktconvert.formats.imatrix import Imatrix, read_imatrix
 from ktconvert.quant import IMATRIX_TYPES, as_qtype
@@ -39,16 +39,25 @@ def provenance_kv(imx: Imatrix, given: str) -> list[tuple[str, bytes]]:
     return [(k, encode_kv(k, t, v)) for k, t, v in out]
 
 
-def attach_imatrix(plan: "Plan", path: str | Path) -> "Plan":
+def attach_imatrix(plan: "Plan", path: str | Path, *, include: tuple[str, ...] = (),
+                   exclude: tuple[str, ...] = ()) -> "Plan":
     """``plan`` (not laid out yet) with ``imatrix`` set on every tensor quantized to a type that takes one and
-    named in the file, and llama-quantize's ``quantize.imatrix.*`` keys to write."""
-    imx = read_imatrix(path)
+    named in the file, and llama-quantize's ``quantize.imatrix.*`` keys to write. ``include``/``exclude``:
+    llama-quantize's ``--include-weights``/``--exclude-weights`` (substrings of entry names; one or the other)."""
+    if include and exclude:
+        raise UsageProblem("--include-weights and --exclude-weights cannot be used together (as in llama-quantize)",
+                           fix="keep one of them")
+    whole = read_imatrix(path)
     names = {t.name for t in plan.tensors}
-    if not names & set(imx.values):
-        first = sorted(imx.values)[0]
-        raise InputError(f"none of its {len(imx.values)} entries (first: {first}) names a tensor of this model",
+    if not names & set(whole.values):
+        first = sorted(whole.values)[0]
+        raise InputError(f"none of its {len(whole.values)} entries (first: {first}) names a tensor of this model",
                          path=str(path), where=first, fix="this imatrix was made for another model; remake it "
                          "with llama-imatrix for this model")
+    imx = whole.select(include, exclude)
+    if not imx.values:  # llama-quantize then quantizes without an importance matrix at all
+        plan.notes.append("--include-weights/--exclude-weights left no importance-matrix entry: quantized without one")
+        return plan
     used, without = 0, []
     tensors = []
     for t in plan.tensors:

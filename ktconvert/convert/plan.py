@@ -294,7 +294,8 @@ def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str, fa
 
 
 def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, shard_size: int | None = None,
-               tokenizer: bool = True, allow_requantize: bool = False, imatrix: str | Path | None = None) -> Plan:
+               tokenizer: bool = True, allow_requantize: bool = False, imatrix: str | Path | None = None,
+               include_weights: tuple[str, ...] = (), exclude_weights: tuple[str, ...] = ()) -> Plan:
     """The complete plan, or :class:`InputError` naming the first problem (recipe line, tensor, fix).
 
     As ``llama-quantize`` does, a tensor stored in a quantized (lossy) type is not quantized again to another
@@ -366,7 +367,7 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     plan._in_bytes = in_bytes
     if fmt == "gguf":
         if imatrix is not None:
-            attach_imatrix(plan, imatrix)
+            attach_imatrix(plan, imatrix, include=tuple(include_weights), exclude=tuple(exclude_weights))
         _lay_out_gguf(plan, src, shard, tokenizer)
     else:
         _lay_out_safetensors(plan, src, shard)

@@ -70,6 +70,14 @@ class Imatrix:
                              fix=f"this imatrix was made for another model; {_REMAKE}")
         return v.reshape(experts, n_in) if experts > 1 else v.reshape(n_in)
 
+    def select(self, include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> "Imatrix":
+        """The entries llama-quantize keeps with ``--include-weights`` (those whose name contains one of
+        ``include``) or ``--exclude-weights`` (all but those containing one of ``exclude``)."""
+        keep = {k: v for k, v in self.values.items()
+                if not any(x in k for x in exclude) and (not include or any(x in k for x in include))}
+        return Imatrix(**{**self.__dict__, "values": keep,
+                          "no_data": {k: v for k, v in self.no_data.items() if k in keep}})
+
     def summary(self) -> dict:
         """What a manifest records: the file, its sha256 and format, the entries, and the experts without data."""
         return {"file": Path(self.path).name, "sha256": self.sha256, "format": self.format,
