@@ -114,3 +114,41 @@ def test_include_exclude_weights_equal_llama_quantize(inputs, tmp_path, flag, na
     assert differences(want, got) == []
     whole = convert(f32, tmp_path / "whole", "Q4_K_M", imatrix=imx).out / "model.gguf"
     assert differences(want, whole) != [], "the selection changed nothing: the test cannot fail"
+
+
+def test_experts_without_data_and_missing_entries_equal_llama_quantize(inputs, tmp_path):
+    """llama-imatrix's file with expert 3 of blk.0.ffn_down_exps never reached (count 0: importance 1) and
+    blk.1.attn_q without an entry (quantized without one): both quantizers treat them alike."""
+    import gguf
+    import numpy as np
+
+    from ktconvert.convert import convert
+
+    f32, imx, _ = inputs
+    src = gguf.GGUFReader(imx)
+    edited = tmp_path / "edited.imatrix.gguf"
+    w = gguf.GGUFWriter(str(edited), arch="")
+    w.kv_data[0].pop("general.architecture", None)
+    w.add_string("general.type", "imatrix")
+    w.add_array("imatrix.datasets", ["text.txt"])
+    w.add_uint32("imatrix.chunk_count", int(src.fields["imatrix.chunk_count"].contents()))
+    w.add_uint32("imatrix.chunk_size", int(src.fields["imatrix.chunk_size"].contents()))
+    for t in src.tensors:
+        if t.name.startswith("blk.1.attn_q.weight."):
+            continue
+        data = np.array(t.data, dtype=np.float32).reshape(tuple(reversed([int(n) for n in t.shape])))
+        if t.name == "blk.0.ffn_down_exps.weight.counts":
+            data[3] = 0.0
+        w.add_tensor(t.name, data)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    want = _llama_quantize(f32, edited, tmp_path / "llama.gguf", "Q4_K_M")
+    result = convert(f32, tmp_path / "ours", "Q4_K_M", imatrix=edited)
+    assert differences(want, result.out / "model.gguf") == []
+    m = result.manifest["imatrix"]
+    assert m["no_data"] == {"blk.0.ffn_down_exps.weight": [3]} and "blk.1.attn_q.weight" in m["tensors_without"]
+    unedited = convert(f32, tmp_path / "unedited", "Q4_K_M", imatrix=imx).out / "model.gguf"
+    changed = {d.split(":")[0] for d in differences(want, unedited)}
+    assert {"tensor blk.0.ffn_down_exps.weight", "tensor blk.1.attn_q.weight"} <= changed, changed
