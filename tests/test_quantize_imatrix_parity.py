@@ -152,3 +152,45 @@ def test_experts_without_data_and_missing_entries_equal_llama_quantize(inputs, t
     unedited = convert(f32, tmp_path / "unedited", "Q4_K_M", imatrix=imx).out / "model.gguf"
     changed = {d.split(":")[0] for d in differences(want, unedited)}
     assert {"tensor blk.0.ffn_down_exps.weight", "tensor blk.1.attn_q.weight"} <= changed, changed
+
+
+def _deepen(hf: Path, out: Path, n_layers: int) -> Path:
+    """The tiny model with ``n_layers`` layers: layer i a copy of layer i % 2 (llama-quantize's first-eighth rules
+    need 8 layers or more)."""
+    import json
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(hf, out)
+    cfg = json.loads((out / "config.json").read_text())
+    tensors = load_file(out / "model.safetensors")
+    deep = {k: v for k, v in tensors.items() if not k.startswith("model.layers.")}
+    for i in range(n_layers):
+        prefix = f"model.layers.{i % cfg['num_hidden_layers']}."
+        deep.update({f"model.layers.{i}." + k[len(prefix):]: v for k, v in tensors.items() if k.startswith(prefix)})
+    cfg["num_hidden_layers"] = n_layers
+    (out / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(deep, str(out / "model.safetensors"))
+    return out
+
+
+def test_q4_0_first_eighth_ffn_down_with_imatrix_equals_llama_quantize(llama_tools, tmp_path):
+    """With an importance matrix llama-quantize writes the ffn_down of layers < n_layer/8 as Q4_1 in its Q4_0 mix
+    (without one it does not): 8 layers, layer 0's ffn_down_exps."""
+    from ktconvert.convert import convert
+
+    hf = _deepen(tiny(tmp_path, "qwen3_moe"), tmp_path / "deep", 8)
+    f32 = convert(hf, tmp_path / "f32", type="F32").out / "model.gguf"
+    text = tmp_path / "text.txt"
+    text.write_text(TEXT)
+    imx = tmp_path / "deep.imatrix.gguf"
+    run_tool("llama-imatrix", ["-m", str(f32), "-f", str(text), "-c", "64", "--chunks", "2", "-t", "1", "--no-ppl",
+                               "-o", str(imx)])
+    want = _llama_quantize(f32, imx, tmp_path / "llama.gguf", "Q4_0")
+    result = convert(f32, tmp_path / "ours", "Q4_0", imatrix=imx)
+    assert differences(want, result.out / "model.gguf") == []
+    types = {t["name"]: t["type"] for t in result.manifest["tensors"]}
+    assert types["blk.0.ffn_down_exps.weight"] == "Q4_1" and types["blk.1.ffn_down_exps.weight"] == "Q4_0"
+    plain = convert(f32, tmp_path / "plain", "Q4_0")
+    assert {t["name"]: t["type"] for t in plain.manifest["tensors"]}["blk.0.ffn_down_exps.weight"] == "Q4_0"

@@ -74,12 +74,6 @@ def attach_imatrix(plan: "Plan", path: str | Path, *, include: tuple[str, ...] =
     if without:
         plan.notes.append(f"the importance matrix has no data for {len(without)} quantized tensor(s) (first: "
                           f"{without[0]}); they are quantized without one, as llama-quantize does")
-    layers = [t.layer for t in plan.tensors if t.layer is not None]
-    n_layers = max(layers) + 1 if layers else 0
-    if plan.recipe.file_type in ("Q4_0", "Q5_0") and n_layers >= 8:  # llama-quant.cpp's guard, not modelled yet
-        plan.notes.append(f"with an importance matrix llama-quantize writes the ffn_down of layers 0..{n_layers // 8 - 1}"
-                          f" as {'Q4_1' if plan.recipe.file_type == 'Q4_0' else 'Q5_1'}; this recipe does not (add a "
-                          "rule for them to match it)")
     for name, experts in sorted(imx.no_data.items()):
         if name in names:
             plan.notes.append(f"the importance matrix has no data for {name} expert(s) {list(experts)[:8]}"

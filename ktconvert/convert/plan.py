@@ -14,7 +14,7 @@ import json
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ktconvert import __version__
@@ -316,6 +316,8 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     chosen = []
     problems = []
     facts = model_facts(src)
+    if imatrix is not None:  # llama-quantize's has_imatrix: some mixes choose differently with one
+        facts = replace(facts, imatrix=True)
     recipe = _with_unquantized(recipe, src.arch)
     for item in src.items:
         t, rule, fb, prob = _choose(item, recipe, src.n_layers, container, facts)

@@ -89,6 +89,9 @@ class Rule:
             elif self.layers == "more_bits":
                 if not n_layers or not use_more_bits(layer, n_layers):
                     return False
+            elif self.layers == "first_eighth":
+                if not n_layers or layer >= n_layers // 8:
+                    return False
             elif layer not in self.layers:
                 return False
         rx = self.regex
@@ -101,7 +104,8 @@ class ModelFacts:
 
     ``expert_count`` (routed experts per MoE layer), ``tied_embeddings`` (the output has no ``output.weight``:
     llama.cpp then gives ``token_embd.weight`` the output's type), ``arch`` (the llama.cpp architecture: llama-quant.cpp
-    keeps some tensors of some architectures unquantized, glm5-next's) and ``names``: every output tensor name, in
+    keeps some tensors of some architectures unquantized, glm5-next's), ``imatrix`` (quantizing with an importance
+    matrix) and ``names``: every output tensor name, in
     llama.cpp's order (layer, then name), which ``more_bits_counted`` counts in.
     """
 
@@ -109,10 +113,11 @@ class ModelFacts:
     tied_embeddings: bool | None = None
     arch: str | None = None
     names: tuple[str, ...] = ()
+    imatrix: bool = False
     _hits: dict = field(default_factory=dict, compare=False, repr=False)
 
     def get(self, key: str):
-        return getattr(self, key, None) if key in ("expert_count", "tied_embeddings", "arch") else None
+        return getattr(self, key, None) if key in ("expert_count", "tied_embeddings", "arch", "imatrix") else None
 
     def counted(self, match: str, name: str) -> tuple[int, int] | None:
         """``(i, n)``: ``name`` is the i-th of the n output tensors ``match`` finds, in llama.cpp's order."""
