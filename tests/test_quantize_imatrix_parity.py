@@ -68,6 +68,18 @@ def test_type_with_imatrix_equals_llama_quantize_pure(inputs, tmp_path, qtype):
     assert differences(want, got) == []
 
 
+def test_units_across_expert_boundaries_and_two_jobs_write_the_same_bytes(inputs, tmp_path):
+    """A small memory budget cuts the expert tensors into units that start and end inside experts; two workers
+    quantize them: each row still gets its own expert's importances."""
+    from ktconvert.convert import convert
+
+    f32, imx, _ = inputs
+    want = _llama_quantize(f32, imx, tmp_path / "llama.gguf", "Q6_K")
+    result = convert(f32, tmp_path / "ours", "Q6_K", imatrix=imx, max_memory="600KiB", jobs=2)
+    assert result.units > 30, result.units
+    assert differences(want, result.out / "model.gguf") == []
+
+
 def test_legacy_dat_imatrix_equals_llama_quantize(inputs, tmp_path):
     from ktconvert.convert import convert
 
