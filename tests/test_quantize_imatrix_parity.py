@@ -80,6 +80,21 @@ def test_units_across_expert_boundaries_and_two_jobs_write_the_same_bytes(inputs
     assert differences(want, result.out / "model.gguf") == []
 
 
+def test_command_line_equals_llama_quantize(inputs, tmp_path):
+    """The same through ``ktconvert quantize``'s options as through llama-quantize's."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    f32, imx, _ = inputs
+    want = _llama_quantize(f32, imx, tmp_path / "llama.gguf", "Q4_K_M", "--tensor-type", "attn_k=Q5_K",
+                           "--exclude-weights", "ffn_gate")
+    res = CliRunner().invoke(cli, ["quantize", str(f32), str(tmp_path / "ours"), "--recipe", "Q4_K_M", "--imatrix",
+                                   str(imx), "--tensor-type", "attn_k=Q5_K", "--exclude-weights", "ffn_gate"])
+    assert res.exit_code == 0, res.stderr
+    assert differences(want, tmp_path / "ours" / "model.gguf") == []
+
+
 def test_legacy_dat_imatrix_equals_llama_quantize(inputs, tmp_path):
     from ktconvert.convert import convert
 
