@@ -46,6 +46,23 @@ def llama_built():
         pytest.skip(str(exc))
 
 
+@pytest.fixture(scope="session")
+def llama_tools():
+    """llama.cpp's llama-imatrix and llama-quantize built into the cache (tests/llamacpp_tools.py): under CI a
+    failed build fails the tests that need them, elsewhere they skip with the reason."""
+    import os
+
+    import llamacpp_tools
+    from ggml_ref import RefUnavailable
+
+    try:
+        return llamacpp_tools.build()
+    except RefUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"llama.cpp's tools required under CI: {exc}")
+        pytest.skip(str(exc))
+
+
 @pytest.fixture(scope="module")
 def one_torch_thread():
     """torch on one thread for a module's tests (results differ at ~1e-7 between thread counts); restored after."""

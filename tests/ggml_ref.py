@@ -45,22 +45,35 @@ def _run(cmd: list[str], cwd: Path | None, what: str, timeout: int) -> None:
         raise RefUnavailable(f"{what} failed (exit {proc.returncode}):\n{tail}")
 
 
-def _extract_ggml(sdist: Path, dest: Path) -> Path:
-    """Extract only ``vendor/llama.cpp/ggml`` (25 MB of the 217 MB sdist), refusing unsafe members."""
+def extract_vendor(sdist: Path, dest: Path, sub: tuple[str, ...] = ("ggml",)) -> Path:
+    """Extract ``vendor/llama.cpp/<sub>`` of the sdist (only ``ggml``: 25 MB of its 217 MB; ``()``: the whole
+    llama.cpp tree), refusing unsafe members; returns the extracted ``vendor/llama.cpp/<sub>`` directory."""
+    want = ["vendor", "llama.cpp", *sub]
     prefix = None
     with tarfile.open(sdist, "r:gz") as tar:
         members = []
         for m in tar.getmembers():
             parts = m.name.split("/")
-            if len(parts) >= 4 and parts[1:4] == ["vendor", "llama.cpp", "ggml"]:
+            if len(parts) >= 1 + len(want) and parts[1:1 + len(want)] == want:
                 if m.name.startswith("/") or ".." in parts or not (m.isfile() or m.isdir()):
                     continue
                 prefix = parts[0]
                 members.append(m)
         if not members:
-            raise RefUnavailable(f"{sdist.name} has no vendor/llama.cpp/ggml directory")
+            raise RefUnavailable(f"{sdist.name} has no {'/'.join(want)} directory")
         tar.extractall(dest, members=members, filter="data")
-    return dest / prefix / "vendor" / "llama.cpp" / "ggml"
+    return dest.joinpath(prefix, *want)
+
+
+def download_sdist(dest: Path) -> Path:
+    """pip-download the pinned llama-cpp-python sdist into ``dest``; returns its path."""
+    _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
+          f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(dest)],
+         None, f"pip download of llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}", timeout=900)
+    sdists = list(dest.glob("llama_cpp_python-*.tar.gz"))
+    if not sdists:
+        raise RefUnavailable("pip download produced no llama-cpp-python sdist")
+    return sdists[0]
 
 
 def build(verbose: bool = False) -> Path:
@@ -80,14 +93,9 @@ def build(verbose: bool = False) -> Path:
             return lib
         with tempfile.TemporaryDirectory(prefix="ggml-ref-", dir=target.parent) as tmp:
             tmp = Path(tmp)
-            _run([sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:", "-q",
-                  f"llama-cpp-python=={LLAMA_CPP_PYTHON_VERSION}", "-d", str(tmp)],
-                 None, f"pip download of llama-cpp-python {LLAMA_CPP_PYTHON_VERSION}", timeout=900)
-            sdists = list(tmp.glob("llama_cpp_python-*.tar.gz"))
-            if not sdists:
-                raise RefUnavailable("pip download produced no llama-cpp-python sdist")
-            src = _extract_ggml(sdists[0], tmp / "src")
-            sdists[0].unlink()
+            sdist = download_sdist(tmp)
+            src = extract_vendor(sdist, tmp / "src")
+            sdist.unlink()
             (src / "ggml.pc.in").touch()  # the sdist lacks it and ggml's CMakeLists configures it unconditionally
             bdir = tmp / "build"
             gen = ["-G", "Ninja"] if shutil.which("ninja") else []

@@ -16,6 +16,8 @@ from ktconvert.convert import (
     plan_conversion,
     plan_text,
     presets,
+    resolve_recipe,
+    with_overrides,
 )
 from ktconvert.convert.execute import describe
 from ktconvert.cli.executor import executor_options
@@ -68,6 +70,22 @@ def _bar(enabled: bool):
 @click.option("--lora", "lora", metavar="ADAPTER", type=click.Path(path_type=str),
               help="Merge this MoE LoRA adapter (any form convert-lora reads) into the weights in float32 first: "
               "W + alpha/r * B @ A; manifest.json records its files' sha256.")
+@click.option("--imatrix", "imatrix", metavar="FILE", type=click.Path(path_type=str),
+              help="llama.cpp's importance matrix (llama-imatrix's GGUF or the legacy .dat): every tensor it has "
+              "data for is quantized with it, the others without, as llama-quantize --imatrix (GGUF output).")
+@click.option("--include-weights", "include_weights", metavar="NAME", multiple=True,
+              help="With --imatrix: use it only for tensors whose name contains NAME (repeatable; llama-quantize's).")
+@click.option("--exclude-weights", "exclude_weights", metavar="NAME", multiple=True,
+              help="With --imatrix: not for tensors whose name contains NAME (repeatable; llama-quantize's).")
+@click.option("--tensor-type", "tensor_types", metavar="REGEX=TYPE", multiple=True,
+              help="llama-quantize's --tensor-type: tensors whose llama.cpp name REGEX finds get TYPE (repeatable; "
+              "the first that matches wins).")
+@click.option("--output-tensor-type", metavar="TYPE", help="output.weight's type (llama-quantize's option).")
+@click.option("--token-embedding-type", metavar="TYPE", help="token_embd.weight's type (llama-quantize's option).")
+@click.option("--leave-output-tensor", is_flag=True, help="Keep output.weight in its input type (llama-quantize's "
+              "option).")
+@click.option("--pure", is_flag=True, help="One type for every weight: the recipe's file type's (llama-quantize "
+              "--pure); --type T already is.")
 @click.option("--lora-alpha", type=float, help="The adapter's alpha when its adapter_config.json does not say it.")
 @click.option("--config", metavar="FILE", type=click.Path(path_type=str),
               help="config.json (default: the one beside the checkpoint).")
@@ -93,7 +111,9 @@ def _bar(enabled: bool):
               help="List the preset recipes and exit.")
 @executor_options("the conversion's units")
 @click.pass_context
-def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, lora_alpha, config, shard_size, max_memory,
+def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imatrix, include_weights, exclude_weights,
+            tensor_types, output_tensor_type,
+            token_embedding_type, leave_output_tensor, pure, lora_alpha, config, shard_size, max_memory,
             jobs, allow_fallback, dry_run, resume, force, no_tokenizer, allow_requantize, fmt, executor, ray_address):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
@@ -107,11 +127,19 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, lora
     obj = ctx.find_object(dict) or {}
     if fmt == "llama" and not dry_run:
         raise click.UsageError("-o llama prints llama-quantize's --dry-run table; add --dry-run")
+    if (include_weights or exclude_weights) and imatrix is None:
+        raise click.UsageError("--include-weights/--exclude-weights choose entries of --imatrix; add --imatrix FILE")
+    if tensor_types or output_tensor_type or token_embedding_type or leave_output_tensor or pure:
+        recipe = with_overrides(resolve_recipe(recipe, qtype, allow_fallback), tensor_types=tensor_types,
+                                output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type,
+                                leave_output_tensor=leave_output_tensor, pure=pure)
+        qtype = None
     if dry_run:
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                                tokenizer=not no_tokenizer, threadpool_count=threadpool_count,
                                allow_requantize=allow_requantize, allow_fallback=allow_fallback, lora=lora,
-                               lora_alpha=lora_alpha)
+                               lora_alpha=lora_alpha, imatrix=imatrix, include_weights=include_weights,
+                               exclude_weights=exclude_weights)
         if fmt == "llama":
             from ktconvert.convert import plan_llama_text
 
@@ -125,7 +153,8 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, lora
                          tokenizer=not no_tokenizer, max_memory=max_memory, jobs=jobs, resume=resume, force=force,
                          progress=update, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
                          allow_fallback=allow_fallback, form=form, lora=lora, lora_alpha=lora_alpha,
-                         executor=executor, ray_address=ray_address)
+                         executor=executor, ray_address=ray_address, imatrix=imatrix,
+                         include_weights=include_weights, exclude_weights=exclude_weights)
     except KeyboardInterrupt:
 
 

@@ -44,7 +44,7 @@ from ktconvert.convert.api import (
 from ktconvert.convert.execute import RunResult, partial_dir
 from ktconvert.convert.lora import LoraResult, convert_lora
 from ktconvert.convert.plan import Plan, PlanTensor, plan_llama_text, plan_text
-from ktconvert.convert.recipe import Recipe, Rule, load_recipe, presets, recipe_for_type
+from ktconvert.convert.recipe import Recipe, Rule, load_recipe, presets, recipe_for_type, with_overrides
 
 __all__ = [
     "DEFAULT_MAX_MEMORY",
@@ -63,5 +63,6 @@ __all__ = [
     "plan_text",
     "presets",
     "recipe_for_type",
+    "with_overrides",
     "resolve_recipe",
 ]

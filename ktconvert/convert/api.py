@@ -51,19 +51,24 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
                     format: str | None = None, config: str | Path | dict | None = None,
                     shard_size: int | str | None = None, tokenizer: bool = True, threadpool_count: int | None = None,
                     allow_requantize: bool = False, allow_fallback: bool | None = None,
-                    lora: str | Path | None = None, lora_alpha: float | None = None) -> Plan:
+                    lora: str | Path | None = None, lora_alpha: float | None = None,
+                    imatrix: str | Path | None = None, include_weights: tuple[str, ...] = (),
+                    exclude_weights: tuple[str, ...] = ()) -> Plan:
     """Validate everything that can be validated without reading tensor data and return the plan.
 
     ``lora``: an adapter (any form convert-lora reads) merged in float32 into the weights it adapts
     (:mod:`ktconvert.convert.lora_merge`).
     ``format="kt-amx"`` with ``type="AMXINT8"``/``"AMXINT4"`` plans kt-kernel's expert directory for
     ``threadpool_count`` parts (default 2; :mod:`ktconvert.convert.kt_amx_plan`).
+    ``imatrix``: llama.cpp's importance matrix (GGUF or legacy .dat), used as llama-quantize uses it
+    (:mod:`ktconvert.convert.imatrix_plan`); ``include_weights``/``exclude_weights`` llama-quantize's
+    ``--include-weights``/``--exclude-weights``.
 
     Raises :class:`~ktconvert.errors.InputError` (bad input, impossible type, recipe problem: exit 3) or
     :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
     """
     plan = _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_count, allow_requantize,
-                 allow_fallback)
+                 allow_fallback, imatrix, include_weights, exclude_weights)
     if lora is not None:
         plan = attach_lora(plan, lora, lora_alpha=lora_alpha)
     elif lora_alpha is not None:
@@ -72,8 +77,9 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
 
 
 def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_count, allow_requantize,
-          allow_fallback) -> Plan:
+          allow_fallback, imatrix=None, include_weights=(), exclude_weights=()) -> Plan:
     if format == "kt-amx":
+        _gguf_only(imatrix, format)
         if recipe is not None or type is None:
             raise UsageProblem("--to kt-amx needs --type AMXINT8 or --type AMXINT4 (and no recipe)")
         return build_kt_amx_plan(analyze(src, config), type, 2 if threadpool_count is None else threadpool_count)
@@ -83,10 +89,17 @@ def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_c
     r = resolve_recipe(recipe, type, allow_fallback)
     shard = None if shard_size is None else parse_size(shard_size, what="--shard-size")
     if (format or r.format) == "hf":  # the input's own names and layout, FP8 dequantized (convert/hf_out.py)
+        _gguf_only(imatrix, "hf")
         return build_hf_plan(src, r, type, config=config, shard_size=shard)
     source = analyze(src, config)
     return build_plan(source, r, format=format, shard_size=shard, tokenizer=tokenizer,
-                      allow_requantize=allow_requantize)
+                      allow_requantize=allow_requantize, imatrix=imatrix, include_weights=include_weights,
+                      exclude_weights=exclude_weights)
+
+
+def _gguf_only(imatrix, format: str) -> None:
+    if imatrix is not None:
+        raise UsageProblem(f"--imatrix applies to GGUF output, not {format}", fix="drop --imatrix, or write GGUF (--to gguf)")
 
 
 def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
@@ -96,7 +109,8 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
             progress: Progress | None = None, threadpool_count: int | None = None,
             allow_requantize: bool = False, allow_fallback: bool | None = None, form: str | None = None,
             lora: str | Path | None = None, lora_alpha: float | None = None, executor: str = "local",
-            ray_address: str | None = None) -> RunResult:
+            ray_address: str | None = None, imatrix: str | Path | None = None,
+            include_weights: tuple[str, ...] = (), exclude_weights: tuple[str, ...] = ()) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
 
     ``executor="ray"`` runs the units as Ray tasks (``jobs`` at a time) on the cluster at ``ray_address`` (or the
@@ -120,7 +134,8 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
                            fix="add --to kt-amx --type AMXINT8, or drop --form kt-tree")
     plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
                            tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
-                           allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha)
+                           allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha, imatrix=imatrix,
+                           include_weights=include_weights, exclude_weights=exclude_weights)
     with claim_output(Path(out), inputs=input_roots(Path(src), [Path(f) for f in plan.input_files]), force=force):
         if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
             ray = connect(ray_address)

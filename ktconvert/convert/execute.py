@@ -453,6 +453,7 @@ def build_manifest(plan: Plan, files: dict, fingerprint: str) -> dict:
                    "model_type": plan.model_type, "files": plan.sources},
         "recipe": plan.recipe.to_dict(),
         **({"lora": plan.lora} if plan.lora else {}),
+        **({"imatrix": plan.imatrix} if plan.imatrix else {}),
         "plan": {"fingerprint": fingerprint, "tensors": s["tensors"], "input_bytes": s["input_bytes"],
                  "output_bytes": s["output_bytes"], "types": s["types"], "tokenizer": plan.tokenizer,
                  "notes": plan.notes, "fallbacks": plan.fallbacks()},

@@ -14,11 +14,12 @@ import json
 import math
 import os
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from ktconvert import __version__
 from ktconvert.convert import metadata
+from ktconvert.convert.imatrix_plan import attach_imatrix
 from ktconvert.convert.recipe import KEEP, ModelFacts, Recipe, Rule
 from ktconvert.io.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
@@ -60,6 +61,7 @@ class PlanTensor:
     const: bytes | None = None
     kt_pack: tuple | None = None  # kt-amx: (method, proj, parts, rows, cols, group bytes) of a group's lead tensor
     written_by: str | None = None  # kt-amx: the lead tensor whose unit writes this one
+    imatrix: str | None = None  # quantize --imatrix: the importance-matrix file this tensor's entry is read from
 
     @property
     def rows(self) -> int:
@@ -107,6 +109,8 @@ class PlanTensor:
             d["kt_pack"] = list(self.kt_pack)
         if self.written_by is not None:
             d["written_by"] = self.written_by
+        if self.imatrix:
+            d["imatrix"] = True
         if self.st_dtype:
             d["safetensors"] = {"dtype": self.st_dtype, "shape": list(self.st_shape)}
         return d
@@ -142,6 +146,8 @@ class Plan:
     input_files: list[str] = field(default_factory=list)
     _in_bytes: dict = field(default_factory=dict, repr=False)  # input bytes read per output tensor
     lora: dict = field(default_factory=dict)  # the adapter merged in (quantize --lora): files and sha256, r, alpha
+    imatrix: dict = field(default_factory=dict)  # quantize --imatrix: the file's sha256, entries, experts without data
+    extra_kv: list = field(default_factory=list)  # (key, encoded KV) appended to the GGUF's keys (quantize.imatrix.*)
 
     @property
     def in_bytes(self) -> int:
@@ -164,6 +170,7 @@ class Plan:
             "tensors": [t.to_dict() for t in self.tensors],
             "extra": {k: hashlib.sha256(v).hexdigest() for k, v in sorted(self.extra.items())},
             **({"lora": self.lora} if self.lora else {}),
+            **({"imatrix": self.imatrix} if self.imatrix else {}),
         }
         return hashlib.sha256(json.dumps(core, sort_keys=True).encode()).hexdigest()
 
@@ -287,7 +294,8 @@ def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str, fa
 
 
 def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, shard_size: int | None = None,
-               tokenizer: bool = True, allow_requantize: bool = False) -> Plan:
+               tokenizer: bool = True, allow_requantize: bool = False, imatrix: str | Path | None = None,
+               include_weights: tuple[str, ...] = (), exclude_weights: tuple[str, ...] = ()) -> Plan:
     """The complete plan, or :class:`InputError` naming the first problem (recipe line, tensor, fix).
 
     As ``llama-quantize`` does, a tensor stored in a quantized (lossy) type is not quantized again to another
@@ -302,10 +310,14 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     shard = shard_size if shard_size is not None else recipe.shard_size
     if shard is None:
         shard = 0 if fmt == "gguf" else DEFAULT_SAFETENSORS_SHARD
+    if imatrix is not None and fmt != "gguf":
+        raise UsageProblem(f"--imatrix applies to GGUF output, not {fmt}", fix="drop --imatrix, or write GGUF (--to gguf)")
     container = src.checkpoint.container
     chosen = []
     problems = []
     facts = model_facts(src)
+    if imatrix is not None:  # llama-quantize's has_imatrix: some mixes choose differently with one
+        facts = replace(facts, imatrix=True)
     recipe = _with_unquantized(recipe, src.arch)
     for item in src.items:
         t, rule, fb, prob = _choose(item, recipe, src.n_layers, container, facts)
@@ -356,6 +368,8 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
                 input_files=[str(f) for f in ck.files])
     plan._in_bytes = in_bytes
     if fmt == "gguf":
+        if imatrix is not None:
+            attach_imatrix(plan, imatrix, include=tuple(include_weights), exclude=tuple(exclude_weights))
         _lay_out_gguf(plan, src, shard, tokenizer)
     else:
         _lay_out_safetensors(plan, src, shard)
@@ -450,6 +464,7 @@ def _lay_out_gguf(plan: Plan, src: SourceModel, shard: int, tokenizer: bool) -> 
         plan.notes += metadata.utf8_card(card)
         # general.quantization_version always, as convert_hf_to_gguf writes it (also for F32/F16/BF16 outputs)
         kv = metadata.hf_kv(src.arch, src.config, card, src.n_layers, n_vocab, vocab, ftype, True)
+    kv = [*kv, *plan.extra_kv]
     plan.kv_keys = [k for k, _ in kv]
     idx = _shards([t.nbytes for t in plan.tensors], shard)
     count = max(idx) + 1 if idx else 1

@@ -29,7 +29,7 @@ KEEP = "keep"
 FALLBACKS = {
     "Q2_K": ("Q4_0", "F16"), "Q3_K": ("Q4_0", "F16"), "Q4_K": ("Q5_0", "F16"), "Q5_K": ("Q5_1", "F16"),
     "Q6_K": ("Q8_0", "F16"), "Q8_0": ("F16",), "Q4_0": ("F16",), "Q4_1": ("F16",), "Q5_0": ("F16",),
-    "Q5_1": ("F16",),
+    "Q5_1": ("F16",), "IQ4_XS": ("IQ4_NL", "F16"), "IQ4_NL": ("F16",),
 }
 
 #: ``general.file_type`` of ``--type T``: what ``llama-quantize --pure IN OUT T`` writes (one type everywhere, with
@@ -38,13 +38,13 @@ FALLBACKS = {
 #: the ftype it was given, whatever ``--pure`` made of the mix. ``keep`` has none: it is derived from the types used.
 PURE_FILE_TYPE = {"F32": "ALL_F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
                   "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M",
-                  "Q5_K": "Q5_K_M", "Q6_K": "Q6_K"}
+                  "Q5_K": "Q5_K_M", "Q6_K": "Q6_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
 
 #: llama.cpp's default type of each ftype (``llama_ftype_get_default_type``), for the file types a recipe may state
 FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
                      "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K",
                      "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
-                     "Q6_K": "Q6_K"}
+                     "Q6_K": "Q6_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
 
 #: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies, SSM conv kernels,
 #: the 1-D hyper-connection base/scale vectors, llama.cpp names not ending in .weight such as ssm_a; a rule also sees
@@ -89,6 +89,9 @@ class Rule:
             elif self.layers == "more_bits":
                 if not n_layers or not use_more_bits(layer, n_layers):
                     return False
+            elif self.layers == "first_eighth":
+                if not n_layers or layer >= n_layers // 8:
+                    return False
             elif layer not in self.layers:
                 return False
         rx = self.regex
@@ -101,7 +104,8 @@ class ModelFacts:
 
     ``expert_count`` (routed experts per MoE layer), ``tied_embeddings`` (the output has no ``output.weight``:
     llama.cpp then gives ``token_embd.weight`` the output's type), ``arch`` (the llama.cpp architecture: llama-quant.cpp
-    keeps some tensors of some architectures unquantized, glm5-next's) and ``names``: every output tensor name, in
+    keeps some tensors of some architectures unquantized, glm5-next's), ``imatrix`` (quantizing with an importance
+    matrix) and ``names``: every output tensor name, in
     llama.cpp's order (layer, then name), which ``more_bits_counted`` counts in.
     """
 
@@ -109,10 +113,11 @@ class ModelFacts:
     tied_embeddings: bool | None = None
     arch: str | None = None
     names: tuple[str, ...] = ()
+    imatrix: bool = False
     _hits: dict = field(default_factory=dict, compare=False, repr=False)
 
     def get(self, key: str):
-        return getattr(self, key, None) if key in ("expert_count", "tied_embeddings", "arch") else None
+        return getattr(self, key, None) if key in ("expert_count", "tied_embeddings", "arch", "imatrix") else None
 
     def counted(self, match: str, name: str) -> tuple[int, int] | None:
         """``(i, n)``: ``name`` is the i-th of the n output tensors ``match`` finds, in llama.cpp's order."""
@@ -281,5 +286,61 @@ def recipe_for_type(type_name: str, allow_fallback: bool = False) -> Recipe:
     return recipe_from_data(data, f"--type {t}", f"--type {t}")
 
 
-__all__ = ["F32_MATCH", "FALLBACKS", "FILE_TYPE_DEFAULT", "KEEP", "PURE_FILE_TYPE", "WRITABLE", "ModelFacts", "Recipe", "Rule", "load_recipe", "presets",
+
+def with_overrides(recipe: Recipe, *, tensor_types: tuple[str, ...] = (), output_tensor_type: str | None = None,
+                   token_embedding_type: str | None = None, leave_output_tensor: bool = False,
+                   pure: bool = False) -> Recipe:
+    """``recipe`` with llama-quantize's overrides, in its order of precedence (``llama_tensor_get_type``):
+    ``--token-embedding-type`` (token_embd / per_layer_token_embd, no fallback), ``--output-tensor-type``
+    (output.weight, no fallback), ``--leave-output-tensor`` (output.weight keeps its type), then
+    ``--tensor-type REGEX=TYPE`` (the first regex found in the llama.cpp name wins, with llama.cpp's fallbacks; a
+    type equal to the mix's still takes the tensor out of the mix), then ``--pure`` (one type: the recipe's
+    ``file_type``'s default, as ``llama-quantize --pure``) or the recipe's own rules. Routers, norms and biases stay
+    F32 whatever is asked. Raises :class:`UsageProblem` for an unknown type or a bad regex."""
+    def typ(t: str, flag: str) -> str:
+        u = t.upper()
+        if u not in WRITABLE:
+            raise UsageProblem(_type_message(t, 0).replace("rule 0: ", f"{flag}: "),
+                               fix=f"use one of {', '.join(WRITABLE)}")
+        return u
+
+    front: list[tuple[str, str, tuple[str, ...], str]] = []
+    if token_embedding_type:
+        front.append((r"^(per_layer_)?token_embd\.weight$", typ(token_embedding_type, "--token-embedding-type"), (),
+                      "--token-embedding-type"))
+    if output_tensor_type:
+        front.append((r"^output\.weight$", typ(output_tensor_type, "--output-tensor-type"), (),
+                      "--output-tensor-type"))
+    elif leave_output_tensor:
+        front.append((r"^output\.weight$", KEEP, (), "--leave-output-tensor"))
+    for spec in tensor_types:
+        rx, sep, t = spec.rpartition("=")
+        if not sep or not rx or not t:
+            raise UsageProblem(f"--tensor-type {spec!r} is not REGEX=TYPE", fix="e.g. --tensor-type 'ffn_.*_exps=Q4_K'")
+        try:
+            re.compile(rx)
+        except re.error as exc:
+            raise UsageProblem(f"--tensor-type {spec!r}: {rx!r} is not a valid regex: {exc}",
+                               fix="fix the regular expression") from None
+        if (risk := backtracking_risk(rx)) is not None:
+            raise UsageProblem(f"--tensor-type {spec!r}: {rx!r} has {risk}", fix=USER_REGEX_FIX)
+        t = typ(t, "--tensor-type")
+        front.append((rx, t, FALLBACKS.get(t, ()), f"--tensor-type {spec}"))
+    base = recipe
+    if pure and recipe.file_type in FILE_TYPE_DEFAULT:
+        one = recipe_for_type(FILE_TYPE_DEFAULT[recipe.file_type], recipe.allow_fallback)
+        base = replace(one, file_type=recipe.file_type, name=recipe.name, source=recipe.source)
+    elif pure:
+        raise UsageProblem(f"--pure needs a recipe with a file_type ({recipe.source} has none)",
+                           fix="use --type T, or a preset (--list-recipes)")
+    if not front:
+        return base
+    rules = [Rule(index=0, match=F32_MATCH, type="F32", note="routers, norms, biases: never overridden",
+                  where="overrides")]
+    rules += [Rule(index=len(rules) + i, match=rx, type=t, fallback=fb, note=note, where="overrides")
+              for i, (rx, t, fb, note) in enumerate(front)]
+    rules += [replace(r, index=len(rules) + j) for j, r in enumerate(base.rules)]
+    return replace(base, rules=tuple(rules))
+
+__all__ = ["F32_MATCH", "FALLBACKS", "FILE_TYPE_DEFAULT", "KEEP", "PURE_FILE_TYPE", "WRITABLE", "ModelFacts", "Recipe", "Rule", "load_recipe", "presets", "with_overrides",
            "recipe_for_type", "recipe_from_data", "use_more_bits"]

@@ -21,6 +21,7 @@ from ktconvert.convert.plan import PlanTensor
 from ktconvert.convert.source import Segment
 from ktconvert.errors import EnvironmentProblem, InputError
 from ktconvert.formats import fp8, kt_amx, open_checkpoint, quantized
+from ktconvert.formats.imatrix import read_imatrix
 from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
 from ktconvert.quant import dequantize, quantize
@@ -175,7 +176,7 @@ def _run(task: Task) -> int:
         else:
 
             x = _float_rows(ck, t, task.r0, task.r1)
-            data = quantize(x, t.type, workers=1, name=t.name).reshape(-1)
+            data = _quantize(x, t, task.r0, task.r1)
             del x
     offset = t.offset + task.r0 * t.row_bytes
     expect = (task.r1 - task.r0) * t.row_bytes if t.const is None else t.nbytes
@@ -183,6 +184,27 @@ def _run(task: Task) -> int:
         raise AssertionError(f"{t.name}: unit produced {data.nbytes} bytes, plan says {expect}")
     _pwrite(task.out_path, data, offset)
     return task.unit
+
+
+_IMATRICES: dict = {}
+
+
+def _quantize(x: np.ndarray, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
+    """Rows ``r0..r1`` of ``t`` (``x``) quantized to ``t.type``, with the importance of each row's expert when the
+    plan gave the tensor an importance matrix (``quantize --imatrix``), as llama-quantize passes expert e's slice
+    with expert e's rows."""
+    if t.imatrix is None:
+        return quantize(x, t.type, workers=1, name=t.name).reshape(-1)
+    imx = _IMATRICES.get(t.imatrix)
+    if imx is None:
+        imx = _IMATRICES[t.imatrix] = read_imatrix(t.imatrix)
+    qw = imx.for_tensor(t.name, t.shape).reshape(-1, x.shape[-1])
+    per = t.rows // qw.shape[0]
+    parts = []
+    for e in range(r0 // per, (r1 - 1) // per + 1):
+        a, b = max(r0, e * per), min(r1, (e + 1) * per)
+        parts.append(quantize(x[a - r0: b - r0], t.type, imatrix=qw[e], workers=1, name=t.name).reshape(-1))
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def source_ranges(ck, t: PlanTensor, r0: int, r1: int) -> list[tuple[str, int, int]]:

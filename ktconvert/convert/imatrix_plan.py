@@ -1,0 +1,81 @@
+"""``quantize --imatrix``: which output tensors take which importances, checked before anything is written.
+
+llama-quantize's rules (``src/llama-quant.cpp``, the pinned version): every tensor it quantizes looks its own
+llama.cpp name up in the importance matrix; with an entry of ``n_in * n_expert`` values it quantizes with it, with
+no entry it quantizes without one (and says so), with an entry of another size it refuses (``token_embd.weight``
+excepted: quantized without one). ggml's Q8_0, F16, BF16 and F32 ignore an importance matrix. ktconvert refuses,
+beyond that, an importance matrix none of whose entries names a tensor of this model (made for another model).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from gguf import GGUFValueType
+
+from ktconvert.errors import InputError, UsageProblem
+from ktconvert.formats.gguf_write import encode_kv
+from ktconvert.formats.imatrix import Imatrix, read_imatrix
+from ktconvert.quant import IMATRIX_TYPES, as_qtype
+
+if TYPE_CHECKING:
+    from ktconvert.convert.plan import Plan
+
+
+def provenance_kv(imx: Imatrix, given: str) -> list[tuple[str, bytes]]:
+    """The keys llama-quantize adds (tools/quantize/quantize.cpp, as KV overrides): the imatrix path as given and its
+    first dataset (each cut to 127 bytes), its entry count and chunk count (UINT32, the latter only when > 0)."""
+    def s127(v: str) -> str:
+        return v.encode("utf-8")[:127].decode("utf-8", errors="ignore")
+
+    out = [("quantize.imatrix.file", GGUFValueType.STRING, s127(given))]
+    if imx.datasets:
+        out.append(("quantize.imatrix.dataset", GGUFValueType.STRING, s127(imx.datasets[0])))
+    out.append(("quantize.imatrix.entries_count", GGUFValueType.UINT32, len(imx.values)))
+    if imx.chunk_count > 0:
+        out.append(("quantize.imatrix.chunks_count", GGUFValueType.UINT32, imx.chunk_count))
+    return [(k, encode_kv(k, t, v)) for k, t, v in out]
+
+
+def attach_imatrix(plan: "Plan", path: str | Path, *, include: tuple[str, ...] = (),
+                   exclude: tuple[str, ...] = ()) -> "Plan":
+    """``plan`` (not laid out yet) with ``imatrix`` set on every tensor quantized to a type that takes one and
+    named in the file, and llama-quantize's ``quantize.imatrix.*`` keys to write. ``include``/``exclude``:
+    llama-quantize's ``--include-weights``/``--exclude-weights`` (substrings of entry names; one or the other)."""
+    if include and exclude:
+        raise UsageProblem("--include-weights and --exclude-weights cannot be used together (as in llama-quantize)",
+                           fix="keep one of them")
+    whole = read_imatrix(path)
+    names = {t.name for t in plan.tensors}
+    if not names & set(whole.values):
+        first = sorted(whole.values)[0]
+        raise InputError(f"none of its {len(whole.values)} entries (first: {first}) names a tensor of this model",
+                         path=str(path), where=first, fix="this imatrix was made for another model; remake it "
+                         "with llama-imatrix for this model")
+    imx = whole.select(include, exclude)
+    if not imx.values:  # llama-quantize then quantizes without an importance matrix at all
+        plan.notes.append("--include-weights/--exclude-weights left no importance-matrix entry: quantized without one")
+        return plan
+    used, without = 0, []
+    tensors = []
+    for t in plan.tensors:
+        if t.const is None and not t.copy_bytes and t.kt_pack is None and as_qtype(t.type) in IMATRIX_TYPES:
+            if imx.for_tensor(t.name, t.shape) is not None:
+                t = dataclasses.replace(t, imatrix=str(Path(path).resolve()))
+                used += 1
+            else:
+                without.append(t.name)
+        tensors.append(t)
+    plan.tensors = tensors
+    plan.imatrix = {**imx.summary(), "tensors_with": used, "tensors_without": without}
+    plan.extra_kv = provenance_kv(imx, str(path))
+    if without:
+        plan.notes.append(f"the importance matrix has no data for {len(without)} quantized tensor(s) (first: "
+                          f"{without[0]}); they are quantized without one, as llama-quantize does")
+    for name, experts in sorted(imx.no_data.items()):
+        if name in names:
+            plan.notes.append(f"the importance matrix has no data for {name} expert(s) {list(experts)[:8]}"
+                              f"{' ...' if len(experts) > 8 else ''}: importance 1 there, as llama-quantize")
+    return plan
