@@ -2,7 +2,7 @@
 
 One validator (``ktconvert.families.limits``) refuses an impossible or absurd count the same way in every command:
 exit 3, one line naming config.json (or the GGUF) and the field. Peak memory stays bounded whatever a field claims:
-each hostile field runs the CLI in a child process whose own peak RSS (``os.wait4``) is held under a bound, and a
+each hostile field runs the CLI in a child process whose own peak RSS (its VmHWM, tests/child_peak.py) is held under a bound, and a
 hypothesis fuzz over config.json numeric fields and GGUF KV counts holds the traced Python allocations of the
 readers under a bound.
 """
@@ -23,6 +23,7 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
 
+from child_peak import run_cli
 from ktconvert.cli import cli
 from ktconvert.errors import InputError
 
@@ -137,21 +138,11 @@ def test_impossible_config_refused_the_same_by_every_command(model, tmp_path, mo
     assert not (tmp_path / "out").exists()
 
 
-def _peak_rss_mib(args: list[str], tmp_path: Path) -> tuple[int, int, str]:
-    """Run the CLI in a child process; its exit code, its own peak RSS (os.wait4, not the other children's) and
-    stderr. An address-space limit keeps a regression from taking the machine down with it."""
-    import resource
-
-    def limit():
-        resource.setrlimit(resource.RLIMIT_AS, (4 << 30, 4 << 30))
-
-    err = tmp_path / "stderr"
-    with open(err, "wb") as fh:
-        p = subprocess.Popen([sys.executable, "-m", "ktconvert", *args], stdout=subprocess.DEVNULL, stderr=fh,
-                             preexec_fn=limit, cwd=Path(__file__).parents[1])
-        _, status, usage = os.wait4(p.pid, 0)
-    p.returncode = os.waitstatus_to_exitcode(status)
-    return p.returncode, usage.ru_maxrss // 1024, err.read_text()
+def _peak_rss_mib(args: list[str], tmp_path: Path) -> tuple[int, float, str]:
+    """Run the CLI in a child process: its exit code, its own peak RSS (tests/child_peak.py) and stderr, under a
+    4 GiB address-space limit so that a regression cannot take the machine down with it."""
+    code, peak, _, err = run_cli(args, address_space=4 << 30)
+    return code, peak, err
 
 
 RSS_BOUND_MIB = 600  # a CLI run on the tiny model peaks near 150-250 MiB (torch imported); the fields below took 2.5+ GiB
@@ -170,7 +161,7 @@ def test_peak_rss_bounded_per_config_field(model, tmp_path, field):
     src = _with_config(model, tmp_path / "m", **{field: value})
     code, rss, err = _peak_rss_mib(_commands(src, tmp_path / "out")[cmd], tmp_path)
     assert code == 3 and f"config.json:{field}: " in err and "must be at most" in err, err
-    assert rss < RSS_BOUND_MIB, f"{cmd} with {field}={value} peaked at {rss} MiB"
+    assert rss < RSS_BOUND_MIB, f"{cmd} with {field}={value} peaked at {rss:.0f} MiB"
 
 
 @pytest.mark.parametrize("key,value", [("block_count", 2 ** 31), ("expert_count", 2 ** 40),
@@ -182,7 +173,7 @@ def test_peak_rss_bounded_per_gguf_count(gguf, tmp_path, key, value):
     code, rss, err = _peak_rss_mib(["inspect", str(bad)], tmp_path)
     assert code == 3 and f"bad.gguf:{ARCH}.{key}: " in err, err
     assert len(err.strip().splitlines()) == 1, err
-    assert rss < RSS_BOUND_MIB, f"inspect with {key}={value} peaked at {rss} MiB"
+    assert rss < RSS_BOUND_MIB, f"inspect with {key}={value} peaked at {rss:.0f} MiB"
 
 
 def test_golden_prompt_longer_than_the_model_refused_first(model, tmp_path, monkeypatch):

@@ -149,22 +149,29 @@ def test_golden_regenerated_on_a_full_disk_keeps_the_old_golden(src, tmp_path, m
     assert {p.name: p.read_bytes() for p in out.iterdir()} == before and _listing(tmp_path) == ["golden"]
 
 
-def test_golden_with_an_absurd_vocab_size_is_refused_before_allocating(src, tmp_path, monkeypatch):
+@pytest.mark.parametrize("vocab,says", [
+    # past any released model: the count validator refuses it from config.json alone
+    (10**12, "vocab_size: vocab_size=1000000000000 must be at most 8388608"),
+    # legal as a count, but not this checkpoint's: refused from the embedding's header, before transformers allocates
+    (8_000_000, "vocab_size: vocab_size 8000000 disagrees"),
+])
+def test_golden_with_an_absurd_vocab_size_is_refused_before_allocating(src, tmp_path, monkeypatch, vocab, says):
     monkeypatch.delenv("CI", raising=False)
     model = tmp_path / "model"
     model.mkdir()
     for f in src.iterdir():
         (model / f.name).write_bytes(f.read_bytes())
     cfg = json.loads((model / "config.json").read_text())
-    cfg["vocab_size"] = 10**12
+    cfg["vocab_size"] = vocab
     (model / "config.json").write_text(json.dumps(cfg))
     import ktconvert.golden.generate as gen
 
     monkeypatch.setattr(gen, "compute_golden", lambda *a, **k: pytest.fail("transformers ran"))
     out = tmp_path / "golden"
     line = _one_line(CliRunner().invoke(cli, ["golden", str(model), str(out), "--prompt-ids", "1,2"]), 3,
-                     f"ktconvert: error: {model / 'config.json'}:vocab_size: vocab_size 1000000000000 disagrees")
-    assert "model.embed_tokens.weight has 512 rows" in line and "set vocab_size to 512" in line
+                     f"ktconvert: error: {model / 'config.json'}:{says}")
+    if vocab == 8_000_000:
+        assert "model.embed_tokens.weight has 512 rows" in line and "set vocab_size to 512" in line
     assert _listing(tmp_path) == ["model"]
 
 

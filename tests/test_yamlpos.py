@@ -93,23 +93,16 @@ def test_alias_expansion_is_capped_before_anything_walks_it(inside_list):
 
 @pytest.mark.parametrize("inside_list", [True, False])
 def test_check_rules_finishes_an_alias_bomb_in_bounded_time_and_memory(tmp_path, inside_list):
-    import subprocess
-    import sys
     import time
+
+    from child_peak import run_cli
 
     f = tmp_path / "bomb.yaml"
     f.write_text(_bomb(inside_list))
-    # VmHWM, not ru_maxrss: Linux keeps ru_maxrss across execve, so a child started from a large pytest process
-    # would report the parent's peak; VmHWM belongs to the new address space.
-    probe = ("import re, sys\nfrom ktconvert.cli import main\ntry:\n    main(sys.argv[1:])\nfinally:\n"
-             "    hwm = re.search(r'VmHWM:\\s+(\\d+)', open('/proc/self/status').read()).group(1)\n"
-             "    print('peak', hwm, file=sys.stderr)\n")
     t0 = time.monotonic()
-    res = subprocess.run([sys.executable, "-c", probe, "check-rules", str(f)], capture_output=True, text=True,
-                         timeout=60)
+    code, peak_mib, out, _ = run_cli(["check-rules", str(f)], timeout=60)  # the child's own peak, not the suite's
     seconds = time.monotonic() - t0
-    peak_mib = int(res.stderr.split("peak ")[1].split()[0]) / 1024  # this process's own peak, not the suite's
-    assert res.returncode == 1 and "KT101" in res.stdout and "alias bomb" in res.stdout
+    assert code == 1 and "KT101" in out and "alias bomb" in out
     assert seconds < 10 and peak_mib < 400, (seconds, peak_mib)
 
 
