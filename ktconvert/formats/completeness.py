@@ -40,10 +40,7 @@ def missing_tensors(config: dict, arch: str | None, matches: Mapping[str, NameMa
     nm = naming_maps().get(arch or "")
     if nm is None or cfg.spec.gguf_arch != arch:
         return None
-    present = set()
-    for m in matches.values():
-        present.add(m.hf_name)
-        present.add(m.gguf_name)
+    present = _present(matches)
     missing = []
     for spec in tensor_specs(cfg, experts=False):
         if spec.kind == "head" and cfg.tie_word_embeddings:
@@ -64,10 +61,7 @@ def missing_everywhere(arch: str | None, n_layers: int | None, expert_layers, ma
     nm = naming_maps().get(arch or "")
     if nm is None or n_layers is None:
         return None
-    present = set()
-    for m in matches.values():
-        present.add(m.hf_name)
-        present.add(m.gguf_name)
+    present = _present(matches)
     missing = []
     for name in everywhere_names(n_layers):
         m = nm.lookup(name)
@@ -81,3 +75,8 @@ def missing_everywhere(arch: str | None, n_layers: int | None, expert_layers, ma
     for L in sorted(expert_layers):
         missing.extend((L, t.replace("{L}", str(L))) for t in per_moe_layer if t.replace("{L}", str(L)) not in present)
     return sorted(missing, key=lambda t: -1 if t[0] is None else t[0])
+
+
+def _present(matches: Mapping[str, NameMatch]) -> set:
+    """Every name, Hugging Face and llama.cpp, that the checkpoint's tensors go by."""
+    return {n for m in matches.values() for n in (m.hf_name, m.gguf_name)}
