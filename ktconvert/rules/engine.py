@@ -58,13 +58,6 @@ def _searcher(pattern: re.Pattern | None, cache: dict | None):
     return search
 
 
-def rule_matches(rule: CompiledRule, path: str, module_type: str, is_instance: Callable[[str, str], bool]) -> bool:
-    """Upstream order: the class test first, then ``re.search`` of the name on the dotted path."""
-    if not class_ok(rule, module_type, is_instance):
-        return False
-    return rule.name is None or rule.name.search(path) is not None
-
-
 def resolve(root, rules: list[CompiledRule], is_instance: Callable[[str, str], bool],
             search_cache: dict | None = None) -> list[Assignment]:
     """One ``Assignment`` per visited module, in visiting order. ``root`` needs ``path``, ``type``, ``children``.
