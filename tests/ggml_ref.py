@@ -195,5 +195,18 @@ def load() -> GgmlRef:
     return GgmlRef(build())
 
 
+def load_or_skip() -> GgmlRef:
+    """:func:`load` for a test fixture: CI must really compare against the C, so under CI (or with
+    KTCONVERT_REQUIRE_GGML_REF=1) a failed build fails the test; elsewhere it skips with the reason."""
+    import pytest
+
+    try:
+        return load()
+    except RefUnavailable as exc:
+        if os.environ.get("KTCONVERT_REQUIRE_GGML_REF") == "1" or os.environ.get("CI"):
+            pytest.fail(f"ggml C reference required but unavailable: {exc}")
+        pytest.skip(f"ggml C reference unavailable (build from the llama-cpp-python sdist failed): {exc}")
+
+
 if __name__ == "__main__":  # python tests/ggml_ref.py: build the cache ahead of a test run
     print(build())

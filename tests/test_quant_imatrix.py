@@ -7,7 +7,6 @@ KTCONVERT_REQUIRE_GGML_REF=1 to make "cannot build it" a failure.
 
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -29,12 +28,7 @@ IQ4 = [T.IQ4_NL, T.IQ4_XS]
 
 @pytest.fixture(scope="session")
 def ref() -> ggml_ref.GgmlRef:
-    try:
-        return ggml_ref.load()
-    except ggml_ref.RefUnavailable as exc:
-        if os.environ.get("KTCONVERT_REQUIRE_GGML_REF") == "1" or os.environ.get("CI"):
-            pytest.fail(f"ggml C reference required but unavailable: {exc}")
-        pytest.skip(f"ggml C reference unavailable: {exc}")
+    return ggml_ref.load_or_skip()
 
 
 def _data(rng: np.random.Generator, n: int) -> list[tuple[str, np.ndarray]]:
