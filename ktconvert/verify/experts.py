@@ -4,7 +4,7 @@
 records what its routed experts module receives (the hidden rows and the top-k ids, per call) and what each expert
 ``E`` returns for the rows routed to it (before the routing weight). While the candidate's layer is still resident
 (streamed or not), it calls the candidate's experts module (the reference module, or the operator injected in its
-place) on exactly those rows with every row routed to ``E`` alone at weight 1, and compares: per expert, the NMSE
+place) once on exactly those rows, each routed to its ``E`` alone at weight 1, and compares: per expert, the NMSE
 ``sum((cand - ref)^2) / sum(ref^2)`` over the tokens the reference routed to it. So a fault in one expert (its gate
 and up swapped) shows on that expert only, whatever the rest of the layer does, because both see the reference's
 input and routing (teacher-forced).
@@ -78,18 +78,21 @@ class ExpertProbe:
             return
         path, seen = got
         experts = layer.get_submodule(path)
+        order = sorted(seen)
+        xs = [torch.cat(seen[e][0]) for e in order]
+        sizes = [x.shape[0] for x in xs]
+        x = torch.cat(xs)
+        # one call for the layer (a kernel child is one round trip): each row routed to its expert alone, weight 1
+        ids = torch.cat([torch.full((n, 1), e, dtype=torch.long) for e, n in zip(order, sizes)])
+        ones = torch.ones((x.shape[0], 1), dtype=torch.float32)
+        with self.guard() if self.guard is not None else nullcontext():
+            y = experts(x.to(self.dtype) if self.dtype is not None else x, ids, ones).to(torch.float32)
         rows = []
-        for e in sorted(seen):
-            x = torch.cat(seen[e][0])
+        for e, got in zip(order, torch.split(y, sizes)):
             want = torch.cat(seen[e][1]).to(torch.float32)
-            n = x.shape[0]
-            ids = torch.full((n, 1), e, dtype=torch.long)
-            ones = torch.ones((n, 1), dtype=torch.float32)
-            with self.guard() if self.guard is not None else nullcontext():
-                y = experts(x.to(self.dtype) if self.dtype is not None else x, ids, ones).to(torch.float32)
             den = float((want ** 2).sum())
-            num = float(((y - want) ** 2).sum())
-            rows.append(ExpertError(e, n, num / den if den > 0 else (0.0 if num == 0 else float("inf"))))
+            num = float(((got - want) ** 2).sum())
+            rows.append(ExpertError(e, got.shape[0], num / den if den > 0 else (0.0 if num == 0 else float("inf"))))
         self.layers[index] = rows
 
     def worst(self, index: int) -> ExpertError | None:
