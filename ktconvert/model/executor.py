@@ -134,13 +134,22 @@ class LayerMajor:
         """``(logits, final hidden)``, per chunk too: a matmul over 1 row and over T rows round apart."""
         model, cfg = self.model, self.model.config
         finals, logits = [], []
+        lm = model.lm_head
         with self.weights.part(model, "head"):
             for a, z in chunks:
                 h = hidden[:, a:z]
                 if cfg.hyper_connections is not None:  # GLM-5-Next: the streams' unweighted mean; DeepSeek-V4: hc_head
                     h = model.model.hc_head(h) if cfg.hc_modules else h.mean(dim=2)
                 finals.append(model.model.norm(h))
-                logits.append(model.lm_head(finals[-1]))
+            # several chunks (decode): each vocabulary chunk of lm_head is read once for all positions, then the
+            # module is called per chunk as before (hooks see those calls) and hands out what was computed
+            if isinstance(lm, VocabHead) and len(finals) > 1:
+                lm.ready = (finals, lm.chunked(finals))
+            try:
+                logits = [lm(f) for f in finals]
+            finally:
+                if isinstance(lm, VocabHead):
+                    lm.ready = None
         if len(chunks) == 1:
             return logits[0], finals[0]
         return torch.cat(logits, 1), torch.cat(finals, 1)

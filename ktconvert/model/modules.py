@@ -581,14 +581,26 @@ class VocabHead(nn.Linear):
     size; chunking changes no sum (each logit is one row's dot product with the hidden state)."""
 
     fetch_rows = None
+    ready = None  # (inputs, logits) computed by chunked() for the calls about to come (see LayerMajor.head)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        out = []
+    def chunked(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The logits of several inputs (a decode's positions), each vocabulary chunk fetched once for all of them:
+        every (input, chunk) block is the same ``F.linear`` on the same operands as :meth:`forward` of that input
+        computes, so the numbers are those of one call per input."""
+        outs: list[list[torch.Tensor]] = [[] for _ in hiddens]
         for a in range(0, self.out_features, VOCAB_CHUNK):
             z = min(a + VOCAB_CHUNK, self.out_features)
             with self.fetch_rows(a, z) if self.fetch_rows is not None else nullcontext(self.weight[a:z]) as w:
-                out.append(F.linear(hidden, w, None if self.bias is None else self.bias[a:z]))
-        return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+                for out, hidden in zip(outs, hiddens):
+                    out.append(F.linear(hidden, w, None if self.bias is None else self.bias[a:z]))
+        return [out[0] if len(out) == 1 else torch.cat(out, dim=-1) for out in outs]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.ready is not None:
+            for h, logits in zip(*self.ready):
+                if h is hidden:
+                    return logits
+        return self.chunked([hidden])[0]
 
 
 class RoutedExperts(Tagged, nn.ModuleList):
