@@ -186,6 +186,13 @@ def test_vocabulary_chunks_stay_bit_identical(tmp_path, small_vocab_chunks, fami
     assert embed_only.stats.bytes_read == len(torch.unique(PROMPT)) * row  # 14 rows of 512, nothing else
     # one window at a time: the largest holds 8 of the 14 (ids below 96), in float32 beside their stored copy
     assert embed_only.stats.peak == 8 * (cfg.hidden_size * 4 + row)
+    # decode: each lm_head chunk is read once for all 16 positions, not once per position
+    reads, counted = [], CheckpointWeights(d, cfg)
+    rows_state = counted.rows_state
+    counted.rows_state = lambda kind, ids, span: (reads.append((kind, span)), rows_state(kind, ids, span))[1]
+    with torch.no_grad():
+        LayerMajor(build_skeleton(cfg), counted).run(PROMPT, step=1)
+    assert [s for k, s in reads if k == "head"] == [(a, min(a + 96, 512)) for a in range(0, 512, 96)]
 
 
 def test_tied_embeddings_stream_the_head_from_the_embedding(tmp_path, small_vocab_chunks):
