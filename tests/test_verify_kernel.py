@@ -295,3 +295,27 @@ def test_streamed_kernel_verify_is_bit_identical_to_the_resident_one(ws, request
     assert {r["method"] for r in streamed.kernel["layers"]} == {"LLAMAFILE" if case == "Q8_0" else case}
     assert len(streamed.kernel["layers"]) == 2  # one row per layer, however often the part loaded it
     assert streamed.kernel["child_peak_rss"] > 0
+
+
+def test_budget_below_the_kernel_layer_is_refused_naming_the_child(ws):
+    """The kernel child's memory counts against --max-memory: a budget the emulation would fit but the kernel's
+    layer does not is refused before anything runs, naming the minimum and the kernel child (the candidate's
+    minimum: without localisation the reference, whose embedding needs more here, is not built)."""
+    import re
+
+    from ktconvert.errors import UsageProblem
+
+    require_kernel()
+    gguf = ws.converted(FAMILY, "Q8_0")
+
+    def minimum(kernel):
+        with pytest.raises(UsageProblem) as exc:
+            _verify(ws, gguf, kernel=kernel, localize=False, max_memory=1)
+        return int(re.search(r"\((\d+) bytes\)", exc.value.message).group(1)), exc.value.message
+
+    emulated, _ = minimum("emulate")
+    kernel, line = minimum("kt-kernel")
+    assert "layer" in line and "kt-kernel child holding its packed experts" in line, line
+    # LLAMAFILE: the child maps the layer's Q8_0 blocks; the emulation decodes one expert at a time
+    assert kernel > emulated
+    _verify(ws, gguf, kernel="kt-kernel", localize=False, max_memory=kernel)  # the minimum itself runs
