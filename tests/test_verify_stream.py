@@ -62,6 +62,24 @@ def test_streamed_verify_is_bit_identical_to_the_in_memory_one(ws, family, qtype
     assert [s[:3] for s in seen[layers:]] == [("decode", i + 1, layers) for i in range(layers)]
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_streamed_hf_safetensors_candidate_is_read_part_by_part_and_bit_identical(ws, family):
+    """The model's own Hugging Face weights as the candidate: its source reads nothing until a part asks (the expert
+    types come from the headers), each part as the streamed reference reads it, dropped when the part ends; the
+    numbers are the in-memory run's."""
+    from ktconvert.model import load_config
+    from ktconvert.model.ops.source import WeightSource
+
+    src = WeightSource(ws.model(family), load_config(ws.model(family)))
+    assert src.expert_types() and src._state.parts == {}  # nothing read yet
+    mem = _run(ws, family, None)
+    st = _run(ws, family, None, max_memory=_budget(ws, family))
+    assert st.run["mode"] == "stream" and 0 < st.run["peak_resident_weights"] <= _budget(ws, family)
+    assert _numbers(st) == _numbers(mem)
+    for a, b in zip(mem.phases, st.phases):
+        assert np.array_equal(a.candidate_logits, b.candidate_logits)
+
+
 @pytest.mark.parametrize("fault,module", [("gate-up-swapped", experts_path), ("router-transposed", gate_path)])
 @pytest.mark.parametrize("family", ["qwen2_moe", "deepseek_v3", "qwen3_next", "glm_moe_dsa"])
 def test_streamed_localisation_and_teacher_forced_error_name_the_planted_layer(ws, family, fault, module):

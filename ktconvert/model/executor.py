@@ -549,8 +549,7 @@ class ConvertedWeights(StreamedWeights):
         return weights  # the dequantized float32 copies, before they go into the slots
 
     def part_done(self, kind, layer):
-        if kind == "layer":
-            self.source.forget(layer)
+        self.source.forget(layer if kind == "layer" else kind)
 
 
 class _ExpertCache(dict):
