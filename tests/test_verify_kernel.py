@@ -272,16 +272,18 @@ def _without_run(report) -> dict:
     return d
 
 
-@pytest.mark.parametrize("case", ["Q8_0", "BF16", "AMXINT8", "AMXINT4"])
+@pytest.mark.parametrize("case", ["Q8_0", "Q8_0-both", "BF16", "AMXINT8", "AMXINT4"])
 def test_streamed_kernel_verify_is_bit_identical_to_the_resident_one(ws, request, case):
     """``--max-memory`` with the real kernel: the child loads each layer's experts when the layer's part starts and
     frees them when it ends; the kernel computes the same either way, so every number is the resident run's."""
     from ktconvert.golden.stream import float32_bytes
 
     require_kernel()
-    kw = {"weights": ws.converted(FAMILY, "Q8_0")} if case == "Q8_0" else \
+    kw = {"weights": ws.converted(FAMILY, "Q8_0")} if case.startswith("Q8_0") else \
         {"weights": request.getfixturevalue("bf16_dir")} if case == "BF16" else \
         {"weights": None, "kt_weights": request.getfixturevalue("ktamx_dirs")[case]}
+    if case.endswith("-both"):  # the emulation runs beside the kernel: its decoded experts count in the budget too
+        kw["kernel"] = "both"
     budget = float32_bytes(ws.model(FAMILY)) // 2
     resident = _verify(ws, **kw)
     streamed = _verify(ws, **kw, max_memory=budget)
@@ -292,7 +294,7 @@ def test_streamed_kernel_verify_is_bit_identical_to_the_resident_one(ws, request
     for a, b in zip(resident.phases, streamed.phases):
         assert np.array_equal(a.candidate_logits, b.candidate_logits)
     assert resident.passed, [b.line() for b in resident.breaches]
-    assert {r["method"] for r in streamed.kernel["layers"]} == {"LLAMAFILE" if case == "Q8_0" else case}
+    assert {r["method"] for r in streamed.kernel["layers"]} == {"LLAMAFILE" if case.startswith("Q8_0") else case}
     assert len(streamed.kernel["layers"]) == 2  # one row per layer, however often the part loaded it
     assert streamed.kernel["child_peak_rss"] > 0
 
