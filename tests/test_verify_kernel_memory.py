@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import json
 
-import numpy as np
 import pytest
-import torch
 from click.testing import CliRunner
 
 from child_peak import run_cli
 from kernel_helpers import require_kernel
 from ktconvert.cli import cli
-from ktconvert.formats.safetensors_write import to_bytes
-from ktconvert.model import load_config
-from ktconvert.model.reference import build_skeleton
-from verify_helpers import Workspace
+from verify_helpers import Workspace, write_random_bf16_model
 
 MIB = 2**20
 
@@ -27,22 +22,12 @@ MIB = 2**20
 def test_streamed_kernel_run_stays_inside_a_budget_smaller_than_the_model(tmp_path, monkeypatch):
     from ktconvert.convert import convert
     from ktconvert.kernel import KernelSession
-    from ktconvert.model.tiny import tiny_config
 
     require_kernel()
     monkeypatch.delenv("CI", raising=False)  # the golden is made here, from the synthetic model
     model = tmp_path / "m"
-    model.mkdir()
-    cfg = tiny_config("qwen3_moe") | {"num_local_experts": 64, "num_hidden_layers": 4, "moe_intermediate_size": 512}
-    (model / "config.json").write_text(json.dumps(cfg))
-    rng = np.random.default_rng(0)
-    bits = {}
-    for name, t in build_skeleton(load_config(model)).state_dict().items():
-        x = torch.from_numpy(rng.standard_normal(tuple(t.shape), dtype=np.float32) * 0.05)
-        bits[name] = x.to(torch.bfloat16).view(torch.uint16).numpy()
-    (model / "model.safetensors").write_bytes(to_bytes(bits, {"format": "pt"}, {k: "BF16" for k in bits}))
-    model_f32 = 2 * sum(b.nbytes for b in bits.values())
-    del bits
+    model_f32 = write_random_bf16_model(model, {"num_local_experts": 64, "num_hidden_layers": 4,
+                                                "moe_intermediate_size": 512})
     golden = tmp_path / "golden"
     r = CliRunner().invoke(cli, ["golden", str(model), str(golden), "--engine", "stream", "--max-memory", "64MiB",
                                  "--prompt-ids", ",".join(str(i) for i in range(1, 17))], catch_exceptions=False)
