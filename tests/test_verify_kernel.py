@@ -263,6 +263,18 @@ def bf16_dir(ws, tmp_path_factory):
     return out
 
 
+def _minimum(ws, kw: dict, kernel: str) -> int:
+    """The least --max-memory the streamed candidate runs in (its refusal names it; no reference built)."""
+    import re
+
+    from ktconvert.errors import UsageProblem
+
+    kw = {k: v for k, v in kw.items() if k != "kernel"}
+    with pytest.raises(UsageProblem) as exc:
+        _verify(ws, kernel=kernel, localize=False, max_memory=1, **kw)
+    return int(re.search(r"\((\d+) bytes\)", exc.value.message).group(1))
+
+
 def _without_run(report) -> dict:
     """The report's numbers and findings, not how the run held its weights (nor its time or the child's RSS)."""
     d = report.as_dict()
@@ -284,7 +296,9 @@ def test_streamed_kernel_verify_is_bit_identical_to_the_resident_one(ws, request
         {"weights": None, "kt_weights": request.getfixturevalue("ktamx_dirs")[case]}
     if case.endswith("-both"):  # the emulation runs beside the kernel: its decoded experts count in the budget too
         kw["kernel"] = "both"
-    budget = float32_bytes(ws.model(FAMILY)) // 2
+    # half the float32 model, or the candidate's minimum where that is more (HF BF16: this process keeps the layer's
+    # stored experts, the child its copy and the staging while it loads), still below the model
+    budget = max(float32_bytes(ws.model(FAMILY)) // 2, _minimum(ws, kw, kw.get("kernel", "kt-kernel")))
     resident = _verify(ws, **kw)
     streamed = _verify(ws, **kw, max_memory=budget)
     assert resident.run["mode"] == "resident" and streamed.run["mode"] == "stream"
@@ -303,21 +317,17 @@ def test_budget_below_the_kernel_layer_is_refused_naming_the_child(ws):
     """The kernel child's memory counts against --max-memory: a budget the emulation would fit but the kernel's
     layer does not is refused before anything runs, naming the minimum and the kernel child (the candidate's
     minimum: without localisation the reference, whose embedding needs more here, is not built)."""
-    import re
-
     from ktconvert.errors import UsageProblem
 
     require_kernel()
     gguf = ws.converted(FAMILY, "Q8_0")
 
-    def minimum(kernel):
-        with pytest.raises(UsageProblem) as exc:
-            _verify(ws, gguf, kernel=kernel, localize=False, max_memory=1)
-        return int(re.search(r"\((\d+) bytes\)", exc.value.message).group(1)), exc.value.message
-
-    emulated, _ = minimum("emulate")
-    kernel, line = minimum("kt-kernel")
-    assert "layer" in line and "kt-kernel child holding its packed experts" in line, line
+    emulated = _minimum(ws, {"weights": gguf}, "emulate")
+    kernel = _minimum(ws, {"weights": gguf}, "kt-kernel")
+    with pytest.raises(UsageProblem) as exc:
+        _verify(ws, gguf, kernel="kt-kernel", localize=False, max_memory=kernel - 1)
+    line = exc.value.message
+    assert "layer" in line and "the kt-kernel child holding its packed experts" in line and f"({kernel} bytes)" in line
     # LLAMAFILE: the child maps the layer's Q8_0 blocks; the emulation decodes one expert at a time
     assert kernel > emulated
     _verify(ws, gguf, kernel="kt-kernel", localize=False, max_memory=kernel)  # the minimum itself runs

@@ -210,9 +210,10 @@ class KernelExperts(nn.Module):
         self._load, self.loaded, self.child_bytes = load, False, child_bytes
 
     def resident_bytes(self) -> int:
-        """The most the kernel child holds for this layer (and, with ``both``, the emulation's one expert)."""
-        both = self.emulated_op.resident_bytes() if self.runtime.mode == "both" else 0
-        return self.child_bytes + both
+        """The most the kernel child holds for this layer, and what this process keeps for it: the stored experts
+        where they are in memory, and with ``both`` the emulation's decoded expert too."""
+        op = self.emulated_op
+        return self.child_bytes + (op.resident_bytes() if self.runtime.mode == "both" else op.stored_bytes())
 
     def release(self) -> None:
         """Free the layer in the child (a streamed run is done with it); the next forward loads it again."""

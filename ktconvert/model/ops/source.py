@@ -45,6 +45,7 @@ class Blocks:
     shape: tuple[int, int, int]  # elements: [E, rows, cols]
     names: tuple[str, ...]  # the stored tensor(s) it came from
     lora: tuple | None = None  # verify --lora: per expert, the adapter's lora tuple (or None), added on decoding
+    in_memory: bool = False  # data is a copy in memory (read from safetensors, or stacked), not a view of a mapped file
 
     def expert(self, e: int) -> np.ndarray:
         """Expert ``e`` dequantized to float32 ``[rows, cols]`` (each expert is whole blocks: rows hold them), plus
@@ -278,7 +279,7 @@ class WeightSource:
                     raise InputError(f"per-expert tensors of one projection have different types {sorted(types)}",
                                      path=self.path, where=split[0])
                 data = np.stack([b.data for b in parts])
-                out[p] = Blocks(parts[0].qtype, data, (e, *parts[0].shape), tuple(split))
+                out[p] = Blocks(parts[0].qtype, data, (e, *parts[0].shape), tuple(split), in_memory=True)
                 continue
             tried.append(split[0])
         if tried and len(out) < 3:
@@ -357,7 +358,9 @@ class WeightSource:
                                  "safetensors only (upstream SafeTensorLoader)", path=self.path, where=keys[0],
                                  fix="convert the experts to a GGUF type first (ktconvert quantize)")
             raw = stacked.view(torch.uint16) if qtype == "BF16" else stacked
-            out[p] = Blocks(qtype, _as_bytes(raw.contiguous().numpy()), tuple(stacked.shape), (keys[0],))
+            out[p] = Blocks(qtype, _as_bytes(raw.contiguous().numpy()), tuple(stacked.shape), (keys[0],),
+                            in_memory=True)
+        self._state.forget_experts(layer)  # the stacked blocks hold them now
         return ExpertBlocks(layer, out["gate"], out["up"], out["down"])
 
     @property
@@ -423,6 +426,9 @@ class _PartStates:
 
     def __getitem__(self, name: str):
         return self._part(self._key(name))[name]
+
+    def forget_experts(self, layer: int) -> None:
+        self.parts.pop(("experts", layer), None)
 
     def forget(self, part: int | str) -> None:
         for key in ((("layer", part), ("experts", part)) if isinstance(part, int) else ((part,),)):
