@@ -263,20 +263,11 @@ def test_peak_rss_of_a_streamed_golden_stays_near_its_budget(tmp_path):
     import subprocess
     import sys
 
-    from ktconvert.model.tiny import tiny_config
+    from verify_helpers import write_random_bf16_model
 
     d = tmp_path / "m"
-    d.mkdir()
-    cfg_json = tiny_config("qwen3_moe") | {"num_local_experts": 64, "num_hidden_layers": 4, "moe_intermediate_size": 512}
-    (d / "config.json").write_text(json.dumps(cfg_json))
-    rng = np.random.default_rng(0)
-    bits = {}
-    for name, t in build_skeleton(load_config(d)).state_dict().items():
-        x = torch.from_numpy((rng.standard_normal(tuple(t.shape), dtype=np.float32) * 0.05))
-        bits[name] = x.to(torch.bfloat16).view(torch.uint16).numpy()
-    (d / "model.safetensors").write_bytes(to_bytes(bits, {"format": "pt"}, {k: "BF16" for k in bits}))
-    model_f32 = 2 * sum(b.nbytes for b in bits.values())
-    del bits
+    model_f32 = write_random_bf16_model(d, {"num_local_experts": 64, "num_hidden_layers": 4,
+                                            "moe_intermediate_size": 512})
     assert model_f32 > 380 * 2**20
     budget = 16 * 2**20
 

@@ -133,6 +133,11 @@ def test_verify_kernel_reads_a_release_with_its_method_and_refuses_what_its_load
     assert all(0 < v < 0.05 for x in layers for v in x["agreement"].values())  # kernel vs its emulation
     r = CliRunner().invoke(cli, base + [str(mx)])
     assert r.exit_code == 2 and "DeepSeek-V4" in r.output, r.output
+    # streamed, kt-kernel's release loaders would keep every layer (it frees none): one line, before anything runs
+    r = CliRunner().invoke(cli, base + [str(rel), "--max-memory", "1GiB"])
+    assert r.exit_code == 2 and json.loads(r.stdout)["error"]["code"] == "KernelRefused", r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and "does not stream RAWINT4 releases yet" in lines[0], r.stderr
 
 
 def test_verify_kernel_runs_a_block_fp8_release_through_fp8_and_refuses_other_blocks(kernel, tmp_path):

@@ -247,3 +247,87 @@ def test_ktconverts_own_kt_amx_output_passes_through_the_kernel(ws, ktamx_dirs, 
     report = _verify(ws, None, kt_weights=out)
     assert report.passed, [b.line() for b in report.breaches]
     assert {(r["method"], r["threadpools"]) for r in report.kernel["layers"]} == {(method, 2)}
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(ws, tmp_path_factory):
+    """The tiny model's weights stored as bf16 safetensors (kt-kernel's BF16 method reads its experts)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = ws.model(FAMILY)
+    out = tmp_path_factory.mktemp("bf16")
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_bytes((src / "config.json").read_bytes())
+    return out
+
+
+def _minimum(ws, kw: dict, kernel: str) -> int:
+    """The least --max-memory the streamed candidate runs in (its refusal names it; no reference built)."""
+    import re
+
+    from ktconvert.errors import UsageProblem
+
+    kw = {k: v for k, v in kw.items() if k != "kernel"}
+    with pytest.raises(UsageProblem) as exc:
+        _verify(ws, kernel=kernel, localize=False, max_memory=1, **kw)
+    return int(re.search(r"\((\d+) bytes\)", exc.value.message).group(1))
+
+
+def _without_run(report) -> dict:
+    """The report's numbers and findings, not how the run held its weights (nor its time or the child's RSS)."""
+    d = report.as_dict()
+    for k in ("run", "seconds", "notes"):
+        d.pop(k)
+    d["kernel"] = {k: v for k, v in d["kernel"].items() if k != "child_peak_rss"}
+    return d
+
+
+@pytest.mark.parametrize("case", ["Q8_0", "Q8_0-both", "BF16", "AMXINT8", "AMXINT4"])
+def test_streamed_kernel_verify_is_bit_identical_to_the_resident_one(ws, request, case):
+    """``--max-memory`` with the real kernel: the child loads each layer's experts when the layer's part starts and
+    frees them when it ends; the kernel computes the same either way, so every number is the resident run's."""
+    from ktconvert.golden.stream import float32_bytes
+
+    require_kernel()
+    kw = {"weights": ws.converted(FAMILY, "Q8_0")} if case.startswith("Q8_0") else \
+        {"weights": request.getfixturevalue("bf16_dir")} if case == "BF16" else \
+        {"weights": None, "kt_weights": request.getfixturevalue("ktamx_dirs")[case]}
+    if case.endswith("-both"):  # the emulation runs beside the kernel: its decoded experts count in the budget too
+        kw["kernel"] = "both"
+    # half the float32 model, or the candidate's minimum where that is more (HF BF16: this process keeps the layer's
+    # stored experts, the child its copy and the staging while it loads), still below the model
+    budget = max(float32_bytes(ws.model(FAMILY)) // 2, _minimum(ws, kw, kw.get("kernel", "kt-kernel")))
+    resident = _verify(ws, **kw)
+    streamed = _verify(ws, **kw, max_memory=budget)
+    assert resident.run["mode"] == "resident" and streamed.run["mode"] == "stream"
+    assert streamed.run["max_memory"] == budget < float32_bytes(ws.model(FAMILY))
+    assert 0 < streamed.run["peak_resident_weights"] <= budget  # the kernel child's layer counted in
+    assert _without_run(streamed) == _without_run(resident)
+    for a, b in zip(resident.phases, streamed.phases):
+        assert np.array_equal(a.candidate_logits, b.candidate_logits)
+    assert resident.passed, [b.line() for b in resident.breaches]
+    assert {r["method"] for r in streamed.kernel["layers"]} == {"LLAMAFILE" if case.startswith("Q8_0") else case}
+    assert len(streamed.kernel["layers"]) == 2  # one row per layer, however often the part loaded it
+    assert streamed.kernel["child_peak_rss"] > 0
+
+
+def test_budget_below_the_kernel_layer_is_refused_naming_the_child(ws):
+    """The kernel child's memory counts against --max-memory: a budget the emulation would fit but the kernel's
+    layer does not is refused before anything runs, naming the minimum and the kernel child (the candidate's
+    minimum: without localisation the reference, whose embedding needs more here, is not built)."""
+    from ktconvert.errors import UsageProblem
+
+    require_kernel()
+    gguf = ws.converted(FAMILY, "Q8_0")
+
+    emulated = _minimum(ws, {"weights": gguf}, "emulate")
+    kernel = _minimum(ws, {"weights": gguf}, "kt-kernel")
+    with pytest.raises(UsageProblem) as exc:
+        _verify(ws, gguf, kernel="kt-kernel", localize=False, max_memory=kernel - 1)
+    line = exc.value.message
+    assert "layer" in line and "the kt-kernel child holding its packed experts" in line and f"({kernel} bytes)" in line
+    # LLAMAFILE: the child maps the layer's Q8_0 blocks; the emulation decodes one expert at a time
+    assert kernel > emulated
+    _verify(ws, gguf, kernel="kt-kernel", localize=False, max_memory=kernel)  # the minimum itself runs

@@ -198,3 +198,25 @@ def rewrite_gguf(src, dst, change) -> Path:
     writer.write_tensors_to_file()
     writer.close()
     return Path(dst)
+
+
+def write_random_bf16_model(directory: Path, overrides: dict, seed: int = 0) -> int:
+    """A tiny qwen3_moe with ``overrides`` in its config and random BF16 weights (normal, std 0.05) written to
+    ``directory``, for memory tests larger than the tiny models; returns its float32 size in bytes."""
+    import json
+
+    import torch
+
+    from ktconvert.formats.safetensors_write import to_bytes
+    from ktconvert.model.reference import build_skeleton
+    from ktconvert.model.tiny import tiny_config
+
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(tiny_config("qwen3_moe") | overrides))
+    rng = np.random.default_rng(seed)
+    bits = {}
+    for name, t in build_skeleton(load_config(directory)).state_dict().items():
+        x = torch.from_numpy(rng.standard_normal(tuple(t.shape), dtype=np.float32) * 0.05)
+        bits[name] = x.to(torch.bfloat16).view(torch.uint16).numpy()
+    (directory / "model.safetensors").write_bytes(to_bytes(bits, {"format": "pt"}, {k: "BF16" for k in bits}))
+    return 2 * sum(b.nbytes for b in bits.values())

@@ -318,6 +318,7 @@ class StreamedWeights:
         self.budget = budget
         self.stats = StreamStats()
         self._kept: dict[int, tuple] = {}
+        self.lora: dict[str, tuple] = {}  # reference name -> LoRA tuple: W + alpha/r * B @ A, added in float32
         _return_freed_memory()
 
     # --- what a source provides -------------------------------------------------------------------------------
@@ -353,6 +354,10 @@ class StreamedWeights:
         """Bytes of stored copies held while ``rows`` rows are decoded."""
         return 0
 
+    def extra_note(self, kind: str, layer: int | None) -> str:
+        """What :meth:`part_extra` holds, for the refusal of a budget below the minimum ('' when nothing to say)."""
+        return ""
+
     # --- budget ---------------------------------------------------------------------------------------------------
     def minimum(self, model: nn.Module) -> tuple[int, str]:
         """The most bytes one part needs resident at once (its float32 weights, the stored copies being decoded,
@@ -360,7 +365,8 @@ class StreamedWeights:
         best = (0, "")
         for kind, index, roots, skip, experts in self._parts(model):
             weights = sum(_bytes(s[4]) for r, _ in roots for s in _slots(r, "", skip) if s[3] is not None)
-            need = weights + self.stored_bytes(kind, index, weights=weights) + self.part_extra(kind, index)
+            extra = self.part_extra(kind, index)
+            need = weights + self.stored_bytes(kind, index, weights=weights) + extra
             vocab = self._vocab(model, kind)
             if vocab is not None:  # one chunk of rows at a time (VOCAB_CHUNK), however large the vocabulary
                 rows = min(VOCAB_CHUNK, vocab.weight.shape[0])
@@ -369,7 +375,9 @@ class StreamedWeights:
                 one = max((sum(_bytes(p) for p in ex.parameters()) for ex in experts), default=0)
                 need += one + self.stored_bytes(kind, index, expert=True, weights=one)
             if need > best[0]:
-                best = (need, _largest(f"layer {index}" if kind == "layer" else kind, roots, skip))
+                where = _largest(f"layer {index}" if kind == "layer" else kind, roots, skip)
+                note = self.extra_note(kind, index)
+                best = (need, f"{where} ({note}: {format_size(extra)} of it)" if note and extra else where)
         return best
 
     def check_budget(self, model: nn.Module) -> None:
@@ -486,6 +494,10 @@ class StreamedWeights:
                     continue  # a non-persistent buffer computed from the config (rotary tables): already real
                 old = group[0][4]
                 new = torch.empty(old.shape, dtype=old.dtype).copy_(state[name])  # as load_weights copies
+                if name in self.lora:  # verify --lora's reference: the delta added as to the resident model
+                    from ktconvert.formats.lora_delta import lora_delta
+
+                    new.add_(torch.from_numpy(lora_delta(self.lora[name])).to(new.dtype))
                 weights += _bytes(new)
                 for mod, table, attr, _, _ in group:
                     table[attr] = nn.Parameter(new, requires_grad=False) if table is mod._parameters else new
@@ -660,8 +672,7 @@ class ConvertedWeights(StreamedWeights):
         return 8 * rows * self.cfg.hidden_size  # the stored rows (at most float32) and their float32 decoding
 
     def part_done(self, kind, layer):
-        if kind == "layer":
-            self.source.forget(layer)
+        self.source.forget(layer if kind == "layer" else kind)
 
 
 class _ExpertCache(dict):
@@ -715,9 +726,17 @@ class InjectedWeights(ConvertedWeights):
         return [s for p, s in self.switches.items() if self._part_of(p) == (kind, layer)]
 
     def part_extra(self, kind: str, layer: int | None) -> int:
-        """The least the part's operators hold while they run (``resident_bytes`` of each op ``inject`` built)."""
-        ops = {id(d): d for s in self._mine(kind, layer) for d in s.described.values() if d is not None}
-        return sum(d.resident_bytes for d in ops.values())
+        """The least the part's operators hold while they run (``resident_bytes`` of each op ``inject`` built;
+        the real kernel's: what its child process holds for the layer's experts)."""
+        return sum(d.resident_bytes for d in self._ops(kind, layer))
+
+    def extra_note(self, kind: str, layer: int | None) -> str:
+        kernel = [d for d in self._ops(kind, layer) if d.emulation == "kt-kernel"]
+        return ("its operators, the kt-kernel child holding its packed experts among them (twice while an AMX or BF16 "
+                "class copies them in)") if kernel else ""
+
+    def _ops(self, kind: str, layer: int | None) -> list:
+        return list({id(d): d for s in self._mine(kind, layer) for d in s.described.values() if d is not None}.values())
 
     @contextmanager
     def part(self, model: nn.Module, kind: str, layer: int | None = None):
@@ -732,8 +751,12 @@ class InjectedWeights(ConvertedWeights):
                         if isinstance(getattr(op, "_cache", None), dict):  # decodes experts as tokens pick them
                             op._cache = _ExpertCache(self)
                             caches.append(op._cache)
-                        else:  # holds its dequantized weights from the start
+                        else:  # holds its dequantized weights (or the kernel child its layer) from the start
                             held += op.resident_bytes() if hasattr(op, "resident_bytes") else 0
+                        inner = getattr(op, "emulated_op", None)  # --kernel both: the emulation runs beside it
+                        if isinstance(getattr(inner, "_cache", None), dict):
+                            inner._cache = _ExpertCache(self)
+                            caches.append(inner._cache)
                 st.resident += held
                 st.peak = max(st.peak, st.resident)
                 yield

@@ -74,8 +74,13 @@ class CpuExpertsGGML(nn.Module):
 
     def resident_bytes(self) -> int:
         """The least this op holds while it runs: one expert's three projections in float32 (it decodes the
-        experts the tokens pick, one at a time, and keeps them in ``_cache``)."""
-        return sum(math.prod(getattr(self.blocks, p).shape[1:]) * 4 for p in PROJECTIONS)
+        experts the tokens pick, one at a time, and keeps them in ``_cache``), and the stored experts where they are
+        a copy in memory (safetensors experts; a GGUF's are a view of the mapped file)."""
+        return sum(math.prod(getattr(self.blocks, p).shape[1:]) * 4 for p in PROJECTIONS) + self.stored_bytes()
+
+    def stored_bytes(self) -> int:
+        """The stored experts this op keeps in memory (0 where they are a view of a mapped file)."""
+        return sum(b.data.nbytes for b in (getattr(self.blocks, p) for p in PROJECTIONS) if b.in_memory)
 
     def _weight(self, proj: str, e: int) -> torch.Tensor:
         key = (proj, e)

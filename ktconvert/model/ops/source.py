@@ -16,6 +16,7 @@ models verify can run on a CPU.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +31,7 @@ from ktconvert.formats.checkpoint import COMPANION
 from ktconvert.formats.kt_amx import NAME_RE as KT_AMX_NAME
 from ktconvert.formats.lora_delta import EXPERT_WEIGHT, lora_delta
 from ktconvert.io.dtypes import TORCH_NAMES
-from ktconvert.model.weights import read_tensors, to_reference_state
+from ktconvert.model.weights import read_tensors
 
 PROJECTIONS = ("gate", "up", "down")
 
@@ -44,6 +45,7 @@ class Blocks:
     shape: tuple[int, int, int]  # elements: [E, rows, cols]
     names: tuple[str, ...]  # the stored tensor(s) it came from
     lora: tuple | None = None  # verify --lora: per expert, the adapter's lora tuple (or None), added on decoding
+    in_memory: bool = False  # data is a copy in memory (read from safetensors, or stacked), not a view of a mapped file
 
     def expert(self, e: int) -> np.ndarray:
         """Expert ``e`` dequantized to float32 ``[rows, cols]`` (each expert is whole blocks: rows hold them), plus
@@ -142,8 +144,7 @@ class WeightSource:
     # --- safetensors ------------------------------------------------------------------------------------------
     def _init_safetensors(self) -> None:
         self.arch = self.cfg.family
-        self.raw = read_safetensors(self.path)
-        self._state = to_reference_state(self.cfg, self.raw)
+        self._state = _PartStates(self.path, self.cfg)  # read part by part as asked, as the streamed reference reads
         # quantized release formats of the experts (read here decoded; kt-kernel reads them as released)
         qmap = quantized.analyze(open_checkpoint(self.path))
         self.release_formats = tuple(sorted({w.fmt for n, w in qmap.weights.items() if ".experts." in n}))
@@ -278,7 +279,7 @@ class WeightSource:
                     raise InputError(f"per-expert tensors of one projection have different types {sorted(types)}",
                                      path=self.path, where=split[0])
                 data = np.stack([b.data for b in parts])
-                out[p] = Blocks(parts[0].qtype, data, (e, *parts[0].shape), tuple(split))
+                out[p] = Blocks(parts[0].qtype, data, (e, *parts[0].shape), tuple(split), in_memory=True)
                 continue
             tried.append(split[0])
         if tried and len(out) < 3:
@@ -387,16 +388,93 @@ class WeightSource:
                                  "safetensors only (upstream SafeTensorLoader)", path=self.path, where=keys[0],
                                  fix="convert the experts to a GGUF type first (ktconvert quantize)")
             raw = stacked.view(torch.uint16) if qtype == "BF16" else stacked
-            out[p] = Blocks(qtype, _as_bytes(raw.contiguous().numpy()), tuple(stacked.shape), (keys[0],))
+            out[p] = Blocks(qtype, _as_bytes(raw.contiguous().numpy()), tuple(stacked.shape), (keys[0],),
+                            in_memory=True)
+        self._state.forget_experts(layer)  # the stacked blocks hold them now
         return ExpertBlocks(layer, out["gate"], out["up"], out["down"])
 
-    def forget(self, layer: int) -> None:
-        """Drop what :meth:`expert_blocks` keeps of ``layer`` (a layer-major run is done with it)."""
-        self._blocks.pop(layer, None)
+    @property
+    def raw(self) -> dict:
+        """Every tensor of a safetensors checkpoint, read whole (the in-memory reference of a resident verify)."""
+        return read_safetensors(self.path)
+
+    def forget(self, part: int | str) -> None:
+        """Drop what :meth:`expert_blocks` keeps of layer ``part`` and the tensors read for it (``"embed"`` or
+        ``"head"``: those parts' tensors); a layer-major run is done with it."""
+        self._blocks.pop(part, None)
+        if self.container == "safetensors":
+            self._state.forget(part)
 
     def expert_types(self) -> dict[int, dict[str, str]]:
-        """``{layer: {projection: ggml type}}`` for every MoE layer (reads headers, not data, for GGUF)."""
-        return {layer: self.expert_blocks(layer).types() for layer in sorted(self.cfg.moe_layers)}
+        """``{layer: {projection: ggml type}}`` for every MoE layer (reads headers, not data, for GGUF and for
+        safetensors experts of one float dtype)."""
+        out = {}
+        for layer in sorted(self.cfg.moe_layers):
+            types = self._state.expert_dtypes(layer) if self.container == "safetensors" else None
+            out[layer] = {p: types for p in PROJECTIONS} if types else self.expert_blocks(layer).types()
+        return out
+
+
+class _PartStates:
+    """A Hugging Face checkpoint's reference state (name -> tensor, stored dtype; quantized releases decoded to
+    float32), read one part at a time when a name of it is first asked for: a layer's own weights, its routed
+    experts, the embedding, the head; each kept until :meth:`forget`. Grouped and decoded by
+    :class:`~ktconvert.model.executor.CheckpointWeights`, as the streamed reference reads the same release."""
+
+    def __init__(self, path: str, cfg: MoeConfig):
+        from ktconvert.model.executor import CheckpointWeights
+
+        self.cfg = cfg
+        self.reader = CheckpointWeights(path, cfg)
+        self.parts: dict[tuple, dict] = {}
+
+    @staticmethod
+    def _key(name: str) -> tuple:
+        m = _LAYER_NAME.match(name)
+        if m is not None:
+            return ("experts" if ".experts." in name else "layer", int(m.group(1)))
+        return ("embed",) if name.startswith("model.embed_tokens.") else ("head",)
+
+    def _part(self, key: tuple) -> dict:
+        got = self.parts.get(key)
+        if got is None:
+            r = self.reader
+            if key[0] == "experts":
+                got = {}
+                for e in range(self.cfg.num_experts):
+                    got.update(r.expert_state(key[1], e, None)[0])
+            else:
+                got = r.part_state(key[0], key[1] if key[0] == "layer" else None, None)[0]
+            self.parts[key] = got
+        return got
+
+    def get(self, name: str, default=None):
+        return self._part(self._key(name)).get(name, default)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._part(self._key(name))
+
+    def __getitem__(self, name: str):
+        return self._part(self._key(name))[name]
+
+    def forget_experts(self, layer: int) -> None:
+        self.parts.pop(("experts", layer), None)
+
+    def forget(self, part: int | str) -> None:
+        for key in ((("layer", part), ("experts", part)) if isinstance(part, int) else ((part,),)):
+            self.parts.pop(key, None)
+
+    def expert_dtypes(self, layer: int) -> str | None:
+        """The one float type every stored expert tensor of ``layer`` reads as (a quantized release's: F32, its
+        decoding), from the headers; None when there are several or another (the caller reads the layer)."""
+        r = self.reader
+        names = [n for k, v in r.groups.items() if k[0] == "expert" and k[1] == layer for n in v]
+        names += r.fused.get(layer, [])
+        types = {"F32" if n in r.qmap.weights else r.ck[n].dtype for n in names}
+        return types.pop() if len(types) == 1 and types <= {"F32", "F16", "BF16"} else None
+
+
+_LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def read_safetensors(path: str | os.PathLike) -> dict:
