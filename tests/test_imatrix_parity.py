@@ -1,8 +1,9 @@
 """Parity tier: ``ktconvert imatrix`` computes the importance matrix ``llama-imatrix`` computes.
 
 llama.cpp's own tools are built from the pinned source into the cache (tests/llamacpp_tools.py). Per tiny family
-(qwen3_moe: merged experts; deepseek_v3: MLA attention, a dense first layer, shared experts and DeepSeek's router;
-qwen2_moe: a shared expert behind its own 1-row gate), ktconvert writes the F32 GGUF, llama-imatrix runs the same
+(qwen3_moe: merged experts; deepseek_v3: MLA attention written as ``attn_kv_b``, a dense first layer, shared experts
+and DeepSeek's router; glm_moe_dsa: MLA written as llama.cpp's absorbed ``attn_k_b`` / ``attn_v_b``, per-head 3-D
+products, and the DSA indexer; qwen2_moe: a shared expert behind its own 1-row gate), ktconvert writes the F32 GGUF, llama-imatrix runs the same
 text on it, and ``ktconvert imatrix`` runs the same text on the Hugging Face release itself. llama-imatrix runs with
 an F32 KV cache and without flash attention (``-ctk f32 -ctv f32 -fa off``): its defaults round keys and values to
 F16, a 1e-3 change of the activations that is llama.cpp's numerics, not the importance matrix's.
@@ -25,7 +26,7 @@ from test_quantize_imatrix_parity import TEXT
 
 pytestmark = pytest.mark.interop
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "qwen2_moe")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "glm_moe_dsa", "qwen2_moe")
 CHUNK, CHUNKS = 64, 4
 
 
@@ -80,6 +81,8 @@ def test_values_and_counts_equal_llama_imatrix(runs, tmp_path, family):
         assert (scale > 0).all(), f"{name}: a matrix without data"
         worst[name] = float((np.abs(got[name] - want[name]) / scale).max())
     assert max(worst.values()) <= 1e-4, sorted(worst.items(), key=lambda kv: -kv[1])[:3]
+    if family == "glm_moe_dsa":  # the products ik_llama.cpp #651 says get no data: here they do, on both sides
+        assert {"blk.0.attn_k_b.weight.in_sum2", "blk.0.attn_v_b.weight.in_sum2"} <= set(got)
     experts = [n for n in want if n.endswith("_exps.weight.counts")]
     assert experts and all(len(set(want[n].reshape(-1))) > 1 for n in experts), "routing is not exercised"
 

@@ -183,7 +183,8 @@ def _targets(model, cfg, arch: str, planned: dict[str, tuple[int, ...]]) -> dict
             target = (name, e)
         else:
             m = nm.lookup(f"{path}.weight")
-            target = (m.gguf_name, None) if m is not None else (None, None)
+            # a derived tensor (attn_k_b / attn_v_b cut from kv_b_proj) is another product: see _latent_targets
+            target = (m.gguf_name, None) if m is not None and m.derived is None else (None, None)
         name, e = target
         if not name or not name.startswith("blk.") or name not in planned:
             continue
@@ -192,6 +193,22 @@ def _targets(model, cfg, arch: str, planned: dict[str, tuple[int, ...]]) -> dict
         if int(shape[-1]) != int(w.shape[1]):
             continue  # not a plain product of this input (reported as without data)
         out[id(mod)] = (mod, _Target(name, e, n_mat, int(w.shape[1])))
+    return out
+
+
+def _latent_targets(model, planned: dict[str, tuple[int, ...]]) -> list[tuple[object, str | None, str | None]]:
+    """Each MLA attention whose layer ``quantize`` writes as llama.cpp's absorbed ``attn_k_b`` / ``attn_v_b``:
+    (module, k_b name or None, v_b name or None)."""
+    from ktconvert.model.modules import MLAttention
+
+    out = []
+    for path, mod in model.named_modules():
+        if isinstance(mod, MLAttention):
+            layer = int(path.split(".")[2])
+            k_b, v_b = (f"blk.{layer}.attn_{x}_b.weight" for x in ("k", "v"))
+            k_b, v_b = (n if n in planned and len(planned[n]) == 3 else None for n in (k_b, v_b))
+            if k_b or v_b:
+                out.append((mod, k_b, v_b))
     return out
 
 
@@ -224,17 +241,32 @@ def collect_imatrix(model_dir: str | os.PathLike, chunks: list[list[int]], *, ch
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
 
+    def add(name: str, row: int, n_mat: int, x) -> None:
+        """Row ``row`` of ``name``'s sums takes the squares of ``x [N, n]`` (N tokens), its count N."""
+        x = x.detach().reshape(-1, x.shape[-1]).double()
+        if name not in sums:
+            sums[name] = np.zeros((n_mat, x.shape[1]), dtype=np.float64)
+            counts[name] = np.zeros(n_mat, dtype=np.int64)
+        sums[name][row] += (x * x).sum(0).numpy()
+        counts[name][row] += x.shape[0]
+
     def hook(mod, args, _out):
         t = targets[id(mod)][1]
-        x = args[0].detach().reshape(-1, t.n_in).double()
-        if t.name not in sums:
-            sums[t.name] = np.zeros((t.n_mat, t.n_in), dtype=np.float64)
-            counts[t.name] = np.zeros(t.n_mat, dtype=np.int64)
-        e = t.expert or 0
-        sums[t.name][e] += (x * x).sum(0).numpy()
-        counts[t.name][e] += x.shape[0]
+        add(t.name, t.expert or 0, t.n_mat, args[0].reshape(-1, t.n_in))
+
+    def probe(k_b, v_b):
+        # llama.cpp multiplies each head by its own slice of the 3-D tensor: one count, the heads' columns in a row
+        def fn(q_nope, latent_out):
+            if k_b:
+                add(k_b, 0, 1, q_nope.transpose(1, 2).reshape(-1, q_nope.shape[1] * q_nope.shape[3]))
+            if v_b:
+                add(v_b, 0, 1, latent_out)
+        return fn
 
     handles = [mod.register_forward_hook(hook) for mod, _ in targets.values()]
+    latent = _latent_targets(skeleton, planned)
+    for mod, k_b, v_b in latent:
+        mod.latent_probe = probe(k_b, v_b)
     per_pass = max(1, PASS_TOKENS // chunk_size)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
@@ -247,6 +279,8 @@ def collect_imatrix(model_dir: str | os.PathLike, chunks: list[list[int]], *, ch
         torch.set_num_threads(previous)
         for h in handles:
             h.remove()
+        for mod, _, _ in latent:
+            mod.latent_probe = None
     entries = {n: ImatrixEntry(sums[n].astype(np.float32), counts[n].astype(np.float32)) for n in sorted(sums)}
     candidates = sorted(n for n, s in planned.items() if n.startswith("blk.") and n.endswith(".weight") and len(s) >= 2)
     without = tuple(n for n in candidates if n not in entries)
