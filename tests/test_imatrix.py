@@ -111,6 +111,7 @@ def test_experts_and_matrices_without_data_are_named(model, text, tmp_path, monk
     ("empty text", 3, "the text file is empty"),
     ("short text", 3, "shorter than one chunk of 512"),
     ("not utf-8", 3, "not UTF-8 text"),
+    ("missing text", 3, "missing.txt"),
     ("out is a directory", 2, "is a directory"),
     ("out's folder missing", 2, "does not exist"),
     ("out exists", 2, "output already exists"),
@@ -129,6 +130,8 @@ def test_refusals_are_one_line_and_write_nothing(model, text, tmp_path, case, co
         text.write_text("a few words")
     elif case == "not utf-8":
         text.write_bytes(b"caf\xe9 au lait " * 100)
+    elif case == "missing text":
+        args = ["--text-file", str(tmp_path / "missing.txt")]
     elif case == "out is a directory":
         out.mkdir()
     elif case == "out's folder missing":
