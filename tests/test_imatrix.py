@@ -157,3 +157,21 @@ def test_refusals_are_one_line_and_write_nothing(model, text, tmp_path, case, co
     assert not (model / "imatrix.gguf").exists()
     if case == "out exists":
         assert out.read_bytes() == b"keep"
+
+
+def test_an_fp8_release_is_read_as_quantize_reads_it(tmp_path, one_torch_thread):
+    """An FP8 block-scaled release streamed directly gives the bytes of the same weights dequantized independently
+    (tests/fp8_helpers.py) and stored as float32."""
+    from fp8_helpers import tiny_fp8, write_reference_dir
+    from ktconvert.imatrix import make_imatrix
+
+    fp8 = tiny_fp8(tmp_path, "deepseek_v3")
+    f32 = write_reference_dir(fp8, tmp_path / "f32")
+    ids = tmp_path / "ids.txt"
+    ids.write_text(",".join(str(i) for i in range(1, 65)))
+    a = make_imatrix(fp8, tmp_path / "fp8.gguf", prompt_ids=list(range(1, 65)), prompt_ids_source=str(ids),
+                     chunk_size=32)
+    make_imatrix(f32, tmp_path / "f32.gguf", prompt_ids=list(range(1, 65)), prompt_ids_source=str(ids),
+                 chunk_size=32)
+    assert a.tensors_without == () and "blk.1.ffn_down_exps.weight" in a.entries
+    assert (tmp_path / "fp8.gguf").read_bytes() == (tmp_path / "f32.gguf").read_bytes()
