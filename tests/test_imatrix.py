@@ -90,7 +90,8 @@ def test_experts_and_matrices_without_data_are_named(model, text, tmp_path, monk
     real = collect._targets
 
     def without_attn_k(*args):
-        return {k: v for k, v in real(*args).items() if v[1].name != "blk.1.attn_k.weight"}
+        targets, expected = real(*args)
+        return {k: v for k, v in targets.items() if v[1][0].name != "blk.1.attn_k.weight"}, expected
 
     monkeypatch.setattr(collect, "_targets", without_attn_k)
     out = tmp_path / "few.gguf"

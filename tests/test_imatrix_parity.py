@@ -3,7 +3,9 @@
 llama.cpp's own tools are built from the pinned source into the cache (tests/llamacpp_tools.py). Per tiny family
 (qwen3_moe: merged experts; deepseek_v3: MLA attention written as ``attn_kv_b``, a dense first layer, shared experts
 and DeepSeek's router; glm_moe_dsa: MLA written as llama.cpp's absorbed ``attn_k_b`` / ``attn_v_b``, per-head 3-D
-products, and the DSA indexer; qwen2_moe: a shared expert behind its own 1-row gate), ktconvert writes the F32 GGUF, llama-imatrix runs the same
+products, and the DSA indexer; qwen2_moe: a shared expert behind its own 1-row gate; qwen3_next: linear attention,
+one ``in_proj_qkvz`` product llama.cpp splits into ``attn_qkv`` and ``attn_gate``; qwen3_5_moe: ``ssm_out``, whose
+columns llama.cpp reorders), ktconvert writes the F32 GGUF, llama-imatrix runs the same
 text on it, and ``ktconvert imatrix`` runs the same text on the Hugging Face release itself. llama-imatrix runs with
 an F32 KV cache and without flash attention (``-ctk f32 -ctv f32 -fa off``): its defaults round keys and values to
 F16, a 1e-3 change of the activations that is llama.cpp's numerics, not the importance matrix's.
@@ -26,7 +28,7 @@ from test_quantize_imatrix_parity import TEXT
 
 pytestmark = pytest.mark.interop
 
-FAMILIES = ("qwen3_moe", "deepseek_v3", "glm_moe_dsa", "qwen2_moe")
+FAMILIES = ("qwen3_moe", "deepseek_v3", "glm_moe_dsa", "qwen2_moe", "qwen3_next", "qwen3_5_moe")
 CHUNK, CHUNKS = 64, 4
 
 

@@ -35,6 +35,7 @@ import numpy as np
 
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats.imatrix import ImatrixEntry, imatrix_gguf_bytes
+from ktconvert.formats.transforms import tile_columns
 
 #: llama-imatrix's default ``-c``
 DEFAULT_CHUNK_SIZE = 512
@@ -152,13 +153,17 @@ class _Target:
     n_in: int
 
 
-def _targets(model, cfg, arch: str, planned: dict[str, tuple[int, ...]]) -> dict[int, tuple[object, _Target]]:
-    """Every reference module whose weight ``quantize`` writes as a ``blk.*`` matrix: id -> (module, target)."""
+def _targets(model, arch: str, planned: dict[str, tuple[int, ...]]) -> tuple[dict[int, tuple], set[str]]:
+    """Every reference module whose weight ``quantize`` writes as ``blk.*`` matrices: ``id -> (module, [target])``
+    (one module feeds several GGUF tensors where llama.cpp splits its rows: Qwen3-Next's ``in_proj_qkvz`` into
+    ``attn_qkv`` and ``attn_gate``), and every ``blk.*`` tensor written from a product's weight (``expected``: those
+    without data are reported)."""
     from ktconvert.formats.naming import naming_map
     from ktconvert.model.modules import RoutedExperts
 
     nm = naming_map(arch)
-    out = {}
+    out: dict[int, tuple] = {}
+    expected: set[str] = set()
     expert_of: dict[int, tuple[int, int, str]] = {}  # id(projection) -> (layer, expert, projection)
     for path, mod in model.named_modules():
         if isinstance(mod, RoutedExperts):
@@ -173,6 +178,7 @@ def _targets(model, cfg, arch: str, planned: dict[str, tuple[int, ...]]) -> dict
         w = mod._parameters.get("weight")
         if w is None or w.dim() != 2:
             continue
+        n_in = int(w.shape[1])
         if id(mod) in expert_of:
             layer, e, proj = expert_of[id(mod)]
             name = nm.expert_name("gguf-merged", proj, layer)
@@ -180,20 +186,22 @@ def _targets(model, cfg, arch: str, planned: dict[str, tuple[int, ...]]) -> dict
                 name = nm.expert_name("gguf-merged", "gate_up", layer)
                 if proj == "up":
                     continue  # one product of the fused gate_up tensor: its input is the gate's
-            target = (name, e)
+            found = [(name, e, False)]
         else:
             m = nm.lookup(f"{path}.weight")
-            # a derived tensor (attn_k_b / attn_v_b cut from kv_b_proj) is another product: see _latent_targets
-            target = (m.gguf_name, None) if m is not None and m.derived is None else (None, None)
-        name, e = target
-        if not name or not name.startswith("blk.") or name not in planned:
-            continue
-        shape = planned[name]
-        n_mat = int(shape[0]) if e is not None and len(shape) == 3 else 1
-        if int(shape[-1]) != int(w.shape[1]):
-            continue  # not a plain product of this input (reported as without data)
-        out[id(mod)] = (mod, _Target(name, e, n_mat, int(w.shape[1])))
-    return out
+            found = [(x.gguf_name, None, x.derived is not None) for x in (nm.hf_siblings(m) if m else [])]
+        mine = []
+        for name, e, derived in found:
+            if not name or not name.startswith("blk.") or name not in planned:
+                continue
+            expected.add(name)
+            shape = planned[name]
+            if int(shape[-1]) != n_in or (derived and len(shape) != 2):
+                continue  # another product (attn_k_b / attn_v_b cut from kv_b_proj: _latent_targets)
+            mine.append(_Target(name, e, int(shape[0]) if e is not None and len(shape) == 3 else 1, n_in))
+        if mine:
+            out[id(mod)] = (mod, mine)
+    return out, expected
 
 
 def _latent_targets(model, planned: dict[str, tuple[int, ...]]) -> list[tuple[object, str | None, str | None]]:
@@ -237,7 +245,7 @@ def collect_imatrix(model_dir: str | os.PathLike, chunks: list[list[int]], *, ch
     weights = CheckpointWeights(model_dir, cfg, budget=max_memory)
     skeleton = build_skeleton(cfg)
     weights.check_budget(skeleton)
-    targets = _targets(skeleton, cfg, src.arch, planned)
+    targets, expected = _targets(skeleton, src.arch, planned)
     sums: dict[str, np.ndarray] = {}
     counts: dict[str, np.ndarray] = {}
 
@@ -251,8 +259,8 @@ def collect_imatrix(model_dir: str | os.PathLike, chunks: list[list[int]], *, ch
         counts[name][row] += x.shape[0]
 
     def hook(mod, args, _out):
-        t = targets[id(mod)][1]
-        add(t.name, t.expert or 0, t.n_mat, args[0].reshape(-1, t.n_in))
+        for t in targets[id(mod)][1]:
+            add(t.name, t.expert or 0, t.n_mat, args[0].reshape(-1, t.n_in))
 
     def probe(k_b, v_b):
         # llama.cpp multiplies each head by its own slice of the 3-D tensor: one count, the heads' columns in a row
@@ -265,6 +273,7 @@ def collect_imatrix(model_dir: str | os.PathLike, chunks: list[list[int]], *, ch
 
     handles = [mod.register_forward_hook(hook) for mod, _ in targets.values()]
     latent = _latent_targets(skeleton, planned)
+    expected.update(n for _, k_b, v_b in latent for n in (k_b, v_b) if n)
     for mod, k_b, v_b in latent:
         mod.latent_probe = probe(k_b, v_b)
     per_pass = max(1, PASS_TOKENS // chunk_size)
@@ -281,9 +290,12 @@ def collect_imatrix(model_dir: str | os.PathLike, chunks: list[list[int]], *, ch
             h.remove()
         for mod, _, _ in latent:
             mod.latent_probe = None
-    entries = {n: ImatrixEntry(sums[n].astype(np.float32), counts[n].astype(np.float32)) for n in sorted(sums)}
-    candidates = sorted(n for n, s in planned.items() if n.startswith("blk.") and n.endswith(".weight") and len(s) >= 2)
-    without = tuple(n for n in candidates if n not in entries)
+    # a GGUF tensor whose columns llama.cpp reorders (Qwen3.5's ssm_out: value heads grouped -> tiled) gets its
+    # sums in that order too
+    tiles = {it.name: s.col_tile for it in src.items for s in it.segments if s.col_tile}
+    entries = {n: ImatrixEntry((tile_columns(sums[n], tiles[n]) if n in tiles else sums[n]).astype(np.float32),
+                               counts[n].astype(np.float32)) for n in sorted(sums)}
+    without = tuple(sorted(n for n in expected if n not in entries))
     experts = {n: tuple(int(i) for i in np.flatnonzero(c == 0)) for n, c in counts.items() if c.size > 1 and (c == 0).any()}
     top = max((int(c.max()) for c in counts.values()), default=0)
     st = weights.stats
