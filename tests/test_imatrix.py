@@ -46,6 +46,7 @@ def test_chunks_follow_llama_imatrix():
 def test_file_reads_back_and_prompt_ids_give_the_same_bytes(model, text, tmp_path):
     from ktconvert.formats.imatrix import read_imatrix
     from ktconvert.imatrix import make_imatrix, text_tokens
+    from ktconvert.imatrix.collect import bos_policy
 
     a = make_imatrix(model, tmp_path / "a.gguf", text_file=text, chunk_size=CHUNK, chunks=CHUNKS)
     imx = read_imatrix(tmp_path / "a.gguf")
@@ -57,7 +58,7 @@ def test_file_reads_back_and_prompt_ids_give_the_same_bytes(model, text, tmp_pat
     np.testing.assert_array_equal(imx.values["blk.0.attn_q.weight"],
                                   a.entries["blk.0.attn_q.weight"].sums[0] / np.float32(CHUNK * CHUNKS))
     ids = tmp_path / "ids.txt"
-    ids.write_text(",".join(map(str, text_tokens(model, text))))
+    ids.write_text(",".join(map(str, text_tokens(model, text, bos_policy(model)))))
     res = _cli(str(model), str(tmp_path / "b.gguf"), "--prompt-ids", str(ids), "--chunk-size", str(CHUNK),
                "--chunks", str(CHUNKS))
     assert res.exit_code == 0, res.output

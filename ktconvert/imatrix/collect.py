@@ -92,9 +92,9 @@ def bos_policy(model_dir: str | os.PathLike) -> int | None:
     return int(bos) if add and bos is not None else None
 
 
-def text_tokens(model_dir: str | os.PathLike, text_file: str | os.PathLike) -> list[int]:
-    """``text_file`` tokenized as llama-imatrix tokenizes it (the model's tokenizer, BOS first when llama.cpp adds
-    one, special-token text read as plain text is not supported: see the module docstring)."""
+def text_tokens(model_dir: str | os.PathLike, text_file: str | os.PathLike, bos: int | None) -> list[int]:
+    """``text_file`` tokenized as llama-imatrix tokenizes it: the model's tokenizer, ``bos`` first unless ``None``
+    (:func:`bos_policy`)."""
     from ktconvert.io.files import regular_file_size
     from ktconvert.optional import require
 
@@ -120,7 +120,6 @@ def text_tokens(model_dir: str | os.PathLike, text_file: str | os.PathLike) -> l
     except Exception as exc:  # the tokenizers library's own errors carry no common type
         raise InputError(f"the tokenizer cannot read it: {exc}", path=str(tj),
                          fix="pass --prompt-ids (the text tokenized by llama.cpp) instead") from None
-    bos = bos_policy(model_dir)
     return ([bos] if bos is not None else []) + ids
 
 
@@ -252,8 +251,8 @@ def collect_imatrix(model_dir: str | os.PathLike, chunks: list[list[int]], *, ch
     def add(name: str, row: int, n_mat: int, x) -> None:
         """Row ``row`` of ``name``'s sums takes the squares of ``x [N, n]`` (N tokens), its count N."""
         x = x.detach().reshape(-1, x.shape[-1]).double()
-        if name not in sums:
-            sums[name] = np.zeros((n_mat, x.shape[1]), dtype=np.float64)
+        if name not in sums:  # float32 as llama-imatrix holds them (DeepSeek-V3's experts: 1.2 GiB); each call's
+            sums[name] = np.zeros((n_mat, x.shape[1]), dtype=np.float32)  # sum is taken in float64
             counts[name] = np.zeros(n_mat, dtype=np.int64)
         sums[name][row] += (x * x).sum(0).numpy()
         counts[name][row] += x.shape[0]
@@ -319,8 +318,9 @@ def make_imatrix(model_dir: str | os.PathLike, out: str | os.PathLike, *, text_f
                            fix="--text-file calibration.txt, or --prompt-ids 1,2,3 (or a file of ids)")
     ins = [Path(model_dir)] + [Path(p) for p in (text_file, prompt_ids_source) if p is not None and Path(p).exists()]
     out_p = guard_output_file(out, "OUT", inputs=ins, force=force)
+    bos = bos_policy(model_dir)
     if text_file is not None:
-        tokens, path, where, dataset = text_tokens(model_dir, text_file), str(text_file), None, str(text_file)
+        tokens, path, where, dataset = text_tokens(model_dir, text_file, bos), str(text_file), None, str(text_file)
         if not tokens:
             raise InputError("the text tokenizes to nothing", path=str(text_file), fix="give a calibration text")
     else:
@@ -328,7 +328,7 @@ def make_imatrix(model_dir: str | os.PathLike, out: str | os.PathLike, *, text_f
             raise InputError("no prompt ids", path=prompt_ids_source, fix="give the token ids, comma-separated")
         tokens, path, where = list(prompt_ids), prompt_ids_source, "--prompt-ids"
         dataset = prompt_ids_source or "prompt-ids"
-    parts = chunk_tokens(tokens, chunk_size, bos=bos_policy(model_dir), chunks=chunks, path=path, where=where)
+    parts = chunk_tokens(tokens, chunk_size, bos=bos, chunks=chunks, path=path, where=where)
     run = collect_imatrix(model_dir, parts, chunk_size=chunk_size, max_memory=max_memory, threads=threads,
                           datasets=(dataset,))
     write_file(out_p, run.gguf_bytes())
