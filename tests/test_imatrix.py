@@ -177,3 +177,25 @@ def test_an_fp8_release_is_read_as_quantize_reads_it(tmp_path, one_torch_thread)
                  chunk_size=32)
     assert a.tensors_without == () and "blk.1.ffn_down_exps.weight" in a.entries
     assert (tmp_path / "fp8.gguf").read_bytes() == (tmp_path / "f32.gguf").read_bytes()
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "glm5_next"])
+def test_prefill_layers_equals_run_per_batch(tmp_path, one_torch_thread, family):
+    """The executor's all-chunks-per-layer prefill (the release read once) computes, for each batch of chunks, the
+    last layer's output a run of that batch alone computes, bit for bit (GLM-5-Next: DSA layers sharing the previous
+    layer's selection, and hyper-connection streams)."""
+    import torch
+
+    from ktconvert.model import load_config
+    from ktconvert.model.executor import CheckpointWeights, LayerMajor
+    from ktconvert.model.reference import build_skeleton
+
+    model_dir = tiny(tmp_path, family)
+    cfg = load_config(model_dir)
+    run = LayerMajor(build_skeleton(cfg), CheckpointWeights(model_dir, cfg))
+    ids = torch.randint(0, int(cfg.vocab_size), (5, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        out = run.collapse(run.prefill_layers(ids, 2))
+        for a in range(0, 5, 2):
+            alone = run.run(ids[a:a + 2]).hidden_states[-1]
+            assert torch.equal(out[a:a + 2], alone), a

@@ -279,10 +279,8 @@ def collect_imatrix(model_dir: str | os.PathLike, chunks: list[list[int]], *, ch
     previous = torch.get_num_threads()
     torch.set_num_threads(threads or previous)
     try:
-        with torch.no_grad():
-            run = LayerMajor(skeleton, weights)
-            for a in range(0, len(chunks), per_pass):
-                run.run(torch.tensor(chunks[a: a + per_pass], dtype=torch.long))
+        with torch.no_grad():  # every chunk through a layer before the next: the release is read once
+            LayerMajor(skeleton, weights).prefill_layers(torch.tensor(chunks, dtype=torch.long), per_pass)
     finally:
         torch.set_num_threads(previous)
         for h in handles:
