@@ -12,7 +12,10 @@ module computes the same from the Hugging Face release without a GGUF:
   (``MUL_MAT``) and of every indirect one (``MUL_MAT_ID``, merged experts): per weight, the sum over the tokens of
   each input column's square, and the number of tokens (per expert for merged experts: the (token, slot) pairs
   routed to it). Here a forward hook on each reference module whose weight ``quantize`` writes under a ``blk.*``
-  name takes its input: the same numbers, as the reference modules compute the same activations in float32.
+  name takes its input: the same numbers, as the reference modules compute the same activations in float32. One
+  product llama.cpp splits by rows feeds each part; columns llama.cpp reorders are reordered alike; MLA written as the
+  absorbed ``attn_k_b`` / ``attn_v_b`` is probed inside the attention (``MLAttention.latent_probe``). Every chunk
+  goes through a layer before the next (``LayerMajor.prefill_layers``): the release is read once.
   ``output.weight`` is not collected (llama-imatrix only with ``--process-output``), nor ``token_embd.weight`` (a
   row lookup, not a product).
 * **Chunk count.** ``imatrix.chunk_count`` is the largest count divided by the chunk size, as llama-imatrix tracks
