@@ -104,3 +104,51 @@ def test_quantize_with_our_imatrix_equals_llama_quantize(runs, tmp_path):
     assert got.manifest["imatrix"]["no_data"] == {}
     plain = convert(f32, tmp_path / "plain", "Q4_K_M").out / "model.gguf"
     assert differences(want, plain) != [], "the importance matrix changed nothing: the test cannot fail"
+
+
+def _adds_bos(hf: Path, out: Path) -> Path:
+    """The tiny release with a tokenizer that adds BOS (a TemplateProcessing post-processor, ``add_bos_token``):
+    the GGUF then says ``tokenizer.ggml.add_bos_token = true``."""
+    import json
+    import shutil
+
+    shutil.copytree(hf, out)
+    tj = json.loads((out / "tokenizer.json").read_text())
+    bos = [{"SpecialToken": {"id": "<s>", "type_id": 0}}]
+    tj["post_processor"] = {"type": "TemplateProcessing", "single": bos + [{"Sequence": {"id": "A", "type_id": 0}}],
+                            "pair": bos + [{"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+                            "special_tokens": {"<s>": {"id": "<s>", "ids": [510], "tokens": ["<s>"]}}}
+    (out / "tokenizer.json").write_text(json.dumps(tj))
+    cfg = json.loads((out / "tokenizer_config.json").read_text())
+    (out / "tokenizer_config.json").write_text(json.dumps({**cfg, "add_bos_token": True}))
+    return out
+
+
+def test_bos_first_in_the_text_and_in_every_chunk_as_llama_imatrix(runs, tmp_path):
+    """A vocabulary that adds BOS: llama-imatrix puts it before the text and in place of each chunk's first token;
+    so does ktconvert (and without it the sums move far)."""
+    from ktconvert.convert import convert
+    from ktconvert.imatrix import make_imatrix
+    from ktconvert.imatrix.collect import bos_policy
+
+    hf, _, text, plain_ref = runs["qwen3_moe"]
+    bos = _adds_bos(hf, tmp_path / "bos")
+    assert bos_policy(bos) == 510
+    f32 = convert(bos, tmp_path / "f32", type="F32").out / "model.gguf"
+    ref = tmp_path / "llama.imatrix.gguf"
+    run_tool("llama-imatrix", ["-m", str(f32), "-f", str(text), "-c", str(CHUNK), "--chunks", str(CHUNKS),
+                               "-t", "1", "--no-ppl", "-fa", "off", "-ctk", "f32", "-ctv", "f32", "-o", str(ref)])
+    ours = tmp_path / "ours.imatrix.gguf"
+    make_imatrix(bos, ours, text_file=text, chunk_size=CHUNK, chunks=CHUNKS)
+    want, _, _ = _read(ref)
+    got, _, _ = _read(ours)
+    plain, _, _ = _read(plain_ref)
+    name = "blk.1.attn_output.weight.in_sum2"
+    moved = float(np.abs(plain[name] - want[name]).max() / np.abs(want[name]).max())
+    assert moved > 1e-2, "BOS changed nothing: the test cannot fail"
+    assert sorted(got) == sorted(want)
+    for n in want:
+        if n.endswith(".counts"):
+            assert np.array_equal(got[n], want[n]), n
+        else:
+            assert float((np.abs(got[n] - want[n]) / np.abs(want[n]).max(axis=1, keepdims=True)).max()) <= 1e-4, n
