@@ -22,7 +22,7 @@ FLOORS = {
     "formats": 3,
     "rules": 4,
     "convert": 5, "model": 5,
-    "golden": 6, "kernel": 6,
+    "golden": 6, "kernel": 6, "imatrix": 6,
     "verify": 7, "preflight": 7,
     "gate": 8,
     "demo": 9,

@@ -25,6 +25,7 @@ FAILING_JSON = {
     "preflight": (["preflight", "--kt-method", "AMXINT8", "--no-such-flag", "-o", "json"], 2),
     "tiny-model": (["tiny-model", "no_such_family", "{tmp}/t", "-o", "json"], 2),
     "doctor": (["doctor", "--no-such-flag", "-o", "json"], 2),
+    "imatrix": (["imatrix", "{tmp}/model", "{tmp}/o.gguf", "--text-file", "{missing}", "-o", "json"], 2),
 }
 
 

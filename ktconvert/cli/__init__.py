@@ -25,6 +25,7 @@ COMMANDS: dict[str, str] = {
     "gate": "ktconvert.cli.gate:command",
     "tiny-model": "ktconvert.cli.tiny_model:command",
     "golden": "ktconvert.cli.golden:command",
+    "imatrix": "ktconvert.cli.imatrix:command",
     "inspect": "ktconvert.cli.inspect_cmd:command",
     "verify": "ktconvert.cli.verify:command",
     "quantize": "ktconvert.cli.quantize:command",

@@ -23,6 +23,7 @@ from ktconvert.errors import EnvironmentProblem, InputError
 from ktconvert.formats import fp8, kt_amx, open_checkpoint, quantized
 from ktconvert.formats.imatrix import read_imatrix
 from ktconvert.formats.lora_delta import lora_delta
+from ktconvert.formats.transforms import tile_columns
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
 from ktconvert.quant import dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
@@ -364,9 +365,7 @@ def _lora_rows(lora: tuple, rows: np.ndarray) -> np.ndarray:
 def _post(rows: np.ndarray, s) -> None:
     """A segment's llama.cpp transform (:mod:`ktconvert.convert.transforms`), in place on its decoded rows."""
     if s.col_tile:
-        nk, per_k, width = s.col_tile
-        grouped = rows.reshape(rows.shape[0], nk, per_k, width)
-        rows[...] = grouped.transpose(0, 2, 1, 3).reshape(rows.shape)
+        rows[...] = tile_columns(rows, s.col_tile)
     if s.value == "add_one":
         rows += np.float32(1.0)
     elif s.value == "neg_exp":

@@ -11,6 +11,11 @@ Two formats (llama.cpp ``common/imatrix-loader.cpp``, the version the tests pin)
   ``nval`` and ``nval`` float32 sums (already averaged per call by the writer, times ``ncall``); optionally an int32
   chunk count and an int32-length dataset name. llama-quantize divides by ``ncall`` (if > 0; else takes the sums).
 
+:func:`imatrix_gguf_bytes` writes the GGUF form (``ktconvert imatrix``'s output) as llama-imatrix's ``save_imatrix``
+lays it out: ``general.type = imatrix``, the three ``imatrix.*`` KVs, then per entry in sorted name order
+``<name>.in_sum2`` (F32, ne ``[n_in, n_mat]``) and ``<name>.counts`` (F32, ne ``[1, n_mat]``), trailing 1s dropped
+from ``ne`` as ggml's GGUF writer drops them; the raw sums and counts, not divided.
+
 Anything llama-quantize would crash on, read as garbage or refuse later (a truncated file, sums without counts, a
 zero-length counts tensor, NaN/inf, negative sums or counts, shapes that do not divide) is an :class:`InputError`
 naming the file and the entry.
@@ -226,4 +231,41 @@ def _read_dat(mm, path: str) -> Imatrix:
     return Imatrix(path, "dat", values, tuple(datasets), int(chunk_count), 0, no_data=no_data)
 
 
-__all__ = ["Imatrix", "read_imatrix"]
+@dataclass(frozen=True)
+class ImatrixEntry:
+    """One matrix's raw statistics: ``sums`` float32 ``(n_mat, n_in)`` (sum over the tokens of each input column's
+    squared activation; ``n_mat`` is 1 for a dense matrix, ``n_expert`` for merged experts) and ``counts``
+    ``(n_mat,)`` (the tokens each matrix saw)."""
+
+    sums: np.ndarray
+    counts: np.ndarray
+
+
+def imatrix_gguf_bytes(entries: dict[str, ImatrixEntry], *, datasets: tuple[str, ...], chunk_count: int,
+                       chunk_size: int) -> bytes:
+    """The imatrix GGUF llama-imatrix writes for ``entries`` (see the module docstring), as bytes."""
+    from ktconvert.formats.gguf_write import encode_kv, layout_gguf
+
+    kv = [("general.type", encode_kv("general.type", 8, "imatrix")),
+          ("imatrix.datasets", encode_kv("imatrix.datasets", 9, list(datasets), 8)),
+          ("imatrix.chunk_count", encode_kv("imatrix.chunk_count", 4, int(chunk_count))),
+          ("imatrix.chunk_size", encode_kv("imatrix.chunk_size", 4, int(chunk_size)))]
+    tensors, blobs = [], []
+    for name in sorted(entries):
+        e = entries[name]
+        n_mat = int(e.counts.size)
+        sums = np.ascontiguousarray(e.sums, dtype="<f4").reshape(n_mat, -1)
+        for suffix, data, ne in ((".in_sum2", sums, (sums.shape[1], n_mat)),
+                                 (".counts", np.ascontiguousarray(e.counts, dtype="<f4"), (1, n_mat))):
+            ne = ne[:1] if ne[1] == 1 else ne  # ggml_n_dims: trailing 1s are not written
+            tensors.append((name + suffix, ne, _F32, data.nbytes))
+            blobs.append(data.tobytes())
+    header, slots, size = layout_gguf(kv, tensors)
+    out = bytearray(size)
+    out[: len(header)] = header
+    for slot, blob in zip(slots, blobs):
+        out[slot.offset: slot.offset + len(blob)] = blob
+    return bytes(out)
+
+
+__all__ = ["Imatrix", "ImatrixEntry", "imatrix_gguf_bytes", "read_imatrix"]

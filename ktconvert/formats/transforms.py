@@ -39,6 +39,13 @@ def tiled_order(k_heads: int, per_k: int) -> list[int]:
     return [g * per_k + r for r in range(per_k) for g in range(k_heads)]
 
 
+def tile_columns(rows: np.ndarray, col_tile: tuple[int, ...]) -> np.ndarray:
+    """``rows [N, C]`` with their columns reordered as a segment's ``col_tile`` says (value heads grouped by key
+    head -> tiled); a new array."""
+    nk, per_k, width = col_tile
+    return rows.reshape(rows.shape[0], nk, per_k, width).transpose(0, 2, 1, 3).reshape(rows.shape)
+
+
 def apply(name: str, shape: tuple[int, ...], transform: dict, config: dict | None, seg, where: str):
     """``(shape, segments)`` of the GGUF tensor made from HF tensor ``name`` (``seg``: its plain one-segment copy)."""
     if not transform:

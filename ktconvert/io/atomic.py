@@ -267,6 +267,21 @@ def check_output_file(path: str | os.PathLike, flag: str) -> Path:
     return p
 
 
+def guard_output_file(path: str | os.PathLike, flag: str, *, inputs: Iterable[Path] = (), force: bool = False) -> Path:
+    """:func:`check_output_file` for a command whose result is the file (``ktconvert imatrix OUT``): also refuse
+    an existing file without ``force``, and a path that is an input or lies inside an input directory."""
+    p = check_output_file(path, flag)
+    p_r = p.resolve()
+    for r in sorted({Path(i).resolve() for i in inputs}):
+        if p_r == r or r in p_r.parents:
+            raise UsageProblem("the output would be written over or inside an input", path=str(p), where=flag,
+                               fix="choose an output path outside the inputs")
+    if p.exists() and not force:
+        raise UsageProblem("output already exists", path=str(p), where=flag,
+                           fix="pass --force to replace it, or choose a new name")
+    return p
+
+
 def write_file(path: Path, data: bytes) -> None:
     """Write one file atomically (built under a temporary name beside it, renamed when complete)."""
     path = Path(path)

@@ -161,32 +161,51 @@ class LayerMajor:
         one call), its weights resident for the whole of it."""
         return self.layer_jobs(index, [(hidden, cache, selections)], position_ids, input_ids, chunks)[0]
 
-    def layer_jobs(self, index: int, jobs: list[tuple], position_ids: torch.Tensor, input_ids: torch.Tensor,
+    def layer_jobs(self, index: int, jobs: list[tuple], position_ids: torch.Tensor | list, input_ids: torch.Tensor | list,
                    chunks: list[tuple[int, int]] | None = None, then=None) -> list[torch.Tensor]:
         """Decoder layer ``index`` over several inputs while its weights are resident once: ``jobs`` are
         ``(hidden, cache, selections[, guard])``, each with a cache (and DSA selections) of its own (a verify runs
         the candidate's layer on its own input and on the reference's, :func:`run_pair`); ``guard``: a context
         manager factory entered around that job (verify's module tap looks away from the teacher-forced job);
-        ``then(layer)``: called once the jobs are done, the layer's weights still resident."""
+        ``then(layer)``: called once the jobs are done, the layer's weights still resident.
+        ``position_ids`` / ``input_ids``: shared by the jobs, or a list with each job's (:meth:`prefill_layers`)."""
         layer = self.model.model.layers[index]
         mixer = layer.mixer
         source = getattr(mixer, "selection_source", None)
         outs = []
         with self.weights.part(self.model, "layer", index):
-            for hidden, cache, selections, *guard in jobs:
+            for j, (hidden, cache, selections, *guard) in enumerate(jobs):
+                pos = position_ids[j] if isinstance(position_ids, list) else position_ids
+                ids = input_ids[j] if isinstance(input_ids, list) else input_ids
                 selections = selections if selections is not None else {}
                 parts = []
                 with guard[0]() if guard and guard[0] is not None else nullcontext():
                     for c, (a, z) in enumerate(chunks or [(0, hidden.shape[1])]):
                         if source is not None and id(source) in selections:
                             source.last_selection = selections[id(source)][c]  # the source layer's, same chunk
-                        parts.append(layer(hidden[:, a:z], position_ids[:, a:z], cache, input_ids[:, a:z]))
+                        parts.append(layer(hidden[:, a:z], pos[:, a:z], cache, ids[:, a:z]))
                         if hasattr(mixer, "last_selection"):
                             selections.setdefault(id(mixer), []).append(mixer.last_selection)
                 outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
             if then is not None:
                 then(layer)
         return outs
+
+    def prefill_layers(self, input_ids: torch.Tensor, batch: int) -> torch.Tensor:
+        """``input_ids [N, T]``, N independent sequences, through the embedding and every decoder layer, ``batch``
+        sequences per call of a layer, each part resident once for all N (the weights are read once, however many
+        sequences); the head is not run. Returns the last layer's output. For what sees the layers' inputs only
+        (``ktconvert imatrix``'s hooks); each batch computes what :meth:`run` computes on it alone."""
+        ids, _, _, _, _, _, positions, chunks = self._setup(input_ids, None, None)
+        hidden, _ = self.embed(ids, chunks)
+        spans = [(a, min(a + batch, ids.shape[0])) for a in range(0, ids.shape[0], batch)]
+        hs = [hidden[a:z] for a, z in spans]
+        selections = [{} for _ in spans]  # each batch's DSA selections, for the layers sharing a source layer's
+        for index in range(len(self.model.model.layers)):
+            jobs = [(h, None, sel) for h, sel in zip(hs, selections)]
+            hs = self.layer_jobs(index, jobs, [positions[a:z] for a, z in spans],
+                                 [ids[a:z] for a, z in spans], chunks)
+        return torch.cat(hs)
 
 
 @dataclass

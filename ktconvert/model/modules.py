@@ -389,7 +389,14 @@ class DsaKPoolIndexer(Tagged, nn.Module):
 
 
 class MLAttention(Tagged, nn.Module):
-    """DeepSeek multi-head latent attention (no weight absorption: the plain form transformers runs)."""
+    """DeepSeek multi-head latent attention (no weight absorption: the plain form transformers runs).
+
+    ``latent_probe``: ``None``, or ``fn(q_nope [B, h, T, nope], latent_out [B, T, h * kv_lora_rank])`` called each
+    forward with what llama.cpp's absorbed form multiplies by ``attn_k_b`` and ``attn_v_b`` (each head's query
+    without rope; the attention output in the latent space, before ``kv_b_proj``'s value rows): ``ktconvert
+    imatrix`` collects their squares there."""
+
+    latent_probe = None
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
@@ -460,6 +467,9 @@ class MLAttention(Tagged, nn.Module):
             allowed = self.last_selection = self.indexer(hidden, q_resid, cos_sin, s - t, cache)
         elif self.selection_source is not None:
             allowed = self.selection_source.last_selection
+        if self.latent_probe is not None:  # the inputs of llama.cpp's absorbed products attn_k_b and attn_v_b
+            heads = latent.expand(-1, q_nope.shape[1], -1, -1)
+            self.latent_probe(q_nope, attend(query, key, heads, self.scaling, allowed=allowed))
         return self.o_proj(attend(query, key, value, self.scaling, allowed=allowed))
 
 
