@@ -310,8 +310,8 @@ def _check_gguf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
         proj = next(p for p in PROJS if f"_{p}_exps" in names[0])
         prob = type_problems("LLAMAFILE", {proj: dtype}, {proj: want[proj][2]})[0]
         more = f" (and {len(names) - 1} more expert tensor(s) in {dtype})" if len(names) > 1 else ""
-        out.append(Finding("PF141", ERROR, f"{dtype}: {prob.what}; the first prefill would fail after the whole "
-                           f"load{more}", prob.fix + " (ktconvert quantize --for kt-llamafile checks it)", names[0]))
+        out.append(Finding("PF141", ERROR, f"{prob.what}; the launch loads every weight and fails only once it "
+                           f"serves{more}", prob.fix + " (ktconvert quantize --for kt-llamafile checks it)", names[0]))
     if missing:
         out.append(Finding("PF142", ERROR, f"{len(missing)} expert tensor(s) of the MoE layers missing, first "
                            f"{missing[0]}", "convert the whole model", str(path)))

@@ -195,7 +195,7 @@ def check_weights(ctx, compiled: list, tree: ModelTree, checkpoint) -> None:
             prob = kt_llamafile.problem(dtype, int(checkpoint[first].shape[-1]))
             ctx.add("KT502", where, f"{first} is {dtype} ({len(hits)} expert tensor(s) in {len(layers)} layer(s)): "
                     f"{op_name} ({slot_name} of rule {index}) runs it on the llamafile backend, and {prob.what}; "
-                    "the first prefill fails after the whole load", prob.fix)
+                    "upstream loads every weight and fails only once it serves", prob.fix)
             continue
         ctx.add("KT502", where, f"{len(hits)} expert tensor(s) in {len(layers)} layer(s) are {dtype} (first {hits[0][1]}), "
                 f"which {op_name}{why} ({slot_name} of rule {index}) cannot run (it runs {', '.join(allowed)}); "
