@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from conftest import REPO
 from ktconvert.cli import cli
 from ktconvert.errors import InputError
 from ktconvert.quant import WRITABLE, kt_llamafile
@@ -152,9 +153,8 @@ def test_check_rules_weights_refuses_llamafile_experts_in_an_unrunnable_type(tmp
     from rules_weights_helpers import write_gguf
 
     from ktconvert.rules import modeltree
-    from pathlib import Path
 
-    rules = Path(__file__).resolve().parents[1] / "rules" / "optimize" / "deepseek_v3.yaml"
+    rules = REPO / "rules" / "optimize" / "deepseek_v3.yaml"
     cfg = tmp_path / "config.json"
     cfg.write_text(json.dumps(modeltree.PROBE_CONFIGS["deepseek_v3"]))
     tree = modeltree.build_tree(modeltree.PROBE_CONFIGS["deepseek_v3"])

@@ -16,7 +16,6 @@ QK_K = 256
 FP8_BLOCK = 128
 
 
-
 @dataclass(frozen=True)
 class Method:
     name: str
