@@ -187,3 +187,21 @@ def test_quantize_for_kt_llamafile_refuses_before_writing_and_names_the_override
     assert res.exit_code == 2 and "needs GGUF output" in res.output
     assert _invoke("quantize", src, out, "--recipe", "cpu-experts-Q4_K", "--for", "kt-llamafile",
                    "--dry-run").exit_code == 0
+
+
+def test_quantize_for_kt_llamafile_from_a_gguf_it_cannot_run_names_the_requantize(tiny_root, tmp_path):
+    """The field report's flow: a GGUF already in such a type, kept as is, then the override the refusal names."""
+    from ktconvert.convert import convert
+
+    q41 = convert(tiny_root / "qwen3_moe", tmp_path / "q41", type="Q4_1").out / "model.gguf"
+    out = tmp_path / "out"
+    res = _invoke("quantize", q41, out, "--type", "keep", "--for", "kt-llamafile")
+    assert res.exit_code == 2 and not out.exists(), res.output
+    override = r"\.ffn_(gate|up|down)_exps\.weight$=Q5_K"
+    assert f"--tensor-type '{override}' --allow-requantize" in res.output
+    res = _invoke("quantize", q41, out, "--type", "keep", "--tensor-type", override, "--allow-requantize",
+                  "--for", "kt-llamafile", "--dry-run")
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert "Q4_1 -> Q5_K" in next(ln for ln in lines if ln.strip().startswith("blk.1.ffn_down_exps.weight"))
+    assert "copy bytes" in next(ln for ln in lines if ln.strip().startswith("blk.0.attn_q.weight"))  # untouched
