@@ -14,7 +14,8 @@ _TYPES = {"F32": np.float32, "F16": np.float16}
 
 
 def write_gguf(path, tree: ModelTree, drop=(), experts_type: str = "F32") -> list[str]:
-    """A GGUF with llama.cpp names for every tensor of ``tree`` (minus ``drop``); returns the names written."""
+    """A GGUF with llama.cpp names for every tensor of ``tree`` (minus ``drop``); returns the names written.
+    ``experts_type``: F32, F16, BF16, or any ggml block type (zero blocks, one per row)."""
     cat = load_catalog()
     naming = naming_map(tree.family)
     names = [e.stored[0] for e in expected_tensors(tree, "gguf", naming, cat.role_of)]
@@ -30,8 +31,12 @@ def write_gguf(path, tree: ModelTree, drop=(), experts_type: str = "F32") -> lis
             if experts_type == "BF16":
                 data = np.zeros((2, 4, 8), dtype=np.uint16)
                 writer.add_tensor(name, data, raw_shape=(2, 4, 8), raw_dtype=gguf.GGMLQuantizationType.BF16)
-            else:
+            elif experts_type in _TYPES:
                 writer.add_tensor(name, np.zeros((2, 4, 8), dtype=_TYPES[experts_type]))
+            else:  # a block type: zero blocks (rows of one block), as gguf-py writes raw bytes
+                qt = gguf.GGMLQuantizationType[experts_type]
+                data = np.zeros((2, 4, gguf.GGML_QUANT_SIZES[qt][1]), dtype=np.uint8)
+                writer.add_tensor(name, data, raw_dtype=qt)
         else:
             writer.add_tensor(name, np.zeros((4, 8), dtype=np.float32))
         written.append(name)

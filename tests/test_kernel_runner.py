@@ -147,7 +147,7 @@ def test_llamafile_refuses_q4_1_before_loading_and_a_forced_load_is_one_clear_cr
     cfg = load_config(q3)
     b = WeightSource(quantized["Q4_1"], cfg).expert_blocks(0)
     with KernelSession("LLAMAFILE") as s:
-        with pytest.raises(KernelRefused, match=r"LLAMAFILE cannot run layer 0: LLAMAFILE aborts .*Q4_1"):
+        with pytest.raises(KernelRefused, match=r"LLAMAFILE cannot run layer 0: kt-kernel \S+ LLAMAFILE aborts .*Q4_1.*Q5_K"):
             s.load_gguf_layer("L0", b, 2)
         assert s._proc.poll() is None  # refused in this process: the child is untouched
         # what the refusal prevents: the same load sent anyway kills the child, reported as one error
@@ -169,8 +169,10 @@ def test_refusals_are_pure_checks():
     assert "H % 128" in shape_problems("AMXINT4", hidden=192, inter=256)[0].what
     assert "I % threadpools" in shape_problems("AMXINT8", hidden=256, inter=256, parts=3)[0].what
     assert shape_problems("AMXINT4", hidden=256, inter=256, parts=2) == []
-    assert "aborts" in type_problems("LLAMAFILE", {"gate": "Q5_1"})[0].what
-    assert "not been run here" in type_problems("LLAMAFILE", {"gate": "IQ2_XS"})[0].what
+    assert "aborts" in type_problems("LLAMAFILE", {"gate": "Q5_1"})[0].what  # the measured table
+    assert "computes wrong results on IQ4_XS" in type_problems("LLAMAFILE", {"gate": "IQ4_XS"})[0].what
+    assert "has not been measured on Q8_K" in type_problems("LLAMAFILE", {"gate": "Q8_K"})[0].what
+    assert "to Q4_0," in type_problems("LLAMAFILE", {"down": "IQ4_NL"}, {"down": 288})[0].fix  # rows of 288
     assert type_problems("LLAMAFILE", {"gate": "Q4_K", "up": "Q8_0", "down": "Q6_K"}) == []
 
 

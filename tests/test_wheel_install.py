@@ -32,6 +32,8 @@ def test_wheel_contains_schemas_and_rules(wheel):
     assert "ktconvert/_schemas/operator-catalog.schema.json" in names
     assert "ktconvert/_rules/catalog/ktransformers.yaml" in names
     assert "ktconvert/_rules/lint-checks.yaml" in names
+    assert "ktconvert/_rules/kernels/kt-llamafile.yaml" in names  # what LLAMAFILE runs: preflight and check-rules read it
+    assert "ktconvert/_schemas/kt-llamafile-types.schema.json" in names
     assert "ktconvert/_golden/tiny-models.yaml" in names
     assert {f"ktconvert/_golden/{d.name}/golden.safetensors" for d in (REPO / "golden").iterdir() if d.is_dir()} <= names
     assert {f"ktconvert/_rules/optimize/{f.name}" for f in (REPO / "rules" / "optimize").glob("*.yaml")} <= names

@@ -107,6 +107,10 @@ def _bar(enabled: bool):
               "quantized type (llama-quantize's flag of the same name; refused without it).")
 @click.option("-o", "--format", "fmt", type=click.Choice(["text", "json", "llama"]), default="text", show_default=True,
               help="llama (with --dry-run): the per-tensor table llama-quantize --dry-run prints for the same choice.")
+@click.option("--for", "target", type=click.Choice(["kt-llamafile"]), default=None,
+              help="kt-llamafile: the GGUF is for kt-kernel's LLAMAFILE method; an expert tensor the plan would write "
+              "in a type it cannot run (measured: rules/kernels/kt-llamafile.yaml) is refused before anything is "
+              "written, naming the closest type that runs.")
 @click.option("--list-recipes", is_flag=True, expose_value=False, is_eager=True, callback=_list_recipes,
               help="List the preset recipes and exit.")
 @executor_options("the conversion's units")
@@ -114,7 +118,8 @@ def _bar(enabled: bool):
 def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imatrix, include_weights, exclude_weights,
             tensor_types, output_tensor_type,
             token_embedding_type, leave_output_tensor, pure, lora_alpha, config, shard_size, max_memory,
-            jobs, allow_fallback, dry_run, resume, force, no_tokenizer, allow_requantize, fmt, executor, ray_address):
+            jobs, allow_fallback, dry_run, resume, force, no_tokenizer, allow_requantize, fmt, target, executor,
+            ray_address):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
 
     SRC: a .safetensors file, a shard directory or its index, a .gguf file or split GGUF set. OUT receives
@@ -139,7 +144,7 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imat
                                tokenizer=not no_tokenizer, threadpool_count=threadpool_count,
                                allow_requantize=allow_requantize, allow_fallback=allow_fallback, lora=lora,
                                lora_alpha=lora_alpha, imatrix=imatrix, include_weights=include_weights,
-                               exclude_weights=exclude_weights)
+                               exclude_weights=exclude_weights, target=target)
         if fmt == "llama":
             from ktconvert.convert import plan_llama_text
 
@@ -154,7 +159,7 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imat
                          progress=update, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
                          allow_fallback=allow_fallback, form=form, lora=lora, lora_alpha=lora_alpha,
                          executor=executor, ray_address=ray_address, imatrix=imatrix,
-                         include_weights=include_weights, exclude_weights=exclude_weights)
+                         include_weights=include_weights, exclude_weights=exclude_weights, target=target)
     except KeyboardInterrupt:
 
 

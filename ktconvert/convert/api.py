@@ -11,6 +11,7 @@ from ktconvert.convert.execute import Progress, RunResult, execute, input_roots,
 from ktconvert.convert.hf_out import build_hf_plan
 from ktconvert.convert.plan import Plan, build_plan
 from ktconvert.convert.recipe import Recipe, load_recipe, recipe_for_type
+from ktconvert.convert.targets import check_target
 from ktconvert.io.sizes import parse_size
 from ktconvert.convert.source import analyze
 from ktconvert.errors import UsageProblem
@@ -53,7 +54,7 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
                     allow_requantize: bool = False, allow_fallback: bool | None = None,
                     lora: str | Path | None = None, lora_alpha: float | None = None,
                     imatrix: str | Path | None = None, include_weights: tuple[str, ...] = (),
-                    exclude_weights: tuple[str, ...] = ()) -> Plan:
+                    exclude_weights: tuple[str, ...] = (), target: str | None = None) -> Plan:
     """Validate everything that can be validated without reading tensor data and return the plan.
 
     ``lora``: an adapter (any form convert-lora reads) merged in float32 into the weights it adapts
@@ -63,6 +64,8 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
     ``imatrix``: llama.cpp's importance matrix (GGUF or legacy .dat), used as llama-quantize uses it
     (:mod:`ktconvert.convert.imatrix_plan`); ``include_weights``/``exclude_weights`` llama-quantize's
     ``--include-weights``/``--exclude-weights``.
+    ``target``: ``"kt-llamafile"`` refuses a plan whose expert tensors LLAMAFILE cannot run
+    (:mod:`ktconvert.convert.targets`).
 
     Raises :class:`~ktconvert.errors.InputError` (bad input, impossible type, recipe problem: exit 3) or
     :class:`~ktconvert.errors.UsageProblem` (contradicting options: exit 2).
@@ -73,6 +76,7 @@ def plan_conversion(src: str | Path, recipe: Recipe | str | Path | None = None, 
         plan = attach_lora(plan, lora, lora_alpha=lora_alpha)
     elif lora_alpha is not None:
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
+    check_target(plan, target)
     return plan
 
 
@@ -110,7 +114,8 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
             allow_requantize: bool = False, allow_fallback: bool | None = None, form: str | None = None,
             lora: str | Path | None = None, lora_alpha: float | None = None, executor: str = "local",
             ray_address: str | None = None, imatrix: str | Path | None = None,
-            include_weights: tuple[str, ...] = (), exclude_weights: tuple[str, ...] = ()) -> RunResult:
+            include_weights: tuple[str, ...] = (), exclude_weights: tuple[str, ...] = (),
+            target: str | None = None) -> RunResult:
     """Convert ``src`` into the directory ``out`` (``model.gguf`` or safetensors shards, plus ``manifest.json``).
 
     ``executor="ray"`` runs the units as Ray tasks (``jobs`` at a time) on the cluster at ``ray_address`` (or the
@@ -135,7 +140,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
     plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
                            tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
                            allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha, imatrix=imatrix,
-                           include_weights=include_weights, exclude_weights=exclude_weights)
+                           include_weights=include_weights, exclude_weights=exclude_weights, target=target)
     with claim_output(Path(out), inputs=input_roots(Path(src), [Path(f) for f in plan.input_files]), force=force):
         if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
             ray = connect(ray_address)

@@ -180,6 +180,9 @@ class Child:
             types = req["types"]
             gt = self.ext.kvcache.ggml_type
             by_id = {int(getattr(gt, n)): getattr(gt, n) for n in dir(gt) if not n.startswith("_") and n[0].isupper()}
+            unknown = sorted({int(types[p]) for p in ("gate", "up", "down")} - set(by_id))
+            if unknown:
+                raise ValueError(f"kt-kernel's ggml_type enum has no type id {unknown[0]}")
             cfg.gate_type, cfg.up_type, cfg.down_type = (by_id[int(types[p])] for p in ("gate", "up", "down"))
             cfg.hidden_type = gt.BF16
             moe = moe_mod.MOE(cfg)

@@ -9,13 +9,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ktconvert.quant import kt_llamafile
+
 QK_K = 256
 # the one FP8 block kt-kernel's FP8 method reads (its kernels fix group_size = 128 for both block dimensions)
 FP8_BLOCK = 128
-
-# ggml types LLAMAFILE ran on here, and the ones that abort the process (SIGABRT)
-LLAMAFILE_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q6_K", "Q5_K", "Q5_0", "Q4_K", "Q4_0", "Q3_K", "Q2_K")
-LLAMAFILE_ABORTS = ("Q4_1", "Q5_1")
 
 
 @dataclass(frozen=True)
@@ -95,16 +93,15 @@ def shape_problems(method: str, *, hidden: int, inter: int, parts: int = 1) -> l
     return out
 
 
-def type_problems(method: str, types: dict[str, str]) -> list[Problem]:
-    """Weight types a method cannot run: LLAMAFILE aborts on Q4_1/Q5_1 and is unmeasured on others."""
+def type_problems(method: str, types: dict[str, str], row_lens: dict[str, int] | None = None) -> list[Problem]:
+    """Weight types a method cannot run: for LLAMAFILE, every type the measured table
+    (``rules/kernels/kt-llamafile.yaml``, :mod:`ktconvert.quant.kt_llamafile`) does not list as running on every
+    variant, with the closest type that runs (for rows of ``row_lens[proj]`` elements when given)."""
     out: list[Problem] = []
     if method != "LLAMAFILE":
         return out
     for proj, t in types.items():
-        if t in LLAMAFILE_ABORTS:
-            out.append(Problem(f"LLAMAFILE aborts the process (SIGABRT) on {t} weights ({proj})",
-                               "requantize the experts to Q4_0/Q5_0/Q4_K/Q5_K/Q8_0 (ktconvert quantize --type)"))
-        elif t not in LLAMAFILE_TYPES:
-            out.append(Problem(f"LLAMAFILE has not been run here on {t} weights ({proj})",
-                               f"use one of {', '.join(LLAMAFILE_TYPES)}"))
+        p = kt_llamafile.problem(t, (row_lens or {}).get(proj))
+        if p is not None:
+            out.append(Problem(f"{p.what} ({proj})", p.fix))
     return out

@@ -172,17 +172,19 @@ class KernelSession:
     # --- layers -----------------------------------------------------------------------------------------------
     def _check(self, *, hidden: int, inter: int, types: dict[str, str] | None, where: str) -> None:
         problems = shape_problems(self.method, hidden=hidden, inter=inter, parts=self.threadpools)
-        problems += type_problems(self.method, types or {})
+        problems += type_problems(self.method, types or {}, {"gate": hidden, "up": hidden, "down": inter})
         if problems:
             raise KernelRefused(f"{self.method} cannot run {where}: {problems[0].what}", fix=problems[0].fix)
 
-    def load_gguf_layer(self, key: str, blocks, top_k: int, *, max_len: int = 64) -> None:
-        """LLAMAFILE on one layer's merged ggml blocks (:class:`ktconvert.model.ops.source.ExpertBlocks`)."""
+    def load_gguf_layer(self, key: str, blocks, top_k: int, *, max_len: int = 64, check_types: bool = True) -> None:
+        """LLAMAFILE on one layer's merged ggml blocks (:class:`ktconvert.model.ops.source.ExpertBlocks`).
+        ``check_types=False`` loads types the measured table does not list as running: only the measurement of that
+        table (:mod:`ktconvert.kernel.llamafile_measure`) does, in a child of its own per type."""
 
         gate = blocks.gate
         e, i, h = gate.shape
         types = blocks.types()
-        self._check(hidden=h, inter=i, types=types, where=f"layer {blocks.layer}")
+        self._check(hidden=h, inter=i, types=types if check_types else None, where=f"layer {blocks.layer}")
         req = {"op": "load", "key": key, "method": self.method, "E": e, "top_k": top_k, "H": h, "I": i,
                "layer": blocks.layer, "max_len": max_len,
                "arrays": {p: self._save(np.ascontiguousarray(getattr(blocks, p).data)) for p in ("gate", "up", "down")},

@@ -291,25 +291,27 @@ def _check_gguf(ctx: Ctx, path: Path, out: list[Finding]) -> None:
         return
     e, i, h = dims.n_experts, dims.moe_intermediate_size, dims.hidden_size
     want = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
-    missing, shown, typed = [], False, False
+    missing, shown = [], False
+    untyped: dict[str, list[str]] = {}  # a type LLAMAFILE cannot run -> the expert tensors stored in it
     for layer in sorted(dims.moe_layers):
-        types = {}
         for p in PROJS:
             name = f"blk.{layer}.ffn_{p}_exps.weight"
             if name not in ck:
                 missing.append(name)
                 continue
             info = ck[name]
-            types[p] = info.dtype
             if tuple(info.shape) != want[p] and not shown:
                 shown = True
                 out.append(Finding("PF140", ERROR, f"shape {list(info.shape)} (numpy order), the config needs "
                                    f"{list(want[p])}", "convert from this --model-path (ktconvert quantize)", name))
-        if ctx.method == "LLAMAFILE" and not typed:
-            probs = type_problems("LLAMAFILE", types)
-            if probs:
-                typed = True
-                out.append(Finding("PF141", ERROR, probs[0].what, probs[0].fix, f"blk.{layer}.ffn_*_exps.weight"))
+            if ctx.method == "LLAMAFILE" and type_problems("LLAMAFILE", {p: info.dtype}):
+                untyped.setdefault(info.dtype, []).append(name)
+    for dtype, names in untyped.items():  # one line per type: its first tensor, how many, the closest type that runs
+        proj = next(p for p in PROJS if f"_{p}_exps" in names[0])
+        prob = type_problems("LLAMAFILE", {proj: dtype}, {proj: want[proj][2]})[0]
+        more = f" (and {len(names) - 1} more expert tensor(s) in {dtype})" if len(names) > 1 else ""
+        out.append(Finding("PF141", ERROR, f"{prob.what}; the launch loads every weight and fails only once it "
+                           f"serves{more}", prob.fix + " (ktconvert quantize --for kt-llamafile checks it)", names[0]))
     if missing:
         out.append(Finding("PF142", ERROR, f"{len(missing)} expert tensor(s) of the MoE layers missing, first "
                            f"{missing[0]}", "convert the whole model", str(path)))

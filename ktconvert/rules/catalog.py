@@ -13,6 +13,8 @@ from ktconvert.errors import InputError
 from ktconvert.io.datafile import load_data_file
 from ktconvert.io.resources import rules_dir
 
+#: the ``ggml_types`` set whose members are measured, not listed (ktconvert/quant/kt_llamafile.py)
+MEASURED_LLAMAFILE = "kt-llamafile"
 SECTIONS = ("backends", "module_types", "ggml_type_sets", "ops", "kwarg_sets", "operators")
 
 
@@ -141,12 +143,21 @@ class Catalog:
     def op_kwargs(self, op_name: str) -> dict:
         return self.ops.get(op_name, {}).get("kwargs", {})
 
-    def ggml_types(self, op_name: str, backend: str | None = None) -> list | str:
-        """Weight types an op can run: ``'any'`` or a list of ggml type names."""
+    def ggml_type_set(self, op_name: str, backend: str | None = None) -> list | str:
+        """What the catalog says an op runs, unresolved: a list of ggml type names, ``'any'`` or a set's name."""
         spec = self.ops.get(op_name, {})
         if backend and backend in spec.get("backend_ggml_types", {}):
             return spec["backend_ggml_types"][backend]
-        value = spec.get("ggml_types", "any")
+        return spec.get("ggml_types", "any")
+
+    def ggml_types(self, op_name: str, backend: str | None = None) -> list | str:
+        """Weight types an op can run: ``'any'`` or a list of ggml type names. The set ``kt-llamafile`` is the
+        measured table of kt-kernel's LLAMAFILE method (``rules/kernels/kt-llamafile.yaml``)."""
+        value = self.ggml_type_set(op_name, backend)
+        if value == MEASURED_LLAMAFILE:
+            from ktconvert.quant import kt_llamafile  # numpy and gguf: only on the --weights path
+
+            return kt_llamafile.runnable()
         if isinstance(value, str) and value != "any":
             return self.type_sets.get(value, "any")
         return value

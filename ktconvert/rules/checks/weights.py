@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from ktconvert.errors import InputError
 from ktconvert.formats import naming_map
 from ktconvert.rules import engine
+from ktconvert.rules.catalog import MEASURED_LLAMAFILE
 from ktconvert.rules.checks import check
 from ktconvert.rules.modeltree import ModelTree
 from ktconvert.formats.kt_amx import parse_name
@@ -187,6 +188,15 @@ def check_weights(ctx, compiled: list, tree: ModelTree, checkpoint) -> None:
         why = f" with backend {backend}" if backend in catalog.ops[op_name].get("backend_ggml_types", {}) else ""
         layers = sorted({layer for layer, _ in hits})
         where = (str(index), "replace", "kwargs", slot_name) if slot_name in rule.kwargs else point(rule)
+        if catalog.ggml_type_set(op_name, backend) == MEASURED_LLAMAFILE:  # the measured table says why, and what runs
+            from ktconvert.quant import kt_llamafile
+
+            first = hits[0][1]
+            prob = kt_llamafile.problem(dtype, int(checkpoint[first].shape[-1]))
+            ctx.add("KT502", where, f"{first} is {dtype} ({len(hits)} expert tensor(s) in {len(layers)} layer(s)): "
+                    f"{op_name} ({slot_name} of rule {index}) runs it on the llamafile backend, and {prob.what}; "
+                    "upstream loads every weight and fails only once it serves", prob.fix)
+            continue
         ctx.add("KT502", where, f"{len(hits)} expert tensor(s) in {len(layers)} layer(s) are {dtype} (first {hits[0][1]}), "
                 f"which {op_name}{why} ({slot_name} of rule {index}) cannot run (it runs {', '.join(allowed)}); "
                 "upstream raises at load (ggml_type not implemented)",
