@@ -312,6 +312,24 @@ def _check_vocab(model_dir: Path, vocab_size: int) -> None:
                          fix=f"set vocab_size to {rows} (the model's tokens), or use the checkpoint it describes")
 
 
+def _check_same_model(previous, cfg, out: Path) -> None:
+    """``--force`` regenerates a golden of this model (its weights, prompt or producer may change); a golden of
+    another model (family, layers, hidden size or vocabulary) in OUT is refused before the run, untouched: its
+    regeneration log would record one model's history under another's name."""
+    entries = previous.manifest["tensors"]["entries"]
+    hidden, logits = entries["hidden_states"]["shape"], entries["logits"]["shape"]
+    was = {"family": previous.manifest["model"]["family"], "layers": hidden[0] - 1, "hidden size": hidden[-1],
+           "vocabulary": logits[-1]}
+    now = {"family": cfg.family, "layers": cfg.num_hidden_layers, "hidden size": cfg.hidden_size,
+           "vocabulary": cfg.vocab_size}
+    differ = next((k for k in was if was[k] != now[k]), None)
+    if differ is not None:
+        raise InputError(f"this is the golden of another model ({differ} {was[differ]}, the model's is {now[differ]}); "
+                         "--force regenerates a golden of the same model", path=str(out / MANIFEST_NAME),
+                         where="model.family" if differ == "family" else "tensors.entries",
+                         fix="write the new golden to another OUT_DIR")
+
+
 @dataclass
 class GoldenResult:
     out_dir: Path
@@ -380,6 +398,7 @@ def _generate_golden(
         if not force:  # OUT exists: a usage error (exit 2), as for every other command
             raise UsageProblem("a golden already exists here", path=str(out), fix="pass --force to regenerate it (the manifest logs every regeneration)")
         previous = read_golden(out)
+        _check_same_model(previous, cfg, out)
     guard_output(out, inputs=[model_dir, *([Path(lora)] if lora is not None else [])], force=force)
     ids, text, prepended = prompt_for(model_dir, prompt_text, prompt_ids, bos)
     if max(ids) >= cfg.vocab_size:
