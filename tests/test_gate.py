@@ -358,3 +358,19 @@ def test_bad_model_case_paths_are_one_line_before_any_case_runs(release, tmp_pat
     assert fix in line and (":" in line.split(str(suite))[1])  # the suite file, the case's line, the fix
     if "schema" not in fix:
         assert "case 'release'" in line
+
+
+def test_regen_of_a_model_case_makes_its_golden_from_that_model(release, tmp_path, monkeypatch):
+    import shutil
+
+    from ktconvert.golden import golden_root, read_golden
+
+    monkeypatch.delenv("CI", raising=False)
+    shutil.copytree(golden_root() / "qwen3_moe", tmp_path / "g")
+    suite = _model_suite(tmp_path / "suite.yaml", _model_case("release", release["model"], release["good"], golden="g",
+                                                              max_memory=f"{release['budget']}B"))
+    r = run("gate", suite, "--regen", "--reason", "new release")
+    assert r.exit_code == 0 and f"regenerated {tmp_path / 'g'}" in r.output, r.output
+    made = read_golden(tmp_path / "g")
+    assert made.manifest["regenerations"][-1]["reason"] == "new release"
+    assert made.manifest["model"]["family"] == "qwen3_moe" and made.manifest["producer"]["engine"] == "stream"
