@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ktconvert import families
-from ktconvert.errors import InputError, KtError
+from ktconvert.errors import InputError
 from ktconvert.golden.paths import golden_root
 from ktconvert.io.datafile import load_data_file
 from ktconvert.io.resources import rules_dir
@@ -104,7 +104,7 @@ def load_suite(path: str | Path, check_profiles: bool = True) -> Suite:
             golden=_golden(raw["golden"], path, where), tolerance=_tolerance(raw["tolerance"], path, where) if check_profiles else raw["tolerance"],
             type=raw.get("type"), recipe=raw.get("recipe"), tags=tuple(raw.get("tags", ())),
             kernel=raw.get("kernel", "emulate"), to=raw.get("to", "gguf"), variant=raw.get("variant"),
-            lora=raw.get("lora"), max_memory=_budget(raw, path, where),
+            lora=raw.get("lora"), max_memory=_budget(raw),
         ))
         if raw.get("lora") is not None and raw.get("variant") is not None:
             raise InputError("lora and variant together: the tiny adapter is made for the family's tiny model only",
@@ -151,17 +151,13 @@ def _model_case(raw: dict, suite: Path, where: str, check_profiles: bool) -> Cas
         golden=_golden(raw["golden"], suite, where),
         tolerance=_tolerance(raw["tolerance"], suite, where) if check_profiles else raw["tolerance"],
         tags=tuple(raw.get("tags", ())), kernel=raw.get("kernel", "emulate"), to=raw.get("to", "gguf"),
-        model=model, candidate=candidate, max_memory=_budget(raw, suite, where))
+        model=model, candidate=candidate, max_memory=_budget(raw))
 
 
-def _budget(raw: dict, suite: Path, where: str) -> int | None:
-    """The case's ``max_memory`` in bytes (verify --max-memory), None when not given."""
-    if "max_memory" not in raw:
-        return None
-    try:
-        return parse_size(raw["max_memory"], what="max_memory")
-    except KtError as exc:
-        raise InputError(f"case {raw['name']!r}: {exc.message}", path=str(suite), where=where, fix=exc.fix) from None
+def _budget(raw: dict) -> int | None:
+    """The case's ``max_memory`` in bytes (verify --max-memory), None when not given (the schema's pattern has
+    already refused anything but a size)."""
+    return None if "max_memory" not in raw else parse_size(raw["max_memory"], what="max_memory")
 
 
 def _existing(ref: str, suite: Path, where: str, case: str, what: str, directory: bool | None, fix: str) -> Path:
