@@ -130,7 +130,9 @@ def f32_gguf(tmp_path_factory):
 def _perplexity(llama_tools, *args) -> str:
     from llamacpp_tools import run_tool
 
-    return run_tool("llama-perplexity", ["-t", "1", "-b", str(N_CTX), "-c", str(N_CTX), *map(str, args)])
+    # --no-repack: llama.cpp's plain CPU buffers, as tests/llamacpp_runner.py loads models (the AMX repack of an
+    # Intel CPU with AMX is what that file's note is about)
+    return run_tool("llama-perplexity", ["-t", "1", "-b", str(N_CTX), "-c", str(N_CTX), "--no-repack", *map(str, args)])
 
 
 def _stream_logits(model, ids) -> np.ndarray:
