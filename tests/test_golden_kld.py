@@ -127,7 +127,7 @@ def f32_gguf(tmp_path_factory):
     return root / "m", convert(root / "m", root / "f32", type="F32").out / "model.gguf"
 
 
-def _perplexity(llama_tools, *args) -> str:
+def _perplexity(llama_perplexity, *args) -> str:
     from llamacpp_tools import run_tool
 
     # --no-repack: llama.cpp's plain CPU buffers, as tests/llamacpp_runner.py loads models (the AMX repack of an
@@ -142,14 +142,14 @@ def _stream_logits(model, ids) -> np.ndarray:
 
 
 @pytest.mark.interop
-def test_llamacpp_base_file_reads_as_a_golden_matching_ktconverts(llama_tools, f32_gguf, tmp_path):
+def test_llamacpp_base_file_reads_as_a_golden_matching_ktconverts(llama_perplexity, f32_gguf, tmp_path):
     """(a) llama-perplexity --kl-divergence-base on the tiny model's F32 GGUF: ktconvert reads the file, runs its own
     reference on the same tokens and finds the same distributions (llama.cpp F32 vs torch F32, 16-bit steps)."""
     from ktconvert.model.tinytok import PROMPT_TEXT
 
     model, gguf = f32_gguf
     (tmp_path / "text.txt").write_text((PROMPT_TEXT + " ") * 8)
-    _perplexity(llama_tools, "-m", gguf, "-f", tmp_path / "text.txt", "--chunks", 1,
+    _perplexity(llama_perplexity, "-m", gguf, "-f", tmp_path / "text.txt", "--chunks", 1,
                 "--kl-divergence-base", tmp_path / "base.kld")
     base = kld.read_kl_base(tmp_path / "base.kld", n_vocab=512)
     assert base.n_ctx == N_CTX and base.n_chunk == 1
@@ -160,13 +160,13 @@ def test_llamacpp_base_file_reads_as_a_golden_matching_ktconverts(llama_tools, f
 
 
 @pytest.mark.interop
-def test_llamacpp_scores_a_base_file_ktconvert_wrote(llama_tools, f32_gguf, tmp_path):
+def test_llamacpp_scores_a_base_file_ktconvert_wrote(llama_perplexity, f32_gguf, tmp_path):
     """(b) ktconvert's golden written as a base file: llama-perplexity --kl-divergence on the same F32 GGUF accepts
     it and reports a KL divergence near zero, with the same top token everywhere."""
     model, gguf = f32_gguf
     ids = [510] + [(7 * i + 3) % 500 + 4 for i in range(N_CTX - 1)]  # 510: the tiny vocabulary's BOS
     kld.write_kl_base(tmp_path / "ours.kld", ids, _stream_logits(model, ids))
-    log = _perplexity(llama_tools, "-m", gguf, "--kl-divergence-base", tmp_path / "ours.kld", "--kl-divergence")
+    log = _perplexity(llama_perplexity, "-m", gguf, "--kl-divergence-base", tmp_path / "ours.kld", "--kl-divergence")
     row = re.search(r"^\s*1\s+([\d.]+) ± +[\d.]+\s+(-?[\d.]+) ± +[\d.]+\s+(-?[\d.]+) ± +[\d.]+\s+[\d.]+ ± +[\d.]+ %"
                     r"\s+([\d.]+) ± +[\d.]+ %", log, re.M)
     assert row is not None, log[-2000:]
