@@ -46,21 +46,32 @@ def llama_built():
         pytest.skip(str(exc))
 
 
-@pytest.fixture(scope="session")
-def llama_tools():
-    """llama.cpp's llama-imatrix and llama-quantize built into the cache (tests/llamacpp_tools.py): under CI a
-    failed build fails the tests that need them, elsewhere they skip with the reason."""
+def _llama_tools(*need: str):
+    """llama.cpp's tools ``need`` built into the cache (tests/llamacpp_tools.py): under CI a failed build fails the
+    tests that need them, elsewhere they skip with the reason."""
     import os
 
     import llamacpp_tools
     from ggml_ref import RefUnavailable
 
     try:
-        return llamacpp_tools.build()
+        return llamacpp_tools.build(need)
     except RefUnavailable as exc:
         if os.environ.get("CI"):
             pytest.fail(f"llama.cpp's tools required under CI: {exc}")
         pytest.skip(str(exc))
+
+
+@pytest.fixture(scope="session")
+def llama_tools():
+    """llama-imatrix and llama-quantize (the imatrix parity tests)."""
+    return _llama_tools("llama-imatrix", "llama-quantize")
+
+
+@pytest.fixture(scope="session")
+def llama_perplexity():
+    """llama-perplexity (the KL-divergence base-file tests)."""
+    return _llama_tools("llama-perplexity")
 
 
 @pytest.fixture(scope="module")

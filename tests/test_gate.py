@@ -257,3 +257,120 @@ def test_a_tiny_model_that_cannot_be_made_fails_its_cases_with_the_reason(monkey
     r = run("gate", "-k", "mixtral-f32")
     assert r.exit_code == 3, r.output
     assert "mixtral-f32: " in r.output and "disk full (free some space)" in r.output
+
+
+# --- cases naming a real model and its conversion on disk ------------------------------------------------------
+@pytest.fixture(scope="module")
+def release(tmp_path_factory):
+    """A model directory outside any suite directory, its Q8_0 GGUF by `ktconvert quantize`, and a broken GGUF (one
+    layer's expert gate/up swapped, the planted regression)."""
+    from verify_helpers import write_gguf
+
+    from ktconvert.convert import convert
+    from ktconvert.golden.stream import float32_bytes
+    from ktconvert.model.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("release")
+    model = root / "Qwen3-tiny"
+    write_tiny_model("qwen3_moe", model)
+    good = convert(model, root / "q8", type="Q8_0").out / "model.gguf"
+    broken = write_gguf(model, root / "broken.gguf", "Q8_0", faults=[("gate-up-swapped", 1)])
+    return {"root": root, "model": model, "good": good, "broken": broken, "budget": float32_bytes(model) // 2}
+
+
+def _model_suite(path, *cases) -> "Path":
+    import yaml
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(yaml.safe_dump({"kind": "gate-suite", "version": 1, "cases": list(cases)}, sort_keys=False))
+    return path
+
+
+def _model_case(name, model, candidate, **extra) -> dict:
+    return {"name": name, "model": str(model), "candidate": str(candidate), "rules": "qwen3_moe",
+            "golden": "qwen3_moe", "tolerance": "q8_0", **extra}
+
+
+def test_cases_naming_a_model_outside_the_suite_gate_its_conversions_within_max_memory(release, tmp_path, monkeypatch):
+    """The model relative to the suite file, the candidates absolute; max_memory reaches verify (the run streams);
+    the good conversion passes, the planted regression fails with exit 1, named at its layer."""
+    import os
+
+    import ktconvert.gate.runner as gate_runner
+
+    suite = tmp_path / "ci" / "gate.yaml"
+    rel = os.path.relpath(release["model"], suite.parent)
+    _model_suite(suite,
+                 _model_case("release-q8_0", rel, release["good"], max_memory=f"{release['budget']}B"),
+                 _model_case("release-broken", rel, release["broken"], max_memory=f"{release['budget']}B"))
+    loaded = load_suite(suite)
+    assert [c.model for c in loaded.cases] == [suite.parent / rel] * 2 and loaded.cases[0].family == "qwen3_moe"
+    assert loaded.cases[0].max_memory == release["budget"]
+    modes, real = [], gate_runner.run_verify
+
+    def spy(*a, **kw):
+        report = real(*a, **kw)
+        modes.append((kw["max_memory"], report.run["mode"]))
+        return report
+
+    monkeypatch.setattr(gate_runner, "run_verify", spy)
+    monkeypatch.setattr(gate_runner, "convert", lambda *a, **kw: pytest.fail("a model case converts nothing"))
+    junit = tmp_path / "gate.xml"
+    r = run("gate", suite, "--junit", junit)
+    assert r.exit_code == 1, r.output
+    assert "1/2 cases passed" in r.output and "gate RED" in r.output
+    assert modes == [(release["budget"], "stream")] * 2
+    cases = _junit_cases(junit)
+    assert cases["release-q8_0"].find("failure") is None and cases["release-q8_0"].find("error") is None
+    failure = cases["release-broken"].find("failure")
+    assert failure is not None and "model.layers.1" in (failure.text or "")
+
+
+@pytest.mark.parametrize("edit,needle,fix", [
+    (lambda c, r: {**c, "model": str(r["root"] / "nowhere")}, "model '{root}/nowhere' not found", "model directory"),
+    (lambda c, r: {**c, "model": "../missing"}, "model '../missing' not found", "relative to the suite file"),
+    (lambda c, r: {**c, "candidate": "gone.gguf"}, "candidate 'gone.gguf' not found", "converted checkpoint"),
+    (lambda c, r: {**c, "model": str(r["root"] / "q8")}, "has no config.json", "Hugging Face model directory"),
+    (lambda c, r: {**c, "candidate": str(r["model"] / "config.json")}, "neither a .gguf nor a .safetensors",
+     "converted checkpoint"),
+    (lambda c, r: {**c, "to": "kt-amx", "kernel": "kt-kernel"}, "is not a directory", "kt-amx directory"),
+    (lambda c, r: {**c, "candidate": str(r["root"] / "q8"), "to": "kt-amx"}, "read by the real kernel only",
+     "kernel: kt-kernel"),
+    (lambda c, r: {**c, "family": "qwen3_moe"}, "names a model directory and also family", "drop family"),
+    (lambda c, r: {**c, "max_memory": "8 parsecs"}, "not a valid gate suite", "gate-suite.schema.json"),
+    (lambda c, r: {k: v for k, v in c.items() if k != "candidate"}, "'candidate' is a required property",
+     "gate-suite.schema.json"),
+])
+def test_bad_model_case_paths_are_one_line_before_any_case_runs(release, tmp_path, monkeypatch, edit, needle, fix):
+    import ktconvert.gate.runner as gate_runner
+
+    good_tiny = {"name": "tiny-f32", "family": "qwen3_moe", "rules": "qwen3_moe", "type": "F32", "golden": "qwen3_moe",
+                 "tolerance": "f32"}
+    bad = edit(_model_case("release", release["model"], release["good"]), release)
+    suite = _model_suite(tmp_path / "suite.yaml", good_tiny, bad)
+    monkeypatch.setattr(gate_runner, "write_tiny_model", lambda *a, **kw: pytest.fail("a case ran"))
+    r = CliRunner().invoke(cli, ["gate", str(suite)], catch_exceptions=False)
+    assert r.exit_code == 3, r.output
+    lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
+    assert len(lines) == 1 and r.stdout == "", r.output
+    line = lines[0]
+    assert line.startswith(f"ktconvert: error: {suite}:") and needle.format(root=release["root"]) in line, line
+    assert fix in line and (":" in line.split(str(suite))[1])  # the suite file, the case's line, the fix
+    if "schema" not in fix:
+        assert "case 'release'" in line
+
+
+def test_regen_of_a_model_case_makes_its_golden_from_that_model(release, tmp_path, monkeypatch):
+    import shutil
+
+    from ktconvert.golden import golden_root, read_golden
+
+    monkeypatch.delenv("CI", raising=False)
+    shutil.copytree(golden_root() / "qwen3_moe", tmp_path / "g")
+    suite = _model_suite(tmp_path / "suite.yaml", _model_case("release", release["model"], release["good"], golden="g",
+                                                              max_memory=f"{release['budget']}B"))
+    r = run("gate", suite, "--regen", "--reason", "new release")
+    assert r.exit_code == 0 and f"regenerated {tmp_path / 'g'}" in r.output, r.output
+    made = read_golden(tmp_path / "g")
+    assert made.manifest["regenerations"][-1]["reason"] == "new release"
+    assert made.manifest["model"]["family"] == "qwen3_moe" and made.manifest["producer"]["engine"] == "stream"

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from numeric import assert_reproduces
+from verify_helpers import vanish_mid_run
 
 from ktconvert.cli import cli
 from ktconvert.golden import read_golden, read_manifest
@@ -97,24 +98,34 @@ def test_budget_below_one_layer_is_one_line_naming_the_minimum(tmp_path, no_ci):
 
 
 def test_source_file_disappearing_mid_run_is_one_line_and_writes_nothing(tmp_path, no_ci, monkeypatch):
-    from ktconvert.model import executor
-
     write_tiny_model("qwen3_moe", tmp_path / "m")
-    weights = tmp_path / "m" / "model.safetensors"
-    real = executor.LayerMajor.layer
-
-    def vanish(self, index, *a, **kw):
-        if index == 1 and weights.exists():
-            weights.unlink()
-        return real(self, index, *a, **kw)
-
-    monkeypatch.setattr(executor.LayerMajor, "layer", vanish)
+    vanish_mid_run(monkeypatch, tmp_path / "m" / "model.safetensors")
     res = CliRunner().invoke(cli, ["golden", str(tmp_path / "m"), str(tmp_path / "g"), "--engine", "stream",
                                    "--max-memory", "64MiB", "--prompt-ids", "1,2,3"])
     assert res.exit_code == 3, res.output
     line = res.output.strip()
     assert "\n" not in line and "model.safetensors" in line and "No such file" in line
     assert not (tmp_path / "g").exists()
+    assert {p.name for p in tmp_path.iterdir()} == {"m"}  # no partial or lock file beside OUT either
+
+
+def test_golden_of_another_model_in_out_is_one_line_and_left_untouched(tmp_path, no_ci):
+    """--force regenerates a golden of the same model; OUT holding another model's golden is refused before the
+    run, OUT unchanged."""
+    for family in ("qwen3_moe", "qwen2_moe"):
+        write_tiny_model(family, tmp_path / family)
+    args = ["--engine", "stream", "--max-memory", "64MiB", "--prompt-ids", "1,2,3"]
+    assert CliRunner().invoke(cli, ["golden", str(tmp_path / "qwen3_moe"), str(tmp_path / "g"), *args]).exit_code == 0
+    before = {p.name: p.read_bytes() for p in (tmp_path / "g").iterdir()}
+    res = CliRunner().invoke(cli, ["golden", str(tmp_path / "qwen2_moe"), str(tmp_path / "g"), *args, "--force"])
+    assert res.exit_code == 3, res.output
+    line = res.output.strip()
+    assert "\n" not in line and "golden of another model (family qwen3_moe, the model's is qwen2_moe)" in line
+    assert "manifest.yaml:model.family" in line and "another OUT_DIR" in line
+    assert {p.name: p.read_bytes() for p in (tmp_path / "g").iterdir()} == before
+    assert {p.name for p in tmp_path.iterdir()} == {"qwen3_moe", "qwen2_moe", "g"}
+    ok = CliRunner().invoke(cli, ["golden", str(tmp_path / "qwen3_moe"), str(tmp_path / "g"), *args, "--force"])
+    assert ok.exit_code == 0, ok.output
 
 
 @pytest.mark.parametrize("content,message", [(None, "not found"), (b"", "empty"), (b"\xff\xfe", "not UTF-8")])

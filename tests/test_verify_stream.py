@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from verify_helpers import FAMILIES, Workspace, experts_path, gate_path
+from verify_helpers import FAMILIES, Workspace, experts_path, gate_path, vanish_mid_run
 from ktconvert.cli import cli
 from ktconvert.golden.stream import float32_bytes
 from ktconvert.io import resources
@@ -174,27 +174,20 @@ def test_golden_of_another_model_is_one_line_when_streamed(ws):
 
 
 def test_release_disappearing_mid_run_is_one_line(ws, tmp_path, monkeypatch):
-    """The streamed reference reads the release layer by layer: its file going away mid-run is one line, exit 3."""
+    """The streamed reference reads the release layer by layer: its file going away mid-run is one line, exit 3,
+    and nothing is written."""
     import shutil
-
-    from ktconvert.model import executor
 
     model = tmp_path / "m"
     shutil.copytree(ws.model("qwen2_moe"), model)
     gguf = ws.gguf("qwen2_moe", "Q8_0")
-    weights = model / "model.safetensors"
-    real = executor.LayerMajor.layer
-
-    def vanish(self, index, *a, **kw):
-        if index == 1 and weights.exists():
-            weights.unlink()
-        return real(self, index, *a, **kw)
-
-    monkeypatch.setattr(executor.LayerMajor, "layer", vanish)
+    vanish_mid_run(monkeypatch, model / "model.safetensors")
+    before = _files(tmp_path) - {model / "model.safetensors"}
     args = ["verify", "--model", str(model), "--rules", str(ws.rules("qwen2_moe")), "--golden",
             str(ws.golden("qwen2_moe")), "--weights", str(gguf), "--max-memory", str(_budget(ws, "qwen2_moe"))]
     line = _one_line(CliRunner().invoke(cli, args, catch_exceptions=False), 3)
     assert "model.safetensors" in line and "No such file" in line
+    assert _files(tmp_path) == before
 
 
 @pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_vl_moe"])  # qwen3_vl_moe: fused gate_up_proj experts

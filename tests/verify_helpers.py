@@ -170,6 +170,20 @@ class Workspace:
         return REPO / "golden" / family
 
 
+def vanish_mid_run(monkeypatch, path: Path, layer: int = 1) -> None:
+    """Delete ``path`` as the layer-major executor starts layer ``layer``: a source disappearing mid-run."""
+    from ktconvert.model import executor
+
+    real = executor.LayerMajor.layer
+
+    def vanish(self, index, *a, **kw):
+        if index == layer and path.exists():
+            path.unlink()
+        return real(self, index, *a, **kw)
+
+    monkeypatch.setattr(executor.LayerMajor, "layer", vanish)
+
+
 def experts_path(family: str, layer: int) -> str:
     return f"model.layers.{layer}.{families.spec(family).moe_block_name}.experts"
 

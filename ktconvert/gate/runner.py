@@ -1,4 +1,5 @@
-"""Runs gate cases: make the tiny model, convert it, verify the conversion; one result per case.
+"""Runs gate cases: make the tiny model, convert it, verify the conversion; one result per case. A case naming a
+model directory and its candidate on disk (:mod:`ktconvert.gate.suite`) skips the first two steps.
 
 Cases that share a family and a conversion share one converted checkpoint (converting is the slow part), so
 work is grouped by (family, conversion) and ``jobs`` processes take whole groups. With ``executor="ray"`` each
@@ -97,7 +98,7 @@ def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: s
         # The tiny models are made here, once, before any worker starts (workers would race on them); a model
         # that cannot be made fails its cases with the reason, and its groups never run.
         with_lora = {c.tiny for c in cases if c.lora}
-        for case in {c.tiny: c for c in cases}.values():
+        for case in {c.tiny: c for c in cases if c.model is None}.values():
             try:
                 _tiny_model(case, tmp, lora=case.tiny in with_lora)
             except Exception as exc:
@@ -127,16 +128,20 @@ def run_group_alone(cases: list[Case]) -> list[CaseResult]:
     """:func:`run_group` with its own tiny model in a temporary directory of this host (a Ray task's body)."""
     with tempfile.TemporaryDirectory(prefix="ktconvert-gate-") as tmp:
         try:
-            _tiny_model(cases[0], tmp, lora=any(c.lora for c in cases))
+            if cases[0].model is None:
+                _tiny_model(cases[0], tmp, lora=any(c.lora for c in cases))
         except Exception as exc:
             return [CaseResult(c, False, 0.0, error=_one_line(exc)) for c in cases]
         return run_group(cases, tmp)
 
 
 def run_group(cases: list[Case], workdir: str) -> list[CaseResult]:
-    """Convert once for the group, then verify each case against it (in this process)."""
+    """Convert once for the group, then verify each case against it (in this process). A model case (a group of
+    its own) verifies its candidate as it is on disk."""
 
     first = cases[0]
+    if first.model is not None:
+        return [verify_case(c, c.model, c.candidate) for c in cases]
     began = time.perf_counter()
     model_dir = _tiny_model_dir(first.tiny, workdir)
     try:
@@ -166,7 +171,7 @@ def verify_run(case: Case, model_dir: Path, weights: Path, lora: Path | None = N
     # a kt-amx directory holds the experts only: the rest comes from the model, as in a kt-kernel launch
     where = {"kt_weights": weights} if case.to == "kt-amx" else {"weights": weights}
     return run_verify(model_dir, case.rules, case.golden, profile=profile or case.tolerance,
-                      options=EmulationOptions(kernel=case.kernel), lora=lora, **where)
+                      options=EmulationOptions(kernel=case.kernel), lora=lora, max_memory=case.max_memory, **where)
 
 
 def verify_case(case: Case, model_dir: Path, weights: Path, extra_seconds: float = 0.0,

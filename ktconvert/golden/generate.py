@@ -23,6 +23,7 @@ from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.families.config import load_config
 from ktconvert.formats import open_checkpoint
 from ktconvert.formats.safetensors_write import to_bytes
+from ktconvert.golden import kld
 from ktconvert.golden.manifest import MANIFEST_NAME, dump_manifest
 from ktconvert.golden.paths import load_tiny_hashes
 from ktconvert.golden.store import (
@@ -312,6 +313,24 @@ def _check_vocab(model_dir: Path, vocab_size: int) -> None:
                          fix=f"set vocab_size to {rows} (the model's tokens), or use the checkpoint it describes")
 
 
+def _check_same_model(previous, cfg, out: Path) -> None:
+    """``--force`` regenerates a golden of this model (its weights, prompt or producer may change); a golden of
+    another model (family, layers, hidden size or vocabulary) in OUT is refused before the run, untouched: its
+    regeneration log would record one model's history under another's name."""
+    entries = previous.manifest["tensors"]["entries"]
+    hidden, logits = entries["hidden_states"]["shape"], entries["logits"]["shape"]
+    was = {"family": previous.manifest["model"]["family"], "layers": hidden[0] - 1, "hidden size": hidden[-1],
+           "vocabulary": logits[-1]}
+    now = {"family": cfg.family, "layers": cfg.num_hidden_layers, "hidden size": cfg.hidden_size,
+           "vocabulary": cfg.vocab_size}
+    differ = next((k for k in was if was[k] != now[k]), None)
+    if differ is not None:
+        raise InputError(f"this is the golden of another model ({differ} {was[differ]}, the model's is {now[differ]}); "
+                         "--force regenerates a golden of the same model", path=str(out / MANIFEST_NAME),
+                         where="model.family" if differ == "family" else "tensors.entries",
+                         fix="write the new golden to another OUT_DIR")
+
+
 @dataclass
 class GoldenResult:
     out_dir: Path
@@ -341,6 +360,7 @@ def _generate_golden(
     engine: str = "auto",
     max_memory: int | None = None,
     prompt_file: str | os.PathLike | None = None,
+    kl_base: str | os.PathLike | None = None,
 ) -> GoldenResult:
     """Compute and write a golden directory; regenerating needs ``force`` and appends to the manifest's log.
 
@@ -351,7 +371,8 @@ def _generate_golden(
     ``engine``: ``transformers``, ``stream`` (:mod:`ktconvert.golden.stream`: the reference modules layer by layer
     from disk within ``max_memory`` bytes, default :func:`~ktconvert.golden.stream.default_budget`) or ``auto``
     (transformers when installed and the float32 model fits ``max_memory``, else stream). ``prompt_file``: UTF-8
-    text tokenized like ``prompt_text`` (longer calibration text)."""
+    text tokenized like ``prompt_text`` (longer calibration text). ``kl_base``: also write the golden's logits as
+    a llama.cpp ``llama-perplexity --kl-divergence-base`` file there (:mod:`ktconvert.golden.kld`)."""
     from ktconvert.golden import stream as streamed
 
     refuse_under_ci()
@@ -365,6 +386,10 @@ def _generate_golden(
         prompt_text = read_text(prompt_file, "prompt file", fix="pass a UTF-8 text file")
         if not prompt_text.strip():
             raise InputError("prompt file is empty", path=str(prompt_file), fix="put the prompt text in it")
+    if kl_base is not None:
+        from ktconvert.io.atomic import check_output_file
+
+        check_output_file(kl_base, "--kl-base")  # before the run, not after it
     model_dir, out = Path(model_dir), Path(out_dir)
     cfg = load_config(model_dir)
     # every weights file's header is validated (a torch pickle named model.safetensors is refused in one line,
@@ -380,6 +405,7 @@ def _generate_golden(
         if not force:  # OUT exists: a usage error (exit 2), as for every other command
             raise UsageProblem("a golden already exists here", path=str(out), fix="pass --force to regenerate it (the manifest logs every regeneration)")
         previous = read_golden(out)
+        _check_same_model(previous, cfg, out)
     guard_output(out, inputs=[model_dir, *([Path(lora)] if lora is not None else [])], force=force)
     ids, text, prepended = prompt_for(model_dir, prompt_text, prompt_ids, bos)
     if max(ids) >= cfg.vocab_size:
@@ -389,6 +415,9 @@ def _generate_golden(
                          f"{cfg.max_position_embeddings}", path=str(model_dir / "config.json"),
                          where="max_position_embeddings",
                          fix=f"pass a prompt of at most {cfg.max_position_embeddings} tokens")
+    if kl_base is not None and len(ids) < kld.MIN_CTX:
+        raise UsageProblem(f"--kl-base needs a prompt of at least {kld.MIN_CTX} tokens (llama.cpp scores positions "
+                           f"n_ctx/2..n_ctx-2), this one has {len(ids)}", where="--kl-base", fix="pass a longer prompt")
     if engine == "stream":
         run, lora_record = streamed.compute_stream_golden(model_dir, ids, threads=threads, max_memory=budget), None
     elif lora is None:
@@ -468,4 +497,6 @@ def _generate_golden(
     text_out = dump_manifest(manifest)
     replace_files(out, {TENSORS_NAME: data, MANIFEST_NAME: text_out.encode("utf-8")})
     read_golden(out)  # what was written reads back and checks out
+    if kl_base is not None:
+        kld.write_kl_base(kl_base, ids, run.tensors["logits"][0])
     return GoldenResult(out_dir=out, manifest=manifest, regenerated=previous is not None)
