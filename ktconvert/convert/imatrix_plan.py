@@ -5,6 +5,12 @@ llama.cpp name up in the importance matrix; with an entry of ``n_in * n_expert``
 no entry it quantizes without one (and says so), with an entry of another size it refuses (``token_embd.weight``
 excepted: quantized without one). ggml's Q8_0, F16, BF16 and F32 ignore an importance matrix. ktconvert refuses,
 beyond that, an importance matrix none of whose entries names a tensor of this model (made for another model).
+
+The very low-bit types need one (``tensor_requires_imatrix``: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, and
+Q2_K in a Q2_K_S file; never output.weight or token_embd.weight): llama-quantize refuses the whole file when no
+importance matrix is given (its first loop, before writing), and aborts at the first such tensor the given one has
+no entry for ("the result will be garbage"). ktconvert refuses both before it writes anything
+(:func:`refuse_without_imatrix`).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from gguf import GGUFValueType
 
+from ktconvert.convert.recipe import requires_imatrix
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats.gguf_write import encode_kv
 from ktconvert.formats.imatrix import Imatrix, read_imatrix
@@ -39,6 +46,28 @@ def provenance_kv(imx: Imatrix, given: str) -> list[tuple[str, bytes]]:
     return [(k, encode_kv(k, t, v)) for k, t, v in out]
 
 
+def refuse_without_imatrix(plan: "Plan", imx: Imatrix | None = None, path: str | Path | None = None) -> None:
+    """Raise unless every tensor ``plan`` quantizes to a type that needs an importance matrix has one: without any
+    (``imx`` None) a :class:`UsageProblem` naming the type and ``--imatrix FILE``; with ``imx`` lacking the
+    tensor's entry an :class:`InputError` naming the file and the tensor."""
+    ftype = plan.recipe.file_type
+    for t in plan.tensors:
+        if t.const is not None or t.kt_pack is not None or not requires_imatrix(t.name, t.type, ftype):
+            continue
+        what = f"file type {ftype}" if ftype else plan.recipe.source
+        if imx is None:
+            raise UsageProblem(
+                f"{t.type} ({what}, first for {t.name}) needs an importance matrix: llama-quantize refuses it "
+                "without one", fix="pass --imatrix FILE (made by llama-imatrix for this model), or choose a type of "
+                "3 bits or more (Q3_K_S, IQ3_S, Q4_K_M ...)")
+        if imx.for_tensor(t.name, t.shape) is None:
+            raise InputError(
+                f"has no data for {t.name}, which {what} quantizes to {t.type}: llama-quantize aborts there "
+                "(a very low-bit type without importances is garbage)", path=str(path), where=t.name,
+                fix="remake the imatrix on text that reaches this tensor, or give it a type of 3 bits or more with "
+                "--tensor-type")
+
+
 def attach_imatrix(plan: "Plan", path: str | Path, *, include: tuple[str, ...] = (),
                    exclude: tuple[str, ...] = ()) -> "Plan":
     """``plan`` (not laid out yet) with ``imatrix`` set on every tensor quantized to a type that takes one and
@@ -56,8 +85,10 @@ def attach_imatrix(plan: "Plan", path: str | Path, *, include: tuple[str, ...] =
                          "with llama-imatrix for this model")
     imx = whole.select(include, exclude)
     if not imx.values:  # llama-quantize then quantizes without an importance matrix at all
+        refuse_without_imatrix(plan)
         plan.notes.append("--include-weights/--exclude-weights left no importance-matrix entry: quantized without one")
         return plan
+    refuse_without_imatrix(plan, imx, path)
     used, without = 0, []
     tensors = []
     for t in plan.tensors:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ktconvert import __version__
 from ktconvert.convert import metadata
-from ktconvert.convert.imatrix_plan import attach_imatrix
+from ktconvert.convert.imatrix_plan import attach_imatrix, refuse_without_imatrix
 from ktconvert.convert.recipe import KEEP, ModelFacts, Recipe, Rule
 from ktconvert.io.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
@@ -250,7 +250,33 @@ def model_facts(src: SourceModel) -> ModelFacts:
     """The facts recipe rules may depend on (``when``, ``more_bits_counted``), from the analysed input."""
     n_experts = src.layout.dims.n_experts or max((ly.n_experts or 0 for ly in src.layout.layers), default=0) or None
     names = tuple(sorted((it.name for it in src.items), key=ModelFacts.order_key))
-    return ModelFacts(expert_count=n_experts, tied_embeddings="output.weight" not in names, arch=src.arch, names=names)
+    return ModelFacts(expert_count=n_experts, tied_embeddings="output.weight" not in names, arch=src.arch, names=names,
+                      n_gqa=_n_gqa(src))
+
+
+def _n_gqa(src: SourceModel) -> int | None:
+    """llama.cpp's ``hparams.n_gqa()`` of the output model (layer 0): head_count / head_count_kv of a GGUF input, of
+    config.json otherwise (head_count_kv 1 where the family writes MLA as MQA, as the GGUF metadata will say)."""
+    def first(v):
+        return v if type(v) is int else (v[0] if isinstance(v, (list, tuple)) and v and type(v[0]) is int else None)
+
+    if src.checkpoint.container == "gguf":
+        kv = src.checkpoint.metadata
+        heads = first(kv.get(f"{src.arch}.attention.head_count"))
+        kv_heads = first(kv.get(f"{src.arch}.attention.head_count_kv"))
+    else:
+        from ktconvert import families
+
+        c = src.config or {}
+        c = c["text_config"] if isinstance(c.get("text_config"), dict) else c
+        heads, kv_heads = first(c.get("num_attention_heads")), first(c.get("num_key_value_heads"))
+        spec = families.find(src.model_type)
+        if spec is not None and spec.section("gguf").get("mla_mqa"):
+            kv_heads = 1
+    if not heads:
+        return None
+    kv_heads = kv_heads if kv_heads is not None else heads
+    return heads // kv_heads if kv_heads else 0
 
 
 def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str, facts: ModelFacts | None = None) -> tuple:
@@ -367,6 +393,8 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
                 recipe=recipe, tensors=tensors, files=[], notes=list(src.notes), sources=fingerprints(ck),
                 input_files=[str(f) for f in ck.files])
     plan._in_bytes = in_bytes
+    if imatrix is None:
+        refuse_without_imatrix(plan)
     if fmt == "gguf":
         if imatrix is not None:
             attach_imatrix(plan, imatrix, include=tuple(include_weights), exclude=tuple(exclude_weights))
