@@ -190,8 +190,9 @@ def test_very_low_bit_preset_without_imatrix_is_refused_as_llama_quantize_does(s
     assert not out.exists() and not (tmp_path / "ours").exists()
 
 
-def test_tensor_type_to_a_very_low_bit_type_without_imatrix_is_refused(small, tmp_path):
-    """``--tensor-type`` can ask for such a type too (llama-quantize checks the tensor's final type)."""
+def test_one_tensor_of_a_very_low_bit_type_without_imatrix_is_refused(small, tmp_path):
+    """llama-quantize checks each tensor's final type, whatever the file type: one rule sending attn_q to IQ2_XS in
+    the Q4_K_M mix (what --tensor-type attn_q=IQ2_XS asks of llama-quantize) needs an importance matrix too."""
     from ktconvert.convert import load_recipe, plan_conversion
     from ktconvert.convert.recipe import Rule
     from ktconvert.errors import UsageProblem

@@ -248,16 +248,18 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
     if not isinstance(data, dict):
         raise InputError("a recipe is a YAML mapping with kind: convert-recipe", path=path, where=at(),
                          fix="see rules/convert/ for examples")
-    # Types first: they get a message that says which types exist, not a schema enum dump.
+    # Types first: they get a message that says which types exist, not a schema enum dump. Only a shipped preset
+    # may name an IQ type ktconvert cannot write yet (its plan is checked against llama-quantize's).
+    allowed = RECIPE_TYPES if source.startswith("preset ") else WRITABLE
     for i, rule in enumerate(data.get("rules") or []):
         if not isinstance(rule, dict):
             continue
         for key, values in (("type", [rule.get("type")]), ("fallback", rule.get("fallback") or [])):
             for j, t in enumerate(values if isinstance(values, list) else []):
-                if isinstance(t, str) and t not in RECIPE_TYPES and t != KEEP:
+                if isinstance(t, str) and t not in allowed and t != KEEP:
                     loc = at("rules", i, key) if key == "type" else at("rules", i, key, j)
-                    raise InputError(_type_message(t, i, RECIPE_TYPES), path=path, where=loc,
-                                     fix=f"use one of {', '.join(RECIPE_TYPES)} or keep")
+                    raise InputError(_type_message(t, i, allowed), path=path, where=loc,
+                                     fix=f"use one of {', '.join(allowed)} or keep")
 
     validate(data, where or (lambda keys: (1, 1)), "convert-recipe", path, "recipe")
     rules = []
