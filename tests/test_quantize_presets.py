@@ -248,3 +248,21 @@ def test_override_equal_to_the_mix_type_is_not_dropped(small):
     mix = _our_types(f32, load_recipe("Q4_K_M"), None)
     over = _our_types(f32, with_overrides(load_recipe("Q4_K_M"), tensor_types=("ffn_down_exps=Q4_K",)), None)
     assert mix["blk.1.ffn_down_exps.weight"] == "Q6_K" and over["blk.1.ffn_down_exps.weight"] == "Q4_K"
+
+
+def test_recipe_quantize_section_equals_llama_quantize(small, tmp_path):
+    """A recipe saying the importance matrix (relative to the recipe file), a --tensor-type and an
+    --exclude-weights writes what llama-quantize writes with those options."""
+    import shutil
+
+    f32, imx = small
+    shutil.copy(imx, tmp_path / "m.imatrix.gguf")
+    recipe = tmp_path / "mix.yaml"
+    recipe.write_text("kind: convert-recipe\nname: mix\nbase: Q4_K_M\nquantize:\n  imatrix: m.imatrix.gguf\n"
+                      "  tensor_types: ['attn_k=Q5_K']\n  exclude_weights: [ffn_gate]\n"
+                      "rules:\n  - {match: 'never-matches', type: F32}\n")
+    want = _llama_quantize(f32, tmp_path / "m.imatrix.gguf", tmp_path / "llama.gguf", "Q4_K_M",
+                           "--tensor-type", "attn_k=Q5_K", "--exclude-weights", "ffn_gate")
+    res = _cli(f32, tmp_path / "ours", "--recipe", recipe)
+    assert res.exit_code == 0, res.stderr
+    assert differences(want, tmp_path / "ours" / "model.gguf") == []

@@ -88,6 +88,9 @@ def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_c
         raise UsageProblem("--threadpool-count only applies to --to kt-amx",
                            fix="drop it, or add --to kt-amx --type AMXINT8|AMXINT4")
     r = resolve_recipe(recipe, type, allow_fallback)
+    if imatrix is None and r.imatrix is not None:  # the recipe's quantize.imatrix (the command line's wins)
+        imatrix = r.imatrix
+        include_weights, exclude_weights = include_weights or r.include_weights, exclude_weights or r.exclude_weights
     shard = None if shard_size is None else parse_size(shard_size, what="--shard-size")
     if (format or r.format) == "hf":  # the input's own names and layout, FP8 dequantized (convert/hf_out.py)
         _gguf_only(imatrix, "hf")

@@ -185,6 +185,9 @@ class Recipe:
     shard_size: int | None = None
     allow_fallback: bool = True
     data: dict = field(default_factory=dict, compare=False)
+    imatrix: str | None = None  # quantize.imatrix: the importance matrix (a path, relative to the recipe file)
+    include_weights: tuple[str, ...] = ()
+    exclude_weights: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """The recipe as plain data (what the manifest records)."""
@@ -294,12 +297,48 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
         file_type = file_type or base.file_type
     out = data.get("output", {})
     shard = out.get("shard_size")
-    return Recipe(
+    recipe = Recipe(
         name=data["name"], rules=tuple(rules), source=source, description=data.get("description", ""),
         file_type=file_type, format=out.get("format"),
         shard_size=None if shard is None else parse_size(shard, what=f"{path}: output.shard_size"),
         allow_fallback=bool(data.get("allow_fallback", True)), data=data,
     )
+    return _with_quantize_section(recipe, data.get("quantize") or {}, path, at)
+
+
+#: A recipe's ``quantize:`` keys that are llama-quantize's per-tensor options (:func:`with_overrides`).
+_OVERRIDE_KEYS = ("tensor_types", "output_tensor_type", "token_embedding_type", "leave_output_tensor", "pure")
+
+
+def _with_quantize_section(recipe: Recipe, q: dict, path: str, at) -> Recipe:
+    """``recipe`` with its ``quantize:`` section applied: llama-quantize's overrides become rules in front (as
+    ``quantize --tensor-type ...`` would add them; options given on the command line go in front of these), the
+    importance matrix and its include/exclude lists are kept for the conversion. A bad entry is an
+    :class:`InputError` at its ``file:line``."""
+    if not q:
+        return recipe
+    if q.get("include_weights") and q.get("exclude_weights"):
+        raise InputError("quantize: include_weights and exclude_weights cannot be used together (as in "
+                         "llama-quantize)", path=path, where=at("quantize", "exclude_weights"), fix="keep one of them")
+    kw: dict = {}
+    for key in _OVERRIDE_KEYS:
+        if key not in q:
+            continue
+        values = [(q[key], at("quantize", key))] if key != "tensor_types" else [
+            ((spec,), at("quantize", key, j)) for j, spec in enumerate(q[key])]
+        for value, loc in values:
+            try:
+                with_overrides(recipe, **{key: value})
+            except UsageProblem as exc:
+                raise InputError(exc.message.replace("--", "quantize: ", 1), path=path, where=loc,
+                                 fix=exc.fix) from None
+        kw[key] = tuple(q[key]) if key == "tensor_types" else q[key]
+    out = with_overrides(recipe, **kw) if kw else recipe
+    imatrix = q.get("imatrix")
+    if imatrix is not None and not Path(imatrix).is_absolute() and Path(path).exists():
+        imatrix = str(Path(path).parent / imatrix)
+    return replace(out, imatrix=imatrix, include_weights=tuple(q.get("include_weights", ())),
+                   exclude_weights=tuple(q.get("exclude_weights", ())))
 
 
 def _type_message(t: str, index: int, allowed: tuple[str, ...] = WRITABLE) -> str:
@@ -378,7 +417,9 @@ def with_overrides(recipe: Recipe, *, tensor_types: tuple[str, ...] = (), output
     base = recipe
     if pure and recipe.file_type in FILE_TYPE_DEFAULT:
         one = recipe_for_type(FILE_TYPE_DEFAULT[recipe.file_type], recipe.allow_fallback)
-        base = replace(one, file_type=recipe.file_type, name=recipe.name, source=recipe.source)
+        base = replace(one, file_type=recipe.file_type, name=recipe.name, source=recipe.source,
+                       imatrix=recipe.imatrix, include_weights=recipe.include_weights,
+                       exclude_weights=recipe.exclude_weights)
     elif pure:
         raise UsageProblem(f"--pure needs a recipe with a file_type ({recipe.source} has none)",
                            fix="use --type T, or a preset (--list-recipes)")
