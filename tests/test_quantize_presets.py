@@ -266,3 +266,38 @@ def test_recipe_quantize_section_equals_llama_quantize(small, tmp_path):
     res = _cli(f32, tmp_path / "ours", "--recipe", recipe)
     assert res.exit_code == 0, res.stderr
     assert differences(want, tmp_path / "ours" / "model.gguf") == []
+
+
+@pytest.fixture(scope="module")
+def split_input(tmp_path_factory, llama_tools):
+    """The tiny qwen3_moe as an F32 split GGUF set written by ktconvert (--shard-size)."""
+    from ktconvert.convert import convert
+
+    root = tmp_path_factory.mktemp("split-in")
+    out = convert(tiny(root, "qwen3_moe"), root / "f32", type="F32", shard_size="2MB").out
+    files = sorted(out.glob("model-*-of-*.gguf"))
+    assert len(files) >= 3, files
+    return files
+
+
+def test_keep_split_is_byte_identical_to_llama_quantize_keep_split(split_input, tmp_path):
+    first = split_input[0]
+    run_tool("llama-quantize", ["--keep-split", str(first), str(tmp_path / "llama.gguf"), "Q4_K_M", "1"])
+    want = sorted(tmp_path.glob("llama-*-of-*.gguf"))
+    res = _cli(first, tmp_path / "ours", "--recipe", "Q4_K_M", "--keep-split")
+    assert res.exit_code == 0, res.stderr
+    got = sorted((tmp_path / "ours").glob("model-*-of-*.gguf"))
+    assert [p.name.split("-", 1)[1] for p in got] == [p.name.split("-", 1)[1] for p in want]
+    assert len(got) == len(split_input)
+    for w, g in zip(want, got):
+        assert differences(w, g) == [], g.name
+        assert w.read_bytes() == g.read_bytes(), g.name  # the headers too: keys, their order, tensor order
+    assert gguf.GGUFReader(got[1]).fields["split.no"].contents() == 1
+
+
+def test_keep_split_refusals(split_input, small, tmp_path):
+    f32, _ = small
+    res = _cli(split_input[0], tmp_path / "o", "--recipe", "Q4_K_M", "--keep-split", "--shard-size", "1MB")
+    assert res.exit_code == 2 and "give one" in res.stderr and not (tmp_path / "o").exists()
+    res = _cli(split_input[0], tmp_path / "o", "--type", "Q8_0", "--keep-split", "--to", "safetensors")
+    assert res.exit_code == 2 and "GGUF output only" in res.stderr and not (tmp_path / "o").exists()

@@ -9,7 +9,7 @@ from pathlib import Path
 from ktconvert.cluster import check_executor, check_fits, connect
 from ktconvert.convert.execute import Progress, RunResult, execute, input_roots, ray_task_memory
 from ktconvert.convert.hf_out import build_hf_plan
-from ktconvert.convert.plan import Plan, build_plan
+from ktconvert.convert.plan import KEEP_SPLIT, Plan, build_plan
 from ktconvert.convert.recipe import IQ_TYPES, Recipe, load_recipe, recipe_for_type
 from ktconvert.quant import WRITABLE
 from ktconvert.io.sizes import parse_size
@@ -91,7 +91,10 @@ def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_c
     if imatrix is None and r.imatrix is not None:  # the recipe's quantize.imatrix (the command line's wins)
         imatrix = r.imatrix
         include_weights, exclude_weights = include_weights or r.include_weights, exclude_weights or r.exclude_weights
-    shard = None if shard_size is None else parse_size(shard_size, what="--shard-size")
+    shard = (None if shard_size is None else shard_size if shard_size == KEEP_SPLIT
+             else parse_size(shard_size, what="--shard-size"))
+    if shard == KEEP_SPLIT and (format or r.format or "gguf") != "gguf":
+        raise UsageProblem("--keep-split writes the input's split GGUF set: GGUF output only", fix="drop --keep-split")
     if (format or r.format) == "hf":  # the input's own names and layout, FP8 dequantized (convert/hf_out.py)
         _gguf_only(imatrix, "hf")
         return build_hf_plan(src, r, type, config=config, shard_size=shard)

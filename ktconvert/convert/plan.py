@@ -448,6 +448,27 @@ def _companion(name: str, t: str) -> PlanTensor:
                       st_dtype="I32", st_shape=())
 
 
+#: ``shard_size`` that keeps the input's split: ``llama-quantize --keep-split`` (src/llama-quant.cpp of the pinned
+#: llama.cpp: tensors sorted by input split, then by offset in it; split i of the input is split i of the output;
+#: every split gets split.no / split.count / split.tensors.count, only the first the model's keys).
+KEEP_SPLIT = "keep"
+
+
+def _keep_split(plan: Plan, ck) -> list[int]:
+    """Put ``plan.tensors`` in the input split set's order; the input split of each."""
+    if ck.container != "gguf":
+        raise UsageProblem("--keep-split keeps the split of a split GGUF input; this input is "
+                           f"{ck.container}", fix="use --shard-size SIZE to split the output")
+    index = {Path(f): i for i, f in enumerate(ck.files)}
+
+    def place(t: PlanTensor) -> tuple[int, int]:
+        info = ck[t.segments[0].source]
+        return index[Path(info.file)], info.offset
+
+    plan.tensors = sorted(plan.tensors, key=place)
+    return [place(t)[0] for t in plan.tensors]
+
+
 def _shards(sizes: list[int], limit: int) -> list[int]:
     """Shard index of each tensor, in order, starting a new shard when the next tensor would pass ``limit``."""
     out, cur, used = [], 0, 0
@@ -494,8 +515,12 @@ def _lay_out_gguf(plan: Plan, src: SourceModel, shard: int, tokenizer: bool) -> 
         kv = metadata.hf_kv(src.arch, src.config, card, src.n_layers, n_vocab, vocab, ftype, True)
     kv = [*kv, *plan.extra_kv]
     plan.kv_keys = [k for k, _ in kv]
-    idx = _shards([t.nbytes for t in plan.tensors], shard)
-    count = max(idx) + 1 if idx else 1
+    if shard == KEEP_SPLIT:
+        idx = _keep_split(plan, ck)
+        count = len(ck.files)
+    else:
+        idx = _shards([t.nbytes for t in plan.tensors], shard)
+        count = max(idx) + 1 if idx else 1
     names = _names("model", "gguf", count)
     files, placed = [], []
     for f in range(count):
