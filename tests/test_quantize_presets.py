@@ -1,7 +1,8 @@
 """llama-quantize's presets as recipes (rules/convert/{Q2_K,Q2_K_S,Q3_K_*,IQ*}.yaml) and its importance-matrix refusals.
 
 Type choice: for every preset, on two variants of the tiny qwen3_moe (8 layers and 8 experts, which takes
-llama-quant.cpp's 8-expert branches; 16 layers, 4 experts and one KV head, n_gqa 4, which takes the others), the
+llama-quant.cpp's 8-expert branches; 16 layers, 4 experts and one KV head, n_gqa 4, which takes the others) and on
+the tiny deepseek_v3 (MLA: attn_kv_b, a shared expert, a dense first layer), the
 type ``quantize --dry-run`` plans for each tensor equals the type in the header of the GGUF ``llama-quantize --imatrix``
 writes (built from the pinned llama.cpp, tests/llamacpp_tools.py). Bytes: the presets whose types ktconvert writes
 are byte-identical to llama-quantize's. Refusals: exit code, one line, nothing written.
@@ -65,10 +66,10 @@ def _variant(hf: Path, out: Path, n_layers: int, n_experts: int | None = None, k
     return out
 
 
-def _inputs(root: Path, name: str, **kw) -> tuple[Path, Path]:
+def _inputs(root: Path, name: str, family: str = "qwen3_moe", **kw) -> tuple[Path, Path]:
     from ktconvert.convert import convert
 
-    hf = _variant(tiny(root, "qwen3_moe"), root / name, **kw)
+    hf = _variant(tiny(root, family), root / name, **kw) if kw else tiny(root, family)
     f32 = convert(hf, root / f"{name}-f32", type="F32").out / "model.gguf"
     text = root / "text.txt"
     text.write_text(TEXT)
@@ -82,7 +83,8 @@ def _inputs(root: Path, name: str, **kw) -> tuple[Path, Path]:
 def models(tmp_path_factory, llama_tools):
     root = tmp_path_factory.mktemp("presets")
     return {"8 experts": _inputs(root, "e8", n_layers=8),
-            "4 experts, n_gqa 4": _inputs(root, "e4", n_layers=16, n_experts=4, kv_heads=1)}
+            "4 experts, n_gqa 4": _inputs(root, "e4", n_layers=16, n_experts=4, kv_heads=1),
+            "deepseek_v3 (MLA)": _inputs(root, "ds", "deepseek_v3")}
 
 
 def _llama_types(path: Path) -> dict[str, str]:
@@ -109,7 +111,7 @@ def _our_types(f32: Path, preset: str, imatrix: Path | None) -> dict[str, str]:
     return {t.name: t.type for t in plan_conversion(f32, preset, imatrix=imatrix).tensors}
 
 
-@pytest.mark.parametrize("model", ["8 experts", "4 experts, n_gqa 4"])
+@pytest.mark.parametrize("model", ["8 experts", "4 experts, n_gqa 4", "deepseek_v3 (MLA)"])
 @pytest.mark.parametrize("preset", IQ_PRESETS + WRITTEN_PRESETS)
 def test_preset_chooses_llama_quantizes_type_for_every_tensor(models, tmp_path, model, preset):
     f32, imx = models[model]

@@ -58,14 +58,14 @@ def refuse_without_imatrix(plan: "Plan", imx: Imatrix | None = None, path: str |
         if imx is None:
             raise UsageProblem(
                 f"{t.type} ({what}, first for {t.name}) needs an importance matrix: llama-quantize refuses it "
-                "without one", fix="pass --imatrix FILE (made by llama-imatrix for this model), or choose a type of "
-                "3 bits or more (Q3_K_S, IQ3_S, Q4_K_M ...)")
+                "without one", fix="pass --imatrix FILE (made by llama-imatrix for this model), or choose a preset that "
+                "needs none (Q3_K_S, IQ3_S, Q4_K_M ...)")
         if imx.for_tensor(t.name, t.shape) is None:
             raise InputError(
                 f"has no data for {t.name}, which {what} quantizes to {t.type}: llama-quantize aborts there "
                 "(a very low-bit type without importances is garbage)", path=str(path), where=t.name,
-                fix="remake the imatrix on text that reaches this tensor, or give it a type of 3 bits or more with "
-                "--tensor-type")
+                fix="remake the imatrix on text that reaches this tensor, or give it a type that needs none "
+                "(Q3_K, IQ3_S, Q4_K ...) with --tensor-type")
 
 
 def attach_imatrix(plan: "Plan", path: str | Path, *, include: tuple[str, ...] = (),
