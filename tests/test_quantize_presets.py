@@ -95,10 +95,10 @@ def _llama_types(path: Path) -> dict[str, str]:
 _DRY_LINE = re.compile(r"^\[\s*\d+/\s*\d+\] (\S+)\s+- \[.*?\], type =\s*(\S+), size = [^(]*(?:\((\S+)\))?$")
 
 
-def _llama_dry_types(f32: Path, imatrix: Path | None, preset: str) -> dict[str, str]:
+def _llama_dry_types(f32: Path, imatrix: Path | None, preset: str, *flags: str) -> dict[str, str]:
     """Each tensor's type as ``llama-quantize --dry-run`` chooses it (the same llama_tensor_get_type as a real run,
     without the IQ quantizers' minutes; test_dry_run_types_are_the_written_header_types checks that they agree)."""
-    args = ["--dry-run", *(["--imatrix", str(imatrix)] if imatrix else []), str(f32), preset, "1"]
+    args = ["--dry-run", *flags, *(["--imatrix", str(imatrix)] if imatrix else []), str(f32), preset, "1"]
     types = {m.group(1): (m.group(3) or m.group(2)).upper()
              for m in map(_DRY_LINE.match, run_tool("llama-quantize", args).splitlines()) if m}
     assert types, "llama-quantize --dry-run printed no tensor line"
@@ -119,6 +119,23 @@ def test_preset_chooses_llama_quantizes_type_for_every_tensor(models, tmp_path, 
     got = _our_types(f32, preset, imx)
     assert {n: got.get(n) for n in want} == want
     assert len(set(want.values()) - {"F32"}) > 1, "a one-type mix: the comparison proves little"
+
+
+@pytest.mark.parametrize("model,preset,override", [
+    ("4 experts, n_gqa 4", "Q3_K_M", r"blk\.0\.attn_v=Q8_0"),
+    ("4 experts, n_gqa 4", "Q4_K_M", r"blk\.[01]\.attn_v=Q4_K"),
+    ("8 experts", "IQ2_XXS", r"blk\.0\.ffn_down=Q4_K"),
+])
+def test_overridden_tensors_do_not_advance_the_mix_counters(models, model, preset, override):
+    """llama-quant.cpp counts attn_v (Q3_K_M's first two, the _M mixes' use_more_bits) and the IQ2 mixes' ffn_down
+    only over the tensors its mix chooses: one taken by --tensor-type moves the others up."""
+    from ktconvert.convert import load_recipe, with_overrides
+
+    f32, imx = models[model]
+    want = _llama_dry_types(f32, imx, preset, "--tensor-type", override)
+    got = _our_types(f32, with_overrides(load_recipe(preset), tensor_types=(override,)), imx)
+    assert {n: got.get(n) for n in want} == want
+    assert want != _llama_dry_types(f32, imx, preset), "the override changed nothing: the test cannot fail"
 
 
 @pytest.mark.parametrize("preset", ["IQ4_NL", "IQ4_XS", "Q3_K_M", "Q3_K_L"])

@@ -344,6 +344,9 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     facts = model_facts(src)
     if imatrix is not None:  # llama-quantize's has_imatrix: some mixes choose differently with one
         facts = replace(facts, imatrix=True)
+    overridden = tuple(r.match for r in recipe.rules if r.where == "overrides" and r.index > 0)
+    if overridden:  # tensors an override takes out of the mix do not advance llama-quant.cpp's counters
+        facts = replace(facts, overridden=overridden)
     recipe = _with_unquantized(recipe, src.arch)
     for item in src.items:
         t, rule, fb, prob = _choose(item, recipe, src.n_layers, container, facts)

@@ -149,6 +149,7 @@ class ModelFacts:
     names: tuple[str, ...] = ()
     imatrix: bool = False
     n_gqa: int | None = None
+    overridden: tuple[str, ...] = ()  # the regexes of llama-quantize's overrides in front of the recipe's rules
     _hits: dict = field(default_factory=dict, compare=False, repr=False)
 
     def get(self, key: str):
@@ -157,11 +158,15 @@ class ModelFacts:
         return getattr(self, key, None) if key in ("tied_embeddings", "arch", "imatrix", "n_gqa") else None
 
     def counted(self, match: str, name: str) -> tuple[int, int] | None:
-        """``(i, n)``: ``name`` is the i-th of the n output tensors ``match`` finds, in llama.cpp's order."""
+        """``(i, n)``: ``name`` is the i-th of the n output tensors ``match`` finds, in llama.cpp's order. As
+        llama-quant.cpp's counters (i_attention_wv, i_ffn_down) do, ``i`` skips the tensors an override
+        (``--tensor-type``, ``overridden``) takes out of the mix; ``n`` counts them all (n_attention_wv)."""
         if match not in self._hits:
             rx = re.compile(match)
             hits = [n for n in self.names if rx.search(n)]
-            self._hits[match] = ({n: i for i, n in enumerate(hits)}, len(hits))
+            skip = [re.compile(o) for o in self.overridden]
+            mixed = [n for n in hits if not any(o.search(n) for o in skip)]
+            self._hits[match] = ({n: i for i, n in enumerate(mixed)}, len(hits))
         where, n = self._hits[match]
         return (where[name], n) if name in where else None
 
