@@ -178,7 +178,7 @@ def test_preset_with_imatrix_is_byte_identical_to_llama_quantize(small, tmp_path
     assert differences(want, got) == []
 
 
-@pytest.mark.parametrize("preset", ["Q3_K_L"])
+@pytest.mark.parametrize("preset", ["Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ4_XS"])
 def test_preset_without_imatrix_is_byte_identical_to_llama_quantize(small, tmp_path, preset):
     from ktconvert.convert import convert
 
