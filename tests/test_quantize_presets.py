@@ -320,3 +320,16 @@ def test_keep_split_refusals(split_input, small, tmp_path):
     assert res.exit_code == 2 and "give one" in res.stderr and not (tmp_path / "o").exists()
     res = _cli(split_input[0], tmp_path / "o", "--type", "Q8_0", "--keep-split", "--to", "safetensors")
     assert res.exit_code == 2 and "GGUF output only" in res.stderr and not (tmp_path / "o").exists()
+
+
+def test_selection_that_leaves_no_entry_is_no_imatrix_for_the_mix(models):
+    """--include-weights that no entry contains leaves llama-quantize without an importance matrix: IQ4_XS then
+    writes the first eighth's ffn_down Q5_K, as without --imatrix."""
+    from ktconvert.convert import plan_conversion
+
+    f32, imx = models["4 experts, n_gqa 4"]
+    want = _llama_dry_types(f32, imx, "IQ4_XS", "--include-weights", "no-such-tensor")
+    got = {t.name: t.type for t in plan_conversion(f32, "IQ4_XS", imatrix=imx,
+                                                   include_weights=("no-such-tensor",)).tensors}
+    assert got == want and want["blk.0.ffn_down_exps.weight"] == "Q5_K"
+    assert _our_types(f32, "IQ4_XS", imx)["blk.0.ffn_down_exps.weight"] == "IQ4_XS"

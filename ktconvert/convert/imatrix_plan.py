@@ -68,15 +68,23 @@ def refuse_without_imatrix(plan: "Plan", imx: Imatrix | None = None, path: str |
                 "(Q3_K, IQ3_S, Q4_K ...) with --tensor-type")
 
 
-def attach_imatrix(plan: "Plan", path: str | Path, *, include: tuple[str, ...] = (),
-                   exclude: tuple[str, ...] = ()) -> "Plan":
-    """``plan`` (not laid out yet) with ``imatrix`` set on every tensor quantized to a type that takes one and
-    named in the file, and llama-quantize's ``quantize.imatrix.*`` keys to write. ``include``/``exclude``:
-    llama-quantize's ``--include-weights``/``--exclude-weights`` (substrings of entry names; one or the other)."""
+def read_selection(path: str | Path, include: tuple[str, ...] = (), exclude: tuple[str, ...] = ()) -> Imatrix:
+    """The importance matrix file, read once; refuses ``include`` with ``exclude``. Whether llama-quantize then
+    has one at all (``has_imatrix``, which some mixes' choices depend on) is ``bool(.select(include,
+    exclude).values)``: a selection that leaves no entry is no importance matrix."""
     if include and exclude:
         raise UsageProblem("--include-weights and --exclude-weights cannot be used together (as in llama-quantize)",
                            fix="keep one of them")
-    whole = read_imatrix(path)
+    return read_imatrix(path)
+
+
+def attach_imatrix(plan: "Plan", path: str | Path, *, include: tuple[str, ...] = (),
+                   exclude: tuple[str, ...] = (), whole: Imatrix | None = None) -> "Plan":
+    """``plan`` (not laid out yet) with ``imatrix`` set on every tensor quantized to a type that takes one and
+    named in the file, and llama-quantize's ``quantize.imatrix.*`` keys to write. ``include``/``exclude``:
+    llama-quantize's ``--include-weights``/``--exclude-weights`` (substrings of entry names; one or the other).
+    ``whole``: the file as :func:`read_selection` read it (read here when not given)."""
+    whole = whole if whole is not None else read_selection(path, include, exclude)
     names = {t.name for t in plan.tensors}
     if not names & set(whole.values):
         first = sorted(whole.values)[0]

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ktconvert import __version__
 from ktconvert.convert import metadata
-from ktconvert.convert.imatrix_plan import attach_imatrix, refuse_without_imatrix
+from ktconvert.convert.imatrix_plan import attach_imatrix, read_selection, refuse_without_imatrix
 from ktconvert.convert.recipe import KEEP, ModelFacts, Recipe, Rule
 from ktconvert.io.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
@@ -342,8 +342,9 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     chosen = []
     problems = []
     facts = model_facts(src)
-    if imatrix is not None:  # llama-quantize's has_imatrix: some mixes choose differently with one
-        facts = replace(facts, imatrix=True)
+    whole = None if imatrix is None else read_selection(imatrix, tuple(include_weights), tuple(exclude_weights))
+    if whole is not None and whole.select(tuple(include_weights), tuple(exclude_weights)).values:
+        facts = replace(facts, imatrix=True)  # llama-quantize's has_imatrix: some mixes choose differently with one
     overridden = tuple(r.match for r in recipe.rules if r.where == "overrides" and r.index > 0)
     if overridden:  # tensors an override takes out of the mix do not advance llama-quant.cpp's counters
         facts = replace(facts, overridden=overridden)
@@ -400,7 +401,7 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
         refuse_without_imatrix(plan)
     if fmt == "gguf":
         if imatrix is not None:
-            attach_imatrix(plan, imatrix, include=tuple(include_weights), exclude=tuple(exclude_weights))
+            attach_imatrix(plan, imatrix, include=tuple(include_weights), exclude=tuple(exclude_weights), whole=whole)
         _lay_out_gguf(plan, src, shard, tokenizer)
     else:
         _lay_out_safetensors(plan, src, shard)
