@@ -6,7 +6,7 @@ no entry it quantizes without one (and says so), with an entry of another size i
 excepted: quantized without one). ggml's Q8_0, F16, BF16 and F32 ignore an importance matrix. ktconvert refuses,
 beyond that, an importance matrix none of whose entries names a tensor of this model (made for another model).
 
-The very low-bit types need one (``tensor_requires_imatrix``: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, and
+The very low-bit types need one (``tensor_requires_imatrix`` in src/llama-quant.cpp, ggml-org/llama.cpp@0c1e57098: IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, and
 Q2_K in a Q2_K_S file; never output.weight or token_embd.weight): llama-quantize refuses the whole file when no
 importance matrix is given (its first loop, before writing), and aborts at the first such tensor the given one has
 no entry for ("the result will be garbage"). ktconvert refuses both before it writes anything

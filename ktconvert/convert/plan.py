@@ -453,7 +453,7 @@ def _companion(name: str, t: str) -> PlanTensor:
 
 
 #: ``shard_size`` that keeps the input's split: ``llama-quantize --keep-split`` (src/llama-quant.cpp of the pinned
-#: llama.cpp: tensors sorted by input split, then by offset in it; split i of the input is split i of the output;
+#: llama.cpp, ggml-org/llama.cpp@0c1e57098: tensors sorted by input split, then by offset in it; split i of the input is split i of the output;
 #: every split gets split.no / split.count / split.tensors.count, only the first the model's keys).
 KEEP_SPLIT = "keep"
 

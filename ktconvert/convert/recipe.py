@@ -25,7 +25,7 @@ from ktconvert.quant import WRITABLE
 KEEP = "keep"
 
 #: The non-linear types llama.cpp's IQ presets choose (``llama_tensor_get_type_impl`` in src/llama-quant.cpp of the
-#: llama.cpp that llama-cpp-python 0.3.36 vendors). A recipe may name them and ``quantize --dry-run`` plans them;
+#: llama.cpp that llama-cpp-python 0.3.36 vendors, ggml-org/llama.cpp@0c1e57098). A recipe may name them and ``quantize --dry-run`` plans them;
 #: a conversion refuses those ktconvert cannot write yet (not in ``WRITABLE``) before it writes anything.
 IQ_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
 #: Every type a recipe rule may name.
