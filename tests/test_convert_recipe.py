@@ -22,7 +22,8 @@ def test_presets_pass_check_rules():
 
     res = CliRunner().invoke(cli, ["check-rules", str(resources.rules_dir() / "convert")])
     assert res.exit_code == 0, res.output
-    assert "6 files checked" in res.output and "0 error(s), 0 warning(s)" in res.output
+    n = len(list((resources.rules_dir() / "convert").glob("*.yaml")))
+    assert n >= 23 and f"{n} files checked" in res.output and "0 error(s), 0 warning(s)" in res.output
 
 
 def test_use_more_bits_is_llama_cpps():
@@ -81,7 +82,9 @@ def test_type_shorthand():
     assert [recipe_for_type(t).file_type for t in ("Q3_K", "Q5_K", "Q6_K", "Q2_K")] == ["Q3_K_M", "Q5_K_M", "Q6_K", "Q2_K"]
     assert recipe_for_type("keep").rules[1].type == "keep"
     assert load_recipe("q8_0").name == "Q8_0"  # preset names are case-insensitive
-    assert set(presets()) == {"Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "cpu-experts-Q4_K"}
+    assert set(presets()) == {"Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "cpu-experts-Q4_K", "Q2_K", "Q2_K_S",
+                              "Q3_K_S", "Q3_K_M", "Q3_K_L", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M",
+                              "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M", "IQ4_NL", "IQ4_XS"}
 
 
 def test_keep_refuses_reordering_quant_blocks(root, tmp_path):

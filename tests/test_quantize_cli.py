@@ -58,7 +58,9 @@ def test_list_recipes():
     res = _invoke("quantize", "--list-recipes")
     assert res.exit_code == 0
     names = [ln.split()[0] for ln in res.stdout.splitlines()]
-    assert names == ["Q4_0", "Q4_K_M", "Q5_K_M", "Q6_K", "Q8_0", "cpu-experts-Q4_K"]
+    assert names == ["IQ1_M", "IQ1_S", "IQ2_M", "IQ2_S", "IQ2_XS", "IQ2_XXS", "IQ3_M", "IQ3_S", "IQ3_XS", "IQ3_XXS",
+                     "IQ4_NL", "IQ4_XS", "Q2_K", "Q2_K_S", "Q3_K_L", "Q3_K_M", "Q3_K_S", "Q4_0", "Q4_K_M", "Q5_K_M",
+                     "Q6_K", "Q8_0", "cpu-experts-Q4_K"]
 
 
 def test_json_report_and_quiet_text(root, tmp_path):

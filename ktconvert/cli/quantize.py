@@ -10,6 +10,7 @@ import click
 from tqdm import tqdm
 
 from ktconvert.convert import (
+    KEEP_SPLIT,
     convert,
     load_recipe,
     partial_dir,
@@ -86,6 +87,8 @@ def _bar(enabled: bool):
               "option).")
 @click.option("--pure", is_flag=True, help="One type for every weight: the recipe's file type's (llama-quantize "
               "--pure); --type T already is.")
+@click.option("--keep-split", is_flag=True, help="A split GGUF input gives the same split set (llama-quantize "
+              "--keep-split): model-0000i-of-0000n.gguf, split i holding input split i's tensors.")
 @click.option("--lora-alpha", type=float, help="The adapter's alpha when its adapter_config.json does not say it.")
 @click.option("--config", metavar="FILE", type=click.Path(path_type=str),
               help="config.json (default: the one beside the checkpoint).")
@@ -117,7 +120,7 @@ def _bar(enabled: bool):
 @click.pass_context
 def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imatrix, include_weights, exclude_weights,
             tensor_types, output_tensor_type,
-            token_embedding_type, leave_output_tensor, pure, lora_alpha, config, shard_size, max_memory,
+            token_embedding_type, leave_output_tensor, pure, keep_split, lora_alpha, config, shard_size, max_memory,
             jobs, allow_fallback, dry_run, resume, force, no_tokenizer, allow_requantize, fmt, target, executor,
             ray_address):
     """Convert or requantize SRC into the directory OUT, experts in the order the CPU kernels read.
@@ -139,6 +142,10 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imat
                                 output_tensor_type=output_tensor_type, token_embedding_type=token_embedding_type,
                                 leave_output_tensor=leave_output_tensor, pure=pure)
         qtype = None
+    if keep_split:
+        if shard_size is not None:
+            raise click.UsageError("--keep-split keeps the input's split; --shard-size makes another: give one")
+        shard_size = KEEP_SPLIT
     if dry_run:
         plan = plan_conversion(src, recipe, type=qtype, format=to, config=config, shard_size=shard_size,
                                tokenizer=not no_tokenizer, threadpool_count=threadpool_count,
@@ -161,8 +168,6 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imat
                          executor=executor, ray_address=ray_address, imatrix=imatrix,
                          include_weights=include_weights, exclude_weights=exclude_weights, target=target)
     except KeyboardInterrupt:
-
-
         close()
         click.echo(f"ktconvert: interrupted; rerun with --resume to continue ({partial_dir(Path(out))})", err=True)
         ctx.exit(130)

@@ -43,10 +43,11 @@ from ktconvert.convert.api import (
 )
 from ktconvert.convert.execute import RunResult, partial_dir
 from ktconvert.convert.lora import LoraResult, convert_lora
-from ktconvert.convert.plan import Plan, PlanTensor, plan_llama_text, plan_text
+from ktconvert.convert.plan import KEEP_SPLIT, Plan, PlanTensor, plan_llama_text, plan_text
 from ktconvert.convert.recipe import Recipe, Rule, load_recipe, presets, recipe_for_type, with_overrides
 
 __all__ = [
+    "KEEP_SPLIT",
     "DEFAULT_MAX_MEMORY",
     "LoraResult",
     "Plan",

@@ -9,9 +9,10 @@ from pathlib import Path
 from ktconvert.cluster import check_executor, check_fits, connect
 from ktconvert.convert.execute import Progress, RunResult, execute, input_roots, ray_task_memory
 from ktconvert.convert.hf_out import build_hf_plan
-from ktconvert.convert.plan import Plan, build_plan
-from ktconvert.convert.recipe import Recipe, load_recipe, recipe_for_type
+from ktconvert.convert.plan import KEEP_SPLIT, Plan, build_plan
+from ktconvert.convert.recipe import IQ_TYPES, Recipe, load_recipe, recipe_for_type
 from ktconvert.convert.targets import check_target
+from ktconvert.quant import WRITABLE
 from ktconvert.io.sizes import parse_size
 from ktconvert.convert.source import analyze
 from ktconvert.errors import UsageProblem
@@ -91,7 +92,13 @@ def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_c
         raise UsageProblem("--threadpool-count only applies to --to kt-amx",
                            fix="drop it, or add --to kt-amx --type AMXINT8|AMXINT4")
     r = resolve_recipe(recipe, type, allow_fallback)
-    shard = None if shard_size is None else parse_size(shard_size, what="--shard-size")
+    if imatrix is None and r.imatrix is not None:  # the recipe's quantize.imatrix (the command line's wins)
+        imatrix = r.imatrix
+        include_weights, exclude_weights = include_weights or r.include_weights, exclude_weights or r.exclude_weights
+    shard = (None if shard_size is None else shard_size if shard_size == KEEP_SPLIT
+             else parse_size(shard_size, what="--shard-size"))
+    if shard == KEEP_SPLIT and (format or r.format or "gguf") != "gguf":
+        raise UsageProblem("--keep-split writes the input's split GGUF set: GGUF output only", fix="drop --keep-split")
     if (format or r.format) == "hf":  # the input's own names and layout, FP8 dequantized (convert/hf_out.py)
         _gguf_only(imatrix, "hf")
         return build_hf_plan(src, r, type, config=config, shard_size=shard)
@@ -104,6 +111,16 @@ def _plan(src, recipe, type, format, config, shard_size, tokenizer, threadpool_c
 def _gguf_only(imatrix, format: str) -> None:
     if imatrix is not None:
         raise UsageProblem(f"--imatrix applies to GGUF output, not {format}", fix="drop --imatrix, or write GGUF (--to gguf)")
+
+
+def _refuse_unwritable(plan: Plan) -> None:
+    """A recipe may name an IQ type llama.cpp's IQ presets choose before ktconvert writes it (``--dry-run`` plans it);
+    converting to it is refused here, before anything is written."""
+    for t in plan.tensors:
+        if not t.copy_bytes and t.type in IQ_TYPES and t.type not in WRITABLE:
+            raise UsageProblem(f"ktconvert cannot write {t.type} yet (the type {plan.recipe.source} chooses for "
+                               f"{t.name}); --dry-run shows the plan", fix=f"choose a recipe whose types are "
+                               f"{', '.join(WRITABLE)}, or quantize this preset with llama-quantize")
 
 
 def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
@@ -141,6 +158,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
                            tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
                            allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha, imatrix=imatrix,
                            include_weights=include_weights, exclude_weights=exclude_weights, target=target)
+    _refuse_unwritable(plan)
     with claim_output(Path(out), inputs=input_roots(Path(src), [Path(f) for f in plan.input_files]), force=force):
         if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
             ray = connect(ray_address)

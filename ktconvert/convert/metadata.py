@@ -304,23 +304,22 @@ def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, 
 
 
 def carried_kv(path, arch: str, ftype: int | None, quantized: bool) -> list[tuple[str, bytes]]:
-    """The KV pairs of an input GGUF (its first shard), byte for byte, with the recomputed keys replaced in place
-    (or appended). ``ftype`` ``None`` keeps the input's ``general.file_type``."""
+    """The KV pairs of an input GGUF (its first shard), byte for byte, less the split keys, with the recomputed keys
+    moved to the end: general.quantization_version, then general.file_type, as llama-quantize sets them
+    (``gguf_set_val_*`` on a key the context has removes it and appends it: src/llama-quant.cpp,
+    ggml/src/gguf.cpp of the pinned llama.cpp). ``ftype`` ``None`` (nothing requantized) keeps the input's
+    ``general.file_type`` and every key in its place."""
     pairs = raw_kv_pairs(path)
     w = _writer(arch)
-    if ftype is not None:
-        w.add_file_type(ftype)
     if quantized:
         w.add_quantization_version(QUANTIZATION_VERSION)
+    if ftype is not None:
+        w.add_file_type(ftype)
     fresh = {k: b for k, b in kv_pairs_from_writer(w) if k != "general.architecture"}
-    out = []
-    for key, raw in pairs:
-        if key.startswith("split."):
-            continue
-        if key in fresh:
-            out.append((key, fresh.pop(key)))
-        else:
-            out.append((key, raw))
+    if ftype is None:  # nothing requantized (--type keep): the keys stay where they are, the file a copy
+        out = [(key, fresh.pop(key, raw)) for key, raw in pairs if not key.startswith("split.")]
+    else:
+        out = [(key, raw) for key, raw in pairs if not key.startswith("split.") and key not in fresh]
     out.extend(fresh.items())
     return out
 

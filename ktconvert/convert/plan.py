@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ktconvert import __version__
 from ktconvert.convert import metadata
-from ktconvert.convert.imatrix_plan import attach_imatrix
+from ktconvert.convert.imatrix_plan import attach_imatrix, read_selection, refuse_without_imatrix
 from ktconvert.convert.recipe import KEEP, ModelFacts, Recipe, Rule
 from ktconvert.io.sizes import format_size
 from ktconvert.convert.source import Item, Segment, SourceModel
@@ -250,7 +250,33 @@ def model_facts(src: SourceModel) -> ModelFacts:
     """The facts recipe rules may depend on (``when``, ``more_bits_counted``), from the analysed input."""
     n_experts = src.layout.dims.n_experts or max((ly.n_experts or 0 for ly in src.layout.layers), default=0) or None
     names = tuple(sorted((it.name for it in src.items), key=ModelFacts.order_key))
-    return ModelFacts(expert_count=n_experts, tied_embeddings="output.weight" not in names, arch=src.arch, names=names)
+    return ModelFacts(expert_count=n_experts, tied_embeddings="output.weight" not in names, arch=src.arch, names=names,
+                      n_gqa=_n_gqa(src))
+
+
+def _n_gqa(src: SourceModel) -> int | None:
+    """llama.cpp's ``hparams.n_gqa()`` of the output model (layer 0): head_count / head_count_kv of a GGUF input, of
+    config.json otherwise (head_count_kv 1 where the family writes MLA as MQA, as the GGUF metadata will say)."""
+    def first(v):
+        return v if type(v) is int else (v[0] if isinstance(v, (list, tuple)) and v and type(v[0]) is int else None)
+
+    if src.checkpoint.container == "gguf":
+        kv = src.checkpoint.metadata
+        heads = first(kv.get(f"{src.arch}.attention.head_count"))
+        kv_heads = first(kv.get(f"{src.arch}.attention.head_count_kv"))
+    else:
+        from ktconvert import families
+
+        c = src.config or {}
+        c = c["text_config"] if isinstance(c.get("text_config"), dict) else c
+        heads, kv_heads = first(c.get("num_attention_heads")), first(c.get("num_key_value_heads"))
+        spec = families.find(src.model_type)
+        if spec is not None and spec.section("gguf").get("mla_mqa"):
+            kv_heads = 1
+    if not heads:
+        return None
+    kv_heads = kv_heads if kv_heads is not None else heads
+    return heads // kv_heads if kv_heads else 0
 
 
 def _choose(item: Item, recipe: Recipe, n_layers: int | None, container: str, facts: ModelFacts | None = None) -> tuple:
@@ -316,8 +342,12 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
     chosen = []
     problems = []
     facts = model_facts(src)
-    if imatrix is not None:  # llama-quantize's has_imatrix: some mixes choose differently with one
-        facts = replace(facts, imatrix=True)
+    whole = None if imatrix is None else read_selection(imatrix, tuple(include_weights), tuple(exclude_weights))
+    if whole is not None and whole.select(tuple(include_weights), tuple(exclude_weights)).values:
+        facts = replace(facts, imatrix=True)  # llama-quantize's has_imatrix: some mixes choose differently with one
+    overridden = tuple(r.match for r in recipe.rules if r.where == "overrides" and r.index > 0)
+    if overridden:  # tensors an override takes out of the mix do not advance llama-quant.cpp's counters
+        facts = replace(facts, overridden=overridden)
     recipe = _with_unquantized(recipe, src.arch)
     for item in src.items:
         t, rule, fb, prob = _choose(item, recipe, src.n_layers, container, facts)
@@ -367,9 +397,11 @@ def build_plan(src: SourceModel, recipe: Recipe, *, format: str | None = None, s
                 recipe=recipe, tensors=tensors, files=[], notes=list(src.notes), sources=fingerprints(ck),
                 input_files=[str(f) for f in ck.files])
     plan._in_bytes = in_bytes
+    if imatrix is None:
+        refuse_without_imatrix(plan)
     if fmt == "gguf":
         if imatrix is not None:
-            attach_imatrix(plan, imatrix, include=tuple(include_weights), exclude=tuple(exclude_weights))
+            attach_imatrix(plan, imatrix, include=tuple(include_weights), exclude=tuple(exclude_weights), whole=whole)
         _lay_out_gguf(plan, src, shard, tokenizer)
     else:
         _lay_out_safetensors(plan, src, shard)
@@ -420,6 +452,27 @@ def _companion(name: str, t: str) -> PlanTensor:
                       st_dtype="I32", st_shape=())
 
 
+#: ``shard_size`` that keeps the input's split: ``llama-quantize --keep-split`` (src/llama-quant.cpp of the pinned
+#: llama.cpp, ggml-org/llama.cpp@0c1e57098: tensors sorted by input split, then by offset in it; split i of the input is split i of the output;
+#: every split gets split.no / split.count / split.tensors.count, only the first the model's keys).
+KEEP_SPLIT = "keep"
+
+
+def _keep_split(plan: Plan, ck) -> list[int]:
+    """Put ``plan.tensors`` in the input split set's order; the input split of each."""
+    if ck.container != "gguf":
+        raise UsageProblem("--keep-split keeps the split of a split GGUF input; this input is "
+                           f"{ck.container}", fix="use --shard-size SIZE to split the output")
+    index = {Path(f): i for i, f in enumerate(ck.files)}
+
+    def place(t: PlanTensor) -> tuple[int, int]:
+        info = ck[t.segments[0].source]
+        return index[Path(info.file)], info.offset
+
+    plan.tensors = sorted(plan.tensors, key=place)
+    return [place(t)[0] for t in plan.tensors]
+
+
 def _shards(sizes: list[int], limit: int) -> list[int]:
     """Shard index of each tensor, in order, starting a new shard when the next tensor would pass ``limit``."""
     out, cur, used = [], 0, 0
@@ -466,8 +519,12 @@ def _lay_out_gguf(plan: Plan, src: SourceModel, shard: int, tokenizer: bool) -> 
         kv = metadata.hf_kv(src.arch, src.config, card, src.n_layers, n_vocab, vocab, ftype, True)
     kv = [*kv, *plan.extra_kv]
     plan.kv_keys = [k for k, _ in kv]
-    idx = _shards([t.nbytes for t in plan.tensors], shard)
-    count = max(idx) + 1 if idx else 1
+    if shard == KEEP_SPLIT:
+        idx = _keep_split(plan, ck)
+        count = len(ck.files)
+    else:
+        idx = _shards([t.nbytes for t in plan.tensors], shard)
+        count = max(idx) + 1 if idx else 1
     names = _names("model", "gguf", count)
     files, placed = [], []
     for f in range(count):

@@ -24,12 +24,20 @@ from ktconvert.quant import WRITABLE
 #: A recipe may name any of ``WRITABLE``, or ``keep``: the input tensor's own type.
 KEEP = "keep"
 
+#: The non-linear types llama.cpp's IQ presets choose (``llama_tensor_get_type_impl`` in src/llama-quant.cpp of the
+#: llama.cpp that llama-cpp-python 0.3.36 vendors, ggml-org/llama.cpp@0c1e57098). A recipe may name them and ``quantize --dry-run`` plans them;
+#: a conversion refuses those ktconvert cannot write yet (not in ``WRITABLE``) before it writes anything.
+IQ_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
+#: Every type a recipe rule may name.
+RECIPE_TYPES = (*WRITABLE, *(t for t in IQ_TYPES if t not in WRITABLE))
+
 #: llama.cpp's fallbacks when a tensor's rows cannot hold the type (llama-quant.cpp), restricted to the types
-#: ktconvert writes (llama.cpp falls back from Q2_K/Q3_K to IQ4_NL, which ktconvert cannot write: Q4_0 here).
+#: ktconvert writes (the IQ types to IQ4_NL, Q2_K/Q3_K to Q4_0: tensor_type_fallback).
 FALLBACKS = {
     "Q2_K": ("Q4_0", "F16"), "Q3_K": ("Q4_0", "F16"), "Q4_K": ("Q5_0", "F16"), "Q5_K": ("Q5_1", "F16"),
     "Q6_K": ("Q8_0", "F16"), "Q8_0": ("F16",), "Q4_0": ("F16",), "Q4_1": ("F16",), "Q5_0": ("F16",),
     "Q5_1": ("F16",), "IQ4_XS": ("IQ4_NL", "F16"), "IQ4_NL": ("F16",),
+    **{t: ("IQ4_NL", "F16") for t in IQ_TYPES if t not in ("IQ4_NL", "IQ4_XS")},
 }
 
 #: ``general.file_type`` of ``--type T``: what ``llama-quantize --pure IN OUT T`` writes (one type everywhere, with
@@ -44,7 +52,22 @@ PURE_FILE_TYPE = {"F32": "ALL_F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0"
 FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
                      "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K",
                      "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
-                     "Q6_K": "Q6_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
+                     "Q6_K": "Q6_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "Q2_K_S": "Q2_K", "IQ1_S": "IQ1_S",
+                     "IQ1_M": "IQ1_M", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_S": "IQ2_XS", "IQ2_M": "IQ2_S",
+                     "IQ3_XXS": "IQ3_XXS", "IQ3_XS": "IQ3_S", "IQ3_S": "IQ3_S", "IQ3_M": "IQ3_S"}
+
+#: llama-quantize's refusal without an importance matrix (``tensor_requires_imatrix``): a tensor other than
+#: output.weight / token_embd.weight quantized to one of these types, or to Q2_K in a Q2_K_S file.
+NEEDS_IMATRIX = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS")
+
+
+def requires_imatrix(name: str, type_name: str, file_type: str | None) -> bool:
+    """Whether llama-quantize refuses to quantize tensor ``name`` to ``type_name`` without an importance matrix
+    (src/llama-quant.cpp ``tensor_requires_imatrix``; the file type matters for Q2_K only)."""
+    if name in ("token_embd.weight", "per_layer_token_embd.weight", "output.weight"):
+        return False
+    return type_name in NEEDS_IMATRIX or (type_name == "Q2_K" and file_type == "Q2_K_S")
+
 
 #: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies, SSM conv kernels,
 #: the 1-D hyper-connection base/scale vectors, llama.cpp names not ending in .weight such as ssm_a; a rule also sees
@@ -76,13 +99,18 @@ class Rule:
         """Whether this rule places the tensor ``names[0]`` (its llama.cpp name; ``names[1]`` the HF one)."""
         facts = model or ModelFacts()
         for key, want in self.when:
+            if key.endswith("_min"):  # n_gqa_min: 4 is llama-quant.cpp's n_gqa() >= 4
+                have = facts.get(key.removesuffix("_min"))
+                if have is None or have < want:
+                    return False
+                continue
             have = facts.get(key)
             if have is None or (have not in want if isinstance(want, tuple) else have != want):
                 return False
         if self.layers is not None:
-            if self.layers == "more_bits_counted":
+            if self.layers in COUNTED:
                 pos = facts.counted(self.match, names[0])
-                if pos is None or not use_more_bits(*pos):
+                if pos is None or not COUNTED[self.layers](pos[0], pos[1], n_layers):
                     return False
             elif layer is None:
                 return False
@@ -91,6 +119,12 @@ class Rule:
                     return False
             elif self.layers == "first_eighth":
                 if not n_layers or layer >= n_layers // 8:
+                    return False
+            elif self.layers == "first_sixteenth":
+                if not n_layers or layer >= n_layers // 16:
+                    return False
+            elif self.layers == "middle":
+                if not n_layers or not n_layers // 8 <= layer < 7 * n_layers // 8:
                     return False
             elif layer not in self.layers:
                 return False
@@ -105,7 +139,7 @@ class ModelFacts:
     ``expert_count`` (routed experts per MoE layer), ``tied_embeddings`` (the output has no ``output.weight``:
     llama.cpp then gives ``token_embd.weight`` the output's type), ``arch`` (the llama.cpp architecture: llama-quant.cpp
     keeps some tensors of some architectures unquantized, glm5-next's), ``imatrix`` (quantizing with an importance
-    matrix) and ``names``: every output tensor name, in
+    matrix), ``n_gqa`` (attention heads per KV head, llama.cpp's ``hparams.n_gqa()`` of layer 0) and ``names``: every output tensor name, in
     llama.cpp's order (layer, then name), which ``more_bits_counted`` counts in.
     """
 
@@ -114,17 +148,25 @@ class ModelFacts:
     arch: str | None = None
     names: tuple[str, ...] = ()
     imatrix: bool = False
+    n_gqa: int | None = None
+    overridden: tuple[str, ...] = ()  # the regexes of llama-quantize's overrides in front of the recipe's rules
     _hits: dict = field(default_factory=dict, compare=False, repr=False)
 
     def get(self, key: str):
-        return getattr(self, key, None) if key in ("expert_count", "tied_embeddings", "arch", "imatrix") else None
+        if key == "expert_count":  # llama-quant.cpp: n_expert (0 for a dense model)
+            return self.expert_count or 0
+        return getattr(self, key, None) if key in ("tied_embeddings", "arch", "imatrix", "n_gqa") else None
 
     def counted(self, match: str, name: str) -> tuple[int, int] | None:
-        """``(i, n)``: ``name`` is the i-th of the n output tensors ``match`` finds, in llama.cpp's order."""
+        """``(i, n)``: ``name`` is the i-th of the n output tensors ``match`` finds, in llama.cpp's order. As
+        llama-quant.cpp's counters (i_attention_wv, i_ffn_down) do, ``i`` skips the tensors an override
+        (``--tensor-type``, ``overridden``) takes out of the mix; ``n`` counts them all (n_attention_wv)."""
         if match not in self._hits:
             rx = re.compile(match)
             hits = [n for n in self.names if rx.search(n)]
-            self._hits[match] = ({n: i for i, n in enumerate(hits)}, len(hits))
+            skip = [re.compile(o) for o in self.overridden]
+            mixed = [n for n in hits if not any(o.search(n) for o in skip)]
+            self._hits[match] = ({n: i for i, n in enumerate(mixed)}, len(hits))
         where, n = self._hits[match]
         return (where[name], n) if name in where else None
 
@@ -148,6 +190,9 @@ class Recipe:
     shard_size: int | None = None
     allow_fallback: bool = True
     data: dict = field(default_factory=dict, compare=False)
+    imatrix: str | None = None  # quantize.imatrix: the importance matrix (a path, relative to the recipe file)
+    include_weights: tuple[str, ...] = ()
+    exclude_weights: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """The recipe as plain data (what the manifest records)."""
@@ -158,6 +203,17 @@ class Recipe:
 def use_more_bits(layer: int, n_layers: int) -> bool:
     """llama.cpp's rule for the layers its _M mixes give more bits (llama-quant.cpp, integer arithmetic)."""
     return layer < n_layers // 8 or layer >= 7 * n_layers // 8 or (layer - n_layers // 8) % 3 == 2
+
+
+#: ``layers`` values that look at the tensor's position ``i`` among the ``n`` output tensors the rule's match finds
+#: (llama-quant.cpp's counters i_attention_wv / i_ffn_down, counted in its tensor order), and ``block_count``:
+#: use_more_bits(i, n) (the _M mixes' attn_v), i < 2 (Q3_K_M's attn_v), i < block_count / 8 (the IQ1/IQ2 mixes'
+#: ffn_down, which compare the running ffn_down count, not the layer, with n_layer / 8).
+COUNTED = {
+    "more_bits_counted": lambda i, n, n_layers: use_more_bits(i, n),
+    "counted_first_two": lambda i, n, n_layers: i < 2,
+    "counted_first_eighth": lambda i, n, n_layers: bool(n_layers) and i < n_layers // 8,
+}
 
 
 def presets() -> dict[str, Path]:
@@ -200,16 +256,18 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
     if not isinstance(data, dict):
         raise InputError("a recipe is a YAML mapping with kind: convert-recipe", path=path, where=at(),
                          fix="see rules/convert/ for examples")
-    # Types first: they get a message that says which types exist, not a schema enum dump.
+    # Types first: they get a message that says which types exist, not a schema enum dump. Only a shipped preset
+    # may name an IQ type ktconvert cannot write yet (its plan is checked against llama-quantize's).
+    allowed = RECIPE_TYPES if source.startswith("preset ") else WRITABLE
     for i, rule in enumerate(data.get("rules") or []):
         if not isinstance(rule, dict):
             continue
         for key, values in (("type", [rule.get("type")]), ("fallback", rule.get("fallback") or [])):
             for j, t in enumerate(values if isinstance(values, list) else []):
-                if isinstance(t, str) and t not in WRITABLE and t != KEEP:
+                if isinstance(t, str) and t not in allowed and t != KEEP:
                     loc = at("rules", i, key) if key == "type" else at("rules", i, key, j)
-                    raise InputError(_type_message(t, i), path=path, where=loc,
-                                     fix=f"use one of {', '.join(WRITABLE)} or keep")
+                    raise InputError(_type_message(t, i, allowed), path=path, where=loc,
+                                     fix=f"use one of {', '.join(allowed)} or keep")
 
     validate(data, where or (lambda keys: (1, 1)), "convert-recipe", path, "recipe")
     rules = []
@@ -244,17 +302,52 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
         file_type = file_type or base.file_type
     out = data.get("output", {})
     shard = out.get("shard_size")
-    return Recipe(
+    recipe = Recipe(
         name=data["name"], rules=tuple(rules), source=source, description=data.get("description", ""),
         file_type=file_type, format=out.get("format"),
         shard_size=None if shard is None else parse_size(shard, what=f"{path}: output.shard_size"),
         allow_fallback=bool(data.get("allow_fallback", True)), data=data,
     )
+    return _with_quantize_section(recipe, data.get("quantize") or {}, path, at)
 
 
-def _type_message(t: str, index: int) -> str:
+#: A recipe's ``quantize:`` keys that are llama-quantize's per-tensor options (:func:`with_overrides`).
+_OVERRIDE_KEYS = ("tensor_types", "output_tensor_type", "token_embedding_type", "leave_output_tensor", "pure")
 
-    if t.upper() in WRITABLE:
+
+def _with_quantize_section(recipe: Recipe, q: dict, path: str, at) -> Recipe:
+    """``recipe`` with its ``quantize:`` section applied: llama-quantize's overrides become rules in front (as
+    ``quantize --tensor-type ...`` would add them; options given on the command line go in front of these), the
+    importance matrix and its include/exclude lists are kept for the conversion. A bad entry is an
+    :class:`InputError` at its ``file:line``."""
+    if not q:
+        return recipe
+    if q.get("include_weights") and q.get("exclude_weights"):
+        raise InputError("quantize: include_weights and exclude_weights cannot be used together (as in "
+                         "llama-quantize)", path=path, where=at("quantize", "exclude_weights"), fix="keep one of them")
+    kw: dict = {}
+    for key in _OVERRIDE_KEYS:
+        if key not in q:
+            continue
+        values = [(q[key], at("quantize", key))] if key != "tensor_types" else [
+            ((spec,), at("quantize", key, j)) for j, spec in enumerate(q[key])]
+        for value, loc in values:
+            try:
+                with_overrides(recipe, **{key: value})
+            except UsageProblem as exc:
+                raise InputError(exc.message.replace("--", "quantize: ", 1), path=path, where=loc,
+                                 fix=exc.fix) from None
+        kw[key] = tuple(q[key]) if key == "tensor_types" else q[key]
+    out = with_overrides(recipe, **kw) if kw else recipe
+    imatrix = q.get("imatrix")
+    if imatrix is not None and not Path(imatrix).is_absolute() and Path(path).exists():
+        imatrix = str(Path(path).parent / imatrix)
+    return replace(out, imatrix=imatrix, include_weights=tuple(q.get("include_weights", ())),
+                   exclude_weights=tuple(q.get("exclude_weights", ())))
+
+
+def _type_message(t: str, index: int, allowed: tuple[str, ...] = WRITABLE) -> str:
+    if t.upper() in allowed:
         return f"rule {index}: type {t!r} is spelled {t.upper()!r}"
     if t.upper() in GGMLQuantizationType.__members__:
         return (f"rule {index}: ktconvert cannot write {t.upper()} (it quantizes bit-exactly only to "
@@ -329,7 +422,9 @@ def with_overrides(recipe: Recipe, *, tensor_types: tuple[str, ...] = (), output
     base = recipe
     if pure and recipe.file_type in FILE_TYPE_DEFAULT:
         one = recipe_for_type(FILE_TYPE_DEFAULT[recipe.file_type], recipe.allow_fallback)
-        base = replace(one, file_type=recipe.file_type, name=recipe.name, source=recipe.source)
+        base = replace(one, file_type=recipe.file_type, name=recipe.name, source=recipe.source,
+                       imatrix=recipe.imatrix, include_weights=recipe.include_weights,
+                       exclude_weights=recipe.exclude_weights)
     elif pure:
         raise UsageProblem(f"--pure needs a recipe with a file_type ({recipe.source} has none)",
                            fix="use --type T, or a preset (--list-recipes)")
@@ -342,5 +437,6 @@ def with_overrides(recipe: Recipe, *, tensor_types: tuple[str, ...] = (), output
     rules += [replace(r, index=len(rules) + j) for j, r in enumerate(base.rules)]
     return replace(base, rules=tuple(rules))
 
-__all__ = ["F32_MATCH", "FALLBACKS", "FILE_TYPE_DEFAULT", "KEEP", "PURE_FILE_TYPE", "WRITABLE", "ModelFacts", "Recipe", "Rule", "load_recipe", "presets", "with_overrides",
+__all__ = ["F32_MATCH", "FALLBACKS", "FILE_TYPE_DEFAULT", "IQ_TYPES", "KEEP", "NEEDS_IMATRIX", "RECIPE_TYPES",
+           "requires_imatrix", "PURE_FILE_TYPE", "WRITABLE", "ModelFacts", "Recipe", "Rule", "load_recipe", "presets", "with_overrides",
            "recipe_for_type", "recipe_from_data", "use_more_bits"]
