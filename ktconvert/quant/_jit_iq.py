@@ -1,0 +1,402 @@
+"""Compiled (numba) IQ grid quantizers, byte-exact with ggml's ``quantize_iq3_xxs`` / ``quantize_iq3_s`` /
+``quantize_iq2_xxs`` / ``quantize_iq2_xs`` (what ``ggml_quantize_chunk`` and so ``llama-quantize`` run).
+
+The IQ types store groups of 4 (IQ3) or 8 (IQ2) magnitudes as an index into a fixed grid of allowed level
+patterns (256 or 512 points of levels 0..7 or 0..2; the value of level l is 2l+1 times the sub-block scale) and
+keep the signs apart. ggml's search, per sub-block of 32 (IQ2_XS: 16): take |x| (the XXS/XS types store 7 signs
+per 8 and make the count of negatives even by flipping the element of least weight*x^2), try a range of scales;
+for each, round every group to levels, and where that pattern is not a grid point take the nearest grid point
+(weighted by sqrt of the element weights) among the point's precomputed neighbours; keep the scale with the best
+weighted least-squares fit; re-round the off-grid groups with the fitted scale and refit. The sub-block scales are
+then stored as 4-bit multiples of the largest / 31.
+
+Tables: the grid points come from the ``gguf`` package's dequantization grids (the same points in the same order
+as ggml's ``kgrid_*``: its dequantizers are bit-exact with ggml's), read as level indices; the map from a level
+pattern to its grid index and the neighbour lists of the patterns off the grid are computed here the way ggml's
+``iq2xs_init_impl`` / ``iq3xs_init_impl`` do (every grid point at one of the ``nwant`` smallest squared distances,
+ordered by distance then index), once per process and type. Nothing is stored in the repository: the grids are
+format data the decoder already carries.
+
+Exactness rules of ``_jit`` hold (float32 everywhere, the C's order of operations, ``nearest_int``'s bit trick).
+Kernels take whole rows: ``x`` float32 ``(rows, n)``, ``qw`` float32 ``(E, n)`` (zero rows: no importance matrix,
+the weights are then x^2 where ggml allows that), and fill ``out`` uint8 ``(rows, row_bytes)``.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from ._jit import _OPTS, F0, F1, F_FLT_MAX, F32, _fp16, _njit, _put16, nearest_int
+
+F_HALF = F32(0.5)
+F_0_1, F_0_2 = F32(0.1), F32(0.2)
+F_31 = F32(31.0)
+F_256 = F32(256.0)
+F_TWO = F32(2.0)
+F_EPS_IQ3 = F32(1e-8)         # GROUP_MAX_EPS_IQ3_XXS
+F_IQ3XXS_FUDGE = F32(1.0125)  # the scale fudge factors ggml stores d with
+F_IQ3S_FUDGE = F32(1.033)
+
+
+# ----------------------------------------------------------------------------------------------------
+# tables
+
+
+@_njit(**_OPTS)
+def _build_tables(levels, nbits, maxl, nwant):
+    """``levels`` uint8 (G, gs): the grid points as level indices. Returns the grid as int8 positions 2l+1,
+    the map (pattern -> grid index, or -(offset+1) into the neighbour list) and the neighbour list (at each
+    offset: the count, then the grid indices). Patterns with a level above ``maxl`` are never looked up (the
+    search clamps to it) and get no list."""
+    G, gs = levels.shape
+    size = 1 << (nbits * gs)
+    grid = np.empty((G, gs), dtype=np.int8)
+    kmap = np.full(size, -1, dtype=np.int32)
+    for j in range(G):
+        u = 0
+        for k in range(gs):
+            grid[j, k] = 2 * levels[j, k] + 1
+            u |= np.int64(levels[j, k]) << (nbits * k)
+        kmap[u] = j
+    mask = (1 << nbits) - 1
+    d2 = np.empty(G, dtype=np.int64)
+    pos = np.empty(gs, dtype=np.int64)
+    lv = np.empty(nwant, dtype=np.int64)
+    nbrs = np.empty(1 << 16, dtype=np.uint16)
+    used = 0
+    for i in range(size):
+        if kmap[i] >= 0:
+            continue
+        ok = True
+        for k in range(gs):
+            l = (i >> (nbits * k)) & mask
+            ok = ok and l <= maxl
+            pos[k] = 2 * l + 1
+        if not ok:
+            continue
+        for j in range(G):
+            s = 0
+            for k in range(gs):
+                d = np.int64(grid[j, k]) - pos[k]
+                s += d * d
+            d2[j] = s
+        nl = 0                                  # the nwant smallest distinct distances, ascending
+        while nl < nwant:
+            m = np.int64(1) << 62
+            for j in range(G):
+                if d2[j] < m and (nl == 0 or d2[j] > lv[nl - 1]):
+                    m = d2[j]
+            if m == np.int64(1) << 62:
+                break
+            lv[nl] = m
+            nl += 1
+        cnt = 0
+        for t in range(nl):
+            for j in range(G):
+                if d2[j] == lv[t]:
+                    cnt += 1
+        while used + 1 + cnt > nbrs.shape[0]:
+            bigger = np.empty(2 * nbrs.shape[0], dtype=np.uint16)
+            bigger[:used] = nbrs[:used]
+            nbrs = bigger
+        kmap[i] = -(used + 1)
+        nbrs[used] = cnt
+        used += 1
+        for t in range(nl):
+            for j in range(G):
+                if d2[j] == lv[t]:
+                    nbrs[used] = j
+                    used += 1
+    return grid, kmap, nbrs[:used].copy()
+
+
+#: per type: (gguf's grid class name, bits per level, highest level the search uses, nwant of ggml's init)
+_GRID_SPECS = {"IQ3_XXS": (3, 7, 2), "IQ3_S": (3, 7, 3), "IQ2_XXS": (2, 2, 2), "IQ2_XS": (2, 2, 2)}
+
+
+@lru_cache(maxsize=None)
+def tables(type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(grid int8 positions, pattern map, neighbour lists) of an IQ type, computed once per process."""
+    from gguf import GGMLQuantizationType
+    from gguf import quants as gq
+
+    cls = gq._type_traits[GGMLQuantizationType[type_name]]
+    cls.init_grid()
+    vals = np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape)
+    gmap = np.asarray(cls.grid_map, dtype=np.float32)
+    levels = np.searchsorted(gmap, vals).astype(np.uint8)
+    if not np.array_equal(gmap[levels], vals):
+        raise RuntimeError(f"the gguf package's {type_name} grid holds values off its own level map")
+    nbits, maxl, nwant = _GRID_SPECS[type_name]
+    return _build_tables(levels, nbits, maxl, nwant)
+
+
+# ----------------------------------------------------------------------------------------------------
+# the shared search
+
+
+@_njit(inline="always", **_OPTS)
+def _qrow(qw, r0, r, rpe):
+    return qw[0] if qw.shape[0] == 1 else qw[(r0 + r) // rpe]
+
+
+@_njit(inline="always", **_OPTS)
+def _sum_sq(x, o, n):
+    s = F0
+    for i in range(n):
+        v = x[o + i]
+        s += v * v
+    return s
+
+
+@_njit(inline="always", **_OPTS)
+def _weights(xr, o, n, q, has_qw, sigma2, weight, waux):
+    """``weight = qw * sqrtf(sigma2 + x^2)`` (or ``x^2`` without importances) and ``waux = sqrtf(weight)``."""
+    for i in range(n):
+        v = xr[o + i]
+        weight[i] = q[o + i] * np.sqrt(sigma2 + v * v) if has_qw else v * v
+    for i in range(n):
+        waux[i] = np.sqrt(weight[i])
+
+
+@_njit(inline="always", **_OPTS)
+def _abs_signs(xr, o, n, weight, xval, signs, even):
+    """``xval = |x|`` and per 8 elements the sign bits; ``even`` (the XXS/XS types keep 7 bits): an odd count
+    of negatives is made even by flipping the element of least ``weight*x*x`` back to its signed value."""
+    for k in range(n // 8):
+        nflip = 0
+        s = 0
+        for i in range(8):
+            v = xr[o + 8 * k + i]
+            if v >= F0:
+                xval[8 * k + i] = v
+            else:
+                xval[8 * k + i] = -v
+                nflip += 1
+                s |= 1 << i
+        if even and nflip % 2 == 1:
+            imin = 0
+            v = xr[o + 8 * k]
+            mn = weight[8 * k] * v * v
+            for i in range(1, 8):
+                v = xr[o + 8 * k + i]
+                ax = weight[8 * k + i] * v * v
+                if ax < mn:
+                    mn = ax
+                    imin = i
+            xval[8 * k + imin] = -xval[8 * k + imin]
+            s ^= 1 << imin
+        signs[k] = s & 127 if even else s
+
+
+@_njit(inline="always", **_OPTS)
+def _group(xval, waux, o, gs, nbits, kmaxq, idv, scale, grid, kmap, nbrs, L, err):
+    """Round group ``xval[o:o+gs]`` to levels with inverse scale ``idv``; a pattern off the grid becomes its
+    nearest neighbour for ``scale`` (iq*_find_best_neighbour: weighted by ``waux``, the first of equal
+    distances). Writes ``L[o:o+gs]``; returns (grid index, whether the pattern was on the grid). When no
+    neighbour has a distance below FLT_MAX (weights that overflowed float32), ggml aborts the process
+    (``GGML_ASSERT(grid_index >= 0)``): ``err[0]`` is set and the first neighbour taken."""
+    u = 0
+    for i in range(gs):
+        l = min(kmaxq - 1, max(0, nearest_int(F_HALF * (idv * xval[o + i] - F1))))
+        L[o + i] = l
+        u |= l << (nbits * i)
+    gi = kmap[u]
+    if gi >= 0:
+        return gi, True
+    off = -gi - 1
+    best = F_FLT_MAX
+    bi = -1
+    for j in range(1, np.int64(nbrs[off]) + 1):
+        g = np.int64(nbrs[off + j])
+        d2 = F0
+        for i in range(gs):
+            diff = scale * F32(grid[g, i]) - xval[o + i]
+            d2 += waux[o + i] * diff * diff
+        if d2 < best:
+            best = d2
+            bi = g
+    if bi < 0:
+        err[0] = 1
+        bi = np.int64(nbrs[off + 1])
+    for i in range(gs):
+        L[o + i] = (np.int64(grid[bi, i]) - 1) // 2
+    return bi, False
+
+
+@_njit(inline="always", **_OPTS)
+def _fit(weight, xval, L, n):
+    """Sequential ``sum w*x*q`` and ``sum w*q*q`` for q = 2L+1."""
+    sumqx = F0
+    sumq2 = F0
+    for i in range(n):
+        w = weight[i]
+        q = F32(2 * L[i] + 1)
+        sumqx += w * xval[i] * q
+        sumq2 += w * q * q
+    return sumqx, sumq2
+
+
+@_njit(inline="always", **_OPTS)
+def _trials(xval, weight, waux, n, gs, nbits, kmaxq, ntry, step, smax, scale, on0,
+            grid, kmap, nbrs, L, Laux, on, on_aux, err):
+    """The scale trials ``id = (2*kMaxQ-1 + is*step)/smax`` for is = -ntry..ntry; the best fit's levels go to
+    ``L`` and its on-grid flags to ``on``. Returns the best scale (``scale`` if no trial fits)."""
+    ng = n // gs
+    best = F0
+    for k in range(ng):
+        on[k] = on0
+    for t in range(-ntry, ntry + 1):
+        idv = (F32(2 * kmaxq - 1) + F32(t) * step) / smax
+        this_scale = F1 / idv
+        for k in range(ng):
+            on_aux[k] = _group(xval, waux, gs * k, gs, nbits, kmaxq, idv, this_scale, grid, kmap, nbrs, Laux, err)[1]
+        sumqx, sumq2 = _fit(weight, xval, Laux, n)
+        if sumq2 > F0 and sumqx * sumqx > best * sumq2:
+            scale = sumqx / sumq2
+            best = scale * sumqx
+            for i in range(n):
+                L[i] = Laux[i]
+            for k in range(ng):
+                on[k] = on_aux[k]
+    return scale
+
+
+@_njit(inline="always", **_OPTS)
+def _refit(xval, weight, waux, n, gs, nbits, kmaxq, scale, only_off, grid, kmap, nbrs, L, on, err):
+    """Re-round the groups (``only_off``: those off the grid) with ``scale`` and refit it."""
+    idv = F1 / scale
+    for k in range(n // gs):
+        if only_off and on[k]:
+            continue
+        _group(xval, waux, gs * k, gs, nbits, kmaxq, idv, scale, grid, kmap, nbrs, L, err)
+    sumqx, sumq2 = _fit(weight, xval, L, n)
+    return sumqx / sumq2 if sumq2 > F0 else scale
+
+
+@_njit(inline="always", **_OPTS)
+def _grid_index(L, o, gs, nbits, kmap):
+    u = 0
+    for i in range(gs):
+        u |= L[o + i] << (nbits * i)
+    return kmap[u]
+
+
+@_njit(inline="always", **_OPTS)
+def _scratch():
+    """weight, waux, xval (32), L, Laux (32), on, on_aux (8), signs (4), scales (16), qp levels (32), and the
+    flag of a search ggml would abort (1)."""
+    return (np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32), np.empty(32, dtype=np.float32),
+            np.empty(32, dtype=np.int64), np.empty(32, dtype=np.int64), np.empty(8, dtype=np.bool_),
+            np.empty(8, dtype=np.bool_), np.empty(4, dtype=np.int64), np.empty(16, dtype=np.float32),
+            np.empty(32, dtype=np.int64), np.zeros(1, dtype=np.int64))
+
+
+@_njit(inline="always", **_OPTS)
+def _scale_nibble(idv, s):
+    return min(15, max(0, nearest_int(F_HALF * (idv * s - F1))))
+
+
+# ----------------------------------------------------------------------------------------------------
+# IQ3_XXS (98 bytes: fp16 d, 64 grid indices, 8 x uint32 (4 x 7 sign bits | 4-bit scale << 28))
+# IQ3_S (110 bytes: fp16 d, qs[64] low 8 bits of the grid indices, qh[8] their 9th bits, signs[32], scales[4])
+
+
+@_njit(inline="always", **_OPTS)
+def _iq3_rows(x, qw, r0, rpe, out, grid, kmap, nbrs, xxs):
+    weight, waux, xval, L, Laux, on, on_aux, signs, scales, _, err = _scratch()
+    has_qw = qw.shape[0] > 0
+    nb = x.shape[1] // 256
+    for r in range(x.shape[0]):
+        if err[0]:
+            return r - 1
+        xr = x[r]
+        q = _qrow(qw, r0, r, rpe) if has_qw else xr
+        for ibl in range(nb):
+            b = r * nb + ibl
+            o = 256 * ibl
+            for i in range(out.shape[1]):
+                out[b, i] = 0
+            max_scale = F0
+            sigma2 = F_TWO * _sum_sq(xr, o, 256) / F_256
+            qs_at = 2              # IQ3_S: qs and signs advance only past sub-blocks that were not all zero
+            sg_at = 74
+            for ib in range(8):
+                ob = o + 32 * ib
+                _weights(xr, ob, 32, q, has_qw, sigma2, weight, waux)
+                _abs_signs(xr, ob, 32, weight, xval, signs, xxs)
+                mx = xval[0]
+                for i in range(1, 32):
+                    mx = mx if mx > xval[i] else xval[i]
+                for i in range(32):
+                    L[i] = 0
+                if (xxs and mx < F_EPS_IQ3) or (not xxs and mx == F0):
+                    scales[ib] = F0
+                    continue
+                scale = _trials(xval, weight, waux, 32, 4, 3, 8, 15 if xxs else 9, F_0_2, mx, mx / F32(15.0),
+                                xxs, grid, kmap, nbrs, L, Laux, on, on_aux, err)
+                n_off = 0
+                for k in range(8):
+                    n_off += 0 if on[k] else 1
+                if n_off > 0 and scale > F0:
+                    scale = _refit(xval, weight, waux, 32, 4, 3, 8, scale, xxs, grid, kmap, nbrs, L, on, err)
+                if scale < F0:
+                    scale = -scale
+                    for k in range(4):
+                        signs[k] = (~signs[k]) & (127 if xxs else 255)
+                for k in range(8):
+                    gi = np.int64(_grid_index(L, 4 * k, 4, 3, kmap))
+                    if xxs:
+                        out[b, 2 + 8 * ib + k] = gi
+                    else:
+                        out[b, qs_at + k] = gi & 255
+                        out[b, 66 + ib] |= (gi >> 8) << k
+                if xxs:
+                    ss = signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21)
+                    for j in range(4):
+                        out[b, 66 + 4 * ib + j] = (ss >> (8 * j)) & 0xFF
+                else:
+                    for k in range(4):
+                        out[b, sg_at + k] = signs[k]
+                    qs_at += 8
+                    sg_at += 4
+                scales[ib] = scale
+                max_scale = max_scale if max_scale > scale else scale
+            if max_scale == F0:      # IQ3_XXS stores zeros; IQ3_S keeps what the sub-blocks wrote, with d = 0
+                if xxs:
+                    for i in range(out.shape[1]):
+                        out[b, i] = 0
+                continue
+            d = max_scale / F_31
+            _put16(out, b, 0, _fp16(d * (F_IQ3XXS_FUDGE if xxs else F_IQ3S_FUDGE)))
+            idv = F1 / d
+            for ib in range(8):
+                l = _scale_nibble(idv, scales[ib])
+                if xxs:
+                    out[b, 66 + 4 * ib + 3] |= l << 4
+                elif ib % 2 == 0:
+                    out[b, 106 + ib // 2] = l
+                else:
+                    out[b, 106 + ib // 2] |= l << 4
+    return x.shape[0] - 1 if err[0] else -1
+
+
+@_njit(**_OPTS)
+def _iq3_xxs(x, qw, r0, rpe, out, grid, kmap, nbrs):
+    return _iq3_rows(x, qw, r0, rpe, out, grid, kmap, nbrs, True)
+
+
+@_njit(**_OPTS)
+def _iq3_s(x, qw, r0, rpe, out, grid, kmap, nbrs):
+    return _iq3_rows(x, qw, r0, rpe, out, grid, kmap, nbrs, False)
+
+
+def iq3_xxs(x, qw, r0, rpe, out):
+    return _iq3_xxs(x, qw, r0, rpe, out, *tables("IQ3_XXS"))
+
+
+def iq3_s(x, qw, r0, rpe, out):
+    return _iq3_s(x, qw, r0, rpe, out, *tables("IQ3_S"))
+
