@@ -114,6 +114,7 @@ _ABORT_IN_C = """
 import sys, numpy as np
 sys.path.insert(0, "tests")
 import ggml_ref
+from gguf import GGMLQuantizationType as T
 x = np.full((1, 256), 1e17, np.float32); x[0, ::3] = -3e16
 ggml_ref.load().quantize(x, T[sys.argv[1]], np.ones(256, np.float32))
 print("returned")
