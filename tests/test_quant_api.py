@@ -136,7 +136,7 @@ def test_dequantize_every_type_gguf_can_decode_matches_gguf():
     types = Q.dequantizable()
     assert Q.QUANTIZABLE <= types
     extra = types - Q.QUANTIZABLE
-    assert {T.IQ2_XXS, T.IQ3_S, T.TQ1_0, T.MXFP4} <= extra and {T.IQ4_NL, T.IQ4_XS} <= Q.QUANTIZABLE
+    assert {T.TQ1_0, T.TQ2_0, T.MXFP4} <= extra and {T.IQ4_NL, T.IQ4_XS, T.IQ3_XXS} <= Q.QUANTIZABLE
     for qt in sorted(types, key=lambda t: t.value):
         bs, ts = GGML_QUANT_SIZES[qt]
         raw = rng.integers(0, 256, (3, 2 * ts), dtype=np.uint8)

@@ -32,6 +32,7 @@ BOUNDS = {
     T.Q3_K: (1.66e-1, 2.5e-1),
     T.Q2_K: (3.26e-1, 4.9e-1),
     T.IQ3_XXS: (2.35e-1, 6.1e-1),     # without an importance matrix (weights x^2: the large values win)
+    T.IQ3_S: (1.82e-1, 4.4e-1),
 }
 assert set(BOUNDS) == set(Q.QUANTIZABLE)
 
