@@ -28,7 +28,8 @@ from functools import lru_cache
 
 import numpy as np
 
-from ._jit import _OPTS, F0, F1, F_FLT_MAX, F32, _fp16, _njit, _put16, nearest_int
+from ._jit import _OPTS, F0, F1, F_EPS, F_FLT_MAX, F32, _fp16, _njit, _put16, nearest_int
+from ._jit_imatrix import _qp  # make_qp_quants: IQ2_XXS starts from its scale
 
 F_HALF = F32(0.5)
 F_0_1, F_0_2 = F32(0.1), F32(0.2)
@@ -400,3 +401,104 @@ def iq3_xxs(x, qw, r0, rpe, out):
 def iq3_s(x, qw, r0, rpe, out):
     return _iq3_s(x, qw, r0, rpe, out, *tables("IQ3_S"))
 
+
+# ----------------------------------------------------------------------------------------------------
+# IQ2_XXS (66 bytes: fp16 d, per 32: 4 grid indices, then uint32 4 x 7 sign bits | 4-bit scale << 28)
+# IQ2_XS (74 bytes: fp16 d, per 16 elements: 2 x uint16 (9-bit grid index | 7 sign bits << 9), scales[8])
+
+
+@_njit(inline="always", **_OPTS)
+def _iq2_rows(x, qw, r0, rpe, out, grid, kmap, nbrs, xxs):
+    weight, waux, xval, L, Laux, on, on_aux, signs, scales, Lqp, err = _scratch()
+    n = 32 if xxs else 16
+    nsub = 256 // n
+    nb = x.shape[1] // 256
+    for r in range(x.shape[0]):
+        if err[0]:
+            return r - 1
+        xr = x[r]
+        q = _qrow(qw, r0, r, rpe)
+        for ibl in range(nb):
+            b = r * nb + ibl
+            o = 256 * ibl
+            for i in range(out.shape[1]):
+                out[b, i] = 0
+            max_scale = F0
+            sigma2 = _sum_sq(xr, o, 256) / F_256
+            for ib in range(nsub):
+                ob = o + n * ib
+                _weights(xr, ob, n, q, True, sigma2, weight, waux)
+                _abs_signs(xr, ob, n, weight, xval, signs, True)
+                mx = xval[0]
+                for i in range(1, n):
+                    mx = mx if mx > xval[i] else xval[i]
+                for i in range(n):
+                    L[i] = 0
+                if mx < F_EPS:
+                    scales[ib] = F0
+                    continue
+                if xxs:
+                    scale = _qp(32, 4, xval, Lqp, weight)
+                    eff_max = scale * F32(3.0)
+                    if eff_max <= F0:
+                        scales[ib] = F0
+                        continue
+                    scale = _trials(xval, weight, waux, 32, 8, 2, 3, 6, F_0_1, eff_max, scale, True,
+                                    grid, kmap, nbrs, L, Laux, on, on_aux, err)
+                    if scale > F0:
+                        scale = _refit(xval, weight, waux, 32, 8, 2, 3, scale, False, grid, kmap, nbrs, L, on, err)
+                else:
+                    scale = _trials(xval, weight, waux, 16, 8, 2, 3, 9, F_0_1, mx, mx / F32(5.0), True,
+                                    grid, kmap, nbrs, L, Laux, on, on_aux, err)
+                    if (not on[0] or not on[1]) and scale > F0:
+                        scale = _refit(xval, weight, waux, 16, 8, 2, 3, scale, True, grid, kmap, nbrs, L, on, err)
+                if scale < F0:
+                    scale = -scale
+                    for k in range(n // 8):
+                        signs[k] = (~signs[k]) & 127
+                if xxs:
+                    for k in range(4):
+                        out[b, 2 + 8 * ib + k] = _grid_index(L, 8 * k, 8, 2, kmap)
+                    ss = signs[0] | (signs[1] << 7) | (signs[2] << 14) | (signs[3] << 21)
+                    for j in range(4):
+                        out[b, 6 + 8 * ib + j] = (ss >> (8 * j)) & 0xFF
+                else:
+                    for k in range(2):
+                        v = np.int64(_grid_index(L, 8 * k, 8, 2, kmap)) | (signs[k] << 9)
+                        _put16(out, b, 2 + 4 * ib + 2 * k, v)
+                scales[ib] = scale
+                max_scale = max_scale if max_scale > scale else scale
+            if max_scale == F0:
+                for i in range(out.shape[1]):
+                    out[b, i] = 0
+                continue
+            d = max_scale / F_31
+            _put16(out, b, 0, _fp16(d))
+            idv = F1 / d
+            for ib in range(nsub):
+                l = _scale_nibble(idv, scales[ib])
+                if xxs:
+                    out[b, 6 + 8 * ib + 3] |= l << 4
+                elif ib % 2 == 0:
+                    out[b, 66 + ib // 2] = l
+                else:
+                    out[b, 66 + ib // 2] |= l << 4
+    return x.shape[0] - 1 if err[0] else -1
+
+
+@_njit(**_OPTS)
+def _iq2_xxs(x, qw, r0, rpe, out, grid, kmap, nbrs):
+    return _iq2_rows(x, qw, r0, rpe, out, grid, kmap, nbrs, True)
+
+
+@_njit(**_OPTS)
+def _iq2_xs(x, qw, r0, rpe, out, grid, kmap, nbrs):
+    return _iq2_rows(x, qw, r0, rpe, out, grid, kmap, nbrs, False)
+
+
+def iq2_xxs(x, qw, r0, rpe, out):
+    return _iq2_xxs(x, qw, r0, rpe, out, *tables("IQ2_XXS"))
+
+
+def iq2_xs(x, qw, r0, rpe, out):
+    return _iq2_xs(x, qw, r0, rpe, out, *tables("IQ2_XS"))
