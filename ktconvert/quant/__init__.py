@@ -26,6 +26,7 @@ from ._api import cpu_count, dequantizable, dequantize, quantize, quantize_paral
 from ._types import (
                      IMATRIX_REQUIRED,
                      IMATRIX_TYPES,
+                     IQ_GRID,
                      IQ_GRID_TYPES,
                      QUANTIZABLE,
                      WRITABLE,
@@ -43,6 +44,7 @@ from .errors import QuantError
 __all__ = [
     "IMATRIX_REQUIRED",
     "IMATRIX_TYPES",
+    "IQ_GRID",
     "IQ_GRID_TYPES",
     "QType",
     "QUANTIZABLE",

@@ -47,13 +47,13 @@ F_IQ3S_FUDGE = F32(1.033)
 
 @_njit(**_OPTS)
 def _build_tables(levels, nbits, maxl, nwant):
-    """``levels`` uint8 (G, gs): the grid points as level indices. Returns the grid as int8 positions 2l+1,
+    """``levels`` uint8 (G, gs): the grid points as level indices. Returns the grid as positions 2l+1 (float32),
     the map (pattern -> grid index, or -(offset+1) into the neighbour list) and the neighbour list (at each
     offset: the count, then the grid indices). Patterns with a level above ``maxl`` are never looked up (the
     search clamps to it) and get no list."""
     G, gs = levels.shape
     size = 1 << (nbits * gs)
-    grid = np.empty((G, gs), dtype=np.int8)
+    grid = np.empty((G, gs), dtype=np.float32)  # the positions as the floats the distances use
     kmap = np.full(size, -1, dtype=np.int32)
     for j in range(G):
         u = 0
@@ -80,7 +80,7 @@ def _build_tables(levels, nbits, maxl, nwant):
         for j in range(G):
             s = 0
             for k in range(gs):
-                d = np.int64(grid[j, k]) - pos[k]
+                d = np.int64(levels[j, k]) * 2 + 1 - pos[k]
                 s += d * d
             d2[j] = s
         nl = 0                                  # the nwant smallest distinct distances, ascending
@@ -119,7 +119,7 @@ _GRID_SPECS = {"IQ3_XXS": (3, 7, 2), "IQ3_S": (3, 7, 3), "IQ2_XXS": (2, 2, 2), "
 
 @lru_cache(maxsize=None)
 def tables(type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(grid int8 positions, pattern map, neighbour lists) of an IQ type, computed once per process."""
+    """(grid positions, pattern map, neighbour lists) of an IQ type, computed once per process."""
     from gguf import GGMLQuantizationType
     from gguf import quants as gq
 
@@ -214,7 +214,7 @@ def _group(xval, waux, o, gs, nbits, kmaxq, idv, scale, grid, kmap, nbrs, L, err
         g = np.int64(nbrs[off + j])
         d2 = F0
         for i in range(gs):
-            diff = scale * F32(grid[g, i]) - xval[o + i]
+            diff = scale * grid[g, i] - xval[o + i]
             d2 += waux[o + i] * diff * diff
         if d2 < best:
             best = d2
