@@ -35,6 +35,7 @@ BOUNDS = {
     T.IQ3_S: (1.82e-1, 4.4e-1),
     T.IQ2_XXS: (3.6e-1, 7.0e-1),      # with an importance matrix of ones (ggml requires one)
     T.IQ2_XS: (3.15e-1, 5.9e-1),
+    T.IQ2_S: (2.8e-1, 6.4e-1),        # without an importance matrix (weights sigma2/4 + x^2)
 }
 assert set(BOUNDS) == set(Q.QUANTIZABLE)
 

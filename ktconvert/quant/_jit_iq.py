@@ -114,7 +114,8 @@ def _build_tables(levels, nbits, maxl, nwant):
 
 
 #: per type: (gguf's grid class name, bits per level, highest level the search uses, nwant of ggml's init)
-_GRID_SPECS = {"IQ3_XXS": (3, 7, 2), "IQ3_S": (3, 7, 3), "IQ2_XXS": (2, 2, 2), "IQ2_XS": (2, 2, 2)}
+_GRID_SPECS = {"IQ3_XXS": (3, 7, 2), "IQ3_S": (3, 7, 3), "IQ2_XXS": (2, 2, 2), "IQ2_XS": (2, 2, 2),
+               "IQ2_S": (2, 2, 1)}
 
 
 @lru_cache(maxsize=None)
@@ -502,3 +503,82 @@ def iq2_xxs(x, qw, r0, rpe, out):
 
 def iq2_xs(x, qw, r0, rpe, out):
     return _iq2_xs(x, qw, r0, rpe, out, *tables("IQ2_XS"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# IQ2_S (82 bytes: fp16 d, qs[32] low 8 bits of the grid indices, qs[32:64] 8 sign bits per 8, qh[8] their 9th-10th
+# bits, scales[8]); a 1024-point grid, 16-element sub-blocks, no importance matrix allowed (weights sigma2/4 + x^2)
+
+F_QUARTER = F32(0.25)
+F_EPS_IQ2S = F32(1e-8)        # GROUP_MAX_EPS_IQ2_S
+F_IQ2S_FUDGE = F32(0.9875)
+
+
+@_njit(**_OPTS)
+def _iq2_s(x, qw, r0, rpe, out, grid, kmap, nbrs):
+    weight, waux, xval, L, Laux, on, on_aux, signs, scales, _, err = _scratch()
+    has_qw = qw.shape[0] > 0
+    nb = x.shape[1] // 256
+    for r in range(x.shape[0]):
+        if err[0]:
+            return r - 1
+        xr = x[r]
+        q = _qrow(qw, r0, r, rpe) if has_qw else xr
+        for ibl in range(nb):
+            b = r * nb + ibl
+            o = 256 * ibl
+            for i in range(out.shape[1]):
+                out[b, i] = 0
+            max_scale = F0
+            sigma2 = F_TWO * _sum_sq(xr, o, 256) / F_256
+            for ib in range(16):
+                ob = o + 16 * ib
+                if has_qw:
+                    _weights(xr, ob, 16, q, True, sigma2, weight, waux)
+                else:
+                    for i in range(16):
+                        v = xr[ob + i]
+                        weight[i] = F_QUARTER * sigma2 + v * v
+                    for i in range(16):
+                        waux[i] = np.sqrt(weight[i])
+                _abs_signs(xr, ob, 16, weight, xval, signs, False)
+                mx = xval[0]
+                for i in range(1, 16):
+                    mx = mx if mx > xval[i] else xval[i]
+                for i in range(16):
+                    L[i] = 0
+                if mx < F_EPS_IQ2S:
+                    scales[ib] = F0
+                    continue
+                scale = _trials(xval, weight, waux, 16, 8, 2, 3, 9, F_0_1, mx, mx / F32(5.0), True,
+                                grid, kmap, nbrs, L, Laux, on, on_aux, err)
+                if (not on[0] or not on[1]) and scale > F0:
+                    scale = _refit(xval, weight, waux, 16, 8, 2, 3, scale, True, grid, kmap, nbrs, L, on, err)
+                if scale < F0:
+                    scale = -scale
+                    for k in range(2):
+                        signs[k] = (~signs[k]) & 255
+                for k in range(2):
+                    gi = np.int64(_grid_index(L, 8 * k, 8, 2, kmap))
+                    i8 = 2 * ib + k
+                    out[b, 2 + i8] = gi & 255
+                    out[b, 66 + i8 // 4] |= (gi >> 8) << (2 * (i8 % 4))
+                    out[b, 34 + i8] = signs[k]
+                scales[ib] = scale
+                max_scale = max_scale if max_scale > scale else scale
+            if max_scale == F0:       # as ggml: what the sub-blocks wrote stays, with d = 0
+                continue
+            d = max_scale / F_31
+            _put16(out, b, 0, _fp16(d * F_IQ2S_FUDGE))
+            idv = F1 / d
+            for ib in range(16):
+                l = _scale_nibble(idv, scales[ib])
+                if ib % 2 == 0:
+                    out[b, 74 + ib // 2] = l
+                else:
+                    out[b, 74 + ib // 2] |= l << 4
+    return x.shape[0] - 1 if err[0] else -1
+
+
+def iq2_s(x, qw, r0, rpe, out):
+    return _iq2_s(x, qw, r0, rpe, out, *tables("IQ2_S"))
