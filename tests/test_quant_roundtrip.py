@@ -36,6 +36,7 @@ BOUNDS = {
     T.IQ2_XXS: (3.6e-1, 7.0e-1),      # with an importance matrix of ones (ggml requires one)
     T.IQ2_XS: (3.15e-1, 5.9e-1),
     T.IQ2_S: (2.8e-1, 6.4e-1),        # without an importance matrix (weights sigma2/4 + x^2)
+    T.IQ1_S: (5.1e-1, 1.0),           # 1.56 bits per weight, an importance matrix of ones
 }
 assert set(BOUNDS) == set(Q.QUANTIZABLE)
 

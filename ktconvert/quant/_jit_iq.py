@@ -115,7 +115,7 @@ def _build_tables(levels, nbits, maxl, nwant):
 
 #: per type: (gguf's grid class name, bits per level, highest level the search uses, nwant of ggml's init)
 _GRID_SPECS = {"IQ3_XXS": (3, 7, 2), "IQ3_S": (3, 7, 3), "IQ2_XXS": (2, 2, 2), "IQ2_XS": (2, 2, 2),
-               "IQ2_S": (2, 2, 1)}
+               "IQ2_S": (2, 2, 1), "IQ1_S": (2, 2, 3)}
 
 
 @lru_cache(maxsize=None)
@@ -582,3 +582,187 @@ def _iq2_s(x, qw, r0, rpe, out, grid, kmap, nbrs):
 
 def iq2_s(x, qw, r0, rpe, out):
     return _iq2_s(x, qw, r0, rpe, out, *tables("IQ2_S"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# IQ1_S (50 bytes: fp16 d, qs[32] low 8 bits of the grid indices, qh[8] uint16: 3 high bits per index, a 3-bit
+# scale << 12 and the sign of the 0.125 shift << 15); a 2048-point grid of levels -1, 0, 1 in groups of 8
+
+F_IQ1_DELTA = F32(0.125)
+F_IQ1S_FUDGE = F32(1.125)
+F_15 = F32(15.0)
+F_EPS_IQ1S = F32(1e-12)       # GROUP_MAX_EPS_IQ1_S
+
+
+@_njit(inline="always", **_OPTS)
+def _split_fit(sumx, sumw, n, x_p, x_m, scale, at):
+    """The exhaustive search of quantize_row_iq1_s_impl: levels x_p (or x_m) for the sorted elements split into
+    [0, i1), [i1, i2), [i2, n), every split (i1 <= i2) with x_p then x_m, sequential in the C's order. ``at`` gets
+    the best split and its shift (1 for x_p, -1 for x_m, 0 if none fits); returns the best scale."""
+    best = -F_FLT_MAX
+    at[2] = 0
+    p0, p1, p2 = x_p[0], x_p[1], x_p[2]
+    m0, m1, m2 = x_m[0], x_m[1], x_m[2]
+    for i1 in range(n + 1):
+        ax = sumx[i1] - sumx[0]
+        aw = sumw[i1] - sumw[0]
+        for i2 in range(i1, n + 1):
+            bx = sumx[i2] - sumx[i1]
+            cx = sumx[n] - sumx[i2]
+            bw = sumw[i2] - sumw[i1]
+            cw = sumw[n] - sumw[i2]
+            sumqx = ax * p0 + bx * p1 + cx * p2
+            sumq2 = aw * p0 * p0 + bw * p1 * p1 + cw * p2 * p2
+            if sumq2 > F0 and sumqx * sumqx > best * sumq2:
+                scale = sumqx / sumq2
+                best = scale * sumqx
+                at[0] = i1
+                at[1] = i2
+                at[2] = 1
+            sumqx = ax * m0 + bx * m1 + cx * m2
+            sumq2 = aw * m0 * m0 + bw * m1 * m1 + cw * m2 * m2
+            if sumq2 > F0 and sumqx * sumqx > best * sumq2:
+                scale = sumqx / sumq2
+                best = scale * sumqx
+                at[0] = i1
+                at[1] = i2
+                at[2] = -1
+    return scale
+
+
+@_njit(inline="always", **_OPTS)
+def _iq1_neighbour(xb, xo, weight, o, scale, xx, grid, nbrs, off, L, err):
+    """iq1_find_best_neighbour2: the neighbour whose levels times ``scale`` are nearest ``x`` (weights
+    ``weight``); none with a finite distance is where ggml scans the whole grid reading past the group's 8 values
+    (undefined): ``err[0]`` is set instead."""
+    best = F_FLT_MAX
+    bi = -1
+    for j in range(1, np.int64(nbrs[off]) + 1):
+        g = np.int64(nbrs[off + j])
+        d2 = F0
+        for i in range(8):
+            q = xx[(np.int64(grid[g, i]) - 1) // 2]
+            diff = scale * q - xb[xo + i]
+            d2 += weight[o + i] * diff * diff
+        if d2 < best:
+            best = d2
+            bi = g
+    if bi < 0:
+        err[0] = 1
+        bi = np.int64(nbrs[off + 1])
+    for i in range(8):
+        L[o + i] = (np.int64(grid[bi, i]) - 1) // 2
+    return bi
+
+
+@_njit(**_OPTS)
+def _iq1_s(x, qw, r0, rpe, out, grid, kmap, nbrs):
+    weight = np.empty(32, dtype=np.float32)
+    sumx = np.empty(33, dtype=np.float32)
+    sumw = np.empty(33, dtype=np.float32)
+    order = np.empty(32, dtype=np.int64)
+    L = np.empty(32, dtype=np.int64)
+    index = np.empty(4, dtype=np.int64)
+    scales = np.empty(8, dtype=np.float32)
+    shifts = np.empty(8, dtype=np.int64)
+    at = np.empty(3, dtype=np.int64)
+    err = np.zeros(1, dtype=np.int64)
+    x_p = np.array([-F1 + F_IQ1_DELTA, F_IQ1_DELTA, F1 + F_IQ1_DELTA], dtype=np.float32)
+    x_m = np.array([-F1 - F_IQ1_DELTA, -F_IQ1_DELTA, F1 - F_IQ1_DELTA], dtype=np.float32)
+    nb = x.shape[1] // 256
+    for r in range(x.shape[0]):
+        if err[0]:
+            return r - 1
+        xr = x[r]
+        q = _qrow(qw, r0, r, rpe)
+        for ibl in range(nb):
+            b = r * nb + ibl
+            o = 256 * ibl
+            for i in range(out.shape[1]):
+                out[b, i] = 0
+            max_scale = F0
+            sigma2 = F_TWO * _sum_sq(xr, o, 256) / F_256
+            for ib in range(8):
+                ob = o + 32 * ib
+                for i in range(32):
+                    v = xr[ob + i]
+                    weight[i] = q[ob + i] * np.sqrt(sigma2 + v * v)
+                mx = abs(xr[ob])
+                for i in range(1, 32):
+                    a = abs(xr[ob + i])
+                    mx = mx if mx > a else a
+                if mx < F_EPS_IQ1S:
+                    scales[ib] = F0
+                    shifts[ib] = 1
+                    continue
+                for j in range(32):          # sort by value, equal values in index order (glibc's merge sort)
+                    v = xr[ob + j]
+                    k = j
+                    while k > 0 and xr[ob + order[k - 1]] > v:
+                        order[k] = order[k - 1]
+                        k -= 1
+                    order[k] = j
+                sumx[0] = F0
+                sumw[0] = F0
+                for j in range(32):
+                    i = order[j]
+                    sumx[j + 1] = sumx[j] + weight[i] * xr[ob + i]
+                    sumw[j + 1] = sumw[j] + weight[i]
+                scale = _split_fit(sumx, sumw, 32, x_p, x_m, mx, at)
+                shift = at[2]
+                if shift == 0:
+                    scales[ib] = F0
+                    shifts[ib] = 1
+                    continue
+                for j in range(32):
+                    L[order[j]] = 0 if j < at[0] else (1 if j < at[1] else 2)
+                if scale < F0:
+                    for j in range(32):
+                        L[j] = 2 - L[j]
+                    scale = -scale
+                    shift = -shift
+                xx = x_p if shift == 1 else x_m
+                on = True
+                for k in range(4):
+                    u = 0
+                    for j in range(8):
+                        u |= L[8 * k + j] << (2 * j)
+                    gi = np.int64(kmap[u])
+                    if gi < 0:
+                        on = False
+                        gi = _iq1_neighbour(xr, ob + 8 * k, weight, 8 * k, scale, xx, grid, nbrs, -gi - 1, L, err)
+                    index[k] = gi
+                if not on:
+                    sumqx = F0
+                    sumq2 = F0
+                    for k in range(4):
+                        for j in range(8):
+                            w = weight[8 * k + j]
+                            qv = xx[(np.int64(grid[index[k], j]) - 1) // 2]
+                            sumqx += w * qv * xr[ob + 8 * k + j]
+                            sumq2 += w * qv * qv
+                    if sumqx > F0 and sumq2 > F0:
+                        scale = sumqx / sumq2
+                h = 0
+                for k in range(4):
+                    out[b, 2 + 4 * ib + k] = index[k] & 255
+                    h |= (index[k] >> 8) << (3 * k)
+                _put16(out, b, 34 + 2 * ib, h)
+                scales[ib] = scale
+                shifts[ib] = shift
+                max_scale = max_scale if max_scale > scale else scale
+            if max_scale == F0:
+                continue
+            d = max_scale / F_15
+            _put16(out, b, 0, _fp16(d * F_IQ1S_FUDGE))
+            idv = F1 / d
+            for ib in range(8):
+                l = min(7, max(0, nearest_int(F_HALF * (idv * scales[ib] - F1))))
+                if shifts[ib] == -1:
+                    l |= 8
+                out[b, 34 + 2 * ib + 1] |= l << 4
+    return x.shape[0] - 1 if err[0] else -1
+
+
+def iq1_s(x, qw, r0, rpe, out):
+    return _iq1_s(x, qw, r0, rpe, out, *tables("IQ1_S"))

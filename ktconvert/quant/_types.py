@@ -12,7 +12,7 @@ QType = GGMLQuantizationType
 
 #: The IQ types whose levels are points of a fixed grid (``_jit_iq``), in the order users read them; ggml's
 #: searches for them take an importance matrix.
-IQ_GRID: tuple[str, ...] = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S")
+IQ_GRID: tuple[str, ...] = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S")
 #: Names of the types :func:`ktconvert.quant.quantize` produces, bit-exact with ggml's quantizers: what a
 #: recipe or ``--type`` may name, in the order users read them.
 WRITABLE: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
@@ -27,7 +27,7 @@ IMATRIX_TYPES: frozenset[QType] = frozenset(QType[name] for name in (
     "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")) | IQ_GRID_TYPES
 #: Types ggml refuses to quantize without an importance matrix (``ggml_quantize_requires_imatrix``: its
 #: ``ggml_quantize_chunk`` aborts on a NULL one); :func:`ktconvert.quant.quantize` raises instead.
-IMATRIX_REQUIRED: frozenset[QType] = frozenset(QType[name] for name in ("IQ2_XXS", "IQ2_XS"))
+IMATRIX_REQUIRED: frozenset[QType] = frozenset(QType[name] for name in ("IQ2_XXS", "IQ2_XS", "IQ1_S"))
 
 
 def as_qtype(qtype: QType | int | str) -> QType:
