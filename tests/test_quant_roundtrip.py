@@ -37,6 +37,7 @@ BOUNDS = {
     T.IQ2_XS: (3.15e-1, 5.9e-1),
     T.IQ2_S: (2.8e-1, 6.4e-1),        # without an importance matrix (weights sigma2/4 + x^2)
     T.IQ1_S: (5.1e-1, 1.0),           # 1.56 bits per weight, an importance matrix of ones
+    T.IQ1_M: (6.1e-1, 1.3),           # 1.75 bits per weight without an importance matrix (weights x^2)
 }
 assert set(BOUNDS) == set(Q.QUANTIZABLE)
 

@@ -44,7 +44,7 @@ _TYPE_TO_FTYPE = {"F32": "ALL_F32", "F16": "MOSTLY_F16", "BF16": "MOSTLY_BF16", 
                   "Q6_K": "MOSTLY_Q6_K", "IQ4_NL": "MOSTLY_IQ4_NL", "IQ4_XS": "MOSTLY_IQ4_XS",
                   "IQ3_XXS": "MOSTLY_IQ3_XXS", "IQ3_S": "MOSTLY_IQ3_S", "IQ2_XXS": "MOSTLY_IQ2_XXS",
                   "IQ2_XS": "MOSTLY_IQ2_XS", "IQ2_S": "MOSTLY_IQ2_M",
-                  "IQ1_S": "MOSTLY_IQ1_S"}
+                  "IQ1_S": "MOSTLY_IQ1_S", "IQ1_M": "MOSTLY_IQ1_M"}
 QUANTIZATION_VERSION = 2  # ggml's GGML_QNT_VERSION
 
 

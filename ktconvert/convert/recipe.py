@@ -33,7 +33,7 @@ FALLBACKS = {
     "IQ3_XXS": ("IQ4_NL", "F16"),
     "IQ3_S": ("IQ4_NL", "F16"),
     "IQ2_XXS": ("IQ4_NL", "F16"), "IQ2_XS": ("IQ4_NL", "F16"), "IQ2_S": ("IQ4_NL", "F16"),
-    "IQ1_S": ("IQ4_NL", "F16"),
+    "IQ1_S": ("IQ4_NL", "F16"), "IQ1_M": ("IQ4_NL", "F16"),
 }
 
 #: ``general.file_type`` of ``--type T``: what ``llama-quantize --pure IN OUT T`` writes (one type everywhere, with
@@ -44,14 +44,15 @@ PURE_FILE_TYPE = {"F32": "ALL_F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0"
                   "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M",
                   "Q5_K": "Q5_K_M", "Q6_K": "Q6_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ3_XXS": "IQ3_XXS",
                   "IQ3_S": "IQ3_S", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS",
-                  "IQ2_S": "IQ2_M", "IQ1_S": "IQ1_S"}
+                  "IQ2_S": "IQ2_M", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M"}
 
 #: llama.cpp's default type of each ftype (``llama_ftype_get_default_type``), for the file types a recipe may state
 FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
                      "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K_S": "Q3_K", "Q3_K_M": "Q3_K",
                      "Q3_K_L": "Q3_K", "Q4_K_S": "Q4_K", "Q4_K_M": "Q4_K", "Q5_K_S": "Q5_K", "Q5_K_M": "Q5_K",
                      "Q6_K": "Q6_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ3_XXS": "IQ3_XXS", "IQ3_S": "IQ3_S",
-                     "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_M": "IQ2_S", "IQ1_S": "IQ1_S"}
+                     "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS", "IQ2_M": "IQ2_S",
+                     "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M"}
 
 #: Tensors llama.cpp never quantizes (routers, norms, biases, the score-correction bias, rope frequencies, SSM conv kernels,
 #: the 1-D hyper-connection base/scale vectors, llama.cpp names not ending in .weight such as ssm_a; a rule also sees

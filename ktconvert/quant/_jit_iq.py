@@ -124,6 +124,8 @@ def tables(type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     from gguf import GGMLQuantizationType
     from gguf import quants as gq
 
+    if type_name == "IQ1_M":       # IQ1_S's grid and tables
+        return tables("IQ1_S")
     cls = gq._type_traits[GGMLQuantizationType[type_name]]
     cls.init_grid()
     vals = np.asarray(cls.grid, dtype=np.float32).reshape(cls.grid_shape)
@@ -766,3 +768,203 @@ def _iq1_s(x, qw, r0, rpe, out, grid, kmap, nbrs):
 
 def iq1_s(x, qw, r0, rpe, out):
     return _iq1_s(x, qw, r0, rpe, out, *tables("IQ1_S"))
+
+
+# ----------------------------------------------------------------------------------------------------
+# IQ1_M (56 bytes: qs[32] low 8 bits of the grid indices, qh[16] their 3 high bits and the shift signs per group,
+# scales[8] as 4 x uint16: 3-bit scales per 16 elements and the nibbles of the fp16 super-block scale); IQ1_S's grid
+
+
+F_EPS_IQ1M = F32(1e-7)        # GROUP_MAX_EPS_IQ1_M
+F_IQ1M_FUDGE = F32(1.1125)
+
+
+@_njit(inline="always", **_OPTS)
+def _iq1m_xx(shift, k, x_p, x_m):
+    """The levels of group ``k`` (0 or 1) for the sub-block's shift pair ``shift`` (0: ++, 1: +-, 2: -+, 3: --)."""
+    if k == 0:
+        return x_p if shift < 2 else x_m
+    return x_p if shift % 2 == 0 else x_m
+
+
+@_njit(inline="always", **_OPTS)
+def _iq1m_weights(xr, ob, q, has_qw, sigma2, weight):
+    for i in range(16):
+        v = xr[ob + i]
+        weight[i] = q[ob + i] * np.sqrt(sigma2 + v * v) if has_qw else v * v
+
+
+@_njit(**_OPTS)
+def _iq1_m(x, qw, r0, rpe, out, grid, kmap, nbrs):
+    weight = np.empty(16, dtype=np.float32)
+    px = np.empty((2, 17), dtype=np.float32)
+    pw = np.empty((2, 17), dtype=np.float32)
+    order = np.empty(16, dtype=np.int64)
+    L = np.empty(16, dtype=np.int64)
+    index = np.empty(2, dtype=np.int64)
+    scales = np.empty(16, dtype=np.float32)
+    shifts = np.empty(16, dtype=np.int64)
+    qx = np.empty(4, dtype=np.float32)
+    q2 = np.empty(4, dtype=np.float32)
+    sc = np.empty(4, dtype=np.int64)
+    err = np.zeros(1, dtype=np.int64)
+    x_p = np.array([-F1 + F_IQ1_DELTA, F_IQ1_DELTA, F1 + F_IQ1_DELTA], dtype=np.float32)
+    x_m = np.array([-F1 - F_IQ1_DELTA, -F_IQ1_DELTA, F1 - F_IQ1_DELTA], dtype=np.float32)
+    p2, m2 = x_p[2], x_m[2]
+    cp1 = x_p[0] * x_p[0] - x_p[1] * x_p[1]
+    cp2 = x_p[1] * x_p[1] - x_p[2] * x_p[2]
+    cm1 = x_m[0] * x_m[0] - x_m[1] * x_m[1]
+    cm2 = x_m[1] * x_m[1] - x_m[2] * x_m[2]
+    has_qw = qw.shape[0] > 0
+    nb = x.shape[1] // 256
+    for r in range(x.shape[0]):
+        if err[0]:
+            return r - 1
+        xr = x[r]
+        q = _qrow(qw, r0, r, rpe) if has_qw else xr
+        for ibl in range(nb):
+            b = r * nb + ibl
+            o = 256 * ibl
+            for i in range(out.shape[1]):
+                out[b, i] = 0
+            max_scale = F0
+            sigma2 = F_TWO * _sum_sq(xr, o, 256) / F_256
+            for ib in range(16):
+                ob = o + 16 * ib
+                _iq1m_weights(xr, ob, q, has_qw, sigma2, weight)
+                mx = abs(xr[ob])
+                for i in range(1, 16):
+                    a = abs(xr[ob + i])
+                    mx = mx if mx > a else a
+                if mx < F_EPS_IQ1M:
+                    scales[ib] = F0
+                    shifts[ib] = 0
+                    continue
+                for j in range(16):          # sort by value, equal values in index order (glibc's merge sort)
+                    v = xr[ob + j]
+                    k = j
+                    while k > 0 and xr[ob + order[k - 1]] > v:
+                        order[k] = order[k - 1]
+                        k -= 1
+                    order[k] = j
+                for h in range(2):
+                    px[h, 0] = F0
+                    pw[h, 0] = F0
+                for j in range(16):          # prefix sums per half of the sub-block
+                    i = order[j]
+                    h = 0 if i < 8 else 1
+                    px[h, j + 1] = px[h, j] + weight[i] * xr[ob + i]
+                    px[1 - h, j + 1] = px[1 - h, j]
+                    pw[h, j + 1] = pw[h, j] + weight[i]
+                    pw[1 - h, j + 1] = pw[1 - h, j]
+                tx0, tx1, tw0, tw1 = px[0, 16], px[1, 16], pw[0, 16], pw[1, 16]
+                best = -F_FLT_MAX
+                scale = mx
+                b1 = -1
+                b2 = -1
+                bk = -1
+                for i1 in range(17):
+                    for i2 in range(i1, 17):
+                        sx0 = px[0, i1] + px[0, i2]
+                        sx1 = px[1, i1] + px[1, i2]
+                        qxp0 = tx0 * p2 - sx0
+                        qxm0 = tx0 * m2 - sx0
+                        qxp1 = tx1 * p2 - sx1
+                        qxm1 = tx1 * m2 - sx1
+                        q2p0 = tw0 * p2 * p2 + pw[0, i1] * cp1 + pw[0, i2] * cp2
+                        q2m0 = tw0 * m2 * m2 + pw[0, i1] * cm1 + pw[0, i2] * cm2
+                        q2p1 = tw1 * p2 * p2 + pw[1, i1] * cp1 + pw[1, i2] * cp2
+                        q2m1 = tw1 * m2 * m2 + pw[1, i1] * cm1 + pw[1, i2] * cm2
+                        qx[0] = qxp0 + qxp1
+                        qx[1] = qxp0 + qxm1
+                        qx[2] = qxm0 + qxp1
+                        qx[3] = qxm0 + qxm1
+                        q2[0] = q2p0 + q2p1
+                        q2[1] = q2p0 + q2m1
+                        q2[2] = q2m0 + q2p1
+                        q2[3] = q2m0 + q2m1
+                        for k in range(4):
+                            if q2[k] > F0 and qx[k] * qx[k] > best * q2[k]:
+                                scale = qx[k] / q2[k]
+                                best = scale * qx[k]
+                                b1 = i1
+                                b2 = i2
+                                bk = k
+                if bk < 0:
+                    scales[ib] = F0
+                    shifts[ib] = 0
+                    continue
+                for j in range(16):
+                    L[order[j]] = 0 if j < b1 else (1 if j < b2 else 2)
+                if scale < F0:
+                    for j in range(16):
+                        L[j] = 2 - L[j]
+                    scale = -scale
+                    bk = 3 - bk
+                on = True
+                for k in range(2):
+                    xx = _iq1m_xx(bk, k, x_p, x_m)
+                    u = 0
+                    for j in range(8):
+                        u |= L[8 * k + j] << (2 * j)
+                    gi = np.int64(kmap[u])
+                    if gi < 0:
+                        on = False
+                        gi = _iq1_neighbour(xr, ob + 8 * k, weight, 8 * k, scale, xx, grid, nbrs, -gi - 1, L, err)
+                    index[k] = gi
+                if not on:
+                    sqx = F0
+                    sq2 = F0
+                    for k in range(2):
+                        xx = _iq1m_xx(bk, k, x_p, x_m)
+                        for j in range(8):
+                            w = weight[8 * k + j]
+                            qv = xx[(np.int64(grid[index[k], j]) - 1) // 2]
+                            sqx += w * qv * xr[ob + 8 * k + j]
+                            sq2 += w * qv * qv
+                    if sqx > F0 and sq2 > F0:
+                        scale = sqx / sq2
+                out[b, 2 * ib] = index[0] & 255
+                out[b, 2 * ib + 1] = index[1] & 255
+                out[b, 32 + ib] = (index[0] >> 8) | ((index[1] >> 8) << 4)
+                scales[ib] = scale
+                shifts[ib] = bk
+                max_scale = max_scale if max_scale > scale else scale
+            if max_scale == F0:
+                continue
+            d = max_scale / F_15
+            idv = F1 / d
+            sqx = F0
+            sq2 = F0
+            for j in range(4):
+                sc[j] = 0
+            for ib in range(16):
+                ob = o + 16 * ib
+                l = min(7, max(0, nearest_int(F_HALF * (idv * scales[ib] - F1))))
+                sc[ib // 4] |= l << (3 * (ib % 4))
+                sh = shifts[ib]
+                out[b, 32 + ib] |= (0x80 if sh == 1 or sh == 3 else 0) | (0x08 if sh >= 2 else 0)
+                _iq1m_weights(xr, ob, q, has_qw, sigma2, weight)
+                qh = np.int64(out[b, 32 + ib])
+                for k in range(2):
+                    xx = _iq1m_xx(sh, k, x_p, x_m)
+                    g = np.int64(out[b, 2 * ib + k]) + ((qh << (8 - 4 * k)) & 0x700)
+                    for j in range(8):
+                        w = weight[8 * k + j]
+                        qv = xx[(np.int64(grid[g, j]) - 1) // 2] * F32(2 * l + 1)
+                        sqx += w * qv * xr[ob + 8 * k + j]
+                        sq2 += w * qv * qv
+            if sq2 > F0:
+                d = sqx / sq2
+            h = _fp16(d * F_IQ1M_FUDGE)
+            sc[0] |= (h & 0x000F) << 12
+            sc[1] |= (h & 0x00F0) << 8
+            sc[2] |= (h & 0x0F00) << 4
+            sc[3] |= h & 0xF000
+            for j in range(4):
+                _put16(out, b, 48 + 2 * j, sc[j])
+    return x.shape[0] - 1 if err[0] else -1
+
+
+def iq1_m(x, qw, r0, rpe, out):
+    return _iq1_m(x, qw, r0, rpe, out, *tables("IQ1_M"))

@@ -12,7 +12,7 @@ QType = GGMLQuantizationType
 
 #: The IQ types whose levels are points of a fixed grid (``_jit_iq``), in the order users read them; ggml's
 #: searches for them take an importance matrix.
-IQ_GRID: tuple[str, ...] = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S")
+IQ_GRID: tuple[str, ...] = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
 #: Names of the types :func:`ktconvert.quant.quantize` produces, bit-exact with ggml's quantizers: what a
 #: recipe or ``--type`` may name, in the order users read them.
 WRITABLE: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
