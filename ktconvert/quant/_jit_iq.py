@@ -226,7 +226,7 @@ def _group(xval, waux, o, gs, nbits, kmaxq, idv, scale, grid, kmap, nbrs, L, err
         err[0] = 1
         bi = np.int64(nbrs[off + 1])
     for i in range(gs):
-        L[o + i] = (np.int64(grid[bi, i]) - 1) // 2
+        L[o + i] = np.int64(grid[bi, i]) >> 1   # (2l+1-1)/2
     return bi, False
 
 
@@ -643,7 +643,7 @@ def _iq1_neighbour(xb, xo, weight, o, scale, xx, grid, nbrs, off, L, err):
         g = np.int64(nbrs[off + j])
         d2 = F0
         for i in range(8):
-            q = xx[(np.int64(grid[g, i]) - 1) // 2]
+            q = xx[np.int64(grid[g, i]) >> 1]
             diff = scale * q - xb[xo + i]
             d2 += weight[o + i] * diff * diff
         if d2 < best:
@@ -653,7 +653,7 @@ def _iq1_neighbour(xb, xo, weight, o, scale, xx, grid, nbrs, off, L, err):
         err[0] = 1
         bi = np.int64(nbrs[off + 1])
     for i in range(8):
-        L[o + i] = (np.int64(grid[bi, i]) - 1) // 2
+        L[o + i] = np.int64(grid[bi, i]) >> 1   # (2l+1-1)/2
     return bi
 
 
@@ -740,7 +740,7 @@ def _iq1_s(x, qw, r0, rpe, out, grid, kmap, nbrs):
                     for k in range(4):
                         for j in range(8):
                             w = weight[8 * k + j]
-                            qv = xx[(np.int64(grid[index[k], j]) - 1) // 2]
+                            qv = xx[np.int64(grid[index[k], j]) >> 1]
                             sumqx += w * qv * xr[ob + 8 * k + j]
                             sumq2 += w * qv * qv
                     if sumqx > F0 and sumq2 > F0:
@@ -804,8 +804,6 @@ def _iq1_m(x, qw, r0, rpe, out, grid, kmap, nbrs):
     index = np.empty(2, dtype=np.int64)
     scales = np.empty(16, dtype=np.float32)
     shifts = np.empty(16, dtype=np.int64)
-    qx = np.empty(4, dtype=np.float32)
-    q2 = np.empty(4, dtype=np.float32)
     sc = np.empty(4, dtype=np.int64)
     err = np.zeros(1, dtype=np.int64)
     x_p = np.array([-F1 + F_IQ1_DELTA, F_IQ1_DELTA, F1 + F_IQ1_DELTA], dtype=np.float32)
@@ -875,18 +873,12 @@ def _iq1_m(x, qw, r0, rpe, out, grid, kmap, nbrs):
                         q2m0 = tw0 * m2 * m2 + pw[0, i1] * cm1 + pw[0, i2] * cm2
                         q2p1 = tw1 * p2 * p2 + pw[1, i1] * cp1 + pw[1, i2] * cp2
                         q2m1 = tw1 * m2 * m2 + pw[1, i1] * cm1 + pw[1, i2] * cm2
-                        qx[0] = qxp0 + qxp1
-                        qx[1] = qxp0 + qxm1
-                        qx[2] = qxm0 + qxp1
-                        qx[3] = qxm0 + qxm1
-                        q2[0] = q2p0 + q2p1
-                        q2[1] = q2p0 + q2m1
-                        q2[2] = q2m0 + q2p1
-                        q2[3] = q2m0 + q2m1
-                        for k in range(4):
-                            if q2[k] > F0 and qx[k] * qx[k] > best * q2[k]:
-                                scale = qx[k] / q2[k]
-                                best = scale * qx[k]
+                        for k in range(4):       # shift pairs ++, +-, -+, -- in ggml's order
+                            sqx = (qxp0 if k < 2 else qxm0) + (qxp1 if k % 2 == 0 else qxm1)
+                            sq2 = (q2p0 if k < 2 else q2m0) + (q2p1 if k % 2 == 0 else q2m1)
+                            if sq2 > F0 and sqx * sqx > best * sq2:
+                                scale = sqx / sq2
+                                best = scale * sqx
                                 b1 = i1
                                 b2 = i2
                                 bk = k
@@ -919,7 +911,7 @@ def _iq1_m(x, qw, r0, rpe, out, grid, kmap, nbrs):
                         xx = _iq1m_xx(bk, k, x_p, x_m)
                         for j in range(8):
                             w = weight[8 * k + j]
-                            qv = xx[(np.int64(grid[index[k], j]) - 1) // 2]
+                            qv = xx[np.int64(grid[index[k], j]) >> 1]
                             sqx += w * qv * xr[ob + 8 * k + j]
                             sq2 += w * qv * qv
                     if sqx > F0 and sq2 > F0:
@@ -951,7 +943,7 @@ def _iq1_m(x, qw, r0, rpe, out, grid, kmap, nbrs):
                     g = np.int64(out[b, 2 * ib + k]) + ((qh << (8 - 4 * k)) & 0x700)
                     for j in range(8):
                         w = weight[8 * k + j]
-                        qv = xx[(np.int64(grid[g, j]) - 1) // 2] * F32(2 * l + 1)
+                        qv = xx[np.int64(grid[g, j]) >> 1] * F32(2 * l + 1)
                         sqx += w * qv * xr[ob + 8 * k + j]
                         sq2 += w * qv * qv
             if sq2 > F0:
