@@ -6,7 +6,8 @@ from N Python threads: ctypes releases the GIL, so this is the C's own multi-cor
 ``gguf.quants.quantize`` where it implements the type. The C is the pinned ggml built by ``tests/ggml_ref.py``.
 A type named ``Q4_K+im`` is quantized with an importance matrix (one random positive float per column, the same
 for ours and the C): ggml's ``quantize_row_*_impl`` search, what ``llama-quantize --imatrix`` runs; a plain name
-takes the path without one.
+takes the path without one (the IQ grid types ggml quantizes only with one, IQ2_XXS and IQ2_XS, come only as
+``+im``). The IQ grid types run at a few MB/s: give them fewer ``--rows``.
 
 The measurements are interleaved (ours, C, ours, C, ... within each repeat), so a machine shared with other
 work slows both sides alike, and the medians of ``--repeat`` runs are reported after a warm-up run of each
@@ -15,6 +16,7 @@ this process (the per-core speed, robust to waiting for a shared core), the N-co
 MB are 1e6 bytes of float32 input.
 
     python benchmarks/bench_quant.py [--rows 1024] [--cols 4096] [--repeat 5] [--threads N] [--types Q4_K,Q6_K+im]
+    python benchmarks/bench_quant.py --rows 128 --repeat 3 --types IQ3_XXS,IQ3_S,IQ3_XXS+im,IQ3_S+im,IQ2_XXS+im,IQ2_XS+im
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 from ktconvert import quant as Q  # noqa: E402
 
 ALL = ["F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
-       "IQ4_NL", "IQ4_XS"]
+       "IQ4_NL", "IQ4_XS", *(t for t in Q.IQ_GRID if Q.as_qtype(t) not in Q.IMATRIX_REQUIRED)]
 IMATRIX = ["Q4_0+im", "Q4_1+im", "Q5_0+im", "Q5_1+im", "Q2_K+im", "Q3_K+im", "Q4_K+im", "Q5_K+im", "Q6_K+im",
-           "IQ4_NL+im", "IQ4_XS+im"]
+           "IQ4_NL+im", "IQ4_XS+im", *(t + "+im" for t in Q.IQ_GRID)]
 
 
 def cpu_model() -> str:

@@ -74,8 +74,8 @@ def test_unknown_and_unsupported_types():
     x = np.zeros((1, 256), dtype=np.float32)
     with pytest.raises(Q.QuantError, match="unknown ggml type 'Q9_9'"):
         Q.quantize(x, "Q9_9")
-    with pytest.raises(Q.QuantError, match="IQ2_XXS is not implemented") as ei:
-        Q.quantize(x, T.IQ2_XXS)
+    with pytest.raises(Q.QuantError, match="TQ1_0 is not implemented") as ei:
+        Q.quantize(x, T.TQ1_0)
     assert "Q4_K" in str(ei.value)  # the fix lists what is available
     with pytest.raises(Q.QuantError, match="dequantizing Q8_K"):
         Q.dequantize(np.zeros((1, 292), np.uint8), T.Q8_K)
@@ -136,12 +136,13 @@ def test_dequantize_every_type_gguf_can_decode_matches_gguf():
     types = Q.dequantizable()
     assert Q.QUANTIZABLE <= types
     extra = types - Q.QUANTIZABLE
-    assert {T.IQ2_XXS, T.IQ3_S, T.TQ1_0, T.MXFP4} <= extra and {T.IQ4_NL, T.IQ4_XS} <= Q.QUANTIZABLE
+    assert {T.TQ1_0, T.TQ2_0, T.MXFP4} <= extra and {T.IQ4_NL, T.IQ4_XS, T.IQ3_XXS} <= Q.QUANTIZABLE
     for qt in sorted(types, key=lambda t: t.value):
         bs, ts = GGML_QUANT_SIZES[qt]
         raw = rng.integers(0, 256, (3, 2 * ts), dtype=np.uint8)
         if qt in (T.F16, T.BF16, T.F32) or qt in Q.QUANTIZABLE:
-            raw = Q.quantize(rng.standard_normal((3, 2 * bs)).astype(np.float32), qt)
+            im = np.ones(2 * bs, np.float32) if qt in Q.IMATRIX_REQUIRED else None
+            raw = Q.quantize(rng.standard_normal((3, 2 * bs)).astype(np.float32), qt, imatrix=im)
         with np.errstate(all="ignore"):
             want = np.asarray(gq.dequantize(raw, qt), dtype=np.float32)
         got = Q.dequantize(raw, qt)

@@ -22,7 +22,7 @@ from ktconvert import quant as Q
 pytestmark = pytest.mark.interop
 
 F32 = np.float32
-WEIGHTED = sorted(Q.IMATRIX_TYPES, key=lambda t: t.value)
+WEIGHTED = sorted(Q.IMATRIX_TYPES - Q.IQ_GRID_TYPES, key=lambda t: t.value)  # the grid types: test_quant_iq.py
 IQ4 = [T.IQ4_NL, T.IQ4_XS]
 
 

@@ -31,6 +31,13 @@ BOUNDS = {
     T.IQ4_NL: (8.6e-2, 1.3e-1),
     T.Q3_K: (1.66e-1, 2.5e-1),
     T.Q2_K: (3.26e-1, 4.9e-1),
+    T.IQ3_XXS: (2.35e-1, 6.1e-1),     # without an importance matrix (weights x^2: the large values win)
+    T.IQ3_S: (1.82e-1, 4.4e-1),
+    T.IQ2_XXS: (3.6e-1, 7.0e-1),      # with an importance matrix of ones (ggml requires one)
+    T.IQ2_XS: (3.15e-1, 5.9e-1),
+    T.IQ2_S: (2.8e-1, 6.4e-1),        # without an importance matrix (weights sigma2/4 + x^2)
+    T.IQ1_S: (5.1e-1, 1.0),           # 1.56 bits per weight, an importance matrix of ones
+    T.IQ1_M: (6.1e-1, 1.3),           # 1.75 bits per weight without an importance matrix (weights x^2)
 }
 assert set(BOUNDS) == set(Q.QUANTIZABLE)
 
@@ -44,8 +51,14 @@ def data() -> dict[str, np.ndarray]:
     }
 
 
+def _round_trip(x: np.ndarray, qtype) -> np.ndarray:
+    """Quantized and back; the types ggml quantizes only with an importance matrix get one of ones."""
+    im = np.ones(x.shape[-1], np.float32) if qtype in Q.IMATRIX_REQUIRED else None
+    return Q.dequantize(Q.quantize(x, qtype, imatrix=im), qtype)
+
+
 def _errors(x: np.ndarray, qtype) -> tuple[float, float]:
-    y = Q.dequantize(Q.quantize(x, qtype), qtype)
+    y = _round_trip(x, qtype)
     assert y.dtype == np.float32 and y.shape == x.shape
     e = (y - x).astype(np.float64)
     rel = float(np.sqrt((e ** 2).mean() / (x.astype(np.float64) ** 2).mean()))
@@ -76,7 +89,7 @@ def test_more_bits_means_less_error(data):
 @pytest.mark.parametrize("qtype", sorted(Q.QUANTIZABLE, key=lambda t: t.value), ids=lambda t: t.name)
 def test_zero_rows_come_back_as_zero(qtype):
     z = np.zeros((2, 256), dtype=np.float32)
-    y = Q.dequantize(Q.quantize(z, qtype), qtype)
+    y = _round_trip(z, qtype)
     assert not y.any()
 
 

@@ -139,12 +139,12 @@ RECIPES = {
                              "  - {match: '.', type: Q4_K}\n",
                              ["strict.yaml:5:5", "blk.0.attn_q_b.weight cannot be stored as Q4_K",
                               "rows of 128 are not a multiple of its 256-element block", "fallback"]),
-    "type-not-writable": ("kind: convert-recipe\nname: iq\nrules:\n  - {match: '.', type: IQ2_XXS}\n",
-                          ["iq.yaml:4:24", "ktconvert cannot write IQ2_XXS"]),
+    "type-not-writable": ("kind: convert-recipe\nname: iq\nrules:\n  - {match: '.', type: TQ1_0}\n",
+                          ["iq.yaml:4:24", "ktconvert cannot write TQ1_0"]),
     "type-unknown": ("kind: convert-recipe\nname: q9\nrules:\n  - {match: '.', type: Q9_K}\n",
                      ["q9.yaml:4:24", "'Q9_K' is not a ggml type"]),
-    "fallback-not-writable": ("kind: convert-recipe\nname: fb\nrules:\n  - {match: '.', type: Q4_K, fallback: [IQ3_S]}\n",
-                              ["fb.yaml:4:41", "cannot write IQ3_S"]),
+    "fallback-not-writable": ("kind: convert-recipe\nname: fb\nrules:\n  - {match: '.', type: Q4_K, fallback: [TQ2_0]}\n",
+                              ["fb.yaml:4:41", "cannot write TQ2_0"]),
     "bad-regex": ("kind: convert-recipe\nname: rx\nrules:\n  - {match: 'ffn_(gate', type: F32}\n",
                   ["rx.yaml:4:13", "not a valid regex"]),
     "no-catch-all": ("kind: convert-recipe\nname: partial\nrules:\n  - {match: '_exps', type: Q8_0}\n",
@@ -172,7 +172,7 @@ def test_recipe_with_impossible_type_fails_before_output(models, tmp_path, case)
 
 
 @pytest.mark.parametrize("args, expect", [
-    (["--type", "IQ2_XXS"], "--type: ktconvert cannot write IQ2_XXS"),
+    (["--type", "TQ1_0"], "--type: ktconvert cannot write TQ1_0"),
     (["--type", "Q4_K", "--recipe", "Q8_0"], "give a recipe or a type, not both"),
     ([], "no recipe and no type given"),
     (["--recipe", "Q7_K_L"], "neither a file nor a preset"),

@@ -58,7 +58,8 @@ def test_preset_with_imatrix_equals_llama_quantize(inputs, tmp_path, preset):
     assert differences(want, plain) != [], "the importance matrix changed nothing: the test cannot fail"
 
 
-@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS"])
+@pytest.mark.parametrize("qtype", ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "IQ4_XS",
+                                   "IQ3_XXS", "IQ3_S", "IQ2_S", "IQ1_M"])
 def test_type_with_imatrix_equals_llama_quantize_pure(inputs, tmp_path, qtype):
     from ktconvert.convert import convert, recipe_for_type
 

@@ -44,7 +44,7 @@ def test_pure_is_one_type_and_keeps_the_file_type(model):
     (["--tensor-type", "attn_q=Q9_K"], "--tensor-type: 'Q9_K' is not a ggml type"),
     (["--tensor-type", "attn_q"], "is not REGEX=TYPE"),
     (["--tensor-type", "(attn=Q4_K"], "is not a valid regex"),
-    (["--output-tensor-type", "IQ2_XXS"], "--output-tensor-type: ktconvert cannot write IQ2_XXS"),
+    (["--output-tensor-type", "TQ2_0"], "--output-tensor-type: ktconvert cannot write TQ2_0"),
     (["--token-embedding-type", "q4"], "--token-embedding-type: 'q4' is not a ggml type"),
 ])
 def test_bad_override_is_one_line_exit_2_nothing_written(tmp_path, model, args, expect):

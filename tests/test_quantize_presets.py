@@ -168,7 +168,13 @@ def small(tmp_path_factory, llama_tools):
     return f32, imx
 
 
-@pytest.mark.parametrize("preset", WRITTEN_PRESETS)
+#: IQ presets written and compared byte for byte (one per grid family: IQ2, IQ3, IQ1; the rest of the IQ presets are
+#: checked type by type above, and each IQ type byte for byte in tests/test_quantize_imatrix_parity.py and
+#: tests/test_quant_iq.py): llama-quantize takes 15-60 s per IQ preset here, so not all ten run.
+IQ_BYTE_PRESETS = ["IQ2_XXS", "IQ3_XS", "IQ1_M"]
+
+
+@pytest.mark.parametrize("preset", WRITTEN_PRESETS + IQ_BYTE_PRESETS)
 def test_preset_with_imatrix_is_byte_identical_to_llama_quantize(small, tmp_path, preset):
     from ktconvert.convert import convert
 
@@ -240,21 +246,6 @@ def test_imatrix_without_the_entry_a_very_low_bit_tensor_needs_is_refused(small,
     assert res.exit_code == 3 and len(lines) == 1, res.stderr
     assert "blk.1.ffn_up_exps.weight" in lines[0] and "IQ2_XXS" in lines[0] and str(imx) in lines[0], lines[0]
     assert not out.exists()
-
-
-def test_iq_preset_ktconvert_cannot_write_yet_is_refused_but_planned(small, tmp_path):
-    from ktconvert.quant import WRITABLE
-
-    if "IQ2_XXS" in WRITABLE:
-        pytest.skip("IQ2_XXS is written now: the byte-identity tests cover it")
-    f32, imx = small
-    out = tmp_path / "out"
-    res = _cli(f32, out, "--recipe", "IQ2_XXS", "--imatrix", imx)
-    lines = res.stderr.splitlines()
-    assert res.exit_code == 2 and len(lines) == 1 and "cannot write IQ2_XXS yet" in lines[0], res.stderr
-    assert not out.exists()
-    dry = _cli(f32, out, "--recipe", "IQ2_XXS", "--imatrix", imx, "--dry-run", "-o", "json")
-    assert dry.exit_code == 0 and "IQ2_XXS" in dry.stdout and not out.exists()
 
 
 def test_override_equal_to_the_mix_type_is_not_dropped(small):

@@ -10,9 +10,8 @@ from ktconvert.cluster import check_executor, check_fits, connect
 from ktconvert.convert.execute import Progress, RunResult, execute, input_roots, ray_task_memory
 from ktconvert.convert.hf_out import build_hf_plan
 from ktconvert.convert.plan import KEEP_SPLIT, Plan, build_plan
-from ktconvert.convert.recipe import IQ_TYPES, Recipe, load_recipe, recipe_for_type
+from ktconvert.convert.recipe import Recipe, load_recipe, recipe_for_type
 from ktconvert.convert.targets import check_target
-from ktconvert.quant import WRITABLE
 from ktconvert.io.sizes import parse_size
 from ktconvert.convert.source import analyze
 from ktconvert.errors import UsageProblem
@@ -113,16 +112,6 @@ def _gguf_only(imatrix, format: str) -> None:
         raise UsageProblem(f"--imatrix applies to GGUF output, not {format}", fix="drop --imatrix, or write GGUF (--to gguf)")
 
 
-def _refuse_unwritable(plan: Plan) -> None:
-    """A recipe may name an IQ type llama.cpp's IQ presets choose before ktconvert writes it (``--dry-run`` plans it);
-    converting to it is refused here, before anything is written."""
-    for t in plan.tensors:
-        if not t.copy_bytes and t.type in IQ_TYPES and t.type not in WRITABLE:
-            raise UsageProblem(f"ktconvert cannot write {t.type} yet (the type {plan.recipe.source} chooses for "
-                               f"{t.name}); --dry-run shows the plan", fix=f"choose a recipe whose types are "
-                               f"{', '.join(WRITABLE)}, or quantize this preset with llama-quantize")
-
-
 def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None = None, *, type: str | None = None,
             format: str | None = None, config: str | Path | dict | None = None,
             shard_size: int | str | None = None, tokenizer: bool = True,
@@ -158,7 +147,6 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
                            tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
                            allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha, imatrix=imatrix,
                            include_weights=include_weights, exclude_weights=exclude_weights, target=target)
-    _refuse_unwritable(plan)
     with claim_output(Path(out), inputs=input_roots(Path(src), [Path(f) for f in plan.input_files]), force=force):
         if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
             ray = connect(ray_address)

@@ -25,11 +25,8 @@ from ktconvert.quant import WRITABLE
 KEEP = "keep"
 
 #: The non-linear types llama.cpp's IQ presets choose (``llama_tensor_get_type_impl`` in src/llama-quant.cpp of the
-#: llama.cpp that llama-cpp-python 0.3.36 vendors, ggml-org/llama.cpp@0c1e57098). A recipe may name them and ``quantize --dry-run`` plans them;
-#: a conversion refuses those ktconvert cannot write yet (not in ``WRITABLE``) before it writes anything.
+#: llama.cpp that llama-cpp-python 0.3.36 vendors, ggml-org/llama.cpp@0c1e57098); ktconvert writes them all.
 IQ_TYPES = ("IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS")
-#: Every type a recipe rule may name.
-RECIPE_TYPES = (*WRITABLE, *(t for t in IQ_TYPES if t not in WRITABLE))
 
 #: llama.cpp's fallbacks when a tensor's rows cannot hold the type (llama-quant.cpp), restricted to the types
 #: ktconvert writes (the IQ types to IQ4_NL, Q2_K/Q3_K to Q4_0: tensor_type_fallback).
@@ -46,7 +43,9 @@ FALLBACKS = {
 #: the ftype it was given, whatever ``--pure`` made of the mix. ``keep`` has none: it is derived from the types used.
 PURE_FILE_TYPE = {"F32": "ALL_F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
                   "Q5_1": "Q5_1", "Q8_0": "Q8_0", "Q2_K": "Q2_K", "Q3_K": "Q3_K_M", "Q4_K": "Q4_K_M",
-                  "Q5_K": "Q5_K_M", "Q6_K": "Q6_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS"}
+                  "Q5_K": "Q5_K_M", "Q6_K": "Q6_K", "IQ4_NL": "IQ4_NL", "IQ4_XS": "IQ4_XS", "IQ3_XXS": "IQ3_XXS",
+                  "IQ3_S": "IQ3_S", "IQ2_XXS": "IQ2_XXS", "IQ2_XS": "IQ2_XS",
+                  "IQ2_S": "IQ2_M", "IQ1_S": "IQ1_S", "IQ1_M": "IQ1_M"}
 
 #: llama.cpp's default type of each ftype (``llama_ftype_get_default_type``), for the file types a recipe may state
 FILE_TYPE_DEFAULT = {"ALL_F32": "F32", "F16": "F16", "BF16": "BF16", "Q4_0": "Q4_0", "Q4_1": "Q4_1", "Q5_0": "Q5_0",
@@ -256,9 +255,8 @@ def recipe_from_data(data, path: str, source: str, where=None) -> Recipe:
     if not isinstance(data, dict):
         raise InputError("a recipe is a YAML mapping with kind: convert-recipe", path=path, where=at(),
                          fix="see rules/convert/ for examples")
-    # Types first: they get a message that says which types exist, not a schema enum dump. Only a shipped preset
-    # may name an IQ type ktconvert cannot write yet (its plan is checked against llama-quantize's).
-    allowed = RECIPE_TYPES if source.startswith("preset ") else WRITABLE
+    # Types first: they get a message that says which types exist, not a schema enum dump.
+    allowed = WRITABLE
     for i, rule in enumerate(data.get("rules") or []):
         if not isinstance(rule, dict):
             continue
@@ -437,6 +435,6 @@ def with_overrides(recipe: Recipe, *, tensor_types: tuple[str, ...] = (), output
     rules += [replace(r, index=len(rules) + j) for j, r in enumerate(base.rules)]
     return replace(base, rules=tuple(rules))
 
-__all__ = ["F32_MATCH", "FALLBACKS", "FILE_TYPE_DEFAULT", "IQ_TYPES", "KEEP", "NEEDS_IMATRIX", "RECIPE_TYPES",
+__all__ = ["F32_MATCH", "FALLBACKS", "FILE_TYPE_DEFAULT", "IQ_TYPES", "KEEP", "NEEDS_IMATRIX",
            "requires_imatrix", "PURE_FILE_TYPE", "WRITABLE", "ModelFacts", "Recipe", "Rule", "load_recipe", "presets", "with_overrides",
            "recipe_for_type", "recipe_from_data", "use_more_bits"]

@@ -7,7 +7,11 @@ Conventions follow ``gguf.quants``: rows run along the last axis, quantized data
   byte-for-byte what ggml's reference path (``llama-quantize`` without an importance matrix) writes on
   x86-64. Compiled with numba (``_jit``: the C's scalar loops, fastmath off), chunked (bounded memory), and
   threaded over row slices without the GIL (``workers``).
-* :func:`dequantize`: those types plus every type the installed ``gguf`` package can decode.
+* With an importance matrix (``imatrix=``): ggml's weighted searches (``quantize_row_*_impl``, ``_jit_imatrix``),
+  and the IQ grid types (``IQ_GRID_TYPES``: ``_jit_iq``), byte-for-byte ``llama-quantize --imatrix``; the types
+  of ``IMATRIX_REQUIRED`` are refused without one, as ggml does.
+* :func:`dequantize`: those types plus every type the installed ``gguf`` package can decode (the IQ types
+  included).
 * Shape helpers: :func:`block_size`, :func:`type_size`, :func:`row_ok`, :func:`check_row`,
   :func:`byte_shape`, :func:`elem_shape`.
 
@@ -20,7 +24,10 @@ from __future__ import annotations
 
 from ._api import cpu_count, dequantizable, dequantize, quantize, quantize_parallel
 from ._types import (
+                     IMATRIX_REQUIRED,
                      IMATRIX_TYPES,
+                     IQ_GRID,
+                     IQ_GRID_TYPES,
                      QUANTIZABLE,
                      WRITABLE,
                      QType,
@@ -35,7 +42,10 @@ from ._types import (
 from .errors import QuantError
 
 __all__ = [
+    "IMATRIX_REQUIRED",
     "IMATRIX_TYPES",
+    "IQ_GRID",
+    "IQ_GRID_TYPES",
     "QType",
     "QUANTIZABLE",
     "WRITABLE",

@@ -13,7 +13,9 @@ import numpy as np
 from . import _kquants as K
 from . import _legacy as G
 from ._types import (
+    IMATRIX_REQUIRED,
     IMATRIX_TYPES,
+    IQ_GRID_TYPES,
     QUANTIZABLE,
     QType,
     as_qtype,
@@ -46,11 +48,11 @@ _QUANT: dict[QType, tuple[str, int]] = {
     QType.Q5_K: ("q5_k", _CHUNK),
     QType.Q6_K: ("q6_k", _CHUNK),
 }
-# the kernels of ``_jit_imatrix`` (whole float32 rows + one importance row per expert -> the rows' blocks): every
-# type that takes an importance matrix, used when one is given; IQ4_NL/IQ4_XS have only these (their search
-# with weights x*x is ggml's path without one)
+# the kernels of ``_jit_imatrix`` and ``_jit_iq`` (whole float32 rows + one importance row per expert -> the rows'
+# blocks): every type that takes an importance matrix, used when one is given; the IQ types have only these (their
+# search with weights x*x is ggml's path without one, where ggml has one)
 _QUANT_ROWS: dict[QType, str] = {qt: qt.name.lower() for qt in IMATRIX_TYPES}
-_ROWS_ONLY = frozenset(QType[n] for n in ("IQ4_NL", "IQ4_XS"))
+_ROWS_ONLY = frozenset(QType[n] for n in ("IQ4_NL", "IQ4_XS")) | IQ_GRID_TYPES
 assert set(_QUANT) | _ROWS_ONLY == QUANTIZABLE and set(_QUANT_ROWS) <= QUANTIZABLE
 # the float types' kernels write element for element into this view of the output bytes
 _FLOAT_VIEW = {QType.F32: np.int32, QType.F16: np.uint16, QType.BF16: np.uint16}
@@ -64,11 +66,14 @@ def _kernel(name: str) -> Callable[[np.ndarray, np.ndarray], None]:
     return getattr(_jit, name)
 
 
-def _row_kernel(name: str) -> Callable[..., None]:
-    """The compiled whole-row kernel ``name`` of ``_jit_imatrix`` (loaded as :func:`_kernel`)."""
-    from . import _jit_imatrix
-
-    return getattr(_jit_imatrix, name)
+def _row_kernel(qt: QType) -> Callable[..., None]:
+    """The compiled whole-row kernel of ``qt`` in ``_jit_imatrix`` or, for the grid types, ``_jit_iq`` (loaded as
+    :func:`_kernel`; the grid types build their tables on first use)."""
+    if qt in IQ_GRID_TYPES:
+        from . import _jit_iq as mod
+    else:
+        from . import _jit_imatrix as mod
+    return getattr(mod, _QUANT_ROWS[qt])
 
 
 def _importance(imatrix: Any, rows: "_Rows", qt: QType, name: str | None) -> tuple[np.ndarray, int]:
@@ -261,7 +266,7 @@ def quantize(data: Any, qtype: QType | int | str, *, imatrix: Any = None, worker
     Bit-exact with ggml's ``ggml_quantize_chunk(..., imatrix)``, i.e. what ``llama-quantize`` writes with
     or without (``imatrix=None``) an importance matrix. ``imatrix``: one non-negative float per column,
     shape ``(row_len,)``, or ``(E, row_len)`` for a tensor whose first axis holds ``E`` experts; Q2_K..Q6_K,
-    Q4_0..Q5_1 and IQ4_NL/IQ4_XS then take ggml's weighted search, Q8_0/F16/BF16/F32 ignore it as ggml does.
+    Q4_0..Q5_1 and the IQ types then take ggml's weighted search, Q8_0/F16/BF16/F32 ignore it as ggml does.
     ``data``: a numpy array (float16/32/64, memmaps welcome) or a torch
     tensor (any float dtype, bf16 included); it is read in chunks, so memory beyond ``out`` stays bounded.
     ``workers``: threads over chunks (``None``: every core). ``out``: optional preallocated uint8 array of
@@ -275,6 +280,10 @@ def quantize(data: Any, qtype: QType | int | str, *, imatrix: Any = None, worker
     if qt not in QUANTIZABLE:
         raise QuantError(f"quantizing to {qt.name} is not implemented", where=name,
                          fix="choose one of " + ", ".join(sorted(t.name for t in QUANTIZABLE)))
+    if imatrix is None and qt in IMATRIX_REQUIRED:
+        raise QuantError(f"{qt.name} needs an importance matrix: ggml does not quantize it without one", where=name,
+                         fix="pass an importance matrix (quantize --imatrix FILE), or choose a type that works "
+                             "without one such as IQ3_XXS, IQ4_XS or Q2_K")
     rows = _Rows(data, qt, name)
     check_row(rows.n, qt, name=name)
     qw, rpe = (None, 1) if imatrix is None else _importance(imatrix, rows, qt, name)
@@ -293,7 +302,7 @@ def quantize(data: Any, qtype: QType | int | str, *, imatrix: Any = None, worker
         raise QuantError("out must be C-contiguous", where=name, fix="allocate out with np.empty or a memmap")
     by_rows = qt in _ROWS_ONLY or (qw is not None and qt in _QUANT_ROWS)
     if by_rows:
-        kernel = _row_kernel(_QUANT_ROWS[qt])
+        kernel = _row_kernel(qt)
         chunk = _CHUNK
         if qw is None:
             qw = np.zeros((0, rows.n), dtype=np.float32)
@@ -320,7 +329,11 @@ def quantize(data: Any, qtype: QType | int | str, *, imatrix: Any = None, worker
         if fused and not finite(x):
             raise _NonFinite
         if by_rows:  # whole rows: the rows' blocks are contiguous in the output
-            kernel(x, qw, r0, rpe, dst.reshape(-1, ts))
+            failed = kernel(x, qw, r0, rpe, dst.reshape(-1, ts))
+            if failed is not None and failed >= 0:  # a grid type's search that ggml aborts on
+                raise QuantError(f"{qt.name}'s grid search finds no finite distance in row {r0 + failed}: its "
+                                 f"weights overflow float32 (values beyond about 1e12), where ggml aborts",
+                                 where=name, fix="scale the tensor down, or keep it in F16, BF16 or Q8_0")
         elif dst.flags.c_contiguous:  # whole rows: the kernel writes straight into the output
             kernel(x.reshape(-1, bs), dst.reshape(-1, ts))
         else:  # part of a row longer than a chunk

@@ -10,17 +10,24 @@ from .errors import QuantError
 
 QType = GGMLQuantizationType
 
-#: Names of the types :func:`ktconvert.quant.quantize` produces, bit-exact with ggml's reference path: what a
+#: The IQ types whose levels are points of a fixed grid (``_jit_iq``), in the order users read them; ggml's
+#: searches for them take an importance matrix.
+IQ_GRID: tuple[str, ...] = ("IQ3_XXS", "IQ3_S", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ1_S", "IQ1_M")
+#: Names of the types :func:`ktconvert.quant.quantize` produces, bit-exact with ggml's quantizers: what a
 #: recipe or ``--type`` may name, in the order users read them.
 WRITABLE: tuple[str, ...] = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
-                             "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+                             "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS", *IQ_GRID)
 #: Types the library quantizes: every one it writes (the non-linear 4-bit types included: llama-quantize writes them
 #: with or without an importance matrix).
 QUANTIZABLE: frozenset[QType] = frozenset(QType[name] for name in WRITABLE)
-#: Types whose ggml quantizer takes an importance matrix (``quantize_row_*_impl``); the others (Q8_0, F32,
-#: F16, BF16) ignore one, as ``ggml_quantize_chunk`` does.
+IQ_GRID_TYPES: frozenset[QType] = frozenset(QType[name] for name in IQ_GRID)
+#: Types whose ggml quantizer takes an importance matrix (``quantize_row_*_impl``, ``quantize_iq*``); the others
+#: (Q8_0, F32, F16, BF16) ignore one, as ``ggml_quantize_chunk`` does.
 IMATRIX_TYPES: frozenset[QType] = frozenset(QType[name] for name in (
-    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS"))
+    "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")) | IQ_GRID_TYPES
+#: Types ggml refuses to quantize without an importance matrix (``ggml_quantize_requires_imatrix``: its
+#: ``ggml_quantize_chunk`` aborts on a NULL one); :func:`ktconvert.quant.quantize` raises instead.
+IMATRIX_REQUIRED: frozenset[QType] = frozenset(QType[name] for name in ("IQ2_XXS", "IQ2_XS", "IQ1_S"))
 
 
 def as_qtype(qtype: QType | int | str) -> QType:
