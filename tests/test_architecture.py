@@ -1,4 +1,4 @@
-"""The package structure of DESIGN §8 holds: imports point one way, and each piece of infrastructure exists once.
+"""The package structure of docs/developing/layout.md holds: imports point one way, and each piece of infrastructure exists once.
 
 Read from the source (every import, module-level or not), so a new arrow that runs back up fails here before it
 becomes a tangle.
