@@ -82,6 +82,9 @@ def load_suite(path: str | Path, check_profiles: bool = True) -> Suite:
         if raw["name"] in seen:
             raise InputError(f"case name {raw['name']!r} is used twice", path=str(path), where=where, fix="give every case its own name")
         seen.add(raw["name"])
+        if families.find(raw["family"]) is None:
+            raise InputError(f"unknown family {raw['family']!r}", path=str(path), where=where,
+                             fix=f"name a family of rules/families/ ({', '.join(families.families())})")
         cases.append(Case(
             name=raw["name"], family=raw["family"], rules=_rules(raw["rules"], path, where),
             golden=_golden(raw["golden"], path, where), tolerance=_tolerance(raw["tolerance"], path, where) if check_profiles else raw["tolerance"],

@@ -189,7 +189,8 @@ def _family_config(transformers, model_dir) -> object | None:
     cfg = load_config(model_dir)
     if cfg.raw.get("model_type") in transformers.CONFIG_MAPPING:
         return None
-    return transformers.AutoConfig.for_model(cfg.family, **{k: v for k, v in cfg.raw.items() if k != "model_type"})
+    return transformers.AutoConfig.for_model(cfg.spec.transformers_type,
+                                             **{k: v for k, v in cfg.raw.items() if k != "model_type"})
 
 
 def prompt_for(model_dir: str | os.PathLike, text: str | None, ids: list[int] | None, bos: bool) -> tuple[list[int], str | None, bool]:
