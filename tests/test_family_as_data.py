@@ -90,3 +90,28 @@ def test_a_family_path_that_is_no_directory_is_refused(tmp_path, bad):
     line = r.stderr.strip().splitlines()[-1]
     assert "KTCONVERT_FAMILY_PATH" in line and "not a directory of family specs" in line and str(target) in line
     assert not (tmp_path / "m").exists()
+
+
+def test_an_unknown_family_in_a_gate_suite_or_profile_is_one_line(tmp_path):
+    """The schemas no longer list the families (a family is its spec): the registry refuses an unknown one, naming
+    the file and the place."""
+    from ktconvert.errors import InputError
+    from ktconvert.gate import load_suite
+    from ktconvert.verify.profile import load_profile
+
+    suite = tmp_path / "suite.yaml"
+    suite.write_text("kind: gate-suite\nversion: 1\ncases:\n"
+                     "  - {name: a, family: qwen3_moee, rules: qwen3_moe, type: Q8_0, golden: qwen3_moe, tolerance: q8_0}\n")
+    with pytest.raises(InputError) as exc:
+        load_suite(suite)
+    assert "unknown family 'qwen3_moee'" in exc.value.message and exc.value.path == str(suite)
+    assert exc.value.where == "4:5" and "qwen3_moe" in exc.value.fix
+
+    profile = tmp_path / "p.yaml"
+    text = (REPO / "rules" / "tolerances" / "q8_0.yaml").read_text().replace("families: [deepseek_v2, deepseek_v3]",
+                                                                            "families: [deepseek_v2, deepseek_v9]")
+    profile.write_text(text)
+    with pytest.raises(InputError) as exc:
+        load_profile(str(profile))
+    line = text[:text.index("deepseek_v9")].count("\n") + 1
+    assert "unknown family 'deepseek_v9'" in exc.value.message and exc.value.where.startswith(f"{line}:")
