@@ -25,6 +25,7 @@ from ktconvert.formats import open_checkpoint
 from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.golden.manifest import MANIFEST_NAME, dump_manifest
 from ktconvert.golden.paths import load_tiny_hashes
+from ktconvert.golden.run import GoldenRun
 from ktconvert.golden.store import (
     ENTRY_DESCRIPTIONS,
     TENSORS_NAME,
@@ -84,14 +85,6 @@ def _load(transformers, torch, model_dir):
 
 def _collapse(hidden):
     return hidden.mean(dim=2) if hidden.dim() == 4 else hidden
-
-
-@dataclass
-class GoldenRun:
-    tensors: dict[str, np.ndarray]
-    producer: dict
-    decode_max_abs_diff: float
-    stream: dict | None = None  # engine stream: budget, peak resident weights, bytes read, seconds
 
 
 def compute_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threads: int = 1, decode_check: bool = True) -> GoldenRun:
