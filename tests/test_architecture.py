@@ -1,4 +1,4 @@
-"""The package structure of DESIGN §8 holds: imports point one way, and each piece of infrastructure exists once.
+"""The package structure of docs/developing/layout.md holds: imports point one way, and each piece of infrastructure exists once.
 
 Read from the source (every import, module-level or not), so a new arrow that runs back up fails here before it
 becomes a tangle.
@@ -67,6 +67,60 @@ def test_every_package_has_a_floor():
 def test_imports_point_down_only():
     wrong = {f"{a} -> {b} ({files[0]})" for (a, b), files in _arrows().items() if FLOORS[b] >= FLOORS[a]}
     assert not wrong, sorted(wrong)
+
+
+def _module_graph() -> dict[str, set[str]]:
+    """Module -> the ktconvert modules it imports (every import, module-level or not; ``from pkg import mod`` counts
+    as importing ``pkg.mod`` when that is a module). A package's ``__init__`` re-exporting its modules is its face,
+    not a module of its own, so it is left out."""
+    mods = {}
+    for f in sorted(PKG.rglob("*.py")):
+        rel = f.relative_to(PKG.parent).with_suffix("")
+        if rel.name == "__init__":
+            continue
+        mods[".".join(rel.parts)] = f
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for m, f in mods.items():
+        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            graph[m] |= {x for x in targets if x in mods and x != m}
+    return graph
+
+
+def test_no_module_imports_itself_through_others():
+    """No circles between modules: two modules that need each other are one module, or share a lower one."""
+    graph = _module_graph()
+    index, low, stack, on, circles = {}, {}, [], set(), []
+
+    def visit(v):  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                circles.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not circles, f"modules importing each other in a circle: {circles}"
 
 
 @pytest.mark.parametrize("package", NO_TORCH)

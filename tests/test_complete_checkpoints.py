@@ -102,7 +102,7 @@ def _big_header(path, n: int) -> None:
 
 
 def test_large_header_classified_in_linear_time(tmp_path):
-    """10^5 tensors (the 10^6 figure is in the README): guess_arch used to classify every name under every naming
+    """10^5 tensors (the 10^6 figure is in docs/hostile-inputs.md): guess_arch used to classify every name under every naming
     map. The bound is generous (a loaded 2-core machine); the point is that it is far from the minutes it took."""
     p = tmp_path / "big.safetensors"
     _big_header(p, 100_000)

@@ -1,7 +1,7 @@
 """The kt-kernel runner: real kernel methods on tiny-model weights, in a child process, and every refusal.
 
 Limits below are measured on this project's machines (AMD Zen 5 with the avx512_bf16 variant; Intel Xeon with
-the amx variant writes and reads the same kt-amx bytes, facts §4) with about 3x margin; the kernel's own
+the amx variant writes and reads the same kt-amx bytes, docs/formats/kt-amx.md) with about 3x margin; the kernel's own
 rounding makes it differ from the float32 MoE by ~0.012 (Q8_0), ~0.018 (Q4_K), ~0.0035 (BF16), ~0.018
 (AMXINT8), ~0.14 (AMXINT4) on the tiny qwen3_moe layer.
 """

@@ -458,7 +458,7 @@ def test_dry_run_plans_sizes_and_writes_nothing(tiny_root, tmp_path):
 # --- kt-kernel's own MoE on ktconvert's output ---------------------------------------------------------------------
 
 # Measured relative errors ||kernel - float32 reference|| / ||reference|| (kt-kernel 0.7.2, avx512_bf16 variant;
-# see README): tiny models, 32 tokens, top-2, every MoE layer: INT8 0.018-0.020, INT4 0.128-0.136; random normal
+# see docs/formats/kt-amx.md): tiny models, 32 tokens, top-2, every MoE layer: INT8 0.018-0.020, INT4 0.128-0.136; random normal
 # experts (E 8, H = I = 256, 64 tokens): INT8 0.021, INT4 0.221. Bounds are about 1.4x the worst; a wrong packing
 # (gate parts swapped) gives 1.35-1.39.
 KERNEL_BOUND = {"AMXINT8": 0.03, "AMXINT4": 0.2}

@@ -1,4 +1,4 @@
-"""``ktconvert preflight``: each launch mismatch of the kt-kernel facts §6-§7 (and the LoRA facts §3) is caught,
+"""``ktconvert preflight``: each launch mismatch listed in docs/commands/preflight.md is caught,
 one line with its fix, and a correct launch gets no finding at all. Headers only: kt-amx directories here are
 synthetic (right names, dtypes and sizes, zero bytes), so these tests need no kt-kernel.
 """

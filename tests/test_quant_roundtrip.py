@@ -1,4 +1,4 @@
-"""Round-trip error bounds per type (quantize then dequantize), the table in README "## Quantizers".
+"""Round-trip error bounds per type (quantize then dequantize), the table in docs/formats/quantizers.md.
 
 rel_rmse = sqrt(mean((x' - x)^2) / mean(x^2)) over N(0,1) rows of 4096 (the ratio is scale-free);
 block_err = max over blocks of max|x' - x| / max|x| in the block (32 elements for the 32-blocks and

@@ -1,7 +1,7 @@
 """kt-kernel's own release methods (MXFP4, MXFP8, RAWINT4, NVFP4, FP8_PERCHANNEL, GPTQ_INT4, FP8), each reading a tiny
 release as released (kt-kernel's loader, in a child process), agree with a float32 MoE on ktconvert's exact
 decoding of the same files within the method's own error; a wrong decoding would be off by ~1 (see
-kt-kernel-facts §10). A method with no kernel on this CPU is reported by the runner (KernelRefused), then skipped.
+docs/commands/quantize.md, "Through kt-kernel"). A method with no kernel on this CPU is reported by the runner (KernelRefused), then skipped.
 
 MXFP4 and MXFP8 are renamed to the names kt-kernel's loaders read (DeepSeek-V4 ``ffn.experts.N.w1``, MiniMax-M3
 ``block_sparse_moe.experts.N.w1``): the formats are name-independent on ktconvert's side."""
@@ -21,7 +21,7 @@ from ktconvert.model.tiny import write_tiny_model
 
 LAYER, E, K, H, I = 1, 8, 2, 256, 256
 # method -> (tiny release, backend env, expert-name rewrite, upper bound of the relative error); the bounds are
-# ~3x what kt-kernel-facts §10 measured on AMX hardware and far below a wrong decoding's 0.84-1.47
+# ~3x the errors measured on AMX hardware (docs/commands/quantize.md) and far below a wrong decoding's 0.84-1.47
 CASES = {
     "MXFP4": ("mxfp4", {}, ("ffn.experts", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}), 0.03),
     "MXFP8": ("mxfp8", {}, ("block_sparse_moe.experts", {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}),

@@ -8,7 +8,7 @@ import dataclasses
 import numpy as np
 
 from ktconvert.formats import kt_amx
-from ktconvert.convert.source import Item, Segment
+from ktconvert.convert.items import Item, Segment
 from ktconvert.errors import InputError
 
 

@@ -1,5 +1,5 @@
 """What the kt-kernel / sglang-kt 0.7.2 stack never checks about a MoE LoRA adapter, checked before anything is
-written (``reference/kt-lora-facts.md`` §3 "never caught", §5 gaps): NaN/Inf, a lora_B that is all zero (the
+written (the list is in ``docs/commands/convert-lora.md``): NaN/Inf, a lora_B that is all zero (the
 projection has no effect), ranks that disagree, stray keys, PEFT options the kernel does not implement, F32 that
 the server rounds to BF16, the manifest's sizes, hashes, rank and alpha, and the base model's geometry.
 

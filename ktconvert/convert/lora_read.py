@@ -1,6 +1,6 @@
 """Every on-disk form of a MoE LoRA adapter of the kt-kernel / sglang-kt 0.7.2 stack, read into one shape.
 
-Forms (``reference/kt-lora-facts.md`` §1): kt-kernel's raw training directory (``fused_expert_lora.safetensors``
+Forms (``docs/commands/convert-lora.md``): kt-kernel's raw training directory (``fused_expert_lora.safetensors``
 ``layers.L.experts.{gate,up,down}_lora_{a,b}`` stacked ``[E, ., .]``, a PEFT ``adapter_model.safetensors`` for the
 non-expert part, ``adapter_config.json``, ``kt_adapter_manifest.json``), the fused file alone (also the seed-era
 stacked file), a converted sglang adapter directory (merged or expert-only: ``model.layers.L.mlp.experts.E.

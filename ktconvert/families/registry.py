@@ -9,8 +9,10 @@ Torch-free.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Any
 
 from ktconvert.errors import InputError, UsageProblem
@@ -40,6 +42,12 @@ class FamilySpec:
     def prefix(self) -> str:
         """Class-name prefix of the upstream modeling files (``Qwen3Moe``)."""
         return self.data["classes"]["prefix"]
+
+    @property
+    def transformers_type(self) -> str:
+        """transformers' ``model_type`` that implements the family (``classes.transformers_type``, default the family
+        name): what ``golden`` asks transformers for when config.json's own model_type is not one it knows."""
+        return self.data["classes"].get("transformers_type", self.family)
 
     @property
     def is_mla(self) -> bool:
@@ -152,8 +160,7 @@ def _rename_in_layer(name: str, pairs: tuple[tuple[str, str], ...]) -> str:
     return f"model.layers.{head}.{best[1]}{rest[len(best[0]):]}"
 
 
-def _load(path) -> FamilySpec:
-    shown = f"rules/{SPEC_DIR}/{path.name}"
+def _load(path: Path, shown: str) -> FamilySpec:
     loaded = load_data_file(path, SCHEMA, "family spec", shown)
     data = loaded.data
     if data["family"] != path.stem:
@@ -163,11 +170,32 @@ def _load(path) -> FamilySpec:
     return FamilySpec(data["family"], data, shown)
 
 
+#: More directories of family specs (``os.pathsep``-separated), read after the shipped ones: a new family that
+#: reuses existing mechanisms is one spec file there, with no code change (``tests/test_family_as_data.py``).
+PATH_VARIABLE = "KTCONVERT_FAMILY_PATH"
+
+
+def _spec_files() -> list[tuple[Path, str]]:
+    shipped = [(p, f"rules/{SPEC_DIR}/{p.name}") for p in sorted((rules_dir() / SPEC_DIR).glob("*.yaml"))]
+    extra = []
+    for d in filter(None, os.environ.get(PATH_VARIABLE, "").split(os.pathsep)):
+        if not Path(d).is_dir():
+            raise InputError("not a directory of family specs", path=d, where=PATH_VARIABLE,
+                             fix=f"point {PATH_VARIABLE} at directories holding <family>.yaml specs")
+        extra += [(p, str(p)) for p in sorted(Path(d).glob("*.yaml"))]
+    return shipped + extra
+
+
 @lru_cache(maxsize=None)
 def _registry() -> dict[str, FamilySpec]:
-    specs = [_load(p) for p in sorted((rules_dir() / SPEC_DIR).glob("*.yaml"))]
-    specs.sort(key=lambda s: (s.data["order"], s.family))
-    return {s.family: s for s in specs}
+    specs: dict[str, FamilySpec] = {}
+    for path, shown in _spec_files():
+        s = _load(path, shown)
+        if s.family in specs:
+            raise InputError(f"family {s.family!r} is already defined by {specs[s.family].shown}", path=shown,
+                             where="family", fix="give the new family a name of its own")
+        specs[s.family] = s
+    return dict(sorted(specs.items(), key=lambda kv: (kv[1].data["order"], kv[0])))
 
 
 def families() -> tuple[str, ...]:

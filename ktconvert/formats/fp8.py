@@ -48,7 +48,10 @@ class Fp8Weight:
 
 
 @dataclass(frozen=True)
-class Fp8Problem:
+class TensorProblem:
+    """A tensor a release format cannot be read from, why, and the fix (every quantized format reports these:
+    :class:`ktconvert.formats.quantized.QuantMap` ``problems``)."""
+
     tensor: str
     message: str
     fix: str
@@ -63,7 +66,7 @@ class Fp8Map:
     block_source: str
     weights: dict[str, Fp8Weight] = field(default_factory=dict)
     scales: dict[str, str] = field(default_factory=dict)
-    problems: list[Fp8Problem] = field(default_factory=list)
+    problems: list[TensorProblem] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.weights or self.scales or self.problems)
@@ -127,7 +130,7 @@ def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
         if info.dtype.startswith("F8_") and not name.endswith(SCALE_SUFFIX):
             scale = name + SCALE_SUFFIX
             if info.dtype != FP8_DTYPE:
-                fm.problems.append(Fp8Problem(name, f"{info.dtype} weights are not supported (only {FP8_DTYPE})",
+                fm.problems.append(TensorProblem(name, f"{info.dtype} weights are not supported (only {FP8_DTYPE})",
                                               "convert from a BF16 or F8_E4M3 block-scaled release"))
                 continue
             fmt, wblock = "FP8", block
@@ -137,21 +140,21 @@ def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
                 if len(info.shape) == 2 and sh in ((info.shape[0], 1), (info.shape[0],)):
                     fmt, wblock = "FP8_PERCHANNEL", (1, info.shape[1])
             if scale not in names:
-                fm.problems.append(Fp8Problem(name, f"FP8 weight has no scale tensor {scale} (nor {name}"
+                fm.problems.append(TensorProblem(name, f"FP8 weight has no scale tensor {scale} (nor {name}"
                                               f"{CHANNEL_SUFFIX})", "a shard or the index is missing; re-download "
                                               "the checkpoint"))
                 continue
             sinfo = ck[scale]
             fm.scales[scale] = name
             if len(info.shape) != 2:
-                fm.problems.append(Fp8Problem(name, f"FP8 weight of {len(info.shape)} dims {list(info.shape)}; "
+                fm.problems.append(TensorProblem(name, f"FP8 weight of {len(info.shape)} dims {list(info.shape)}; "
                                               "only 2-D block-scaled matrices are supported",
                                               "convert from the per-expert (hf-split) release"))
                 continue
             if scale.endswith(SCALE_SUFFIX) and sinfo.dtype in MX_SCALE_DTYPES:
                 fmt, wblock = "MXFP8", MX_BLOCK
             elif sinfo.dtype not in SCALE_DTYPES:
-                fm.problems.append(Fp8Problem(scale, f"scale stored as {sinfo.dtype}, expected one of "
+                fm.problems.append(TensorProblem(scale, f"scale stored as {sinfo.dtype}, expected one of "
                                               f"{', '.join(SCALE_DTYPES + MX_SCALE_DTYPES)}",
                                               "re-download the checkpoint"))
                 continue
@@ -161,7 +164,7 @@ def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
             if base not in names or not ck[base].dtype.startswith("F8_"):
                 what = "does not exist" if base not in names else f"is {ck[base].dtype}, not FP8"
                 fm.scales[name] = base
-                fm.problems.append(Fp8Problem(name, f"scale of {base}, which {what}",
+                fm.problems.append(TensorProblem(name, f"scale of {base}, which {what}",
                                               "the weights and scales come from different releases; re-download"))
     _check_shapes(fm)
     return fm
@@ -177,7 +180,7 @@ def _fits(w: Fp8Weight, block: tuple[int, int]) -> bool:
 
 def _check_shapes(fm: Fp8Map) -> None:
     for w in [w for w in fm.weights.values() if w.fmt == "MXFP8" and not _fits(w, MX_BLOCK)]:
-        fm.problems.append(Fp8Problem(
+        fm.problems.append(TensorProblem(
             w.scale, f"MXFP8 scale shape {list(w.scale_shape)} does not match weight {w.name} {list(w.shape)}: "
             f"groups of 32 need {list(scale_grid(w.shape, MX_BLOCK))}" + (" and K a multiple of 32"
                                                                           if w.shape[1] % 32 else ""),
@@ -190,13 +193,13 @@ def _check_shapes(fm: Fp8Map) -> None:
         other = _block_from_scales(wrong)
         if other is not None:
             w = wrong[0]
-            fm.problems.append(Fp8Problem(
+            fm.problems.append(TensorProblem(
                 w.name, f"{declared} does not fit the weights: {w.name} {list(w.shape)} has scales "
                 f"{list(w.scale_shape)}, and every FP8 weight here fits a {list(other)} block",
                 f"set quantization_config.weight_block_size to {list(other)} in config.json"))
             return
     for w in wrong:
-        fm.problems.append(Fp8Problem(
+        fm.problems.append(TensorProblem(
             w.scale, f"scale shape {list(w.scale_shape)} does not match weight {w.name} {list(w.shape)}: "
             f"{declared} needs {list(scale_grid(w.shape, fm.block)) if len(w.shape) == 2 else '?'}",
             "the scale belongs to another weight or release; re-download the checkpoint"))

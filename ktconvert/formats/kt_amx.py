@@ -4,7 +4,7 @@ kt-kernel's fastest CPU methods read per-row quantized, tile-packed experts from
 ``blk.L.ffn_{gate,up,down}_exps.E.numa.N.{weight,scale}``. Upstream can only make them by running the compiled
 kernel over whole layers; this module computes the same bytes from one matrix at a time with numpy alone, so a
 conversion needs neither kt-kernel nor more memory than one expert. Every constant and rounding step below is
-the kernel's (see ``reference/kt-kernel-facts.md`` §4): a packing that differs in one byte loads fine and gives
+the kernel's (see ``docs/formats/kt-amx.md``): a packing that differs in one byte loads fine and gives
 silently wrong output, so the tests compare against kt-kernel's own compiled packer byte for byte.
 
 Per (layer, expert, projection, part):

@@ -1,6 +1,6 @@
 """kt-kernel's persistent INT8 expert tree for SFT: ``_layer_L/_numa_n/INT8_{gate|up|down}_{e}_{S}Byte_{quant|scale}_.kt``
 (raw bytes, the kt-amx tensors one file each) under a root that holds nothing but ``kt-weight-manifest.json``
-schema 2 (``reference/kt-kernel-facts.md`` §8). kt-kernel's INT8 SFT method reads only this form, and validates
+schema 2 (``docs/formats/kt-amx.md``, "--form kt-tree"). kt-kernel's INT8 SFT method reads only this form, and validates
 all of it before loading: the root's entries, every file's name, size and sha256, per layer exactly
 ``P x E x 3 x 2`` files, sizes ``H x I/P`` (quant), ``4 x I/P`` (gate/up scale), ``4 x H`` (down scale).
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
 
+from ktconvert import families
 from ktconvert.errors import InputError
 from ktconvert.io import resources
 from ktconvert.io.datafile import load_data_file
@@ -318,6 +319,9 @@ def naming_map(arch_or_model_type: str) -> NamingMap:
     for m in maps.values():
         if arch_or_model_type in m.hf_model_types:
             return m
+    arch = families.gguf_arch(arch_or_model_type)  # a family whose spec names the architecture it is written as
+    if arch in maps:
+        return maps[arch]
     known = sorted(set(maps) | {t for m in maps.values() for t in m.hf_model_types})
     raise InputError(
         f"no naming map for {arch_or_model_type!r} (known: {', '.join(known)})",

@@ -34,13 +34,6 @@ _BY_FMT = {m.FMT: m for m in PACKED}
 FORMATS = ("FP8", "MXFP8", "FP8_PERCHANNEL", *(m.FMT for m in PACKED))
 
 
-@dataclass(frozen=True)
-class QProblem:
-    tensor: str
-    message: str
-    fix: str
-
-
 @dataclass
 class QuantMap:
     """``weights``: logical weight name -> :class:`~ktconvert.formats.fp8.Fp8Weight` or
@@ -50,7 +43,7 @@ class QuantMap:
     fp8: fp8.Fp8Map
     weights: dict = field(default_factory=dict)
     scales: dict[str, str] = field(default_factory=dict)
-    problems: list[QProblem] = field(default_factory=list)
+    problems: list[fp8.TensorProblem] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.weights or self.scales or self.problems)
@@ -119,31 +112,31 @@ def analyze(ck, config: dict | None = None) -> QuantMap:
     for name, w in qm.fp8.weights.items():
         qm.weights[name] = w
     qm.scales.update(qm.fp8.scales)
-    qm.problems.extend(QProblem(p.tensor, p.message, p.fix) for p in qm.fp8.problems)
+    qm.problems.extend(qm.fp8.problems)
     for p in getattr(ck, "packed", {}).values():
         qm.weights[p.name] = p
         for c in p.companions:
             if c != p.stored:
                 qm.scales[c] = p.name
     for p in getattr(ck, "packed_bad", ()):
-        qm.problems.append(QProblem(p.problem_tensor, p.problem, p.fix))
+        qm.problems.append(fp8.TensorProblem(p.problem_tensor, p.problem, p.fix))
     qm.problems.extend(_declared(ck, qm, fp8.quantization_config(config)))
     return qm
 
 
-def _declared(ck, qm: QuantMap, qc: dict | None) -> list[QProblem]:
+def _declared(ck, qm: QuantMap, qc: dict | None) -> list[fp8.TensorProblem]:
     """Group sizes the config declares (GPTQ ``group_size``, compressed-tensors ``config_groups.*.weights``) must be
     the ones the tensors use; GPTQ ``bits`` must be 4."""
     if not qc:
         return []
-    out: list[QProblem] = []
+    out: list[fp8.TensorProblem] = []
     want: dict[str, int] = {}
     method = qc.get("quant_method")
     where = "config.json quantization_config"
     if method == "gptq":
         if qc.get("bits", 4) != 4:
             first = next((w.name for w in qm.weights.values() if w.fmt == gptq.FMT), "config.json")
-            out.append(QProblem(first, f"GPTQ with bits {qc.get('bits')!r}: only 4-bit GPTQ is read",
+            out.append(fp8.TensorProblem(first, f"GPTQ with bits {qc.get('bits')!r}: only 4-bit GPTQ is read",
                                 "use a 4-bit release"))
         if type(qc.get("group_size")) is int:
             want[gptq.FMT] = qc["group_size"]
@@ -162,7 +155,7 @@ def _declared(ck, qm: QuantMap, qc: dict | None) -> list[QProblem]:
         if w.fmt == gptq.FMT and g == -1:
             g = w.shape[1]
         if actual != g:
-            out.append(QProblem(w.scale, f"{where} declares group size {g} for {w.fmt}, but the scale of {w.name} "
+            out.append(fp8.TensorProblem(w.scale, f"{where} declares group size {g} for {w.fmt}, but the scale of {w.name} "
                                 f"has one value per {actual} input columns", "fix group_size in config.json or "
                                 "re-download the matching checkpoint"))
             break

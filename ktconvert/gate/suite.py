@@ -99,6 +99,9 @@ def load_suite(path: str | Path, check_profiles: bool = True) -> Suite:
         if "model" in raw:
             cases.append(_model_case(raw, path, where, check_profiles))
             continue
+        if families.find(raw["family"]) is None:
+            raise InputError(f"unknown family {raw['family']!r}", path=str(path), where=where,
+                             fix=f"name a family of rules/families/ ({', '.join(families.families())})")
         cases.append(Case(
             name=raw["name"], family=raw["family"], rules=_rules(raw["rules"], path, where),
             golden=_golden(raw["golden"], path, where), tolerance=_tolerance(raw["tolerance"], path, where) if check_profiles else raw["tolerance"],

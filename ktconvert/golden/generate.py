@@ -26,6 +26,7 @@ from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.golden import kld
 from ktconvert.golden.manifest import MANIFEST_NAME, dump_manifest
 from ktconvert.golden.paths import load_tiny_hashes
+from ktconvert.golden.run import GoldenRun
 from ktconvert.golden.store import (
     ENTRY_DESCRIPTIONS,
     TENSORS_NAME,
@@ -85,14 +86,6 @@ def _load(transformers, torch, model_dir):
 
 def _collapse(hidden):
     return hidden.mean(dim=2) if hidden.dim() == 4 else hidden
-
-
-@dataclass
-class GoldenRun:
-    tensors: dict[str, np.ndarray]
-    producer: dict
-    decode_max_abs_diff: float
-    stream: dict | None = None  # engine stream: budget, peak resident weights, bytes read, seconds
 
 
 def compute_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threads: int = 1, decode_check: bool = True) -> GoldenRun:
@@ -190,7 +183,8 @@ def _family_config(transformers, model_dir) -> object | None:
     cfg = load_config(model_dir)
     if cfg.raw.get("model_type") in transformers.CONFIG_MAPPING:
         return None
-    return transformers.AutoConfig.for_model(cfg.family, **{k: v for k, v in cfg.raw.items() if k != "model_type"})
+    return transformers.AutoConfig.for_model(cfg.spec.transformers_type,
+                                             **{k: v for k, v in cfg.raw.items() if k != "model_type"})
 
 
 def prompt_for(model_dir: str | os.PathLike, text: str | None, ids: list[int] | None, bos: bool) -> tuple[list[int], str | None, bool]:

@@ -90,11 +90,11 @@ def source_records(model_dir: str | os.PathLike) -> dict[str, dict]:
 def compute_stream_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threads: int = 1,
                           max_memory: int, decode_check: bool = True):
     """The golden tensors of ``prompt_ids`` from the streamed reference model (nothing is written): a
-    :class:`ktconvert.golden.generate.GoldenRun` whose producer records the engine, the budget and what the run
+    :class:`ktconvert.golden.run.GoldenRun` whose producer records the engine, the budget and what the run
     read and held."""
     import torch
 
-    from ktconvert.golden.generate import GoldenRun
+    from ktconvert.golden.run import GoldenRun
     from ktconvert.model import load_config
     from ktconvert.model.executor import CheckpointWeights, LayerMajor
     from ktconvert.model.reference import build_skeleton

@@ -113,7 +113,7 @@ class KernelSession:
         first = self._read("starting kt-kernel")
         if not first.get("ok"):
             raise KernelUnavailable(f"kt-kernel cannot be loaded in a child process: {first.get('error')}",
-                                    fix="pip install --no-deps kt-kernel==0.7.2 (see README: kt-kernel)")
+                                    fix="pip install --no-deps kt-kernel==0.7.2 (see docs/kt-kernel.md)")
         hello = self._call({"op": "hello"}, "asking kt-kernel what it is")
         self.info = KernelInfo(hello.get("version"), hello.get("variant"), hello.get("int8_kernel"),
                                tuple(hello.get("classes", ())))

@@ -22,7 +22,7 @@ from ktconvert.formats.kt_amx import to_bf16_f32
 from ktconvert.formats.safetensors_write import layout_safetensors, save_file_order
 from ktconvert.io.atomic import write_dirs
 from ktconvert.model import rng
-from ktconvert.model.tiny import tensor_specs, tiny_config
+from ktconvert.model.tiny_weights import tensor_specs, tiny_config
 
 RANK = 4
 ALPHA = 8.0

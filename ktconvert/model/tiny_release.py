@@ -22,7 +22,7 @@ from ktconvert import families
 from ktconvert.families.config import normalize_config
 from ktconvert.formats import fp8, gptq, mxfp4, mxfp4_fused, nvfp4, rawint4
 from ktconvert.formats.safetensors_write import to_bytes
-from ktconvert.model.tiny import VOCAB, _fill, _is_fp8_weight, tensor_specs, tiny_config, tiny_tensors
+from ktconvert.model.tiny_weights import VOCAB, _fill, _is_fp8_weight, tensor_specs, tiny_config, tiny_tensors
 from ktconvert.model.tinytok import tokenizer_files
 
 GROUP = 32  # RAWINT4 (Kimi) and the tiny GPTQ release

@@ -2,7 +2,7 @@
 
 Everything reads headers only (config.json, GGUF and safetensors headers, file names and sizes), except the
 MoE LoRA file, whose values are read to check they are finite (adapters are small). What each check guards
-against is in the kt-kernel facts §6-§7 and the LoRA facts §3: none of these is caught by the launch before
+against is listed in ``docs/commands/preflight.md``: none of these is caught by the launch before
 the weights load, some crash, some run and print garbage, some silently run without kt.
 """
 
@@ -518,7 +518,7 @@ def check_lora(ctx: Ctx, out: list[Finding]) -> None:
 
 
 def _is_expert_key(name: str) -> bool:
-    """sglang-kt's own split rule (kt-lora-facts §1): an expert key names .mlp.experts. and a gate/up/down_proj."""
+    """sglang-kt's own split rule (``docs/commands/convert-lora.md``): an expert key names .mlp.experts. and a gate/up/down_proj."""
     return ".mlp.experts." in name and any(f".{p}_proj." in name for p in PROJS)
 
 
@@ -532,7 +532,7 @@ def _native_manifest(p: Path):
 
 
 def _check_lora_serving(ctx: Ctx, out: list[Finding]) -> None:
-    """What an expert-LoRA launch needs besides the adapter (kt-lora-facts §3): every expert on the CPU, at least
+    """What an expert-LoRA launch needs besides the adapter (``docs/commands/preflight.md``): every expert on the CPU, at least
     two running requests, an SFT-capable method given by its inference name, and the weights in the form that SFT
     method reads."""
     lc = ctx.launch

@@ -14,6 +14,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.io.datafile import load_yaml, validate
+from ktconvert.families import families as all_families, find as find_family
 from ktconvert.io.resources import rules_dir
 from ktconvert.verify.metrics import LogitStats, compare_logits, tie_margins
 
@@ -130,6 +131,12 @@ def _load_file(path: Path) -> Profile:
         raise InputError(f"not a tolerance profile (needs `kind: {KIND}`)", path=str(path), where="1:1",
                          fix="see schemas/tolerance-profile.schema.json")
     validate(data, loaded.where, KIND, str(path), "tolerance profile")
+    for i, ov in enumerate(data.get("overrides") or ()):
+        for j, family in enumerate(ov["families"]):
+            if find_family(family) is None:
+                raise InputError(f"unknown family {family!r}", path=str(path),
+                                 where="{}:{}".format(*loaded.where(("overrides", str(i), "families", str(j)))),
+                                 fix=f"name a family of rules/families/ ({', '.join(all_families())})")
     return Profile(name=data["name"], source=str(path), data=data)
 
 
