@@ -65,6 +65,7 @@ def test_cli_stream_golden_manifest_records_engine_sources_and_prompt_file(tmp_p
     assert m["prompt"]["text"] == text and len(m["prompt"]["ids"]) > 200
     assert "--engine stream" in m["command"] and "--prompt-file <PROMPT_FILE>" in m["command"]
     assert m["stream"]["peak_resident_weights"] <= m["stream"]["max_memory"] == 4 * 2**20
+    assert 0 < m["stream"]["peak_rss"] <= m["stream"]["peak_rss_tree"]
     # the same text as --prompt gives the same ids (one tokenizer path)
     res = CliRunner().invoke(cli, ["golden", "m", "g2", "--engine", "stream", "--max-memory", "4MiB", "--prompt", text])
     assert res.exit_code == 0, res.output

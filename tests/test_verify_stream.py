@@ -51,7 +51,7 @@ def test_streamed_verify_is_bit_identical_to_the_in_memory_one(ws, family, qtype
     st = _run(ws, family, weights, max_memory=budget, progress=lambda *a: seen.append(a))
     assert mem.run["mode"] == "resident" and mem.run["max_memory_default"]
     assert st.run["mode"] == "stream" and st.run["max_memory"] == budget < float32_bytes(ws.model(family))
-    assert st.run["bytes_read"] > 0 and st.run["peak_rss"] > 0
+    assert st.run["bytes_read"] > 0 and 0 < st.run["peak_rss"] <= st.run["peak_rss_tree"]
     assert 0 < st.run["peak_resident_weights"] <= budget  # the operators' decoded experts too
     assert _numbers(st) == _numbers(mem)
     for a, b in zip(mem.phases, st.phases):

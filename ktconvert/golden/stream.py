@@ -25,6 +25,7 @@ import numpy as np
 from ktconvert import __version__
 from ktconvert.errors import InputError
 from ktconvert.formats import open_checkpoint, quantized
+from ktconvert.io.procstats import TreePeak
 
 ENGINES = ("auto", "transformers", "stream")
 STREAM_IMPLEMENTATION = "ktconvert-reference"
@@ -107,8 +108,9 @@ def compute_stream_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
+    peaks = TreePeak()
     try:
-        with torch.no_grad():
+        with peaks, torch.no_grad():
             out = run.run(ids)
             decode_diff = float("nan")
             if decode_check:
@@ -136,5 +138,5 @@ def compute_stream_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *
     }
     st = weights.stats
     stream = {"max_memory": int(max_memory), "peak_resident_weights": int(st.peak), "bytes_read": int(st.bytes_read),
-              "experts_loaded": int(st.experts), "seconds": round(time.perf_counter() - began, 3)}
+              "experts_loaded": int(st.experts), "seconds": round(time.perf_counter() - began, 3), **peaks.as_dict()}
     return GoldenRun(tensors=tensors, producer=producer, decode_max_abs_diff=decode_diff, stream=stream)

@@ -129,9 +129,9 @@ def render_text(report) -> str:
         if r["mode"] == "stream":
             lines.append(f"streamed layer by layer within {budget}: {format_size(r['bytes_read'])} read, peak "
                          f"{format_size(r['peak_resident_weights'])} of weights resident, {r['experts_loaded']} "
-                         f"expert loads; peak RSS {format_size(r['peak_rss'])}")
+                         f"expert loads; {_rss(r)}")
         else:
-            lines.append(f"resident: both models in memory within {budget}; peak RSS {format_size(r['peak_rss'])}")
+            lines.append(f"resident: both models in memory within {budget}; {_rss(r)}")
     lines.append("")
     if report.passed:
         lines.append(f"PASS ({report.seconds:.2f} s)")
@@ -168,3 +168,11 @@ def plot(report, path: str) -> None:
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
+
+
+def _rss(r: dict) -> str:
+    """The run's peak RSS: this process, and the whole process tree where that is more (kernel children)."""
+    own, tree = r["peak_rss"], r.get("peak_rss_tree")
+    if tree is None or tree <= own:
+        return f"peak RSS {format_size(own)}"
+    return f"peak RSS {format_size(own)} (process tree {format_size(tree)})"

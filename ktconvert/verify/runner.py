@@ -28,6 +28,7 @@ from ktconvert.errors import InputError
 from ktconvert.golden import read_golden
 from ktconvert.io.atomic import sha256_file
 from ktconvert.io.datafile import read_json
+from ktconvert.io.procstats import TreePeak
 from ktconvert.io.sizes import format_size
 from ktconvert.model import build_model, load_config, load_weights, module_type_resolver
 from ktconvert.model.inject import EmulationOptions, inject
@@ -258,17 +259,16 @@ class _Run:
     default_budget: bool
     streamed: bool
 
-    def summary(self) -> dict:
-        """How the run held its weights, what it read and the process's peak RSS."""
-        import resource
-
+    def summary(self, peaks: TreePeak) -> dict:
+        """How the run held its weights, what it read, and the peak RSS of this process and of its whole process
+        tree (kernel children included; :class:`ktconvert.io.procstats.TreePeak` says how each is measured)."""
         providers = [r.weights for r in (self.candidate, self.reference) if r is not None and self.streamed]
         return {"mode": "stream" if self.streamed else "resident", "max_memory": int(self.budget),
                 "max_memory_default": self.default_budget,
                 "bytes_read": sum(p.stats.bytes_read for p in providers) if providers else None,
                 "peak_resident_weights": max(p.stats.peak for p in providers) if providers else None,
                 "experts_loaded": sum(p.stats.experts for p in providers) if providers else None,
-                "peak_rss": int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024}
+                **peaks.as_dict()}
 
 
 def _resident_bytes(model_dir: Path, localize: bool) -> int | None:
@@ -455,7 +455,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     # every torch op of the run at the golden's thread count: one thread is also the fastest on these small
     # tensors (a contended machine makes each multi-threaded op wait for its workers)
     threads = threads or int(gold.manifest["producer"].get("threads", 1))
-    with _threads(threads):
+    peaks = TreePeak()  # this process and its kernel children, sampled while the models run
+    with peaks, _threads(threads):
         if isinstance(profile, str) and profile != "auto":
             profile = load_profile(profile)
         cfg = load_config(model_dir)
@@ -512,7 +513,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
             loc["operator"] = _operator_of(injected, loc["module"])
     if options.kernel_runtime is not None:
         report.kernel = options.kernel_runtime.summary()
-    report.run = run.summary()
+    report.run = run.summary(peaks)
     peak = report.run["peak_resident_weights"]
     if peak is not None and peak > run.budget:
         report.notes.append(f"peak {format_size(peak)} of weights resident is over the budget "
