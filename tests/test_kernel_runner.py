@@ -79,6 +79,36 @@ def test_bf16_method_on_hf_experts(q3):
     assert rel(out, f32_moe(b, x, ids, w)) < 0.011
 
 
+def test_unloaded_layers_give_their_memory_back_and_reloads_compute_the_same(q3):
+    """A streamed verify loads each layer's experts when its part starts and unloads them when it ends. kt-kernel's
+    copying classes never free their weight buffers, so the child reuses one MoE object per shape: loading and
+    unloading many layers keeps the child's RSS where one layer puts it, and a layer loaded into a reused object (its
+    staging's pages given back after each load) computes exactly what a fresh one does."""
+    require_kernel()
+    rng = np.random.default_rng(3)
+    e, h, i = 16, 1024, 512  # 48 MiB of bf16 experts: far above the noise of the child's RSS
+    layers = [{p: f32_to_bf16_bits(rng.standard_normal(shape).astype(np.float32) * 0.05)
+               for p, shape in (("gate", (e, i, h)), ("up", (e, i, h)), ("down", (e, h, i)))} for _ in range(2)]
+    x, ids, w = batch(tokens=5, hidden=h, experts=e)
+    per_layer = sum(a.nbytes for a in layers[0].values())
+    with KernelSession("BF16") as s:
+        fresh = []
+        for n, lay in enumerate(layers):  # both resident, each in an object of its own
+            s.load_bf16_layer(f"R{n}", n, lay["gate"], lay["up"], lay["down"], 2)
+            fresh.append(s.forward(f"R{n}", f32_to_bf16_bits(x), ids, w))
+        s.unload("R0")
+        s.unload("R1")
+        base = s.memory()["rss"]
+        for rep in range(6):  # streamed: one layer at a time, alternating, through the freed objects
+            n = rep % 2
+            lay = layers[n]
+            s.load_bf16_layer(f"S{rep}", n, lay["gate"], lay["up"], lay["down"], 2)
+            assert np.array_equal(s.forward(f"S{rep}", f32_to_bf16_bits(x), ids, w), fresh[n]), rep
+            after = s.unload(f"S{rep}")
+        assert after["rss"] < base + per_layer // 4, (after, base, per_layer)
+    assert not np.array_equal(fresh[0], fresh[1])
+
+
 def test_amx_methods_on_a_ktamx_dir_the_kernel_wrote(q3, tmp_path):
     """kt-amx directories made by kt-kernel's own quantizer (the .kt tree merged to safetensors, as upstream's
     converter does), read back by name; a dir with one layer's gate parts swapped loads and gives garbage."""

@@ -247,3 +247,75 @@ def test_ktconverts_own_kt_amx_output_passes_through_the_kernel(ws, ktamx_dirs, 
     report = _verify(ws, None, kt_weights=out)
     assert report.passed, [b.line() for b in report.breaches]
     assert {(r["method"], r["threadpools"]) for r in report.kernel["layers"]} == {(method, 2)}
+
+
+@pytest.fixture(scope="module")
+def bf16_dir(ws, tmp_path_factory):
+    """The tiny model's weights stored as bf16 safetensors (kt-kernel's BF16 method reads its experts)."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = ws.model(FAMILY)
+    out = tmp_path_factory.mktemp("bf16")
+    tensors = {k: v.to(torch.bfloat16) for k, v in load_file(str(src / "model.safetensors")).items()}
+    save_file(tensors, str(out / "model.safetensors"))
+    (out / "config.json").write_bytes((src / "config.json").read_bytes())
+    return out
+
+
+def _without_run(report) -> dict:
+    """The report's numbers and findings, not how the run held its weights (nor its time or the child's RSS)."""
+    d = report.as_dict()
+    for k in ("run", "seconds", "notes"):
+        d.pop(k)
+    d["kernel"] = {k: v for k, v in d["kernel"].items() if k != "child_peak_rss"}
+    return d
+
+
+@pytest.mark.parametrize("case", ["Q8_0", "BF16", "AMXINT8", "AMXINT4"])
+def test_streamed_kernel_verify_is_bit_identical_to_the_resident_one(ws, request, case):
+    """``--max-memory`` with the real kernel: the child loads each layer's experts when the layer's part starts and
+    frees them when it ends; the kernel computes the same either way, so every number is the resident run's."""
+    from ktconvert.golden.stream import float32_bytes
+
+    require_kernel()
+    kw = {"weights": ws.converted(FAMILY, "Q8_0")} if case == "Q8_0" else \
+        {"weights": request.getfixturevalue("bf16_dir")} if case == "BF16" else \
+        {"weights": None, "kt_weights": request.getfixturevalue("ktamx_dirs")[case]}
+    budget = float32_bytes(ws.model(FAMILY)) // 2
+    resident = _verify(ws, **kw)
+    streamed = _verify(ws, **kw, max_memory=budget)
+    assert resident.run["mode"] == "resident" and streamed.run["mode"] == "stream"
+    assert streamed.run["max_memory"] == budget < float32_bytes(ws.model(FAMILY))
+    assert 0 < streamed.run["peak_resident_weights"] <= budget  # the kernel child's layer counted in
+    assert _without_run(streamed) == _without_run(resident)
+    for a, b in zip(resident.phases, streamed.phases):
+        assert np.array_equal(a.candidate_logits, b.candidate_logits)
+    assert resident.passed, [b.line() for b in resident.breaches]
+    assert {r["method"] for r in streamed.kernel["layers"]} == {"LLAMAFILE" if case == "Q8_0" else case}
+    assert len(streamed.kernel["layers"]) == 2  # one row per layer, however often the part loaded it
+    assert streamed.kernel["child_peak_rss"] > 0
+
+
+def test_budget_below_the_kernel_layer_is_refused_naming_the_child(ws):
+    """The kernel child's memory counts against --max-memory: a budget the emulation would fit but the kernel's
+    layer does not is refused before anything runs, naming the minimum and the kernel child (the candidate's
+    minimum: without localisation the reference, whose embedding needs more here, is not built)."""
+    import re
+
+    from ktconvert.errors import UsageProblem
+
+    require_kernel()
+    gguf = ws.converted(FAMILY, "Q8_0")
+
+    def minimum(kernel):
+        with pytest.raises(UsageProblem) as exc:
+            _verify(ws, gguf, kernel=kernel, localize=False, max_memory=1)
+        return int(re.search(r"\((\d+) bytes\)", exc.value.message).group(1)), exc.value.message
+
+    emulated, _ = minimum("emulate")
+    kernel, line = minimum("kt-kernel")
+    assert "layer" in line and "kt-kernel child holding its packed experts" in line, line
+    # LLAMAFILE: the child maps the layer's Q8_0 blocks; the emulation decodes one expert at a time
+    assert kernel > emulated
+    _verify(ws, gguf, kernel="kt-kernel", localize=False, max_memory=kernel)  # the minimum itself runs

@@ -17,7 +17,17 @@ stdout (fd 1 itself is pointed at stderr, because the C++ side prints its own lo
   ``rank``, ``alpha``}: kt-kernel's SFT class ``AMXBF16_SFT_MOE``, whose forward adds ``alpha/r * B(Ax)`` to
   gate, up and down (verify --lora).
 * ``{"op": "forward", "key", "hidden", "ids", "weights", "out"}``: npy paths; writes bf16 bits [T, H] to out.
+* ``{"op": "unload", "key"}``: the layer is done (a streamed verify frees each layer's experts when its part ends);
+  answers like ``memory``.
+* ``{"op": "memory"}`` -> ``rss``, ``hwm``: this process's VmRSS and VmHWM in bytes.
 * ``{"op": "quit"}``.
+
+Memory. kt-kernel's AMX classes (AMXINT8, AMXINT4, BF16) copy the experts into buffers of their own at
+``load_weights_task`` and never free those buffers (upstream's destructor is the default one: a freed layer object
+leaks its weights). So a layer of those methods is loaded into a *slot*: one MoE object and one staging area (an
+anonymous mapping) per shape, reused by the next layer of that shape once its layer is unloaded; the staging's pages
+go back to the system (``MADV_DONTNEED``) right after the kernel has copied them, its addresses stay (the MoE object
+keeps the pointers). LLAMAFILE reads the ggml blocks in place at every forward: they stay until ``unload``.
 
 This module imports only the standard library and numpy before kt_kernel, and nothing of ktconvert beyond
 :mod:`ktconvert.formats.kt_amx` (its names).
@@ -26,13 +36,36 @@ This module imports only the standard library and numpy before kt_kernel, and no
 from __future__ import annotations
 
 import json
+import mmap
 import os
+import re
 import sys
 import traceback
+
+#: methods whose kt-kernel class copies the experts into its own buffers at load (and leaks them when freed)
+COPYING = ("AMXINT8", "AMXINT4", "BF16")
 
 
 def _ptr(a) -> int:
     return int(a.ctypes.data)
+
+
+def _status() -> dict:
+    """This process's VmRSS and VmHWM, bytes."""
+    with open("/proc/self/status") as f:
+        text = f.read()
+    return {k: int(re.search(rf"^{name}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+            for k, name in (("rss", "VmRSS"), ("hwm", "VmHWM"))}
+
+
+def _trim() -> None:
+    """Give freed heap memory back to the system (glibc keeps it otherwise)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 class _Layer:
@@ -44,6 +77,45 @@ class _Layer:
         self.spec = spec
 
 
+class _Staging:
+    """Arrays over one anonymous mapping, at addresses that stay while their pages come and go."""
+
+    def __init__(self, np, layout: dict):
+        total = sum(_aligned(np.dtype(dt).itemsize * _count(shape)) for shape, dt in layout.values())
+        self.buf = mmap.mmap(-1, max(total, 1))
+        self.layout = dict(layout)
+        self.arrays, at = {}, 0
+        for key, (shape, dt) in layout.items():
+            n = _count(shape)
+            self.arrays[key] = np.frombuffer(self.buf, dtype=dt, count=n, offset=at).reshape(shape)
+            at += _aligned(np.dtype(dt).itemsize * n)
+
+    def release(self) -> None:
+        """The pages back to the system; the next write faults in zeroed ones at the same addresses."""
+        self.buf.madvise(mmap.MADV_DONTNEED)
+
+
+def _count(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+def _aligned(n: int) -> int:
+    return (n + 63) // 64 * 64
+
+
+class _Slot(_Layer):
+    """A MoE object of a copying method and its staging, reused layer after layer of one shape (``sig``)."""
+
+    def __init__(self, moe, keep, spec, staging: _Staging, sig):
+        super().__init__(moe, keep, spec)
+        self.staging = staging
+        self.sig = sig
+        self.key: str | None = None  # the layer loaded now, None when free
+
+
 class Child:
     def __init__(self, threadpools: int, threads: int):
         import numpy as np
@@ -52,7 +124,8 @@ class Child:
         self.threadpools = threadpools
         self.threads = threads
         self.layers: dict[str, _Layer] = {}
-        self._indexes: dict[str, dict[str, str]] = {}
+        self.slots: list[_Slot] = []
+        self._indexes: dict[str, dict[str, tuple]] = {}
         self.cpu = None
         import kt_kernel  # selects the variant for this CPU and registers kt_kernel_ext
 
@@ -93,10 +166,12 @@ class Child:
         keep = [mask]
         if req.get("sft"):
             return self._load_sft(req, mask)
+        if method in COPYING and not req.get("save"):
+            return self._load_slot(req, cfg, mask)
         if req.get("release"):
             moe = self._release(cfg, req, keep)
-        elif method == "LLAMAFILE":
-            arrays = {p: np.ascontiguousarray(np.load(req["arrays"][p])) for p in ("gate", "up", "down")}
+        elif method == "LLAMAFILE":  # read in place at every forward: mapped, only the picked experts' pages come in
+            arrays = {p: np.ascontiguousarray(np.load(req["arrays"][p], mmap_mode="r")) for p in ("gate", "up", "down")}
             keep += list(arrays.values())
             cfg.m_block = 32
             cfg.group_min_len = 10
@@ -108,15 +183,6 @@ class Child:
             cfg.gate_type, cfg.up_type, cfg.down_type = (by_id[int(types[p])] for p in ("gate", "up", "down"))
             cfg.hidden_type = gt.BF16
             moe = moe_mod.MOE(cfg)
-        elif method == "BF16":
-            arrays = {p: np.ascontiguousarray(np.load(req["arrays"][p])) for p in ("gate", "up", "down")}
-            keep += list(arrays.values())
-            ptrs = {p: [[_ptr(a) + x * a.strides[0] for x in range(e)]] for p, a in arrays.items()}
-            cfg.gate_projs, cfg.up_projs, cfg.down_projs = ptrs["gate"], ptrs["up"], ptrs["down"]
-            zeros = [[0] * e]
-            cfg.gate_scales, cfg.up_scales, cfg.down_scales = zeros, zeros, zeros
-            cls = getattr(moe_mod, "AMXBF16_MOE", None) or getattr(moe_mod, "AVX2BF16_MOE")
-            moe = cls(cfg)
         elif method in ("AMXINT8", "AMXINT4") and req.get("save"):  # the kernel's own quantizer writes a .kt tree
             arrays = {p: np.ascontiguousarray(np.load(req["arrays"][p])) for p in ("gate", "up", "down")}
             keep += list(arrays.values())
@@ -127,18 +193,6 @@ class Child:
                 os.makedirs(os.path.join(req["save"], f"_layer_{cfg.layer_idx}", f"_numa_{n}"), exist_ok=True)
             cfg.path = req["save"]
             moe = getattr(moe_mod, "AMXInt8_MOE" if method == "AMXINT8" else "AMXInt4_MOE")(cfg)
-        elif method in ("AMXINT8", "AMXINT4"):
-            from ktconvert.formats.kt_amx import tensor_name
-
-            parts = int(req["parts"])
-            layer = int(req["layer"])
-            tensors = self._read_ktamx(req["dir"], layer, e, parts, tensor_name)
-            keep.append(tensors)
-            for proj in ("gate", "up", "down"):
-                setattr(cfg, f"{proj}_projs", [[_ptr(tensors[(proj, x, n, "weight")]) for x in range(e)] for n in range(parts)])
-                setattr(cfg, f"{proj}_scales", [[_ptr(tensors[(proj, x, n, "scale")]) for x in range(e)] for n in range(parts)])
-            cfg.load = True
-            moe = getattr(moe_mod, "AMXInt8_MOE" if method == "AMXINT8" else "AMXInt4_MOE")(cfg)
         else:
             raise ValueError(f"method {method} is not driven by this runner")
         ident = np.arange(e, dtype=np.int64)  # the C++ reads it as uint64
@@ -146,7 +200,7 @@ class Child:
         self._pool().submit(moe.load_weights_task(_ptr(ident)))
         self._pool().sync()
         self.layers[req["key"]] = _Layer(moe, keep, req)
-        return {"loaded": req["key"]}
+        return {"loaded": req["key"], **_status()}
 
     def _load_sft(self, req, mask):
         """BF16 experts plus the adapter's fused LoRA through ``AMXBF16_SFT_MOE``, as kt-kernel's SFT wrapper
@@ -220,34 +274,107 @@ class Child:
             raise RuntimeError(f"kt-kernel selects no {method} backend on this CPU")
         return cls(cfg)
 
-    def _read_ktamx(self, directory, layer, e, parts, tensor_name):
-        """Every tensor of one layer from a kt-amx directory, found by name in any of its safetensors files."""
+    def _load_slot(self, req, cfg, mask):
+        """AMXINT8/AMXINT4 (a kt-amx directory, read here by name) or BF16 (bf16 bits in npy files) through a slot
+        of this shape: a free one when there is one, else a new MoE object over a new staging area."""
+        np = self.np
+        method = req["method"]
+        e, layer = int(req["E"]), int(req["layer"])
+        if method == "BF16":
+            sources = {p: np.load(req["arrays"][p], mmap_mode="r") for p in ("gate", "up", "down")}
+            layout = {p: (tuple(a.shape), "<u2") for p, a in sources.items()}
+        else:
+            parts = int(req["parts"])
+            sources = self._ktamx_layer(req["dir"], layer, e, parts)
+            layout = {key: ((nbytes,), "u1") for key, (_f, _off, nbytes) in sources.items()}
+        sig = (method, e, int(req["top_k"]), int(req["H"]), int(req["I"]), cfg.max_len, int(req.get("parts", 1)),
+               tuple(layout.items()))
+        slot = next((s for s in self.slots if s.key is None and s.sig == sig), None)
+        if slot is None:
+            staging = _Staging(np, layout)
+            arrays = staging.arrays
+            if method == "BF16":
+                ptrs = {p: [[_ptr(a) + x * a.strides[0] for x in range(e)]] for p, a in arrays.items()}
+                cfg.gate_projs, cfg.up_projs, cfg.down_projs = ptrs["gate"], ptrs["up"], ptrs["down"]
+                zeros = [[0] * e]
+                cfg.gate_scales, cfg.up_scales, cfg.down_scales = zeros, zeros, zeros
+                moe = (getattr(self.ext.moe, "AMXBF16_MOE", None) or getattr(self.ext.moe, "AVX2BF16_MOE"))(cfg)
+            else:
+                parts = int(req["parts"])
+                for proj in ("gate", "up", "down"):
+                    for kind, attr in (("weight", "projs"), ("scale", "scales")):
+                        setattr(cfg, f"{proj}_{attr}",
+                                [[_ptr(arrays[(proj, x, n, kind)]) for x in range(e)] for n in range(parts)])
+                cfg.load = True
+                moe = getattr(self.ext.moe, "AMXInt8_MOE" if method == "AMXINT8" else "AMXInt4_MOE")(cfg)
+            slot = _Slot(moe, [mask, np.arange(e, dtype=np.int64)], req, staging, sig)  # the C++ reads uint64 ids
+            self.slots.append(slot)
+        try:
+            if method == "BF16":
+                for p, a in sources.items():
+                    slot.staging.arrays[p][...] = a
+            else:
+                self._read_into(sources, slot.staging.arrays)
+            self._pool().submit(slot.moe.load_weights_task(_ptr(slot.keep[1])))
+            self._pool().sync()
+        finally:
+            slot.staging.release()  # copied by the kernel (or failed): the staging's pages are not needed
+        slot.key, slot.spec = req["key"], req
+        self.layers[req["key"]] = slot
+        return {"loaded": req["key"], **_status()}
+
+    def _ktamx_layer(self, directory, layer, e, parts):
+        """``{(proj, expert, part, kind): (file, offset, bytes)}`` of one layer of a kt-amx directory, from the
+        safetensors headers (indexed once per directory; no tensor data is read here)."""
         from pathlib import Path
 
-        from safetensors import safe_open
+        from ktconvert.formats.kt_amx import tensor_name
 
-        np = self.np
-        want = {(p, x, n, kind): tensor_name(layer, p, x, n, kind)
-                for p in ("gate", "up", "down") for x in range(e) for n in range(parts) for kind in ("weight", "scale")}
         index = self._indexes.get(directory)
-        if index is None:  # name -> file, once per directory (real conversions have a shard per layer)
+        if index is None:  # name -> where, once per directory (real conversions have a shard per layer)
             index = self._indexes[directory] = {}
             for f in sorted(Path(directory).rglob("*.safetensors")):
-                with safe_open(str(f), framework="numpy") as fh:
-                    index.update(dict.fromkeys(fh.keys(), str(f)))
-        out = {}
-        files: dict[str, list] = {}
-        for key, name in want.items():
-            if name in index:
-                files.setdefault(index[name], []).append((key, name))
-        for f, items in files.items():
-            with safe_open(f, framework="numpy") as fh:
-                for key, name in items:
-                    out[key] = np.ascontiguousarray(fh.get_tensor(name))
-        missing = [want[k] for k in want if k not in out]
+                with open(f, "rb") as fh:
+                    n = int.from_bytes(fh.read(8), "little")
+                    head = json.loads(fh.read(n))
+                for name, info in head.items():
+                    if name != "__metadata__":
+                        start, end = info["data_offsets"]
+                        index[name] = (str(f), 8 + n + start, end - start)
+        want = {(p, x, n, kind): tensor_name(layer, p, x, n, kind)
+                for p in ("gate", "up", "down") for x in range(e) for n in range(parts) for kind in ("weight", "scale")}
+        missing = [name for name in want.values() if name not in index]
         if missing:
             raise KeyError(f"{len(missing)} kt-amx tensor(s) missing, first {missing[0]}")
-        return out
+        return {key: index[name] for key, name in want.items()}
+
+    @staticmethod
+    def _read_into(sources, arrays) -> None:
+        """Each tensor's bytes straight from its file into its staging array (one layer, nothing else)."""
+        by_file: dict[str, list] = {}
+        for key, (f, off, nbytes) in sources.items():
+            by_file.setdefault(f, []).append((off, nbytes, key))
+        for f, items in by_file.items():
+            with open(f, "rb") as fh:
+                for off, nbytes, key in sorted(items):
+                    fh.seek(off)
+                    if fh.readinto(memoryview(arrays[key])) != nbytes:
+                        raise ValueError(f"{f} ends inside a tensor of {nbytes} bytes at offset {off} (truncated)")
+
+    def unload(self, req):
+        """The layer ``key`` is done: a slot becomes free for the next layer of its shape, anything else is freed."""
+        import gc
+
+        layer = self.layers.pop(req["key"], None)
+        if isinstance(layer, _Slot):
+            layer.key = None
+        del layer
+        gc.collect()
+        _trim()
+        return _status()
+
+    def memory(self, req):
+        return _status()
 
     def forward(self, req):
         np = self.np

@@ -256,6 +256,19 @@ class KernelSession:
             f.unlink()
         return res
 
+    def unload(self, key: str) -> dict:
+        """Free layer ``key`` in the child (a streamed verify is done with it); the child's ``{"rss", "hwm"}`` after."""
+        info = self.loaded.pop(key, None)
+        if info is None:
+            return self.memory()
+        ans = self._call({"op": "unload", "key": key}, f"freeing layer {info['layer']}")
+        return {"rss": int(ans["rss"]), "hwm": int(ans["hwm"])}
+
+    def memory(self) -> dict:
+        """The child's resident bytes now (``rss``) and at most so far (``hwm``, its VmHWM)."""
+        ans = self._call({"op": "memory"}, "reporting its memory")
+        return {"rss": int(ans["rss"]), "hwm": int(ans["hwm"])}
+
     def quantize_ktamx_layer(self, tree_dir, layer: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
                              top_k: int) -> None:
         """Have kt-kernel's own AMX quantizer write one layer (bf16 bits, HF orientation) as a ``.kt`` tree under

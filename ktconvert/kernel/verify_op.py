@@ -5,6 +5,11 @@ GGUF, BF16 for HF bf16 experts, AMXINT8/AMXINT4 for a kt-amx directory given as 
 child per method, loads each layer once and feeds batches over the pipe. With ``both`` every forward also
 runs the emulation, and the runtime keeps emulation-vs-kernel agreement per layer and phase
 (‖kernel − emulation‖ / ‖emulation‖ over the whole phase); the kernel's output is what flows on.
+
+A layer goes into the child when its operator first runs, and leaves it when the operator is released
+(:meth:`KernelExperts.release`: a streamed verify, ``--max-memory``, releases each layer's operators when the
+layer's part ends); :meth:`KernelExperts.resident_bytes` is what the child holds for it at most, which the streamed
+run's budget counts.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ MODES = ("emulate", "kt-kernel", "both")
 
 
 class KernelRuntime:
-    def __init__(self, mode: str, *, kt_weights=None, threads: int = 1):
+    def __init__(self, mode: str, *, kt_weights=None, threads: int = 1, streamed: bool = False):
         if mode not in MODES[1:]:
             raise KernelRefused(f"unknown kernel mode {mode!r}", fix="use emulate, kt-kernel or both")
         self.mode = mode
@@ -38,7 +43,8 @@ class KernelRuntime:
 
             self._ktamx = scan_ktamx_dir(kt_weights)
         self.sessions: dict[tuple[str, int], KernelSession] = {}
-        self.rows: list[dict] = []
+        self.rows: dict[str, dict] = {}  # module path @ source -> its row (a streamed run wraps a layer once per part)
+        self.streamed = streamed  # verify --max-memory: layers are loaded and freed part by part
         self.lora = None  # verify --lora: the loaded adapter (convert.lora_merge.LoadedLora), run by the SFT class
 
     def auto_profile(self, cfg) -> str | None:
@@ -108,41 +114,72 @@ class KernelRuntime:
                 f"drives the one for BF16 experts (AMXBF16_SFT_MOE); {method} weights (layer {blocks.layer}) have no "
                 "SFT path here (AMXINT8/INT4_SFT read kt-kernel's own .kt trees, a GGUF none at all)",
                 fix="verify HF bf16 experts (quantize --to hf --type BF16) with --lora, or --kernel emulate")
+        if self.streamed and (METHODS[method].release or self.lora is not None):
+            what = f"{method} releases" if METHODS[method].release else "--lora (its SFT class)"
+            raise KernelRefused(f"--kernel kt-kernel/both does not stream {what} yet: kt-kernel frees no layer it "
+                                f"loaded that way (layer {blocks.layer}), so the child would keep every layer",
+                                fix="verify with --kernel emulate under --max-memory, or on a machine it fits")
         s = self._session(method, parts)
         key = f"{path}@{id(source)}"
         top_k = cfg.num_experts_per_tok
-        if method == "LLAMAFILE":
-            s.load_gguf_layer(key, blocks, top_k)
-        elif method == "BF16":
-            bits = {p: getattr(blocks, p).data.view(np.uint16).reshape(getattr(blocks, p).shape)
-                    for p in ("gate", "up", "down")}
+        lora = None
+        if method == "BF16":
             lora = _fused_lora_bits(self.lora, blocks.layer) if self.lora is not None else None
-            sft = {"lora": lora, "rank": self.lora.adapter.rank, "alpha": float(self.lora.alpha)} if lora else {}
-            s.load_bf16_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], top_k, **sft)
-            if lora is not None:
-                method = "AMXBF16_SFT"
-        elif METHODS[method].release:
-            s.load_release_layer(key, source.path, blocks.layer, experts=cfg.num_experts, top_k=top_k,
-                                 hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
+            if lora is not None and "AMXBF16_SFT_MOE" not in s.info.classes:
+                raise KernelRefused(f"kt-kernel's {s.info.variant} variant has no AMXBF16_SFT_MOE (its LoRA path)",
+                                    fix="verify --lora with --kernel emulate")
+            s._check(hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, types=None, where=f"layer {blocks.layer}")
+        elif method == "LLAMAFILE":
+            e, i, h = blocks.gate.shape
+            s._check(hidden=h, inter=i, types=blocks.types(), where=f"layer {blocks.layer}")
         else:
-            s.load_ktamx_layer(key, self.kt_weights, blocks.layer, experts=cfg.num_experts, top_k=top_k,
-                               hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
-        row = {"module": path, "layer": blocks.layer, "kernel": "kt-kernel", "version": s.info.version,
-               "method": method, "variant": s.info.variant, "threadpools": parts,
-               "weights": "kt-amx " + str(self.kt_weights) if self._ktamx is not None else source.path,
-               "agreement": {} if self.mode == "both" else None}
-        self.rows.append(row)
-        return KernelExperts(self, s, key, emulation, row)
+            s._check(hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, types=None, where=f"layer {blocks.layer}")
+
+        def load() -> None:  # when the layer first runs: a streamed run loads it part by part
+            if method == "LLAMAFILE":
+                s.load_gguf_layer(key, blocks, top_k)
+            elif method == "BF16":
+                bits = {p: getattr(blocks, p).data.view(np.uint16).reshape(getattr(blocks, p).shape)
+                        for p in ("gate", "up", "down")}
+                sft = {"lora": lora, "rank": self.lora.adapter.rank, "alpha": float(self.lora.alpha)} if lora else {}
+                s.load_bf16_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], top_k, **sft)
+            elif METHODS[method].release:
+                s.load_release_layer(key, source.path, blocks.layer, experts=cfg.num_experts, top_k=top_k,
+                                     hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
+            else:
+                s.load_ktamx_layer(key, self.kt_weights, blocks.layer, experts=cfg.num_experts, top_k=top_k,
+                                   hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
+
+        row = self.rows.get(key)
+        if row is None:
+            row = self.rows[key] = {
+                "module": path, "layer": blocks.layer, "kernel": "kt-kernel", "version": s.info.version,
+                "method": "AMXBF16_SFT" if lora is not None else method, "variant": s.info.variant,
+                "threadpools": parts, "weights": "kt-amx " + str(self.kt_weights) if self._ktamx is not None
+                else source.path, "agreement": {} if self.mode == "both" else None}
+        return KernelExperts(self, s, key, emulation, row, load, self._child_bytes(method, blocks, lora))
+
+    def _child_bytes(self, method: str, blocks, lora) -> int:
+        """The most the child holds for one layer: LLAMAFILE maps the ggml blocks and reads them in place; the
+        copying classes (AMXINT8/AMXINT4 from a kt-amx directory, BF16) hold the layer twice while it loads (read
+        into the staging, and kt-kernel's own copy), then once."""
+        if method in ("AMXINT8", "AMXINT4"):
+            return 2 * sum(n for _dtype, n, _f in self._ktamx.layers[blocks.layer].tensors.values())
+        stored = sum(getattr(blocks, p).data.nbytes for p in ("gate", "up", "down"))
+        if lora is not None:
+            stored += sum(a.nbytes for a in lora.values())
+        return stored if method == "LLAMAFILE" else 2 * stored
 
     def summary(self) -> dict:
         layers = []
-        for r in self.rows:
+        for r in self.rows.values():
             out = {k: v for k, v in r.items() if not k.startswith("_")}
             if r["agreement"] is not None:
                 out["agreement"] = {ph: (float(np.sqrt(d / n)) if n > 0 else 0.0)
                                     for ph, (d, n) in sorted(r["agreement"].items())}
             layers.append(out)
-        return {"mode": self.mode, "layers": layers}
+        peak = max((s.memory()["hwm"] for s in self.sessions.values()), default=None)
+        return {"mode": self.mode, "layers": layers, "child_peak_rss": peak}
 
     def close(self) -> None:
         for s in self.sessions.values():
@@ -165,10 +202,23 @@ class KernelExperts(nn.Module):
 
     emulation = "kt-kernel"
 
-    def __init__(self, runtime: KernelRuntime, session: KernelSession, key: str, emulation: nn.Module, row: dict):
+    def __init__(self, runtime: KernelRuntime, session: KernelSession, key: str, emulation: nn.Module, row: dict,
+                 load, child_bytes: int):
         super().__init__()
         self.runtime, self.session, self.key, self.row = runtime, session, key, row
         self.emulated_op = emulation  # kept for ``both`` and for describe()
+        self._load, self.loaded, self.child_bytes = load, False, child_bytes
+
+    def resident_bytes(self) -> int:
+        """The most the kernel child holds for this layer (and, with ``both``, the emulation's one expert)."""
+        both = self.emulated_op.resident_bytes() if self.runtime.mode == "both" else 0
+        return self.child_bytes + both
+
+    def release(self) -> None:
+        """Free the layer in the child (a streamed run is done with it); the next forward loads it again."""
+        if self.loaded:
+            self.loaded = False
+            self.session.unload(self.key)
 
     def describe(self) -> str:
         r = self.row
@@ -177,6 +227,9 @@ class KernelExperts(nn.Module):
                 f"emulation would be: {self.emulated_op.describe()}{both}")
 
     def forward(self, hidden: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+        if not self.loaded:
+            self._load()
+            self.loaded = True
         x = hidden.detach().to(torch.float32).reshape(-1, hidden.shape[-1]).numpy()
         ids = topk_ids.detach().to(torch.int64).numpy()
         w = topk_weights.detach().to(torch.float32).numpy()

@@ -319,6 +319,10 @@ class StreamedWeights:
         """Bytes a part needs resident beyond its own weights' slots (an injected candidate's operators)."""
         return 0
 
+    def extra_note(self, kind: str, layer: int | None) -> str:
+        """What :meth:`part_extra` holds, for the refusal of a budget below the minimum ('' when nothing to say)."""
+        return ""
+
     # --- budget ---------------------------------------------------------------------------------------------------
     def minimum(self, model: nn.Module) -> tuple[int, str]:
         """The most bytes one part needs resident at once (its float32 weights, the stored copies being decoded,
@@ -326,11 +330,14 @@ class StreamedWeights:
         best = (0, "")
         for kind, index, roots, skip, experts in self._parts(model):
             weights = sum(_bytes(s[4]) for r, _ in roots for s in _slots(r, "", skip) if s[3] is not None)
-            need = weights + self.stored_bytes(kind, index, weights=weights) + self.part_extra(kind, index)
+            extra = self.part_extra(kind, index)
+            need = weights + self.stored_bytes(kind, index, weights=weights) + extra
             if experts is not None:
                 one = max((sum(_bytes(p) for p in ex.parameters()) for ex in experts), default=0)
                 need += one + self.stored_bytes(kind, index, expert=True, weights=one)
-            best = max(best, (need, f"layer {index}" if kind == "layer" else kind))
+            where = f"layer {index}" if kind == "layer" else kind
+            note = self.extra_note(kind, index)
+            best = max(best, (need, f"{where} ({note}: {format_size(extra)} of it)" if note and extra else where))
         return best
 
     def check_budget(self, model: nn.Module) -> None:
@@ -592,9 +599,16 @@ class InjectedWeights(ConvertedWeights):
         return [s for p, s in self.switches.items() if self._part_of(p) == (kind, layer)]
 
     def part_extra(self, kind: str, layer: int | None) -> int:
-        """The least the part's operators hold while they run (``resident_bytes`` of each op ``inject`` built)."""
-        ops = {id(d): d for s in self._mine(kind, layer) for d in s.described.values() if d is not None}
-        return sum(d.resident_bytes for d in ops.values())
+        """The least the part's operators hold while they run (``resident_bytes`` of each op ``inject`` built;
+        the real kernel's: what its child process holds for the layer's experts)."""
+        return sum(d.resident_bytes for d in self._ops(kind, layer))
+
+    def extra_note(self, kind: str, layer: int | None) -> str:
+        kernel = [d for d in self._ops(kind, layer) if d.emulation == "kt-kernel"]
+        return "with the kt-kernel child holding its packed experts, twice while an AMX or BF16 class copies them in" if kernel else ""
+
+    def _ops(self, kind: str, layer: int | None) -> list:
+        return list({id(d): d for s in self._mine(kind, layer) for d in s.described.values() if d is not None}.values())
 
     @contextmanager
     def part(self, model: nn.Module, kind: str, layer: int | None = None):
@@ -609,8 +623,12 @@ class InjectedWeights(ConvertedWeights):
                         if isinstance(getattr(op, "_cache", None), dict):  # decodes experts as tokens pick them
                             op._cache = _ExpertCache(self)
                             caches.append(op._cache)
-                        else:  # holds its dequantized weights from the start
+                        else:  # holds its dequantized weights (or the kernel child its layer) from the start
                             held += op.resident_bytes() if hasattr(op, "resident_bytes") else 0
+                        inner = getattr(op, "emulated_op", None)  # --kernel both: the emulation runs beside it
+                        if isinstance(getattr(inner, "_cache", None), dict):
+                            inner._cache = _ExpertCache(self)
+                            caches.append(inner._cache)
                 st.resident += held
                 st.peak = max(st.peak, st.resident)
                 yield

@@ -282,13 +282,10 @@ def _resident_bytes(model_dir: Path, localize: bool) -> int | None:
         return None
 
 
-def _refuse_streaming(kernel: bool, lora: bool) -> None:
+def _refuse_streaming(lora: bool) -> None:
     """What does not stream yet, refused before anything starts."""
     from ktconvert.errors import UsageProblem
 
-    if kernel:
-        raise UsageProblem("--kernel kt-kernel/both does not stream yet: the kernel child loads the whole model",
-                           fix="verify with --kernel emulate under --max-memory, or on a machine it fits")
     if lora:
         raise UsageProblem("--lora does not stream yet", fix="verify with --lora on a machine the model fits")
 
@@ -312,7 +309,9 @@ def _build_run(model_dir: Path, cfg, compiled, catalog, source, pre_source, weig
     else:
         streamed = True
     if streamed:
-        _refuse_streaming(options.kernel_runtime is not None, loaded is not None)
+        _refuse_streaming(loaded is not None)
+    if options.kernel_runtime is not None:  # streamed: the kernel child loads and frees one layer per part
+        options.kernel_runtime.streamed = streamed
     dtype = torch_dtype(options.compute_dtype)
     reference = None
     if localize:
@@ -433,7 +432,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
 
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
     if max_memory is not None:
-        _refuse_streaming(options.kernel != "emulate", lora is not None)
+        _refuse_streaming(lora is not None)
     if options.kernel != "emulate" and options.kernel_runtime is None:  # the real kernel: children per method
         from ktconvert.kernel.verify_op import KernelRuntime
 

@@ -33,8 +33,12 @@ class PhaseSwitch(nn.Module):
         self.ops = {mode: None if b is None else made[id(b)] for mode, b in self.builders.items()}
 
     def release(self) -> None:
-        """Drop the ops :meth:`load` built (their weights go with them)."""
+        """Drop the ops :meth:`load` built (their weights go with them; an op holding memory elsewhere, the real
+        kernel's layer in its child process, is told to free it)."""
         if self.builders is not None:
+            for op in {id(o): o for o in self.ops.values() if o is not None}.values():
+                if callable(getattr(op, "release", None)):
+                    op.release()
             self.ops = {mode: None for mode in self.ops}
 
     def forward(self, *args):
