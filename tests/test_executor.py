@@ -13,6 +13,7 @@ import torch
 from ktconvert.errors import UsageProblem
 from ktconvert.families.config import FAMILIES
 from ktconvert.formats.safetensors_write import to_bytes
+from ktconvert.io.sizes import format_size
 from ktconvert.model import from_pretrained, load_config
 from ktconvert.model.executor import CheckpointWeights, LayerMajor
 from ktconvert.model.reference import build_skeleton
@@ -125,6 +126,10 @@ def _tiny_config(family):
 def test_streamed_converted_weights_load_as_the_in_memory_candidate(tmp_path, family, spec, fmt):
     """A GGUF (llama-arch q/k un-permuted for Mixtral, MLA for DeepSeek) or kernel-order safetensors, read part by
     part through WeightSource, runs bit-identically to the model inject's default loader fills whole."""
+    _check_converted(tmp_path, family, spec, fmt)
+
+
+def _check_converted(tmp_path, family, spec, fmt):
     from ktconvert.convert import convert, presets
     from ktconvert.model import build_model
     from ktconvert.model.executor import ConvertedWeights
@@ -152,6 +157,56 @@ def test_streamed_converted_weights_load_as_the_in_memory_candidate(tmp_path, fa
                        torch.cat([s.final_hidden for s in steps], 1)),
                       (sdec.logits, list(sdec.hidden_states), sdec.final_hidden), "decode")
     assert streamed.stats.resident == 0 and streamed.source._blocks == {}
+
+
+@pytest.fixture
+def small_vocab_chunks(monkeypatch):
+    """96-row vocabulary chunks: the tiny vocabulary of 512 is 5 whole chunks and a partial one."""
+    from ktconvert.model import executor, modules
+
+    monkeypatch.setattr(modules, "VOCAB_CHUNK", 96)
+    monkeypatch.setattr(executor, "VOCAB_CHUNK", 96)
+    return 96
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss", "deepseek_v4"])
+def test_vocabulary_chunks_stay_bit_identical(tmp_path, small_vocab_chunks, family):
+    """lm_head over vocabulary chunks, the embedding's rows read per chunk-sized window: the resident run takes the
+    same chunks (VocabHead), so logits and hidden states stay bit-identical, prefill and decode; the streamed
+    embedding reads the prompt's distinct rows only, and the head one chunk at a time."""
+    d = tmp_path / tiny_name(family)
+    write_tiny_model(family, d)
+    cfg = load_config(d)
+    weights = _check(d)
+    assert weights.has_rows("embed") and weights.has_rows("head")
+    embed_only = CheckpointWeights(d, cfg)
+    with torch.no_grad():
+        LayerMajor(build_skeleton(cfg), embed_only).embed(PROMPT)
+    row = embed_only.ck[embed_only.vocab["embed"]].nbytes // cfg.vocab_size
+    assert embed_only.stats.bytes_read == len(torch.unique(PROMPT)) * row  # 14 rows of 512, nothing else
+    # one window at a time: the largest holds 8 of the 14 (ids below 96), in float32 beside their stored copy
+    assert embed_only.stats.peak == 8 * (cfg.hidden_size * 4 + row)
+
+
+def test_tied_embeddings_stream_the_head_from_the_embedding(tmp_path, small_vocab_chunks):
+    """tie_word_embeddings without lm_head.weight: the head reads the embedding's rows, chunk by chunk, and agrees bit
+    for bit with the resident model, whose lm_head is the embedding."""
+    from ktconvert.model.tiny import tiny_config
+
+    d = tmp_path / "m"
+    d.mkdir()
+    (d / "config.json").write_text(json.dumps(tiny_config("qwen3_moe") | {"tie_word_embeddings": True}))
+    tensors = {k: v for k, v in tiny_tensors("qwen3_moe").items() if k != "lm_head.weight"}
+    (d / "model.safetensors").write_bytes(to_bytes(tensors, {"format": "pt"}))
+    weights = _check(d)
+    assert weights.vocab["head"] == weights.vocab["embed"] == "model.embed_tokens.weight"
+
+
+@pytest.mark.parametrize("family,spec,fmt", [("qwen3_moe", "Q4_K_M", "gguf"), ("qwen3_moe", "Q8_0", "safetensors")])
+def test_converted_vocabulary_rows_stay_bit_identical(tmp_path, small_vocab_chunks, family, spec, fmt):
+    """A GGUF's quantized token_embd / output and kernel-order safetensors read by rows and chunks: bit-identical
+    to the candidate inject loads whole."""
+    _check_converted(tmp_path, family, spec, fmt)
 
 
 def test_a_budget_smaller_than_the_model_holds(tmp_path):
@@ -258,3 +313,57 @@ def test_run_pair_teacher_forcing_names_the_faulty_layer(tmp_path, step):
     forced = [nmse(f, r) for f, r in zip(pair.forced, ref_h)]
     assert forced[2] > 1e-2 and max(forced[1], forced[3]) < 1e-3  # only layer 1 adds error
     assert free[3] > 1e-2  # free-running, the fault's error carries into layer 2
+
+
+#: real shapes (the layer count cut: every layer of a kind needs the same)
+QWEN3_30B_A3B = dict(hidden_size=2048, vocab_size=151936, num_experts=128, moe_intermediate_size=768,
+                     num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+                     num_hidden_layers=2, intermediate_size=6144)
+DEEPSEEK_V3 = dict(hidden_size=7168, vocab_size=129280, n_routed_experts=256, moe_intermediate_size=2048,
+                   num_experts_per_tok=8, num_attention_heads=128, num_key_value_heads=128, num_hidden_layers=3,
+                   first_k_dense_replace=1, intermediate_size=18432, q_lora_rank=1536, kv_lora_rank=512,
+                   qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, n_group=8, topk_group=4,
+                   n_shared_experts=1)
+
+
+def write_sparse_checkpoint(d, config: dict):
+    """A BF16 safetensors checkpoint of ``config``'s real shapes whose data is a hole (a sparse file: only the header
+    takes disk), for what reads headers only (the budget's minimum)."""
+    import struct
+
+    d.mkdir(parents=True)
+    (d / "config.json").write_text(json.dumps(config))
+    cfg = load_config(d)
+    header, off = {}, 0
+    for name, t in build_skeleton(cfg).state_dict().items():
+        if not name.endswith("rotary_emb.inv_freq"):
+            header[name] = {"dtype": "BF16", "shape": list(t.shape), "data_offsets": [off, off + 2 * t.numel()]}
+            off += 2 * t.numel()
+    head = json.dumps(header).encode()
+    head += b" " * (-len(head) % 8)
+    with open(d / "model.safetensors", "wb") as fh:
+        fh.write(struct.pack("<Q", len(head)) + head)
+        fh.truncate(8 + len(head) + off)
+    return cfg
+
+
+@pytest.mark.parametrize("family,shape,fits,refused", [("qwen3_moe", QWEN3_30B_A3B, 2**30, 128 * 2**20),
+                                                      ("deepseek_v3", DEEPSEEK_V3, 4 * 2**30, 2**30)],
+                         ids=["qwen3-30b-a3b", "deepseek-v3"])
+def test_real_shaped_models_fit_small_budgets(tmp_path, family, shape, fits, refused):
+    """Qwen3-30B-A3B's shapes (vocabulary 151936 x 2048: 1.2 GB in float32, read by rows and chunks) fit 1 GiB;
+    DeepSeek-V3's (MLA, and layer 0's dense MLP of 18432: 1.6 GB in float32) fit 4 GiB, and 1 GiB is refused naming
+    layer 0 and its MLP."""
+    from ktconvert.model.tiny import tiny_config
+
+    d = tmp_path / "m"
+    cfg = write_sparse_checkpoint(d, tiny_config(family) | shape)
+    skeleton = build_skeleton(cfg)
+    need, where = CheckpointWeights(d, cfg).minimum(skeleton)
+    assert need <= fits
+    CheckpointWeights(d, cfg, budget=fits).check_budget(skeleton)
+    with pytest.raises(UsageProblem) as exc:
+        CheckpointWeights(d, cfg, budget=refused).check_budget(skeleton)
+    assert f"the minimum {format_size(need)} ({need} bytes)" in exc.value.message and where in exc.value.message
+    if family == "deepseek_v3":
+        assert where.startswith("layer 0 (largest module model.layers.0.mlp: 1.48 GiB)")

@@ -49,7 +49,7 @@ from torch import nn
 
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.io.sizes import format_size
-from ktconvert.model.modules import KVCache, RoutedExperts
+from ktconvert.model.modules import VOCAB_CHUNK, KVCache, RoutedExperts, VocabEmbedding, VocabHead
 
 
 @dataclass
@@ -227,6 +227,9 @@ def run_pair(reference: LayerMajor, candidate: LayerMajor, input_ids: torch.Tens
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FUSED = re.compile(r"^model\.layers\.\d+\.[a-z_]+\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?(?:\.weight)?$")
+#: the reference names of the tensors read by rows (VocabEmbedding, VocabHead) -> their part
+VOCAB_NAMES = {"model.embed_tokens.weight": "embed", "lm_head.weight": "head"}
+_VOCAB_REF = {v: k for k, v in VOCAB_NAMES.items()}
 _EXPERT = re.compile(r"^model\.layers\.\d+\.[a-z_]+\.experts\.(\d+)\.")
 
 
@@ -323,6 +326,20 @@ class StreamedWeights:
         """What :meth:`part_extra` holds, for the refusal of a budget below the minimum ('' when nothing to say)."""
         return ""
 
+    def has_rows(self, kind: str) -> bool:
+        """Whether this source reads the embedding (``kind`` ``embed``) or ``lm_head`` (``head``) by rows."""
+        return False
+
+    def rows_state(self, kind: str, ids: torch.Tensor | None, span: tuple[int, int] | None) -> tuple[torch.Tensor, int]:
+        """Rows ``ids`` (sorted, distinct) or ``span`` ``(a, z)`` of the embedding table / ``lm_head`` weight, decoded
+        as the whole tensor is (any float dtype: they are copied into the module's dtype), and the bytes of stored
+        copies held meanwhile."""
+        raise NotImplementedError
+
+    def rows_stored_bytes(self, kind: str, rows: int) -> int:
+        """Bytes of stored copies held while ``rows`` rows are decoded."""
+        return 0
+
     # --- budget ---------------------------------------------------------------------------------------------------
     def minimum(self, model: nn.Module) -> tuple[int, str]:
         """The most bytes one part needs resident at once (its float32 weights, the stored copies being decoded,
@@ -332,12 +349,17 @@ class StreamedWeights:
             weights = sum(_bytes(s[4]) for r, _ in roots for s in _slots(r, "", skip) if s[3] is not None)
             extra = self.part_extra(kind, index)
             need = weights + self.stored_bytes(kind, index, weights=weights) + extra
+            vocab = self._vocab(model, kind)
+            if vocab is not None:  # one chunk of rows at a time (VOCAB_CHUNK), however large the vocabulary
+                rows = min(VOCAB_CHUNK, vocab.weight.shape[0])
+                need += rows * vocab.weight.shape[1] * vocab.weight.element_size() + self.rows_stored_bytes(kind, rows)
             if experts is not None:
                 one = max((sum(_bytes(p) for p in ex.parameters()) for ex in experts), default=0)
                 need += one + self.stored_bytes(kind, index, expert=True, weights=one)
-            where = f"layer {index}" if kind == "layer" else kind
-            note = self.extra_note(kind, index)
-            best = max(best, (need, f"{where} ({note}: {format_size(extra)} of it)" if note and extra else where))
+            if need > best[0]:
+                where = _largest(f"layer {index}" if kind == "layer" else kind, roots, skip)
+                note = self.extra_note(kind, index)
+                best = (need, f"{where} ({note}: {format_size(extra)} of it)" if note and extra else where)
         return best
 
     def check_budget(self, model: nn.Module) -> None:
@@ -347,14 +369,23 @@ class StreamedWeights:
         need, where = self.minimum(model)
         if self.budget < need:
             raise UsageProblem(f"--max-memory {format_size(self.budget)} is below the minimum {format_size(need)} "
-                               f"({need} bytes): {where} needs that much resident (its float32 weights, one expert, "
-                               "and the stored copies being decoded)", path=self.path,
+                               f"({need} bytes): {where} needs that much resident (its float32 weights, one expert "
+                               f"or {VOCAB_CHUNK} vocabulary rows, and the stored copies being decoded)", path=self.path,
                                fix=f"pass --max-memory {need} or more")
 
     # --- parts ----------------------------------------------------------------------------------------------------
+    def _vocab(self, model: nn.Module, kind: str):
+        """The part's :class:`VocabEmbedding` / :class:`VocabHead` when this source reads it by rows, else None
+        (it is then loaded whole, as any module: an injected operator in ``lm_head``'s place)."""
+        module = {"embed": model.model.embed_tokens, "head": model.lm_head}.get(kind)
+        if not isinstance(module, (VocabEmbedding, VocabHead)) or not self.has_rows(kind):
+            return None
+        return module
+
     def _parts(self, model: nn.Module):
         """``(kind, layer, [(module, state prefix)], skip ids, routed experts or None)`` for every part."""
-        yield "embed", None, [(model.model.embed_tokens, "model.embed_tokens.")], set(), None
+        embed = self._vocab(model, "embed")
+        yield "embed", None, [(model.model.embed_tokens, "model.embed_tokens.")], {id(embed)} if embed else set(), None
         for index, layer in enumerate(model.model.layers):
             experts = next((m for m in layer.modules() if isinstance(m, RoutedExperts)), None)
             skip = {id(m) for ex in (experts or ()) for m in ex.modules()}
@@ -362,7 +393,8 @@ class StreamedWeights:
         head = [(model.model.norm, "model.norm."), (model.lm_head, "lm_head.")]
         if hasattr(model.model, "hc_head"):
             head.append((model.model.hc_head, "model.hc_head."))
-        yield "head", None, head, set(), None
+        lm = self._vocab(model, "head")
+        yield "head", None, head, {id(lm)} if lm else set(), None
 
     @contextmanager
     def part(self, model: nn.Module, kind: str, layer: int | None = None):
@@ -374,6 +406,10 @@ class StreamedWeights:
             prefix = next(f"model.layers.{layer}.{p}." for p, m in model.model.layers[layer].named_modules()
                           if m is experts)
             experts.fetch = lambda e: self._expert(layer, experts[e], f"{prefix}{e}.", e)
+        vocab = self._vocab(model, kind)
+        if vocab is not None:
+            vocab.fetch_rows = ((lambda ids: self._rows(kind, vocab, ids, None)) if kind == "embed" else
+                                (lambda a, z: self._rows(kind, vocab, None, (a, z))))
         self._kept = {}  # this layer's experts still resident, least recently used first
         self.stats.parts += 1
         try:
@@ -381,6 +417,8 @@ class StreamedWeights:
         finally:
             if experts is not None:
                 experts.fetch = None
+            if vocab is not None:
+                vocab.fetch_rows = None
             for kept in self._kept.values():
                 self._drop(kept)
             self._kept = {}
@@ -406,6 +444,21 @@ class StreamedWeights:
         kept[e] = self._load(slots, state, stored)
         self.stats.experts += 1
         yield
+
+    @contextmanager
+    def _rows(self, kind: str, module: nn.Module, ids: torch.Tensor | None, span: tuple[int, int] | None):
+        """Vocabulary rows resident for the block, in the module's dtype (copied as :meth:`_load` copies a whole
+        tensor, so each row holds what the whole table's row would), counted in the stats, dropped after."""
+        got, stored = self.rows_state(kind, ids, span)
+        new = torch.empty((got.shape[0], module.weight.shape[1]), dtype=module.weight.dtype).copy_(got)
+        del got
+        st = self.stats
+        st.peak = max(st.peak, st.resident + _bytes(new) + stored)
+        st.resident += _bytes(new)
+        try:
+            yield new
+        finally:
+            st.resident -= _bytes(new)
 
     def _load(self, slots: list, state: dict, stored: int):
         """Check ``state`` strictly against ``slots`` and put it there; return what to drop after."""
@@ -442,6 +495,17 @@ class StreamedWeights:
         self.stats.resident -= weights
 
 
+def _largest(part: str, roots, skip: set[int]) -> str:
+    """``part`` and its largest module's float32 weights (what to look at when a budget cannot hold it)."""
+    sizes = []
+    for root, prefix in roots:
+        for name, child in root.named_children():
+            if id(child) not in skip:
+                sizes.append((sum(_bytes(s[4]) for s in _slots(child, "", skip) if s[3] is not None), prefix + name))
+    size, name = max(sizes, default=(0, ""))
+    return f"{part} (largest module {name}: {format_size(size)})" if size else part
+
+
 def _expected(slots) -> dict[str, tuple]:
     return {s[3]: tuple(s[4].shape) for s in slots if s[3] is not None}
 
@@ -465,12 +529,16 @@ class CheckpointWeights(StreamedWeights):
         sp = cfg.spec
         self.groups: dict[tuple, list[str]] = {}  # ("embed",) / ("head",) / ("layer", L) / ("expert", L, e)
         self.fused: dict[int, list[str]] = {}  # layer -> its stacked expert tensors (read one expert's slab each)
+        self.vocab: dict[str, str] = {}  # "embed" / "head" -> the stored embedding table / lm_head (read by rows)
         block = cfg.moe_block_name
         for name in ck:
             if name in self.qmap.scales or name.startswith(sp.ignore_prefixes):
                 continue
             key = sp.canonical_name(name)
             m = _LAYER.match(key)
+            if key in VOCAB_NAMES:
+                self.vocab[VOCAB_NAMES[key]] = name
+                continue
             if m is None:
                 self.groups.setdefault(("embed",) if key.startswith("model.embed_tokens.") else ("head",), []).append(name)
                 continue
@@ -484,9 +552,8 @@ class CheckpointWeights(StreamedWeights):
                 self.groups.setdefault(("expert", layer, int(x.group(1))), []).append(name)
             else:
                 self.groups.setdefault(("layer", layer), []).append(name)
-        self.tied = bool(cfg.tie_word_embeddings) and "lm_head.weight" not in ck
-        if self.tied:  # lm_head is the embedding: the head part reads it as well
-            self.groups.setdefault(("head",), []).extend(self.groups.get(("embed",), []))
+        if cfg.tie_word_embeddings and "head" not in self.vocab and "embed" in self.vocab:
+            self.vocab["head"] = self.vocab["embed"]  # lm_head is the embedding: the head reads its rows too
 
     def _bytes_of(self, names) -> int:
         return sum(self.ck[n].nbytes for n in names)
@@ -498,25 +565,53 @@ class CheckpointWeights(StreamedWeights):
         return max(split, self._bytes_of(self.fused.get(layer, [])) // self.cfg.num_experts)
 
     def part_state(self, kind, layer, expected):
-        drop = set()
-        if self.tied:  # the alias the other part owns
-            drop = {"lm_head.weight"} if kind == "embed" else {"model.embed_tokens.weight"} if kind == "head" else set()
         names = self.groups.get(("layer", layer) if kind == "layer" else (kind,), [])
-        return self._state(names, None, drop)
+        return self._state(names, None)
+
+    def has_rows(self, kind: str) -> bool:
+        return kind in self.vocab
+
+    def rows_state(self, kind, ids, span):
+        from ktconvert.formats import quantized
+        from ktconvert.model.weights import as_torch
+
+        name = self.vocab[kind]
+        info, w = self.ck[name], self.qmap.weights.get(name)
+        rows = len(ids) if ids is not None else span[1] - span[0]
+        if w is not None:  # a quantized release's table: decoded as quantize decodes it, only these rows
+            got = torch.from_numpy(quantized.read_row_ids(self.ck, w, ids.numpy()) if ids is not None else
+                                   quantized.read_rows(self.ck, w, *span))
+        else:
+            view = self.ck.read(name)
+            got = as_torch(np.array(view[ids.numpy()] if ids is not None else view[span[0]:span[1]]), info.dtype, name)
+        self.stats.bytes_read += self._row_bytes(kind) * rows
+        return got, _bytes(got)
+
+    def _row_bytes(self, kind: str) -> int:
+        name = self.vocab[kind]
+        w = self.qmap.weights.get(name)
+        if w is not None:  # codes and scales of a row take less than its float32 decoding
+            return 4 * int(w.shape[-1])
+        return self.ck[name].nbytes // self.ck[name].shape[0]
+
+    def rows_stored_bytes(self, kind: str, rows: int) -> int:
+        """The stored rows, and (a quantized table) their float32 decoding before the rows asked are picked."""
+        name = self.vocab[kind]
+        decoded = 4 * rows * int(self.qmap.weights[name].shape[-1]) if name in self.qmap.weights else 0
+        return self._row_bytes(kind) * rows + decoded
 
     def expert_state(self, layer, e, expected):
         fused = self.fused.get(layer)
         return self._state(fused if fused else self.groups.get(("expert", layer, e), []), e if fused else None)
 
-    def _state(self, names: list[str], expert: int | None, drop: set[str] = frozenset()) -> tuple[dict, int]:
+    def _state(self, names: list[str], expert: int | None) -> tuple[dict, int]:
         from ktconvert.model.weights import stored_tensor, to_reference_state
 
         tensors = {n: stored_tensor(self.ck, self.qmap, n, expert=expert) for n in names}
         stored = sum(_bytes(t) for t in tensors.values())
         self.stats.bytes_read += sum(self._bytes_of([n]) // (1 if expert is None else self.cfg.num_experts)
                                      for n in names)
-        state = to_reference_state(self.cfg, tensors, expert=expert)
-        return {k: v for k, v in state.items() if k not in drop}, stored
+        return to_reference_state(self.cfg, tensors, expert=expert), stored
 
 
 class ConvertedWeights(StreamedWeights):
@@ -542,6 +637,17 @@ class ConvertedWeights(StreamedWeights):
 
     def stored_bytes(self, kind: str, layer: int | None, expert: bool = False, weights: int = 0) -> int:
         return weights  # the dequantized float32 copies, before they go into the slots
+
+    def has_rows(self, kind: str) -> bool:
+        return self.source.vocab_name(_VOCAB_REF[kind]) is not None
+
+    def rows_state(self, kind, ids, span):
+        got = torch.from_numpy(self.source.rows(_VOCAB_REF[kind], None if ids is None else ids.numpy(), span))
+        self.stats.bytes_read += _bytes(got)  # float32 handed over, as for whole tensors
+        return got, _bytes(got)
+
+    def rows_stored_bytes(self, kind: str, rows: int) -> int:
+        return 8 * rows * self.cfg.hidden_size  # the stored rows (at most float32) and their float32 decoding
 
     def part_done(self, kind, layer):
         if kind == "layer":

@@ -543,6 +543,54 @@ def swiglu_clamped(gate: torch.Tensor, up: torch.Tensor, alpha: float, limit: fl
     return (up + 1) * (gate * torch.sigmoid(gate * alpha))
 
 
+#: rows of the vocabulary one lookup or one ``lm_head`` matmul takes at a time (:class:`VocabEmbedding`,
+#: :class:`VocabHead`): a multiple of 16, so a resident chunk's row-slice starts 64-byte aligned, as a fresh tensor
+VOCAB_CHUNK = 4096
+
+
+class VocabEmbedding(nn.Embedding):
+    """The token embedding (``nn.Embedding``, which upstream rules match), whose rows a streaming weight provider
+    can hand in per lookup: ``fetch_rows`` (None: the whole table is resident) is set by
+    :mod:`ktconvert.model.executor` to ``fetch_rows(ids)``, a context manager yielding the float32 rows ``ids``
+    (sorted, distinct, all within one :data:`VOCAB_CHUNK`-row window of the vocabulary) for the ``with`` block.
+
+    Bit-identical either way: a lookup copies rows and computes nothing, so gathering from the rows the tokens pick
+    equals gathering from the whole table."""
+
+    fetch_rows = None
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.fetch_rows is None:
+            return super().forward(input_ids)
+        ids, inverse = torch.unique(input_ids, sorted=True, return_inverse=True)
+        window = torch.div(ids, VOCAB_CHUNK, rounding_mode="floor")
+        parts = []
+        for w in torch.unique(window).tolist():
+            with self.fetch_rows(ids[window == w]) as rows:
+                parts.append(rows.clone())
+        return F.embedding(inverse, torch.cat(parts))
+
+
+class VocabHead(nn.Linear):
+    """``lm_head`` (``nn.Linear``, which upstream rules match) computed over :data:`VOCAB_CHUNK` rows of the
+    vocabulary at a time, so a streaming provider holds one chunk of its weight: ``fetch_rows`` (None: the whole
+    weight is resident) is set to ``fetch_rows(a, z)``, a context manager yielding weight rows ``a:z`` in float32.
+
+    The resident path takes the same chunks (a row-slice of the resident weight: same shape, strides and
+    alignment), so both run the same matmul on the same operands and agree bit for bit whatever the vocabulary's
+    size; chunking changes no sum (each logit is one row's dot product with the hidden state)."""
+
+    fetch_rows = None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        out = []
+        for a in range(0, self.out_features, VOCAB_CHUNK):
+            z = min(a + VOCAB_CHUNK, self.out_features)
+            with self.fetch_rows(a, z) if self.fetch_rows is not None else nullcontext(self.weight[a:z]) as w:
+                out.append(F.linear(hidden, w, None if self.bias is None else self.bias[a:z]))
+        return out[0] if len(out) == 1 else torch.cat(out, dim=-1)
+
+
 class RoutedExperts(Tagged, nn.ModuleList):
     """The routed experts, one child per expert (``experts.E.gate_proj`` ...), as upstream's ``nn.ModuleList``.
 

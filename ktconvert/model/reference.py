@@ -3,7 +3,7 @@
 Tree (``L`` = layer, ``E`` = expert; ``mlp`` is ``block_sparse_moe`` for Mixtral, as its checkpoints and
 ktransformers' Mixtral rules name it)::
 
-    model.embed_tokens                  nn.Embedding
+    model.embed_tokens                  VocabEmbedding (an nn.Embedding)
     model.layers.L.input_layernorm      RMSNorm
     model.layers.L.self_attn            Attention / MLAttention, with .rotary_emb and nn.Linear projections
     model.layers.L.linear_attn          GatedDeltaNet (hybrid families' linear-attention layers, by layer_types)
@@ -13,7 +13,7 @@ ktransformers' Mixtral rules name it)::
     model.layers.L.mlp.experts          RoutedExperts (nn.ModuleList), children E = GatedMLP
     model.layers.L.mlp.shared_expert(s) GatedMLP (+ shared_expert_gate nn.Linear for Qwen2-MoE)
     model.norm                          RMSNorm
-    lm_head                             nn.Linear
+    lm_head                             VocabHead (an nn.Linear over vocabulary chunks)
 
 Rotary embeddings sit inside each attention module (``self_attn.rotary_emb``): ktransformers' own modeling
 files put them there and its multi-GPU rule files select them per layer (``^model\\.layers\\.N\\.`` with a
@@ -52,6 +52,8 @@ from ktconvert.model.modules import (
     RMSNorm,
     SparseMoeBlock,
     Tagged,
+    VocabEmbedding,
+    VocabHead,
     rms_norm,
 )
 from ktconvert.model.hyper import hyper_mix, hyper_residual
@@ -138,7 +140,7 @@ class DecoderLayer(Tagged, nn.Module):
 class DecoderModel(Tagged, nn.Module):
     def __init__(self, cfg: MoeConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
         for i in cfg.dsa_shared_layers:  # a plain attribute: the source stays a module of its own layer only
             object.__setattr__(self.layers[i].self_attn, "selection_source", self.layers[i - 1].self_attn)
@@ -154,7 +156,7 @@ class ReferenceCausalLM(Tagged, nn.Module):
         super().__init__()
         self.config = cfg
         self.model = DecoderModel(cfg)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def new_cache(self) -> KVCache:
         return KVCache()

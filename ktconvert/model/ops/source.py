@@ -314,6 +314,36 @@ class WeightSource:
             arr = _fit(name, arr, shape, self.path) + lora_delta(d)
         return _fit(name, arr, shape, self.path)
 
+    def vocab_name(self, name: str) -> str | None:
+        """The stored tensor :meth:`rows` reads for reference tensor ``name`` (``model.embed_tokens.weight`` or
+        ``lm_head.weight``; a tied ``lm_head`` without ``output.weight`` reads the embedding), None when ``name``
+        cannot be read by rows (a value transform, an adapter): then it is read whole."""
+        if name in self.lora:
+            return None
+        if self.container == "safetensors":
+            return name if name in self._state else None
+        m = self._naming.lookup(name)
+        if m is None or m.gguf_name is None or m.transform:
+            return None
+        if m.gguf_name not in self._types and name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            return self.vocab_name("model.embed_tokens.weight")
+        return m.gguf_name if m.gguf_name in self._types and len(self._shapes[m.gguf_name]) == 2 else None
+
+    def rows(self, name: str, ids: np.ndarray | None = None, span: tuple[int, int] | None = None) -> np.ndarray:
+        """Rows ``ids`` or ``span`` ``(a, z)`` of reference tensor ``name`` (:meth:`vocab_name`), float32, decoded as
+        :meth:`tensor` decodes the whole (ggml blocks run along a row, so a row decodes alone) and reading only those
+        rows of the file."""
+        stored = self.vocab_name(name)
+        sel = ids if ids is not None else slice(*span)
+        if self.container == "safetensors":
+            return self._state[stored][torch.from_numpy(np.asarray(sel)) if ids is not None else sel].to(
+                torch.float32).numpy()
+        qtype, cols = self._types[stored], self._shapes[stored][-1]
+        raw = np.array(self._ck.read(stored)[sel])
+        if qtype in ("F32", "F16"):
+            return raw.astype(np.float32)
+        return quant.dequantize(raw, qtype, name=stored).reshape(raw.shape[0], cols)
+
     def stored_type(self, name: str) -> str:
         """How ``name``'s tensor is stored (ggml type name, or the safetensors dtype), for the report."""
         if self.container == "safetensors":
