@@ -144,12 +144,6 @@ def test_golden_of_another_model_is_one_line_when_streamed(ws):
     assert _files(ws.root) == before
 
 
-def test_streaming_with_lora_is_refused_up_front(ws):
-    weights = ws.gguf("qwen2_moe", "Q8_0")
-    line = _one_line(_verify(ws, "qwen2_moe", "--weights", weights, "--max-memory", "1GiB", "--lora", weights), 2)
-    assert "--lora does not stream yet" in line
-
-
 def test_release_disappearing_mid_run_is_one_line(ws, tmp_path, monkeypatch):
     """The streamed reference reads the release layer by layer: its file going away mid-run is one line, exit 3."""
     import shutil

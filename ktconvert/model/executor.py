@@ -301,6 +301,7 @@ class StreamedWeights:
         self.budget = budget
         self.stats = StreamStats()
         self._kept: dict[int, tuple] = {}
+        self.lora: dict[str, tuple] = {}  # reference name -> LoRA tuple: W + alpha/r * B @ A, added in float32
         _return_freed_memory()
 
     # --- what a source provides -------------------------------------------------------------------------------
@@ -476,6 +477,10 @@ class StreamedWeights:
                     continue  # a non-persistent buffer computed from the config (rotary tables): already real
                 old = group[0][4]
                 new = torch.empty(old.shape, dtype=old.dtype).copy_(state[name])  # as load_weights copies
+                if name in self.lora:  # verify --lora's reference: the delta added as to the resident model
+                    from ktconvert.formats.lora_delta import lora_delta
+
+                    new.add_(torch.from_numpy(lora_delta(self.lora[name])).to(new.dtype))
                 weights += _bytes(new)
                 for mod, table, attr, _, _ in group:
                     table[attr] = nn.Parameter(new, requires_grad=False) if table is mod._parameters else new

@@ -282,14 +282,6 @@ def _resident_bytes(model_dir: Path, localize: bool) -> int | None:
         return None
 
 
-def _refuse_streaming(lora: bool) -> None:
-    """What does not stream yet, refused before anything starts."""
-    from ktconvert.errors import UsageProblem
-
-    if lora:
-        raise UsageProblem("--lora does not stream yet", fix="verify with --lora on a machine the model fits")
-
-
 def _build_run(model_dir: Path, cfg, compiled, catalog, source, pre_source, weights, options, loaded, prompt_len: int,
                localize: bool, budget: int | None, notes: list[str]) -> _Run:
     """The models of the run. ``budget`` None: half the available memory (as ``golden``), everything resident
@@ -308,8 +300,6 @@ def _build_run(model_dir: Path, cfg, compiled, catalog, source, pre_source, weig
                          f"{format_size(budget)} ({DEFAULT_SHARE:.0%} of the available memory): streamed layer by layer")
     else:
         streamed = True
-    if streamed:
-        _refuse_streaming(loaded is not None)
     if options.kernel_runtime is not None:  # streamed: the kernel child loads and frees one layer per part
         options.kernel_runtime.streamed = streamed
     dtype = torch_dtype(options.compute_dtype)
@@ -319,6 +309,7 @@ def _build_run(model_dir: Path, cfg, compiled, catalog, source, pre_source, weig
             if streamed:
                 skeleton = build_skeleton(cfg)
                 provider = CheckpointWeights(model_dir, cfg, budget=budget)
+                provider.lora = loaded.deltas if loaded is not None else {}
                 provider.check_budget(skeleton)
                 reference = LayerMajor(skeleton, provider)
             else:
@@ -431,8 +422,6 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         from ktconvert.errors import UsageProblem
 
         raise UsageProblem("--lora-alpha without --lora", fix="add --lora ADAPTER or drop --lora-alpha")
-    if max_memory is not None:
-        _refuse_streaming(lora is not None)
     if options.kernel != "emulate" and options.kernel_runtime is None:  # the real kernel: children per method
         from ktconvert.kernel.verify_op import KernelRuntime
 
