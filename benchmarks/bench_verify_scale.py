@@ -21,8 +21,8 @@ so hidden states stay at unit scale and routing depends on the token. **Planted 
 of the Q8_0 GGUF (Qwen) and of the AMXINT4 directory (DeepSeek), the bytes of one expert's gate and up projections
 in one layer are swapped in place in the candidate, and verify runs again; the benchmark checks that the report
 names that layer (free-running and teacher-forced) and says which expert. So that the prompt's tokens pick the
-planted expert, the checkpoint gives it a reason to: Qwen's router row of that expert in that layer is 4x the
-others' scale (picked by about a third of the tokens), DeepSeek's correction bias of that expert is 1.0 (picked
+planted expert, the checkpoint gives it a reason to: Qwen's router row of that expert in that layer is 6x the
+others' scale (picked by about 40% of the tokens), DeepSeek's correction bias of that expert is 1.0 (picked
 by every token; the bias selects, it does not weight).
 
 Every step is a fresh ``python -m ktconvert ...`` process, page cache dropped first (we run as root). Peak RSS is
@@ -65,7 +65,8 @@ DEEPSEEK = {"H": 7168, "I": 2048, "dense_I": 18432, "E": 256, "K": 8, "heads": 1
 DEEPSEEK_TINY = {"H": 256, "I": 256, "dense_I": 256, "E": 16, "K": 4, "heads": 4, "q_lora": 128, "kv_lora": 64,
                  "rope": 16, "nope": 32, "v": 32, "vocab": 1024, "groups": 4, "topk_groups": 2, "moe_layers": 2}
 FP8_BLOCK = 128
-PROMPT_LEN = 32
+PROMPT_LEN = 12
+ROUTER_STD = 0.08  # a router of some confidence: the top-k of a token is not decided by a rounding
 QWEN_BUDGET, DEEPSEEK_BUDGET = "1GiB", "4GiB"
 FAULT_EXPERT = {"qwen": 5, "deepseek": 17}
 
@@ -93,9 +94,9 @@ def _raws(block: int) -> dict[str, np.ndarray]:
 
 
 def _router(rows: int, cols: int, boost: int | None, seed: int) -> bytes:
-    w = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32) * 0.02
+    w = np.random.default_rng(seed).standard_normal((rows, cols), dtype=np.float32) * ROUTER_STD
     if boost is not None:
-        w[boost] *= 4.0
+        w[boost] *= 6.0
     return _bf16(w)
 
 
@@ -310,12 +311,13 @@ def fault_named(rep: dict, layer: int, expert: int) -> dict:
 
 
 # ---------------------------------------------------------------------------------------------- the runs
-def _prompt(vocab: int) -> str:
-    return ",".join(str(3 + (i * 7919) % (vocab - 3)) for i in range(PROMPT_LEN))
+def _prompt(vocab: int, n: int) -> str:
+    return ",".join(str(3 + (i * 7919) % (vocab - 3)) for i in range(n))
 
 
 def run_family(kind: str, root: Path, d: dict, layers: int, budget: str, drop: bool, candidates: list[tuple],
-               fault: tuple[str, int, int], threads: int) -> dict:
+               fault: tuple[str, int, int], threads: int, prompt_len: int = PROMPT_LEN, save=lambda: None,
+               res: dict | None = None) -> dict:
     """Write the checkpoint, golden it, convert and verify every candidate, plant the fault, clean up.
 
     ``candidates``: ``(label, quantize args, relative candidate path, verify args with {cand})``; ``fault``:
@@ -329,10 +331,13 @@ def run_family(kind: str, root: Path, d: dict, layers: int, budget: str, drop: b
         rules = REPO / "rules" / "optimize" / "deepseek_v3.yaml"
     need = stored_bytes(stored)
     free = shutil.disk_usage(root).free
-    res: dict = {"model": kind, "layers": config["num_hidden_layers"], "dims": d, "budget": budget, "steps": []}
-    if free < need * 1.5:
+    res = res if res is not None else {}
+    res.update({"model": kind, "layers": config["num_hidden_layers"], "dims": d, "budget": budget, "steps": [],
+                "prompt_tokens": prompt_len})
+    want = int(need * (1.6 if kind == "qwen" else 1.45)) + (1 << 30)  # the source, its largest conversion, slack
+    if free < want:
         res["skipped"] = f"{free / 2**30:.1f} GiB free on {root}, the checkpoint and its conversion need about " \
-                         f"{need * 1.5 / 2**30:.1f} GiB"
+                         f"{want / 2**30:.1f} GiB"
         print(json.dumps(res), flush=True)
         return res
     t0 = time.monotonic()
@@ -343,14 +348,16 @@ def run_family(kind: str, root: Path, d: dict, layers: int, budget: str, drop: b
     try:
         src_cold = cold_read([src], drop)
         res["source_cold_read"] = src_cold
-        prompt = _prompt(d["vocab"])
+        prompt = _prompt(d["vocab"], prompt_len)
         res["steps"].append(step("golden --engine stream", _cli(
             "golden", src, golden, "--engine", "stream", "--max-memory", budget, "--prompt-ids", prompt,
             "--threads", threads), drop, reads=src_cold["seconds"]))
+        save()
         for label, qargs, rel, vargs in candidates:
             out = root / f"{kind}-{label}"
             q = step(f"quantize {label}", _cli("quantize", src, out, *qargs, "-o", "json"), drop)
             res["steps"].append(q)
+            save()
             if "failed" in q:
                 continue
             cand = out / rel if rel else out
@@ -362,6 +369,7 @@ def run_family(kind: str, root: Path, d: dict, layers: int, budget: str, drop: b
             if "report" in v:
                 v.update(_verify_figures(v.pop("report")))
             res["steps"].append(v)
+            save()
             if label == fault[0]:
                 touched = swap_gate_up(cand, fault[1], fault[2])
                 f = step(f"verify {label}, expert {fault[2]} gate/up swapped in layer {fault[1]}", verify, drop,
@@ -372,6 +380,7 @@ def run_family(kind: str, root: Path, d: dict, layers: int, budget: str, drop: b
                     f["fault"] = {"layer": fault[1], "expert": fault[2], "tensors": touched,
                                   **fault_named(rep, fault[1], fault[2])}
                 res["steps"].append(f)
+                save()
             shutil.rmtree(out, ignore_errors=True)
     finally:
         shutil.rmtree(src, ignore_errors=True)
@@ -382,9 +391,9 @@ def run_family(kind: str, root: Path, d: dict, layers: int, budget: str, drop: b
 def qwen_candidates(budget: str, jobs: int) -> list[tuple]:
     common = ["--max-memory", budget, "--jobs", jobs]
     return [("Q8_0", ["--type", "Q8_0", *common], "model.gguf", ["--weights", "{cand}"]),
-            ("Q4_K_M", ["--recipe", "Q4_K_M", *common], "model.gguf", ["--weights", "{cand}"]),
             ("AMXINT8", ["--to", "kt-amx", "--type", "AMXINT8", *common], "",
-             ["--kernel", "kt-kernel", "--kt-weights", "{cand}"])]
+             ["--kernel", "kt-kernel", "--kt-weights", "{cand}"]),
+            ("Q4_K_M", ["--recipe", "Q4_K_M", *common], "model.gguf", ["--weights", "{cand}"])]
 
 
 def deepseek_candidates(budget: str, jobs: int) -> list[tuple]:
@@ -392,14 +401,13 @@ def deepseek_candidates(budget: str, jobs: int) -> list[tuple]:
              ["--kernel", "kt-kernel", "--kt-weights", "{cand}"])]
 
 
-def overhead(kind: str, root: Path, d_tiny: dict, budget: str, threads: int) -> dict:
+def overhead(kind: str, root: Path, d_tiny: dict, budget: str, threads: int, prompt_len: int) -> dict:
     """The fixed overhead: the same steps on a tiny model of the family (no working set to speak of); peak RSS
     of the process tree per step."""
     cands = qwen_candidates(budget, 1) if kind == "qwen" else deepseek_candidates(budget, 1)
-    fault = ("Q8_0", 1, FAULT_EXPERT["qwen"]) if kind == "qwen" else ("AMXINT4", 1, FAULT_EXPERT["deepseek"])
     (root / "overhead").mkdir(exist_ok=True)
-    r = run_family(kind, root / "overhead", d_tiny, 2, budget, False, cands, fault, threads)
-    return {s["step"].split(",")[0]: s.get("peak_rss_tree_mib") for s in r["steps"]}
+    r = run_family(kind, root / "overhead", d_tiny, 2, budget, False, cands, ("", -1, 0), threads, prompt_len)
+    return {s["step"]: s.get("peak_rss_tree_mib") for s in r["steps"]}
 
 
 def table(results: dict) -> str:
@@ -443,44 +451,58 @@ def main(argv=None) -> dict:
     ap.add_argument("--layers", type=int, default=0, help="Qwen layers (default: enough for --size-gib)")
     ap.add_argument("--size-gib", type=float, default=8.0, help="Qwen checkpoint size to reach (BF16)")
     ap.add_argument("--vocab", type=int, default=0, help="a smaller vocabulary for both models (debugging)")
+    ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt tokens of the golden")
+    ap.add_argument("--moe-layers", type=int, default=0, help="DeepSeek's MoE layers (default 2)")
     ap.add_argument("--skip-qwen", action="store_true")
     ap.add_argument("--skip-deepseek", action="store_true")
     ap.add_argument("--skip-overhead", action="store_true", help="do not run the tiny models for the overhead")
+    ap.add_argument("--overhead-only", action="store_true", help="only the tiny models' runs (the overhead)")
     ap.add_argument("--tiny", action="store_true", help="every dimension small: the code path in seconds")
     ap.add_argument("--no-drop-caches", action="store_true", help="leave the page cache alone (cold reads are warm)")
-    ap.add_argument("--jobs", type=int, default=1, help="quantize --jobs")
+    ap.add_argument("--jobs", type=int, default=2, help="quantize --jobs")
     ap.add_argument("--threads", type=int, default=1, help="golden --threads (verify takes the golden's)")
-    ap.add_argument("--json", type=Path, default=None, help="write the figures here as JSON")
+    ap.add_argument("--json", type=Path, default=None, help="write the figures here as JSON (after every step)")
     args = ap.parse_args(argv)
     drop = not args.no_drop_caches
     qwen, ds = (QWEN_TINY, DEEPSEEK_TINY) if args.tiny else (QWEN, DEEPSEEK)
     if args.vocab:
         qwen, ds = {**qwen, "vocab": args.vocab}, {**ds, "vocab": args.vocab}
+    if args.moe_layers:
+        ds = {**ds, "moe_layers": args.moe_layers}
     base = Path(tempfile.mkdtemp(prefix="bench-verify-scale-", dir=args.workdir))
     results: dict = {"machine": {"cpu": _cpu_model(), "cpus": os.cpu_count(), "python": sys.version.split()[0]},
+                     "argv": sys.argv[1:] if argv is None else list(argv),
                      "load_average_start": [round(x, 2) for x in os.getloadavg()], "models": []}
+
+    def save():
+        results["load_average_now"] = [round(x, 2) for x in os.getloadavg()]
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=2))
+
+    plan = []
+    if not args.skip_qwen:
+        layers = max(args.layers or qwen_layers_for(qwen, args.size_gib if not args.tiny else 0.001), 2)
+        plan.append(("qwen", qwen, QWEN_TINY, layers, QWEN_BUDGET, qwen_candidates,
+                     ("Q8_0", layers // 2, FAULT_EXPERT["qwen"] % qwen["E"])))
+    if not args.skip_deepseek:
+        plan.append(("deepseek", ds, DEEPSEEK_TINY, 1 + ds["moe_layers"], DEEPSEEK_BUDGET, deepseek_candidates,
+                     ("AMXINT4", 1, FAULT_EXPERT["deepseek"] % ds["E"])))
     try:
-        if not args.skip_qwen:
-            layers = args.layers or qwen_layers_for(qwen, args.size_gib if not args.tiny else 0.001)
-            fam = run_family("qwen", base, qwen, max(layers, 2), QWEN_BUDGET, drop,
-                             qwen_candidates(QWEN_BUDGET, args.jobs),
-                             ("Q8_0", max(layers, 2) // 2, FAULT_EXPERT["qwen"] % qwen["E"]), args.threads)
-            if not args.skip_overhead:
-                fam["overhead"] = overhead("qwen", base, QWEN_TINY, QWEN_BUDGET, args.threads)
+        for kind, d, tiny, layers, budget, cands, fault in plan:
+            fam: dict = {}
             results["models"].append(fam)
-        if not args.skip_deepseek:
-            fam = run_family("deepseek", base, ds, 1 + ds["moe_layers"], DEEPSEEK_BUDGET, drop,
-                             deepseek_candidates(DEEPSEEK_BUDGET, args.jobs),
-                             ("AMXINT4", 1, FAULT_EXPERT["deepseek"] % ds["E"]), args.threads)
-            if not args.skip_overhead:
-                fam["overhead"] = overhead("deepseek", base, DEEPSEEK_TINY, DEEPSEEK_BUDGET, args.threads)
-            results["models"].append(fam)
+            if not args.skip_overhead:  # first: a short run, so a long one cut short still has it
+                fam["overhead"] = overhead(kind, base, tiny, budget, args.threads, args.prompt_len)
+                save()
+            if not args.overhead_only:
+                run_family(kind, base, d, layers, budget, drop, cands(budget, args.jobs), fault, args.threads,
+                           args.prompt_len, save, fam)
+            save()
     finally:
         shutil.rmtree(base, ignore_errors=True)
     results["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
+    save()
     print(table(results))
-    if args.json:
-        args.json.write_text(json.dumps(results, indent=2))
     return results
 
 
