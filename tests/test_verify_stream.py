@@ -166,3 +166,25 @@ def test_release_disappearing_mid_run_is_one_line(ws, tmp_path, monkeypatch):
             str(ws.golden("qwen2_moe")), "--weights", str(gguf), "--max-memory", str(_budget(ws, "qwen2_moe"))]
     line = _one_line(CliRunner().invoke(cli, args, catch_exceptions=False), 3)
     assert "model.safetensors" in line and "No such file" in line
+
+
+@pytest.mark.parametrize("family", ["deepseek_v3", "qwen3_vl_moe"])  # qwen3_vl_moe: fused gate_up_proj experts
+def test_one_swapped_expert_is_named_resident_and_streamed(ws, family):
+    """Layer 1's expert 2 alone has gate and up swapped: localisation names layer 1, and the report names expert 2,
+    whose error on the reference's own expert input is large while every other expert's is the CPU experts op's rounding."""
+    weights = ws.gguf(family, "F32", faults=[("gate-up-swapped", FAULT_LAYER, 2)])
+    mem = _run(ws, family, weights)
+    st = _run(ws, family, weights, max_memory=_budget(ws, family))
+    assert mem.run["mode"] == "resident" and st.run["mode"] == "stream"
+    for rep in (mem, st):
+        assert not rep.passed
+        for phase in rep.phases:
+            loc = phase.localization
+            assert loc["forced_layer"] == f"layer {FAULT_LAYER}", (phase.name, loc)
+            assert loc["expert"] == 2 and loc["expert_nmse"] > 1e-2, (phase.name, loc)
+            rows = {r["expert"]: r for r in phase.experts[f"layer {FAULT_LAYER}"]}
+            assert loc["expert_tokens"] == rows[2]["tokens"] > 0
+            # the others: only the CPU experts op's own rounding (measured: 1e-5 against 0.4)
+            assert max(r["nmse"] for e, r in rows.items() if e != 2) < 1e-3 * loc["expert_nmse"]
+    for a, b in zip(mem.phases, st.phases):
+        assert a.experts == b.experts and a.localization == b.localization

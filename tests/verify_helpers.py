@@ -10,6 +10,7 @@ permuted for ggml's rope, a tensor whose rows a type cannot hold falls back to Q
   ``[H, I, E]`` array's bytes under the ``[E, I, H]`` shape; the tiny models have ``H == I``, so the shape
   still fits and only the numbers show it);
 * ``("gate-up-swapped", L)``: layer L's ``ffn_gate_exps`` holds the up projections and vice versa;
+  ``("gate-up-swapped", L, E)``: only expert E's;
 * ``("router-transposed", L)``: layer L's ``ffn_gate_inp`` holds the transposed router's bytes under the
   original shape.
 """
@@ -43,7 +44,7 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
     state = {k: v.float().numpy() for k, v in to_reference_state(cfg, read_tensors(model_dir)).items()}
     nm = naming_map(cfg.family)
     other = other_type or expert_type
-    faults = {(kind, layer) for kind, layer in faults}
+    faults = {tuple(f) for f in faults}
     tensors: dict[str, tuple[np.ndarray, str]] = {}
 
     names = dict(zip(PROJ, cfg.expert_proj_names))
@@ -53,6 +54,8 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
                   for p in PROJ}
         if ("gate-up-swapped", layer) in faults:
             stacks["gate"], stacks["up"] = stacks["up"], stacks["gate"]
+        for e in [f[2] for f in faults if f[:2] == ("gate-up-swapped", layer) and len(f) == 3]:
+            stacks["gate"][e], stacks["up"][e] = stacks["up"][e].copy(), stacks["gate"][e].copy()
         if ("experts-ne-order", layer) in faults:
             stacks = {p: np.ascontiguousarray(w.transpose(2, 1, 0)).reshape(w.shape) for p, w in stacks.items()}
         for p, w in stacks.items():

@@ -153,11 +153,12 @@ class LayerMajor:
         return self.layer_jobs(index, [(hidden, cache, selections)], position_ids, input_ids, chunks)[0]
 
     def layer_jobs(self, index: int, jobs: list[tuple], position_ids: torch.Tensor, input_ids: torch.Tensor,
-                   chunks: list[tuple[int, int]] | None = None) -> list[torch.Tensor]:
+                   chunks: list[tuple[int, int]] | None = None, then=None) -> list[torch.Tensor]:
         """Decoder layer ``index`` over several inputs while its weights are resident once: ``jobs`` are
         ``(hidden, cache, selections[, guard])``, each with a cache (and DSA selections) of its own (a verify runs
         the candidate's layer on its own input and on the reference's, :func:`run_pair`); ``guard``: a context
-        manager factory entered around that job (verify's module tap looks away from the teacher-forced job)."""
+        manager factory entered around that job (verify's module tap looks away from the teacher-forced job);
+        ``then(layer)``: called once the jobs are done, the layer's weights still resident."""
         layer = self.model.model.layers[index]
         mixer = layer.mixer
         source = getattr(mixer, "selection_source", None)
@@ -174,6 +175,8 @@ class LayerMajor:
                         if hasattr(mixer, "last_selection"):
                             selections.setdefault(id(mixer), []).append(mixer.last_selection)
                 outs.append(parts[0] if len(parts) == 1 else torch.cat(parts, dim=1))
+            if then is not None:
+                then(layer)
         return outs
 
 
@@ -189,7 +192,7 @@ class PairOutput:
 
 
 def run_pair(reference: LayerMajor, candidate: LayerMajor, input_ids: torch.Tensor, *,
-             step: int | None = None, on_layer=None, forced_guard=None) -> PairOutput:
+             step: int | None = None, on_layer=None, forced_guard=None, probe=None) -> PairOutput:
     """Reference and candidate in lockstep, one layer of each resident at a time: each layer runs on its own
     model's previous output (free-running, where error compounds) and the candidate's layer also on the
     reference's input (teacher-forced: the error that layer alone adds, which names the faulty layer at scale).
@@ -197,7 +200,10 @@ def run_pair(reference: LayerMajor, candidate: LayerMajor, input_ids: torch.Tens
     layer is done. Outputs are bit-identical to two separate :meth:`LayerMajor.run` calls.
 
     ``on_layer(index)`` is called once both models are done with layer ``index``; ``forced_guard``: a context
-    manager factory entered around the candidate's teacher-forced job (see :meth:`LayerMajor.layer_jobs`)."""
+    manager factory entered around the candidate's teacher-forced job (see :meth:`LayerMajor.layer_jobs`).
+    ``probe``: looks inside each layer of both models (verify's per-expert error, :mod:`ktconvert.verify.experts`):
+    ``probe.reference(index, layer)`` is a context manager around the reference's layer,
+    ``probe.candidate(index, layer)`` is called while the candidate's layer is still resident, after its jobs."""
     ids, t, step, _, _, _, positions, chunks = reference._setup(input_ids, None, step)
     caches = [KVCache() if step < t else None for _ in range(3)]  # reference, candidate, candidate forced
     sel = [{}, {}, {}]
@@ -205,9 +211,11 @@ def run_pair(reference: LayerMajor, candidate: LayerMajor, input_ids: torch.Tens
     ch, cand_states = candidate.embed(ids, chunks)
     forced = [cand_states[0]]
     for index, layer in enumerate(reference.model.model.layers):
-        r_out = reference.layer(index, rh, positions, caches[0], ids, chunks, sel[0])
+        with probe.reference(index, layer) if probe is not None else nullcontext():
+            r_out = reference.layer(index, rh, positions, caches[0], ids, chunks, sel[0])
         c_out, f_out = candidate.layer_jobs(index, [(ch, caches[1], sel[1]), (rh, caches[2], sel[2], forced_guard)],
-                                            positions, ids, chunks)
+                                            positions, ids, chunks,
+                                            then=None if probe is None else lambda c: probe.candidate(index, c))
         for cache in caches:
             if cache is not None:
                 cache.drop(layer.layer_idx)

@@ -98,6 +98,10 @@ def render_text(report) -> str:
         if loc and loc.get("forced_layer"):
             lines.append(f"{name}: {loc['forced_layer']} alone adds NMSE {_g(loc['forced_layer_nmse'])} on the "
                          "reference's input (teacher-forced), over the hidden-state limit")
+        if loc and loc["breach"] and loc.get("expert") is not None:
+            lines.append(f"{name}: worst routed expert of {loc.get('forced_layer') or loc['layer']}: expert "
+                         f"{loc['expert']} (NMSE {_g(loc['expert_nmse'])} over the {loc['expert_tokens']} rows the "
+                         "reference routed to it, on the reference's expert input)")
     if d.get("kernel") and not d["kernel"]["layers"]:
         lines.append("CPU experts by kt-kernel: none (no module runs a CPU experts op under this rule file)")
     elif d.get("kernel"):

@@ -36,6 +36,7 @@ from ktconvert.model.ops.experts import torch_dtype
 from ktconvert.model.ops.source import WeightSource, read_safetensors
 from ktconvert.rules.apply import injection_plan, load_rules
 from ktconvert.rules.catalog import load_catalog
+from ktconvert.verify.experts import ExpertProbe
 from ktconvert.verify.metrics import LogitStats, first_nonfinite, nmse
 from ktconvert.verify.profile import (
     Breach,
@@ -61,6 +62,9 @@ class PhaseResult:
     # teacher-forced: ("embed", nmse), ("layer 0", nmse), ... each candidate layer on the reference's input against
     # the reference's output (the error that layer alone adds); None when no reference ran
     forced: list[tuple[str, float]] | None = None
+    # per MoE layer ("layer 1": [{"expert", "tokens", "nmse"}, ...]): each candidate expert on the reference's own
+    # expert input and routing against the reference expert (ktconvert.verify.experts); None when no reference ran
+    experts: dict[str, list[dict]] | None = None
 
     def as_dict(self) -> dict:
         return {
@@ -69,6 +73,7 @@ class PhaseResult:
             "positions": [_clean(p) for p in self.logits.per_position()],
             "layers": [{"layer": name, "nmse": _num(v)} for name, v in self.layers],
             "forced": None if self.forced is None else [{"layer": name, "nmse": _num(v)} for name, v in self.forced],
+            "experts": self.experts,
             "nonfinite": self.nonfinite,
             "localization": self.localization,
             "modules": None if self.modules is None else [m.as_dict() for m in self.modules],
@@ -155,12 +160,13 @@ def _phase(name: str, run: "_Run", golden, profile: Profile, layerwise: bool, to
             progress(name, index + 1, n_layers, time.perf_counter() - began)
 
     run.injected.set_layerwise(layerwise)
-    forced = None
+    forced, probe = None, None
     try:
         with torch.no_grad():
             if run.reference is not None:
+                probe = ExpertProbe(guard=tap.paused, dtype=run.dtype)
                 pair = run_pair(run.reference, run.candidate, ids, step=tokens_per_step, on_layer=on_layer,
-                                forced_guard=tap.paused)
+                                forced_guard=tap.paused, probe=probe)
                 out = pair.candidate
                 forced = [(_layer_name(li), nmse(r[0].to(torch.float32).numpy(), f[0].to(torch.float32).numpy()))
                           for li, (r, f) in enumerate(zip(pair.reference.hidden_states, pair.forced))]
@@ -187,13 +193,20 @@ def _phase(name: str, run: "_Run", golden, profile: Profile, layerwise: bool, to
             break
     stats = profile.compare(golden.logits[0], cand_logits)
     layers = [(_layer_name(li), nmse(golden.hidden_states[li, 0], got)) for li, got in enumerate(hidden)]
+    experts = None if probe is None else {_layer_name(i + 1): [r.as_dict() for r in rows]
+                                          for i, rows in probe.layers.items()}
     result = PhaseResult(name, layerwise, stats, layers, nonfinite, tap.results() if tap else None, None,
-                         candidate_logits=cand_logits, forced=forced)
+                         candidate_logits=cand_logits, forced=forced, experts=experts)
     result.breaches = evaluate(profile, name, stats.summary(), layers)
     if nonfinite is not None:
         result.breaches.insert(0, Breach(name, "nonfinite", None, None, "", _where_nonfinite(nonfinite)))
     result.localization = _localize(result, profile)
     return result
+
+
+def _rank(v) -> float:
+    """An error for ranking: a non-finite one (None in the report) ranks highest."""
+    return math.inf if v is None else v
 
 
 def _layer_name(index: int) -> str:
@@ -227,6 +240,11 @@ def _localize(result: PhaseResult, profile: Profile) -> dict | None:
         hit = next(((n, v) for n, v in result.forced if not (v <= limit)), None)
         if hit is not None:
             out["forced_layer"], out["forced_layer_nmse"] = hit[0], _num(hit[1])
+    out["expert"], out["expert_nmse"], out["expert_tokens"] = None, None, None
+    named = out["forced_layer"] or out["layer"]
+    if result.experts and named in result.experts:  # the localised layer's worst expert (routed experts only)
+        worst = max(result.experts[named], key=lambda r: (_rank(r["nmse"]), -r["expert"]))
+        out["expert"], out["expert_nmse"], out["expert_tokens"] = worst["expert"], worst["nmse"], worst["tokens"]
     if not result.modules:
         out["module"] = None
         out["note"] = "module-level localisation needs the original weights in --model" if result.modules is None else ""
@@ -258,6 +276,7 @@ class _Run:
     budget: int
     default_budget: bool
     streamed: bool
+    dtype: object = None  # the candidate's compute dtype (torch)
 
     def summary(self, peaks: TreePeak) -> dict:
         """How the run held its weights, what it read, and the peak RSS of this process and of its whole process
@@ -336,7 +355,7 @@ def _build_run(model_dir: Path, cfg, compiled, catalog, source, pre_source, weig
     if streamed:
         provider = InjectedWeights(source, cfg, injected.switches, budget=budget)
         provider.check_budget(model)
-    return _Run(injected, LayerMajor(model, provider), reference, budget, default, streamed)
+    return _Run(injected, LayerMajor(model, provider), reference, budget, default, streamed, dtype)
 
 
 @dataclass
