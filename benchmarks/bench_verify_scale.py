@@ -415,6 +415,10 @@ def table(results: dict) -> str:
             "| within | finding |", "|---|---|---:|---:|---:|---:|---:|---:|---|---|"]
     for fam in results["models"]:
         over = fam.get("overhead", {})
+        if "budget" not in fam:  # --overhead-only
+            rows += [f"| {kind} (tiny) | {name} | | | | {mib} | | | | overhead |" for kind in [fam.get("model", "")]
+                     for name, mib in over.items()]
+            continue
         budget_mib = _mib(fam["budget"])
         if fam.get("skipped"):
             rows.append(f"| {fam['model']} | skipped: {fam['skipped']} | | | | | | | | |")
@@ -489,7 +493,7 @@ def main(argv=None) -> dict:
                      ("AMXINT4", 1, FAULT_EXPERT["deepseek"] % ds["E"])))
     try:
         for kind, d, tiny, layers, budget, cands, fault in plan:
-            fam: dict = {}
+            fam: dict = {"model": kind}
             results["models"].append(fam)
             if not args.skip_overhead:  # first: a short run, so a long one cut short still has it
                 fam["overhead"] = overhead(kind, base, tiny, budget, args.threads, args.prompt_len)
