@@ -55,7 +55,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_convert import BLOCK, _cpu_model, _drop_caches, _nbytes, default_raws, measure, write_checkpoint  # noqa: E402
+from bench_convert import (BLOCK, _cpu_model, _drop_caches, _nbytes, default_raws, measure,  # noqa: E402
+                           write_checkpoint)
 
 REPO = Path(__file__).resolve().parents[1]
 QWEN = {"H": 2048, "I": 768, "E": 128, "K": 8, "heads": 32, "kv": 4, "hd": 128, "vocab": 151936}
@@ -79,8 +80,8 @@ def _bf16(values: np.ndarray) -> bytes:
 
 
 def _raws(block: int) -> dict[str, np.ndarray]:
-    """bench_convert's blocks of ``block`` bytes, with E4M3 codes of normal values (std 64, so scale_inv ~0.02/64 gives std 0.02)
-    and block scales around 0.02/64."""
+    """bench_convert's blocks of ``block`` bytes, with E4M3 codes of normal values (std 64, so scale_inv ~0.02/64
+    gives std 0.02) and block scales around 0.02/64."""
     import torch
 
     raws = default_raws(block)
@@ -457,6 +458,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--vocab", type=int, default=0, help="a smaller vocabulary for both models (debugging)")
     ap.add_argument("--prompt-len", type=int, default=PROMPT_LEN, help="prompt tokens of the golden")
     ap.add_argument("--moe-layers", type=int, default=0, help="DeepSeek's MoE layers (default 2)")
+    ap.add_argument("--qwen-budget", default=QWEN_BUDGET, help="Qwen's --max-memory (default 1GiB)")
+    ap.add_argument("--deepseek-budget", default=DEEPSEEK_BUDGET, help="DeepSeek's --max-memory (default 4GiB)")
     ap.add_argument("--skip-qwen", action="store_true")
     ap.add_argument("--skip-deepseek", action="store_true")
     ap.add_argument("--skip-overhead", action="store_true", help="do not run the tiny models for the overhead")
@@ -486,10 +489,10 @@ def main(argv=None) -> dict:
     plan = []
     if not args.skip_qwen:
         layers = max(args.layers or qwen_layers_for(qwen, args.size_gib if not args.tiny else 0.001), 2)
-        plan.append(("qwen", qwen, QWEN_TINY, layers, QWEN_BUDGET, qwen_candidates,
+        plan.append(("qwen", qwen, QWEN_TINY, layers, args.qwen_budget, qwen_candidates,
                      ("Q8_0", layers // 2, FAULT_EXPERT["qwen"] % qwen["E"])))
     if not args.skip_deepseek:
-        plan.append(("deepseek", ds, DEEPSEEK_TINY, 1 + ds["moe_layers"], DEEPSEEK_BUDGET, deepseek_candidates,
+        plan.append(("deepseek", ds, DEEPSEEK_TINY, 1 + ds["moe_layers"], args.deepseek_budget, deepseek_candidates,
                      ("AMXINT4", 1, FAULT_EXPERT["deepseek"] % ds["E"])))
     try:
         for kind, d, tiny, layers, budget, cands, fault in plan:
