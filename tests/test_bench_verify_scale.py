@@ -1,7 +1,7 @@
 """``benchmarks/bench_verify_scale.py`` at tiny scale, so the benchmark does not rot between its full-size runs:
 its checkpoints read back as the models they claim to be (config, every tensor, value scales, the planted
 expert's routing), the in-place gate/up swap moves exactly one expert's bytes, and (slow) the whole step
-sequence runs and its fault verify names the planted layer."""
+sequence runs and its fault verify names the planted layer and expert."""
 
 from __future__ import annotations
 
@@ -100,7 +100,8 @@ def test_cold_read_reads_every_byte(tmp_path):
 
 @pytest.mark.slow
 def test_the_step_sequence_runs_and_names_the_planted_layer(tmp_path):
-    """golden --engine stream, quantize, verify, plant, verify again: the tiny Qwen through the benchmark's code."""
+    """golden --engine stream, quantize, verify, plant, verify again: the tiny Qwen through the benchmark's code;
+    the fault verify names the planted layer (teacher-forced) and expert in both phases."""
     cands = [c for c in bvs.qwen_candidates("1GiB", 1) if c[0] == "Q8_0"]
     res = bvs.run_family("qwen", tmp_path, bvs.QWEN_TINY, 2, "1GiB", False, cands, ("Q8_0", 1, 5), 1)
     assert [s["step"] for s in res["steps"]] == ["golden --engine stream", "quantize Q8_0", "verify Q8_0",
@@ -109,6 +110,7 @@ def test_the_step_sequence_runs_and_names_the_planted_layer(tmp_path):
     fault = res["steps"][-1]["fault"]
     assert fault["tensors"] == ["blk.1.ffn_gate_exps.weight", "blk.1.ffn_up_exps.weight"]
     assert all(loc["forced_layer"] == "layer 1" for loc in fault["localization"].values()), fault
+    assert fault["expert_named"] and fault["experts_reported"] == [5, 5], fault
     assert res["steps"][2]["run"]["mode"] == "stream" and res["steps"][2]["peak_rss_tree_mib"] > 0
     assert not (tmp_path / "qwen-src").exists() and not (tmp_path / "qwen-Q8_0").exists()
     assert "| qwen | verify Q8_0 |" in bvs.table({"models": [res]})
