@@ -28,7 +28,7 @@ from ktconvert.formats.imatrix import Imatrix, read_imatrix
 from ktconvert.quant import IMATRIX_TYPES, as_qtype
 
 if TYPE_CHECKING:
-    from ktconvert.convert.plan import Plan
+    from ktconvert.convert.items import Plan
 
 
 def provenance_kv(imx: Imatrix, given: str) -> list[tuple[str, bytes]]:

@@ -770,12 +770,16 @@ class InjectedWeights(ConvertedWeights):
                         if isinstance(getattr(op, "_cache", None), dict):  # decodes experts as tokens pick them
                             op._cache = _ExpertCache(self)
                             caches.append(op._cache)
+                            # the stored experts it keeps in memory (safetensors experts) count before its cache
+                            # does, so the cache's least recently used go first when the budget is short
+                            held += op.stored_bytes() if hasattr(op, "stored_bytes") else 0
                         else:  # holds its dequantized weights (or the kernel child its layer) from the start
                             held += op.resident_bytes() if hasattr(op, "resident_bytes") else 0
                         inner = getattr(op, "emulated_op", None)  # --kernel both: the emulation runs beside it
                         if isinstance(getattr(inner, "_cache", None), dict):
                             inner._cache = _ExpertCache(self)
                             caches.append(inner._cache)
+                            held += inner.stored_bytes() if hasattr(inner, "stored_bytes") else 0
                 st.resident += held
                 st.peak = max(st.peak, st.resident)
                 yield

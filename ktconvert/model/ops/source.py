@@ -381,7 +381,10 @@ class WeightSource:
             missing = [k for k in keys if k not in self._state]
             if missing:
                 raise _missing(self.path, missing, f"experts of layer {layer}")
-            stacked = torch.stack([self._state[k] for k in keys])
+            first = self._state[keys[0]]
+            stacked = torch.empty((len(keys), *first.shape), dtype=first.dtype)
+            for x, k in enumerate(keys):  # each expert's read copy dropped once in the stack: not both held whole
+                stacked[x] = self._state.pop(k)
             qtype = {TORCH_NAMES[st]: st for st in ("F32", "F16", "BF16")}.get(str(stacked.dtype)[len("torch."):])
             if qtype is None:
                 raise InputError(f"experts stored as {stacked.dtype}; the CPU experts kernel reads F32, F16 or BF16 "
@@ -445,6 +448,11 @@ class _PartStates:
                     got.update(r.expert_state(key[1], e, None)[0])
             else:
                 got = r.part_state(key[0], key[1] if key[0] == "layer" else None, None)[0]
+                if key[0] in VOCAB_PARTS and r.has_rows(key[0]):  # the table the streamed reference reads by rows
+                    name = r.vocab[key[0]]
+                    w = r.qmap.weights.get(name)
+                    rows = int(w.shape[0]) if w is not None else int(r.ck[name].shape[0])
+                    got = {**got, VOCAB_PARTS[key[0]]: r.rows_state(key[0], None, (0, rows))[0]}
             self.parts[key] = got
         return got
 
@@ -456,6 +464,10 @@ class _PartStates:
 
     def __getitem__(self, name: str):
         return self._part(self._key(name))[name]
+
+    def pop(self, name: str):
+        """``name``'s tensor, no longer kept here (the caller holds it now)."""
+        return self._part(self._key(name)).pop(name)
 
     def forget_experts(self, layer: int) -> None:
         self.parts.pop(("experts", layer), None)
@@ -475,6 +487,8 @@ class _PartStates:
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
+#: the parts whose table the streamed reference reads by rows, and the reference name it goes by
+VOCAB_PARTS = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight"}
 
 
 def read_safetensors(path: str | os.PathLike) -> dict:
