@@ -17,24 +17,32 @@ MIB = 2**20
 ALLOC = "import time; b = b'\\x01' * (128 << 20); time.sleep(0.4)"
 
 
-def _run_under(cmd: list[str]) -> tuple[TreePeak, int]:
-    with TreePeak(interval=0.01) as peaks:
-        before = peaks.sample()
-        subprocess.run(cmd, check=True, timeout=60)
-    return peaks, before
+#: the measuring process: a fresh interpreter, so that its own peak (VmHWM) is its own and not what a test worker
+#: that ran other tests before reached
+MEASURE = """
+import json, subprocess, sys
+from ktconvert.io.procstats import TreePeak
+with TreePeak(interval=0.01) as peaks:
+    before = peaks.sample()
+    subprocess.run(json.loads(sys.argv[1]), check=True, timeout=60)
+print(json.dumps({"before": before, **peaks.as_dict()}))
+"""
 
 
 @pytest.mark.parametrize("depth", ["child", "grandchild"])
 def test_tree_peak_counts_a_descendant_allocation(depth):
+    import json
+
     cmd = [sys.executable, "-c", ALLOC]
     if depth == "grandchild":  # a shell between us and the allocating process, as a launcher would be
         cmd = ["/bin/sh", "-c", f'"{sys.executable}" -c "{ALLOC}"; true']  # "; true": the shell stays the parent
-    peaks, before = _run_under(cmd)
-    grown = peaks.tree_peak - before
+    out = subprocess.run([sys.executable, "-c", MEASURE, json.dumps(cmd)], check=True, timeout=120,
+                         capture_output=True, text=True).stdout
+    got = json.loads(out.strip().splitlines()[-1])
+    grown = got["peak_rss_tree"] - got["before"]
     # the child's 128 MiB, plus its interpreter (about 10 MiB), counted once (not per thread or per sample)
     assert 128 * MIB <= grown <= 128 * MIB + 48 * MIB, f"tree grew by {grown / MIB:.0f} MiB"
-    assert peaks.self_peak < peaks.tree_peak  # this process never held the child's bytes
-    assert peaks.as_dict() == {"peak_rss": peaks.self_peak, "peak_rss_tree": peaks.tree_peak}
+    assert got["peak_rss"] < got["peak_rss_tree"]  # the measuring process never held the child's bytes
 
 
 def test_self_peak_is_this_process_and_the_tree_never_below_it():

@@ -67,7 +67,7 @@ BAD = {
     "bad regex": ("  tensor_types: ['attn_q=Q5_K', '(attn=Q4_K']\n", "r.yaml:5:33", "is not a valid regex"),
     "not REGEX=TYPE": ("  tensor_types: ['attn_q']\n", "r.yaml:5:", "does not match"),
     "unknown type": ("  output_tensor_type: Q9_K\n", "r.yaml:5:23", "'Q9_K' is not a ggml type"),
-    "type ktconvert cannot write": ("  token_embedding_type: IQ2_XXS\n", "r.yaml:5:25", "cannot write IQ2_XXS"),
+    "type ktconvert cannot write": ("  token_embedding_type: TQ1_0\n", "r.yaml:5:25", "cannot write TQ1_0"),
     "both include and exclude": ("  include_weights: [a]\n  exclude_weights: [b]\n", "r.yaml:6:20",
                                  "cannot be used together"),
     "unknown key": ("  imatrixx: m.gguf\n", "r.yaml:5:", "'imatrixx' was unexpected"),

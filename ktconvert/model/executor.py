@@ -778,8 +778,7 @@ class InjectedWeights(ConvertedWeights):
                         inner = getattr(op, "emulated_op", None)  # --kernel both: the emulation runs beside it
                         if isinstance(getattr(inner, "_cache", None), dict):
                             inner._cache = _ExpertCache(self)
-                            caches.append(inner._cache)
-                            held += inner.stored_bytes() if hasattr(inner, "stored_bytes") else 0
+                            caches.append(inner._cache)  # its stored experts: in the kernel op's resident_bytes
                 st.resident += held
                 st.peak = max(st.peak, st.resident)
                 yield

@@ -567,6 +567,9 @@ class VocabEmbedding(nn.Embedding):
     Bit-identical either way: a lookup copies rows and computes nothing, so gathering from the rows the tokens pick
     equals gathering from the whole table."""
 
+    hf_class = "Embedding"  # what it stands for upstream: torch's own class (rules match nn.Embedding)
+    hf_class_paths = ("torch.nn.Embedding", "torch.nn.modules.sparse.Embedding")
+
     fetch_rows = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
@@ -589,6 +592,9 @@ class VocabHead(nn.Linear):
     The resident path takes the same chunks (a row-slice of the resident weight: same shape, strides and
     alignment), so both run the same matmul on the same operands and agree bit for bit whatever the vocabulary's
     size; chunking changes no sum (each logit is one row's dot product with the hidden state)."""
+
+    hf_class = "Linear"  # what it stands for upstream: torch's own class (rules match nn.Linear)
+    hf_class_paths = ("torch.nn.Linear", "torch.nn.modules.linear.Linear")
 
     fetch_rows = None
     ready = None  # (inputs, logits) computed by chunked() for the calls about to come (see LayerMajor.head)
