@@ -168,10 +168,8 @@ def small(tmp_path_factory, llama_tools):
     return f32, imx
 
 
-#: IQ presets written and compared byte for byte (one per grid family: IQ2, IQ3, IQ1; the rest of the IQ presets are
-#: checked type by type above, and each IQ type byte for byte in tests/test_quantize_imatrix_parity.py and
-#: tests/test_quant_iq.py): llama-quantize takes 15-60 s per IQ preset here, so not all ten run.
-IQ_BYTE_PRESETS = ["IQ2_XXS", "IQ3_XS", "IQ1_M"]
+#: every IQ preset, written and compared byte for byte (with the importance matrix they need)
+IQ_BYTE_PRESETS = ["IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS", "IQ3_S", "IQ3_M"]
 
 
 @pytest.mark.parametrize("preset", WRITTEN_PRESETS + IQ_BYTE_PRESETS)
