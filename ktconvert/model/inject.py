@@ -35,7 +35,8 @@ from ktconvert.model.ops.experts import (
     ExpertsDequant,
     torch_dtype,
 )
-from ktconvert.model.ops.linear import LinearDequant
+from ktconvert.model.modules import VOCAB_CHUNK, VocabHead
+from ktconvert.model.ops.linear import LinearDequant, VocabLinearDequant
 from ktconvert.model.ops.source import MissingTensor, WeightSource
 from ktconvert.model.ops.switch import PhaseSwitch
 from ktconvert.rules.catalog import load_catalog
@@ -195,7 +196,7 @@ def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weigh
         key = (inj.path, run, id(source))
         op = built.get(key)
         if op is None:
-            build = _op_builder(inj, kind, run, source, options)
+            build = _op_builder(inj, kind, run, source, options, lazy)
             op = build()
             if lazy:  # built once to check and describe it, then per part (InjectedWeights)
                 op = _Described(op, build)
@@ -248,7 +249,7 @@ def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weigh
     return Injected(model, plan, model_operator, threshold, switches, frozenset(prefill_paths), list(uses.rows.values()))
 
 
-def _op_builder(inj, kind: str, run: str, source: WeightSource, options: EmulationOptions):
+def _op_builder(inj, kind: str, run: str, source: WeightSource, options: EmulationOptions, lazy: bool = False):
     """A function building ``inj``'s op that runs ``run`` on ``source`` (called once, or per part when lazy)."""
     def build():
         if kind == "experts":
@@ -265,12 +266,18 @@ def _op_builder(inj, kind: str, run: str, source: WeightSource, options: Emulati
             return ExpertsDequant(blocks, options.compute_dtype)
         lin = inj.module
         w_name = f"{inj.path}.weight"
-        weight = source.tensor(w_name, tuple(lin.weight.shape))
         bias = None
         if getattr(lin, "bias", None) is not None:
-            bias = source.tensor(f"{inj.path}.bias", tuple(lin.bias.shape))
-        return LinearDequant(torch.from_numpy(weight), None if bias is None else torch.from_numpy(bias),
-                             options.compute_dtype, source.stored_type(w_name))
+            bias = torch.from_numpy(source.tensor(f"{inj.path}.bias", tuple(lin.bias.shape)))
+        if isinstance(lin, VocabHead):  # lm_head: computed over vocabulary chunks, streamed by rows
+            shape = tuple(lin.weight.shape)
+            by_rows = lazy and source.vocab_name(w_name) is not None
+            weight = None if by_rows else torch.from_numpy(source.tensor(w_name, shape))
+            rows = (lambda a, z: source.rows(w_name, None, (a, z))) if by_rows else None
+            return VocabLinearDequant(weight, bias, options.compute_dtype, source.stored_type(w_name),
+                                      chunk=VOCAB_CHUNK, shape=shape, rows=rows)
+        weight = source.tensor(w_name, tuple(lin.weight.shape))
+        return LinearDequant(torch.from_numpy(weight), bias, options.compute_dtype, source.stored_type(w_name))
     return build
 
 
