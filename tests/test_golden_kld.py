@@ -166,9 +166,15 @@ def test_llamacpp_scores_a_base_file_ktconvert_wrote(llama_perplexity, f32_gguf,
     model, gguf = f32_gguf
     ids = [510] + [(7 * i + 3) % 500 + 4 for i in range(N_CTX - 1)]  # 510: the tiny vocabulary's BOS
     kld.write_kl_base(tmp_path / "ours.kld", ids, _stream_logits(model, ids))
-    log = _perplexity(llama_perplexity, "-m", gguf, "--kl-divergence-base", tmp_path / "ours.kld", "--kl-divergence")
-    row = re.search(r"^\s*1\s+([\d.]+) ± +[\d.]+\s+(-?[\d.]+) ± +[\d.]+\s+(-?[\d.]+) ± +[\d.]+\s+[\d.]+ ± +[\d.]+ %"
-                    r"\s+([\d.]+) ± +[\d.]+ %", log, re.M)
+    # llama.cpp logs from a thread of its own, and a process that exits under load can lose the last lines (seen
+    # once in a parallel test run: the table's header without its row): the run is repeated, at most three times
+    for _ in range(3):
+        log = _perplexity(llama_perplexity, "-m", gguf, "--kl-divergence-base", tmp_path / "ours.kld",
+                          "--kl-divergence")
+        row = re.search(r"^\s*1\s+([\d.]+) ± +[\d.]+\s+(-?[\d.]+) ± +[\d.]+\s+(-?[\d.]+) ± +[\d.]+\s+[\d.]+ ± +[\d.]+ %"
+                        r"\s+([\d.]+) ± +[\d.]+ %", log, re.M)
+        if row is not None:
+            break
     assert row is not None, log[-2000:]
     kl, same_top = float(row.group(3)), float(row.group(4))
     assert abs(kl) < 1e-4 and same_top == 100.0, row.group(0)

@@ -64,4 +64,4 @@ def test_streamed_lm_head_reads_chunks_and_equals_the_resident_one(tmp_path):
         assert np.array_equal(a.candidate_logits, b.candidate_logits), a.name
     assert streamed.run["peak_resident_weights"] <= budget < head_f32
     ops = [u for u in streamed.injection["operators"] if "lm_head" in " ".join(u.get("modules", []))]
-    assert ops and "read by chunks of 4096 vocabulary rows" in ops[0]["detail"], ops
+    assert ops and "in chunks of 4096 vocabulary rows" in ops[0]["detail"], ops

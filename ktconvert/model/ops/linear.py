@@ -49,9 +49,8 @@ class VocabLinearDequant(LinearDequant):
         self.weight = None if weight is None else torch.as_tensor(weight).to(self.dtype)
         self.bias = None if bias is None else torch.as_tensor(bias).to(self.dtype)
 
-    def describe(self) -> str:
-        how = "read by chunks of" if self.rows is not None else "in chunks of"
-        return f"weight {self.qtype} dequantized to {self.compute_dtype}, {how} {self.chunk} vocabulary rows"
+    def describe(self) -> str:  # the same either way: a streamed report equals the in-memory one
+        return f"weight {self.qtype} dequantized to {self.compute_dtype}, in chunks of {self.chunk} vocabulary rows"
 
     def resident_bytes(self) -> int:
         """The whole dequantized weight in memory; streamed, one chunk (its float32 rows and their cast)."""
