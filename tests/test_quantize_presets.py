@@ -156,16 +156,7 @@ def test_dry_run_types_are_the_written_header_types(small, tmp_path, preset):
 @pytest.fixture(scope="module")
 def small(tmp_path_factory, llama_tools):
     """The 2-layer tiny qwen3_moe (F32 GGUF) and llama-imatrix's importance matrix of it."""
-    from ktconvert.convert import convert
-
-    root = tmp_path_factory.mktemp("presets-small")
-    f32 = convert(tiny(root, "qwen3_moe"), root / "f32", type="F32").out / "model.gguf"
-    text = root / "text.txt"
-    text.write_text(TEXT)
-    imx = root / "imatrix.gguf"
-    run_tool("llama-imatrix", ["-m", str(f32), "-f", str(text), "-c", "64", "--chunks", "2", "-t", "1", "--no-ppl",
-                               "-o", str(imx)])
-    return f32, imx
+    return _inputs(tmp_path_factory.mktemp("presets-small"), "small")
 
 
 #: every IQ preset, written and compared byte for byte (with the importance matrix they need)

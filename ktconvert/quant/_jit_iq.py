@@ -29,7 +29,7 @@ from functools import lru_cache
 import numpy as np
 
 from ._jit import _OPTS, F0, F1, F_EPS, F_FLT_MAX, F32, _fp16, _njit, _put16, nearest_int
-from ._jit_imatrix import _qp  # make_qp_quants: IQ2_XXS starts from its scale
+from ._jit_imatrix import _qp, _sum_sq  # make_qp_quants: IQ2_XXS starts from its scale; sum of x^2
 
 F_HALF = F32(0.5)
 F_0_1, F_0_2 = F32(0.1), F32(0.2)
@@ -144,15 +144,6 @@ def tables(type_name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 @_njit(inline="always", **_OPTS)
 def _qrow(qw, r0, r, rpe):
     return qw[0] if qw.shape[0] == 1 else qw[(r0 + r) // rpe]
-
-
-@_njit(inline="always", **_OPTS)
-def _sum_sq(x, o, n):
-    s = F0
-    for i in range(n):
-        v = x[o + i]
-        s += v * v
-    return s
 
 
 @_njit(inline="always", **_OPTS)
