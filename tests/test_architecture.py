@@ -173,3 +173,24 @@ def test_the_commands_and_libraries_do_not_import_ray():
             "assert 'ray' not in sys.modules, 'ray imported'")
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert res.returncode == 0, res.stderr
+
+
+def _attribute_calls(name: str) -> list[str]:
+    """``file:line`` of every ``<anything>.name(...)`` call outside the families package."""
+    hits = []
+    for f, owner, tree in _modules():
+        if owner == "families":
+            continue
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == name
+                    and isinstance(node.func.value, (ast.Name, ast.Attribute, ast.Call))):
+                hits.append(f"{f.relative_to(PKG.parent)}:{node.lineno}")
+    return hits
+
+
+def test_only_the_families_package_reads_raw_spec_sections():
+    """The spec's sections are read through their typed parts (``spec.attention``, ``spec.routing``,
+    ``spec.experts``, ``spec.gguf``, ``spec.classes``, ``spec.activation``): a key's default and meaning live once,
+    in ``ktconvert/families/parts.py``."""
+    offenders = _attribute_calls("section")
+    assert offenders == [], f"FamilySpec.section(...) read outside ktconvert/families/: {offenders}"

@@ -67,11 +67,11 @@ def _refuse_clamped_activation(src: SourceModel, method: str) -> None:
     if not src.config:
         return
     sp = families.find(family_of(src.config))
-    act = sp.section("moe").get("activation") if sp else None
-    if act and text_view(src.config).get(act["limit"].get("key", ""), 1) != 0:
+    act = sp.activation if sp else None
+    if act and act.limit_in(text_view(src.config), default=1) != 0:
         raise UsageProblem(
             f"{method} cannot run these experts: kt-kernel's AMX methods compute silu(gate) * up, and this model's "
-            f"experts use {act['kind']} (kt-kernel passes swiglu_limit / swiglu_alpha only to FP8, MXFP4, MXFP8 and "
+            f"experts use {act.kind} (kt-kernel passes swiglu_limit / swiglu_alpha only to FP8, MXFP4, MXFP8 and "
             "LLAMAFILE)", fix="write a GGUF for --kt-method LLAMAFILE (ktconvert quantize --type Q8_0), or serve the "
                               "release as is (MiniMax-M3: --kt-method MXFP8)")
 

@@ -268,12 +268,12 @@ def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, 
     w.add_block_count(n_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(getattr(c, spec.section("gguf")["feed_forward_length"]))
+    w.add_feed_forward_length(getattr(c, spec.gguf.feed_forward_length))
     w.add_head_count(c.num_attention_heads)
-    if "recurrent_head_count_kv" in spec.section("gguf")["metadata"]:
+    if "recurrent_head_count_kv" in spec.gguf.metadata:
         w.add_head_count_kv([0 if t == "linear_attention" else 1 for t in c.layer_types])
     else:
-        w.add_head_count_kv(1 if spec.section("gguf").get("mla_mqa") else c.num_key_value_heads)
+        w.add_head_count_kv(1 if spec.gguf.mla_mqa else c.num_key_value_heads)
     w.add_rope_freq_base(c.rope.theta)
     w.add_layer_norm_rms_eps(c.rms_norm_eps)
     w.add_expert_count(c.num_experts)
@@ -291,7 +291,7 @@ def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, 
         w.add_rope_scaling_orig_ctx_len(c.rope.original_max_position_embeddings)
         w.add_rope_scaling_yarn_beta_fast(c.rope.beta_fast)
         w.add_rope_scaling_yarn_beta_slow(c.rope.beta_slow)
-    for key in spec.section("gguf")["metadata"]:
+    for key in spec.gguf.metadata:
         _ARCH_KEYS[key](w, c, n_layers)
     if vocab is None:
         w.add_tokenizer_model("none")

@@ -100,7 +100,7 @@ def _n_gqa(src: SourceModel) -> int | None:
         c = c["text_config"] if isinstance(c.get("text_config"), dict) else c
         heads, kv_heads = first(c.get("num_attention_heads")), first(c.get("num_key_value_heads"))
         spec = families.find(src.model_type)
-        if spec is not None and spec.section("gguf").get("mla_mqa"):
+        if spec is not None and spec.gguf.mla_mqa:
             kv_heads = 1
     if not heads:
         return None

@@ -110,7 +110,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
 
     items: list[Item] = []
     interleaved = (families.find(model_type) is not None
-                   and families.find(model_type).section("moe").get("gate_up") == "interleaved")
+                   and families.find(model_type).experts.interleaved_gate_up)
     split_biases: dict[str, list[tuple[int, str]]] = {}
     for name, m in report.matches.items():
         if m.group in ("experts", "expert_scales"):

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from typing import Any
 
 from ktconvert.errors import InputError, UsageProblem
+from ktconvert.families.parts import ActivationPart, AttentionPart, ClassesPart, ExpertsPart, GgufPart, RoutingPart
 from ktconvert.io.datafile import load_data_file
 from ktconvert.io.resources import rules_dir
 
@@ -32,7 +33,38 @@ class FamilySpec:
     shown: str  # how messages name the file, e.g. rules/families/qwen3_moe.yaml
 
     def section(self, name: str) -> dict:
+        """One raw section: for this package only (everyone else reads the typed parts below)."""
         return self.data[name]
+
+    @cached_property
+    def attention(self) -> AttentionPart:
+        return AttentionPart.of(self.data["attention"])
+
+    @cached_property
+    def routing(self) -> RoutingPart:
+        return RoutingPart.of(self.data["routing"])
+
+    @cached_property
+    def experts(self) -> ExpertsPart:
+        return ExpertsPart.of(self.data["moe"], self.data["classes"])
+
+    @cached_property
+    def activation(self) -> ActivationPart | None:
+        """The experts' clamped SwiGLU (``moe.activation``); None for plain silu(gate) * up."""
+        return ActivationPart.of(self.data["moe"].get("activation"))
+
+    @cached_property
+    def classes(self) -> ClassesPart:
+        return ClassesPart.of(self.data["classes"])
+
+    @cached_property
+    def gguf(self) -> GgufPart:
+        return GgufPart.of(self.data["gguf"])
+
+    @property
+    def zero_centered_norm(self) -> bool:
+        """config.rms_norm: zero_centered (RMSNorm scales by 1 + weight)."""
+        return self.data["config"].get("rms_norm", "weight") == "zero_centered"
 
     @property
     def architectures(self) -> tuple[str, ...]:
@@ -51,7 +83,7 @@ class FamilySpec:
 
     @property
     def is_mla(self) -> bool:
-        return self.data["attention"]["kind"] == "mla"
+        return self.attention.kind == "mla"
 
     @property
     def qk_norm(self) -> bool:
@@ -91,11 +123,11 @@ class FamilySpec:
 
     @property
     def gguf_arch(self) -> str:
-        return self.data["gguf"]["arch"]
+        return self.gguf.arch
 
     @property
     def naming_map(self) -> str:
-        return self.data["gguf"]["naming"]
+        return self.gguf.naming
 
     @property
     def probe(self) -> dict:
@@ -254,12 +286,12 @@ def spec_for_arch(family: str, arch: str) -> FamilySpec:
 
 def permutes_qk(arch: str) -> bool:
     """llama.cpp's converter for ``arch`` reorders q/k rows into rotary pairs per head (its llama architecture)."""
-    return any(s.gguf_arch == arch and s.section("gguf").get("permute_qk") for s in _registry().values())
+    return any(s.gguf_arch == arch and s.gguf.permute_qk for s in _registry().values())
 
 
 def ffn_is_expert_width(arch: str) -> bool:
     """``{arch}.feed_forward_length`` holds the routed experts' width (a family spec of ``arch`` says so)."""
-    return any(s.gguf_arch == arch and s.section("gguf")["feed_forward_length"] == "moe_intermediate_size"
+    return any(s.gguf_arch == arch and s.gguf.feed_forward_length == "moe_intermediate_size"
                for s in _registry().values())
 
 

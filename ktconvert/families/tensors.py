@@ -51,8 +51,8 @@ def tensor_specs(cfg: MoeConfig, *, experts: bool = True) -> list[TensorSpec]:
             add(f"{prefix}.{names[1]}.bias", (inter,), "bias")
             add(f"{prefix}.{names[2]}.bias", (h,), "out_bias")
 
-    norm = "norm0" if cfg.spec.section("config").get("rms_norm") == "zero_centered" else "norm"
-    gated_q = 2 if cfg.spec.section("attention").get("output_gate") else 1
+    norm = "norm0" if cfg.spec.zero_centered_norm else "norm"
+    gated_q = 2 if cfg.spec.attention.output_gate else 1
     add(MODEL_WIDE[0], (cfg.vocab_size, h), "embed")
     hc = cfg.hyper_connections
     for layer in range(cfg.num_hidden_layers):
@@ -132,10 +132,10 @@ def tensor_specs(cfg: MoeConfig, *, experts: bool = True) -> list[TensorSpec]:
             add(f"{a}.o_proj.weight", (h, nh * hd), "out_linear")
             if "o_proj" in cfg.attention_bias_on:
                 add(f"{a}.o_proj.bias", (h,), "out_bias")
-            if cfg.spec.section("attention").get("sinks"):
+            if cfg.spec.attention.sinks:
                 add(f"{a}.sinks", (nh,), "sink")
             if cfg.qk_norm:
-                whole = cfg.spec.section("attention").get("qk_norm_scope") == "projection"
+                whole = cfg.spec.attention.qk_norm_whole
                 add(f"{a}.q_norm.weight", (nh * hd if whole else hd,), norm)
                 add(f"{a}.k_norm.weight", (nkv * hd if whole else hd,), norm)
             if layer in cfg.msa_layers:  # MiniMax Sparse Attention's indexer, flat in self_attn as released
@@ -154,18 +154,18 @@ def tensor_specs(cfg: MoeConfig, *, experts: bool = True) -> list[TensorSpec]:
         if layer not in cfg.moe_layers:
             mlp(m, cfg.intermediate_size)
             continue
-        moe = cfg.spec.section("moe")
-        router = moe.get("router", "gate")
+        moe = cfg.spec.experts
+        router = moe.router_attr
         add(f"{m}.{router}.weight", (cfg.num_experts, h), "router")
-        if moe.get("router_bias"):
+        if moe.router_bias:
             add(f"{m}.{router}.bias", (cfg.num_experts,), "bias")
         if layer in cfg.hash_layers:  # routed by token id: the table instead of a score bias
             add(f"{m}.gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "tid2eid")
         elif cfg.topk_method == "noaux_tc":
-            on_block = cfg.spec.section("moe").get("score_bias") == "block"
+            on_block = cfg.spec.experts.bias_on_block
             add(f"{m}.{'' if on_block else 'gate.'}e_score_correction_bias", (cfg.num_experts,), "score_bias")
         for e in range(cfg.num_experts if experts else 0):
-            mlp(f"{m}.experts.{e}", cfg.moe_intermediate_size, cfg.expert_proj_names, bool(moe.get("expert_bias")))
+            mlp(f"{m}.experts.{e}", cfg.moe_intermediate_size, cfg.expert_proj_names, moe.expert_bias)
         if cfg.shared_expert_intermediate_size:
             mlp(f"{m}.shared_expert", cfg.shared_expert_intermediate_size)
             add(f"{m}.shared_expert_gate.weight", (1, h), "linear")

@@ -30,13 +30,13 @@ ROLES = (
 def classes_module(family: str) -> str | None:
     """ktransformers keeps its own copies of the modeling files (DeepSeek-V2's is named modeling_deepseek);
     ``None`` for a family it has none for."""
-    return families.spec(family).section("classes").get("ktransformers_module")
+    return families.spec(family).classes.ktransformers_module
 
 
 def _tf_module(family: str) -> str:
     """transformers' modeling module of the family's classes (the spec's ``classes.transformers_module``, else the
     module named after the family)."""
-    return (families.spec(family).section("classes").get("transformers_module")
+    return (families.spec(family).classes.transformers_module
             or f"transformers.models.{family}.modeling_{family}")
 
 
@@ -48,7 +48,7 @@ def _names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[s
 
 def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
     sp = families.spec(family)
-    classes = sp.section("classes")
+    classes = sp.classes
     p = sp.prefix
     if role in ("causal_lm", "model", "decoder_layer", "attention", "linear_attention", "rmsnorm", "gated_rmsnorm",
                 "indexer", "hyper_connection", "hyper_head", "csa_compressor", "hca_compressor", "hash_gate", "indexer_scorer"):
@@ -69,24 +69,24 @@ def _all_names(family: str, role: str, *, yarn: bool, expert: bool) -> tuple[tup
             "indexer_scorer": "IndexerScorer",
         }[role]
         # a spec may name a class that does not follow <prefix><Role> (classes.causal_lm / linear_attention)
-        name = classes.get(role) if role in ("causal_lm", "linear_attention") else None
+        name = getattr(classes, role) if role in ("causal_lm", "linear_attention") else None
         return ((name,), (name,)) if name else ((p + suffix,), (p + suffix,))
     if role == "rotary":
-        kt = (classes["rotary_yarn"], p + "RotaryEmbedding") if (yarn and "rotary_yarn" in classes) else (p + "RotaryEmbedding",)
+        kt = (classes.rotary_yarn, p + "RotaryEmbedding") if (yarn and classes.rotary_yarn) else (p + "RotaryEmbedding",)
         return kt, (p + "RotaryEmbedding",)
     if role == "mlp":
-        if expert and "expert" in classes:
+        if expert and classes.expert:
             # a family whose routed experts have their own class (Mixtral); transformers 5 fuses them
-            return (classes["expert"],), ()
+            return (classes.expert,), ()
         # transformers 5 fuses routed experts too: only dense and shared MLPs are its <P>MLP
         return (p + "MLP",), (() if expert else (p + "MLP",))
     if role == "moe_block":
-        if "moe_block" in classes:
-            return _pair(classes["moe_block"])
+        if classes.moe_block:
+            return _pair(classes.moe_block)
         return (p + "SparseMoeBlock",), (p + "SparseMoeBlock",)
     if role == "gate":
-        if "gate" in classes:
-            return _pair(classes["gate"])
+        if classes.gate:
+            return _pair(classes.gate)
         return (), (p + "TopKRouter",)  # upstream: a plain torch.nn.Linear
     if role == "experts":
         return (), (p + "Experts",)  # upstream: a plain torch.nn.ModuleList

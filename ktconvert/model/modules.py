@@ -50,7 +50,7 @@ class RMSNorm(Tagged, nn.Module):
 
 def rms_norm(cfg: MoeConfig, size: int) -> RMSNorm:
     """The family's RMSNorm of ``size`` (plain or zero-centred, per its spec)."""
-    return RMSNorm(size, cfg.rms_norm_eps, cfg.spec.section("config").get("rms_norm") == "zero_centered")
+    return RMSNorm(size, cfg.rms_norm_eps, cfg.spec.zero_centered_norm)
 
 
 def rope_frequencies(spec: RopeSpec) -> tuple[torch.Tensor, float]:
@@ -237,14 +237,14 @@ class Attention(Tagged, nn.Module):
         self.head_dim = cfg.head_dim
         h, nh, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
         bias = cfg.attention_bias_on
-        self.output_gate = bool(cfg.spec.section("attention").get("output_gate"))
+        self.output_gate = cfg.spec.attention.output_gate
         self.q_proj = nn.Linear(h, nh * hd * (2 if self.output_gate else 1), bias="q_proj" in bias)
         self.k_proj = nn.Linear(h, nkv * hd, bias="k_proj" in bias)
         self.v_proj = nn.Linear(h, nkv * hd, bias="v_proj" in bias)
         self.o_proj = nn.Linear(nh * hd, h, bias="o_proj" in bias)
         # head scope: one norm of head_dim shared by the heads; projection scope (MiniMax-M2): one norm over the
         # whole q / k projection, applied before the split into heads
-        self.qk_norm_whole = cfg.spec.section("attention").get("qk_norm_scope") == "projection"
+        self.qk_norm_whole = cfg.spec.attention.qk_norm_whole
         if cfg.qk_norm:
             self.q_norm = rms_norm(cfg, nh * hd if self.qk_norm_whole else hd)
             self.k_norm = rms_norm(cfg, nkv * hd if self.qk_norm_whole else hd)
@@ -254,7 +254,7 @@ class Attention(Tagged, nn.Module):
         self.rope_dim = cfg.rope.dim
         self.scaling = hd**-0.5
         self.window = cfg.sliding_window if layer_idx in cfg.sliding_layers else None
-        if cfg.spec.section("attention").get("sinks"):
+        if cfg.spec.attention.sinks:
             self.sinks = nn.Parameter(torch.zeros(nh))
         else:
             self.sinks = None
@@ -423,7 +423,7 @@ class MLAttention(Tagged, nn.Module):
         # NoPE MLA (GLM-5-Next: qk_rope_head_dim 0) has no rotary module upstream
         self.rotary_emb = RotaryEmbedding(cfg.rope) if self.rope_dim else None
         self.interleave = cfg.rope_interleave
-        self.complex_rope = bool(cfg.spec.section("attention").get("complex_rope"))  # transformers 5 V2 ignores rope_interleave
+        self.complex_rope = cfg.spec.attention.complex_rope  # transformers 5 V2 ignores rope_interleave
         self.scaling = softmax_scale(self.qk_head_dim, cfg.rope)
         indexer = DsaKPoolIndexer if cfg.indexer is not None and cfg.indexer.kpool else DsaIndexer
         own = cfg.indexer is not None and layer_idx not in cfg.dsa_shared_layers
@@ -489,7 +489,7 @@ class DsaIndexer(Tagged, nn.Module):
         self.layer_idx = layer_idx
         self.n_heads, self.head_dim, self.topk = d.n_heads, d.head_dim, d.topk
         self.rope_dim = cfg.qk_rope_head_dim
-        halves = cfg.spec.section("attention").get("dsa_indexer_rope", "interleaved") == "rotate_half"
+        halves = cfg.spec.attention.indexer_rope_halves
         self.rope = apply_rope if halves else apply_rope_interleaved
         self.wq_b = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
@@ -700,7 +700,7 @@ class MoEGate(Tagged, nn.Module):
         self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
         self.norm_topk_prob = cfg.norm_topk_prob
         self.scaling = cfg.routed_scaling_factor
-        self.renorm_then_scale = cfg.spec.section("routing")["weights"] == "renorm_then_scale"
+        self.renorm_then_scale = cfg.spec.routing.renorm_then_scale
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         if self.method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
@@ -765,16 +765,16 @@ class SparseMoeBlock(Tagged, nn.Module):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
         self.normalize = cfg.norm_topk_prob
-        moe = cfg.spec.section("moe")
-        self.weights_kind = cfg.spec.section("routing")["weights"]
-        self.cast_back = not cfg.spec.section("routing")["float32_weights"]
-        self.router_attr = moe.get("router", "gate")
+        moe = cfg.spec.experts
+        self.weights_kind = cfg.spec.routing.weights
+        self.cast_back = not cfg.spec.routing.float32_weights
+        self.router_attr = moe.router_attr
         # ktransformers' families route with an nn.Linear; a family it lacks keeps transformers' plain module
-        router = TopKRouter if cfg.spec.section("classes").get("ktransformers_module") else LogitsRouter
-        setattr(self, self.router_attr, router(cfg.hidden_size, cfg.num_experts, bias=bool(moe.get("router_bias"))))
+        router = TopKRouter if moe.linear_router else LogitsRouter
+        setattr(self, self.router_attr, router(cfg.hidden_size, cfg.num_experts, bias=moe.router_bias))
         self.experts = RoutedExperts(
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names,
-                     bias=bool(moe.get("expert_bias")), clamp=cfg.swiglu_clamp) for _ in range(cfg.num_experts)
+                     bias=moe.expert_bias, clamp=cfg.swiglu_clamp) for _ in range(cfg.num_experts)
         )
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
@@ -812,7 +812,7 @@ class DeepseekMoE(Tagged, nn.Module):
         super().__init__()
         self.gate = MoEGate(cfg)
         bias = self.gate.e_score_correction_bias
-        if bias is not None and cfg.spec.section("moe").get("score_bias") == "block":
+        if bias is not None and cfg.spec.experts.bias_on_block:
             self.gate.register_buffer("e_score_correction_bias", bias, persistent=False)
             self.register_buffer("e_score_correction_bias", bias)
         clamp = cfg.swiglu_clamp

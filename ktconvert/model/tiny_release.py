@@ -112,7 +112,7 @@ def tiny_release_config(family: str, fmt: str) -> dict:
 def _fused_mxfp4(family: str) -> dict[str, tuple[np.ndarray, str]]:
     """The tiny model with each layer's fused experts (``experts.gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``,
     as :func:`ktconvert.model.tiny.tiny_tensors` writes them) stored as ``*_blocks``/``*_scales``."""
-    if families.spec(family).section("moe").get("gate_up") != "interleaved":
+    if not families.spec(family).experts.interleaved_gate_up:
         # only that tiny model is written [E, in, out] (transformers 5's saved form); others are per expert or [E, 2I, H]
         raise UsageProblem(f"{family}'s spec asks for fused MXFP4 experts, but its tiny model has no [E, in, out] "
                            "fused experts to store that way", fix="drop checkpoint.releases from its spec")

@@ -225,7 +225,7 @@ def tiny_tensors(family: str, variant: str | None = None) -> dict[str, np.ndarra
     cfg = normalize_config(raw)
     sp = families.spec(family)
     tensors = {spec.name: _fill(family, cfg, spec) for spec in tensor_specs(cfg)}
-    if cfg.spec.section("moe").get("gate_up") == "interleaved":
+    if cfg.spec.experts.interleaved_gate_up:
         tensors = fuse_interleaved(cfg, tensors)
     if sp.fused_orientation:
         tensors = _packed(cfg, tensors, sp.fused_orientation)

@@ -125,7 +125,7 @@ def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report:
             continue
         state[key] = value
     # gate/up halves of a fused tensor: concatenated (gate first) or interleaved (gate even, up odd; gpt-oss)
-    halves = ((slice(0, None, 2), slice(1, None, 2)) if cfg.spec.section("moe").get("gate_up") == "interleaved"
+    halves = ((slice(0, None, 2), slice(1, None, 2)) if cfg.spec.experts.interleaved_gate_up
               else (slice(0, i), slice(i, None)))
     for prefix, parts in fused.items():
         if not {"gate_up_proj", "down_proj"} <= set(parts):

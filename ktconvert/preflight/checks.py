@@ -190,14 +190,14 @@ def _check_activation(ctx: Ctx, raw: dict, where: str, out: list[Finding]) -> No
     """Experts with a clamped SwiGLU under a method that computes silu(gate) * up would load and run, wrong: the
     family's spec lists the methods sglang-kt passes the clamp to (``moe.activation.kt_methods``)."""
     sp = families.find(families.family_of(raw))
-    act = sp.section("moe").get("activation") if sp is not None else None
-    if not act or ctx.method not in METHODS or ctx.method in act.get("kt_methods", ()):
+    act = sp.activation if sp is not None else None
+    if not act or ctx.method not in METHODS or ctx.method in act.kt_methods:
         return
-    limit = families.text_view(raw).get(act["limit"].get("key", ""), act["limit"].get("default"))
-    allowed = act.get("kt_methods", [])
+    limit = act.limit_in(families.text_view(raw))
+    allowed = act.kt_methods
     fix = (f"launch with --kt-method {' or '.join(allowed)} on the release in that format" if allowed
            else "serve this model without kt-kernel (no kt-kernel 0.7.2 method computes its experts' activation)")
-    out.append(Finding("PF167", ERROR, f"{sp.family}'s experts use a clamped SwiGLU ({act['kind']}, limit {limit}); "
+    out.append(Finding("PF167", ERROR, f"{sp.family}'s experts use a clamped SwiGLU ({act.kind}, limit {limit}); "
                        f"sglang-kt 0.7.2 gives the clamp to kt-kernel only under {'/'.join(allowed) or 'no method'}, "
                        f"so {ctx.method} would compute silu(gate) * up and run with wrong outputs", fix, "--kt-method"))
 

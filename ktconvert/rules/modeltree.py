@@ -102,8 +102,8 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
     family = mc.family
     sp = mc.spec
     pre = sp.prefix
-    classes = sp.section("classes")
-    root = Node("", classes.get("causal_lm", f"{pre}ForCausalLM"))
+    classes = sp.classes
+    root = Node("", classes.causal_lm or f"{pre}ForCausalLM")
     model = root.add("model", f"{pre}Model")
     model.add("embed_tokens", "Embedding")
     layers = model.add("layers", "ModuleList")
@@ -120,19 +120,19 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
         else:
             # upstream ktransformers classes: DeepSeek's block is <P>MoE with a <P>MoEGate, others a
             # <P>SparseMoeBlock with a plain Linear router
-            router = sp.section("moe").get("router", "gate")
-            if "ktransformers_module" not in classes:
+            router = sp.experts.router_attr
+            if not classes.ktransformers_module:
                 # no ktransformers modeling file: transformers' own block and router classes; its routed
                 # experts are fused into one module there, so each expert here is a plain Module
-                moe = layer.add(sp.moe_block_name, classes.get("moe_block", {}).get("transformers", f"{pre}SparseMoeBlock"))
+                moe = layer.add(sp.moe_block_name, classes.moe_block.get("transformers", f"{pre}SparseMoeBlock"))
                 hashed = i in mc.hash_layers  # routed by token id (DeepSeek-V4's first layers)
-                moe.add(router, f"{pre}HashRouter" if hashed else classes.get("gate", {}).get("transformers", "Linear"))
+                moe.add(router, f"{pre}HashRouter" if hashed else classes.gate.get("transformers", "Linear"))
                 expert_type = "Module"
             else:
-                kt_gate = "gate" in classes
+                kt_gate = bool(classes.gate)
                 moe = layer.add(sp.moe_block_name, f"{pre}MoE" if kt_gate else f"{pre}SparseMoeBlock")
                 moe.add(router, f"{pre}MoEGate" if kt_gate else "Linear")
-                expert_type = classes.get("expert", f"{pre}MLP")
+                expert_type = classes.expert or f"{pre}MLP"
             _experts(moe, pre, mc.num_experts, sp.expert_proj_names, expert_type)
             if sp.shared_expert == "shared_experts" and mc.n_shared_experts:
                 _mlp(moe, "shared_experts", f"{pre}MLP")
@@ -159,7 +159,7 @@ def probe_tree(family: str) -> ModelTree:
 
 def _attention(layer: Node, sp, mc, pre: str) -> None:
     if mc.kda is not None and mc.layer_types[layer.layer] == "linear_attention":  # Kimi Delta Attention
-        lin = layer.add("self_attn", sp.section("classes").get("linear_attention", f"{pre}GatedDeltaNet"))
+        lin = layer.add("self_attn", sp.classes.linear_attention or f"{pre}GatedDeltaNet")
         for name in ("q_proj", "k_proj", "v_proj"):
             lin.add(name, "Linear")
         for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
@@ -193,7 +193,7 @@ def _attention(layer: Node, sp, mc, pre: str) -> None:
         attn.add("kv_b_proj", "Linear")
         attn.add("o_proj", "Linear")
         if mc.qk_rope_head_dim:  # NoPE MLA (GLM-5-Next) has no rotary module
-            attn.add("rotary_emb", sp.section("classes").get("tree_rotary", f"{pre}RotaryEmbedding"))
+            attn.add("rotary_emb", sp.classes.tree_rotary or f"{pre}RotaryEmbedding")
         if mc.indexer is not None and layer.layer not in mc.dsa_shared_layers:
             ix = attn.add("indexer", f"{pre}Indexer")
             ix.add("wq_b", "Linear")

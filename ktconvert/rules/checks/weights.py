@@ -36,7 +36,7 @@ def _params(node, tree: ModelTree) -> list[str]:
         return ["weight", "bias"] if ".self_attn." in node.path and name in mc.attention_bias_on else ["weight"]
     if t == "Embedding" or t.endswith("RMSNorm"):
         return ["weight"]
-    on_block = mc.spec.section("moe").get("score_bias") == "block"
+    on_block = mc.spec.experts.bias_on_block
     if t.endswith("MoEGate"):
         return ["weight", "e_score_correction_bias"] if mc.topk_method == "noaux_tc" and not on_block else ["weight"]
     if on_block and mc.topk_method == "noaux_tc" and node.path.endswith(f".{mc.moe_block_name}") and not node.dense:
