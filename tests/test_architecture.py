@@ -189,8 +189,8 @@ def _attribute_calls(name: str) -> list[str]:
 
 
 def test_only_the_families_package_reads_raw_spec_sections():
-    """The spec's sections are read through their typed parts (``spec.attention``, ``spec.routing``,
-    ``spec.experts``, ``spec.gguf``, ``spec.classes``, ``spec.activation``): a key's default and meaning live once,
+    """The spec's sections are read through their typed parts (``spec.attention``, ``spec.experts``,
+    ``spec.gguf``, ``spec.classes``, ``spec.activation``): a key's default and meaning live once,
     in ``ktconvert/families/parts.py``."""
     offenders = _attribute_calls("section")
     assert offenders == [], f"FamilySpec.section(...) read outside ktconvert/families/: {offenders}"

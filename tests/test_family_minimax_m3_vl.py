@@ -166,7 +166,7 @@ def test_hub_and_transformers_spellings_read_alike():
     a, b = normalize_config(hub), normalize_config({**hub, "text_config": text})
     assert a == b
     assert a.msa_layers == (0, 1) and (a.indexer.block_size, a.indexer.topk, a.indexer.local_blocks) == (8, 2, 1)
-    assert a.shared_experts_width == 256 and a.n_shared_experts == 1 and a.routed_scaling_factor == 2.0
+    assert a.shared_experts_width == 256 and a.n_shared_experts == 1 and a.routing.routed_scaling_factor == 2.0
     assert (a.swiglu_alpha, a.swiglu_limit) == (1.702, 7.0)
 
 

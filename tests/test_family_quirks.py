@@ -142,7 +142,7 @@ def test_variant_configs_read_as_their_releases():
     kimi = normalize_config(tiny_config("deepseek_v3", "kimi_k2"))
     assert tiny_config("deepseek_v3", "kimi_k2")["model_type"] == "kimi_k2" and kimi.family == "deepseek_v3"
     assert (kimi.rope.kind, kimi.rope.factor, kimi.rope.beta_fast, kimi.rope.beta_slow, kimi.rope.theta) == ("yarn", 32.0, 1.0, 1.0, 50000.0)
-    assert (kimi.n_group, kimi.topk_group, kimi.routed_scaling_factor) == (1, 1, 2.827)
+    assert (kimi.routing.n_group, kimi.routing.topk_group, kimi.routing.routed_scaling_factor) == (1, 1, 2.827)
     moon = normalize_config(tiny_config("deepseek_v3", "moonlight"))
     assert moon.q_lora_rank is None and moon.n_shared_experts == 2 and moon.rope.kind == "default"
     assert tiny_config("deepseek_v3", "moonlight")["q_lora_rank"] is None  # written as null, not dropped

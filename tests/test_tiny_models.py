@@ -190,9 +190,9 @@ def test_deepseek_tiny_models_have_the_features_they_stand_for():
     v3 = normalize_config(tiny_config("deepseek_v3"))
     for cfg in (v2, v3):
         assert cfg.moe_layers == (1, 2) and cfg.n_shared_experts >= 1 and cfg.rope.kind == "yarn"
-    assert v2.q_lora_rank is None and v2.topk_method == "group_limited_greedy"
-    assert v3.q_lora_rank and v3.topk_method == "noaux_tc" and v3.scoring_func == "sigmoid"
-    assert v3.routed_scaling_factor != 1.0 and v3.n_group and v3.topk_group
+    assert v2.q_lora_rank is None and v2.routing.topk_method == "group_limited_greedy"
+    assert v3.q_lora_rank and v3.routing.topk_method == "noaux_tc" and v3.routing.scoring_func == "sigmoid"
+    assert v3.routing.routed_scaling_factor != 1.0 and v3.routing.n_group and v3.routing.topk_group
 
 
 def test_routing_channels_are_never_written_by_residual_outputs():
@@ -310,7 +310,7 @@ def test_bf16_does_not_flip_any_expert_over_the_golden_prompt(family, tiny_root,
         assert torch.equal(a, b), f"{family}: bf16 changed the routing of MoE layer {layer}"
     # the design margins (see ktconvert.model.tiny): several logits, or 0.2 in the score+bias space of
     # DeepSeek-V3-style routing (a sigmoid saturates: its gaps are small in absolute terms; V4's sqrtsoftplus too)
-    sigmoid = normalize_config(tiny_config(family)).scoring_func != "softmax"
+    sigmoid = normalize_config(tiny_config(family)).routing.scoring_func != "softmax"
     assert min(gaps) > (0.2 if sigmoid else 3.0), gaps
     # every expert is used somewhere, so a fault in any expert shows in the outputs
     assert all(torch.bincount(p.flatten(), minlength=8).min() > 0 for p in fp32)
@@ -330,17 +330,17 @@ def test_v3_score_correction_bias_decides_routing_in_the_last_moe_layer(tiny_roo
     assert not (with_bias[-1] == without[-1]).all()
 
 
-@pytest.mark.parametrize("family", [f for f in FAMILIES if (normalize_config(tiny_config(f)).n_group or 1) > 1])
+@pytest.mark.parametrize("family", [f for f in FAMILIES if normalize_config(tiny_config(f)).routing.groups > 1])
 def test_group_limited_routing_designates_experts_of_two_groups(family):
     """With expert groups, each token's two designated experts lie in different groups in every MoE layer, so the
     group selection never compares two groups of rejected experts (a near-tie: see tests/test_tiny_selection_gaps.py)."""
     from ktconvert.model.tiny import router_permutation
 
     cfg = normalize_config(tiny_config(family))
-    size = cfg.num_experts // cfg.n_group
-    codes = token_codes(cfg.vocab_size, cfg.num_experts, cfg.n_group)
+    size = cfg.num_experts // cfg.routing.n_group
+    codes = token_codes(cfg.vocab_size, cfg.num_experts, cfg.routing.n_group)
     assert np.all(codes[:, 0] != codes[:, 1])
     for layer in cfg.moe_layers:
-        perm = np.asarray(router_permutation(family, layer, cfg.num_experts, cfg.n_group))
+        perm = np.asarray(router_permutation(family, layer, cfg.num_experts, cfg.routing.n_group))
         assert sorted(perm) == list(range(cfg.num_experts))
         assert np.all(perm[codes[:, 0]] // size != perm[codes[:, 1]] // size), layer

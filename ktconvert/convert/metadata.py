@@ -80,11 +80,11 @@ _ARCH_KEYS = {
     "mla_value_length": lambda w, c, n: w.add_value_length(c.v_head_dim),
     "mla_rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.qk_rope_head_dim),
     "expert_shared_count": lambda w, c, n: w.add_expert_shared_count(c.n_shared_experts),
-    "expert_weights_scale": lambda w, c, n: w.add_expert_weights_scale(c.routed_scaling_factor),
-    "expert_weights_norm": lambda w, c, n: _if(c.norm_topk_prob, lambda: w.add_expert_weights_norm(True)),
+    "expert_weights_scale": lambda w, c, n: w.add_expert_weights_scale(c.routing.routed_scaling_factor),
+    "expert_weights_norm": lambda w, c, n: _if(c.routing.norm_topk_prob, lambda: w.add_expert_weights_norm(True)),
     "expert_gating_func": lambda w, c, n: _gating_func(w, c),
-    "expert_group_count": lambda w, c, n: _if(c.n_group, lambda: w.add_expert_group_count(c.n_group)),
-    "expert_group_used_count": lambda w, c, n: _if(c.topk_group, lambda: w.add_expert_group_used_count(c.topk_group)),
+    "expert_group_count": lambda w, c, n: _if(c.routing.n_group, lambda: w.add_expert_group_count(c.routing.n_group)),
+    "expert_group_used_count": lambda w, c, n: _if(c.routing.topk_group, lambda: w.add_expert_group_used_count(c.routing.topk_group)),
     # the window and which layers use it (llama.cpp reads the per-layer pattern before its architecture default)
     "sliding_window": lambda w, c, n: _if(c.sliding_window, lambda: (
         w.add_sliding_window(c.sliding_window),
@@ -161,10 +161,10 @@ SQRTSOFTPLUS = 4
 
 
 def _gating_func(w, c) -> None:
-    if c.scoring_func == "sqrtsoftplus":
+    if c.routing.scoring_func == "sqrtsoftplus":
         w.add_uint32(f"{w.arch}.expert_gating_func", SQRTSOFTPLUS)
     else:
-        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if c.scoring_func == "sigmoid" else ExpertGatingFuncType.SOFTMAX)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if c.routing.scoring_func == "sigmoid" else ExpertGatingFuncType.SOFTMAX)
 
 
 def _compressed_mqa(w, c, n: int) -> None:

@@ -17,6 +17,7 @@ from typing import Any
 from ktconvert.errors import InputError
 from ktconvert.families import registry
 from ktconvert.families.limits import check_counts
+from ktconvert.families.parts import Routing
 from ktconvert.io.datafile import read_json
 
 FAMILIES = registry.families()
@@ -124,12 +125,7 @@ class MoeConfig:
     moe_intermediate_size: int
     intermediate_size: int  # dense MLP (DeepSeek first layers, Qwen mlp_only_layers)
     moe_layers: tuple[int, ...]
-    norm_topk_prob: bool
-    scoring_func: str  # softmax | sigmoid
-    topk_method: str  # greedy | group_limited_greedy | noaux_tc
-    n_group: int | None
-    topk_group: int | None
-    routed_scaling_factor: float
+    routing: Routing  # how a token picks and weighs its experts
     shared_expert_intermediate_size: int | None  # Qwen2-MoE gated shared expert
     n_shared_experts: int  # DeepSeek shared experts (intermediate = n * moe_intermediate_size)
     # MLA (DeepSeek)
@@ -313,42 +309,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         moe_inter = g.int(sp.expert_width_key)
         inter = int(g.opt("intermediate_size", moe_inter))
 
-    # routing
-    norm_topk = bool(_choice(g, routing["norm_topk_prob"]))
-    scoring = _choice(g, routing["scoring_func"])
-    method = _choice(g, routing["topk_method"])
-    if method == "gready":  # the DeepSeek-V2 remote-code config's default spelling
-        method = "greedy"
-    if method not in _TOPK_METHODS:
-        raise InputError(f"topk_method {method!r} is not supported ({', '.join(sorted(_TOPK_METHODS))})", path=path, where="topk_method")
-    if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
-        raise InputError(f"scoring_func {scoring!r} is not supported (softmax, sigmoid, sqrtsoftplus)", path=path,
-                         where="scoring_func")
-    allowed = routing.get("allowed") or {}
-    if (scoring not in allowed.get("scoring_func", (scoring,))
-            or method not in allowed.get("topk_method", (method,))):
-        raise InputError(
-            f"{family} routing must use scoring_func {'/'.join(allowed.get('scoring_func', ('any',)))} with topk_method "
-            f"{'/'.join(allowed.get('topk_method', ('any',)))}, got {method}/{scoring}",
-            path=path,
-            where="topk_method",
-        )
-    n_group = _choice(g, routing["n_group"]) if "n_group" in routing else g.opt("n_group")
-    topk_group = _choice(g, routing["topk_group"]) if "topk_group" in routing else g.opt("topk_group")
-    if method in ("group_limited_greedy", "noaux_tc"):
-        if not n_group or not topk_group:
-            raise InputError(f"topk_method {method} needs n_group and topk_group", path=path, where="n_group")
-        n_group, topk_group = int(n_group), int(topk_group)
-        if num_experts % n_group or not 0 < topk_group <= n_group:
-            raise InputError(
-                f"n_group={n_group} must divide num_experts={num_experts} and topk_group={topk_group} must be in 1..{n_group}",
-                path=path,
-                where="n_group",
-            )
-        if method == "noaux_tc" and num_experts // n_group < 2:
-            raise InputError("noaux_tc scores groups by their top-2 experts: groups need at least 2 experts", path=path, where="n_group")
-
-    scaling = float(g.opt("routed_scaling_factor", 1.0) or 1.0) if routing.get("routed_scaling") else 1.0
+    routing_part = _routing(g, routing, family, num_experts, path)
 
     # biases
     bias = cfg_facts.get("attention_bias")
@@ -437,12 +398,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         moe_intermediate_size=moe_inter,
         intermediate_size=inter,
         moe_layers=moe_layers,
-        norm_topk_prob=norm_topk,
-        scoring_func=scoring,
-        topk_method=method,
-        n_group=n_group if method != "greedy" else None,
-        topk_group=topk_group if method != "greedy" else None,
-        routed_scaling_factor=scaling,
+        routing=routing_part,
         shared_expert_intermediate_size=(g.int("shared_expert_intermediate_size") if shared == "gated" else None),
         n_shared_experts=(int(g.opt("n_shared_experts", 1 if width_key else 0) or 0)
                           if shared == "shared_experts" else 0),
@@ -455,6 +411,49 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         **kwargs,
         **kwargs_act,
     )
+
+
+
+def _routing(g: "_Getter", routing: dict, family: str, num_experts: int, path: str | None) -> Routing:
+    """The spec's routing section with the config's numbers, or the one-line refusal of a routing it cannot run."""
+    norm_topk = bool(_choice(g, routing["norm_topk_prob"]))
+    scoring = _choice(g, routing["scoring_func"])
+    method = _choice(g, routing["topk_method"])
+    if method == "gready":  # the DeepSeek-V2 remote-code config's default spelling
+        method = "greedy"
+    if method not in _TOPK_METHODS:
+        raise InputError(f"topk_method {method!r} is not supported ({', '.join(sorted(_TOPK_METHODS))})", path=path, where="topk_method")
+    if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
+        raise InputError(f"scoring_func {scoring!r} is not supported (softmax, sigmoid, sqrtsoftplus)", path=path,
+                         where="scoring_func")
+    allowed = routing.get("allowed") or {}
+    if (scoring not in allowed.get("scoring_func", (scoring,))
+            or method not in allowed.get("topk_method", (method,))):
+        raise InputError(
+            f"{family} routing must use scoring_func {'/'.join(allowed.get('scoring_func', ('any',)))} with topk_method "
+            f"{'/'.join(allowed.get('topk_method', ('any',)))}, got {method}/{scoring}",
+            path=path,
+            where="topk_method",
+        )
+    n_group = _choice(g, routing["n_group"]) if "n_group" in routing else g.opt("n_group")
+    topk_group = _choice(g, routing["topk_group"]) if "topk_group" in routing else g.opt("topk_group")
+    if method in ("group_limited_greedy", "noaux_tc"):
+        if not n_group or not topk_group:
+            raise InputError(f"topk_method {method} needs n_group and topk_group", path=path, where="n_group")
+        n_group, topk_group = int(n_group), int(topk_group)
+        if num_experts % n_group or not 0 < topk_group <= n_group:
+            raise InputError(
+                f"n_group={n_group} must divide num_experts={num_experts} and topk_group={topk_group} must be in 1..{n_group}",
+                path=path,
+                where="n_group",
+            )
+        if method == "noaux_tc" and num_experts // n_group < 2:
+            raise InputError("noaux_tc scores groups by their top-2 experts: groups need at least 2 experts", path=path, where="n_group")
+
+    scaling = float(g.opt("routed_scaling_factor", 1.0) or 1.0) if routing.get("routed_scaling") else 1.0
+    return Routing(weights=routing["weights"], float32_weights=bool(routing["float32_weights"]), scoring_func=scoring,
+                   topk_method=method, norm_topk_prob=norm_topk, n_group=n_group if method != "greedy" else None,
+                   topk_group=topk_group if method != "greedy" else None, routed_scaling_factor=scaling)
 
 
 def _indexer_dims(g: "_Getter", rope_dim: int, path: str | None, **extra) -> IndexerDims:

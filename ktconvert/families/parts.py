@@ -35,11 +35,18 @@ class AttentionPart:
 
 
 @dataclass(frozen=True)
-class RoutingPart:
-    """The spec's ``routing`` section: how the router's logits become expert weights."""
+class Routing:
+    """How a token picks and weighs its experts: the spec's ``routing`` maths with the config's numbers
+    (``MoeConfig.routing``, parsed by ``families.config``)."""
 
     weights: str  # softmax_topk | topk_softmax | renorm_or_scale | renorm_then_scale | ...
     float32_weights: bool  # the weights stay float32 instead of returning to the activations' dtype
+    scoring_func: str  # softmax | sigmoid | sqrtsoftplus
+    topk_method: str  # greedy | group_limited_greedy | noaux_tc
+    norm_topk_prob: bool
+    n_group: int | None  # expert groups (None for greedy)
+    topk_group: int | None  # groups a token may pick from
+    routed_scaling_factor: float
 
     @property
     def logits_router(self) -> bool:
@@ -50,9 +57,10 @@ class RoutingPart:
     def renorm_then_scale(self) -> bool:
         return self.weights == "renorm_then_scale"
 
-    @classmethod
-    def of(cls, section: dict) -> RoutingPart:
-        return cls(weights=section["weights"], float32_weights=bool(section["float32_weights"]))
+    @property
+    def groups(self) -> int:
+        """Expert groups, 1 when the method has none."""
+        return self.n_group or 1
 
 
 @dataclass(frozen=True)

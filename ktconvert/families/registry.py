@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ktconvert.errors import InputError, UsageProblem
-from ktconvert.families.parts import ActivationPart, AttentionPart, ClassesPart, ExpertsPart, GgufPart, RoutingPart
+from ktconvert.families.parts import ActivationPart, AttentionPart, ClassesPart, ExpertsPart, GgufPart
 from ktconvert.io.datafile import load_data_file
 from ktconvert.io.resources import rules_dir
 
@@ -39,10 +39,6 @@ class FamilySpec:
     @cached_property
     def attention(self) -> AttentionPart:
         return AttentionPart.of(self.data["attention"])
-
-    @cached_property
-    def routing(self) -> RoutingPart:
-        return RoutingPart.of(self.data["routing"])
 
     @cached_property
     def experts(self) -> ExpertsPart:

@@ -161,7 +161,7 @@ def tensor_specs(cfg: MoeConfig, *, experts: bool = True) -> list[TensorSpec]:
             add(f"{m}.{router}.bias", (cfg.num_experts,), "bias")
         if layer in cfg.hash_layers:  # routed by token id: the table instead of a score bias
             add(f"{m}.gate.tid2eid", (cfg.vocab_size, cfg.num_experts_per_tok), "tid2eid")
-        elif cfg.topk_method == "noaux_tc":
+        elif cfg.routing.topk_method == "noaux_tc":
             on_block = cfg.spec.experts.bias_on_block
             add(f"{m}.{'' if on_block else 'gate.'}e_score_correction_bias", (cfg.num_experts,), "score_bias")
         for e in range(cfg.num_experts if experts else 0):

@@ -227,8 +227,8 @@ class HashGate(Tagged, nn.Module):
 
     def __init__(self, cfg: MoeConfig):
         super().__init__()
-        self.hidden_size, self.scoring = cfg.hidden_size, cfg.scoring_func
-        self.norm_topk_prob, self.scaling = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.hidden_size, self.scoring = cfg.hidden_size, cfg.routing.scoring_func
+        self.norm_topk_prob, self.scaling = cfg.routing.norm_topk_prob, cfg.routing.routed_scaling_factor
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         self.register_buffer("tid2eid", torch.zeros(cfg.vocab_size, cfg.num_experts_per_tok, dtype=torch.long))
 

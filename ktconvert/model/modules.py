@@ -695,12 +695,13 @@ class MoEGate(Tagged, nn.Module):
         self.top_k = cfg.num_experts_per_tok
         self.num_experts = cfg.num_experts
         self.hidden_size = cfg.hidden_size
-        self.method = cfg.topk_method
-        self.scoring = cfg.scoring_func
-        self.n_group, self.topk_group = cfg.n_group, cfg.topk_group
-        self.norm_topk_prob = cfg.norm_topk_prob
-        self.scaling = cfg.routed_scaling_factor
-        self.renorm_then_scale = cfg.spec.routing.renorm_then_scale
+        r = cfg.routing
+        self.method = r.topk_method
+        self.scoring = r.scoring_func
+        self.n_group, self.topk_group = r.n_group, r.topk_group
+        self.norm_topk_prob = r.norm_topk_prob
+        self.scaling = r.routed_scaling_factor
+        self.renorm_then_scale = r.renorm_then_scale
         self.weight = nn.Parameter(torch.zeros(cfg.num_experts, cfg.hidden_size))
         if self.method == "noaux_tc":
             self.register_buffer("e_score_correction_bias", torch.zeros(cfg.num_experts))
@@ -764,10 +765,10 @@ class SparseMoeBlock(Tagged, nn.Module):
     def __init__(self, cfg: MoeConfig):
         super().__init__()
         self.top_k = cfg.num_experts_per_tok
-        self.normalize = cfg.norm_topk_prob
+        self.normalize = cfg.routing.norm_topk_prob
         moe = cfg.spec.experts
-        self.weights_kind = cfg.spec.routing.weights
-        self.cast_back = not cfg.spec.routing.float32_weights
+        self.weights_kind = cfg.routing.weights
+        self.cast_back = not cfg.routing.float32_weights
         self.router_attr = moe.router_attr
         # ktransformers' families route with an nn.Linear; a family it lacks keeps transformers' plain module
         router = TopKRouter if moe.linear_router else LogitsRouter

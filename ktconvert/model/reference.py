@@ -83,7 +83,7 @@ class DecoderLayer(Tagged, nn.Module):
         elif layer_idx in cfg.moe_layers:
             # the spec's routing maths picks the block (DeepSeek's grouped routing with shared experts, or
             # softmax top-k), independently of the attention kind
-            logits_router = cfg.spec.routing.logits_router
+            logits_router = cfg.routing.logits_router
             block: nn.Module = SparseMoeBlock(cfg) if logits_router else DeepseekMoE(cfg)
         else:
             block = GatedMLP(cfg.hidden_size, cfg.intermediate_size, clamp=cfg.swiglu_clamp if cfg.dense_swiglu else None)

@@ -190,7 +190,7 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
         out[chans, :] = 0.0
     elif spec.kind == "embed":
         out = u.copy()
-        codes = token_codes(cfg.vocab_size, cfg.num_experts, cfg.n_group or 1)
+        codes = token_codes(cfg.vocab_size, cfg.num_experts, cfg.routing.groups)
         first, second, rest = _code_levels(family)
         levels = np.full((cfg.vocab_size, cfg.num_experts), rest)
         levels[np.arange(cfg.vocab_size), codes[:, 0]] = first
@@ -198,7 +198,7 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
         out[:, chans] = levels
     elif spec.kind == "router":
         layer = spec.name.split(".")[2]
-        perm = router_permutation(family, layer, cfg.num_experts, cfg.n_group or 1)
+        perm = router_permutation(family, layer, cfg.num_experts, cfg.routing.groups)
         out = ROUTER_NOISE * u
         gain = _router_gain(family)
         for j, ch in enumerate(chans):

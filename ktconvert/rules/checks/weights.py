@@ -38,8 +38,8 @@ def _params(node, tree: ModelTree) -> list[str]:
         return ["weight"]
     on_block = mc.spec.experts.bias_on_block
     if t.endswith("MoEGate"):
-        return ["weight", "e_score_correction_bias"] if mc.topk_method == "noaux_tc" and not on_block else ["weight"]
-    if on_block and mc.topk_method == "noaux_tc" and node.path.endswith(f".{mc.moe_block_name}") and not node.dense:
+        return ["weight", "e_score_correction_bias"] if mc.routing.topk_method == "noaux_tc" and not on_block else ["weight"]
+    if on_block and mc.routing.topk_method == "noaux_tc" and node.path.endswith(f".{mc.moe_block_name}") and not node.dense:
         return ["e_score_correction_bias"]  # the MoE block's own buffer (spec moe.score_bias: block)
     return []
 
