@@ -66,7 +66,7 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
         gname = m.gguf_name if m else None
         assert gname is not None, name
         if dict(m.transform).get("kv_b_split"):  # glm-dsa stores kv_b_proj only as attn_k_b / attn_v_b
-            nope, vdim, rank = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+            nope, vdim, rank = cfg.mla.qk_nope_head_dim, cfg.mla.v_head_dim, cfg.mla.kv_lora_rank
             kv = w.reshape(heads, nope + vdim, rank)
             tensors[gname] = (np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), "F32")
             tensors[gname.replace("attn_k_b", "attn_v_b")] = (np.ascontiguousarray(kv[:, nope:]), "F32")
@@ -89,7 +89,7 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
             tensors[gname] = (w, "F32")
             continue
         if split_kv_b and gname.endswith("attn_kv_b.weight"):
-            nope, vdim, rank = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+            nope, vdim, rank = cfg.mla.qk_nope_head_dim, cfg.mla.v_head_dim, cfg.mla.kv_lora_rank
             kv = w.reshape(heads, nope + vdim, rank)
             tensors[gname.replace("attn_kv_b", "attn_k_b")] = (np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), "F32")
             tensors[gname.replace("attn_kv_b", "attn_v_b")] = (np.ascontiguousarray(kv[:, nope:]), "F32")

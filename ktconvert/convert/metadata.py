@@ -75,9 +75,9 @@ _ARCH_KEYS = {
     "leading_dense_block_count": lambda w, c, n: w.add_leading_dense_block_count(min(c.moe_layers) if c.moe_layers else n),
     # 0: no q LoRA (V2-Lite style q_proj); llama.cpp requires the key
     "q_lora_rank": lambda w, c, n: w.add_q_lora_rank(c.q_lora_rank or 0),
-    "kv_lora_rank": lambda w, c, n: w.add_kv_lora_rank(c.kv_lora_rank),
-    "mla_key_length": lambda w, c, n: w.add_key_length(c.qk_nope_head_dim + c.qk_rope_head_dim),
-    "mla_value_length": lambda w, c, n: w.add_value_length(c.v_head_dim),
+    "kv_lora_rank": lambda w, c, n: w.add_kv_lora_rank(c.mla.kv_lora_rank),
+    "mla_key_length": lambda w, c, n: w.add_key_length(c.mla.qk_nope_head_dim + c.qk_rope_head_dim),
+    "mla_value_length": lambda w, c, n: w.add_value_length(c.mla.v_head_dim),
     "mla_rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.qk_rope_head_dim),
     "expert_shared_count": lambda w, c, n: w.add_expert_shared_count(c.n_shared_experts),
     "expert_weights_scale": lambda w, c, n: w.add_expert_weights_scale(c.routing.routed_scaling_factor),
@@ -104,10 +104,10 @@ _ARCH_KEYS = {
     "n_deepstack_layers": lambda w, c, n: w.add_num_deepstack_layers(len(
         (c.raw.get("vision_config") or {}).get("deepstack_visual_indexes") or ())),
     # llama.cpp's absorbed MLA (MQA over the latent): K = latent + rope, V = latent; then the decompressed heads
-    "mqa_key_length": lambda w, c, n: w.add_key_length(c.kv_lora_rank + c.qk_rope_head_dim),
-    "mqa_value_length": lambda w, c, n: w.add_value_length(c.kv_lora_rank),
-    "key_length_mla": lambda w, c, n: w.add_key_length_mla(c.qk_nope_head_dim + c.qk_rope_head_dim),
-    "value_length_mla": lambda w, c, n: w.add_value_length_mla(c.v_head_dim),
+    "mqa_key_length": lambda w, c, n: w.add_key_length(c.mla.kv_lora_rank + c.qk_rope_head_dim),
+    "mqa_value_length": lambda w, c, n: w.add_value_length(c.mla.kv_lora_rank),
+    "key_length_mla": lambda w, c, n: w.add_key_length_mla(c.mla.qk_nope_head_dim + c.qk_rope_head_dim),
+    "value_length_mla": lambda w, c, n: w.add_value_length_mla(c.mla.v_head_dim),
     # DSA indexer (GLM-5); llama.cpp reads indexer.types when written, else every layer runs its own indexer
     "indexer": lambda w, c, n: (w.add_indexer_head_count(c.indexer.n_heads), w.add_indexer_key_length(c.indexer.head_dim),
                                 w.add_indexer_top_k(c.indexer.topk),

@@ -43,6 +43,19 @@ class RopeSpec:
 
 
 @dataclass(frozen=True)
+class MlaDims:
+    """Multi-head latent attention (DeepSeek): the compressed KV latent and the per-head split of q / k / v. The
+    query latent (``q_lora_rank``) and the rotated width (``qk_rope_head_dim``) stay on :class:`MoeConfig`: the DSA
+    indexer and DeepSeek-V4's compressed MQA read them too."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+    latent_norm_eps: float = 1e-6  # the q_a / kv_a layernorms' eps (attention.latent_norm_eps)
+
+
+@dataclass(frozen=True)
 class LinearAttentionDims:
     """Gated DeltaNet linear-attention sizes (config keys ``linear_*``)."""
 
@@ -128,13 +141,9 @@ class MoeConfig:
     routing: Routing  # how a token picks and weighs its experts
     shared_expert_intermediate_size: int | None  # Qwen2-MoE gated shared expert
     n_shared_experts: int  # DeepSeek shared experts (intermediate = n * moe_intermediate_size)
-    # MLA (DeepSeek)
-    q_lora_rank: int | None = None
-    kv_lora_rank: int | None = None
-    qk_nope_head_dim: int | None = None
-    qk_rope_head_dim: int | None = None
-    v_head_dim: int | None = None
-    rope_interleave: bool = True
+    mla: MlaDims | None = None  # multi-head latent attention (spec attention.kind mla)
+    q_lora_rank: int | None = None  # the query latent (MLA, the DSA indexer, compressed MQA)
+    qk_rope_head_dim: int | None = None  # the rotated part of each head (MLA, compressed MQA)
     qk_norm: bool = False  # per-head q/k RMSNorm (the spec's qk_norm, or its qk_norm_key config switch)
     # sliding-window attention where a spec models it: the window and the layers that use it
     sliding_window: int | None = None
@@ -146,7 +155,6 @@ class MoeConfig:
     dense_swiglu: bool = False  # the dense MLP layers use the clamped activation too (moe.activation.dense)
     kda: KdaDims | None = None  # Kimi Delta Attention on the linear_attention layers (attention.linear_attention)
     hyper_connections: HyperConnectionDims | None = None  # config.hyper_connections
-    latent_norm_eps: float = 1e-6  # MLA's q_a / kv_a layernorms (attention.latent_norm_eps)
     dsa_shared_layers: tuple[int, ...] = ()  # attention layers reusing the previous layer's DSA selection
     # hybrid attention (spec attention.kind gated_deltanet_hybrid): each layer's kind, and the linear layers' dims
     layer_types: tuple[str, ...] = ()
@@ -333,13 +341,15 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     if mla:
         q_lora = g.opt("q_lora_rank")
         interleave_key = sp.section("attention").get("rope_interleave_key")
+        latent_eps = (float(g.opt("rms_norm_eps", defaults["rms_norm_eps"]))
+                      if attn_facts.get("latent_norm_eps") == "rms_norm_eps" else 1e-6)
         kwargs = dict(
             q_lora_rank=None if q_lora in (None, 0) else int(q_lora),
-            kv_lora_rank=g.int("kv_lora_rank"),
-            qk_nope_head_dim=g.int("qk_nope_head_dim"),
             qk_rope_head_dim=g.int("qk_rope_head_dim"),
-            v_head_dim=g.int("v_head_dim"),
-            rope_interleave=bool(g.opt(interleave_key, True)) if interleave_key else True,
+            mla=MlaDims(kv_lora_rank=g.int("kv_lora_rank"), qk_nope_head_dim=g.int("qk_nope_head_dim"),
+                        v_head_dim=g.int("v_head_dim"),
+                        rope_interleave=bool(g.opt(interleave_key, True)) if interleave_key else True,
+                        latent_norm_eps=latent_eps),
         )
         if sp.section("attention").get("dsa_indexer"):
             kwargs["indexer"] = _indexer(g, raw, layers, int(kwargs["qk_rope_head_dim"]), path,
@@ -348,8 +358,6 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
             if kwargs["q_lora_rank"] is None:
                 raise InputError("the DSA indexer reads the q LoRA latent: q_lora_rank must be set", path=path,
                                  where="q_lora_rank")
-        if attn_facts.get("latent_norm_eps") == "rms_norm_eps":
-            kwargs["latent_norm_eps"] = float(g.opt("rms_norm_eps", defaults["rms_norm_eps"]))
         if kv_heads != heads:
             raise InputError(
                 f"MLA expands keys per attention head: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads})",

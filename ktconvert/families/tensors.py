@@ -101,7 +101,8 @@ def tensor_specs(cfg: MoeConfig, *, experts: bool = True) -> list[TensorSpec]:
         elif cfg.compressed is not None:
             _compressed_specs(cfg, a, layer, add)
         elif cfg.is_mla:
-            qk = cfg.qk_nope_head_dim + cfg.qk_rope_head_dim
+            mla = cfg.mla
+            qk = mla.qk_nope_head_dim + cfg.qk_rope_head_dim
             nh = cfg.num_attention_heads
             if cfg.q_lora_rank is None:
                 add(f"{a}.q_proj.weight", (nh * qk, h), "linear")
@@ -109,10 +110,10 @@ def tensor_specs(cfg: MoeConfig, *, experts: bool = True) -> list[TensorSpec]:
                 add(f"{a}.q_a_proj.weight", (cfg.q_lora_rank, h), "linear")
                 add(f"{a}.q_a_layernorm.weight", (cfg.q_lora_rank,), "norm")
                 add(f"{a}.q_b_proj.weight", (nh * qk, cfg.q_lora_rank), "linear")
-            add(f"{a}.kv_a_proj_with_mqa.weight", (cfg.kv_lora_rank + cfg.qk_rope_head_dim, h), "linear")
-            add(f"{a}.kv_a_layernorm.weight", (cfg.kv_lora_rank,), "norm")
-            add(f"{a}.kv_b_proj.weight", (nh * (cfg.qk_nope_head_dim + cfg.v_head_dim), cfg.kv_lora_rank), "linear")
-            add(f"{a}.o_proj.weight", (h, nh * cfg.v_head_dim), "out_linear")
+            add(f"{a}.kv_a_proj_with_mqa.weight", (mla.kv_lora_rank + cfg.qk_rope_head_dim, h), "linear")
+            add(f"{a}.kv_a_layernorm.weight", (mla.kv_lora_rank,), "norm")
+            add(f"{a}.kv_b_proj.weight", (nh * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank), "linear")
+            add(f"{a}.o_proj.weight", (h, nh * mla.v_head_dim), "out_linear")
             if cfg.indexer is not None and layer not in cfg.dsa_shared_layers:  # a shared layer has no indexer
                 d, ix = cfg.indexer, f"{a}.indexer"
                 add(f"{ix}.wq_b.weight", (d.n_heads * d.head_dim, cfg.q_lora_rank), "linear")

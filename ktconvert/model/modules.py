@@ -404,8 +404,9 @@ class MLAttention(Tagged, nn.Module):
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads = nh
         self.q_lora_rank = cfg.q_lora_rank
-        self.kv_lora_rank = cfg.kv_lora_rank
-        self.nope, self.rope_dim, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
+        mla = cfg.mla
+        self.kv_lora_rank = mla.kv_lora_rank
+        self.nope, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, cfg.qk_rope_head_dim, mla.v_head_dim
         self.qk_head_dim = self.nope + self.rope_dim
         bias = cfg.attention_bias_on
         if self.q_lora_rank is None:
@@ -414,15 +415,15 @@ class MLAttention(Tagged, nn.Module):
             self.q_a_proj = nn.Linear(h, self.q_lora_rank, bias="q_a_proj" in bias)
             # DeepSeek's modeling code builds both latent norms with the default eps (1e-6), GLM-5-Next with
             # rms_norm_eps (the spec's attention.latent_norm_eps)
-            self.q_a_layernorm = RMSNorm(self.q_lora_rank, cfg.latent_norm_eps)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, mla.latent_norm_eps)
             self.q_b_proj = nn.Linear(self.q_lora_rank, nh * self.qk_head_dim, bias=False)
         self.kv_a_proj_with_mqa = nn.Linear(h, self.kv_lora_rank + self.rope_dim, bias="kv_a_proj_with_mqa" in bias)
-        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, cfg.latent_norm_eps)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, mla.latent_norm_eps)
         self.kv_b_proj = nn.Linear(self.kv_lora_rank, nh * (self.nope + self.v_dim), bias=False)
         self.o_proj = nn.Linear(nh * self.v_dim, h, bias="o_proj" in bias)
         # NoPE MLA (GLM-5-Next: qk_rope_head_dim 0) has no rotary module upstream
         self.rotary_emb = RotaryEmbedding(cfg.rope) if self.rope_dim else None
-        self.interleave = cfg.rope_interleave
+        self.interleave = mla.rope_interleave
         self.complex_rope = cfg.spec.attention.complex_rope  # transformers 5 V2 ignores rope_interleave
         self.scaling = softmax_scale(self.qk_head_dim, cfg.rope)
         indexer = DsaKPoolIndexer if cfg.indexer is not None and cfg.indexer.kpool else DsaIndexer

@@ -235,7 +235,7 @@ class WeightSource:
         if k_name in missing or v_name in missing:
             raise _missing(self.path, missing, f"tensor for {name}")
         cfg = self.cfg
-        heads, nope, vdim, rank = cfg.num_attention_heads, cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.kv_lora_rank
+        heads, nope, vdim, rank = cfg.num_attention_heads, cfg.mla.qk_nope_head_dim, cfg.mla.v_head_dim, cfg.mla.kv_lora_rank
         k_b = self._read_gguf(k_name).reshape(heads, rank, nope).transpose(0, 2, 1)
         v_b = self._read_gguf(v_name).reshape(heads, vdim, rank)
         return np.concatenate([k_b, v_b], axis=1).reshape(heads * (nope + vdim), rank)
