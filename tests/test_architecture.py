@@ -17,7 +17,7 @@ PKG = Path(__file__).resolve().parents[1] / "ktconvert"
 #: A package may import only packages on a lower floor (same floor: never). ``__init__``/``__main__``/``demo``
 #: are the top-level modules.
 FLOORS = {
-    "errors": 0, "optional": 1, "io": 1,
+    "errors": 0, "diagnostics": 0, "optional": 1, "io": 1,
     "families": 2, "quant": 2, "cluster": 2,
     "formats": 3,
     "rules": 4,
@@ -149,6 +149,9 @@ def _definitions(pattern: str) -> list[str]:
     ("a safetensors dtype table", r'"BF16"\s*:\s*(\d|np\.|torch\.)|\("BF16",\s*16,|torch\.bfloat16\s*:', ["ktconvert/io/dtypes.py"]),
     ("a file sha256", r"def \w*sha256\w*\(path", ["ktconvert/io/atomic.py"]),
     ("an optional-dependency import guard", r"except ImportError.*:\n\s*(top|raise)", ["ktconvert/optional.py"]),
+    # a scan's tally (kind, tensor, expert, count) is a measurement inspect turns into Diagnostics: see layout.md
+    ("a finding or problem record", r"^@dataclass.*\nclass \w*(Finding|Problem|Diagnostic|Issue)\b",
+     ["ktconvert/diagnostics.py", "ktconvert/formats/scan.py"]),
 ])
 def test_infrastructure_is_defined_once(what, pattern, home):
     assert _definitions(pattern) == home, f"{what} is defined outside {home}"

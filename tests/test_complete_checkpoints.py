@@ -28,7 +28,7 @@ def test_every_family_tiny_model_is_complete_and_each_tensor_required(tiny_root,
     """Each family's tiny model passes; taking away any one of its non-expert tensors is caught."""
     ck = open_checkpoint(tiny_root / family)
     rep = detect_layout(ck)
-    assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
+    assert not [p for p in rep.all_problems if p.id == "missing-tensor"], rep.all_problems
     others = [n for n, m in rep.matches.items() if m.group not in _EXPERTS]
     assert others and missing_tensors(ck.config, rep.arch, rep.matches) == []
     for name in others:
@@ -69,7 +69,7 @@ def test_tied_head_not_required(tiny_root, tmp_path):
     cfg["tie_word_embeddings"] = True
     (src / "config.json").write_text(json.dumps(cfg))
     rep = detect_layout(open_checkpoint(src))
-    assert not [p for p in rep.all_problems if p.kind == "missing-tensor"]
+    assert not [p for p in rep.all_problems if p.id == "missing-tensor"]
 
 
 def test_gguf_missing_norm_refused_with_config(tiny_root, tmp_path):

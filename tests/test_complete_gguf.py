@@ -93,7 +93,7 @@ def test_gguf_alone_complete_and_each_everywhere_tensor_required(ggufs, family):
     ck = open_checkpoint(path)
     assert ck.config is None
     rep = detect_layout(ck)
-    assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
+    assert not [p for p in rep.all_problems if p.id == "missing-tensor"], rep.all_problems
     n = rep.dims.n_layers
     assert n and n == rep.n_layers
     required = _required(rep)
@@ -142,7 +142,7 @@ def test_gguf_alone_output_head_not_required(ggufs, tmp_path):
     """A GGUF without output.weight is a tied model to llama.cpp (it reads token_embd): not refused."""
     cut = _without(ggufs("qwen3_moe"), tmp_path / "cut.gguf", "output.weight")
     rep = detect_layout(open_checkpoint(cut))
-    assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
+    assert not [p for p in rep.all_problems if p.id == "missing-tensor"], rep.all_problems
 
 
 # the families whose tiny model the pinned convert_hf_to_gguf.py converts (the others: its tokenizer or config
@@ -177,7 +177,7 @@ def test_llamacpp_converter_gguf_alone(tiny_root, tmp_path, family):
     ck = open_checkpoint(theirs)
     assert ck.config is None
     rep = detect_layout(ck)
-    assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
+    assert not [p for p in rep.all_problems if p.id == "missing-tensor"], rep.all_problems
     experts = {ly.layer for ly in rep.layers if ly.layout}
     for name in sorted(_required(rep)):
         without = {k: v for k, v in rep.matches.items() if k != name}
@@ -199,8 +199,8 @@ def test_gguf_alone_mtp_layers_not_required(ggufs, tmp_path):
     mtp = _rewrite(src, tmp_path / "mtp.gguf", kv={"qwen3moe.block_count": n + 1, "qwen3moe.nextn_predict_layers": 1})
     rep = detect_layout(open_checkpoint(mtp))
     assert rep.dims.n_mtp_layers == 1
-    assert not [p for p in rep.all_problems if p.kind == "missing-tensor"], rep.all_problems
+    assert not [p for p in rep.all_problems if p.id == "missing-tensor"], rep.all_problems
     more = _rewrite(src, tmp_path / "more.gguf", kv={"qwen3moe.block_count": n + 1})
     rep = detect_layout(open_checkpoint(more))
-    assert [p.tensors for p in rep.all_problems if p.kind == "missing-tensor"] == \
+    assert [p.extra["tensors"] for p in rep.all_problems if p.id == "missing-tensor"] == \
         [(f"blk.{n}.attn_norm.weight", f"blk.{n}.ffn_norm.weight")], rep.all_problems

@@ -34,7 +34,7 @@ def _variant(src, dst, drop=(), add=None, config=None):
 
 
 def _kinds(report, severity=None):
-    return [p.kind for p in report.all_problems if severity is None or p.severity == severity]
+    return [p.id for p in report.all_problems if severity is None or p.severity == severity]
 
 
 @pytest.mark.parametrize("model_type", sorted(FAMILIES))
@@ -83,7 +83,7 @@ def test_gguf_legacy_split_experts_and_split_set(root):
     for ly in rep.layers:
         assert (ly.layout, ly.n_experts, ly.intermediate, ly.hidden) == ("gguf-split", 4, I, H)
         assert ly.projections["gate"].ne == (H, I) and len(ly.projections["gate"].tensors) == 4
-    legacy = [p for p in rep.problems if p.kind == "legacy-layout"]
+    legacy = [p for p in rep.problems if p.id == "legacy-layout"]
     assert legacy[0].severity == "warning" and "3 layer(s)" in legacy[0].message and "b3990" in legacy[0].message
     rep = detect_layout(open_checkpoint(gguf_from_hf(root, "qwen3_moe", split_max_tensors=12)))
     assert [(ly.layout, ly.n_experts, ly.intermediate, ly.hidden) for ly in rep.layers] == [("gguf-merged", 8, I, H)] * 3
@@ -129,7 +129,7 @@ def test_h_equals_2i_is_decided_by_down_proj(tmp_path):
 def test_without_down_proj_config_decides_or_it_is_reported_ambiguous(tmp_path):
     rep = detect_layout(open_checkpoint(_fused_dir(tmp_path, "a", (4, 48, 64))))
     assert rep.layers[0].orientation == "ambiguous" and rep.layers[0].intermediate is None
-    amb = [p for p in rep.all_problems if p.kind == "ambiguous-orientation"]
+    amb = [p for p in rep.all_problems if p.id == "ambiguous-orientation"]
     assert amb and "pass --config" in amb[0].message
     cfg = {"hidden_size": 64, "moe_intermediate_size": 24, "num_experts": 4}
     ly = detect_layout(open_checkpoint(_fused_dir(tmp_path, "b", (4, 48, 64), config=cfg))).layers[0]
@@ -168,7 +168,7 @@ def test_kt_amx_missing_blob(root, tmp_path):
     save_file(tensors, shard)
     (d / "model.safetensors.index.json").write_text(json.dumps(idx))
     rep = detect_layout(open_checkpoint(d))
-    msgs = [p.message for p in rep.all_problems if p.kind == "missing-experts"]
+    msgs = [p.message for p in rep.all_problems if p.id == "missing-experts"]
     assert msgs == ["layer 1 up: 1 of 8 (expert, NUMA part) scale blobs missing"]
     assert rep.layer(2).quant == "AMXINT4" and not [p for p in rep.layer(2).problems]
 
@@ -179,11 +179,11 @@ def test_missing_extra_and_unequal_experts(root, tmp_path):
                  add={"model.layers.2.mlp.experts.8.up_proj.weight": np.zeros((I, H), np.float32),
                       "model.layers.0.mlp.experts.2.up_proj.weight": np.zeros((I + 1, H), np.float32)})
     rep = detect_layout(open_checkpoint(d))
-    probs = {(p.kind, p.layer): p for p in rep.all_problems}
+    probs = {(p.id, p.extra["layer"]): p for p in rep.all_problems}
     assert "1 of 8 experts missing (3)" in probs[("missing-experts", 1)].message
-    assert probs[("extra-experts", 2)].tensors == ("model.layers.2.mlp.experts.8.up_proj.weight",)
+    assert probs[("extra-experts", 2)].extra["tensors"] == ("model.layers.2.mlp.experts.8.up_proj.weight",)
     odd = probs[("unequal-expert-shapes", 0)]
-    assert odd.tensors == ("model.layers.0.mlp.experts.2.up_proj.weight",) and "[25, 64]" in odd.message
+    assert odd.extra["tensors"] == ("model.layers.0.mlp.experts.2.up_proj.weight",) and "[25, 64]" in odd.message
     assert all(p.severity == "error" for p in (probs[("missing-experts", 1)], odd))
 
 
@@ -193,11 +193,11 @@ def test_layer_without_experts_and_config_mismatch(root, tmp_path):
     d = _variant(src, tmp_path / "v", drop=drop)
     rep = detect_layout(open_checkpoint(d))
     assert rep.layer(2).layout is None
-    assert any(p.kind == "missing-experts" and p.layer == 2 and "MoE layer" in p.message for p in rep.all_problems)
+    assert any(p.id == "missing-experts" and p.extra["layer"] == 2 and "MoE layer" in p.message for p in rep.all_problems)
     rep = detect_layout(open_checkpoint(src), config={"model_type": "deepseek_v3", "hidden_size": 128,
                                                       "moe_intermediate_size": I, "n_routed_experts": 8,
                                                       "num_hidden_layers": 3, "first_k_dense_replace": 1})
-    msgs = [p.message for p in rep.all_problems if p.kind == "config-mismatch"]
+    msgs = [p.message for p in rep.all_problems if p.id == "config-mismatch"]
     assert msgs == ["layer 1: H (hidden size) is 64 but config says 128", "layer 2: H (hidden size) is 64 but config says 128"]
 
 
@@ -209,12 +209,12 @@ def test_mixed_layouts_within_and_across_layers(root, tmp_path):
     d = _variant(hf_checkpoint(root, "qwen3_moe", "split"), tmp_path / "across", drop=drop, add=add)
     rep = detect_layout(open_checkpoint(d))
     assert [ly.layout for ly in rep.layers] == ["hf-split", "hf-split", "hf-fused"]
-    assert any(p.kind == "mixed-layouts" and "hf-fused in 1 layer(s), hf-split in 2" in p.message for p in rep.problems)
+    assert any(p.id == "mixed-layouts" and "hf-fused in 1 layer(s), hf-split in 2" in p.message for p in rep.problems)
     add = {n: np.asarray(fused.read(n)) for n in fused if ".layers.1.mlp.experts.down_proj" in n}
     d = _variant(hf_checkpoint(root, "qwen3_moe", "split"), tmp_path / "within", add=add)
     rep = detect_layout(open_checkpoint(d))
     assert rep.layer(1).layout == "mixed"
-    assert any(p.kind == "mixed-layouts" and p.layer == 1 for p in rep.all_problems)
+    assert any(p.id == "mixed-layouts" and p.extra["layer"] == 1 for p in rep.all_problems)
 
 
 def test_mtp_layer_and_unknown_tensors(root, tmp_path):
@@ -224,14 +224,14 @@ def test_mtp_layer_and_unknown_tensors(root, tmp_path):
     add["some.vendor.extra"] = np.zeros(3, np.float32)
     rep = detect_layout(open_checkpoint(_variant(src, tmp_path / "v", add=add)))
     assert rep.layer(3).layout == "hf-split"
-    assert any(p.kind == "extra-layer" and p.layer == 3 and p.severity == "info" for p in rep.all_problems)
+    assert any(p.id == "extra-layer" and p.extra["layer"] == 3 and p.severity == "info" for p in rep.all_problems)
     assert rep.unknown == ("some.vendor.extra",)
 
 
 def test_row_length_note_depends_on_the_dims(tmp_path):
     d = _fused_dir(tmp_path, "k", (2, 512, 256), (2, 256, 256))
-    assert [p.kind for p in detect_layout(open_checkpoint(d)).all_problems] == []
+    assert [p.id for p in detect_layout(open_checkpoint(d)).all_problems] == []
     d = _fused_dir(tmp_path, "q", (2, 64, 256), (2, 256, 32))
-    rows = [p for p in detect_layout(open_checkpoint(d)).all_problems if p.kind == "row-length"]
+    rows = [p for p in detect_layout(open_checkpoint(d)).all_problems if p.id == "row-length"]
     assert rows[0].severity == "info"
     assert rows[0].message == "row length I=32 (down rows) is not a multiple of 256: K-quants (Q2_K..Q6_K) cannot hold it"

@@ -162,16 +162,16 @@ def test_llamafile_refuses_q4_1_before_loading_and_a_forced_load_is_one_clear_cr
 
 
 def test_refusals_are_pure_checks():
-    assert shape_problems("LLAMAFILE", hidden=256, inter=384)[0].what.startswith("LLAMAFILE needs I % 256 == 0")
-    assert "I / 256 >= threadpool count" in shape_problems("LLAMAFILE", hidden=256, inter=256, parts=2)[0].what
+    assert shape_problems("LLAMAFILE", hidden=256, inter=384)[0].message.startswith("LLAMAFILE needs I % 256 == 0")
+    assert "I / 256 >= threadpool count" in shape_problems("LLAMAFILE", hidden=256, inter=256, parts=2)[0].message
     assert shape_problems("LLAMAFILE", hidden=256, inter=512, parts=2) == []
-    assert "(I / threadpools) % 64" in shape_problems("AMXINT8", hidden=256, inter=192, parts=2)[0].what
-    assert "H % 128" in shape_problems("AMXINT4", hidden=192, inter=256)[0].what
-    assert "I % threadpools" in shape_problems("AMXINT8", hidden=256, inter=256, parts=3)[0].what
+    assert "(I / threadpools) % 64" in shape_problems("AMXINT8", hidden=256, inter=192, parts=2)[0].message
+    assert "H % 128" in shape_problems("AMXINT4", hidden=192, inter=256)[0].message
+    assert "I % threadpools" in shape_problems("AMXINT8", hidden=256, inter=256, parts=3)[0].message
     assert shape_problems("AMXINT4", hidden=256, inter=256, parts=2) == []
-    assert "aborts" in type_problems("LLAMAFILE", {"gate": "Q5_1"})[0].what  # the measured table
-    assert "computes wrong results on IQ4_XS" in type_problems("LLAMAFILE", {"gate": "IQ4_XS"})[0].what
-    assert "has not been measured on Q8_K" in type_problems("LLAMAFILE", {"gate": "Q8_K"})[0].what
+    assert "aborts" in type_problems("LLAMAFILE", {"gate": "Q5_1"})[0].message  # the measured table
+    assert "computes wrong results on IQ4_XS" in type_problems("LLAMAFILE", {"gate": "IQ4_XS"})[0].message
+    assert "has not been measured on Q8_K" in type_problems("LLAMAFILE", {"gate": "Q8_K"})[0].message
     assert "to Q4_0," in type_problems("LLAMAFILE", {"down": "IQ4_NL"}, {"down": 288})[0].fix  # rows of 288
     assert type_problems("LLAMAFILE", {"gate": "Q4_K", "up": "Q8_0", "down": "Q6_K"}) == []
 

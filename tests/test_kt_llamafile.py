@@ -45,8 +45,8 @@ def test_shipped_table_is_valid_and_says_where_it_was_measured():
     measured = set.union(*(set(m["types"]) for m in ms))
     assert set(WRITABLE) <= measured  # every type ktconvert writes has a verdict
     assert {"Q4_K", "Q8_0", "BF16"} <= set(kt_llamafile.runnable())
-    assert kt_llamafile.problem("Q4_1").what.startswith("kt-kernel 0.7.2's LLAMAFILE aborts the process on Q4_1")
-    assert kt_llamafile.problem("IQ4_NL", 256).alternative == "Q4_K"
+    assert kt_llamafile.problem("Q4_1").message.startswith("kt-kernel 0.7.2's LLAMAFILE aborts the process on Q4_1")
+    assert kt_llamafile.problem("IQ4_NL", 256).extra["alternative"] == "Q4_K"
 
 
 def test_closest_type_loses_no_bits_fits_the_rows_and_breaks_ties_on_measured_error(tmp_path):
@@ -59,8 +59,8 @@ def test_closest_type_loses_no_bits_fits_the_rows_and_breaks_ties_on_measured_er
     assert kt_llamafile.closest("F16", 256, t) == "Q8_0"  # nothing at or above 16 bpw runs: the most bits below
     assert kt_llamafile.closest("IQ4_NL", 7, t) is None
     p = kt_llamafile.problem("IQ4_NL", 7, t)
-    assert p.alternative is None and "holds rows of 7" in p.fix
-    assert "has not been measured on Q6_K" in kt_llamafile.problem("Q6_K", 256, t).what
+    assert p.extra["alternative"] is None and "holds rows of 7" in p.fix
+    assert "has not been measured on Q6_K" in kt_llamafile.problem("Q6_K", 256, t).message
 
 
 def test_a_type_failing_on_one_variant_is_refused_naming_that_variant(tmp_path):
@@ -68,7 +68,7 @@ def test_a_type_failing_on_one_variant_is_refused_naming_that_variant(tmp_path):
                                      _entry("amx", {"Q4_K": ("aborts", 0.12), "Q8_0": ("runs", 0.01)})])
     assert kt_llamafile.runnable(t) == ["Q8_0"]
     p = kt_llamafile.problem("Q4_K", 256, t)
-    assert "aborts the process on Q4_K weights (measured on its amx variant" in p.what and p.alternative == "Q8_0"
+    assert "aborts the process on Q4_K weights (measured on its amx variant" in p.message and p.extra["alternative"] == "Q8_0"
 
 
 def test_a_hostile_table_is_one_line_naming_the_file_and_place(tmp_path):

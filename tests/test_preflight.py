@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from ktconvert import families
 from ktconvert.cli import cli
-from ktconvert.preflight import Launch, parse_command, preflight
+from ktconvert.preflight import Launch, finding_line, parse_command, preflight
 
 E, H, I = 8, 256, 256  # the tiny qwen3_moe model: layers 0 and 1 are MoE
 
@@ -71,7 +71,7 @@ def test_correct_launches_have_no_finding_and_take_under_a_second(env):
                dict(weight_path=str(env["int4"]), method="AMXINT4"),
                dict(weight_path=str(env["Q8_0"]), method="LLAMAFILE", threadpools="1", cpuinfer="1")):
         report = run(env, **kw)
-        assert report.findings == [], [f.line() for f in report.findings]
+        assert report.findings == [], [finding_line(f) for f in report.findings]
         assert report.passed and report.seconds < 1.0
 
 

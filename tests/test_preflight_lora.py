@@ -13,7 +13,7 @@ from click.testing import CliRunner
 from ktconvert.cli import cli
 from ktconvert.convert import convert
 from ktconvert.convert.lora import convert_lora
-from ktconvert.preflight import Launch, parse_command, preflight
+from ktconvert.preflight import Launch, finding_line, parse_command, preflight
 from lora_helpers import fused, raw_dir
 
 TINY = {"e": 8, "h": 256, "i": 256, "layers": (0, 1)}  # the tiny qwen3_moe
@@ -47,7 +47,7 @@ def test_correct_lora_launches_have_no_finding(env):
     for kw in (dict(expert_lora_path=str(env["expert"])), dict(lora_paths=[f"a={env['merged']}"]),
                dict(expert_lora_path=str(env["expert"]), max_running_requests=None)):
         r = run(env, **kw)
-        assert r.findings == [], [f.line() for f in r.findings]
+        assert r.findings == [], [finding_line(f) for f in r.findings]
         assert r.seconds < 1.0, r.seconds  # adapter values read, tree hashed: still under a second
 
 
@@ -90,8 +90,8 @@ def test_a_finding_about_a_flag_s_adapter_names_the_flag_then_the_path(env, kw, 
     path = next(iter(kw.values()))
     path = (path[0] if isinstance(path, list) else path).split("=", 1)[-1]
     found = [f for f in run(env, **kw).findings if f.id == expect]
-    assert len(found) == 1, [f.line() for f in run(env, **kw).findings]
-    assert found[0].where == flag and found[0].line().startswith(f"error {expect} {flag}: {path} "), found[0].line()
+    assert len(found) == 1, [finding_line(f) for f in run(env, **kw).findings]
+    assert found[0].where == flag and finding_line(found[0]).startswith(f"error {expect} {flag}: {path} "), finding_line(found[0])
 
 def test_llamafile_has_no_sft_path(env, tiny_root, tmp_path):
     convert(env["model"], tmp_path / "q8", type="Q8_0")
@@ -131,7 +131,7 @@ def test_adapter_content_against_the_model(env, tmp_path, case, expect):
         cfg["use_rslora"] = True
     cfg_path.write_text(json.dumps(cfg))
     r = run(env, expert_lora_path=str(d))
-    lines = [f.line() for f in r.findings]
+    lines = [finding_line(f) for f in r.findings]
     assert any(expect in x and "exp/" in x for x in lines), lines
 
 

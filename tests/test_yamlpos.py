@@ -15,7 +15,7 @@ def test_positions_of_values_and_keys():
 def test_duplicate_keys_are_reported_not_silently_dropped():
     loaded = yamlpos.load_text("a: 1\nb: 2\na: 3\n")
     (problem,) = loaded.problems
-    assert problem.code == "KT102" and (problem.line, problem.col) == (3, 1)
+    assert problem.id == "KT102" and (problem.line, problem.col) == (3, 1)
     assert "first at line 1" in problem.message
 
 

@@ -37,6 +37,7 @@ def command(ctx, src, out, to, expert_only, base_model, base_config, base_name, 
     Exit codes: 0 done, 2 usage error, 3 input error or refused adapter (nothing written).
     """
     from ktconvert.convert.lora import convert_lora
+    from ktconvert.convert.lora_checks import finding_dict, finding_line
 
     r = convert_lora(src, out, base_config=base_model or base_config, lora_alpha=lora_alpha, to=to,
                      expert_only=expert_only, base_model_name=base_name, force=force, allow_nonfinite=allow_nonfinite)
@@ -44,10 +45,10 @@ def command(ctx, src, out, to, expert_only, base_model, base_config, base_name, 
     if fmt == "json":
         click.echo(json.dumps({"direction": r.direction, "form": r.form, "out": str(r.out), "files": r.files,
                                "rank": r.rank, "alpha": r.alpha, "layers": r.layers, "experts": r.experts,
-                               "findings": [f.as_dict() for f in r.findings], "notes": r.notes}, indent=2))
+                               "findings": [finding_dict(f) for f in r.findings], "notes": r.notes}, indent=2))
         return
     for f in r.findings:
-        click.echo(f"ktconvert: {f.severity}: {f.line()}", err=True)
+        click.echo(f"ktconvert: {f.severity}: {finding_line(f)}", err=True)
     if obj.get("verbosity", 1) > 0:
         if r.direction == "none":
             click.echo(r.notes[0])

@@ -6,7 +6,7 @@ import json
 
 import click
 
-from ktconvert.preflight import Launch, parse_command, preflight
+from ktconvert.preflight import Launch, finding_line, parse_command, preflight
 
 
 @click.command("preflight", context_settings={"ignore_unknown_options": False})
@@ -62,7 +62,7 @@ def command(ctx, model_path, kt_weight_path, kt_method, kt_cpuinfer, kt_threadpo
         click.echo(json.dumps(report.as_dict(), indent=2))
     else:
         for f in report.findings:
-            click.echo(f.line())
+            click.echo(finding_line(f))
         d = report.as_dict()
         verdict = "OK" if report.passed else "FAIL"
         click.echo(f"{verdict}: {d['counts']['error']} error(s), {d['counts']['warning']} warning(s) "

@@ -26,9 +26,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ktconvert.convert.lora_checks import ERROR, LoraFinding, check_adapter, resolve_alpha
+from ktconvert.convert.lora_checks import check_adapter, finding, resolve_alpha
 from ktconvert.convert.lora_read import (CONFIG_FILE, FUSED_FILE, MANIFEST_FILE, PEFT_FILE, PROJS, Adapter,
                                          native_format, read_adapter)
+from ktconvert.diagnostics import ERROR, WARNING, Diagnostic
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats import ModelDims, dims_from_hf_config
 from ktconvert.formats.config import load_config
@@ -48,7 +49,7 @@ TARGETS = ("sglang", "kt")
 class LoraRefused(InputError):
     """The adapter failed a check; ``findings`` holds every finding, the message the first error."""
 
-    def __init__(self, findings: list[LoraFinding], where: str):
+    def __init__(self, findings: list[Diagnostic], where: str):
         self.findings = findings
         errors = [f for f in findings if f.severity == ERROR]
         first = errors[0]
@@ -68,7 +69,7 @@ class LoraResult:
     experts: int
     form: str = ""
     alpha: float | None = None
-    findings: list[LoraFinding] = field(default_factory=list)
+    findings: list[Diagnostic] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
 
 
@@ -124,9 +125,9 @@ def convert_lora(src: str | Path, out: str | Path, *, base_config=None, lora_alp
     with claim_output(out, inputs=[src], force=force):
         if target == "sglang":
             if not ad.others and not expert_only:
-                found.append(LoraFinding("warning", "adapter_model.safetensors", "no non-expert tensors: sglang-kt "
-                                         "refuses this merged adapter through --lora-paths", "serve it with "
-                                         "--expert-only output and --kt-expert-lora-path"))
+                found.append(finding(WARNING, "adapter_model.safetensors", "no non-expert tensors: sglang-kt "
+                                     "refuses this merged adapter through --lora-paths", "serve it with "
+                                     "--expert-only output and --kt-expert-lora-path"))
             files = _write_sglang(ad, out, alpha, name, expert_only, force)
             direction = f"{ad.form}->sglang-{'expert-only' if expert_only else 'merged'}"
         else:
@@ -152,22 +153,22 @@ def _native(src: Path, out: Path, man: dict) -> LoraResult:
     lora = man.get("lora") if isinstance(man.get("lora"), dict) else {}
     found = []
     if man.get("version") != 1 or man.get("status") != "ready":
-        found.append(LoraFinding(ERROR, f"{MANIFEST_FILE}:status", f"version {man.get('version')!r}, status "
-                                 f"{man.get('status')!r}; sglang-kt accepts version 1, ready", "export it again"))
+        found.append(finding(ERROR, f"{MANIFEST_FILE}:status", f"version {man.get('version')!r}, status "
+                             f"{man.get('status')!r}; sglang-kt accepts version 1, ready", "export it again"))
     if lora != {"rank": 8, "alpha": 16.0}:
-        found.append(LoraFinding(ERROR, f"{MANIFEST_FILE}:lora", f"{lora}; sglang-kt's DeepSeek-V4 adapter path takes "
-                                 "exactly rank 8, alpha 16.0", "retrain with r=8, lora_alpha=16"))
+        found.append(finding(ERROR, f"{MANIFEST_FILE}:lora", f"{lora}; sglang-kt's DeepSeek-V4 adapter path takes "
+                             "exactly rank 8, alpha 16.0", "retrain with r=8, lora_alpha=16"))
     arts = man.get("artifacts") if isinstance(man.get("artifacts"), dict) else {}
     want = {CONFIG_FILE, PEFT_FILE, FUSED_FILE}
     if set(arts) != want:
-        found.append(LoraFinding(ERROR, f"{MANIFEST_FILE}:artifacts", f"lists {sorted(arts)}, sglang-kt wants exactly "
-                                 f"{sorted(want)}", "export it again"))
+        found.append(finding(ERROR, f"{MANIFEST_FILE}:artifacts", f"lists {sorted(arts)}, sglang-kt wants exactly "
+                             f"{sorted(want)}", "export it again"))
     for name, rec in sorted(arts.items()):
         p = src / name
         if not isinstance(rec, dict) or not p.is_file() or rec.get("size") != p.stat().st_size \
                 or rec.get("sha256") != sha256_file(p):
-            found.append(LoraFinding(ERROR, f"{MANIFEST_FILE}:artifacts.{name}", "missing, or its size or sha256 "
-                                     "differs from the file", "copy the directory again"))
+            found.append(finding(ERROR, f"{MANIFEST_FILE}:artifacts.{name}", "missing, or its size or sha256 "
+                                 "differs from the file", "copy the directory again"))
             break
     if found:
         raise LoraRefused(found, str(src))

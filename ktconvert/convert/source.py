@@ -89,18 +89,19 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                          fix="pass --config with the model's config.json")
     nm = naming_map(report.arch)
     # the place is the layer; a message that starts by naming it again loses that start
-    errors = [(p.message.removeprefix(f"layer {p.layer}: "), f"layer {p.layer}") if p.layer is not None
+    errors = [(p.message.removeprefix(f"layer {p.extra['layer']}: "), f"layer {p.extra['layer']}")
+              if p.extra["layer"] is not None
               else (p.message, None)
               for p in report.all_problems
-              if p.severity == "error" or p.kind == "ambiguous-orientation"]
+              if p.severity == "error" or p.id == "ambiguous-orientation"]
     if errors:
         raise _fail(errors, shown, "ktconvert inspect shows the layout problems; fix or re-download the checkpoint")
     kt = "kt-amx" in report.layouts
 
     model_type = report.dims.model_type
     n_layers = report.dims.n_layers or report.n_layers
-    notes = [f"{p.kind}: {p.message}" for p in report.all_problems
-             if p.severity == "warning" and p.kind != "ambiguous-orientation"]
+    notes = [f"{p.id}: {p.message}" for p in report.all_problems
+             if p.severity == "warning" and p.id != "ambiguous-orientation"]
     skipped: list[str] = []
     outside_lm: list[str] = []
     spec = families.find(model_type)

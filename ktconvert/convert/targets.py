@@ -36,9 +36,9 @@ def check_target(plan, target: str | None) -> None:
             continue
         how = t.fallback_from and f" (llama.cpp's fallback for {t.fallback_from})" or ""
         fix = prob.fix
-        if prob.alternative:
-            fix += f": add --tensor-type '\\.ffn_(gate|up|down)_exps\\.weight$={prob.alternative}'"
+        if alt := prob.extra["alternative"]:
+            fix += f": add --tensor-type '\\.ffn_(gate|up|down)_exps\\.weight$={alt}'"
             if t.src_dtype and t.src_dtype not in ("F32", "F16", "BF16"):
                 fix += " --allow-requantize"
-        raise UsageProblem(f"{t.name} would be written as {t.type}{how}, which {target} cannot run: {prob.what}",
+        raise UsageProblem(f"{t.name} would be written as {t.type}{how}, which {target} cannot run: {prob.message}",
                            where="--for", fix=fix)

@@ -22,7 +22,7 @@ Public API (everything else in this package is an implementation detail):
 ``detect_layout(checkpoint, config=None) -> LayoutReport``
     Per layer: layout (``hf-split``, ``hf-fused``, ``gguf-merged``, ``gguf-split``, ``kt-amx``, or ``mixed``), E, I,
     H, fused orientation, per-projection dtypes/shapes/bytes, router / score-bias / shared-expert tensor names, and
-    :class:`Problem` findings; ``matches`` classifies every tensor name, ``unknown`` lists the rest. ``config`` is a
+    findings (:class:`ktconvert.diagnostics.Diagnostic`, ``extra``: ``layer``, ``tensors``); ``matches`` classifies every tensor name, ``unknown`` lists the rest. ``config`` is a
     ``config.json`` path or dict and overrides the one found next to the checkpoint.
 
 ``naming_map(arch_or_model_type) -> NamingMap``, ``naming_maps()``, ``to_gguf_name(name, arch)``,
@@ -61,7 +61,6 @@ from ktconvert.formats.inspect_report import build_inspect_report
 from ktconvert.formats.layout import (
     LayerLayout,
     LayoutReport,
-    Problem,
     ProjectionInfo,
     detect_layout,
 )
@@ -91,7 +90,6 @@ __all__ = [
     "ModelDims",
     "NameMatch",
     "NamingMap",
-    "Problem",
     "ProjectionInfo",
     "ScanFinding",
     "ScanResult",

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ktconvert.diagnostics import ERROR, Diagnostic
 from ktconvert.errors import InputError
 from ktconvert.io.dtypes import decode_float32
 
@@ -47,14 +48,10 @@ class Fp8Weight:
         return self.block[1]
 
 
-@dataclass(frozen=True)
-class TensorProblem:
-    """A tensor a release format cannot be read from, why, and the fix (every quantized format reports these:
-    :class:`ktconvert.formats.quantized.QuantMap` ``problems``)."""
-
-    tensor: str
-    message: str
-    fix: str
+def tensor_problem(tensor: str, message: str, fix: str) -> Diagnostic:
+    """A tensor a release format cannot be read from (``where``), why, and the fix (every quantized format reports
+    these: :class:`ktconvert.formats.quantized.QuantMap` ``problems``)."""
+    return Diagnostic("", ERROR, message, fix, where=tensor)
 
 
 @dataclass
@@ -66,7 +63,7 @@ class Fp8Map:
     block_source: str
     weights: dict[str, Fp8Weight] = field(default_factory=dict)
     scales: dict[str, str] = field(default_factory=dict)
-    problems: list[TensorProblem] = field(default_factory=list)
+    problems: list[Diagnostic] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.weights or self.scales or self.problems)
@@ -130,7 +127,7 @@ def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
         if info.dtype.startswith("F8_") and not name.endswith(SCALE_SUFFIX):
             scale = name + SCALE_SUFFIX
             if info.dtype != FP8_DTYPE:
-                fm.problems.append(TensorProblem(name, f"{info.dtype} weights are not supported (only {FP8_DTYPE})",
+                fm.problems.append(tensor_problem(name, f"{info.dtype} weights are not supported (only {FP8_DTYPE})",
                                               "convert from a BF16 or F8_E4M3 block-scaled release"))
                 continue
             fmt, wblock = "FP8", block
@@ -140,21 +137,21 @@ def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
                 if len(info.shape) == 2 and sh in ((info.shape[0], 1), (info.shape[0],)):
                     fmt, wblock = "FP8_PERCHANNEL", (1, info.shape[1])
             if scale not in names:
-                fm.problems.append(TensorProblem(name, f"FP8 weight has no scale tensor {scale} (nor {name}"
+                fm.problems.append(tensor_problem(name, f"FP8 weight has no scale tensor {scale} (nor {name}"
                                               f"{CHANNEL_SUFFIX})", "a shard or the index is missing; re-download "
                                               "the checkpoint"))
                 continue
             sinfo = ck[scale]
             fm.scales[scale] = name
             if len(info.shape) != 2:
-                fm.problems.append(TensorProblem(name, f"FP8 weight of {len(info.shape)} dims {list(info.shape)}; "
+                fm.problems.append(tensor_problem(name, f"FP8 weight of {len(info.shape)} dims {list(info.shape)}; "
                                               "only 2-D block-scaled matrices are supported",
                                               "convert from the per-expert (hf-split) release"))
                 continue
             if scale.endswith(SCALE_SUFFIX) and sinfo.dtype in MX_SCALE_DTYPES:
                 fmt, wblock = "MXFP8", MX_BLOCK
             elif sinfo.dtype not in SCALE_DTYPES:
-                fm.problems.append(TensorProblem(scale, f"scale stored as {sinfo.dtype}, expected one of "
+                fm.problems.append(tensor_problem(scale, f"scale stored as {sinfo.dtype}, expected one of "
                                               f"{', '.join(SCALE_DTYPES + MX_SCALE_DTYPES)}",
                                               "re-download the checkpoint"))
                 continue
@@ -164,7 +161,7 @@ def analyze_fp8(ck, config: dict | None = None) -> Fp8Map:
             if base not in names or not ck[base].dtype.startswith("F8_"):
                 what = "does not exist" if base not in names else f"is {ck[base].dtype}, not FP8"
                 fm.scales[name] = base
-                fm.problems.append(TensorProblem(name, f"scale of {base}, which {what}",
+                fm.problems.append(tensor_problem(name, f"scale of {base}, which {what}",
                                               "the weights and scales come from different releases; re-download"))
     _check_shapes(fm)
     return fm
@@ -180,7 +177,7 @@ def _fits(w: Fp8Weight, block: tuple[int, int]) -> bool:
 
 def _check_shapes(fm: Fp8Map) -> None:
     for w in [w for w in fm.weights.values() if w.fmt == "MXFP8" and not _fits(w, MX_BLOCK)]:
-        fm.problems.append(TensorProblem(
+        fm.problems.append(tensor_problem(
             w.scale, f"MXFP8 scale shape {list(w.scale_shape)} does not match weight {w.name} {list(w.shape)}: "
             f"groups of 32 need {list(scale_grid(w.shape, MX_BLOCK))}" + (" and K a multiple of 32"
                                                                           if w.shape[1] % 32 else ""),
@@ -193,13 +190,13 @@ def _check_shapes(fm: Fp8Map) -> None:
         other = _block_from_scales(wrong)
         if other is not None:
             w = wrong[0]
-            fm.problems.append(TensorProblem(
+            fm.problems.append(tensor_problem(
                 w.name, f"{declared} does not fit the weights: {w.name} {list(w.shape)} has scales "
                 f"{list(w.scale_shape)}, and every FP8 weight here fits a {list(other)} block",
                 f"set quantization_config.weight_block_size to {list(other)} in config.json"))
             return
     for w in wrong:
-        fm.problems.append(TensorProblem(
+        fm.problems.append(tensor_problem(
             w.scale, f"scale shape {list(w.scale_shape)} does not match weight {w.name} {list(w.shape)}: "
             f"{declared} needs {list(scale_grid(w.shape, fm.block)) if len(w.shape) == 2 else '?'}",
             "the scale belongs to another weight or release; re-download the checkpoint"))
@@ -232,7 +229,7 @@ def require_fp8(ck, config: dict | None = None, path: str | None = None) -> Fp8M
         p = fm.problems[0]
         more = f" (and {len(fm.problems) - 1} more FP8 problem(s); ktconvert inspect lists them)" \
             if len(fm.problems) > 1 else ""
-        raise InputError(p.message + more, path=path or str(ck.path), where=f"tensor {p.tensor}", fix=p.fix)
+        raise InputError(p.message + more, path=path or str(ck.path), where=f"tensor {p.where}", fix=p.fix)
     return fm
 
 

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ktconvert import __version__
+from ktconvert.diagnostics import Diagnostic
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.io.userregex import FIX as USER_REGEX_FIX, backtracking_risk
 from ktconvert.formats.checkpoint import open_checkpoint
@@ -14,7 +15,7 @@ from ktconvert.formats.config import dims_from_hf_config, load_config
 from ktconvert.formats.kt_tree import check_kt_tree, is_kt_tree
 from ktconvert.formats.fp8 import DEFAULT_BLOCK, Fp8Map
 from ktconvert.formats.quantized import QuantMap, analyze as analyze_quant, describe
-from ktconvert.formats.layout import LayerLayout, Problem, detect_layout, is_type_companion
+from ktconvert.formats.layout import LayerLayout, detect_layout, is_type_companion, problem
 from ktconvert.formats.scan import scan_checkpoint
 
 MAX_LISTED_TENSORS = 50  # per problem, so that one broken layer of 256 experts does not drown the report
@@ -80,7 +81,7 @@ def build_inspect_report(
             what = f"{f.count} NaN value(s)" if f.kind == "nan" else f"{f.count} Inf value(s)" if f.kind == "inf" else \
                 f"{f.count} {_SCALE_WHAT[f.kind]}" if f.kind in _SCALE_WHAT else "all zeros"
             m = lay.matches.get(f.tensor) or lay.matches.get(fp8.scales.get(f.tensor, ""))
-            problems.append(Problem(kind, severity, f"{f.where}: {what}", m.layer if m else None, (f.tensor,)))
+            problems.append(problem(kind, severity, f"{f.where}: {what}", m.layer if m else None, (f.tensor,)))
 
     dims = lay.dims
     quant: dict[str, dict] = {}
@@ -158,9 +159,9 @@ def kt_tree_report(path, config=None) -> dict:
             "problems": problems}
 
 
-def exit_code(problems) -> int:
+def exit_code(problems: list[Diagnostic]) -> int:
     """1 when any problem is an error (a scan's NaN/Inf included), else 0; warnings and notes do not fail."""
-    return 1 if any((p.severity if isinstance(p, Problem) else p["severity"]) == "error" for p in problems) else 0
+    return 1 if any(p.severity == "error" for p in problems) else 0
 
 
 def _layer(ly: LayerLayout) -> dict:
@@ -189,18 +190,20 @@ def _layer(ly: LayerLayout) -> dict:
     }
 
 
-def _problem(p: Problem) -> dict:
+def _problem(p: Diagnostic) -> dict:
+    """A layout problem in inspect's JSON (``schemas/inspect-report.schema.json``): the ``id`` is its ``kind``."""
+    tensors = p.extra.get("tensors", ())
     return {
-        "kind": p.kind,
+        "kind": p.id,
         "severity": p.severity,
         "message": p.message,
-        "layer": p.layer,
-        "tensors": list(p.tensors[:MAX_LISTED_TENSORS]),
-        "n_tensors": len(p.tensors),
+        "layer": p.extra.get("layer"),
+        "tensors": list(tensors[:MAX_LISTED_TENSORS]),
+        "n_tensors": len(tensors),
     }
 
 
-def _fp8(ck, config) -> tuple[QuantMap, list[Problem]]:
+def _fp8(ck, config) -> tuple[QuantMap, list[Diagnostic]]:
     """Quantized release weights and their scales, and their problems as findings (a bad ``weight_block_size`` is
     one too)."""
     cfg = load_config(config) if isinstance(config, (str, Path)) else config
@@ -208,8 +211,8 @@ def _fp8(ck, config) -> tuple[QuantMap, list[Problem]]:
         fm = analyze_quant(ck, cfg)
     except InputError as exc:
         fm = QuantMap(Fp8Map(DEFAULT_BLOCK, "default (declared block unusable)"))
-        return fm, [Problem("fp8-scale", "error", f"{exc.where}: {exc.message} ({exc.fix})")]
-    return fm, [Problem("fp8-scale", "error", f"{p.tensor}: {p.message} ({p.fix})", _layer_of(p.tensor), (p.tensor,))
+        return fm, [problem("fp8-scale", "error", f"{exc.where}: {exc.message} ({exc.fix})")]
+    return fm, [problem("fp8-scale", "error", f"{p.where}: {p.message} ({p.fix})", _layer_of(p.where), (p.where,))
                 for p in fm.problems]
 
 

@@ -13,6 +13,7 @@ from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from ktconvert.diagnostics import Diagnostic
 from ktconvert.formats.checkpoint import COMPANION, Checkpoint
 from ktconvert.formats.completeness import missing_everywhere, missing_tensors
 from ktconvert.formats.config import ModelDims, load_config
@@ -25,15 +26,11 @@ ORIENT_T = "[E,H,2I]"
 AMBIGUOUS = "ambiguous"
 
 
-@dataclass(frozen=True)
-class Problem:
-    """One finding. ``kind`` is a stable kebab-case id; ``severity`` is ``error``, ``warning`` or ``info``."""
-
-    kind: str
-    severity: str
-    message: str
-    layer: int | None = None
-    tensors: tuple[str, ...] = ()
+def problem(kind: str, severity: str, message: str, layer: int | None = None,
+            tensors: tuple[str, ...] = ()) -> Diagnostic:
+    """One layout finding: ``kind`` (its ``id``) is a stable kebab-case id; ``severity`` is ``error``, ``warning`` or
+    ``info``; ``extra`` holds the ``layer`` (``None``: the model) and the ``tensors`` it is about."""
+    return Diagnostic(kind, severity, message, extra={"layer": layer, "tensors": tuple(tensors)})
 
 
 @dataclass(frozen=True)
@@ -72,7 +69,7 @@ class LayerLayout:
     router: str | None = None
     score_bias: str | None = None
     shared_experts: tuple[str, ...] = ()
-    problems: tuple[Problem, ...] = ()
+    problems: tuple[Diagnostic, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -85,7 +82,7 @@ class LayoutReport:
     dims: ModelDims
     n_layers: int | None
     layers: tuple[LayerLayout, ...]
-    problems: tuple[Problem, ...]
+    problems: tuple[Diagnostic, ...]
     matches: dict[str, NameMatch]
     unknown: tuple[str, ...]
 
@@ -97,7 +94,7 @@ class LayoutReport:
         return next((ly for ly in self.layers if ly.layer == index), None)
 
     @property
-    def all_problems(self) -> list[Problem]:
+    def all_problems(self) -> list[Diagnostic]:
         return [*self.problems, *(p for ly in self.layers for p in ly.problems)]
 
 
@@ -219,7 +216,7 @@ def _analyze_layer(L: int, items: list[tuple[NameMatch, TensorInfo]], dims: Mode
         return LayerLayout(
             layer=L,
             layout="mixed",
-            problems=(Problem("mixed-layouts", "error", f"layer {L} mixes expert layouts: {desc}", L),),
+            problems=(problem("mixed-layouts", "error", f"layer {L} mixes expert layouts: {desc}", L),),
         )
     layout = next(iter(counts))
     by_proj: dict[str, list] = defaultdict(list)
@@ -236,12 +233,12 @@ def _analyze_layer(L: int, items: list[tuple[NameMatch, TensorInfo]], dims: Mode
     return _stacked(L, layout, by_proj, dims)
 
 
-def _missing_projection_problems(L: int, by_proj: dict, layout: str) -> list[Problem]:
+def _missing_projection_problems(L: int, by_proj: dict, layout: str) -> list[Diagnostic]:
     have = set(by_proj)
     if "down" not in have or not ({"gate", "up"} <= have or "gate_up" in have):
         need = ["gate", "up", "down"] if layout != "hf-fused" else ["gate_up", "down"]
         missing = [p for p in need if p not in have]
-        return [Problem("missing-projection", "error", f"layer {L} ({layout}) has no {'/'.join(missing)} tensor", L)]
+        return [problem("missing-projection", "error", f"layer {L} ({layout}) has no {'/'.join(missing)} tensor", L)]
     return []
 
 
@@ -256,7 +253,7 @@ def _per_expert(L: int, layout: str, by_proj: dict, dims: ModelDims) -> LayerLay
         missing = sorted(set(range(n_experts)) - present[p])
         if missing:
             problems.append(
-                Problem(
+                problem(
                     "missing-experts",
                     "error",
                     f"layer {L} {p}: {len(missing)} of {n_experts} experts missing ({_ids(missing)})",
@@ -266,7 +263,7 @@ def _per_expert(L: int, layout: str, by_proj: dict, dims: ModelDims) -> LayerLay
         extra = sorted(e for e in present[p] if e >= n_experts)
         if extra:
             problems.append(
-                Problem(
+                problem(
                     "extra-experts",
                     "error",
                     f"layer {L} {p}: expert index {_ids(extra)} beyond the {n_experts} experts "
@@ -281,7 +278,7 @@ def _per_expert(L: int, layout: str, by_proj: dict, dims: ModelDims) -> LayerLay
             common = shapes.most_common(1)[0][0]
             odd = [t for _, t in its if t.shape != common]
             problems.append(
-                Problem(
+                problem(
                     "unequal-expert-shapes",
                     "error",
                     f"layer {L} {p}: {len(odd)} expert(s) differ from the common shape {list(common)}, "
@@ -293,7 +290,7 @@ def _per_expert(L: int, layout: str, by_proj: dict, dims: ModelDims) -> LayerLay
         dts = {t.dtype for _, t in its}
         if len(dts) > 1:
             problems.append(
-                Problem("mixed-dtypes", "warning", f"layer {L} {p}: experts stored as {', '.join(sorted(dts))}", L)
+                problem("mixed-dtypes", "warning", f"layer {L} {p}: experts stored as {', '.join(sorted(dts))}", L)
             )
     inter = hidden = None
     gate = _common_shape(by_proj.get("gate") or by_proj.get("up") or [])
@@ -307,7 +304,7 @@ def _per_expert(L: int, layout: str, by_proj: dict, dims: ModelDims) -> LayerLay
         gate is not None and down is not None and tuple(reversed(gate)) != down
     ):
         problems.append(
-            Problem(
+            problem(
                 "inconsistent-projections",
                 "error",
                 f"layer {L}: per-expert shapes gate {_fmt(gate)}, up {_fmt(up)}, down {_fmt(down)} do not fit "
@@ -334,7 +331,7 @@ def _stacked(L: int, layout: str, by_proj: dict, dims: ModelDims) -> LayerLayout
     bad = {p: s for p, s in shapes.items() if s is None or len(s) != 3}
     if bad:
         problems.append(
-            Problem(
+            problem(
                 "inconsistent-projections",
                 "error",
                 f"layer {L}: {layout} tensors must be 3-D [E, rows, cols]; "
@@ -346,7 +343,7 @@ def _stacked(L: int, layout: str, by_proj: dict, dims: ModelDims) -> LayerLayout
     n_exp = {s[0] for s in shapes.values()}
     if len(n_exp) > 1:
         problems.append(
-            Problem(
+            problem(
                 "inconsistent-projections",
                 "error",
                 f"layer {L}: projections disagree on the expert count: "
@@ -360,7 +357,7 @@ def _stacked(L: int, layout: str, by_proj: dict, dims: ModelDims) -> LayerLayout
         inter, hidden, ok = _merged_dims(shapes)
         if not ok:
             problems.append(
-                Problem(
+                problem(
                     "inconsistent-projections",
                     "error",
                     f"layer {L}: merged shapes (numpy order) "
@@ -372,9 +369,9 @@ def _stacked(L: int, layout: str, by_proj: dict, dims: ModelDims) -> LayerLayout
     else:
         inter, hidden, orientation, why = _fused_orientation(shapes, dims)
         if orientation == AMBIGUOUS:
-            problems.append(Problem("ambiguous-orientation", "warning", f"layer {L}: {why}", L))
+            problems.append(problem("ambiguous-orientation", "warning", f"layer {L}: {why}", L))
         elif orientation is None:
-            problems.append(Problem("inconsistent-projections", "error", f"layer {L}: {why}", L))
+            problems.append(problem("inconsistent-projections", "error", f"layer {L}: {why}", L))
     return LayerLayout(
         layer=L,
         layout=layout,
@@ -452,7 +449,7 @@ def _kt_amx(L: int, by_proj: dict, scales: dict, dims: ModelDims) -> LayerLayout
     want = {(e, n) for e in experts for n in parts}
     if experts != list(range(E)) or parts != list(range(N)):
         problems.append(
-            Problem(
+            problem(
                 "missing-experts",
                 "error",
                 f"layer {L}: expert indices {_ids(experts)} / NUMA parts {_ids(parts)} are not contiguous from 0",
@@ -464,7 +461,7 @@ def _kt_amx(L: int, by_proj: dict, scales: dict, dims: ModelDims) -> LayerLayout
             have = {(m.expert, m.numa) for m, _ in table.get(p, [])}
             if have != want:
                 problems.append(
-                    Problem(
+                    problem(
                         "missing-experts",
                         "error",
                         f"layer {L} {p}: {len(want - have)} of {len(want)} (expert, NUMA part) {kind} blobs missing",
@@ -484,7 +481,7 @@ def _kt_amx(L: int, by_proj: dict, scales: dict, dims: ModelDims) -> LayerLayout
         ok &= _only(sizes["up"]) == _only(sizes["gate"]) and _only(scale_len["up"]) == part_i
         if not ok:
             problems.append(
-                Problem(
+                problem(
                     "inconsistent-projections",
                     "error",
                     f"layer {L}: AMX blob sizes fit neither INT8 nor INT4 per-row quantization of gate/up "
@@ -494,7 +491,7 @@ def _kt_amx(L: int, by_proj: dict, scales: dict, dims: ModelDims) -> LayerLayout
             )
     except (KeyError, ValueError):
         problems.append(
-            Problem("inconsistent-projections", "error", f"layer {L}: AMX blobs or scales differ in size", L)
+            problem("inconsistent-projections", "error", f"layer {L}: AMX blobs or scales differ in size", L)
         )
     return LayerLayout(
         layer=L,
@@ -509,17 +506,17 @@ def _kt_amx(L: int, by_proj: dict, scales: dict, dims: ModelDims) -> LayerLayout
     )
 
 
-def _layer_expectations(L: int, ly: LayerLayout, dims: ModelDims) -> tuple[Problem, ...]:
+def _layer_expectations(L: int, ly: LayerLayout, dims: ModelDims) -> tuple[Diagnostic, ...]:
     out = []
     src = dims.source
     expected = dims.is_moe_layer(L)
     if ly.layout is None:
         if expected:
-            out.append(Problem("missing-experts", "error", f"layer {L} has no expert tensors but {src} makes it an MoE layer", L))
+            out.append(problem("missing-experts", "error", f"layer {L} has no expert tensors but {src} makes it an MoE layer", L))
         return tuple(out)
     if dims.n_layers is not None and L >= dims.n_layers:
         out.append(
-            Problem(
+            problem(
                 "extra-layer",
                 "info",
                 f"layer {L} is beyond num_hidden_layers={dims.n_layers} of {src} (an MTP / next-token layer?)",
@@ -527,18 +524,18 @@ def _layer_expectations(L: int, ly: LayerLayout, dims: ModelDims) -> tuple[Probl
             )
         )
     elif expected is False:
-        out.append(Problem("config-mismatch", "warning", f"layer {L} has experts but {src} makes it a dense layer", L))
+        out.append(problem("config-mismatch", "warning", f"layer {L} has experts but {src} makes it a dense layer", L))
     for what, got, want in (
         ("E (experts)", ly.n_experts, dims.n_experts),
         ("I (expert intermediate size)", ly.intermediate, dims.moe_intermediate_size),
         ("H (hidden size)", ly.hidden, dims.hidden_size),
     ):
         if got is not None and want is not None and got != want:
-            out.append(Problem("config-mismatch", "error", f"layer {L}: {what} is {got} but {src} says {want}", L))
+            out.append(problem("config-mismatch", "error", f"layer {L}: {what} is {got} but {src} says {want}", L))
     return tuple(out)
 
 
-def _missing(ck: Checkpoint, config, arch: str | None, matches, layers, dims: ModelDims, expert_layers) -> list[Problem]:
+def _missing(ck: Checkpoint, config, arch: str | None, matches, layers, dims: ModelDims, expert_layers) -> list[Diagnostic]:
     """The spec's non-expert tensors the checkpoint lacks (:mod:`ktconvert.formats.completeness`), one error per
     layer (and one for the model-wide tensors), when a config says what the model is; a GGUF without one is checked
     for what its metadata settles (``missing_everywhere``). kt-kernel's AMX files hold the experts only: nothing
@@ -560,25 +557,25 @@ def _missing(ck: Checkpoint, config, arch: str | None, matches, layers, dims: Mo
         for layer, name in missing_everywhere(arch, n, expert_layers, matches, shared) or ():
             by_layer[layer].append(name)
         what = f"that every {arch} GGUF of block_count {dims.n_layers} holds"
-    return [Problem("missing-tensor", "error", f"{'layer ' + str(L) if L is not None else 'model'}: "
+    return [problem("missing-tensor", "error", f"{'layer ' + str(L) if L is not None else 'model'}: "
                     f"{len(names)} tensor(s) {what} are missing: {', '.join(names[:4])}"
                     f"{', ...' if len(names) > 4 else ''}", L, tuple(names))
             for L, names in sorted(by_layer.items(), key=lambda kv: -1 if kv[0] is None else kv[0])]
 
 
-def _global_problems(layers, dims: ModelDims, n_layers, unknown, ck: Checkpoint) -> list[Problem]:
+def _global_problems(layers, dims: ModelDims, n_layers, unknown, ck: Checkpoint) -> list[Diagnostic]:
     out = []
     layouts = Counter(ly.layout for ly in layers if ly.layout and ly.layout != "mixed")
     if len(layouts) > 1:
         desc = ", ".join(f"{lay} in {n} layer(s)" for lay, n in sorted(layouts.items()))
-        out.append(Problem("mixed-layouts", "error", f"layers use different expert layouts: {desc}"))
+        out.append(problem("mixed-layouts", "error", f"layers use different expert layouts: {desc}"))
     geo = Counter((ly.n_experts, ly.intermediate, ly.hidden) for ly in layers if ly.layout and ly.n_experts)
     if len(geo) > 1:
         desc = "; ".join(f"E={e} I={i} H={h} in {n} layer(s)" for (e, i, h), n in geo.most_common())
-        out.append(Problem("unequal-layers", "warning", f"expert geometry differs between layers: {desc}"))
+        out.append(problem("unequal-layers", "warning", f"expert geometry differs between layers: {desc}"))
     if dims.n_layers is not None and n_layers is not None and n_layers < dims.n_layers:
         out.append(
-            Problem(
+            problem(
                 "config-mismatch",
                 "error",
                 f"tensors cover {n_layers} layers but {dims.source} says num_hidden_layers={dims.n_layers}",
@@ -586,7 +583,7 @@ def _global_problems(layers, dims: ModelDims, n_layers, unknown, ck: Checkpoint)
         )
     if layouts.get("gguf-split"):
         out.append(
-            Problem(
+            problem(
                 "legacy-layout",
                 "warning",
                 f"{layouts['gguf-split']} layer(s) store experts as legacy per-expert GGUF tensors (blk.L.ffn_*.E); "
@@ -596,7 +593,7 @@ def _global_problems(layers, dims: ModelDims, n_layers, unknown, ck: Checkpoint)
         )
     if layouts.get("kt-amx"):
         out.append(
-            Problem(
+            problem(
                 "opaque-layout",
                 "info",
                 "kt-amx blobs are kt-kernel's tile-packed AMX format: sizes are checked here, --scan dequantizes "
@@ -609,18 +606,18 @@ def _global_problems(layers, dims: ModelDims, n_layers, unknown, ck: Checkpoint)
         out.append(rows)
     if unknown:
         out.append(
-            Problem(
+            problem(
                 "unknown-tensors",
                 "info",
                 f"{len(unknown)} tensor name(s) are in no naming map, e.g. {unknown[0]}",
                 tensors=tuple(unknown),
             )
         )
-    out.extend(Problem("reader-note", "warning", note) for note in ck.notes)
+    out.extend(problem("reader-note", "warning", note) for note in ck.notes)
     return out
 
 
-def _row_lengths(layers) -> Problem | None:
+def _row_lengths(layers) -> Diagnostic | None:
     """Which block-quant families the expert rows could be quantized to (rows run along H for gate/up, I for down)."""
     rows = {}
     for ly in layers:
@@ -639,7 +636,7 @@ def _row_lengths(layers) -> Problem | None:
     msg = f"row length {are(no_k)} 256: K-quants (Q2_K..Q6_K) cannot hold {'it' if len(no_k) == 1 else 'them'}"
     if no_32:
         msg += f"; {are(no_32)} 32 either: only F32/F16/BF16 can"
-    return Problem("row-length", "warning" if no_32 else "info", msg)
+    return problem("row-length", "warning" if no_32 else "info", msg)
 
 
 def _common_shape(items) -> tuple[int, ...] | None:
@@ -661,4 +658,4 @@ def _ids(ids: list[int]) -> str:
     return ", ".join(map(str, ids[:8])) + (f", ... ({len(ids)} in all)" if len(ids) > 8 else "")
 
 
-__all__ = ["LAYOUTS", "LayerLayout", "LayoutReport", "Problem", "ProjectionInfo", "detect_layout"]
+__all__ = ["LAYOUTS", "LayerLayout", "LayoutReport", "problem", "ProjectionInfo", "detect_layout"]

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ktconvert.diagnostics import Diagnostic
 from ktconvert.errors import InputError
 from ktconvert.formats import fp8, gptq, mxfp4, mxfp4_fused, nvfp4, rawint4
 from ktconvert.formats.packed import Packed
@@ -43,7 +44,7 @@ class QuantMap:
     fp8: fp8.Fp8Map
     weights: dict = field(default_factory=dict)
     scales: dict[str, str] = field(default_factory=dict)
-    problems: list[fp8.TensorProblem] = field(default_factory=list)
+    problems: list[Diagnostic] = field(default_factory=list)
 
     def __bool__(self) -> bool:
         return bool(self.weights or self.scales or self.problems)
@@ -119,24 +120,24 @@ def analyze(ck, config: dict | None = None) -> QuantMap:
             if c != p.stored:
                 qm.scales[c] = p.name
     for p in getattr(ck, "packed_bad", ()):
-        qm.problems.append(fp8.TensorProblem(p.problem_tensor, p.problem, p.fix))
+        qm.problems.append(fp8.tensor_problem(p.problem_tensor, p.problem, p.fix))
     qm.problems.extend(_declared(ck, qm, fp8.quantization_config(config)))
     return qm
 
 
-def _declared(ck, qm: QuantMap, qc: dict | None) -> list[fp8.TensorProblem]:
+def _declared(ck, qm: QuantMap, qc: dict | None) -> list[Diagnostic]:
     """Group sizes the config declares (GPTQ ``group_size``, compressed-tensors ``config_groups.*.weights``) must be
     the ones the tensors use; GPTQ ``bits`` must be 4."""
     if not qc:
         return []
-    out: list[fp8.TensorProblem] = []
+    out: list[Diagnostic] = []
     want: dict[str, int] = {}
     method = qc.get("quant_method")
     where = "config.json quantization_config"
     if method == "gptq":
         if qc.get("bits", 4) != 4:
             first = next((w.name for w in qm.weights.values() if w.fmt == gptq.FMT), "config.json")
-            out.append(fp8.TensorProblem(first, f"GPTQ with bits {qc.get('bits')!r}: only 4-bit GPTQ is read",
+            out.append(fp8.tensor_problem(first, f"GPTQ with bits {qc.get('bits')!r}: only 4-bit GPTQ is read",
                                 "use a 4-bit release"))
         if type(qc.get("group_size")) is int:
             want[gptq.FMT] = qc["group_size"]
@@ -155,7 +156,7 @@ def _declared(ck, qm: QuantMap, qc: dict | None) -> list[fp8.TensorProblem]:
         if w.fmt == gptq.FMT and g == -1:
             g = w.shape[1]
         if actual != g:
-            out.append(fp8.TensorProblem(w.scale, f"{where} declares group size {g} for {w.fmt}, but the scale of {w.name} "
+            out.append(fp8.tensor_problem(w.scale, f"{where} declares group size {g} for {w.fmt}, but the scale of {w.name} "
                                 f"has one value per {actual} input columns", "fix group_size in config.json or "
                                 "re-download the matching checkpoint"))
             break
@@ -169,7 +170,7 @@ def require(ck, config: dict | None = None, path: str | None = None) -> QuantMap
         p = qm.problems[0]
         more = (f" (and {len(qm.problems) - 1} more quantization problem(s); ktconvert inspect lists them)"
                 if len(qm.problems) > 1 else "")
-        raise InputError(p.message + more, path=path or str(ck.path), where=f"tensor {p.tensor}", fix=p.fix)
+        raise InputError(p.message + more, path=path or str(ck.path), where=f"tensor {p.where}", fix=p.fix)
     return qm
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import yaml
 
+from ktconvert.diagnostics import ERROR, Diagnostic
 from ktconvert.errors import InputError
 from ktconvert.io.files import regular_file_size
 
@@ -25,17 +26,6 @@ MAX_BYTES = 4 * 1024 * 1024
 """Real rule files are a few KB; anything this large is a mistake (a dump, a model file) and is refused unread."""
 
 Path_ = tuple  # a JSON-pointer-like path: ("3", "replace", "kwargs")
-
-
-@dataclass
-class LoadProblem:
-    """A defect found while loading that does not stop checking (duplicate keys, odd tags)."""
-
-    code: str
-    message: str
-    line: int
-    col: int
-    fix: str = ""
 
 
 @dataclass
@@ -194,9 +184,9 @@ class _Builder:
             child_path = path + (str(k),)
             if k in result:
                 first = self.out.key_pos.get(child_path, ("?", "?"))
-                self.out.problems.append(LoadProblem(
-                    "KT102", f"duplicate key {k!r} (first at line {first[0]}); upstream silently keeps the last one",
-                    kpos[0], kpos[1], fix="delete or merge one of the two entries"))
+                self.out.problems.append(Diagnostic(
+                    "KT102", ERROR, f"duplicate key {k!r} (first at line {first[0]}); upstream silently keeps the "
+                    "last one", "delete or merge one of the two entries", line=kpos[0], col=kpos[1]))
             self.out.key_pos[child_path] = kpos
             self.out.pos.pop(child_path, None)
             result[k] = self.build(value_node, child_path)

@@ -7,7 +7,6 @@ package never imports kt_kernel.
 
 from ktconvert.kernel.methods import (
                                      METHODS,
-                                     Problem,
                                      runs_here,
                                      shape_problems,
                                      type_problems,
@@ -23,6 +22,6 @@ from ktconvert.kernel.runner import (
                                      probe_kernel,
 )
 
-__all__ = ["METHODS", "Problem", "runs_here", "shape_problems", "type_problems", "KernelCrashed", "KernelInfo",
+__all__ = ["METHODS", "runs_here", "shape_problems", "type_problems", "KernelCrashed", "KernelInfo",
            "KernelRefused", "KernelSession", "KernelUnavailable", "bf16_bits_to_f32", "f32_to_bf16_bits",
            "probe_kernel"]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ktconvert.diagnostics import ERROR, Diagnostic
 from ktconvert.quant import kt_llamafile
 
 QK_K = 256
@@ -60,48 +61,45 @@ def runs_here(method: str, classes: list[str] | tuple[str, ...]) -> bool:
     return m is not None and any(c in classes for c in m.classes)
 
 
-@dataclass(frozen=True)
-class Problem:
+def _cannot(what: str, fix: str) -> Diagnostic:
     """Why a method cannot run a given layer shape or weight type, and what to do."""
-
-    what: str
-    fix: str
+    return Diagnostic("", ERROR, what, fix)
 
 
-def shape_problems(method: str, *, hidden: int, inter: int, parts: int = 1) -> list[Problem]:
+def shape_problems(method: str, *, hidden: int, inter: int, parts: int = 1) -> list[Diagnostic]:
     """The alignment rules the kernel's C++ enforces (by throwing or aborting), for H, I and P parts."""
-    out: list[Problem] = []
+    out: list[Diagnostic] = []
     if parts < 1:
-        return [Problem(f"threadpool count {parts} is not positive", "pass a threadpool count of 1 or more")]
+        return [_cannot(f"threadpool count {parts} is not positive", "pass a threadpool count of 1 or more")]
     if method == "LLAMAFILE":
         if inter % QK_K:
-            out.append(Problem(f"LLAMAFILE needs I % 256 == 0, I = {inter}",
+            out.append(_cannot(f"LLAMAFILE needs I % 256 == 0, I = {inter}",
                                "use a method without this rule (BF16, AMXINT8) or a model whose I is a multiple of 256"))
         elif inter // QK_K < parts:
-            out.append(Problem(f"LLAMAFILE needs I / 256 >= threadpool count, I = {inter}, threadpools = {parts}",
+            out.append(_cannot(f"LLAMAFILE needs I / 256 >= threadpool count, I = {inter}, threadpools = {parts}",
                                f"use at most {inter // QK_K} threadpool(s)"))
     elif method in ("AMXINT8", "AMXINT4"):
         align = 64 if method == "AMXINT8" else 128
         if inter % parts:
-            out.append(Problem(f"{method} needs I % threadpools == 0, I = {inter}, threadpools = {parts}",
+            out.append(_cannot(f"{method} needs I % threadpools == 0, I = {inter}, threadpools = {parts}",
                                "pick a threadpool count that divides I"))
         elif (inter // parts) % align:
-            out.append(Problem(f"{method} needs (I / threadpools) % {align} == 0, I / {parts} = {inter // parts}",
+            out.append(_cannot(f"{method} needs (I / threadpools) % {align} == 0, I / {parts} = {inter // parts}",
                                "use fewer threadpools or another method"))
         if hidden % align:
-            out.append(Problem(f"{method} needs H % {align} == 0, H = {hidden}", "use another method (LLAMAFILE, BF16)"))
+            out.append(_cannot(f"{method} needs H % {align} == 0, H = {hidden}", "use another method (LLAMAFILE, BF16)"))
     return out
 
 
-def type_problems(method: str, types: dict[str, str], row_lens: dict[str, int] | None = None) -> list[Problem]:
+def type_problems(method: str, types: dict[str, str], row_lens: dict[str, int] | None = None) -> list[Diagnostic]:
     """Weight types a method cannot run: for LLAMAFILE, every type the measured table
     (``rules/kernels/kt-llamafile.yaml``, :mod:`ktconvert.quant.kt_llamafile`) does not list as running on every
     variant, with the closest type that runs (for rows of ``row_lens[proj]`` elements when given)."""
-    out: list[Problem] = []
+    out: list[Diagnostic] = []
     if method != "LLAMAFILE":
         return out
     for proj, t in types.items():
         p = kt_llamafile.problem(t, (row_lens or {}).get(proj))
         if p is not None:
-            out.append(Problem(f"{p.what} ({proj})", p.fix))
+            out.append(_cannot(f"{p.message} ({proj})", p.fix))
     return out

@@ -174,7 +174,7 @@ class KernelSession:
         problems = shape_problems(self.method, hidden=hidden, inter=inter, parts=self.threadpools)
         problems += type_problems(self.method, types or {}, {"gate": hidden, "up": hidden, "down": inter})
         if problems:
-            raise KernelRefused(f"{self.method} cannot run {where}: {problems[0].what}", fix=problems[0].fix)
+            raise KernelRefused(f"{self.method} cannot run {where}: {problems[0].message}", fix=problems[0].fix)
 
     def load_gguf_layer(self, key: str, blocks, top_k: int, *, max_len: int = 64, check_types: bool = True) -> None:
         """LLAMAFILE on one layer's merged ggml blocks (:class:`ktconvert.model.ops.source.ExpertBlocks`).

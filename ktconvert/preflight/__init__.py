@@ -10,18 +10,19 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-from ktconvert.preflight.checks import ERROR, WARNING, Finding, run_checks
+from ktconvert.diagnostics import ERROR, WARNING, Diagnostic
+from ktconvert.preflight.checks import run_checks
 from ktconvert.preflight.launch import Launch, parse_command
 
 
 @dataclass
 class PreflightReport:
     launch: Launch
-    findings: list[Finding]
+    findings: list[Diagnostic]
     seconds: float
 
     @property
-    def errors(self) -> list[Finding]:
+    def errors(self) -> list[Diagnostic]:
         return [f for f in self.findings if f.severity == ERROR]
 
     @property
@@ -35,7 +36,18 @@ class PreflightReport:
                 "flag_set": "seed-era" if lc.seed_flags else "sglang-kt 0.7.2",
                 "counts": {"error": len(self.errors),
                            "warning": sum(f.severity == WARNING for f in self.findings)},
-                "findings": [f.as_dict() for f in self.findings], "seconds": round(self.seconds, 3)}
+                "findings": [finding_dict(f) for f in self.findings], "seconds": round(self.seconds, 3)}
+
+
+def finding_line(f: Diagnostic) -> str:
+    """A finding as preflight prints it: ``error PF124 --kt-method: MESSAGE (fix: FIX)``."""
+    at = f"{f.where}: " if f.where else ""
+    return f"{f.severity} {f.id} {at}{f.message} (fix: {f.fix})"
+
+
+def finding_dict(f: Diagnostic) -> dict:
+    """A finding in preflight's ``-o json`` (``findings``)."""
+    return {"id": f.id, "severity": f.severity, "where": f.where, "message": f.message, "fix": f.fix}
 
 
 def preflight(launch: Launch, rules: str | None = None) -> PreflightReport:
@@ -44,4 +56,4 @@ def preflight(launch: Launch, rules: str | None = None) -> PreflightReport:
     return PreflightReport(launch, findings, time.perf_counter() - began)
 
 
-__all__ = ["Finding", "Launch", "PreflightReport", "parse_command", "preflight"]
+__all__ = ["Launch", "PreflightReport", "finding_line", "parse_command", "preflight"]

@@ -9,10 +9,10 @@ kt-llamafile`` ask :func:`problem`; the kernel runner refuses with the same answ
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 
+from ktconvert.diagnostics import ERROR, Diagnostic
 from ktconvert.io.datafile import load_data_file
 from ktconvert.io.resources import rules_dir
 
@@ -21,16 +21,6 @@ from ._types import QType, block_size, row_ok, type_size
 TABLE = Path("kernels") / "kt-llamafile.yaml"
 SCHEMA = "kt-llamafile-types"
 VERDICT_WORDS = {"aborts": "aborts the process on", "refuses": "refuses", "wrong": "computes wrong results on"}
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Why LLAMAFILE cannot run a tensor's type, and the closest type that runs (``None``: no runnable type fits
-    the row length)."""
-
-    what: str
-    alternative: str | None
-    fix: str
 
 
 def table_path() -> Path:
@@ -99,8 +89,9 @@ def closest(qtype: str, row_len: int | None = None, path: str | Path | None = No
     return max(cands, key=lambda t: (bits_per_weight(t), -_quant_error(t, ms), t))
 
 
-def problem(qtype: str, row_len: int | None = None, path: str | Path | None = None) -> Problem | None:
-    """``None`` when LLAMAFILE runs ``qtype`` on every measured variant, else what happens and the fix."""
+def problem(qtype: str, row_len: int | None = None, path: str | Path | None = None) -> Diagnostic | None:
+    """``None`` when LLAMAFILE runs ``qtype`` on every measured variant, else what happens and the fix, with the
+    closest type that runs as ``extra["alternative"]`` (``None``: no runnable type fits the row length)."""
     t = _name(qtype)
     bad = failures(t, path)
     if not bad:
@@ -118,4 +109,4 @@ def problem(qtype: str, row_len: int | None = None, path: str | Path | None = No
         fix = f"requantize the experts to {alt}, the closest type LLAMAFILE runs"
     else:
         fix = f"use another --kt-method: no type LLAMAFILE runs ({', '.join(runnable(path))}) holds rows of {row_len}"
-    return Problem(what, alt, fix)
+    return Diagnostic("", ERROR, what, fix, extra={"alternative": alt})

@@ -1,10 +1,11 @@
-"""Findings and the registry of checks (IDs, severities and documented examples live in YAML data)."""
+"""The registry of checks (IDs, severities and documented examples live in YAML data) and a finding's JSON shape."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from functools import lru_cache
 
+from ktconvert.diagnostics import Diagnostic
 from ktconvert.io.datafile import load_data_file
 from ktconvert.io.resources import rules_dir
 
@@ -22,20 +23,11 @@ class Check:
     weights: dict | None = None
 
 
-@dataclass
-class Finding:
-    id: str
-    severity: str
-    file: str
-    line: int
-    col: int
-    message: str
-    fix: str = ""
-    rule_index: int | None = None
-    path: str = "$"
-
-    def as_dict(self) -> dict:
-        return asdict(self)
+def finding_dict(f: Diagnostic) -> dict:
+    """A finding in check-rules' ``-o json`` (``schemas/check-rules-report.schema.json``): ``where`` is its ``file``;
+    ``extra`` holds the ``rule_index`` and the JSON ``path``."""
+    return {"id": f.id, "severity": f.severity, "file": f.where, "line": f.line, "col": f.col, "message": f.message,
+            "fix": f.fix, "rule_index": f.extra["rule_index"], "path": f.extra["path"]}
 
 
 @lru_cache(maxsize=1)

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from importlib import import_module
 from pathlib import Path
 
+from ktconvert.diagnostics import Diagnostic
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.io import yamlpos
 from ktconvert.io.datafile import schema_errors
 from ktconvert.rules import checks, engine, modeltree
 from ktconvert.rules.catalog import Catalog
 from ktconvert.rules.compile import compile_rules, compile_views, operator_of, view_rules
-from ktconvert.rules.findings import Finding, registry, selected
+from ktconvert.rules.findings import registry, selected
 
 _BACKEND_COMMENT = re.compile(r"#\s*ktconvert:\s*backend\s*=\s*([A-Za-z_]+)")
 YAML_SUFFIXES = (".yaml", ".yml")
@@ -55,7 +56,7 @@ class Report:
     files: list
 
     @property
-    def findings(self) -> list[Finding]:
+    def findings(self) -> list[Diagnostic]:
         return [f for r in self.files for f in r.findings]
 
     def count(self, severity: str) -> int:
@@ -139,7 +140,7 @@ class LintContext:
 
     def __init__(self, file: str, text: str, options: Options, catalog: Catalog, result: FileResult):
         self.file, self.text, self.options, self.catalog, self.result = file, text, options, catalog, result
-        self.findings: list[Finding] = []
+        self.findings: list[Diagnostic] = []
         self.loaded: yamlpos.Loaded = yamlpos.Loaded(None)
         self.schema_errors: list = []
         self.syntax_error: yamlpos.YamlSyntaxError | None = None
@@ -152,8 +153,8 @@ class LintContext:
         line, col = at or self.loaded.where(path, key=key)
         if rule is None and path and str(path[0]).isdigit():
             rule = int(path[0])
-        self.findings.append(Finding(check_id, self._registry[check_id].severity, self.file, line, col, message, fix,
-                                     rule, _jpath(path)))
+        self.findings.append(Diagnostic(check_id, self._registry[check_id].severity, message, fix, self.file, line, col,
+                                        {"rule_index": rule, "path": _jpath(path)}))
 
 
 def _run(stage: str, ctx: LintContext, *args) -> None:

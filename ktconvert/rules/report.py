@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from ktconvert import __version__
-from ktconvert.rules.findings import registry
+from ktconvert.rules.findings import finding_dict, registry
 from ktconvert.rules.lint import Report
 
 
@@ -27,7 +27,7 @@ def as_json(report: Report, strict: bool, elapsed_s: float) -> dict:
              "tree": r.tree, "error": r.error, **({"plan": r.plan} if r.plan is not None else {})}
             for r in report.files
         ],
-        "findings": [f.as_dict() for f in report.findings],
+        "findings": [finding_dict(f) for f in report.findings],
     }
 
 
@@ -38,8 +38,8 @@ def as_text(report: Report, verbosity: int, elapsed_s: float, style=lambda s, **
             lines.append(style(f"{r.error}", fg="red"))
         for f in r.findings:
             color = "red" if f.severity == "error" else "yellow"
-            rule = f" [rule {f.rule_index}]" if f.rule_index is not None else ""
-            lines.append(f"{f.file}:{f.line}:{f.col}: " + style(f"{f.id} {f.severity}", fg=color, bold=True) + f": {f.message}{rule}")
+            rule = f" [rule {f.extra['rule_index']}]" if f.extra["rule_index"] is not None else ""
+            lines.append(f"{f.where}:{f.line}:{f.col}: " + style(f"{f.id} {f.severity}", fg=color, bold=True) + f": {f.message}{rule}")
             if f.fix and verbosity >= 1:
                 lines.append(f"    fix: {f.fix}")
         if r.plan is not None:
@@ -70,7 +70,7 @@ def as_github(report: Report) -> str:
         for f in r.findings:
             level = "error" if f.severity == "error" else "warning"
             msg = f.message + (f" (fix: {f.fix})" if f.fix else "")
-            out.append(f"::{level} file={prop(f.file)},line={f.line},col={f.col},title={f.id}::{esc(msg)}")
+            out.append(f"::{level} file={prop(f.where)},line={f.line},col={f.col},title={f.id}::{esc(msg)}")
     return "\n".join(out)
 
 

@@ -20,7 +20,7 @@ def yaml_syntax_error(ctx) -> None:
 def duplicate_keys(ctx) -> None:
     """The loader's findings (duplicate keys): PyYAML and upstream silently keep the last value."""
     for p in ctx.loaded.problems:
-        ctx.add(p.code, (), p.message, p.fix, at=(p.line, p.col))
+        ctx.add(p.id, (), p.message, p.fix, at=(p.line, p.col))
 
 
 @check("KT103", stage="document")

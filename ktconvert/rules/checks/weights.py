@@ -194,7 +194,7 @@ def check_weights(ctx, compiled: list, tree: ModelTree, checkpoint) -> None:
             first = hits[0][1]
             prob = kt_llamafile.problem(dtype, int(checkpoint[first].shape[-1]))
             ctx.add("KT502", where, f"{first} is {dtype} ({len(hits)} expert tensor(s) in {len(layers)} layer(s)): "
-                    f"{op_name} ({slot_name} of rule {index}) runs it on the llamafile backend, and {prob.what}; "
+                    f"{op_name} ({slot_name} of rule {index}) runs it on the llamafile backend, and {prob.message}; "
                     "upstream loads every weight and fails only once it serves", prob.fix)
             continue
         ctx.add("KT502", where, f"{len(hits)} expert tensor(s) in {len(layers)} layer(s) are {dtype} (first {hits[0][1]}), "
