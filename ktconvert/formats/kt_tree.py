@@ -25,9 +25,10 @@ FILE_RE = re.compile(r"^INT8_(gate|up|down)_(\d+)_(\d+)Byte_(quant|scale)_\.kt$"
 PROJS = ("gate", "up", "down")
 
 
-def file_name(proj: str, expert: int, nbytes: int, kind: str) -> str:
-    """``INT8_{proj}_{expert}_{nbytes}Byte_{quant|scale}_.kt`` (kind ``weight`` is written ``quant``)."""
-    return f"INT8_{proj}_{expert}_{nbytes}Byte_{'quant' if kind == 'weight' else kind}_.kt"
+def file_name(proj: str, expert: int, nbytes: int, kind: str, tag: str = "INT8") -> str:
+    """``INT8_{proj}_{expert}_{nbytes}Byte_{quant|scale}_.kt`` (kind ``weight`` is written ``quant``); ``tag`` INT4
+    names the files kt-kernel's AMXInt4_MOE reads (the kernel child loads AMXINT8/AMXINT4 layers from such files)."""
+    return f"{tag}_{proj}_{expert}_{nbytes}Byte_{'quant' if kind == 'weight' else kind}_.kt"
 
 
 def expected_bytes(proj: str, kind: str, hidden: int, inter: int, parts: int) -> int:

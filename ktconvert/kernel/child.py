@@ -12,7 +12,8 @@ stdout (fd 1 itself is pointed at stderr, because the C++ side prints its own lo
 * ``{"op": "load", "key", "method", "E", "top_k", "H", "I", "layer", "max_len", ...}`` with, per method,
   ``LLAMAFILE``: ``arrays`` {gate, up, down: npy of the merged ggml blocks [E, rows, row_bytes]} and
   ``types`` {gate, up, down: ggml type id}; ``BF16``: ``arrays`` of uint16 bf16 bits [E, rows, cols];
-  ``AMXINT8``/``AMXINT4``: ``dir``, a kt-amx directory, read here by tensor name. ``BF16`` with ``sft``
+  ``AMXINT8``/``AMXINT4``: ``dir``, a kt-amx directory, read here by tensor name, and ``scratch``, a folder of the
+  parent's where the layer's ``.kt`` files are written for the kernel to read. ``BF16`` with ``sft``
   {``lora``: {gate_a, gate_b, up_a, up_b, down_a, down_b: npy of bf16 bits, the fused ``[E, ., .]`` form},
   ``rank``, ``alpha``}: kt-kernel's SFT class ``AMXBF16_SFT_MOE``, whose forward adds ``alpha/r * B(Ax)`` to
   gate, up and down (verify --lora).
@@ -24,13 +25,15 @@ stdout (fd 1 itself is pointed at stderr, because the C++ side prints its own lo
 
 Memory. kt-kernel's AMX classes (AMXINT8, AMXINT4, BF16) copy the experts into buffers of their own at
 ``load_weights_task`` and never free those buffers (upstream's destructor is the default one: a freed layer object
-leaks its weights). So a layer of those methods is loaded into a *slot*: one MoE object and one staging area (an
-anonymous mapping) per shape, reused by the next layer of that shape once its layer is unloaded; the staging's pages
-go back to the system (``MADV_DONTNEED``) right after the kernel has copied them, its addresses stay (the MoE object
-keeps the pointers). LLAMAFILE reads the ggml blocks in place at every forward: they stay until ``unload``.
+leaks its weights). So a layer of those methods is loaded into a *slot*: one MoE object and one staging per shape,
+reused by the next layer of that shape once its layer is unloaded. AMXINT8/AMXINT4's staging is the kernel's own
+``.kt`` tree of the layer (:class:`_Tree`: written file to file, read by the kernel straight into its buffers, so this
+process holds the layer once while it loads). BF16's is an anonymous mapping whose addresses the MoE object keeps;
+its pages go back to the system (``MADV_DONTNEED``) right after the kernel has copied them (the layer is held twice
+while it loads). LLAMAFILE reads the ggml blocks in place at every forward: they stay until ``unload``.
 
 This module imports only the standard library and numpy before kt_kernel, and nothing of ktconvert beyond
-:mod:`ktconvert.formats.kt_amx` (its names).
+:mod:`ktconvert.formats.kt_amx` and :mod:`ktconvert.formats.kt_tree` (their names).
 """
 
 from __future__ import annotations
@@ -93,6 +96,49 @@ class _Staging:
     def release(self) -> None:
         """The pages back to the system; the next write faults in zeroed ones at the same addresses."""
         self.buf.madvise(mmap.MADV_DONTNEED)
+
+
+class _Tree:
+    """The staging of an AMXINT8/AMXINT4 slot: kt-kernel's own ``.kt`` tree of one layer, in the parent's scratch
+    folder. Its MoE object is built without weight pointers, so ``load_weights`` opens each
+    ``_layer_L/_numa_n/{INT8|INT4}_{proj}_{e}_{S}Byte_{quant|scale}_.kt`` and reads it straight into its own buffer
+    (``AMX_MOE_TP::load_weights``, its ``config_.load`` branch, kt-kernel ``operators/amx/moe.hpp``). The files are
+    written by ``sendfile`` from the kt-amx safetensors, file to file in the OS: no page of the layer passes through
+    this process, which holds the layer once (the kernel's copy) instead of twice. ``L`` is the layer the slot's
+    object was built for (it keeps that prefix). The next layer of the slot overwrites the same files in place (same
+    names, same sizes: creating a few hundred files per layer cost ten times the copy); the parent removes the
+    folder when the session closes."""
+
+    def __init__(self, root: str, layer: int, tag: str):
+        self.root, self.layer, self.tag = root, layer, tag
+
+    def write(self, sources) -> None:
+        """Each kt-amx tensor ``(proj, expert, part, kind) -> (file, offset, bytes)`` as the ``.kt`` file the
+        kernel opens for it."""
+        from ktconvert.formats.kt_tree import file_name
+
+        by_file: dict[str, list] = {}
+        for key, (f, off, nbytes) in sources.items():
+            by_file.setdefault(f, []).append((off, nbytes, key))
+        for f, items in by_file.items():
+            with open(f, "rb") as src:
+                for off, nbytes, (proj, x, n, kind) in sorted(items):
+                    dest = os.path.join(self.root, f"_layer_{self.layer}", f"_numa_{n}",
+                                        file_name(proj, x, nbytes, kind, self.tag))
+                    fd = os.open(dest, os.O_WRONLY | os.O_CREAT, 0o600)  # its size is in its name: never shorter
+                    try:
+                        done = 0
+                        while done < nbytes:
+                            sent = os.sendfile(fd, src.fileno(), off + done, nbytes - done)
+                            if sent == 0:
+                                raise ValueError(f"{f} ends inside a tensor of {nbytes} bytes at offset {off} "
+                                                 "(truncated)")
+                            done += sent
+                    finally:
+                        os.close(fd)
+
+    def release(self) -> None:
+        """Nothing to give back: the files stay for the slot's next layer (the OS caches their pages)."""
 
 
 def _count(shape) -> int:
@@ -294,22 +340,22 @@ class Child:
                tuple(layout.items()))
         slot = next((s for s in self.slots if s.key is None and s.sig == sig), None)
         if slot is None:
-            staging = _Staging(np, layout)
-            arrays = staging.arrays
             if method == "BF16":
+                staging = _Staging(np, layout)
+                arrays = staging.arrays
                 ptrs = {p: [[_ptr(a) + x * a.strides[0] for x in range(e)]] for p, a in arrays.items()}
                 cfg.gate_projs, cfg.up_projs, cfg.down_projs = ptrs["gate"], ptrs["up"], ptrs["down"]
                 zeros = [[0] * e]
                 cfg.gate_scales, cfg.up_scales, cfg.down_scales = zeros, zeros, zeros
                 moe = (getattr(self.ext.moe, "AMXBF16_MOE", None) or getattr(self.ext.moe, "AVX2BF16_MOE"))(cfg)
-            else:
-                parts = int(req["parts"])
-                for proj in ("gate", "up", "down"):
-                    for kind, attr in (("weight", "projs"), ("scale", "scales")):
-                        setattr(cfg, f"{proj}_{attr}",
-                                [[_ptr(arrays[(proj, x, n, kind)]) for x in range(e)] for n in range(parts)])
+            else:  # no gate_projs: the kernel reads its .kt files itself, straight into its buffers
+                tree = os.path.join(req["scratch"], f"slot{len(self.slots)}")
+                for n in range(int(req["parts"])):  # its constructor refuses a prefix that does not exist
+                    os.makedirs(os.path.join(tree, f"_layer_{layer}", f"_numa_{n}"), exist_ok=True)
                 cfg.load = True
+                cfg.path = tree
                 moe = getattr(self.ext.moe, "AMXInt8_MOE" if method == "AMXINT8" else "AMXInt4_MOE")(cfg)
+                staging = _Tree(tree, layer, "INT8" if method == "AMXINT8" else "INT4")
             slot = _Slot(moe, [mask, np.arange(e, dtype=np.int64)], req, staging, sig)  # the C++ reads uint64 ids
             self.slots.append(slot)
         try:
@@ -317,7 +363,7 @@ class Child:
                 for p, a in sources.items():
                     slot.staging.arrays[p][...] = a
             else:
-                self._read_into(sources, slot.staging.arrays)
+                slot.staging.write(sources)
             self._pool().submit(slot.moe.load_weights_task(_ptr(slot.keep[1])))
             self._pool().sync()
         finally:
@@ -350,19 +396,6 @@ class Child:
         if missing:
             raise KeyError(f"{len(missing)} kt-amx tensor(s) missing, first {missing[0]}")
         return {key: index[name] for key, name in want.items()}
-
-    @staticmethod
-    def _read_into(sources, arrays) -> None:
-        """Each tensor's bytes straight from its file into its staging array (one layer, nothing else)."""
-        by_file: dict[str, list] = {}
-        for key, (f, off, nbytes) in sources.items():
-            by_file.setdefault(f, []).append((off, nbytes, key))
-        for f, items in by_file.items():
-            with open(f, "rb") as fh:
-                for off, nbytes, key in sorted(items):
-                    fh.seek(off)
-                    if fh.readinto(memoryview(arrays[key])) != nbytes:
-                        raise ValueError(f"{f} ends inside a tensor of {nbytes} bytes at offset {off} (truncated)")
 
     def unload(self, req):
         """The layer ``key`` is done: a slot becomes free for the next layer of its shape, anything else is freed."""

@@ -222,7 +222,8 @@ class KernelSession:
         """AMXINT8/AMXINT4 on one layer of a kt-amx directory written for ``threadpools`` parts."""
         self._check(hidden=hidden, inter=inter, types=None, where=f"layer {layer}")
         req = {"op": "load", "key": key, "method": self.method, "E": experts, "top_k": top_k, "H": hidden,
-               "I": inter, "layer": layer, "max_len": max_len, "dir": str(directory), "parts": self.threadpools}
+               "I": inter, "layer": layer, "max_len": max_len, "dir": str(directory), "parts": self.threadpools,
+               "scratch": str(self._dir)}  # the child writes the layer's .kt files there for the kernel to read
         self._call(req, f"loading layer {layer} of {directory}")
         self.loaded[key] = {"layer": layer, "H": hidden, "E": experts, "types": {}, "max_len": max_len}
 
@@ -274,7 +275,9 @@ class KernelSession:
     def quantize_ktamx_layer(self, tree_dir, layer: int, gate: np.ndarray, up: np.ndarray, down: np.ndarray,
                              top_k: int) -> None:
         """Have kt-kernel's own AMX quantizer write one layer (bf16 bits, HF orientation) as a ``.kt`` tree under
-        ``tree_dir`` (``_layer_L/_numa_N/``), the path upstream's converter takes before merging to safetensors."""
+        ``tree_dir`` (``_layer_L/_numa_N/``), the path upstream's converter takes before merging to safetensors.
+        The quantized layer stays loaded in the child as ``save{layer}`` (its forward is the layer as the kernel
+        quantized it in memory: the reference a load from the written files must equal)."""
         if self.method not in ("AMXINT8", "AMXINT4"):
             raise KernelRefused(f"{self.method} has no quantizer", fix="use an AMXINT8 or AMXINT4 session")
         e, i, h = gate.shape
@@ -284,6 +287,7 @@ class KernelSession:
                "arrays": {p: self._save(np.ascontiguousarray(a, dtype=np.uint16))
                           for p, a in (("gate", gate), ("up", up), ("down", down))}}
         self._call(req, f"quantizing layer {layer} to {self.method}")
+        self.loaded[f"save{layer}"] = {"layer": layer, "H": h, "E": e, "types": {}, "max_len": 64}
 
     def close(self) -> None:
         proc = getattr(self, "_proc", None)

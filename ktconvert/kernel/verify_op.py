@@ -160,11 +160,12 @@ class KernelRuntime:
         return KernelExperts(self, s, key, emulation, row, load, self._child_bytes(method, blocks, lora))
 
     def _child_bytes(self, method: str, blocks, lora) -> int:
-        """The most the child holds for one layer: LLAMAFILE maps the ggml blocks and reads them in place; the
-        copying classes (AMXINT8/AMXINT4 from a kt-amx directory, BF16) hold the layer twice while it loads (read
-        into the staging, and kt-kernel's own copy), then once."""
+        """The most the child holds for one layer: LLAMAFILE maps the ggml blocks and reads them in place;
+        AMXINT8/AMXINT4 hold the layer once (kt-kernel reads the layer's ``.kt`` files, written file to file from
+        the kt-amx directory, straight into its buffers); BF16 holds it twice while it loads (read into the staging,
+        and kt-kernel's own copy), then once."""
         if method in ("AMXINT8", "AMXINT4"):
-            return 2 * sum(n for _dtype, n, _f in self._ktamx.layers[blocks.layer].tensors.values())
+            return sum(n for _dtype, n, _f in self._ktamx.layers[blocks.layer].tensors.values())
         stored = sum(getattr(blocks, p).data.nbytes for p in ("gate", "up", "down"))
         if lora is not None:
             stored += sum(a.nbytes for a in lora.values())

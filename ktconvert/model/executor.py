@@ -751,8 +751,8 @@ class InjectedWeights(ConvertedWeights):
 
     def extra_note(self, kind: str, layer: int | None) -> str:
         kernel = [d for d in self._ops(kind, layer) if d.emulation == "kt-kernel"]
-        return ("its operators, the kt-kernel child holding its packed experts among them (twice while an AMX or BF16 "
-                "class copies them in)") if kernel else ""
+        return ("its operators, the kt-kernel child holding its packed experts among them (twice while the BF16 class "
+                "copies them in)") if kernel else ""
 
     def _ops(self, kind: str, layer: int | None) -> list:
         return list({id(d): d for s in self._mine(kind, layer) for d in s.described.values() if d is not None}.values())
