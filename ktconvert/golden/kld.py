@@ -106,6 +106,7 @@ class KlBase:
     n_vocab: int
     tokens: np.ndarray
     log_probs: np.ndarray
+    scales: np.ndarray  # [n_chunk, len(positions)]: each row's 16-bit step, in nats
 
     @property
     def n_chunk(self) -> int:
@@ -137,7 +138,8 @@ def read_kl_base(path: str | os.PathLike, *, n_vocab: int | None = None) -> KlBa
         head = fh.read(HEADER.size)
         if len(head) < HEADER.size or head[:8] != MAGIC:
             raise InputError("not a llama.cpp KL-divergence base file (no _logits_ header)", path=shown,
-                             fix="pass a file written by llama-perplexity --kl-divergence-base or ktconvert golden --kl-base")
+                             fix="pass a file written by llama-perplexity --kl-divergence-base or ktconvert golden --kl-base, "
+                                     "or a golden directory (manifest.yaml + golden.safetensors)")
         _, n_ctx, vocab, n_chunk = HEADER.unpack(head)
         if n_ctx < MIN_CTX or vocab < 1 or n_chunk < 1:
             raise InputError(f"n_ctx {n_ctx}, n_vocab {vocab}, n_chunk {n_chunk}: not a usable base file", path=shown,
@@ -163,7 +165,8 @@ def read_kl_base(path: str | os.PathLike, *, n_vocab: int | None = None) -> KlBa
         raise InputError(f"row {r} has scale {head[r, 0]} and min_log_prob {head[r, 1]}", path=shown,
                          where=f"chunk {r // rows}", fix="the file is damaged: write it again")
     log_probs = dequantize_rows(raw, vocab).reshape(n_chunk, rows, vocab)
-    return KlBase(path=p, n_ctx=int(n_ctx), n_vocab=int(vocab), tokens=tokens.astype(np.int64), log_probs=log_probs)
+    return KlBase(path=p, n_ctx=int(n_ctx), n_vocab=int(vocab), tokens=tokens.astype(np.int64), log_probs=log_probs,
+                  scales=head[:, 0].reshape(n_chunk, rows).copy())
 
 
 def compare(base: KlBase, chunk: int, logits: np.ndarray) -> dict:
