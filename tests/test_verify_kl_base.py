@@ -145,7 +145,7 @@ def test_llama_perplexitys_own_base_file_is_a_golden(llama_perplexity, ws, tmp_p
     """Two chunks of 16 from llama-perplexity --kl-divergence-base on the tiny model's F32 GGUF: verify of the same
     GGUF reads the file as a golden and finds the same distributions. With a vocabulary that adds a BOS, llama.cpp
     puts it at each chunk's position 0 at run time (the file keeps chunk 1's first text token there), and so does
-    verify: a chunk run without it would differ at every scored position."""
+    verify: run without it, chunk 1 measures KL 0.012-0.054 at its scored positions (and fails f32)."""
     import shutil
 
     from llamacpp_tools import run_tool
