@@ -33,7 +33,7 @@ from ktconvert.verify.metrics import LogitStats, compare_logits, first_nonfinite
 from ktconvert.verify.profile import Breach, Profile, evaluate
 
 KIND = "kl-divergence-base"
-#: float32's unit roundoff: the base's ``scale * q + min_log_prob`` is two float32 roundings of numbers up to ~16
+#: float32's machine epsilon: the base's ``scale * q + min_log_prob`` is two float32 roundings of numbers up to ~16
 _F32 = float(np.finfo(np.float32).eps)
 NO_LOCALISATION = ("per-layer hidden-state NMSE and localisation need a ktconvert golden directory (ktconvert golden "
                    "MODEL OUT): a KL-divergence base file holds only the log-probabilities of the scored positions")
@@ -59,22 +59,25 @@ class BaseLogitStats(LogitStats):
 def allowance(base: KlBase) -> np.ndarray:
     """Per scored row (chunk by chunk), the most |KL| the base's quantization alone can show: ``sum p`` over the
     kept log-probabilities times half a step plus float32 rounding of values up to the row's least log p."""
-    lp = base.log_probs.reshape(-1, base.n_vocab).astype(np.float64)
-    kept = np.where(lp > -LOG_RANGE, np.exp(lp), 0.0).sum(axis=1)
-    return kept * (0.5 * base.scales.reshape(-1) + 2 * _F32 * np.abs(lp.min(axis=1)))
+    out = []
+    for chunk in range(base.n_chunk):
+        lp = base.log_probs(chunk).astype(np.float64)
+        kept = np.where(lp > -LOG_RANGE, np.exp(lp), 0.0).sum(axis=1)
+        out.append(kept * (0.5 * base.scales[chunk] + 2 * _F32 * np.abs(lp.min(axis=1))))
+    return np.concatenate(out)
 
 
-def compare_base(base: KlBase, cand: np.ndarray, profile: Profile) -> BaseLogitStats:
-    """The candidate's logits at the scored rows ``[rows, n_vocab]`` against the base's log-probabilities.
+def compare_base(base: KlBase, chunk: int, cand: np.ndarray, profile: Profile) -> LogitStats:
+    """The candidate's logits at ``chunk``'s scored rows ``[rows, n_vocab]`` against the base's log-probabilities.
 
     KL is llama.cpp's: ``sum p_base (log p_base - log q)`` over ``log p_base > -16``, with the candidate's full
     log-softmax. Near-tie margins: the profile's (derived from the base row centred on its mean, which stands in for
     the logits), and at least two quantization steps."""
-    ref = base.log_probs.reshape(-1, base.n_vocab).astype(np.float64)
+    ref = base.log_probs(chunk).astype(np.float64)
     cand = np.asarray(cand, dtype=np.float64)
     margins = tie_margins(ref - ref.mean(axis=1, keepdims=True), profile.logits.get("nmse_max"),
                           profile.top1_tie_margin)
-    margins = np.maximum(margins, 2.0 * base.scales.reshape(-1))
+    margins = np.maximum(margins, 2.0 * base.scales[chunk])
     stats = compare_logits(ref, cand, profile.topk, margins)
     with np.errstate(invalid="ignore", over="ignore"):
         lq = cand - cand.max(axis=1, keepdims=True)
@@ -84,8 +87,13 @@ def compare_base(base: KlBase, cand: np.ndarray, profile: Profile) -> BaseLogitS
     stats.kl = np.where(finite, kl, np.nan)  # may be a little below 0: the base's rounding, inside the allowance
     stats.max_abs = np.full(len(kl), np.nan)
     stats.nmse = np.full(len(kl), np.nan)
-    return BaseLogitStats(**{f.name: getattr(stats, f.name) for f in fields(LogitStats)}, n_ctx=base.n_ctx,
-                          rows=len(base.positions))
+    return stats
+
+
+def merge(base: KlBase, parts: list[LogitStats]) -> BaseLogitStats:
+    """The chunks' stats as one, their rows in order."""
+    cat = {f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in fields(LogitStats) if f.name != "k"}
+    return BaseLogitStats(**cat, k=parts[0].k, n_ctx=base.n_ctx, rows=len(base.positions))
 
 
 def judged_profile(profile: Profile, kl_allowance: float) -> Profile:
@@ -106,14 +114,15 @@ def _row(base: KlBase, row: int) -> str:
     return f"chunk {chunk} position {base.positions.start + at}"
 
 
-def run_chunks(name: str, run, base: KlBase, bos: int | None, layerwise: bool, step: int | None,
-               progress) -> np.ndarray:
-    """The candidate's logits at the scored rows ``[n_chunk * rows, n_vocab]``: every chunk from a fresh cache."""
+def phase_stats(name: str, run, base: KlBase, bos: int | None, layerwise: bool, step: int | None, profile: Profile,
+                progress) -> tuple[BaseLogitStats, dict | None]:
+    """One phase of the candidate over every chunk, each from a fresh cache and compared as it ends (one chunk's
+    logits and log-probabilities held at a time): the stats, and the first NaN/Inf (``position``: the scored row)."""
     import torch
 
     pos = base.positions
     n_layers = len(run.candidate.model.model.layers)
-    rows = []
+    parts, nonfinite = [], None
     began = time.perf_counter()
 
     def on_layer(index, *_):
@@ -125,28 +134,26 @@ def run_chunks(name: str, run, base: KlBase, bos: int | None, layerwise: bool, s
             for chunk in range(base.n_chunk):
                 ids = torch.tensor([base.prompt(chunk, bos)], dtype=torch.long)
                 out = run.candidate.run(ids, step=step, on_layer=on_layer if progress else None)
-                rows.append(out.logits[0, pos.start:pos.stop].to(torch.float32).numpy())
+                cand = out.logits[0, pos.start:pos.stop].to(torch.float32).numpy()
                 del out
+                if nonfinite is None and (bad := first_nonfinite(cand)) is not None:
+                    nonfinite = {"where": "logits", "layer": None, "position": chunk * len(pos) + int(bad[0]),
+                                 "index": int(bad[1])}
+                parts.append(compare_base(base, chunk, cand, profile))
     finally:
         run.injected.set_layerwise(False)
-    return np.concatenate(rows)
+    return merge(base, parts), nonfinite
 
 
-def judge(name: str, base: KlBase, cand: np.ndarray, profile: Profile,
-          judged: Profile) -> tuple[BaseLogitStats, dict | None, list[Breach]]:
-    """A phase's numbers against the base: the stats, the first NaN/Inf (``position``: the scored row) and the
-    limits of ``judged`` broken, each placed at its chunk and position."""
-    stats = compare_base(base, cand, profile)
-    nonfinite = None
-    if (bad := first_nonfinite(cand)) is not None:
-        nonfinite = {"where": "logits", "layer": None, "position": int(bad[0]), "index": int(bad[1])}
+def judge(name: str, base: KlBase, stats: BaseLogitStats, nonfinite: dict | None, judged: Profile) -> list[Breach]:
+    """The limits of ``judged`` a phase breaks, each placed at its chunk and position."""
     breaches = evaluate(judged, name, stats.summary(), [])
     for b in breaches:  # the summary counts scored rows: say which chunk and position a row is
         b.where = re.sub(r"position (\d+)", lambda m: _row(base, int(m.group(1))), b.where)
     if nonfinite is not None:
         breaches.insert(0, Breach(name, "nonfinite", None, None, "",
                                   f"logits, {_row(base, nonfinite['position'])}, index {nonfinite['index']}"))
-    return stats, nonfinite, breaches
+    return breaches
 
 
 def load_base(model_dir: Path, base_path, n_vocab: int, lora) -> tuple[KlBase, int | None]:

@@ -544,9 +544,9 @@ def _verify_kl_base(model_dir: Path, rules, base_path, *, weights, prefill_weigh
                          False, max_memory, notes)
         phases = []
         for name, layerwise, step in (("prefill", run.injected.layerwise(base.n_ctx), None), ("decode", False, 1)):
-            cand = klbase.run_chunks(name, run, base, bos, layerwise, step, progress)
-            stats, nonfinite, breaches = klbase.judge(name, base, cand, profile, judged)
-            phases.append(PhaseResult(name, layerwise, stats, [], nonfinite, None, None, breaches))
+            stats, nonfinite = klbase.phase_stats(name, run, base, bos, layerwise, step, profile, progress)
+            phases.append(PhaseResult(name, layerwise, stats, [], nonfinite, None, None,
+                                      klbase.judge(name, base, stats, nonfinite, judged)))
     report = VerifyReport(
         model={"dir": str(model_dir), "family": cfg.family, "config_sha256": sha256_file(model_dir / "config.json")},
         rules=str(rules),
