@@ -90,6 +90,13 @@ def test_a_broken_candidate_fails_on_kl(ws, base):
     assert _verify(ws, base, "--weights", ws.gguf(FAMILY, "Q8_0")).exit_code == 0
 
 
+def test_streamed_within_a_budget_gives_the_same_numbers(ws, base):
+    resident = json.loads(_verify(ws, base, "--weights", ws.gguf(FAMILY, "Q8_0")).stdout)
+    streamed = json.loads(_verify(ws, base, "--weights", ws.gguf(FAMILY, "Q8_0"), "--max-memory", "8MB").stdout)
+    assert resident["run"]["mode"] == "resident" and streamed["run"]["mode"] == "stream"
+    assert streamed["phases"] == resident["phases"]
+
+
 def _error(res, code=3):
     assert res.exit_code == code, res.output
     lines = [ln for ln in res.stderr.splitlines() if ln.strip()]
