@@ -15,7 +15,9 @@ import click
               help="What prefill ops read during layer-wise prefill (default: --weights), e.g. the original "
                    "checkpoint a GPU prefill loads while the CPU experts read the conversion.")
 @click.option("--golden", "golden", required=True, type=click.Path(path_type=str),
-              help="Golden directory (manifest.yaml + golden.safetensors) made from --model.")
+              help="Golden directory (manifest.yaml + golden.safetensors) made from --model, or a llama.cpp "
+                   "KL-divergence base file (llama-perplexity --kl-divergence-base, golden --kl-base): KL and "
+                   "top-1/top-k at its scored positions, no hidden states.")
 @click.option("--tolerance", "tolerance", default="auto", show_default=True, metavar="NAME|FILE|auto",
               help="Tolerance profile: a shipped name (rules/tolerances/), a YAML file, or auto (the profile for "
                    "the experts' least precise ggml type).")

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -98,14 +98,21 @@ def write_kl_base(path: str | os.PathLike, tokens: list[int], logits: np.ndarray
 
 @dataclass
 class KlBase:
-    """A KL-divergence base file read back: ``tokens`` ``[n_chunk, n_ctx]`` as stored, ``log_probs``
-    ``[n_chunk, len(positions), n_vocab]`` float32 at ``positions`` of each chunk."""
+    """A KL-divergence base file read back: ``tokens`` ``[n_chunk, n_ctx]`` as stored, and each chunk's
+    log-probabilities at ``positions`` (:meth:`log_probs`), dequantized from the memory-mapped file when asked for,
+    so a base file of any size is read one chunk at a time."""
 
     path: Path
     n_ctx: int
     n_vocab: int
     tokens: np.ndarray
-    log_probs: np.ndarray
+    rows: np.ndarray = field(repr=False)  # [n_chunk * len(positions), row_width] uint16, memory-mapped
+    scales: np.ndarray = field(default=None)  # [n_chunk, len(positions)]: each row's 16-bit step, in nats
+
+    def log_probs(self, chunk: int) -> np.ndarray:
+        """``[len(positions), n_vocab]`` float32: ``chunk``'s log-probabilities, as llama.cpp reads them."""
+        n = len(self.positions)
+        return dequantize_rows(self.rows[chunk * n:(chunk + 1) * n], self.n_vocab)
 
     @property
     def n_chunk(self) -> int:
@@ -137,7 +144,8 @@ def read_kl_base(path: str | os.PathLike, *, n_vocab: int | None = None) -> KlBa
         head = fh.read(HEADER.size)
         if len(head) < HEADER.size or head[:8] != MAGIC:
             raise InputError("not a llama.cpp KL-divergence base file (no _logits_ header)", path=shown,
-                             fix="pass a file written by llama-perplexity --kl-divergence-base or ktconvert golden --kl-base")
+                             fix="pass a file written by llama-perplexity --kl-divergence-base or ktconvert golden --kl-base, "
+                                     "or a golden directory (manifest.yaml + golden.safetensors)")
         _, n_ctx, vocab, n_chunk = HEADER.unpack(head)
         if n_ctx < MIN_CTX or vocab < 1 or n_chunk < 1:
             raise InputError(f"n_ctx {n_ctx}, n_vocab {vocab}, n_chunk {n_chunk}: not a usable base file", path=shown,
@@ -152,7 +160,8 @@ def read_kl_base(path: str | os.PathLike, *, n_vocab: int | None = None) -> KlBa
                              "another model", path=shown, where="n_vocab",
                              fix="pass the base file made from this model (llama-perplexity --kl-divergence-base)")
         tokens = np.frombuffer(fh.read(4 * n_chunk * n_ctx), dtype="<i4").reshape(n_chunk, n_ctx)
-        raw = np.frombuffer(fh.read(), dtype="<u2").reshape(n_chunk * rows, row_width(vocab))
+    raw = np.memmap(p, dtype="<u2", mode="r", offset=HEADER.size + 4 * n_chunk * n_ctx,
+                    shape=(n_chunk * rows, row_width(vocab)))
     bad = np.flatnonzero((tokens < 0) | (tokens >= vocab))
     if bad.size:
         raise InputError(f"token id {int(tokens.flat[bad[0]])} at position {int(bad[0])} is outside the vocabulary "
@@ -162,8 +171,8 @@ def read_kl_base(path: str | os.PathLike, *, n_vocab: int | None = None) -> KlBa
         r = int(np.flatnonzero(~np.isfinite(head).all(axis=1) | (head[:, 0] < 0))[0])
         raise InputError(f"row {r} has scale {head[r, 0]} and min_log_prob {head[r, 1]}", path=shown,
                          where=f"chunk {r // rows}", fix="the file is damaged: write it again")
-    log_probs = dequantize_rows(raw, vocab).reshape(n_chunk, rows, vocab)
-    return KlBase(path=p, n_ctx=int(n_ctx), n_vocab=int(vocab), tokens=tokens.astype(np.int64), log_probs=log_probs)
+    return KlBase(path=p, n_ctx=int(n_ctx), n_vocab=int(vocab), tokens=tokens.astype(np.int64), rows=raw,
+                  scales=head[:, 0].reshape(n_chunk, rows).copy())
 
 
 def compare(base: KlBase, chunk: int, logits: np.ndarray) -> dict:
@@ -176,7 +185,7 @@ def compare(base: KlBase, chunk: int, logits: np.ndarray) -> dict:
     got = logits[pos.start:pos.stop]
     got = got - got.max(axis=1, keepdims=True)
     got = got - np.log(np.exp(got).sum(axis=1, keepdims=True))
-    ref = base.log_probs[chunk].astype(np.float64)
+    ref = base.log_probs(chunk).astype(np.float64)
     keep = ref > -LOG_RANGE
     kl = np.where(keep, np.exp(ref) * (ref - got), 0.0).sum(axis=1)
     floor = ref.min(axis=1, keepdims=True)

@@ -71,9 +71,10 @@ def render_text(report) -> str:
                          f"{', '.join(map(str, s['top1_near_ties']))}"
                          + (f"; flipped there: {', '.join(map(str, flips))}" if flips else "")
                          + f"; raw top-1 {_g(s['top1_agreement_raw'])}")
-    lines.append("")
-    lines.append("hidden-state NMSE per layer (prefill / decode):")
     names = [x["layer"] for x in next(iter(d["phases"].values()))["layers"]]
+    lines.append("")
+    if names:  # none against a KL-divergence base file (it holds no hidden states; a note says so)
+        lines.append("hidden-state NMSE per layer (prefill / decode):")
     for i, name in enumerate(names):
         vals = " / ".join(_g(ph["layers"][i]["nmse"]) for ph in d["phases"].values())
         lines.append(f"  {name:10} {vals}")

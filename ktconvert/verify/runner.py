@@ -457,6 +457,10 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     if not model_dir.is_dir():
         raise InputError("model directory not found", path=str(model_dir),
                          fix="--model takes the Hugging Face model directory (config.json and its weights)")
+    if Path(golden).is_file():  # not a golden directory: a llama.cpp KL-divergence base file
+        return _verify_kl_base(model_dir, rules, golden, weights=weights, prefill_weights=prefill_weights,
+                               profile=profile, options=options, catalog=catalog, backend=backend, threads=threads,
+                               lora=lora, max_memory=max_memory, progress=progress)
     gold = read_golden(golden)
     notes = [f"weights not hashed against the golden: {u}" for u in check_golden_matches(gold, model_dir)]
     # every torch op of the run at the golden's thread count: one thread is also the fastest on these small
@@ -477,11 +481,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         weights_path = weights if weights is not None else model_dir
         source = WeightSource(weights_path, cfg)
         pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
-        if profile == "auto" and options.kernel_runtime is not None and options.kernel_runtime.auto_profile(cfg):
-            profile = load_profile(options.kernel_runtime.auto_profile(cfg))  # a kt-amx dir: its method's profile
-        if profile == "auto":
-            profile = auto_profile({t for layer in source.expert_types().values() for t in layer.values()})
-        profile = profile.for_family(cfg.family)
+        profile = choose_profile(profile, options, source, cfg)
         prompt_len = int(gold.input_ids.shape[1])
         run = _build_run(model_dir, cfg, compiled, catalog, source, pre_source, weights, options, loaded,
                          prompt_len, localize, max_memory, notes)
@@ -490,8 +490,6 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
             _phase("prefill", run, gold, profile, injected.layerwise(prompt_len), prompt_len, progress),
             _phase("decode", run, gold, profile, False, 1, progress),
         ]
-    uses = [u.as_dict() for u in injected.uses]
-    not_emulated = [u for u in injected.uses if not u.emulated]
     report = VerifyReport(
         model={"dir": str(model_dir), "family": cfg.family, "config_sha256": gold.manifest["model"]["config_sha256"]},
         rules=str(rules),
@@ -501,23 +499,85 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         golden={"dir": str(gold.path), "name": gold.manifest["name"], "positions": prompt_len},
         profile=profile,
         options=options.as_dict() | {"threads": threads},
-        injection={"model_operator": injected.model_operator,
-                   "layerwise_prefill_threshold": injected.layerwise_threshold,
-                   "layerwise_prefill": injected.layerwise(prompt_len),
-                   "operators": uses,
-                   "not_emulated": [u.as_dict() for u in not_emulated]},
+        injection=injection_summary(injected, prompt_len),
         phases=phases,
         notes=notes,
         seconds=0.0,
     )
-    if not_emulated and profile.not_emulated_policy == "fail":
-        for u in not_emulated:
-            report.policy_breaches.append(Breach("injection", "not_emulated", None, None, "",
-                                                 f"{u.operator} {u.op or ''} on {len(u.modules)} module(s)".strip()))
     for p in phases:
         loc = p.localization
         if loc and loc.get("module"):
             loc["operator"] = _operator_of(injected, loc["module"])
+    finish_report(report, run, options, peaks)
+    if loaded is not None:
+        report.lora = _lora_effect(loaded, lora, gold, phases, profile)
+        if report.lora["finding"]:
+            report.notes.append(f"LoRA: {report.lora['finding']}")
+    report.seconds = time.perf_counter() - began
+    return report
+
+
+def _verify_kl_base(model_dir: Path, rules, base_path, *, weights, prefill_weights, profile, options, catalog, backend,
+                    threads, lora, max_memory, progress) -> VerifyReport:
+    """:func:`run_verify` against a llama.cpp KL-divergence base file (:mod:`ktconvert.verify.klbase`): each chunk
+    from a fresh cache, prefill and decode, KL and top-1/top-k at its scored positions; no hidden states, so no
+    per-layer NMSE or localisation (a note says so)."""
+    from ktconvert.verify import klbase
+
+    began = time.perf_counter()
+    cfg = load_config(model_dir)
+    base, bos = klbase.load_base(model_dir, base_path, int(cfg.vocab_size), lora)
+    extra = float(klbase.allowance(base).max())
+    notes = klbase.notes(base, extra)
+    threads = threads or 1
+    peaks = TreePeak()
+    with peaks, _threads(threads):
+        if isinstance(profile, str) and profile != "auto":
+            profile = load_profile(profile)
+        catalog = catalog or load_catalog()
+        compiled = load_rules(rules, catalog, backend, family=cfg.family)
+        source = WeightSource(weights if weights is not None else model_dir, cfg)
+        pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
+        profile = choose_profile(profile, options, source, cfg)
+        judged = klbase.judged_profile(profile, extra)
+        run = _build_run(model_dir, cfg, compiled, catalog, source, pre_source, weights, options, None, base.n_ctx,
+                         False, max_memory, notes)
+        phases = []
+        for name, layerwise, step in (("prefill", run.injected.layerwise(base.n_ctx), None), ("decode", False, 1)):
+            stats, nonfinite = klbase.phase_stats(name, run, base, bos, layerwise, step, profile, progress)
+            phases.append(PhaseResult(name, layerwise, stats, [], nonfinite, None, None,
+                                      klbase.judge(name, base, stats, nonfinite, judged)))
+    report = VerifyReport(
+        model={"dir": str(model_dir), "family": cfg.family, "config_sha256": sha256_file(model_dir / "config.json")},
+        rules=str(rules),
+        weights={"path": str(weights if weights is not None else model_dir), "container": source.container,
+                 "prefill_path": None if pre_source is None else str(prefill_weights),
+                 "expert_types": {str(k): v for k, v in source.expert_types().items()}},
+        golden=klbase.golden_record(base, bos, extra), profile=judged, options=options.as_dict() | {"threads": threads},
+        injection=injection_summary(run.injected, base.n_ctx), phases=phases, notes=notes, seconds=0.0)
+    finish_report(report, run, options, peaks)
+    report.seconds = time.perf_counter() - began
+    return report
+
+
+def choose_profile(profile, options, source, cfg) -> Profile:
+    """The profile a run is held to: ``profile`` (a :class:`Profile`, or ``"auto"``: a kt-amx directory's method's,
+    else the one for the experts' least precise ggml type) with ``cfg``'s family overrides applied."""
+    if profile == "auto" and options.kernel_runtime is not None and options.kernel_runtime.auto_profile(cfg):
+        profile = load_profile(options.kernel_runtime.auto_profile(cfg))  # a kt-amx dir: its method's profile
+    if profile == "auto":
+        profile = auto_profile({t for layer in source.expert_types().values() for t in layer.values()})
+    return profile.for_family(cfg.family)
+
+
+def finish_report(report: VerifyReport, run: _Run, options, peaks: TreePeak) -> None:
+    """What every report adds after its phases: operators the profile refuses unemulated (its policy ``fail``), the
+    kernel's summary, how the run held its weights, and a note when their peak went over the budget."""
+    if report.profile.not_emulated_policy == "fail":
+        for u in run.injected.uses:
+            if not u.emulated:
+                report.policy_breaches.append(Breach("injection", "not_emulated", None, None, "", f"{u.operator} "
+                                                     f"{u.op or ''} on {len(u.modules)} module(s)".strip()))
     if options.kernel_runtime is not None:
         report.kernel = options.kernel_runtime.summary()
     report.run = run.summary(peaks)
@@ -525,12 +585,15 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     if peak is not None and peak > run.budget:
         report.notes.append(f"peak {format_size(peak)} of weights resident is over the budget "
                             f"{format_size(run.budget)}")
-    if loaded is not None:
-        report.lora = _lora_effect(loaded, lora, gold, phases, profile)
-        if report.lora["finding"]:
-            report.notes.append(f"LoRA: {report.lora['finding']}")
-    report.seconds = time.perf_counter() - began
-    return report
+
+
+def injection_summary(injected, prompt_len: int) -> dict:
+    """The report's ``injection``: the model operator, layer-wise prefill for a prompt this long, each operator use."""
+    return {"model_operator": injected.model_operator,
+            "layerwise_prefill_threshold": injected.layerwise_threshold,
+            "layerwise_prefill": injected.layerwise(prompt_len),
+            "operators": [u.as_dict() for u in injected.uses],
+            "not_emulated": [u.as_dict() for u in injected.uses if not u.emulated]}
 
 
 def _describe(rec: dict | None) -> str:
