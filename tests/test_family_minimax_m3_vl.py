@@ -341,7 +341,7 @@ DENSE = "dense"
 
 @pytest.fixture(scope="module")
 def dense(tmp_path_factory):
-    """The dense variant (layer 0 a dense MLP of dense_intermediate_size 448, full attention), float32 as every tiny
+    """The dense variant (layer 0 a dense MLP of dense_intermediate_size 576, full attention), float32 as every tiny
     model, and its MXFP8 release (``tiny-model --variant dense --quant mxfp8``)."""
     from ktconvert.model.tiny import write_tiny_model
 
@@ -352,15 +352,9 @@ def dense(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def dense_golden(dense):
-    """transformers 5.23's golden of the dense variant on the family golden's prompt (made here: a few seconds)."""
-    from ktconvert.golden.generate import generate_golden
-
-    _transformers()
-    ids = [int(i) for i in np.asarray(read_golden(golden_root() / FAMILY).input_ids).reshape(-1)]
-    out = dense / "golden"
-    generate_golden(dense / "model", out, prompt_ids=ids, bos=False)
-    return out
+def dense_golden():
+    """transformers 5.23's golden of the dense variant (``golden/minimax_m3_vl-dense``, the family golden's prompt)."""
+    return golden_root() / f"{FAMILY}-{DENSE}"
 
 
 def test_dense_layers_read_alike_in_both_spellings():
@@ -372,12 +366,12 @@ def test_dense_layers_read_alike_in_both_spellings():
     text.update(mlp_layer_types=["dense", "sparse"])
     a, b = normalize_config(hub), normalize_config({**hub, "text_config": text})
     assert a == b
-    assert a.moe_layers == (1,) and a.msa_layers == (1,) and a.intermediate_size == 448 and a.moe_intermediate_size == 256
+    assert a.moe_layers == (1,) and a.msa_layers == (1,) and a.intermediate_size == 576 and a.moe_intermediate_size == 256
     assert a.dense_swiglu and a.swiglu_clamp == (1.702, 7.0)
     assert (a.ffn_name(0), a.ffn_name(1)) == ("mlp", "block_sparse_moe")
     transformers, _ = _transformers()
     cfg = transformers.AutoConfig.for_model(**hub).text_config
-    assert cfg.mlp_layer_types == ["dense", "sparse"] and cfg.dense_intermediate_size == 448
+    assert cfg.mlp_layer_types == ["dense", "sparse"] and cfg.dense_intermediate_size == 576
     assert cfg.layer_types == ["full_attention", "minimax_m3_sparse"]
 
 
@@ -433,7 +427,7 @@ def test_dense_release_inspects_and_converts(dense, tmp_path):
     assert res.exit_code == 0, res.output
     ck = open_checkpoint(tmp_path / "f32" / "model.gguf")
     md = ck.metadata
-    assert md["minimax-m3.leading_dense_block_count"] == 1 and md["minimax-m3.feed_forward_length"] == 448
+    assert md["minimax-m3.leading_dense_block_count"] == 1 and md["minimax-m3.feed_forward_length"] == 576
     assert md["minimax-m3.expert_feed_forward_length"] == 256
     assert sorted(n[len("blk.0."):] for n in ck if n.startswith("blk.0.ffn")) == [
         "ffn_down.weight", "ffn_gate.weight", "ffn_norm.weight", "ffn_up.weight"]
@@ -444,7 +438,7 @@ def test_dense_release_inspects_and_converts(dense, tmp_path):
     w = "language_model.model.layers.1.block_sparse_moe.experts.5.w3.weight"
     got = np.asarray(ck.read("blk.1.ffn_up_exps.weight")).reshape(8, 256, 256)[5]
     np.testing.assert_array_equal(got, quantized.read_float32(src, qmap.weights[w]))
-    np.testing.assert_array_equal(np.asarray(ck.read("blk.0.ffn_down.weight")).reshape(256, 448),
+    np.testing.assert_array_equal(np.asarray(ck.read("blk.0.ffn_down.weight")).reshape(256, 576),
                                   np.asarray(src.read("language_model.model.layers.0.mlp.down_proj.weight")))
     flags = ["--model-path", str(rel), "--kt-weight-path", str(rel), "--kt-cpuinfer", "2", "--kt-threadpool-count", "1",
              "--kt-num-gpu-experts", "0", "--kt-method", "MXFP8"]
@@ -560,7 +554,7 @@ def test_dense_gguf_is_llamacpps_and_llamacpp_runs_it(llama_built, dense, dense_
     a, b = arch_kv(ours), arch_kv(theirs)
     assert {k for k in a if k not in b} == {"minimax-m3.expert_gating_func", "minimax-m3.vocab_size"} and set(b) <= set(a)
     assert {k: a[k] for k in b} == b
-    assert b["minimax-m3.leading_dense_block_count"] == 1 and b["minimax-m3.feed_forward_length"] == 448
+    assert b["minimax-m3.leading_dense_block_count"] == 1 and b["minimax-m3.feed_forward_length"] == 576
     ot, tt = {t.name: t for t in ours.tensors}, {t.name: t for t in theirs.tensors}
     assert set(ot) == set(tt)
     for name, t in tt.items():
