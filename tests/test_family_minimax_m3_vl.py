@@ -421,10 +421,12 @@ def test_dense_release_inspects_and_converts(dense, tmp_path):
     rel = dense / "mxfp8"
     res = CliRunner().invoke(cli, ["inspect", str(rel)])
     assert res.exit_code == 0, res.output
-    assert "experts in 1 (hf-split); dense layer 0 (config)" in res.output and "makes it an MoE layer" not in res.output
+    assert "experts in 1 (hf-split); dense layer 0" in res.output and "makes it an MoE layer" not in res.output
     assert "0 error(s), 0 warning(s)" in res.output
     res = CliRunner().invoke(cli, ["quantize", str(rel), str(tmp_path / "f32"), "--type", "F32"])
     assert res.exit_code == 0, res.output
+    again = CliRunner().invoke(cli, ["inspect", str(tmp_path / "f32" / "model.gguf")])  # from leading_dense_block_count
+    assert again.exit_code == 0 and "experts in 1 (gguf-merged); dense layer 0" in again.output, again.output
     ck = open_checkpoint(tmp_path / "f32" / "model.gguf")
     md = ck.metadata
     assert md["minimax-m3.leading_dense_block_count"] == 1 and md["minimax-m3.feed_forward_length"] == 576

@@ -166,9 +166,9 @@ def render_text(report: dict, style=lambda s, **kw: s) -> str:
 
 
 def _dense(layers: list | None) -> str:
-    """``; dense layer 0`` / ``; dense layers 0-2`` where the config gives layers a dense MLP instead of experts."""
+    """``; dense layer 0`` / ``; dense layers 0-2`` where the config (or GGUF metadata) gives layers a dense MLP instead of experts."""
     if not layers:
         return ""
     span = str(layers[0]) if len(layers) == 1 else (f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1))
                                                     else ", ".join(map(str, layers)))
-    return f"; dense layer{'s' if len(layers) > 1 else ''} {span} (config)"
+    return f"; dense layer{'s' if len(layers) > 1 else ''} {span}"
