@@ -357,6 +357,24 @@ def dense_golden():
     return golden_root() / f"{FAMILY}-{DENSE}"
 
 
+def test_tiny_model_writes_the_dense_release(dense, tmp_path):
+    """``tiny-model minimax_m3_vl --variant dense --quant mxfp8`` writes the fixture's bytes (a variant now takes a
+    release format; --fp8 still does not combine with one: exit 2, nothing written)."""
+    import hashlib
+
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    out = tmp_path / "rel"
+    res = CliRunner().invoke(cli, ["tiny-model", FAMILY, str(out), "--variant", DENSE, "--quant", "mxfp8"])
+    assert res.exit_code == 0 and "mxfp8 (dense)" in res.output, res.output
+    for f in ("config.json", "model.safetensors"):
+        assert hashlib.sha256((out / f).read_bytes()).digest() == hashlib.sha256((dense / "mxfp8" / f).read_bytes()).digest()
+    bad = CliRunner().invoke(cli, ["tiny-model", FAMILY, str(tmp_path / "no"), "--variant", DENSE, "--fp8"])
+    assert bad.exit_code == 2 and "--fp8 and --variant do not combine" in bad.output and not (tmp_path / "no").exists()
+
+
 def test_dense_layers_read_alike_in_both_spellings():
     """The hub's moe_layer_freq [0, 1] and transformers' mlp_layer_types [dense, sparse] name the same layers;
     transformers reads the variant's config to the same dense layer and width."""
