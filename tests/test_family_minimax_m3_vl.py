@@ -466,6 +466,28 @@ def test_dense_release_inspects_and_converts(dense, tmp_path):
     assert ok.exit_code == 0, ok.output
 
 
+def test_dense_bf16_release_matches_transformers(dense, tmp_path):
+    """The MXFP8 release written back as a BF16 one (``quantize --to hf --type BF16``: the experts decoded to BF16,
+    exactly, the rest as stored) still names its dense layer in inspect, and the reference's logits on it equal
+    transformers 5.23's on the same files (the golden tolerance)."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+    from ktconvert.golden.generate import compute_golden
+
+    _transformers()
+    rel = tmp_path / "bf16"
+    res = CliRunner().invoke(cli, ["quantize", str(dense / "mxfp8"), str(rel), "--to", "hf", "--type", "BF16"])
+    assert res.exit_code == 0, res.output
+    shown = CliRunner().invoke(cli, ["inspect", str(rel)])
+    assert shown.exit_code == 0 and "; dense layer 0" in shown.output and "BF16              24 tensor(s)" in shown.output
+    ids = [int(i) for i in np.asarray(read_golden(golden_root() / f"{FAMILY}-{DENSE}").input_ids).reshape(-1)]
+    want = compute_golden(rel, ids, decode_check=False).tensors["logits"]
+    with torch.no_grad():
+        got = from_pretrained(rel)(torch.tensor([ids])).logits
+    assert_close(got, want, "logits")
+
+
 def test_dense_release_kt_amx_is_refused(dense, tmp_path):
     """kt-amx stays refused for this family (the AMX kernels compute silu(gate) * up, not swigluoai), dense layers or
     not: exit 2, nothing written."""
