@@ -24,10 +24,16 @@ _KEEP = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
 # ktconvert writes for it (and what llama.cpp tokenizes it with), and it does not touch any tensor.
 CHILD = r"""
 import runpy, sys
-root, model, out, outtype = sys.argv[1:5]
+root, model, out, outtype, raw_config = sys.argv[1:6]
 sys.path[:0] = [root + "/gguf-py", root]
 import conversion.base as base
 base.TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+if raw_config == "1":
+    class _Unknown:
+        @staticmethod
+        def from_pretrained(*args, **kwargs):
+            raise ValueError("config.json as written")
+    base.AutoConfig = _Unknown
 sys.argv = ["convert_hf_to_gguf.py", model, "--outfile", out, "--outtype", outtype]
 runpy.run_path(root + "/convert_hf_to_gguf.py", run_name="__main__")
 """
@@ -71,12 +77,17 @@ def sources() -> Path:
     return target
 
 
-def convert(model_dir: Path, out: Path, outtype: str = "f32") -> Path:
-    """``convert_hf_to_gguf.py MODEL --outfile OUT --outtype OUTTYPE``; raises AssertionError with its log tail."""
+def convert(model_dir: Path, out: Path, outtype: str = "f32", *, raw_config: bool = False) -> Path:
+    """``convert_hf_to_gguf.py MODEL --outfile OUT --outtype OUTTYPE``; raises AssertionError with its log tail.
+
+    ``raw_config``: the converter reads config.json as written, its fallback when transformers does not know the
+    model. MiniMax-M3 needs it: transformers 5.23 knows minimax_m3_vl and its config drops the hub's
+    sparse_attention_config and moe_layer_freq, which the converter's MiniMaxM3Model requires (conversion/minimax.py,
+    set_gguf_parameters)."""
     root = sources()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, "-c", CHILD, str(root), str(model_dir), str(out), outtype], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, "-c", CHILD, str(root), str(model_dir), str(out), outtype,
+                           "1" if raw_config else "0"], env=env, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0 or not out.is_file():
         raise AssertionError("llama.cpp's converter failed:\n" + "\n".join(proc.stderr.splitlines()[-15:]))
     return out

@@ -7,6 +7,10 @@ its conversion end to end.
 * the block selection decides the golden; config quirks: the hub's ``sparse_attention_config`` and transformers'
   ``index_*`` read alike, ``rotary_dim`` is ignored as transformers ignores it but kept in the GGUF, unsupported
   layouts are one error naming the key;
+* leading dense layers (the ``dense`` variant: ``moe_layer_freq`` 0 for layer 0, transformers'
+  ``mlp_layer_types`` dense): the config reads alike in both spellings, the dense MLP (split gate/up as released,
+  transformers fuses them) and the model match transformers, the GGUF is what llama.cpp's converter writes and
+  llama.cpp runs it, the MXFP8 release inspects, converts and passes verify; inconsistent dense configs are one line;
 * ``quantize`` writes what llama.cpp's minimax-m3 reads (sparse-attention keys, rotary_dim, 1 + w norms baked, the
   indexer projections F32 as llama-quantize keeps them); ``inspect`` is clean, ``verify`` passes the F32 and Q8_0
   conversions and names the layer and module of a broken one; ``check-rules`` is clean on the shipped port.
@@ -182,7 +186,7 @@ def test_rotary_dim_is_ignored_as_transformers_ignores_it():
 
 
 @pytest.mark.parametrize("change,where", [
-    ({"moe_layer_freq": [0, 1]}, "mlp_layer_types"),
+    ({"moe_layer_freq": [1, 0]}, "mlp_layer_types"),  # a dense layer after an MoE one (see the dense section)
     ({"sparse_attention_config": {"sparse_num_index_heads": 4, "sparse_index_dim": 64, "sparse_block_size": 8,
                                   "sparse_topk_blocks": 2, "sparse_local_block": 1}}, "index_n_heads"),
     ({"sparse_attention_config": {"sparse_num_index_heads": 2, "sparse_index_dim": 16, "sparse_block_size": 8,
@@ -328,3 +332,279 @@ def test_kt_amx_is_refused_the_amx_kernel_has_no_swigluoai(tiny, tmp_path):
         convert(tiny, tmp_path / "amx", format="kt-amx", type="AMXINT8")
     assert "LLAMAFILE" in exc.value.fix
     assert not (tmp_path / "amx").exists()
+
+
+# --- leading dense layers (the dense variant) ----------------------------------------------------------------------
+
+DENSE = "dense"
+
+
+@pytest.fixture(scope="module")
+def dense(tmp_path_factory):
+    """The dense variant (layer 0 a dense MLP of dense_intermediate_size 576, full attention), float32 as every tiny
+    model, and its MXFP8 release (``tiny-model --variant dense --quant mxfp8``)."""
+    from ktconvert.model.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("minimax_m3_dense")
+    write_tiny_model(FAMILY, root / "model", variant=DENSE)
+    write_tiny_model(FAMILY, root / "mxfp8", variant=DENSE, quant="mxfp8")
+    return root
+
+
+@pytest.fixture(scope="module")
+def dense_golden():
+    """transformers 5.23's golden of the dense variant (``golden/minimax_m3_vl-dense``, the family golden's prompt)."""
+    return golden_root() / f"{FAMILY}-{DENSE}"
+
+
+def test_tiny_model_writes_the_dense_release(dense, tmp_path):
+    """``tiny-model minimax_m3_vl --variant dense --quant mxfp8`` writes the fixture's bytes (a variant now takes a
+    release format; --fp8 still does not combine with one: exit 2, nothing written)."""
+    import hashlib
+
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    out = tmp_path / "rel"
+    res = CliRunner().invoke(cli, ["tiny-model", FAMILY, str(out), "--variant", DENSE, "--quant", "mxfp8"])
+    assert res.exit_code == 0 and "mxfp8 (dense)" in res.output, res.output
+    for f in ("config.json", "model.safetensors"):
+        assert hashlib.sha256((out / f).read_bytes()).digest() == hashlib.sha256((dense / "mxfp8" / f).read_bytes()).digest()
+    bad = CliRunner().invoke(cli, ["tiny-model", FAMILY, str(tmp_path / "no"), "--variant", DENSE, "--fp8"])
+    assert bad.exit_code == 2 and "--fp8 and --variant do not combine" in bad.output and not (tmp_path / "no").exists()
+
+
+def test_dense_layers_read_alike_in_both_spellings():
+    """The hub's moe_layer_freq [0, 1] and transformers' mlp_layer_types [dense, sparse] name the same layers;
+    transformers reads the variant's config to the same dense layer and width."""
+    hub = tiny_config(FAMILY, DENSE)
+    text = dict(hub["text_config"])
+    text.pop("moe_layer_freq")
+    text.update(mlp_layer_types=["dense", "sparse"])
+    a, b = normalize_config(hub), normalize_config({**hub, "text_config": text})
+    assert a == b
+    assert a.moe_layers == (1,) and a.msa_layers == (1,) and a.intermediate_size == 576 and a.moe_intermediate_size == 256
+    assert a.dense_swiglu and a.swiglu_clamp == (1.702, 7.0)
+    assert (a.ffn_name(0), a.ffn_name(1)) == ("mlp", "block_sparse_moe")
+    transformers, _ = _transformers()
+    cfg = transformers.AutoConfig.for_model(**hub).text_config
+    assert cfg.mlp_layer_types == ["dense", "sparse"] and cfg.dense_intermediate_size == 576
+    assert cfg.layer_types == ["full_attention", "minimax_m3_sparse"]
+
+
+def test_dense_mlp_matches_transformers_past_the_clamp():
+    """Our dense MLP (gate_proj / up_proj / down_proj as released, the experts' swigluoai) against
+    MiniMaxM3VLDenseMLP, whose gate_up_proj is the two concatenated (transformers' conversion mapping), on inputs
+    that push gate and up past the limit."""
+    _, hf = _transformers()
+    cfg = _transformers()[0].AutoConfig.for_model(**tiny_config(FAMILY, DENSE)).text_config
+    theirs = hf.MiniMaxM3VLDenseMLP(cfg, intermediate_size=cfg.dense_intermediate_size)
+    inter = cfg.dense_intermediate_size
+    g = torch.Generator().manual_seed(1)
+    ours = GatedMLP(cfg.hidden_size, inter, clamp=(cfg.swiglu_alpha, cfg.swiglu_limit))
+    with torch.no_grad():
+        for m in (ours.gate_proj, ours.up_proj):
+            m.weight.copy_(torch.randn(m.weight.shape, generator=g) * 0.3)
+        ours.down_proj.weight.copy_(torch.randn(ours.down_proj.weight.shape, generator=g) * 0.05)
+        theirs.gate_up_proj.weight.copy_(torch.cat([ours.gate_proj.weight, ours.up_proj.weight]))
+        theirs.down_proj.weight.copy_(ours.down_proj.weight)
+        x = torch.randn(12, cfg.hidden_size, generator=g)
+        gu = theirs.gate_up_proj(x)
+        want, got = theirs(x), ours(x)
+    assert (gu[:, :inter] > 7).sum() > 50 and (gu[:, inter:].abs() > 7).sum() > 50
+    assert_close(got, want, "dense MLP")
+
+
+def test_dense_model_matches_transformers(dense, dense_golden):
+    """The reference model of the dense variant against transformers 5.23's logits (the golden tolerance)."""
+    gold = read_golden(dense_golden)
+    assert gold.manifest["model"]["tiny_model"] == f"{FAMILY}-{DENSE}"
+    m = from_pretrained(dense / "model")
+    assert type(m.model.layers[0].mlp) is GatedMLP and not hasattr(m.model.layers[0], "block_sparse_moe")
+    with torch.no_grad():
+        got = m(torch.from_numpy(gold.input_ids)).logits
+    assert_close(got, gold.logits, "logits")
+
+
+def test_dense_release_inspects_and_converts(dense, tmp_path):
+    """The MXFP8 release with dense layer 0: inspect names the dense layer (no missing-experts error), quantize
+    writes llama.cpp's leading dense block (ffn_gate / ffn_up / ffn_down of dense_intermediate_size, no indexer
+    there) with the experts' exact decoding, and preflight accepts it for kt-kernel's MXFP8."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+    from ktconvert.formats import open_checkpoint, quantized
+
+    rel = dense / "mxfp8"
+    res = CliRunner().invoke(cli, ["inspect", str(rel)])
+    assert res.exit_code == 0, res.output
+    assert "experts in 1 (hf-split); dense layer 0" in res.output and "makes it an MoE layer" not in res.output
+    assert "0 error(s), 0 warning(s)" in res.output
+    res = CliRunner().invoke(cli, ["quantize", str(rel), str(tmp_path / "f32"), "--type", "F32"])
+    assert res.exit_code == 0, res.output
+    again = CliRunner().invoke(cli, ["inspect", str(tmp_path / "f32" / "model.gguf")])  # from leading_dense_block_count
+    assert again.exit_code == 0 and "experts in 1 (gguf-merged); dense layer 0" in again.output, again.output
+    ck = open_checkpoint(tmp_path / "f32" / "model.gguf")
+    md = ck.metadata
+    assert md["minimax-m3.leading_dense_block_count"] == 1 and md["minimax-m3.feed_forward_length"] == 576
+    assert md["minimax-m3.expert_feed_forward_length"] == 256
+    assert sorted(n[len("blk.0."):] for n in ck if n.startswith("blk.0.ffn")) == [
+        "ffn_down.weight", "ffn_gate.weight", "ffn_norm.weight", "ffn_up.weight"]
+    assert ck["blk.0.ffn_gate.weight"].shape == ck["blk.0.ffn_up.weight"].shape
+    assert not [n for n in ck if n.startswith("blk.0.indexer")] and "blk.1.indexer.q_proj.weight" in ck
+    src = open_checkpoint(rel)
+    qmap = quantized.analyze(src)
+    w = "language_model.model.layers.1.block_sparse_moe.experts.5.w3.weight"
+    got = np.asarray(ck.read("blk.1.ffn_up_exps.weight")).reshape(8, 256, 256)[5]
+    np.testing.assert_array_equal(got, quantized.read_float32(src, qmap.weights[w]))
+    np.testing.assert_array_equal(np.asarray(ck.read("blk.0.ffn_down.weight")).reshape(256, 576),
+                                  np.asarray(src.read("language_model.model.layers.0.mlp.down_proj.weight")))
+    flags = ["--model-path", str(rel), "--kt-weight-path", str(rel), "--kt-cpuinfer", "2", "--kt-threadpool-count", "1",
+             "--kt-num-gpu-experts", "0", "--kt-method", "MXFP8"]
+    ok = CliRunner().invoke(cli, ["preflight", *flags])
+    assert ok.exit_code == 0, ok.output
+
+
+def test_dense_bf16_release_matches_transformers(dense, tmp_path):
+    """The MXFP8 release written back as a BF16 one (``quantize --to hf --type BF16``: the experts decoded to BF16,
+    exactly, the rest as stored) still names its dense layer in inspect, and the reference's logits on it equal
+    transformers 5.23's on the same files (the golden tolerance)."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+    from ktconvert.golden.generate import compute_golden
+
+    _transformers()
+    rel = tmp_path / "bf16"
+    res = CliRunner().invoke(cli, ["quantize", str(dense / "mxfp8"), str(rel), "--to", "hf", "--type", "BF16"])
+    assert res.exit_code == 0, res.output
+    shown = CliRunner().invoke(cli, ["inspect", str(rel)])
+    assert shown.exit_code == 0 and "; dense layer 0" in shown.output and "BF16              24 tensor(s)" in shown.output
+    ids = [int(i) for i in np.asarray(read_golden(golden_root() / f"{FAMILY}-{DENSE}").input_ids).reshape(-1)]
+    want = compute_golden(rel, ids, decode_check=False).tensors["logits"]
+    with torch.no_grad():
+        got = from_pretrained(rel)(torch.tensor([ids])).logits
+    assert_close(got, want, "logits")
+
+
+def test_dense_release_kt_amx_is_refused(dense, tmp_path):
+    """kt-amx stays refused for this family (the AMX kernels compute silu(gate) * up, not swigluoai), dense layers or
+    not: exit 2, nothing written."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    res = CliRunner().invoke(cli, ["quantize", str(dense / "mxfp8"), str(tmp_path / "amx"), "--to", "kt-amx",
+                                   "--type", "AMXINT8"])
+    assert res.exit_code == 2 and "silu(gate) * up" in res.output, res.output
+    assert not (tmp_path / "amx").exists() and not list(tmp_path.glob(".amx*"))
+
+
+@pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
+def test_dense_verify_passes(dense, dense_golden, tmp_path, qtype):
+    from ktconvert.convert import convert
+    from ktconvert.verify import run_verify
+
+    gguf = convert(dense / "model", tmp_path / "q", type=qtype).out / "model.gguf"
+    report = run_verify(dense / "model", RULES, dense_golden, weights=gguf)
+    assert report.profile.name == qtype.lower() and report.passed, [b.line() for b in report.breaches]
+
+
+def _dense_bad(tmp_path, dense, **text):
+    import json
+    import shutil
+
+    d = tmp_path / "bad"
+    shutil.copytree(dense / "model", d)
+    cfg = json.loads((d / "config.json").read_text())
+    for k, v in text.items():
+        if v is None:
+            cfg["text_config"].pop(k)
+        else:
+            cfg["text_config"][k] = v
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+_SAC = {"sparse_block_size": 8, "sparse_index_dim": 64, "sparse_local_block": 1, "sparse_num_index_heads": 2,
+        "sparse_topk_blocks": 2}
+
+DENSE_REFUSALS = {
+    "freq-length": ({"moe_layer_freq": [0, 1, 1]}, "moe_layer_freq", "num_hidden_layers=2", "one entry per layer"),
+    "types-length": ({"mlp_layer_types": ["dense"], "moe_layer_freq": None}, "mlp_layer_types", "num_hidden_layers=2",
+                     "one entry per layer"),
+    "types-value": ({"mlp_layer_types": ["dense", "moe"], "moe_layer_freq": None}, "mlp_layer_types",
+                    "sparse / dense", "one entry per layer"),
+    "disagree": ({"mlp_layer_types": ["sparse", "sparse"]}, "mlp_layer_types", "disagrees", "same dense layers"),
+    "not-leading": ({"moe_layer_freq": [1, 0], "sparse_attention_config": {**_SAC, "sparse_attention_freq": [1, 0]}},
+                    "mlp_layer_types", "do not lead", "first ones"),
+    "sparse-attention": ({"sparse_attention_config": {**_SAC, "sparse_attention_freq": [1, 1]}}, "layer_types",
+                         "MiniMax Sparse Attention", "full_attention"),
+    "no-width": ({"dense_intermediate_size": None}, "dense_intermediate_size", "width is missing", "as the release"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(DENSE_REFUSALS))
+def test_inconsistent_dense_config_is_one_line(dense, tmp_path, case):
+    """Each inconsistent dense layout: quantize exits 3 with one line naming config.json, the key and the fix, and
+    writes nothing."""
+    from click.testing import CliRunner
+
+    from ktconvert.cli import cli
+
+    change, key, needle, fix = DENSE_REFUSALS[case]
+    bad = _dense_bad(tmp_path, dense, **change)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(cli, ["quantize", str(bad), str(out), "--type", "F32"])
+    line = res.output.strip()
+    assert res.exit_code == 3, res.output
+    assert "\n" not in line and f"config.json:{key}:" in line and needle in line and fix in line, line
+    assert not out.exists() and not list(tmp_path.glob(".out*"))
+
+
+@pytest.mark.interop
+def test_dense_gguf_is_llamacpps_and_llamacpp_runs_it(llama_built, dense, dense_golden, tmp_path):
+    """Against llama.cpp's own converter (conversion/minimax.py, MiniMaxM3Model: leading zeros of moe_layer_freq ->
+    leading_dense_block_count, dense_intermediate_size -> feed_forward_length; read from config.json as written, since
+    transformers 5.23's config drops the hub keys it needs): the same tensors, bit for bit, and the same minimax-m3
+    keys but two it does not write (expert_gating_func, which llama.cpp's minimax-m3 loader requires, and
+    vocab_size). llama.cpp runs our GGUF (its minimax-m3 attends fully on the leading dense layers) at the f32
+    profile against transformers' logits."""
+    import os
+
+    import ggml_ref
+    import llamacpp_convert
+    import llamacpp_runner
+    from gguf import GGUFReader
+
+    from ktconvert.convert import convert
+    from ktconvert.verify.profile import evaluate, load_profile
+
+    ours_path = convert(dense / "model", tmp_path / "ours", type="F32").out / "model.gguf"
+    try:
+        theirs_path = llamacpp_convert.convert(dense / "model", tmp_path / "llama.gguf", raw_config=True)
+    except ggml_ref.RefUnavailable as exc:
+        if os.environ.get("CI"):
+            pytest.fail(f"llama.cpp's converter required under CI: {exc}")
+        pytest.skip(str(exc))
+    ours, theirs = GGUFReader(ours_path), GGUFReader(theirs_path)
+
+    def arch_kv(r):
+        return {k: f.contents() for k, f in r.fields.items() if k.startswith("minimax-m3.")}
+
+    a, b = arch_kv(ours), arch_kv(theirs)
+    assert {k for k in a if k not in b} == {"minimax-m3.expert_gating_func", "minimax-m3.vocab_size"} and set(b) <= set(a)
+    assert {k: a[k] for k in b} == b
+    assert b["minimax-m3.leading_dense_block_count"] == 1 and b["minimax-m3.feed_forward_length"] == 576
+    ot, tt = {t.name: t for t in ours.tensors}, {t.name: t for t in theirs.tensors}
+    assert set(ot) == set(tt)
+    for name, t in tt.items():
+        assert ot[name].tensor_type == t.tensor_type and np.array_equal(np.asarray(ot[name].data), np.asarray(t.data)), name
+    gold = read_golden(dense_golden)
+    ids = [int(i) for i in np.asarray(gold.input_ids).reshape(-1)]
+    got, _ = llamacpp_runner.run(ours_path, ids, tmp_path, flash_attn=True)
+    want = np.asarray(gold.logits, dtype=np.float32).reshape(len(ids), -1)
+    profile = load_profile("f32").for_family(FAMILY)
+    stats = profile.compare(want, got).summary()
+    assert evaluate(profile, "llama.cpp", stats, []) == [], stats

@@ -255,12 +255,10 @@ def utf8_card(meta: Metadata) -> list[str]:
 
 
 def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, vocab: GgufVocab | None,
-          ftype: int, quantized: bool) -> list[tuple[str, bytes]]:
-    """Encoded KV pairs for a GGUF made from an HF checkpoint of ``arch`` with ``config``; ``card`` is
-    :func:`model_card`'s ``general.*``."""
-
-
-    c = normalize_config(config)
+          ftype: int, quantized: bool, config_path: str | None = None) -> list[tuple[str, bytes]]:
+    """Encoded KV pairs for a GGUF made from an HF checkpoint of ``arch`` with ``config`` (read from
+    ``config_path``, which its errors name); ``card`` is :func:`model_card`'s ``general.*``."""
+    c = normalize_config(config, path=config_path)
     spec = families.spec_for_arch(c.family, arch)
     w = _writer(arch)
     w.add_type(GGUFType.MODEL)

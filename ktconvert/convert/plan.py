@@ -345,7 +345,7 @@ def _lay_out_gguf(plan: Plan, src: SourceModel, shard: int, tokenizer: bool) -> 
         card = metadata.model_card(model_dir, [(t.name, t.shape) for t in plan.tensors if t.const is None])
         plan.notes += metadata.utf8_card(card)
         # general.quantization_version always, as convert_hf_to_gguf writes it (also for F32/F16/BF16 outputs)
-        kv = metadata.hf_kv(src.arch, src.config, card, src.n_layers, n_vocab, vocab, ftype, True)
+        kv = metadata.hf_kv(src.arch, src.config, card, src.n_layers, n_vocab, vocab, ftype, True, src.config_path)
     kv = [*kv, *plan.extra_kv]
     plan.kv_keys = [k for k, _ in kv]
     if shard == KEEP_SPLIT:

@@ -82,7 +82,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     if ck.container == "safetensors":  # another model is refused here, before layout detection, as check-rules does
         families.require_family(cfg_dict, cfg_path)
     qmap = quantized.require(ck, cfg_dict, shown)
-    report = detect_layout(ck, cfg_dict)
+    report = detect_layout(ck, cfg_path if cfg_path is not None else cfg_dict)  # its errors name the file
     if report.arch is None:
         raise InputError("cannot tell which architecture this is (no general.architecture, no model_type, and "
                          "the tensor names fit no naming map)", path=shown,

@@ -201,6 +201,15 @@ class MoeConfig:
         return self.spec.moe_block_name
 
     @property
+    def dense_block_name(self) -> str:
+        """The attribute a dense layer keeps its MLP under (``mlp`` beside MiniMax-M3's ``block_sparse_moe``)."""
+        return self.spec.dense_block_name
+
+    def ffn_name(self, layer: int) -> str:
+        """The attribute layer ``layer`` keeps its MLP or MoE block under."""
+        return self.moe_block_name if layer in self.moe_layers else self.dense_block_name
+
+    @property
     def expert_proj_names(self) -> tuple[str, str, str]:
         """Per-expert projection names (gate, up, down) as the hub checkpoints spell them."""
         return self.spec.expert_proj_names
@@ -298,7 +307,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     else:
         rope = _rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
 
-    moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts)))
+    moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts, path)))
     types = raw.get("mlp_layer_types")
     if sp.dense_layers == "first_k_dense" and isinstance(types, list) and "first_k_dense_replace" in raw and (
             [t == "sparse" for t in types] != [i in moe_layers for i in range(layers)]):
@@ -316,6 +325,16 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     else:
         moe_inter = g.int(sp.expert_width_key)
         inter = int(g.opt("intermediate_size", moe_inter))
+    dense_key = cfg_facts.get("dense_width")
+    # read only where a layer is dense: transformers saves its default (MiniMax-M3: 12288) whatever the layers, and
+    # without dense layers both spellings must read alike (llama.cpp's minimax-m3 reads feed_forward_length only
+    # for its leading dense layers)
+    if dense_key and dense_key in raw and len(moe_layers) < layers:
+        inter = g.int(dense_key)
+    elif dense_key and len(moe_layers) < layers:
+        raise InputError(f"the dense MLP layers' width is missing: give {dense_key} (transformers defaults it, "
+                         "llama.cpp's converter reads intermediate_size instead)", path=path, where=dense_key,
+                         fix=f"write {dense_key} as the release does")
 
     routing_part = _routing(g, routing, family, num_experts, path)
 
@@ -376,6 +395,11 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         kwargs["hyper_connections"] = _hyper_connections(g, cfg_facts["hyper_connections"], path)
     if attn_facts.get("msa_indexer"):
         kwargs.update(_msa(g, raw, layers, kv_heads, rope_dim, path))
+        sparse_dense = [i for i in kwargs["msa_layers"] if i not in moe_layers]
+        if sparse_dense:
+            raise InputError(f"dense MLP layers {sparse_dense} run MiniMax Sparse Attention: llama.cpp's minimax-m3 "
+                             "attends fully on its leading dense layers and holds no indexer there", path=path,
+                             where="layer_types", fix="mark the dense layers full_attention (sparse_attention_freq 0)")
     if compressed_mqa:
         kwargs.update(_compressed(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
         window, sliding = kwargs.pop("sliding_window"), kwargs.pop("sliding_layers")
@@ -656,6 +680,44 @@ def _hash_layers(g: "_Getter", raw: dict, choice: dict, layers: int, path: str |
     return tuple(range(min(n, layers)))
 
 
+def mlp_kinds(raw: dict) -> list | None:
+    """Each layer's MLP as a ``layer_list`` family spells it: transformers' ``mlp_layer_types`` (``sparse`` /
+    ``dense``), else the hub's per-layer ``moe_layer_freq`` list (1 MoE, 0 dense) read as transformers reads it;
+    None when the config gives neither list."""
+    types, freq = raw.get("mlp_layer_types"), raw.get("moe_layer_freq")
+    if isinstance(types, list):
+        return types
+    if isinstance(freq, list):
+        return ["sparse" if f else "dense" for f in freq]
+    return None
+
+
+def _layer_list(raw: dict, layers: int, path: str | None) -> set[int]:
+    """The MoE layers of a ``layer_list`` family: one ``sparse`` / ``dense`` entry per layer, both spellings agreeing
+    where both are given, the dense layers leading the stack (llama.cpp's leading_dense_block_count names the first
+    layers only); neither list: every layer MoE (transformers' default)."""
+    types, freq = raw.get("mlp_layer_types"), raw.get("moe_layer_freq")
+    for key, value, ok in (("mlp_layer_types", types, lambda t: t in ("sparse", "dense")),
+                           ("moe_layer_freq", freq, lambda f: f in (0, 1) and not isinstance(f, float))):
+        if value is None:
+            continue
+        if not isinstance(value, list) or len(value) != layers or not all(ok(v) for v in value):
+            what = "sparse / dense" if key == "mlp_layer_types" else "1 (MoE) / 0 (dense)"
+            got = f"{len(value)} entries" if isinstance(value, list) else repr(value)
+            raise InputError(f"{key} must list num_hidden_layers={layers} entries of {what}, got {got}", path=path,
+                             where=key, fix=f"give {key} one entry per layer (or drop it: every layer MoE)")
+    if isinstance(types, list) and isinstance(freq, list) and [t == "sparse" for t in types] != [bool(f) for f in freq]:
+        raise InputError(f"mlp_layer_types {types} disagrees with moe_layer_freq {freq}", path=path,
+                         where="mlp_layer_types", fix="make both name the same dense layers")
+    kinds = mlp_kinds(raw) or ["sparse"] * layers
+    dense = [i for i, k in enumerate(kinds) if k == "dense"]
+    if dense != list(range(len(dense))):
+        raise InputError(f"dense MLP layers {dense} do not lead the stack: llama.cpp's leading_dense_block_count names "
+                         "the first layers only", path=path, where="mlp_layer_types",
+                         fix="make the dense layers the first ones")
+    return set(range(len(dense), layers))
+
+
 def _lists_dense(raw: dict) -> bool:
     """A per-layer MLP list (transformers' mlp_layer_types, the hub's moe_layer_freq) that names a dense layer."""
     types, freq = raw.get("mlp_layer_types"), raw.get("moe_layer_freq")
@@ -764,20 +826,23 @@ def _hybrid(g: "_Getter", raw: dict, layers: int, path: str | None) -> dict:
     return {"layer_types": tuple(types), "linear": dims}
 
 
-def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int) -> set[int]:
-    """The layers that hold routed experts under a spec's ``dense_layers`` policy (see the schema)."""
-    return _moe_layers(policy, raw, layers, num_experts)
+def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int, path: str | None = None) -> set[int]:
+    """The layers that hold routed experts under a spec's ``dense_layers`` policy (see the schema); a ``layer_list``
+    that cannot say is one :class:`InputError` naming ``path``."""
+    return _moe_layers(policy, raw, layers, num_experts, path)
 
 
-def _moe_layers(policy: str, raw: dict, layers: int, num_experts: int) -> set[int]:
+def _moe_layers(policy: str, raw: dict, layers: int, num_experts: int, path: str | None = None) -> set[int]:
     def opt_int(key: str, default: int) -> int:
         v = raw.get(key)
-        return int(v) if v else default
+        return int(v) if v and not isinstance(v, list) else default  # a list: another policy's per-layer spelling
 
     if policy == "sparse_step":
         step = opt_int("decoder_sparse_step", 1)
         mlp_only = set(raw.get("mlp_only_layers") or [])
         return {i for i in range(layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0}
+    if policy == "layer_list":
+        return _layer_list(raw, layers, path)
     if policy == "first_k_dense":
         types = raw.get("mlp_layer_types")
         if "first_k_dense_replace" not in raw and isinstance(types, list) and len(types) == layers:

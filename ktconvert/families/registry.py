@@ -102,6 +102,11 @@ class FamilySpec:
         return self.data["moe"]["block"]
 
     @property
+    def dense_block_name(self) -> str:
+        """The attribute a dense layer keeps its MLP under (``moe.dense_block``, default the MoE block's)."""
+        return self.data["moe"].get("dense_block", self.moe_block_name)
+
+    @property
     def expert_proj_names(self) -> tuple[str, str, str]:
         return tuple(self.data["moe"]["projections"])
 

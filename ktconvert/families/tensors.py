@@ -151,7 +151,7 @@ def tensor_specs(cfg: MoeConfig, *, experts: bool = True) -> list[TensorSpec]:
                 add(f"{p}.{module}.fn", (size, hc.mult * h), "linear")
                 add(f"{p}.{module}.base", (size,), "bias")
                 add(f"{p}.{module}.scale", (3,), "norm")
-        m = f"{p}.{cfg.moe_block_name}"
+        m = f"{p}.{cfg.ffn_name(layer)}"
         if layer not in cfg.moe_layers:
             mlp(m, cfg.intermediate_size)
             continue

@@ -48,7 +48,8 @@ def _int(v) -> int | None:
 def _int_keys(cfg: dict) -> dict:
     """The layer-placement keys as this module reads them: a non-integer value counts as absent."""
     keys = ("first_k_dense_replace", "moe_layer_freq", "decoder_sparse_step")
-    return {**{k: _int(cfg.get(k)) for k in keys}, "mlp_only_layers": cfg.get("mlp_only_layers")}
+    lists = ("mlp_only_layers", "mlp_layer_types", "moe_layer_freq")  # per-layer lists (moe_layer_freq: MiniMax-M3's)
+    return {**{k: _int(cfg.get(k)) for k in keys}, **{k: cfg[k] for k in lists if isinstance(cfg.get(k), list)}}
 
 
 def load_config(path: str | Path) -> dict:
@@ -78,7 +79,7 @@ def dims_from_hf_config(cfg: dict, source: str = "config.json") -> ModelDims:
             policy = "first_k_dense"
         else:
             policy = sp.dense_layers if sp is not None else "none"
-        moe_layers = frozenset(moe_layers_of(policy, _int_keys(cfg), n_layers, n_experts))
+        moe_layers = frozenset(moe_layers_of(policy, _int_keys(cfg), n_layers, n_experts, source))
     return ModelDims(
         source=source,
         model_type=model_type,

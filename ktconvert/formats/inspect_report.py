@@ -118,6 +118,9 @@ def build_inspect_report(
             "n_experts_used": dims.n_experts_used,
             "n_shared_experts": dims.n_shared_experts,
             "n_layers": dims.n_layers,
+            # the layers the config gives a dense MLP instead of experts (None: it does not say)
+            "dense_layers": (None if dims.moe_layers is None or dims.n_layers is None
+                             else [i for i in range(dims.n_layers) if i not in dims.moe_layers]),
         },
         "n_layers": lay.n_layers,
         "layouts": sorted(lay.layouts),

@@ -95,6 +95,7 @@ def render_text(report: dict, style=lambda s, **kw: s) -> str:
     lines.append(
         f"  layers        {_dims(r['n_layers'])} in the tensors; experts in {len(with_experts)}"
         + (f" ({', '.join(r['layouts'])})" if r["layouts"] else "")
+        + _dense(c.get("dense_layers"))
     )
 
     lines.append("")
@@ -162,3 +163,12 @@ def render_text(report: dict, style=lambda s, **kw: s) -> str:
         sev = p["severity"]
         lines.append(f"  {style(sev, fg=_SEVERITY_COLOR[sev])}{' ' * (8 - len(sev))} [{p['kind']}] {p['message']}")
     return "\n".join(lines)
+
+
+def _dense(layers: list | None) -> str:
+    """``; dense layer 0`` / ``; dense layers 0-2`` where the config (or GGUF metadata) gives layers a dense MLP instead of experts."""
+    if not layers:
+        return ""
+    span = str(layers[0]) if len(layers) == 1 else (f"{layers[0]}-{layers[-1]}" if layers == list(range(layers[0], layers[-1] + 1))
+                                                    else ", ".join(map(str, layers)))
+    return f"; dense layer{'s' if len(layers) > 1 else ''} {span}"

@@ -87,7 +87,7 @@ class DecoderLayer(Tagged, nn.Module):
             block: nn.Module = SparseMoeBlock(cfg) if logits_router else DeepseekMoE(cfg)
         else:
             block = GatedMLP(cfg.hidden_size, cfg.intermediate_size, clamp=cfg.swiglu_clamp if cfg.dense_swiglu else None)
-        self.moe_attr = cfg.moe_block_name
+        self.moe_attr = cfg.ffn_name(layer_idx)
         setattr(self, self.moe_attr, block)
         hc = cfg.hyper_connections
         self.hc, self.hc_norm_eps = hc, cfg.rms_norm_eps

@@ -50,10 +50,10 @@ def write_tiny(family: str, out_dir: str | os.PathLike, *, lora_dir: str | os.Pa
                variant: str | None = None) -> tuple[dict[str, str], dict[str, str] | None]:
     """:func:`write_tiny_model`, and with ``lora_dir`` the tiny MoE LoRA adapter too; both outputs are checked
     (neither inside the other, each new or ``force``) before either is written. ``(model sha256s, adapter's)``."""
-    if (fp8 or quant is not None) and variant is not None:
-        raise UsageProblem("--fp8/--quant and --variant do not combine", fix="ask for one of them")
+    if fp8 and variant is not None:
+        raise UsageProblem("--fp8 and --variant do not combine", fix="ask for one of them (--quant takes a variant)")
     if quant is not None:
-        files = tiny_release_files(family, quant)
+        files = tiny_release_files(family, quant, variant=variant)
     else:
         files = tiny_fp8_files(family) if fp8 else tiny_files(family, variant)
     outputs = [(Path(out_dir), files)]

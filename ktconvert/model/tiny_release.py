@@ -100,16 +100,16 @@ def _quantize(fmt: str, base: str, x: np.ndarray, activation_scales: bool = Fals
     return tensors, dtypes
 
 
-def tiny_release_config(family: str, fmt: str) -> dict:
+def tiny_release_config(family: str, fmt: str, variant: str | None = None) -> dict:
     if fmt not in RELEASES:
         raise UsageProblem(f"no tiny release format {fmt!r}", fix=f"choose one of {', '.join(FORMATS)}")
-    cfg = tiny_config(family)
+    cfg = tiny_config(family, variant)
     own = families.spec(family).release(fmt)
     cfg.update(json.loads(json.dumps({"quantization_config": own["quantization_config"]} if own else RELEASES[fmt][0])))
     return cfg
 
 
-def _fused_mxfp4(family: str) -> dict[str, tuple[np.ndarray, str]]:
+def _fused_mxfp4(family: str, variant: str | None = None) -> dict[str, tuple[np.ndarray, str]]:
     """The tiny model with each layer's fused experts (``experts.gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``,
     as :func:`ktconvert.model.tiny.tiny_tensors` writes them) stored as ``*_blocks``/``*_scales``."""
     if not families.spec(family).experts.interleaved_gate_up:
@@ -117,7 +117,7 @@ def _fused_mxfp4(family: str) -> dict[str, tuple[np.ndarray, str]]:
         raise UsageProblem(f"{family}'s spec asks for fused MXFP4 experts, but its tiny model has no [E, in, out] "
                            "fused experts to store that way", fix="drop checkpoint.releases from its spec")
     out: dict[str, tuple[np.ndarray, str]] = {}
-    for name, x in tiny_tensors(family).items():
+    for name, x in tiny_tensors(family, variant).items():
         if not name.endswith((".experts.gate_up_proj", ".experts.down_proj")):
             out[name] = (x, "F32")
             continue
@@ -126,21 +126,23 @@ def _fused_mxfp4(family: str) -> dict[str, tuple[np.ndarray, str]]:
     return out
 
 
-def tiny_release_files(family: str, fmt: str, *, activation_scales: bool = False) -> dict[str, bytes]:
-    """config.json, model.safetensors and the tokenizer of the tiny ``family`` model released as ``fmt``.
+def tiny_release_files(family: str, fmt: str, *, activation_scales: bool = False,
+                       variant: str | None = None) -> dict[str, bytes]:
+    """config.json, model.safetensors and the tokenizer of the tiny ``family`` model (or its ``variant``) released
+    as ``fmt``.
 
     ``activation_scales`` (NVFP4 only): an F32 ``X.input_scale`` beside each quantized weight, as ModelOpt writes
     its NVFP4 releases; off by default, which keeps the recorded release byte-stable."""
     if activation_scales and fmt != "nvfp4":
         raise UsageProblem(f"activation scales are written for the nvfp4 release only, not {fmt}",
                            fix="drop activation_scales, or ask for nvfp4")
-    cfg_json = tiny_release_config(family, fmt)
+    cfg_json = tiny_release_config(family, fmt, variant)
     which = RELEASES[fmt][1]
-    cfg = normalize_config(tiny_config(family))
+    cfg = normalize_config(tiny_config(family, variant))
     tensors, dtypes = {}, {}
     own = families.spec(family).release(fmt)
     if own is not None:  # the spec's layout (the schema allows only fused_mxfp4)
-        for name, (arr, dt) in _fused_mxfp4(family).items():
+        for name, (arr, dt) in _fused_mxfp4(family, variant).items():
             tensors[name] = arr
             if dt != "F32":
                 dtypes[name] = dt

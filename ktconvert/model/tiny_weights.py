@@ -105,6 +105,8 @@ def tiny_config(family: str, variant: str | None = None) -> dict:
         for key in known[variant].get("remove", ()):
             cfg.pop(key, None)
         cfg.update(known[variant]["config"])
+        if "text_config" in known[variant]:  # keys over a multimodal wrapper's text_config
+            cfg["text_config"] = {**cfg["text_config"], **known[variant]["text_config"]}
     return copy.deepcopy(cfg)
 def tiny_name(family: str, variant: str | None = None) -> str:
     """How golden/tiny-models.yaml and the goldens name a tiny model: ``FAMILY`` or ``FAMILY-VARIANT``."""

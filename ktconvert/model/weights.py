@@ -116,8 +116,8 @@ def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report:
         if key.endswith("rotary_emb.inv_freq"):
             report.skipped[key] = "rotary table, recomputed from the config"
             continue
-        if cfg.moe_block_name != "mlp":  # transformers 5 saves the block as mlp whatever the hub calls it
-            key = re.sub(r"^(model\.layers\.\d+)\.mlp\.", rf"\1.{cfg.moe_block_name}.", key)
+        if m and cfg.ffn_name(int(m.group(1))) != "mlp":  # transformers 5 saves the block as mlp whatever the hub calls it
+            key = re.sub(r"^(model\.layers\.\d+)\.mlp\.", rf"\1.{cfg.ffn_name(int(m.group(1)))}.", key)
         fm = _FUSED.match(key)
         if fm:
             prefix = fm.group(1).replace(".mlp.experts", f".{block}.experts")

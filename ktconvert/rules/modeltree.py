@@ -116,7 +116,7 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
         layer = layers.add(str(i), f"{pre}DecoderLayer", layer=i, dense=not sparse)
         _attention(layer, sp, mc, pre)
         if not sparse:
-            _mlp(layer, "mlp", f"{pre}MLP")
+            _mlp(layer, mc.dense_block_name, f"{pre}MLP")
         else:
             # upstream ktransformers classes: DeepSeek's block is <P>MoE with a <P>MoEGate, others a
             # <P>SparseMoeBlock with a plain Linear router
