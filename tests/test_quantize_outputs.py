@@ -1,0 +1,151 @@
+"""``quantize SRC --output TYPE=DIR ...``: several outputs from one read of the source. Each output is byte for byte
+its own single run (a GGUF preset, a kt-amx directory and a second GGUF type together, with -j 1 and -j 2), an
+interrupted run resumes every output, a malformed --output is one line with exit 2 and nothing written, and every
+manifest records where it came from (source headers' sha256, the recipe file's sha256, ktconvert's git commit)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from convert_helpers import tree_bytes
+from ktconvert.cli import cli
+
+# (--output TYPE, the single run that writes the same directory)
+OUTPUTS = [("Q4_K_M", ["--recipe", "Q4_K_M"]), ("AMXINT4", ["--to", "kt-amx", "--type", "AMXINT4"]),
+           ("Q8_0", ["--recipe", "Q8_0"])]
+
+
+def _run(*args):
+    return CliRunner().invoke(cli, ["quantize", *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The tiny qwen3_moe and each output written by its own run."""
+    from ktconvert.model.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("outputs")
+    src = root / "qwen3_moe"
+    write_tiny_model("qwen3_moe", src)
+    refs = {}
+    for spec, args in OUTPUTS:
+        res = _run(src, root / spec, *args)
+        assert res.exit_code == 0, res.output
+        refs[spec] = tree_bytes(root / spec)
+    return src, refs
+
+
+def _outputs(tmp_path: Path) -> list[str]:
+    return [a for spec, _ in OUTPUTS for a in ("--output", f"{spec}={tmp_path / spec}")]
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_each_output_is_its_single_run(single, tmp_path, jobs):
+    src, refs = single
+    res = _run(src, *_outputs(tmp_path), "-j", jobs, "--max-memory", "64MiB")
+    assert res.exit_code == 0, res.output
+    for spec, _ in OUTPUTS:
+        assert tree_bytes(tmp_path / spec) == refs[spec], spec  # the model files and manifest.json alike
+    assert res.stdout.count("wrote ") == 3
+
+
+def test_the_outputs_share_their_reads(single, tmp_path):
+    """The expert units of the three outputs are grouped by the source tensor they read, which each group reads
+    once; no group holds more than its share of the budget."""
+    from ktconvert.convert import parse_output, plan_outputs
+    from ktconvert.convert.execute import _Output, group_units, make_units
+
+    src, _ = single
+    plans = plan_outputs(src, [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS])
+    outs = [_Output(p, tmp_path / spec) for p, (spec, _) in zip(plans, OUTPUTS)]
+    todo = [(k, u) for k, o in enumerate(outs) for u in make_units(o.plan, 2**26, 1, align=True)]
+    groups = group_units(outs, todo, 2**24)
+    assert sorted((k, t.unit) for g in groups for k, t in g.tasks) == sorted((k, u.id) for k, u in todo)
+    experts = [g for g in groups if any(".experts." in n for n in g.shared)]
+    assert experts and all({k for k, _ in g.tasks} == {0, 1, 2} for g in experts)
+    ck = __import__("ktconvert.formats", fromlist=["open_checkpoint"]).open_checkpoint(src)
+    assert all(sum(ck[n].nbytes for n in g.shared) <= 2**24 for g in groups)
+
+
+def test_an_interrupted_run_resumes_every_output(single, tmp_path):
+    from ktconvert.convert import convert_outputs, parse_output, partial_dir
+
+    src, refs = single
+    specs = [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS]
+    calls = []
+
+    def stop(done, total):
+        calls.append(done)
+        if len(calls) == 40:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert_outputs(src, specs, max_memory="1MiB", progress=stop)
+    for s in specs:
+        assert not s.out.exists() and (partial_dir(s.out) / ".ktconvert" / "journal").is_file()
+    journaled = sum(len((partial_dir(s.out) / ".ktconvert" / "journal").read_text().splitlines()) for s in specs)
+    assert journaled >= 39
+    res = _run(src, *_outputs(tmp_path), "--max-memory", "1MiB", "--resume", "-o", "json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert sum(r["units_resumed"] for r in report) == journaled
+    for spec, _ in OUTPUTS:
+        assert tree_bytes(tmp_path / spec) == refs[spec], spec
+        assert not partial_dir(tmp_path / spec).exists()
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--output", "Q4_K_M"], "'Q4_K_M' is not TYPE=DIR"),
+    (["--output", "Q4_K_Z={o}/a"], "Q4_K_Z is not a preset recipe, a ggml type, AMXINT8/AMXINT4"),
+    (["--output", "Q4_K_M={o}/a", "--output", "Q8_0={o}/a"], "the same as"),
+    (["--output", "Q4_K_M={o}/a", "--output", "Q8_0={o}/a/b"], "inside"),
+    (["--output", "Q4_K_M={o}/a", "--type", "Q8_0"], "--type Q8_0 with --output"),
+    (["{o}/x", "--output", "Q4_K_M={o}/a"], "OUT {o}/x with --output"),
+    (["--output", "nope.yaml={o}/a"], "the recipe file nope.yaml does not exist"),
+])
+def test_a_malformed_output_is_one_line(single, tmp_path, args, says):
+    src, _ = single
+    args = [a.format(o=tmp_path) for a in args]
+    res = _run(src, *args)
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and "--output" in line and says.format(o=tmp_path) in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_manifest_records_where_it_came_from(single, tmp_path):
+    from ktconvert.convert.provenance import ROOT, git_commit
+    from ktconvert.io import resources
+
+    src, _ = single
+    res = _run(src, "--output", f"Q4_K_M={tmp_path / 'q'}", "--output", f"AMXINT8={tmp_path / 'a'}")
+    assert res.exit_code == 0, res.output
+    data = (src / "model.safetensors").read_bytes()
+    header = data[: 8 + struct.unpack("<Q", data[:8])[0]]
+    preset = (resources.rules_dir() / "convert" / "Q4_K_M.yaml").read_bytes()
+    for out in ("q", "a"):
+        m = json.loads((tmp_path / out / "manifest.json").read_text())
+        assert [f["header_sha256"] for f in m["source"]["files"]] == [hashlib.sha256(header).hexdigest()]
+        assert m["tool"]["version"]
+        if (ROOT / ".git").exists():
+            head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+            assert m["tool"]["commit"] == head.stdout.strip() == git_commit()["commit"]
+        else:
+            assert "commit" not in m["tool"]
+    m = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    assert m["recipe"]["name"] == "Q4_K_M" and m["recipe"]["sha256"] == hashlib.sha256(preset).hexdigest()
+
+
+def test_no_commit_outside_a_git_checkout(tmp_path):
+    from ktconvert.convert.provenance import git_commit
+
+    assert git_commit(tmp_path) == {}
+    (tmp_path / ".git").mkdir()  # a .git that is no repository: git fails, nothing is recorded
+    assert git_commit(tmp_path) == {}
