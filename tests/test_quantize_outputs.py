@@ -65,7 +65,7 @@ def test_the_outputs_share_their_reads(single, tmp_path):
     src, _ = single
     plans = plan_outputs(src, [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS])
     outs = [_Output(p, tmp_path / spec) for p, (spec, _) in zip(plans, OUTPUTS)]
-    todo = [(k, u) for k, o in enumerate(outs) for u in make_units(o.plan, 2**26, 1, align=True)]
+    todo = [(k, u) for k, o in enumerate(outs) for u in make_units(o.plan, 2**26, 1, shared=True)]
     groups = group_units(outs, todo, 2**24)
     assert sorted((k, t.unit) for g in groups for k, t in g.tasks) == sorted((k, u.id) for k, u in todo)
     experts = [g for g in groups if any(".experts." in n for n in g.shared)]

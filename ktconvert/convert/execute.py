@@ -74,25 +74,28 @@ class RunResult:
     in_bytes: int
 
 
-def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0, *, align: bool = False,
-               reserve_for: str = "each Ray worker process") -> list[Unit]:
+def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0, *, shared: bool = False) -> list[Unit]:
     """Split every tensor into runs of rows whose working set fits ``max_memory / jobs`` (and :data:`UNIT_CAP`).
 
     The working set of a converted row is its float32 copy twice (decode and assembly) plus its input and output
     bytes; a copied row is its bytes once, plus two float32 copies when it is a float checked for NaN/Inf. The budget is halved once more for numpy's transient copies.
     ``reserve``: bytes of each job's share its process needs for itself (:data:`RAY_WORKER_RESERVE` for a Ray
-    task, whose memory request is the whole share; the shared reads of a several-output run), ``reserve_for`` says
-    what for. ``align``: no unit spans two segments (of a tensor stacked from several source tensors, such as the
-    experts of a layer), so the units of several outputs read whole source tensors they can share.
+    task, whose memory request is the whole share). ``shared``: the units of one output of several
+    (:func:`execute_all`): a third of what is left of each share holds the source tensors the outputs share
+    (:func:`shared_read_bytes`), and no unit spans two segments (of a tensor stacked from several source tensors,
+    such as the experts of a layer), so the outputs' units read whole source tensors they can share.
     """
     jobs = max(1, jobs)
-    need = (max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2 + reserve) * jobs
+    widest = max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2
+    need = ((widest * 3 + 1) // 2 if shared else widest) * jobs + reserve * jobs
     if max_memory < need:
         least = f"{-(-need // 1024)}KiB" if need < 2**30 else f"{-(-need // 2**20)}MiB"
-        per = f", with {format_size(reserve)} for {reserve_for}," if reserve else ""
+        per = f", with {format_size(reserve)} for each Ray worker process," if reserve else ""
+        per += " with a third of each job's share for the reads the outputs share," if shared else ""
         raise UsageProblem(f"--max-memory {format_size(max_memory)} is below the minimum {least}: one row of the "
                            f"widest tensor with {jobs} job(s){per} needs that much", fix=f"pass --max-memory {least} or more")
-    budget = max(1, min(UNIT_CAP, (max_memory // jobs - reserve) // 2))
+    budget = max(1, min(UNIT_CAP, (max_memory // jobs - reserve - shared_read_bytes(max_memory, jobs, reserve)
+                                   * shared) // 2))
     units = []
     for ti, t in enumerate(plan.tensors):
         rows = t.rows if t.shape else 1
@@ -106,12 +109,18 @@ def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0, *, alig
             continue
         in_row = plan.segment_bytes(t) // rows if rows else 0
         step = max(1, budget // max(1, _row_working_set(plan, t)))
-        cuts = sorted({s.start for s in t.segments if 0 < s.start < rows}) if align else []
+        cuts = sorted({s.start for s in t.segments if 0 < s.start < rows}) if shared else []
         for a, b in zip([0, *cuts], [*cuts, rows]):
             for r0 in range(a, b, step):
                 r1 = min(b, r0 + step)
                 units.append(Unit(len(units), ti, r0, r1, in_row * (r1 - r0)))
     return units
+
+
+def shared_read_bytes(max_memory: int, jobs: int, reserve: int = 0) -> int:
+    """What one task of a several-output run may hold of the source tensors its units share: a third of its share
+    of ``max_memory`` less ``reserve``; the units get the rest (:func:`make_units`)."""
+    return max(0, max_memory // max(1, jobs) - reserve) // 3
 
 
 def ray_task_memory(max_memory: int, jobs: int) -> int:
@@ -294,9 +303,8 @@ def execute_all(outputs: list[tuple[Plan, str | Path]], *, max_memory: int, jobs
             shutil.rmtree(o.partial)
         if o.partial.exists() and _finished(o.partial, o.fingerprint):  # killed between the manifest and the rename
             o.ready = _read_manifest(o.partial)
-    share = max_memory // max(1, jobs)
-    cache = share // 3 if shared else 0  # what a task holds of the source tensors its units share
-    reserve = cache + (RAY_WORKER_RESERVE if executor == "ray" else 0)
+    reserve = RAY_WORKER_RESERVE if executor == "ray" else 0
+    cache = shared_read_bytes(max_memory, jobs, reserve) if shared else 0
     try:
         for o in outs:
             if o.ready is not None:
@@ -306,9 +314,7 @@ def execute_all(outputs: list[tuple[Plan, str | Path]], *, max_memory: int, jobs
                 _prepare_files(o.plan, o.partial, fresh=False)
                 _check_done(o.plan, o.units, o.done)
             else:
-                o.units, o.done = make_units(o.plan, max_memory, jobs, reserve, align=shared, reserve_for=(
-                    "each job's shared reads" + (" and Ray worker process" if executor == "ray" else "")
-                    if shared else "each Ray worker process")), {}
+                o.units, o.done = make_units(o.plan, max_memory, jobs, reserve, shared=shared), {}
         for o in outs:
             if o.ready is None and not o.partial.exists():
                 _check_space(o.plan, o.out)
