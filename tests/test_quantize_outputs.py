@@ -101,6 +101,26 @@ def test_an_interrupted_run_resumes_every_output(single, tmp_path):
         assert not partial_dir(tmp_path / spec).exists()
 
 
+def test_resume_keeps_an_output_the_stopped_run_completed(single, tmp_path):
+    """A run stopped between its renames: --resume keeps the renamed output (its manifest and files checked) and
+    writes the missing one; without --resume the existing output is refused as ever."""
+    import shutil
+
+    src, refs = single
+    outs = ["--output", f"Q4_K_M={tmp_path / 'Q4_K_M'}", "--output", f"AMXINT4={tmp_path / 'AMXINT4'}"]
+    assert _run(src, *outs).exit_code == 0
+    shutil.rmtree(tmp_path / "AMXINT4")
+    before = (tmp_path / "Q4_K_M" / "model.gguf").stat().st_mtime_ns
+    res = _run(src, *outs)
+    assert res.exit_code == 2 and "output already exists" in res.stderr and not (tmp_path / "AMXINT4").exists()
+    res = _run(src, *outs, "--resume", "-o", "json")
+    assert res.exit_code == 0, res.output
+    assert [r["units"] for r in json.loads(res.stdout)] == [0, 48]
+    assert (tmp_path / "Q4_K_M" / "model.gguf").stat().st_mtime_ns == before
+    for spec in ("Q4_K_M", "AMXINT4"):
+        assert tree_bytes(tmp_path / spec) == refs[spec]
+
+
 @pytest.mark.parametrize("args,says", [
     (["--output", "Q4_K_M"], "'Q4_K_M' is not TYPE=DIR"),
     (["--output", "Q4_K_Z={o}/a"], "Q4_K_Z is not a preset recipe, a ggml type, AMXINT8/AMXINT4"),

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from contextlib import ExitStack
 from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.cluster import check_executor, check_fits, connect
-from ktconvert.convert.execute import Progress, RunResult, execute, execute_all, input_roots, ray_task_memory
+from ktconvert.convert.execute import (Progress, RunResult, execute, execute_all, finished_output, input_roots,
+                                       ray_task_memory)
 from ktconvert.convert.hf_out import build_hf_plan
 from ktconvert.convert.plan import KEEP_SPLIT, Plan, build_plan
 from ktconvert.convert.recipe import Recipe, load_recipe, presets, recipe_for_type, with_overrides
@@ -17,7 +19,7 @@ from ktconvert.convert.targets import check_target
 from ktconvert.io.sizes import parse_size
 from ktconvert.convert.source import analyze
 from ktconvert.errors import UsageProblem
-from ktconvert.io.atomic import check_separate, claim_output
+from ktconvert.io.atomic import check_separate, claim_output, output_lock, partial_dir
 from ktconvert.quant import WRITABLE
 from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
 from ktconvert.convert.lora_merge import attach_lora
@@ -249,18 +251,29 @@ def convert_outputs(src: str | Path, outputs: list[OutputSpec], *, max_memory: i
     """Write every output from one read of ``src`` (``quantize --output TYPE=DIR ...``): each output is byte for
     byte what its own :func:`convert` writes, with its own manifest, ``--resume`` and rename
     (:func:`~ktconvert.convert.execute.execute_all`). ``planning``: :func:`plan_outputs`' options. Every output is
-    planned, claimed and checked before anything is written."""
+    planned, claimed and checked before anything is written. With ``resume``, an output that a stopped run already
+    completed and renamed (its files as its manifest records, for this plan) is kept as it is."""
     if jobs < 1:
         raise UsageProblem(f"--jobs {jobs} must be at least 1")
     check_executor(executor, ray_address)
     budget = parse_size(max_memory, what="--max-memory")
     plans = plan_outputs(src, outputs, **planning)
+    kept: dict[int, RunResult] = {}
     with ExitStack() as held:
-        for o, plan in zip(outputs, plans):
+        for k, (o, plan) in enumerate(zip(outputs, plans)):
+            if resume and not force and o.out.is_dir() and not partial_dir(o.out).exists():
+                with ExitStack() as lock:
+                    lock.enter_context(output_lock(o.out))
+                    if finished_output(o.out, plan.fingerprint()):  # renamed before the run stopped: kept as it is
+                        kept[k] = RunResult(o.out, json.loads((o.out / "manifest.json").read_text()), 0, 0, 0.0, 0)
+                        held.push(lock.pop_all())
+                        continue
             held.enter_context(claim_output(o.out, inputs=input_roots(Path(src), [Path(f) for f in plan.input_files]),
                                             force=force))
-        if executor == "ray":
+        todo = [(plan, o.out) for k, (o, plan) in enumerate(zip(outputs, plans)) if k not in kept]
+        if executor == "ray" and todo:
             ray = connect(ray_address)
             check_fits(ray, ray_task_memory(budget, jobs), "one conversion task")
-        return execute_all([(plan, o.out) for o, plan in zip(outputs, plans)], max_memory=budget, jobs=jobs,
-                           resume=resume, force=force, progress=progress, executor=executor)
+        done = iter(execute_all(todo, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress,
+                                executor=executor) if todo else [])
+        return [kept[k] if k in kept else next(done) for k in range(len(outputs))]

@@ -301,7 +301,7 @@ def execute_all(outputs: list[tuple[Plan, str | Path]], *, max_memory: int, jobs
     for o in outs:
         if o.partial.exists() and not resume:
             shutil.rmtree(o.partial)
-        if o.partial.exists() and _finished(o.partial, o.fingerprint):  # killed between the manifest and the rename
+        if o.partial.exists() and finished_output(o.partial, o.fingerprint):  # killed between the manifest and the rename
             o.ready = _read_manifest(o.partial)
     reserve = RAY_WORKER_RESERVE if executor == "ray" else 0
     cache = shared_read_bytes(max_memory, jobs, reserve) if shared else 0
@@ -545,8 +545,9 @@ def _read_manifest(partial: Path) -> dict:
     return json.loads((partial / "manifest.json").read_text())
 
 
-def _finished(partial: Path, fingerprint: str) -> bool:
-    """A partial directory whose run completed (manifest written, bookkeeping removed) but was not yet renamed."""
+def finished_output(partial: Path, fingerprint: str) -> bool:
+    """A directory a run of this plan completed (manifest written, bookkeeping removed, every file as it records):
+    a partial directory not yet renamed, or an output already renamed."""
     if (partial / STATE_DIR).exists() or not (partial / "manifest.json").is_file():
         return False
     try:
@@ -599,5 +600,5 @@ def describe(result: RunResult) -> str:
             f"{rate:.0f} MB/s read{resumed}")
 
 
-__all__ = ["RunResult", "Unit", "input_roots", "describe", "execute", "execute_all", "group_units", "make_units", "partial_dir", "ray_task_memory",
+__all__ = ["RunResult", "Unit", "input_roots", "describe", "execute", "execute_all", "finished_output", "group_units", "make_units", "partial_dir", "ray_task_memory",
            "sha256_file"]
