@@ -34,8 +34,8 @@ from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.provenance import git_commit, recipe_sha256
 from ktconvert.io.sizes import format_size
-from ktconvert.convert.worker import (Group, Task, _overlaps, close_all, run_group, run_group_synced, source_digest,
-                                      worker_context, worker_init)
+from ktconvert.convert.worker import (Group, Task, close_all, run_group, run_group_synced, segments_read,
+                                      source_digest, worker_context, worker_init)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import (WRITE_ERRNOS, fsync_dir, partial_dir, replace_dir, sha256_file, write_durable,
@@ -90,8 +90,9 @@ def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0, *, shar
     need = ((widest * 3 + 1) // 2 if shared else widest) * jobs + reserve * jobs
     if max_memory < need:
         least = f"{-(-need // 1024)}KiB" if need < 2**30 else f"{-(-need // 2**20)}MiB"
-        per = f", with {format_size(reserve)} for each Ray worker process," if reserve else ""
-        per += " with a third of each job's share for the reads the outputs share," if shared else ""
+        kept = ([f"{format_size(reserve)} for each Ray worker process"] if reserve else []) + \
+            (["a third of each job's share for the reads the outputs share"] if shared else [])
+        per = f", with {' and '.join(kept)}," if kept else ""
         raise UsageProblem(f"--max-memory {format_size(max_memory)} is below the minimum {least}: one row of the "
                            f"widest tensor with {jobs} job(s){per} needs that much", fix=f"pass --max-memory {least} or more")
     budget = max(1, min(UNIT_CAP, (max_memory // jobs - reserve - shared_read_bytes(max_memory, jobs, reserve)
@@ -367,7 +368,7 @@ def execute_all(outputs: list[tuple[Plan, str | Path]], *, max_memory: int, jobs
 def _read_set(ck, t: PlanTensor, u: Unit, cap: int) -> tuple[frozenset, tuple]:
     """The source tensors of at most ``cap`` bytes that unit ``u`` of ``t`` reads whole or in part (what several
     outputs' units can share), and where its first one lies (file, offset: the order the groups run in)."""
-    segs = t.segments if t.kt_pack is not None else [s for s, *_ in _overlaps(t, u.r0, u.r1)]
+    segs = [s for s, _, _ in segments_read(t, u.r0, u.r1)]
     names, first = set(), (len(ck.files), 0)
     files = {Path(f): i for i, f in enumerate(ck.files)}
     for s in segs:

@@ -290,9 +290,7 @@ def source_ranges(ck, t: PlanTensor, r0: int, r1: int) -> list[tuple[str, int, i
 
     if t.const is not None:
         return out
-    segs = [(s, 0, s.rows) for s in t.segments] if t.kt_pack is not None else \
-        [(s, i, n) for s, i, n, _ in _overlaps(t, r0, r1)]
-    for s, i, n in segs:
+    for s, i, n in segments_read(t, r0, r1):
         info = ck[s.source]
         if s.op == "rows" and not s.scale:
             rb = _row_bytes(info)
@@ -314,6 +312,14 @@ def source_ranges(ck, t: PlanTensor, r0: int, r1: int) -> list[tuple[str, int, i
                 if c != s.scale:
                     whole(c)
     return out
+
+
+def segments_read(t: PlanTensor, r0: int, r1: int) -> list[tuple[Segment, int, int]]:
+    """``(segment, first row inside it, rows)`` that rows ``r0..r1`` of ``t`` are made from (a kt-amx group: every
+    segment whole)."""
+    if t.kt_pack is not None:
+        return [(s, 0, s.rows) for s in t.segments]
+    return [(s, i, n) for s, i, n, _ in _overlaps(t, r0, r1)]
 
 
 def _row_bytes(info) -> int:
