@@ -189,10 +189,9 @@ def run_group(group: Group) -> list[tuple[int, int, str]]:
     """:func:`run_task` for every unit of ``group`` (the source tensors it shares read once); returns ``(output
     index, unit id, input digest)`` per unit. Units reading the same input bytes share one digest."""
     out, digests = [], {}
-    src = group.tasks[0][1].src if group.tasks else ""
-    plain = _checkpoint(src) if group.shared else None
-    if plain is not None:
-        _CHECKPOINTS[src] = _shared_reads(plain, group.shared)
+    plain = {t.src: _checkpoint(t.src) for _, t in group.tasks} if group.shared else {}
+    for src, ck in plain.items():
+        _CHECKPOINTS[src] = _shared_reads(ck, group.shared)
     try:
         for k, task in group.tasks:
             uid = _convert(task)
@@ -201,8 +200,7 @@ def run_group(group: Group) -> list[tuple[int, int, str]]:
                 digests[key] = source_digest(_checkpoint(task.src), task.tensor, task.r0, task.r1)
             out.append((k, uid, digests[key]))
     finally:
-        if plain is not None:
-            _CHECKPOINTS[src] = plain
+        _CHECKPOINTS.update(plain)
     return out
 
 
