@@ -169,3 +169,34 @@ def test_no_commit_outside_a_git_checkout(tmp_path):
     assert git_commit(tmp_path) == {}
     (tmp_path / ".git").mkdir()  # a .git that is no repository: git fails, nothing is recorded
     assert git_commit(tmp_path) == {}
+
+
+def test_a_group_reads_each_shared_tensor_once(single, tmp_path, monkeypatch):
+    """run_group over the three outputs' units of one expert projection: the checkpoint's read of that tensor
+    happens once for all of them; tensors not shared are read as before; the checkpoint is unwrapped after."""
+    from ktconvert.convert import parse_output, plan_outputs
+    from ktconvert.convert import worker
+    from ktconvert.convert.execute import _Output, group_units, make_units
+    from ktconvert.formats.checkpoint import Checkpoint
+
+    src, _ = single
+    plans = plan_outputs(src, [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS])
+    outs = [_Output(p, tmp_path / spec) for p, (spec, _) in zip(plans, OUTPUTS)]
+    for o in outs:  # the output files the units write into, laid out as execute_all lays them out
+        o.partial.mkdir()
+        for f in o.plan.files:
+            with open(o.partial / f.name, "wb") as fh:
+                fh.truncate(f.size)
+    todo = [(k, u) for k, o in enumerate(outs) for u in make_units(o.plan, 2**26, 1, shared=True)]
+    group = next(g for g in group_units(outs, todo, 2**24) if any(".experts.0.up_proj" in n for n in g.shared))
+    reads = []
+    real = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, name: reads.append(name) or real(self, name))
+    try:
+        done = worker.run_group(group)
+        after = worker._CHECKPOINTS[str(src)]
+    finally:
+        worker.close_all()
+    assert sorted(k for k, _, _ in done) == [0, 1, 2]
+    assert len(group.shared) == 1 and reads.count(next(iter(group.shared))) == 1  # three units, one read
+    assert "read" not in vars(after)  # the plain checkpoint again, for the next group
