@@ -200,3 +200,19 @@ def test_a_group_reads_each_shared_tensor_once(single, tmp_path, monkeypatch):
     assert sorted(k for k, _, _ in done) == [0, 1, 2]
     assert len(group.shared) == 1 and reads.count(next(iter(group.shared))) == 1  # three units, one read
     assert "read" not in vars(after)  # the plain checkpoint again, for the next group
+
+
+def test_a_recipe_file_names_an_output(single, tmp_path):
+    """--output FILE.yaml=DIR: the recipe file's conversion (here a copy of the Q8_0 preset: the same model bytes),
+    its manifest naming the file and its sha256."""
+    from ktconvert.io import resources
+
+    src, refs = single
+    recipe = tmp_path / "my-q8.yaml"
+    recipe.write_bytes((resources.rules_dir() / "convert" / "Q8_0.yaml").read_bytes())
+    res = _run(src, "--output", f"{recipe}={tmp_path / 'q'}", "--output", f"amxint8={tmp_path / 'a'}")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "q" / "model.gguf").read_bytes() == refs["Q8_0"]["model.gguf"]
+    m = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    assert m["recipe"]["source"] == str(recipe) and m["recipe"]["sha256"] == hashlib.sha256(recipe.read_bytes()).hexdigest()
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["kt_amx"]["method"] == "AMXINT8"
