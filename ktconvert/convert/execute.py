@@ -26,7 +26,7 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -272,9 +272,8 @@ class _Output:
 
     plan: Plan
     out: Path
-    fingerprint: str = ""
-    units: list = None
-    done: dict = None
+    units: list[Unit] = field(default_factory=list)
+    done: dict[int, str] = field(default_factory=dict)  # finished units: id -> input digest
     ready: dict | None = None  # the manifest of a run that finished but was not renamed
 
     def __post_init__(self):
@@ -309,13 +308,13 @@ def execute_all(outputs: list[tuple[Plan, str | Path]], *, max_memory: int, jobs
     try:
         for o in outs:
             if o.ready is not None:
-                o.units, o.done = [], {}
-            elif o.partial.exists():
+                continue
+            if o.partial.exists():
                 o.units, o.done = o.state.load(o.plan, o.fingerprint, o.partial)
                 _prepare_files(o.plan, o.partial, fresh=False)
                 _check_done(o.plan, o.units, o.done)
             else:
-                o.units, o.done = make_units(o.plan, max_memory, jobs, reserve, shared=shared), {}
+                o.units = make_units(o.plan, max_memory, jobs, reserve, shared=shared)
         for o in outs:
             if o.ready is None and not o.partial.exists():
                 _check_space(o.plan, o.out)
@@ -353,16 +352,26 @@ def execute_all(outputs: list[tuple[Plan, str | Path]], *, max_memory: int, jobs
             raise
         if isinstance(exc, BrokenProcessPool):
             raise EnvironmentProblem(
-                "a worker process died (killed, or out of memory); the run stopped", path=str(outs[0].out),
+                "a worker process died (killed, or out of memory); the run stopped",
+                path=", ".join(str(o.out) for o in outs),
                 fix=("rerun with --resume" if resume else "rerun") + ", with fewer --jobs or a smaller --max-memory "
                 "if memory ran out") from None
-        raise write_failure(exc, outs[0].out, resumable=resume) from None
+        raise write_failure(exc, _failed_output(outs, exc), resumable=resume) from None
     seconds = time.monotonic() - t0
     results = []
     for k, (o, m) in enumerate(zip(outs, manifests)):
         mine = [u for j, u in todo if j == k]
         results.append(RunResult(o.out, m, len(mine), len(o.done), seconds, sum(u.in_bytes for u in mine)))
     return results
+
+
+def _failed_output(outs: list[_Output], exc: OSError) -> Path:
+    """The output a write error belongs to (the one whose directory holds the file it names; else the first)."""
+    name = os.path.abspath(exc.filename) if isinstance(exc.filename, str) else ""
+    for o in outs:
+        if name.startswith(os.path.abspath(o.partial) + os.sep) or name == os.path.abspath(o.partial):
+            return o.out
+    return outs[0].out
 
 
 def _read_set(ck, t: PlanTensor, u: Unit, cap: int) -> tuple[frozenset, tuple]:
