@@ -202,20 +202,20 @@ def test_manifest_hashes_are_the_bytes_on_disk_after_a_run_and_after_resume(src,
     _manifest_matches_disk(out)
 
     again = tmp_path / "again"
-    calls, real = {"n": 0}, ex.run_task
+    calls, real = {"n": 0}, ex.run_group
 
-    def dying(task):
+    def dying(group):  # one unit a group: a single output
         calls["n"] += 1
         if calls["n"] > 3:
             raise KeyboardInterrupt
-        return real(task)
+        return real(group)
 
-    ex.run_task = dying
+    ex.run_group = dying
     try:
         with pytest.raises(KeyboardInterrupt):
             convert(src, again, type="Q8_0", max_memory="64KiB", resume=True)
     finally:
-        ex.run_task = real
+        ex.run_group = real
     assert not lock_path(again).exists()  # an interrupted run lets go of OUT
     result = convert(src, again, type="Q8_0", max_memory="64KiB", resume=True)
     assert result.units_resumed == 3

@@ -103,22 +103,22 @@ def _interrupted(src, tmp_path):
     from ktconvert.convert import execute as ex
 
     calls = {"n": 0}
-    real = ex.run_task
+    real = ex.run_group
 
-    def dying(task):
+    def dying(group):  # one unit a group: a single output
         calls["n"] += 1
         if calls["n"] > 5:  # after five units: as if the process died there
             raise KeyboardInterrupt
-        return real(task)
+        return real(group)
 
-    ex.run_task = dying
+    ex.run_group = dying
     try:
         with pytest.raises(KeyboardInterrupt):
             from ktconvert.convert import convert
 
             convert(src, tmp_path / "out", type="Q4_K", max_memory="4MiB")
     finally:
-        ex.run_task = real
+        ex.run_group = real
     assert (tmp_path / ".out.ktconvert-partial").is_dir() and not (tmp_path / "out").exists()
 
 

@@ -91,6 +91,19 @@ def test_kt_amx_is_byte_identical_to_local(cluster, src, tmp_path):
         assert tree_bytes(remote.out) == tree_bytes(local.out)
 
 
+def test_several_outputs_from_one_read_are_byte_identical_to_local(cluster, src, local_q4k, tmp_path):
+    """quantize --output ... as Ray tasks: each output is its own local run's, byte for byte."""
+    from ktconvert.convert import convert
+
+    local = convert(src, tmp_path / "local-amx", type="AMXINT4", format="kt-amx")
+    res = CliRunner().invoke(cli, ["quantize", str(src), "--output", f"Q4_K={tmp_path / 'q'}", "--output",
+                                   f"AMXINT4={tmp_path / 'a'}", *RAY[2:], "-o", "json"])
+    assert res.exit_code == 0, res.output
+    assert [r["units"] for r in json.loads(res.stdout)] == [27 - 6 + 48, 48]  # Q4_K: each expert its own unit
+    assert tree_bytes(tmp_path / "q") == local_q4k
+    assert tree_bytes(tmp_path / "a") == tree_bytes(local.out)
+
+
 # --- a worker killed by pid in the middle of a unit ---------------------------------------------------------------
 def _cmdline(pid: int) -> bytes:
     try:

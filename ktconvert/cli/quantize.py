@@ -12,6 +12,9 @@ from tqdm import tqdm
 from ktconvert.convert import (
     KEEP_SPLIT,
     convert,
+    convert_outputs,
+    parse_output,
+    plan_outputs,
     load_recipe,
     partial_dir,
     plan_conversion,
@@ -22,6 +25,7 @@ from ktconvert.convert import (
 )
 from ktconvert.convert.execute import describe
 from ktconvert.cli.executor import executor_options
+from ktconvert.errors import UsageProblem
 from ktconvert.quant import WRITABLE
 
 
@@ -53,7 +57,11 @@ def _bar(enabled: bool):
 
 @click.command("quantize")
 @click.argument("src", type=click.Path(path_type=str))
-@click.argument("out", type=click.Path(path_type=str))
+@click.argument("out", type=click.Path(path_type=str), required=False)
+@click.option("--output", "outputs", metavar="TYPE=DIR", multiple=True,
+              help="Several outputs from one read of SRC, instead of OUT (repeatable): TYPE is AMXINT8|AMXINT4 "
+              "(a kt-amx directory), a preset recipe (Q4_K_M, ...), a recipe file, or a ggml type; each DIR is what "
+              "that output's own run writes, with its own manifest.json and --resume.")
 @click.option("--type", "qtype", metavar="T",
               help=f"One type for every weight (routers, norms, biases stay F32): {' '.join(WRITABLE)}, or keep.")
 @click.option("--recipe", metavar="FILE|PRESET", help="A recipe file (schemas/convert-recipe.schema.json) or a preset "
@@ -118,7 +126,7 @@ def _bar(enabled: bool):
               help="List the preset recipes and exit.")
 @executor_options("the conversion's units")
 @click.pass_context
-def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imatrix, include_weights, exclude_weights,
+def command(ctx, src, out, outputs, qtype, recipe, to, threadpool_count, form, lora, imatrix, include_weights, exclude_weights,
             tensor_types, output_tensor_type,
             token_embedding_type, leave_output_tensor, pure, keep_split, lora_alpha, config, shard_size, max_memory,
             jobs, allow_fallback, dry_run, resume, force, no_tokenizer, allow_requantize, fmt, target, executor,
@@ -133,6 +141,21 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imat
     """
 
     obj = ctx.find_object(dict) or {}
+    if outputs:
+        _several(ctx, obj, src, out, outputs, qtype, recipe, to, form, keep_split, shard_size, dry_run, fmt, dict(
+            overrides=dict(tensor_types=tensor_types, output_tensor_type=output_tensor_type,
+                           token_embedding_type=token_embedding_type, leave_output_tensor=leave_output_tensor,
+                           pure=pure) if (tensor_types or output_tensor_type or token_embedding_type
+                                          or leave_output_tensor or pure) else None,
+            threadpool_count=threadpool_count, imatrix=imatrix, include_weights=include_weights,
+            exclude_weights=exclude_weights, target=target, config=config, tokenizer=not no_tokenizer,
+            allow_requantize=allow_requantize, allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha),
+            dict(max_memory=max_memory, jobs=jobs, resume=resume, force=force, executor=executor,
+                 ray_address=ray_address))
+        return
+    if out is None:
+        raise UsageProblem("missing the output directory OUT", where="quantize",
+                           fix="add OUT after SRC, or --output TYPE=DIR (repeatable) for several outputs")
     if fmt == "llama" and not dry_run:
         raise click.UsageError("-o llama prints llama-quantize's --dry-run table; add --dry-run")
     if (include_weights or exclude_weights) and imatrix is None:
@@ -187,3 +210,47 @@ def command(ctx, src, out, qtype, recipe, to, threadpool_count, form, lora, imat
         click.echo(describe(result))
         for note in result.manifest["plan"]["notes"]:
             click.echo(f"note: {note}")
+
+
+def _several(ctx, obj, src, out, values, qtype, recipe, to, form, keep_split, shard_size, dry_run, fmt, planning,
+             running) -> None:
+    """``--output TYPE=DIR ...``: every output from one read of SRC (:func:`ktconvert.convert.convert_outputs`)."""
+    for flag, given in (("OUT", out), ("--type", qtype), ("--recipe", recipe), ("--to", to), ("--form", form)):
+        if given is not None:
+            raise UsageProblem(f"{flag} {given} with --output: each --output names its own type and directory",
+                               where="--output", fix=f"drop {flag}; write --output TYPE=DIR for each output")
+    if fmt == "llama":
+        raise UsageProblem("-o llama prints one plan; --output makes several", where="--output",
+                           fix="run --dry-run -o llama on one output (OUT --recipe/--type)")
+    if keep_split:
+        if shard_size is not None:
+            raise click.UsageError("--keep-split keeps the input's split; --shard-size makes another: give one")
+        shard_size = KEEP_SPLIT
+    specs = [parse_output(v) for v in values]
+    if dry_run:
+        plans = plan_outputs(src, specs, shard_size=shard_size, **planning)
+        if fmt == "json":
+            click.echo(json.dumps([{"output": str(s.out), "type": s.spec, "plan": p.to_dict()}
+                                   for s, p in zip(specs, plans)], indent=2))
+            return
+        for s, p in zip(specs, plans):
+            click.echo(f"== --output {s.spec}={s.out}")
+            click.echo(plan_text(p), nl=False)
+        return
+    update, close = _bar(obj.get("verbosity", 1) > 0)
+    try:
+        results = convert_outputs(src, specs, progress=update, shard_size=shard_size, **running, **planning)
+    except KeyboardInterrupt:
+        close()
+        where = ", ".join(str(partial_dir(s.out)) for s in specs)
+        click.echo(f"ktconvert: interrupted; rerun with --resume to continue ({where})", err=True)
+        ctx.exit(130)
+    finally:
+        close()
+    if fmt == "json":
+        click.echo(json.dumps([{"out": str(r.out), "files": r.manifest["files"], "plan": r.manifest["plan"],
+                                "units": r.units, "units_resumed": r.units_resumed, "seconds": round(r.seconds, 3)}
+                               for r in results], indent=2))
+    elif obj.get("verbosity", 1) > 0:
+        for r in results:
+            click.echo(describe(r))

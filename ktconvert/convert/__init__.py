@@ -37,8 +37,12 @@ from __future__ import annotations
 
 from ktconvert.convert.api import (
     DEFAULT_MAX_MEMORY,
+    OutputSpec,
     convert,
+    convert_outputs,
+    parse_output,
     plan_conversion,
+    plan_outputs,
     resolve_recipe,
 )
 from ktconvert.convert.execute import RunResult, partial_dir
@@ -50,6 +54,7 @@ __all__ = [
     "KEEP_SPLIT",
     "DEFAULT_MAX_MEMORY",
     "LoraResult",
+    "OutputSpec",
     "Plan",
     "PlanTensor",
     "Recipe",
@@ -57,6 +62,9 @@ __all__ = [
     "RunResult",
     "convert",
     "convert_lora",
+    "convert_outputs",
+    "parse_output",
+    "plan_outputs",
     "load_recipe",
     "partial_dir",
     "plan_conversion",

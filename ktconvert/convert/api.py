@@ -4,18 +4,23 @@
 from __future__ import annotations
 
 import dataclasses
+import json
+from contextlib import ExitStack
+from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert.cluster import check_executor, check_fits, connect
-from ktconvert.convert.execute import Progress, RunResult, execute, input_roots, ray_task_memory
+from ktconvert.convert.execute import (Progress, RunResult, execute, execute_all, finished_output, input_roots,
+                                       ray_task_memory)
 from ktconvert.convert.hf_out import build_hf_plan
 from ktconvert.convert.plan import KEEP_SPLIT, Plan, build_plan
-from ktconvert.convert.recipe import Recipe, load_recipe, recipe_for_type
+from ktconvert.convert.recipe import Recipe, load_recipe, presets, recipe_for_type, with_overrides
 from ktconvert.convert.targets import check_target
 from ktconvert.io.sizes import parse_size
 from ktconvert.convert.source import analyze
 from ktconvert.errors import UsageProblem
-from ktconvert.io.atomic import claim_output
+from ktconvert.io.atomic import check_separate, claim_output, output_lock, partial_dir
+from ktconvert.quant import WRITABLE
 from ktconvert.convert.kt_amx_plan import build_kt_amx_plan
 from ktconvert.convert.lora_merge import attach_lora
 from ktconvert.convert.kt_tree_out import check_tree_paths, finish_tree, scratch_dir, write_tree
@@ -162,3 +167,113 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
         kt = write_tree(merged, out, force=force)
         return dataclasses.replace(run, out=out, manifest=finish_tree(run.manifest, merged, out, kt))
 
+
+
+# --- several outputs from one read (quantize --output TYPE=DIR ...) ---------------------------------------------
+
+KT_AMX_METHODS = ("AMXINT8", "AMXINT4")
+
+
+@dataclass(frozen=True)
+class OutputSpec:
+    """One ``--output TYPE=DIR``: what to write (a preset recipe, a recipe file, a ggml type, or a kt-amx method)
+    and where."""
+
+    spec: str
+    out: Path
+    recipe: str | None = None
+    type: str | None = None
+    format: str | None = None
+
+
+def parse_output(value: str) -> OutputSpec:
+    """``TYPE=DIR`` -> :class:`OutputSpec`. TYPE is, in this order: AMXINT8/AMXINT4 (kt-kernel's expert directory,
+    as ``--to kt-amx --type``), a preset recipe (``--recipe``: Q4_K_M, ...), a recipe file (``.yaml``/``.yml``), or a
+    ggml type or ``keep`` (``--type``). Raises :class:`UsageProblem` naming ``--output`` and the value."""
+    spec, eq, out = value.partition("=")
+    spec, out = spec.strip(), out.strip()
+    if not eq or not spec or not out:
+        raise UsageProblem(f"{value!r} is not TYPE=DIR", where="--output",
+                           fix="write --output TYPE=DIR, e.g. --output Q4_K_M=out-q4 --output AMXINT4=out-amx")
+    if spec.upper() in KT_AMX_METHODS:
+        return OutputSpec(spec, Path(out), type=spec.upper(), format="kt-amx")
+    preset = next((k for k in presets() if k.lower() == spec.lower()), None)
+    if preset is not None:
+        return OutputSpec(spec, Path(out), recipe=preset)
+    if spec.endswith((".yaml", ".yml")):
+        if not Path(spec).is_file():
+            raise UsageProblem(f"{value!r}: the recipe file {spec} does not exist", where="--output",
+                               fix="give an existing recipe file, a preset (--list-recipes) or a type")
+        return OutputSpec(spec, Path(out), recipe=spec)
+    if spec == "keep" or spec.upper() in WRITABLE:
+        return OutputSpec(spec, Path(out), type=spec if spec == "keep" else spec.upper())
+    raise UsageProblem(f"{value!r}: {spec} is not a preset recipe, a ggml type, AMXINT8/AMXINT4 or a recipe file",
+                       where="--output", fix="ktconvert quantize --list-recipes lists the presets; the ggml types "
+                       f"are {' '.join(WRITABLE)}")
+
+
+def plan_outputs(src: str | Path, outputs: list[OutputSpec], *, overrides: dict | None = None,
+                 threadpool_count: int | None = None, imatrix: str | Path | None = None,
+                 include_weights: tuple[str, ...] = (), exclude_weights: tuple[str, ...] = (),
+                 target: str | None = None, shard_size: int | str | None = None, **common) -> list[Plan]:
+    """One plan per output, each the plan of that output's own ``quantize`` (:func:`plan_conversion`).
+
+    ``threadpool_count`` applies to the kt-amx outputs; ``imatrix``, ``include_weights``/``exclude_weights``,
+    ``target``, ``overrides`` (:func:`~ktconvert.convert.recipe.with_overrides`' llama-quantize options) and a
+    ``shard_size`` of :data:`KEEP_SPLIT` to the GGUF ones; ``common`` (config, tokenizer, allow_requantize,
+    allow_fallback, lora, lora_alpha) and any other ``shard_size`` to all."""
+    if not outputs:
+        raise UsageProblem("no output given", where="--output", fix="add --output TYPE=DIR")
+    check_separate([o.out for o in outputs], where="--output")
+    plans = []
+    for o in outputs:
+        if o.format == "kt-amx":
+            plans.append(plan_conversion(src, type=o.type, format="kt-amx", threadpool_count=threadpool_count,
+                                         shard_size=None if shard_size == KEEP_SPLIT else shard_size, **common))
+            continue
+        recipe = resolve_recipe(o.recipe, o.type, common.get("allow_fallback"))
+        if overrides:
+            recipe = with_overrides(recipe, **overrides)
+        gguf = (recipe.format or "gguf") == "gguf"
+        plans.append(plan_conversion(
+            src, recipe, config=common.get("config"), tokenizer=common.get("tokenizer", True),
+            allow_requantize=common.get("allow_requantize", False), allow_fallback=common.get("allow_fallback"),
+            lora=common.get("lora"), lora_alpha=common.get("lora_alpha"),
+            shard_size=shard_size if gguf or shard_size != KEEP_SPLIT else None,
+            imatrix=imatrix if gguf else None, include_weights=include_weights if gguf else (),
+            exclude_weights=exclude_weights if gguf else (), target=target if gguf else None))
+    return plans
+
+
+def convert_outputs(src: str | Path, outputs: list[OutputSpec], *, max_memory: int | str = DEFAULT_MAX_MEMORY,
+                    jobs: int = 1, resume: bool = False, force: bool = False, progress: Progress | None = None,
+                    executor: str = "local", ray_address: str | None = None, **planning) -> list[RunResult]:
+    """Write every output from one read of ``src`` (``quantize --output TYPE=DIR ...``): each output is byte for
+    byte what its own :func:`convert` writes, with its own manifest, ``--resume`` and rename
+    (:func:`~ktconvert.convert.execute.execute_all`). ``planning``: :func:`plan_outputs`' options. Every output is
+    planned, claimed and checked before anything is written. With ``resume``, an output that a stopped run already
+    completed and renamed (its files as its manifest records, for this plan) is kept as it is."""
+    if jobs < 1:
+        raise UsageProblem(f"--jobs {jobs} must be at least 1")
+    check_executor(executor, ray_address)
+    budget = parse_size(max_memory, what="--max-memory")
+    plans = plan_outputs(src, outputs, **planning)
+    kept: dict[int, RunResult] = {}
+    with ExitStack() as held:
+        for k, (o, plan) in enumerate(zip(outputs, plans)):
+            if resume and not force and o.out.is_dir() and not partial_dir(o.out).exists():
+                with ExitStack() as lock:
+                    lock.enter_context(output_lock(o.out))
+                    if finished_output(o.out, plan.fingerprint()):  # renamed before the run stopped: kept as it is
+                        kept[k] = RunResult(o.out, json.loads((o.out / "manifest.json").read_text()), 0, 0, 0.0, 0)
+                        held.push(lock.pop_all())
+                        continue
+            held.enter_context(claim_output(o.out, inputs=input_roots(Path(src), [Path(f) for f in plan.input_files]),
+                                            force=force))
+        todo = [(plan, o.out) for k, (o, plan) in enumerate(zip(outputs, plans)) if k not in kept]
+        if executor == "ray" and todo:
+            ray = connect(ray_address)
+            check_fits(ray, ray_task_memory(budget, jobs), "one conversion task")
+        done = iter(execute_all(todo, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress,
+                                executor=executor) if todo else [])
+        return [kept[k] if k in kept else next(done) for k in range(len(outputs))]

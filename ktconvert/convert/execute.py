@@ -18,6 +18,7 @@ a local run on Ray and the other way round; the bytes are the same whoever wrote
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -25,15 +26,16 @@ import shutil
 import time
 from collections import deque
 from concurrent.futures.process import BrokenProcessPool
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
+from ktconvert.convert.provenance import git_commit, recipe_sha256
 from ktconvert.io.sizes import format_size
-from ktconvert.convert.worker import (Task, close_all, run_task, run_task_synced, source_digest, worker_context,
-                                      worker_init)
+from ktconvert.convert.worker import (Group, Task, close_all, run_group, run_group_synced, segments_read,
+                                      source_digest, worker_context, worker_init)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import (WRITE_ERRNOS, fsync_dir, partial_dir, replace_dir, sha256_file, write_durable,
@@ -72,22 +74,29 @@ class RunResult:
     in_bytes: int
 
 
-def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0) -> list[Unit]:
+def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0, *, shared: bool = False) -> list[Unit]:
     """Split every tensor into runs of rows whose working set fits ``max_memory / jobs`` (and :data:`UNIT_CAP`).
 
     The working set of a converted row is its float32 copy twice (decode and assembly) plus its input and output
     bytes; a copied row is its bytes once, plus two float32 copies when it is a float checked for NaN/Inf. The budget is halved once more for numpy's transient copies.
     ``reserve``: bytes of each job's share its process needs for itself (:data:`RAY_WORKER_RESERVE` for a Ray
-    task, whose memory request is the whole share).
+    task, whose memory request is the whole share). ``shared``: the units of one output of several
+    (:func:`execute_all`): a third of what is left of each share holds the source tensors the outputs share
+    (:func:`shared_read_bytes`), and no unit spans two segments (of a tensor stacked from several source tensors,
+    such as the experts of a layer), so the outputs' units read whole source tensors they can share.
     """
     jobs = max(1, jobs)
-    need = (max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2 + reserve) * jobs
+    widest = max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2
+    need = ((widest * 3 + 1) // 2 if shared else widest) * jobs + reserve * jobs
     if max_memory < need:
         least = f"{-(-need // 1024)}KiB" if need < 2**30 else f"{-(-need // 2**20)}MiB"
-        per = f", with {format_size(reserve)} for each Ray worker process," if reserve else ""
+        kept = ([f"{format_size(reserve)} for each Ray worker process"] if reserve else []) + \
+            (["a third of each job's share for the reads the outputs share"] if shared else [])
+        per = f", with {' and '.join(kept)}," if kept else ""
         raise UsageProblem(f"--max-memory {format_size(max_memory)} is below the minimum {least}: one row of the "
                            f"widest tensor with {jobs} job(s){per} needs that much", fix=f"pass --max-memory {least} or more")
-    budget = max(1, min(UNIT_CAP, (max_memory // jobs - reserve) // 2))
+    budget = max(1, min(UNIT_CAP, (max_memory // jobs - reserve - shared_read_bytes(max_memory, jobs, reserve)
+                                   * shared) // 2))
     units = []
     for ti, t in enumerate(plan.tensors):
         rows = t.rows if t.shape else 1
@@ -101,10 +110,18 @@ def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0) -> list
             continue
         in_row = plan.segment_bytes(t) // rows if rows else 0
         step = max(1, budget // max(1, _row_working_set(plan, t)))
-        for r0 in range(0, rows, step):
-            r1 = min(rows, r0 + step)
-            units.append(Unit(len(units), ti, r0, r1, in_row * (r1 - r0)))
+        cuts = sorted({s.start for s in t.segments if 0 < s.start < rows}) if shared else []
+        for a, b in zip([0, *cuts], [*cuts, rows]):
+            for r0 in range(a, b, step):
+                r1 = min(b, r0 + step)
+                units.append(Unit(len(units), ti, r0, r1, in_row * (r1 - r0)))
     return units
+
+
+def shared_read_bytes(max_memory: int, jobs: int, reserve: int = 0) -> int:
+    """What one task of a several-output run may hold of the source tensors its units share: a third of its share
+    of ``max_memory`` less ``reserve``; the units get the rest (:func:`make_units`)."""
+    return max(0, max_memory // max(1, jobs) - reserve) // 3
 
 
 def ray_task_memory(max_memory: int, jobs: int) -> int:
@@ -245,60 +262,177 @@ def execute(plan: Plan, out: str | Path, *, max_memory: int, jobs: int = 1, resu
     ``executor``: ``local`` (``jobs`` processes here) or ``ray`` (``jobs`` Ray tasks at a time, on the cluster
     :func:`ktconvert.cluster.connect` joined).
     """
-    out = Path(out)
-    partial = partial_dir(out)
-    state = _State(partial)
-    fingerprint = plan.fingerprint()
+    return execute_all([(plan, out)], max_memory=max_memory, jobs=jobs, resume=resume, force=force,
+                       progress=progress, executor=executor)[0]
+
+
+@dataclass
+class _Output:
+    """One output of a run: its plan, directory, partial directory, bookkeeping and units."""
+
+    plan: Plan
+    out: Path
+    units: list[Unit] = field(default_factory=list)
+    done: dict[int, str] = field(default_factory=dict)  # finished units: id -> input digest
+    ready: dict | None = None  # the manifest of a run that finished but was not renamed
+
+    def __post_init__(self):
+        self.out = Path(self.out)
+        self.partial = partial_dir(self.out)
+        self.state = _State(self.partial)
+        self.fingerprint = self.plan.fingerprint()
+        self.paths = [str(self.partial / f.name) for f in self.plan.files]
+
+
+def execute_all(outputs: list[tuple[Plan, str | Path]], *, max_memory: int, jobs: int = 1, resume: bool = False,
+                force: bool = False, progress: Progress | None = None, executor: str = "local") -> list[RunResult]:
+    """Write each plan to its directory from one pass over the source (``quantize --output``): every output is
+    :func:`execute`'s, with its own partial directory, journal, manifest and rename, byte for byte what a run of
+    that plan alone writes. The units of all outputs run together, those reading the same source tensors in one
+    task (:func:`group_units`) that reads each of them once; ``max_memory`` covers them all. Nothing is written
+    before every output is checked; each output is renamed only when all of them are complete."""
+    outs = [_Output(plan, out) for plan, out in outputs]
+    shared = len(outs) > 1
     t0 = time.monotonic()
-    if partial.exists() and not resume:
-        if not force:
-            raise UsageProblem("an interrupted conversion to this output exists", path=str(partial),
+    for o in outs:
+        if o.partial.exists() and not resume and not force:
+            raise UsageProblem("an interrupted conversion to this output exists", path=str(o.partial),
                                fix="pass --resume to continue it, or --force to start over")
-        shutil.rmtree(partial)
-    if partial.exists() and _finished(partial, fingerprint):  # killed between the manifest and the rename
-        return RunResult(out, _publish(partial, out, force, _read_manifest(partial)), 0, 0, time.monotonic() - t0, 0)
+    for o in outs:
+        if o.partial.exists() and not resume:
+            shutil.rmtree(o.partial)
+        if o.partial.exists() and finished_output(o.partial, o.fingerprint):  # killed between the manifest and the rename
+            o.ready = _read_manifest(o.partial)
+    reserve = RAY_WORKER_RESERVE if executor == "ray" else 0
+    cache = shared_read_bytes(max_memory, jobs, reserve) if shared else 0
     try:
-        if partial.exists():
-            units, done = state.load(plan, fingerprint, partial)
-            _prepare_files(plan, partial, fresh=False)
-            _check_done(plan, units, done)
-        else:
-            units, done = make_units(plan, max_memory, jobs, RAY_WORKER_RESERVE if executor == "ray" else 0), {}
-            _check_space(plan, out)
-            partial.mkdir(parents=True)
-            state.create(plan, units, fingerprint)
-            _prepare_files(plan, partial, fresh=True)
-            fsync_dir(partial.parent)
-        resumed = len(done)
-        todo = [u for u in units if u.id not in done]
-        total = sum(u.in_bytes for u in units)
-        done_bytes = total - sum(u.in_bytes for u in todo)
+        for o in outs:
+            if o.ready is not None:
+                continue
+            if o.partial.exists():
+                o.units, o.done = o.state.load(o.plan, o.fingerprint, o.partial)
+                _prepare_files(o.plan, o.partial, fresh=False)
+                _check_done(o.plan, o.units, o.done)
+            else:
+                o.units = make_units(o.plan, max_memory, jobs, reserve, shared=shared)
+        for o in outs:
+            if o.ready is None and not o.partial.exists():
+                _check_space(o.plan, o.out)
+        for o in outs:
+            if o.ready is None and not o.partial.exists():
+                o.partial.mkdir(parents=True)
+                o.state.create(o.plan, o.units, o.fingerprint)
+                _prepare_files(o.plan, o.partial, fresh=True)
+                fsync_dir(o.partial.parent)
+        todo = [(k, u) for k, o in enumerate(outs) for u in o.units if u.id not in o.done]
+        total = sum(u.in_bytes for o in outs for u in o.units)
+        done_bytes = total - sum(u.in_bytes for _, u in todo)
         if progress:
             progress(done_bytes, total)
         try:
-            _run_units(plan, partial, todo, jobs, state, progress, done_bytes, total, executor, max_memory)
+            _run_units(outs, group_units(outs, todo, cache), jobs, progress, done_bytes, total, executor, max_memory)
         except InputError:
             close_all()
-            shutil.rmtree(partial, ignore_errors=True)  # bad input: nothing to resume
+            for o in outs:
+                shutil.rmtree(o.partial, ignore_errors=True)  # bad input: nothing to resume
             raise
         finally:
             close_all()
-        manifest = _finish(plan, partial, out, force, fingerprint)
+        manifests = [o.ready if o.ready is not None else _finish(o.plan, o.partial, o.fingerprint) for o in outs]
+        for o, m in zip(outs, manifests):
+            _publish(o.partial, o.out, force, m)
     except (OSError, BrokenProcessPool, EnvironmentProblem) as exc:  # the environment failed: one line, no partial output
         close_all()
         if isinstance(exc, OSError) and exc.errno not in WRITE_ERRNOS:
             raise
         if not resume:  # kept only when --resume was asked, to continue from
-            shutil.rmtree(partial, ignore_errors=True)
+            for o in outs:
+                shutil.rmtree(o.partial, ignore_errors=True)
         if isinstance(exc, EnvironmentProblem):  # a Ray worker lost for good, OUT not visible on a node, no space
             raise
         if isinstance(exc, BrokenProcessPool):
             raise EnvironmentProblem(
-                "a worker process died (killed, or out of memory); the run stopped", path=str(out),
+                "a worker process died (killed, or out of memory); the run stopped",
+                path=", ".join(str(o.out) for o in outs),
                 fix=("rerun with --resume" if resume else "rerun") + ", with fewer --jobs or a smaller --max-memory "
                 "if memory ran out") from None
-        raise write_failure(exc, out, resumable=resume) from None
-    return RunResult(out, manifest, len(todo), resumed, time.monotonic() - t0, sum(u.in_bytes for u in todo))
+        raise write_failure(exc, _failed_output(outs, exc), resumable=resume) from None
+    seconds = time.monotonic() - t0
+    results = []
+    for k, (o, m) in enumerate(zip(outs, manifests)):
+        mine = [u for j, u in todo if j == k]
+        results.append(RunResult(o.out, m, len(mine), len(o.done), seconds, sum(u.in_bytes for u in mine)))
+    return results
+
+
+def _failed_output(outs: list[_Output], exc: OSError) -> Path:
+    """The output a write error belongs to (the one whose directory holds the file it names; else the first)."""
+    name = os.path.abspath(exc.filename) if isinstance(exc.filename, str) else ""
+    for o in outs:
+        if name.startswith(os.path.abspath(o.partial) + os.sep) or name == os.path.abspath(o.partial):
+            return o.out
+    return outs[0].out
+
+
+def _read_set(ck, t: PlanTensor, u: Unit, cap: int) -> tuple[frozenset, tuple]:
+    """The source tensors of at most ``cap`` bytes that unit ``u`` of ``t`` reads whole or in part (what several
+    outputs' units can share), and where its first one lies (file, offset: the order the groups run in)."""
+    segs = [s for s, _, _ in segments_read(t, u.r0, u.r1)]
+    names, first = set(), (len(ck.files), 0)
+    files = {Path(f): i for i, f in enumerate(ck.files)}
+    for s in segs:
+        if s.source not in ck:
+            continue
+        info = ck[s.source]
+        first = min(first, (files.get(Path(info.file), len(files)), info.offset))
+        if s.source not in ck.packed and 0 < info.nbytes <= cap:
+            names.add(s.source)
+    return frozenset(names), first
+
+
+def group_units(outs: list, todo: list[tuple[int, Unit]], cap: int) -> list[Group]:
+    """The units to run (``(output index, unit)``) as :class:`Group` s: one output's units one by one, in plan
+    order; several outputs' units joined where they read a common source tensor (of at most ``cap`` bytes), each
+    group's shared tensors together at most ``cap`` bytes (a group that would hold more runs unit by unit), in the
+    order of the source files."""
+
+    def task(k: int, u: Unit) -> tuple[int, Task]:
+        o = outs[k]
+        t: PlanTensor = o.plan.tensors[u.tensor]
+        return k, Task(u.id, o.plan.source, o.paths[t.file], t, u.r0, u.r1)
+
+    if len(outs) == 1 or cap <= 0:
+        return [Group((task(k, u),)) for k, u in todo]
+    ck = open_checkpoint(outs[0].plan.source)
+    reads = [_read_set(ck, outs[k].plan.tensors[u.tensor], u, cap) for k, u in todo]
+    parent = list(range(len(todo)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    owner: dict[str, int] = {}
+    for i, (names, _) in enumerate(reads):
+        for n in names:
+            if n in owner:
+                parent[root(i)] = root(owner[n])
+            else:
+                owner[n] = i
+    members: dict[int, list[int]] = {}
+    for i in range(len(todo)):
+        members.setdefault(root(i), []).append(i)
+    groups = []
+    for ids in members.values():
+        names = frozenset().union(*(reads[i][0] for i in ids))
+        first = min(reads[i][1] for i in ids)
+        if len(ids) > 1 and sum(ck[n].nbytes for n in names) <= cap:
+            groups.append((first, Group(tuple(task(*todo[i]) for i in ids), names)))
+        else:
+            groups.extend((reads[i][1], Group((task(*todo[i]),))) for i in ids)
+    groups.sort(key=lambda g: g[0])
+    return [g for _, g in groups]
 
 
 def _check_space(plan: Plan, out: Path) -> None:
@@ -316,30 +450,34 @@ def _check_space(plan: Plan, out: Path) -> None:
                                  fix="free space on that disk, or choose an OUT on another disk")
 
 
-def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _State, progress, done_bytes, total,
+def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, done_bytes, total,
                executor: str = "local", max_memory: int = 0):
-    paths = [str(partial / f.name) for f in plan.files]
-    src, run = plan.source, ""
+    """Run the groups (``jobs`` at a time), journaling each unit in its output's journal once its bytes are on
+    disk; on any failure what is done stays journaled, for ``--resume``."""
+    paths = [p for o in outs for p in o.paths]
     if executor == "ray":  # workers elsewhere: absolute paths (the same on every node), and a run id for their caches
-        paths, src, run = [os.path.abspath(p) for p in paths], os.path.abspath(plan.source), os.urandom(8).hex()
-
-    def task(u: Unit) -> Task:
-        t: PlanTensor = plan.tensors[u.tensor]
-        return Task(u.id, src, paths[t.file], t, u.r0, u.r1, run)
-
-    by_id = {u.id: u for u in todo}
-    pending_journal: list[tuple[int, str]] = []
+        run = os.urandom(8).hex()
+        groups = [Group(tuple((k, dataclasses.replace(t, src=os.path.abspath(t.src),
+                                                      out_path=os.path.abspath(t.out_path), run=run))
+                              for k, t in g.tasks), g.shared) for g in groups]
+    unit_bytes = {(k, u.id): u.in_bytes for k, o in enumerate(outs) for u in o.units}
+    pending: list[list[tuple[int, str]]] = [[] for _ in outs]
     last_sync = time.monotonic()
 
-    def finished(result: tuple[int, str], force_sync: bool = False):
+    def record() -> None:
+        _sync(paths)
+        for o, p in zip(outs, pending):
+            o.state.record(p)
+            p.clear()
+
+    def finished(results: list[tuple[int, int, str]]):
         nonlocal done_bytes, last_sync
-        pending_journal.append(result)
-        done_bytes += by_id[result[0]].in_bytes
+        for k, uid, digest in results:
+            pending[k].append((uid, digest))
+            done_bytes += unit_bytes[(k, uid)]
         now = time.monotonic()
-        if force_sync or now - last_sync >= SYNC_EVERY_S:
-            _sync(paths)
-            state.record(pending_journal)
-            pending_journal.clear()
+        if now - last_sync >= SYNC_EVERY_S:
+            record()
             last_sync = now
         if progress:
             progress(done_bytes, total)
@@ -348,23 +486,23 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
         from ktconvert import cluster
 
         try:
-            cluster.run_tasks(cluster.connect(), run_task_synced, (task(u) for u in todo), limit=jobs,
-                              on_done=finished, memory=ray_task_memory(max_memory, jobs), name="ktconvert-unit")
+            cluster.run_tasks(cluster.connect(), run_group_synced, groups, limit=jobs, on_done=finished,
+                              memory=ray_task_memory(max_memory, jobs), name="ktconvert-unit")
         except BaseException:  # as below: every unit reported done is journaled; the others run again on --resume
-            state.record(pending_journal)
+            for o, p in zip(outs, pending):
+                o.state.record(p)
             raise
-    elif jobs <= 1 or len(todo) <= 1:
+    elif jobs <= 1 or len(groups) <= 1:
         try:
-            for u in todo:
-                finished(run_task(task(u)))
+            for g in groups:
+                finished(run_group(g))
         except BaseException:  # Ctrl-C, a full disk: what is done stays done for --resume
-            _sync(paths)
-            state.record(pending_journal)
+            record()
             raise
     else:
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-        queue = deque(todo)
+        queue = deque(groups)
         ctx = worker_context()
         with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init,
                                  initargs=(os.getpid(),)) as pool:
@@ -372,8 +510,7 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
             try:
                 while queue or inflight:
                     while queue and len(inflight) < 2 * jobs:
-                        u = queue.popleft()
-                        inflight[pool.submit(run_task, task(u))] = u.id
+                        inflight[pool.submit(run_group, queue.popleft())] = True
                     ready, _ = wait(inflight, return_when=FIRST_COMPLETED)
                     for f in ready:
                         inflight.pop(f)
@@ -382,11 +519,9 @@ def _run_units(plan: Plan, partial: Path, todo: list[Unit], jobs: int, state: _S
                 for f in inflight:
                     f.cancel()
                 pool.shutdown(wait=True, cancel_futures=True)
-                _sync(paths)
-                state.record(pending_journal)
+                record()
                 raise
-    _sync(paths)
-    state.record(pending_journal)
+    record()
 
 
 def _sync(paths: list[str]) -> None:
@@ -398,7 +533,8 @@ def _sync(paths: list[str]) -> None:
             os.close(fd)
 
 
-def _finish(plan: Plan, partial: Path, out: Path, force: bool, fingerprint: str) -> dict:
+def _finish(plan: Plan, partial: Path, fingerprint: str) -> dict:
+    """Check the files' sizes, hash them and write manifest.json; the bookkeeping goes. Returns the manifest."""
     files = {}
     for f in plan.files:
         p = partial / f.name
@@ -412,15 +548,16 @@ def _finish(plan: Plan, partial: Path, out: Path, force: bool, fingerprint: str)
     write_durable(partial / "manifest.json", (json.dumps(manifest, indent=1) + "\n").encode())
     shutil.rmtree(partial / STATE_DIR)
     fsync_dir(partial)
-    return _publish(partial, out, force, manifest)
+    return manifest
 
 
 def _read_manifest(partial: Path) -> dict:
     return json.loads((partial / "manifest.json").read_text())
 
 
-def _finished(partial: Path, fingerprint: str) -> bool:
-    """A partial directory whose run completed (manifest written, bookkeeping removed) but was not yet renamed."""
+def finished_output(partial: Path, fingerprint: str) -> bool:
+    """A directory a run of this plan completed (manifest written, bookkeeping removed, every file as it records):
+    a partial directory not yet renamed, or an output already renamed."""
     if (partial / STATE_DIR).exists() or not (partial / "manifest.json").is_file():
         return False
     try:
@@ -445,13 +582,13 @@ def build_manifest(plan: Plan, files: dict, fingerprint: str) -> dict:
     extra = {"kt_amx": {"method": lead[0], "threadpool_count": lead[2]}} if lead else {}
     return {
         "kind": "ktconvert-manifest",
-        "tool": {"name": "ktconvert", "version": __version__, "command": "quantize"},
+        "tool": {"name": "ktconvert", "version": __version__, **git_commit(), "command": "quantize"},
         "format": plan.format,
         "layout": "kt-amx" if lead else ("hf" if plan.format == "hf" else "kernel"),
         **extra,
         "source": {"path": plan.source, "container": plan.container, "arch": plan.arch,
                    "model_type": plan.model_type, "files": plan.sources},
-        "recipe": plan.recipe.to_dict(),
+        "recipe": {**plan.recipe.to_dict(), **({"sha256": digest} if (digest := recipe_sha256(plan.recipe)) else {})},
         **({"lora": plan.lora} if plan.lora else {}),
         **({"imatrix": plan.imatrix} if plan.imatrix else {}),
         "plan": {"fingerprint": fingerprint, "tensors": s["tensors"], "input_bytes": s["input_bytes"],
@@ -473,5 +610,5 @@ def describe(result: RunResult) -> str:
             f"{rate:.0f} MB/s read{resumed}")
 
 
-__all__ = ["RunResult", "Unit", "input_roots", "describe", "execute", "make_units", "partial_dir", "ray_task_memory",
+__all__ = ["RunResult", "Unit", "input_roots", "describe", "execute", "execute_all", "finished_output", "group_units", "make_units", "partial_dir", "ray_task_memory",
            "sha256_file"]

@@ -8,6 +8,7 @@ when the unit ends, so resident memory does not grow with the checkpoint.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import multiprocessing.context
 import os
@@ -131,9 +132,14 @@ def worker_init(parent: int | None = None) -> None:
 def run_task(task: Task) -> tuple[int, str]:
     """Convert and write one unit; returns the unit id and :func:`source_digest` of the input it read (what
     ``--resume`` checks the source against). Raises :class:`InputError` for bad data (NaN/Inf)."""
+    uid = _convert(task)
+    return uid, source_digest(_checkpoint(task.src), task.tensor, task.r0, task.r1)
+
+
+def _convert(task: Task) -> int:
+    """:func:`_run`, an input error without a file named after the unit's input and tensor."""
     try:
-        uid = _run(task)
-        return uid, source_digest(_checkpoint(task.src), task.tensor, task.r0, task.r1)
+        return _run(task)
     except InputError as exc:
         if exc.path is None:
             raise InputError(exc.message, path=task.src, where=exc.where or f"tensor {task.tensor.name}",
@@ -145,6 +151,71 @@ def run_task_synced(task: Task) -> tuple[int, str]:
     """:func:`run_task` for a worker that outlives the run and may sit on another host (a Ray task): the unit's
     bytes are fsynced here before it reports done (the journal must not list bytes still in this host's cache), and
     the open files and checkpoints of an earlier run are dropped first (a --force rerun makes new files)."""
+    _check_visible(task)
+    result = run_task(task)
+    os.fsync(_fd(task.out_path))
+    return result
+
+
+def _shared_reads(ck, names: frozenset):
+    """A copy of the checkpoint ``ck`` whose ``read`` of the tensors ``names`` copies each one into memory once,
+    for every unit of a :func:`run_group`: several outputs' units reading the same source tensor read its bytes
+    from the file once. Every other tensor is mapped as ``ck`` maps it."""
+    shared, held = copy.copy(ck), {}
+
+    def read(name: str) -> np.ndarray:
+        if name not in names:
+            return ck.read(name)
+        a = held.get(name)
+        if a is None:
+            a = held[name] = np.array(ck.read(name))
+            a.flags.writeable = False
+        return a
+
+    shared.read = read
+    return shared
+
+
+@dataclass(frozen=True)
+class Group:
+    """Units run one after the other in one process: ``tasks`` are ``(output index, Task)`` of one or several
+    outputs; ``shared`` names the source tensors they have in common, read once for all of them."""
+
+    tasks: tuple
+    shared: frozenset = frozenset()
+
+
+def run_group(group: Group) -> list[tuple[int, int, str]]:
+    """:func:`run_task` for every unit of ``group`` (the source tensors it shares read once); returns ``(output
+    index, unit id, input digest)`` per unit. Units reading the same input bytes share one digest."""
+    out, digests = [], {}
+    plain = {t.src: _checkpoint(t.src) for _, t in group.tasks} if group.shared else {}
+    for src, ck in plain.items():
+        _CHECKPOINTS[src] = _shared_reads(ck, group.shared)
+    try:
+        for k, task in group.tasks:
+            uid = _convert(task)
+            key = tuple(source_ranges(_checkpoint(task.src), task.tensor, task.r0, task.r1))
+            if key not in digests:
+                digests[key] = source_digest(_checkpoint(task.src), task.tensor, task.r0, task.r1)
+            out.append((k, uid, digests[key]))
+    finally:
+        _CHECKPOINTS.update(plain)
+    return out
+
+
+def run_group_synced(group: Group) -> list[tuple[int, int, str]]:
+    """:func:`run_group` for a Ray task: as :func:`run_task_synced`, every unit's bytes fsynced before it reports."""
+    for _, task in group.tasks:
+        _check_visible(task)
+    result = run_group(group)
+    for path in {task.out_path for _, task in group.tasks}:
+        os.fsync(_fd(path))
+    return result
+
+
+def _check_visible(task: Task) -> None:
+    """On a long-lived (Ray) worker: drop an earlier run's open files, and refuse a path this node cannot see."""
     if task.run != _RUN[0]:
         close_all()
         _RUN[0] = task.run
@@ -154,9 +225,6 @@ def run_task_synced(task: Task) -> tuple[int, str]:
 
             raise EnvironmentProblem(f"{what} is not visible on Ray node {socket.gethostname()}", path=path,
                                      fix="--executor ray needs SRC and OUT on a filesystem every node mounts at the same path")
-    result = run_task(task)
-    os.fsync(_fd(task.out_path))
-    return result
 
 
 def _run(task: Task) -> int:
@@ -220,9 +288,7 @@ def source_ranges(ck, t: PlanTensor, r0: int, r1: int) -> list[tuple[str, int, i
 
     if t.const is not None:
         return out
-    segs = [(s, 0, s.rows) for s in t.segments] if t.kt_pack is not None else \
-        [(s, i, n) for s, i, n, _ in _overlaps(t, r0, r1)]
-    for s, i, n in segs:
+    for s, i, n in segments_read(t, r0, r1):
         info = ck[s.source]
         if s.op == "rows" and not s.scale:
             rb = _row_bytes(info)
@@ -244,6 +310,14 @@ def source_ranges(ck, t: PlanTensor, r0: int, r1: int) -> list[tuple[str, int, i
                 if c != s.scale:
                     whole(c)
     return out
+
+
+def segments_read(t: PlanTensor, r0: int, r1: int) -> list[tuple[Segment, int, int]]:
+    """``(segment, first row inside it, rows)`` that rows ``r0..r1`` of ``t`` are made from (a kt-amx group: every
+    segment whole)."""
+    if t.kt_pack is not None:
+        return [(s, 0, s.rows) for s in t.segments]
+    return [(s, i, n) for s, i, n, _ in _overlaps(t, r0, r1)]
 
 
 def _row_bytes(info) -> int:

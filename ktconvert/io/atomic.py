@@ -377,16 +377,22 @@ def atomic_dir(out: Path, *, force: bool = False) -> Iterator[Path]:
         raise
 
 
-def write_dirs(outputs: list[tuple[Path, dict[str, bytes]]], *, force: bool = False) -> None:
-    """Write directories of in-memory files (``[(OUT, {name: bytes})]``), every OUT claimed (:func:`claim_output`)
-    and none inside another before anything is written, each built aside and renamed when all are complete."""
-    outs = [Path(o) for o, _ in outputs]
+def check_separate(outs: list[Path], where: str | None = None) -> None:
+    """Refuse outputs of one run that are the same directory or lie one inside another (``where``: the option
+    that named them)."""
     for a in outs:
         for b in outs:
             if a is not b and (a.resolve() == b.resolve() or a.resolve() in b.resolve().parents):
                 raise UsageProblem(f"this output is {'the same as' if a.resolve() == b.resolve() else 'inside'} "
-                                   f"{a}, another output of the same run", path=str(b),
+                                   f"{a}, another output of the same run", path=str(b), where=where,
                                    fix="write the outputs into separate directories side by side")
+
+
+def write_dirs(outputs: list[tuple[Path, dict[str, bytes]]], *, force: bool = False) -> None:
+    """Write directories of in-memory files (``[(OUT, {name: bytes})]``), every OUT claimed (:func:`claim_output`)
+    and none inside another before anything is written, each built aside and renamed when all are complete."""
+    outs = [Path(o) for o, _ in outputs]
+    check_separate(outs)
     with ExitStack() as stack:
         for o in outs:
             stack.enter_context(claim_output(o, force=force))

@@ -1,0 +1,218 @@
+"""``quantize SRC --output TYPE=DIR ...``: several outputs from one read of the source. Each output is byte for byte
+its own single run (a GGUF preset, a kt-amx directory and a second GGUF type together, with -j 1 and -j 2), an
+interrupted run resumes every output, a malformed --output is one line with exit 2 and nothing written, and every
+manifest records where it came from (source headers' sha256, the recipe file's sha256, ktconvert's git commit)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from convert_helpers import tree_bytes
+from ktconvert.cli import cli
+
+# (--output TYPE, the single run that writes the same directory)
+OUTPUTS = [("Q4_K_M", ["--recipe", "Q4_K_M"]), ("AMXINT4", ["--to", "kt-amx", "--type", "AMXINT4"]),
+           ("Q8_0", ["--recipe", "Q8_0"])]
+
+
+def _run(*args):
+    return CliRunner().invoke(cli, ["quantize", *map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory):
+    """The tiny qwen3_moe and each output written by its own run."""
+    from ktconvert.model.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("outputs")
+    src = root / "qwen3_moe"
+    write_tiny_model("qwen3_moe", src)
+    refs = {}
+    for spec, args in OUTPUTS:
+        res = _run(src, root / spec, *args)
+        assert res.exit_code == 0, res.output
+        refs[spec] = tree_bytes(root / spec)
+    return src, refs
+
+
+def _outputs(tmp_path: Path) -> list[str]:
+    return [a for spec, _ in OUTPUTS for a in ("--output", f"{spec}={tmp_path / spec}")]
+
+
+@pytest.mark.parametrize("jobs", ["1", "2"])
+def test_each_output_is_its_single_run(single, tmp_path, jobs):
+    src, refs = single
+    res = _run(src, *_outputs(tmp_path), "-j", jobs, "--max-memory", "64MiB")
+    assert res.exit_code == 0, res.output
+    for spec, _ in OUTPUTS:
+        assert tree_bytes(tmp_path / spec) == refs[spec], spec  # the model files and manifest.json alike
+    assert res.stdout.count("wrote ") == 3
+
+
+def test_the_outputs_share_their_reads(single, tmp_path):
+    """The expert units of the three outputs are grouped by the source tensor they read, which each group reads
+    once; no group holds more than its share of the budget."""
+    from ktconvert.convert import parse_output, plan_outputs
+    from ktconvert.convert.execute import _Output, group_units, make_units
+
+    src, _ = single
+    plans = plan_outputs(src, [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS])
+    outs = [_Output(p, tmp_path / spec) for p, (spec, _) in zip(plans, OUTPUTS)]
+    todo = [(k, u) for k, o in enumerate(outs) for u in make_units(o.plan, 2**26, 1, shared=True)]
+    groups = group_units(outs, todo, 2**24)
+    assert sorted((k, t.unit) for g in groups for k, t in g.tasks) == sorted((k, u.id) for k, u in todo)
+    experts = [g for g in groups if any(".experts." in n for n in g.shared)]
+    assert experts and all({k for k, _ in g.tasks} == {0, 1, 2} for g in experts)
+    ck = __import__("ktconvert.formats", fromlist=["open_checkpoint"]).open_checkpoint(src)
+    assert all(sum(ck[n].nbytes for n in g.shared) <= 2**24 for g in groups)
+
+
+def test_an_interrupted_run_resumes_every_output(single, tmp_path):
+    from ktconvert.convert import convert_outputs, parse_output, partial_dir
+
+    src, refs = single
+    specs = [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS]
+    calls = []
+
+    def stop(done, total):
+        calls.append(done)
+        if len(calls) == 40:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        convert_outputs(src, specs, max_memory="1MiB", progress=stop)
+    for s in specs:
+        assert not s.out.exists() and (partial_dir(s.out) / ".ktconvert" / "journal").is_file()
+    journaled = sum(len((partial_dir(s.out) / ".ktconvert" / "journal").read_text().splitlines()) for s in specs)
+    assert journaled >= 39
+    res = _run(src, *_outputs(tmp_path), "--max-memory", "1MiB", "--resume", "-o", "json")
+    assert res.exit_code == 0, res.output
+    report = json.loads(res.stdout)
+    assert sum(r["units_resumed"] for r in report) == journaled
+    for spec, _ in OUTPUTS:
+        assert tree_bytes(tmp_path / spec) == refs[spec], spec
+        assert not partial_dir(tmp_path / spec).exists()
+
+
+def test_resume_keeps_an_output_the_stopped_run_completed(single, tmp_path):
+    """A run stopped between its renames: --resume keeps the renamed output (its manifest and files checked) and
+    writes the missing one; without --resume the existing output is refused as ever."""
+    import shutil
+
+    src, refs = single
+    outs = ["--output", f"Q4_K_M={tmp_path / 'Q4_K_M'}", "--output", f"AMXINT4={tmp_path / 'AMXINT4'}"]
+    assert _run(src, *outs).exit_code == 0
+    shutil.rmtree(tmp_path / "AMXINT4")
+    before = (tmp_path / "Q4_K_M" / "model.gguf").stat().st_mtime_ns
+    res = _run(src, *outs)
+    assert res.exit_code == 2 and "output already exists" in res.stderr and not (tmp_path / "AMXINT4").exists()
+    res = _run(src, *outs, "--resume", "-o", "json")
+    assert res.exit_code == 0, res.output
+    assert [r["units"] for r in json.loads(res.stdout)] == [0, 48]
+    assert (tmp_path / "Q4_K_M" / "model.gguf").stat().st_mtime_ns == before
+    for spec in ("Q4_K_M", "AMXINT4"):
+        assert tree_bytes(tmp_path / spec) == refs[spec]
+
+
+@pytest.mark.parametrize("args,says", [
+    (["--output", "Q4_K_M"], "'Q4_K_M' is not TYPE=DIR"),
+    (["--output", "Q4_K_Z={o}/a"], "Q4_K_Z is not a preset recipe, a ggml type, AMXINT8/AMXINT4"),
+    (["--output", "Q4_K_M={o}/a", "--output", "Q8_0={o}/a"], "the same as"),
+    (["--output", "Q4_K_M={o}/a", "--output", "Q8_0={o}/a/b"], "inside"),
+    (["--output", "Q4_K_M={o}/a", "--type", "Q8_0"], "--type Q8_0 with --output"),
+    (["{o}/x", "--output", "Q4_K_M={o}/a"], "OUT {o}/x with --output"),
+    (["--output", "nope.yaml={o}/a"], "the recipe file nope.yaml does not exist"),
+])
+def test_a_malformed_output_is_one_line(single, tmp_path, args, says):
+    src, _ = single
+    args = [a.format(o=tmp_path) for a in args]
+    res = _run(src, *args)
+    assert res.exit_code == 2, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and "--output" in line and says.format(o=tmp_path) in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_manifest_records_where_it_came_from(single, tmp_path):
+    from ktconvert.convert.provenance import ROOT, git_commit
+    from ktconvert.io import resources
+
+    src, _ = single
+    res = _run(src, "--output", f"Q4_K_M={tmp_path / 'q'}", "--output", f"AMXINT8={tmp_path / 'a'}")
+    assert res.exit_code == 0, res.output
+    data = (src / "model.safetensors").read_bytes()
+    header = data[: 8 + struct.unpack("<Q", data[:8])[0]]
+    preset = (resources.rules_dir() / "convert" / "Q4_K_M.yaml").read_bytes()
+    for out in ("q", "a"):
+        m = json.loads((tmp_path / out / "manifest.json").read_text())
+        assert [f["header_sha256"] for f in m["source"]["files"]] == [hashlib.sha256(header).hexdigest()]
+        assert m["tool"]["version"]
+        if (ROOT / ".git").exists():
+            head = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "HEAD"], capture_output=True, text=True)
+            assert m["tool"]["commit"] == head.stdout.strip() == git_commit()["commit"]
+        else:
+            assert "commit" not in m["tool"]
+    m = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    assert m["recipe"]["name"] == "Q4_K_M" and m["recipe"]["sha256"] == hashlib.sha256(preset).hexdigest()
+
+
+def test_no_commit_outside_a_git_checkout(tmp_path):
+    from ktconvert.convert.provenance import git_commit
+
+    assert git_commit(tmp_path) == {}
+    (tmp_path / ".git").mkdir()  # a .git that is no repository: git fails, nothing is recorded
+    assert git_commit(tmp_path) == {}
+
+
+def test_a_group_reads_each_shared_tensor_once(single, tmp_path, monkeypatch):
+    """run_group over the three outputs' units of one expert projection: the checkpoint's read of that tensor
+    happens once for all of them; tensors not shared are read as before; the checkpoint is unwrapped after."""
+    from ktconvert.convert import parse_output, plan_outputs
+    from ktconvert.convert import worker
+    from ktconvert.convert.execute import _Output, group_units, make_units
+    from ktconvert.formats.checkpoint import Checkpoint
+
+    src, _ = single
+    plans = plan_outputs(src, [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS])
+    outs = [_Output(p, tmp_path / spec) for p, (spec, _) in zip(plans, OUTPUTS)]
+    for o in outs:  # the output files the units write into, laid out as execute_all lays them out
+        o.partial.mkdir()
+        for f in o.plan.files:
+            with open(o.partial / f.name, "wb") as fh:
+                fh.truncate(f.size)
+    todo = [(k, u) for k, o in enumerate(outs) for u in make_units(o.plan, 2**26, 1, shared=True)]
+    group = next(g for g in group_units(outs, todo, 2**24) if any(".experts.0.up_proj" in n for n in g.shared))
+    reads = []
+    real = Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read", lambda self, name: reads.append(name) or real(self, name))
+    try:
+        done = worker.run_group(group)
+        after = worker._CHECKPOINTS[str(src)]
+    finally:
+        worker.close_all()
+    assert sorted(k for k, _, _ in done) == [0, 1, 2]
+    assert len(group.shared) == 1 and reads.count(next(iter(group.shared))) == 1  # three units, one read
+    assert "read" not in vars(after)  # the plain checkpoint again, for the next group
+
+
+def test_a_recipe_file_names_an_output(single, tmp_path):
+    """--output FILE.yaml=DIR: the recipe file's conversion (here a copy of the Q8_0 preset: the same model bytes),
+    its manifest naming the file and its sha256."""
+    from ktconvert.io import resources
+
+    src, refs = single
+    recipe = tmp_path / "my-q8.yaml"
+    recipe.write_bytes((resources.rules_dir() / "convert" / "Q8_0.yaml").read_bytes())
+    res = _run(src, "--output", f"{recipe}={tmp_path / 'q'}", "--output", f"amxint8={tmp_path / 'a'}")
+    assert res.exit_code == 0, res.output
+    assert (tmp_path / "q" / "model.gguf").read_bytes() == refs["Q8_0"]["model.gguf"]
+    m = json.loads((tmp_path / "q" / "manifest.json").read_text())
+    assert m["recipe"]["source"] == str(recipe) and m["recipe"]["sha256"] == hashlib.sha256(recipe.read_bytes()).hexdigest()
+    assert json.loads((tmp_path / "a" / "manifest.json").read_text())["kt_amx"]["method"] == "AMXINT8"
