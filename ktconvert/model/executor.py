@@ -310,6 +310,27 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+class Pending:
+    """A stored tensor a source has not decoded yet: its reference ``shape`` (what the strict check reads), the bytes
+    its decoding holds while it is copied into its slot (``cost``), and ``load()``, which decodes it. A source whose
+    state is pending decodes one tensor at a time, so a part holds its float32 weights plus one tensor's decoding,
+    never every stored copy at once (a DeepSeek-V3 FP8 release's dense layer decoded whole beside its float32 slots
+    was 4.35 GiB of a 4 GiB budget)."""
+
+    __slots__ = ("shape", "cost", "_load")
+
+    def __init__(self, shape: tuple, cost: int, load):
+        self.shape, self.cost, self._load = tuple(shape), int(cost), load
+
+    def load(self) -> torch.Tensor:
+        return self._load()
+
+
+def resolve(value):
+    """A state value as a tensor (a :class:`Pending` one decoded)."""
+    return value.load() if isinstance(value, Pending) else value
+
+
 @dataclass
 class StreamStats:
     """What a streaming provider did: bytes read from disk (stored), bytes of float32 weights resident now and at
@@ -505,24 +526,30 @@ class StreamedWeights:
         for slot in slots:
             groups.setdefault(id(slot[4]), []).append(slot)
         check_state(_expected(slots), state, self.path, self.cfg.family)
-        held, weights = [], 0
+        held, weights, st = [], 0, self.stats
+        st.peak = max(st.peak, st.resident + stored)
         with torch.no_grad():
             for group in groups.values():
                 name = next((s[3] for s in group if s[3] is not None), None)
                 if name is None:
                     continue  # a non-persistent buffer computed from the config (rotary tables): already real
                 old = group[0][4]
-                new = torch.empty(old.shape, dtype=old.dtype).copy_(state[name])  # as load_weights copies
+                value = state[name]
+                pending = isinstance(value, Pending)
+                src = value.load() if pending else value
+                new = torch.empty(old.shape, dtype=old.dtype).copy_(src)  # as load_weights copies
+                del src  # a pending tensor's decoding goes before the next one is decoded
                 if name in self.lora:  # verify --lora's reference: the delta added as to the resident model
                     from ktconvert.formats.lora_delta import lora_delta
 
                     new.add_(torch.from_numpy(lora_delta(self.lora[name])).to(new.dtype))
                 weights += _bytes(new)
+                # while a pending tensor is copied in: what is in so far, this tensor and its decoding (eager
+                # sources' stored copies are all held until the part is in)
+                st.peak = max(st.peak, st.resident + weights + stored + (value.cost if pending else 0))
                 for mod, table, attr, _, _ in group:
                     table[attr] = nn.Parameter(new, requires_grad=False) if table is mod._parameters else new
                 held.append(group)
-        st = self.stats
-        st.peak = max(st.peak, st.resident + weights + stored)
         st.resident += weights
         return held, weights
 
@@ -599,11 +626,20 @@ class CheckpointWeights(StreamedWeights):
     def _bytes_of(self, names) -> int:
         return sum(self.ck[n].nbytes for n in names)
 
+    def _cost(self, name: str) -> int:
+        """Bytes held while stored tensor ``name`` is decoded: the stored bytes read, and a quantized weight's float32
+        decoding (4 bytes an element, whatever its stored width: an FP8 weight decodes to 4x its size)."""
+        w = self.qmap.weights.get(name)
+        return self.ck[name].nbytes + (4 * int(np.prod(w.shape)) if w is not None else 0)
+
     def stored_bytes(self, kind: str, layer: int | None, expert: bool = False, weights: int = 0) -> int:
+        """A part's (or one expert's) tensors are decoded one at a time (:class:`Pending`): the largest one's
+        decoding; a fused layer's expert slabs are decoded together (a gate_up and a down make an expert): all of them."""
         if not expert:
-            return self._bytes_of(self.groups.get(("layer", layer) if kind == "layer" else (kind,), []))
-        split = max((self._bytes_of(v) for k, v in self.groups.items() if k[0] == "expert" and k[1] == layer), default=0)
-        return max(split, self._bytes_of(self.fused.get(layer, [])) // self.cfg.num_experts)
+            return max(map(self._cost, self.groups.get(("layer", layer) if kind == "layer" else (kind,), [])), default=0)
+        split = max((self._cost(n) for k, v in self.groups.items() if k[0] == "expert" and k[1] == layer for n in v),
+                    default=0)
+        return max(split, sum(map(self._cost, self.fused.get(layer, []))) // self.cfg.num_experts)
 
     def part_state(self, kind, layer, expected):
         names = self.groups.get(("layer", layer) if kind == "layer" else (kind,), [])
@@ -648,6 +684,16 @@ class CheckpointWeights(StreamedWeights):
     def _state(self, names: list[str], expert: int | None) -> tuple[dict, int]:
         from ktconvert.model.weights import stored_tensor, to_reference_state
 
+        if expert is None:  # each tensor decoded when its slot is filled (renaming needs no data: meta tensors)
+            state = {}
+            for n in names:
+                w = self.qmap.weights.get(n)
+                meta = torch.empty(w.shape if w is not None else self.ck[n].shape, device="meta")
+                for key, t in to_reference_state(self.cfg, {n: meta}).items():
+                    state[key] = Pending(t.shape, self._cost(n), lambda n=n, key=key: to_reference_state(
+                        self.cfg, {n: stored_tensor(self.ck, self.qmap, n)})[key])
+            self.stats.bytes_read += self._bytes_of(names)
+            return state, 0
         tensors = {n: stored_tensor(self.ck, self.qmap, n, expert=expert) for n in names}
         stored = sum(_bytes(t) for t in tensors.values())
         self.stats.bytes_read += sum(self._bytes_of([n]) // (1 if expert is None else self.cfg.num_experts)
