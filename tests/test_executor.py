@@ -236,6 +236,22 @@ def test_a_budget_smaller_than_the_model_holds(tmp_path):
     assert f"{where}" in exc.value.message and "below" in exc.value.message
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_prefill_and_decode_in_one_pass_are_the_separate_runs(tmp_path, family):
+    """run_many (golden --engine stream: prefill and its decode self-check over one read of the checkpoint) gives
+    what two separate runs give, bit for bit, and reads less than they do together."""
+    d = tmp_path / "m"
+    write_tiny_model(family, d)
+    pre, dec, alone = _streamed(d)
+    cfg = load_config(d)
+    weights = CheckpointWeights(d, cfg, budget=alone.stats.peak)
+    with torch.no_grad():
+        got = LayerMajor(build_skeleton(cfg), weights).run_many(PROMPT, [None, 1])
+    _assert_identical(pre, (got[0].logits, list(got[0].hidden_states), got[0].final_hidden), "prefill")
+    _assert_identical(dec, (got[1].logits, list(got[1].hidden_states), got[1].final_hidden), "decode")
+    assert weights.stats.bytes_read < alone.stats.bytes_read and weights.stats.resident == 0
+
+
 def test_an_fp8_release_decodes_within_the_budget(tmp_path):
     """An FP8 block release (DeepSeek-V3, MLA) decodes each weight to float32, 4x its stored bytes: the minimum counts
     that decoding beside the part's float32 weights, and a run at exactly that minimum stays inside it, bit-identical
