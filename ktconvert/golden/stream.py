@@ -104,6 +104,7 @@ def compute_stream_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *
     began = time.perf_counter()
     cfg = load_config(model_dir)
     weights = CheckpointWeights(model_dir, cfg, budget=max_memory)
+    weights.reuse = True  # the run's only provider: a dropped part's memory goes to the next part, within the budget
     skeleton = build_skeleton(cfg)
     weights.check_budget(skeleton)
     run = LayerMajor(skeleton, weights)

@@ -400,6 +400,9 @@ class StreamedWeights:
         self.stats = StreamStats()
         self._kept: dict[int, tuple] = {}
         self.lora: dict[str, tuple] = {}  # reference name -> LoRA tuple: W + alpha/r * B @ A, added in float32
+        #: keep dropped weights' memory for the next parts within the budget (:meth:`_take`); the one provider of a
+        #: run turns it on (``golden --engine stream``): verify's two providers each hold the whole budget today
+        self.reuse = False
         self._free: list[torch.Tensor] = []  # dropped weights' tensors kept for the next part's slots, oldest first
         self._pooled = 0  # their bytes
         _return_freed_memory()
@@ -616,9 +619,9 @@ class StreamedWeights:
     # A tensor of a new part in memory just freed by the last one: freshly mapped pages fault in one by one as they
     # are first written (glibc maps every tensor of 128 KiB or more on its own, _return_freed_memory), which made
     # the widening copy of a BF16 weight 10-30x slower than a copy into pages already in memory (docs/measurements.md).
-    # Within a budget, dropped tensors are kept and handed to the next slot of the same shape and dtype (layers and
-    # experts repeat their shapes); what is kept counts in the peak, and is freed, oldest first, before anything
-    # new would pass the budget. Every slot is overwritten whole before it is read, so the numbers are the same.
+    # With `reuse` on and a budget, dropped tensors are kept and handed to the next slot of the same shape and
+    # dtype (layers and experts repeat their shapes); what is kept counts in the peak, and is freed, oldest first,
+    # before anything new would pass the budget. Every slot is overwritten whole before it is read, so the numbers are the same.
 
     def _take(self, shape, dtype: torch.dtype, busy: int) -> torch.Tensor:
         """An uninitialised tensor for a slot: a kept one of that shape and dtype, else a new one. ``busy``: the
@@ -641,9 +644,10 @@ class StreamedWeights:
 
     def _recycle(self, t: torch.Tensor) -> None:
         """Keep a dropped tensor for reuse when nothing else holds its memory (a view or a reference kept by a
-        hook would see it overwritten: such a tensor is left to be freed as before) and there is a budget."""
+        hook would see it overwritten: such a tensor is left to be freed as before), there is a budget
+        and :attr:`reuse` is on."""
         use = getattr(torch._C, "_storage_Use_Count", None)
-        if self.budget is None or use is None or t.device.type != "cpu" or t.is_meta:
+        if not self.reuse or self.budget is None or use is None or t.device.type != "cpu" or t.is_meta:
             return
         if use(t.untyped_storage()._cdata) != 2 or t.untyped_storage().nbytes() != _bytes(t) or t.requires_grad:
             return  # 2: this tensor and the probe's storage object
