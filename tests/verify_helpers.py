@@ -174,14 +174,14 @@ def vanish_mid_run(monkeypatch, path: Path, layer: int = 1) -> None:
     """Delete ``path`` as the layer-major executor starts layer ``layer``: a source disappearing mid-run."""
     from ktconvert.model import executor
 
-    real = executor.LayerMajor.layer
+    real = executor.LayerMajor.layer_jobs  # every way a layer runs goes through it (run, run_many, run_pair)
 
     def vanish(self, index, *a, **kw):
         if index == layer and path.exists():
             path.unlink()
         return real(self, index, *a, **kw)
 
-    monkeypatch.setattr(executor.LayerMajor, "layer", vanish)
+    monkeypatch.setattr(executor.LayerMajor, "layer_jobs", vanish)
 
 
 def experts_path(family: str, layer: int) -> str:

@@ -3,7 +3,9 @@ layer from disk within a memory budget (:mod:`ktconvert.model.executor`); transf
 
 The run is the layer-major executor over the prompt twice: prefill (every position through each layer in one call,
 the golden's tensors) and decode (one position per call against each layer's own cache), whose distance from the
-prefill logits is recorded as the producer's self-check, as the transformers engine records its own.
+prefill logits is recorded as the producer's self-check, as the transformers engine records its own. Both runs go
+through one pass over the checkpoint (:meth:`~ktconvert.model.executor.LayerMajor.run_many`): each layer is read
+once for the two.
 
 The reference modules follow transformers 5 operation by operation (tests/test_reference_models.py), so a streamed
 golden equals the transformers golden within the goldens' tolerance (tests/test_golden_stream.py) and
@@ -102,6 +104,7 @@ def compute_stream_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *
     began = time.perf_counter()
     cfg = load_config(model_dir)
     weights = CheckpointWeights(model_dir, cfg, budget=max_memory)
+    weights.reuse = True  # the run's only provider: a dropped part's memory goes to the next part, within the budget
     skeleton = build_skeleton(cfg)
     weights.check_budget(skeleton)
     run = LayerMajor(skeleton, weights)
@@ -111,11 +114,12 @@ def compute_stream_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *
     peaks = TreePeak()
     try:
         with peaks, torch.no_grad():
-            out = run.run(ids)
             decode_diff = float("nan")
-            if decode_check:
-                dec = run.run(ids, step=1)
+            if decode_check:  # prefill and decode in one pass over the checkpoint
+                out, dec = run.run_many(ids, [None, 1])
                 decode_diff = float((dec.logits - out.logits).abs().max())
+            else:
+                out = run.run(ids)
     finally:
         torch.set_num_threads(previous)
     tensors = {

@@ -38,7 +38,9 @@ the module objects stay and only their tensors come and go.
 
 from __future__ import annotations
 
+import mmap
 import re
+import warnings
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,6 +102,28 @@ class LayerMajor:
             cache.seq_len = past + t
         return ForwardOutput(logits=logits, hidden_states=tuple(states), final_hidden=final)
 
+    def run_many(self, input_ids: torch.Tensor, steps: list[int | None]) -> list[ForwardOutput]:
+        """``input_ids`` run once per entry of ``steps`` (``None``: every position in one call, prefill; ``1``:
+        decode), all in one pass over the parts: each decoder layer and the head are resident once for every run
+        (a streamed golden's prefill and its decode self-check read the checkpoint once, not twice). Each run has
+        its own caches and computes what :meth:`run` computes for it alone, bit for bit: the same calls on the same
+        operands, only the order of the runs' calls within a part interleaves."""
+        setups = [self._setup(input_ids, None, step) for step in steps]
+        runs = []
+        for ids, _, _, cache, _, _, positions, chunks in setups:
+            hidden, states = self.embed(ids, chunks)
+            runs.append([hidden, states, cache, {}])
+        for index, layer in enumerate(self.model.model.layers):
+            jobs = [(r[0], r[2], r[3]) for r in runs]
+            outs = self.layer_jobs(index, jobs, [s[6] for s in setups], [s[0] for s in setups], [s[7] for s in setups])
+            for r, out in zip(runs, outs):
+                r[0] = out
+                if r[2] is not None:
+                    r[2].drop(layer.layer_idx)
+                r[1].append(self.collapse(out))
+        heads = self.heads([(r[0], s[7]) for r, s in zip(runs, setups)])
+        return [ForwardOutput(logits=lg, hidden_states=tuple(r[1]), final_hidden=f) for r, (lg, f) in zip(runs, heads)]
+
     def _setup(self, input_ids, cache, step):
         if input_ids.dim() == 1:
             input_ids = input_ids.unsqueeze(0)
@@ -132,27 +156,32 @@ class LayerMajor:
 
     def head(self, hidden: torch.Tensor, chunks: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits, final hidden)``, per chunk too: a matmul over 1 row and over T rows round apart."""
+        return self.heads([(hidden, chunks)])[0]
+
+    def heads(self, runs: list[tuple[torch.Tensor, list[tuple[int, int]]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`head` of several runs (``(last layer output, chunks)`` each) with the head resident once."""
         model, cfg = self.model, self.model.config
-        finals, logits = [], []
         lm = model.lm_head
+        finals = []  # per run, per chunk
         with self.weights.part(model, "head"):
-            for a, z in chunks:
-                h = hidden[:, a:z]
-                if cfg.hyper_connections is not None:  # GLM-5-Next: the streams' unweighted mean; DeepSeek-V4: hc_head
-                    h = model.model.hc_head(h) if cfg.hc_modules else h.mean(dim=2)
-                finals.append(model.model.norm(h))
-            # several chunks (decode): each vocabulary chunk of lm_head is read once for all positions, then the
-            # module is called per chunk as before (hooks see those calls) and hands out what was computed
-            if isinstance(lm, VocabHead) and len(finals) > 1:
-                lm.ready = (finals, lm.chunked(finals))
+            for hidden, chunks in runs:
+                finals.append([])
+                for a, z in chunks:
+                    h = hidden[:, a:z]
+                    if cfg.hyper_connections is not None:  # GLM-5-Next: the streams' unweighted mean; DeepSeek-V4: hc_head
+                        h = model.model.hc_head(h) if cfg.hc_modules else h.mean(dim=2)
+                    finals[-1].append(model.model.norm(h))
+            # several chunks (decode, several runs): each vocabulary chunk of lm_head is read once for all of them,
+            # then the module is called per chunk as before (hooks see those calls) and hands out what was computed
+            flat = [f for run in finals for f in run]
+            if isinstance(lm, VocabHead) and len(flat) > 1:
+                lm.ready = (flat, lm.chunked(flat))
             try:
-                logits = [lm(f) for f in finals]
+                logits = [[lm(f) for f in run] for run in finals]
             finally:
                 if isinstance(lm, VocabHead):
                     lm.ready = None
-        if len(chunks) == 1:
-            return logits[0], finals[0]
-        return torch.cat(logits, 1), torch.cat(finals, 1)
+        return [(lg[0], fs[0]) if len(fs) == 1 else (torch.cat(lg, 1), torch.cat(fs, 1)) for lg, fs in zip(logits, finals)]
 
     def layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None,
               input_ids: torch.Tensor, chunks: list[tuple[int, int]] | None = None,
@@ -168,7 +197,8 @@ class LayerMajor:
         the candidate's layer on its own input and on the reference's, :func:`run_pair`); ``guard``: a context
         manager factory entered around that job (verify's module tap looks away from the teacher-forced job);
         ``then(layer)``: called once the jobs are done, the layer's weights still resident.
-        ``position_ids`` / ``input_ids``: shared by the jobs, or a list with each job's (:meth:`prefill_layers`)."""
+        ``position_ids`` / ``input_ids``: shared by the jobs, or a list with each job's (:meth:`prefill_layers`);
+        ``chunks``: shared, or a list with each job's (a list of lists: :meth:`run_many`)."""
         layer = self.model.model.layers[index]
         mixer = layer.mixer
         source = getattr(mixer, "selection_source", None)
@@ -178,9 +208,10 @@ class LayerMajor:
                 pos = position_ids[j] if isinstance(position_ids, list) else position_ids
                 ids = input_ids[j] if isinstance(input_ids, list) else input_ids
                 selections = selections if selections is not None else {}
+                mine = chunks[j] if chunks and isinstance(chunks[0], list) else chunks
                 parts = []
                 with guard[0]() if guard and guard[0] is not None else nullcontext():
-                    for c, (a, z) in enumerate(chunks or [(0, hidden.shape[1])]):
+                    for c, (a, z) in enumerate(mine or [(0, hidden.shape[1])]):
                         if source is not None and id(source) in selections:
                             source.last_selection = selections[id(source)][c]  # the source layer's, same chunk
                         parts.append(layer(hidden[:, a:z], pos[:, a:z], cache, ids[:, a:z]))
@@ -310,6 +341,37 @@ def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+def _prod(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return n
+
+
+class Pending:
+    """A stored tensor a source has not decoded yet: its reference ``shape`` (what the strict check reads), the bytes
+    its decoding holds while it is copied into its slot (``cost``), and ``load()``, which decodes it. A source whose
+    state is pending decodes one tensor at a time, so a part holds its float32 weights plus one tensor's decoding,
+    never every stored copy at once (a DeepSeek-V3 FP8 release's dense layer decoded whole beside its float32 slots
+    was 4.35 GiB of a 4 GiB budget)."""
+
+    __slots__ = ("shape", "cost", "_load", "mapped")
+
+    def __init__(self, shape: tuple, cost: int, load, mapped: bool = False):
+        self.shape, self.cost, self._load = tuple(shape), int(cost), load
+        self.mapped = mapped  # load() gives a read-only view of the file's memory map (to be copied, never written)
+
+    def load(self) -> torch.Tensor:
+        return self._load()
+
+
+def resolve(value):
+    """A state value as a tensor of its own (a :class:`Pending` one decoded; a mapped one copied out of the map)."""
+    if not isinstance(value, Pending):
+        return value
+    return value.load().clone() if value.mapped else value.load()
+
+
 @dataclass
 class StreamStats:
     """What a streaming provider did: bytes read from disk (stored), bytes of float32 weights resident now and at
@@ -338,6 +400,11 @@ class StreamedWeights:
         self.stats = StreamStats()
         self._kept: dict[int, tuple] = {}
         self.lora: dict[str, tuple] = {}  # reference name -> LoRA tuple: W + alpha/r * B @ A, added in float32
+        #: keep dropped weights' memory for the next parts within the budget (:meth:`_take`); the one provider of a
+        #: run turns it on (``golden --engine stream``): verify's two providers each hold the whole budget today
+        self.reuse = False
+        self._free: list[torch.Tensor] = []  # dropped weights' tensors kept for the next part's slots, oldest first
+        self._pooled = 0  # their bytes
         _return_freed_memory()
 
     # --- what a source provides -------------------------------------------------------------------------------
@@ -486,16 +553,18 @@ class StreamedWeights:
     def _rows(self, kind: str, module: nn.Module, ids: torch.Tensor | None, span: tuple[int, int] | None):
         """Vocabulary rows resident for the block, in the module's dtype (copied as :meth:`_load` copies a whole
         tensor, so each row holds what the whole table's row would), counted in the stats, dropped after."""
-        got, stored = self.rows_state(kind, ids, span)
-        new = torch.empty((got.shape[0], module.weight.shape[1]), dtype=module.weight.dtype).copy_(got)
-        del got
         st = self.stats
-        st.peak = max(st.peak, st.resident + _bytes(new) + stored)
+        got, stored = self.rows_state(kind, ids, span)
+        new = self._take((got.shape[0], module.weight.shape[1]), module.weight.dtype, st.resident + stored).copy_(got)
+        del got
+        st.peak = max(st.peak, st.resident + _bytes(new) + stored + self._pooled)
         st.resident += _bytes(new)
         try:
             yield new
         finally:
             st.resident -= _bytes(new)
+            self._recycle(new)
+            del new
 
     def _load(self, slots: list, state: dict, stored: int):
         """Check ``state`` strictly against ``slots`` and put it there; return what to drop after."""
@@ -505,24 +574,32 @@ class StreamedWeights:
         for slot in slots:
             groups.setdefault(id(slot[4]), []).append(slot)
         check_state(_expected(slots), state, self.path, self.cfg.family)
-        held, weights = [], 0
+        held, weights, st = [], 0, self.stats
+        st.peak = max(st.peak, st.resident + stored)
         with torch.no_grad():
             for group in groups.values():
                 name = next((s[3] for s in group if s[3] is not None), None)
                 if name is None:
                     continue  # a non-persistent buffer computed from the config (rotary tables): already real
                 old = group[0][4]
-                new = torch.empty(old.shape, dtype=old.dtype).copy_(state[name])  # as load_weights copies
+                value = state[name]
+                pending = isinstance(value, Pending)
+                cost = value.cost if pending else 0
+                new = self._take(old.shape, old.dtype, st.resident + weights + stored + cost)
+                src = value.load() if pending else value
+                new.copy_(src)  # as load_weights copies
+                del src  # a pending tensor's decoding goes before the next one is decoded
                 if name in self.lora:  # verify --lora's reference: the delta added as to the resident model
                     from ktconvert.formats.lora_delta import lora_delta
 
                     new.add_(torch.from_numpy(lora_delta(self.lora[name])).to(new.dtype))
                 weights += _bytes(new)
+                # while a pending tensor is copied in: what is in so far, this tensor and its decoding (eager
+                # sources' stored copies are all held until the part is in)
+                st.peak = max(st.peak, st.resident + weights + stored + cost + self._pooled)
                 for mod, table, attr, _, _ in group:
                     table[attr] = nn.Parameter(new, requires_grad=False) if table is mod._parameters else new
                 held.append(group)
-        st = self.stats
-        st.peak = max(st.peak, st.resident + weights + stored)
         st.resident += weights
         return held, weights
 
@@ -531,9 +608,51 @@ class StreamedWeights:
         for group in groups:
             old = group[0][4]
             meta = torch.empty(old.shape, dtype=old.dtype, device="meta")
+            real = group[0][1][group[0][2]]
             for mod, table, attr, _, _ in group:
                 table[attr] = nn.Parameter(meta, requires_grad=False) if table is mod._parameters else meta
+            self._recycle(real)
+            del real
         self.stats.resident -= weights
+
+    # --- reusing dropped weights' memory --------------------------------------------------------------------------
+    # A tensor of a new part in memory just freed by the last one: freshly mapped pages fault in one by one as they
+    # are first written (glibc maps every tensor of 128 KiB or more on its own, _return_freed_memory), which made
+    # the widening copy of a BF16 weight 10-30x slower than a copy into pages already in memory (docs/measurements.md).
+    # With `reuse` on and a budget, dropped tensors are kept and handed to the next slot of the same shape and
+    # dtype (layers and experts repeat their shapes); what is kept counts in the peak, and is freed, oldest first,
+    # before anything new would pass the budget. Every slot is overwritten whole before it is read, so the numbers are the same.
+
+    def _take(self, shape, dtype: torch.dtype, busy: int) -> torch.Tensor:
+        """An uninitialised tensor for a slot: a kept one of that shape and dtype, else a new one. ``busy``: the
+        bytes held besides the pool meanwhile (what is resident, being loaded and decoded)."""
+        shape = tuple(shape)
+        for i in range(len(self._free) - 1, -1, -1):
+            t = self._free[i]
+            if t.dtype == dtype and tuple(t.shape) == shape:
+                del self._free[i]
+                self._pooled -= _bytes(t)
+                self._shrink(busy + _bytes(t))
+                return t
+        self._shrink(busy + _prod(shape) * torch.empty((), dtype=dtype).element_size())
+        return torch.empty(shape, dtype=dtype)
+
+    def _shrink(self, busy: int) -> None:
+        """Free kept tensors, oldest first, until they and ``busy`` fit the budget."""
+        while self._free and (self.budget is None or self._pooled + busy > self.budget):
+            self._pooled -= _bytes(self._free.pop(0))
+
+    def _recycle(self, t: torch.Tensor) -> None:
+        """Keep a dropped tensor for reuse when nothing else holds its memory (a view or a reference kept by a
+        hook would see it overwritten: such a tensor is left to be freed as before), there is a budget
+        and :attr:`reuse` is on."""
+        use = getattr(torch._C, "_storage_Use_Count", None)
+        if not self.reuse or self.budget is None or use is None or t.device.type != "cpu" or t.is_meta:
+            return
+        if use(t.untyped_storage()._cdata) != 2 or t.untyped_storage().nbytes() != _bytes(t) or t.requires_grad:
+            return  # 2: this tensor and the probe's storage object
+        self._free.append(t.detach())
+        self._pooled += _bytes(t)
 
 
 def _largest(part: str, roots, skip: set[int]) -> str:
@@ -571,6 +690,7 @@ class CheckpointWeights(StreamedWeights):
         self.groups: dict[tuple, list[str]] = {}  # ("embed",) / ("head",) / ("layer", L) / ("expert", L, e)
         self.fused: dict[int, list[str]] = {}  # layer -> its stacked expert tensors (read one expert's slab each)
         self.vocab: dict[str, str] = {}  # "embed" / "head" -> the stored embedding table / lm_head (read by rows)
+        self._expert_cost: dict[int, int] = {}  # layer -> stored_bytes of one expert
         block = cfg.moe_block_name
         for name in ck:
             if name in self.qmap.scales or name.startswith(sp.ignore_prefixes):
@@ -599,11 +719,39 @@ class CheckpointWeights(StreamedWeights):
     def _bytes_of(self, names) -> int:
         return sum(self.ck[n].nbytes for n in names)
 
+    def _mapped(self, name: str) -> torch.Tensor:
+        """Stored tensor ``name`` as :func:`~ktconvert.model.weights.stored_tensor` gives it (a quantized weight
+        decoded), a plain one as a read-only view of its memory map, to be copied once, straight into its slot (not
+        first into a stored copy: fresh pages cost more than the copy, docs/measurements.md); its pages are asked for
+        at once, so the kernel reads them ahead in large requests rather than one fault at a time."""
+        from ktconvert.model.weights import as_torch, stored_tensor
+
+        if name in self.qmap.weights:
+            return stored_tensor(self.ck, self.qmap, name)
+        view = self.ck.read(name)
+        mm = getattr(view, "_mmap", None)
+        if mm is not None and hasattr(mmap, "MADV_WILLNEED"):
+            mm.madvise(mmap.MADV_WILLNEED)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # torch warns of a read-only array: it is only read
+            return as_torch(view, self.ck[name].dtype, name)
+
+    def _cost(self, name: str) -> int:
+        """Bytes held while stored tensor ``name`` is decoded: the stored bytes read, and a quantized weight's float32
+        decoding (4 bytes an element, whatever its stored width: an FP8 weight decodes to 4x its size)."""
+        w = self.qmap.weights.get(name)
+        return self.ck[name].nbytes + (4 * int(np.prod(w.shape)) if w is not None else 0)
+
     def stored_bytes(self, kind: str, layer: int | None, expert: bool = False, weights: int = 0) -> int:
+        """A part's (or one expert's) tensors are decoded one at a time (:class:`Pending`): the largest one's
+        decoding; a fused layer's expert slabs are decoded together (a gate_up and a down make an expert): all of them."""
         if not expert:
-            return self._bytes_of(self.groups.get(("layer", layer) if kind == "layer" else (kind,), []))
-        split = max((self._bytes_of(v) for k, v in self.groups.items() if k[0] == "expert" and k[1] == layer), default=0)
-        return max(split, self._bytes_of(self.fused.get(layer, [])) // self.cfg.num_experts)
+            return max(map(self._cost, self.groups.get(("layer", layer) if kind == "layer" else (kind,), [])), default=0)
+        if layer not in self._expert_cost:  # asked at every expert fetch: the layer's experts scanned once
+            split = max((self._cost(n) for k, v in self.groups.items() if k[0] == "expert" and k[1] == layer
+                         for n in v), default=0)
+            self._expert_cost[layer] = max(split, sum(map(self._cost, self.fused.get(layer, []))) // self.cfg.num_experts)
+        return self._expert_cost[layer]
 
     def part_state(self, kind, layer, expected):
         names = self.groups.get(("layer", layer) if kind == "layer" else (kind,), [])
@@ -648,6 +796,16 @@ class CheckpointWeights(StreamedWeights):
     def _state(self, names: list[str], expert: int | None) -> tuple[dict, int]:
         from ktconvert.model.weights import stored_tensor, to_reference_state
 
+        if expert is None:  # each tensor decoded when its slot is filled (renaming needs no data: meta tensors)
+            state = {}
+            for n in names:
+                w = self.qmap.weights.get(n)
+                meta = torch.empty(w.shape if w is not None else self.ck[n].shape, device="meta")
+                for key, t in to_reference_state(self.cfg, {n: meta}).items():
+                    state[key] = Pending(t.shape, self._cost(n), lambda n=n, key=key: to_reference_state(
+                        self.cfg, {n: self._mapped(n)})[key], mapped=w is None)
+            self.stats.bytes_read += self._bytes_of(names)
+            return state, 0
         tensors = {n: stored_tensor(self.ck, self.qmap, n, expert=expert) for n in names}
         stored = sum(_bytes(t) for t in tensors.values())
         self.stats.bytes_read += sum(self._bytes_of([n]) // (1 if expert is None else self.cfg.num_experts)

@@ -457,17 +457,23 @@ class _PartStates:
         return got
 
     def get(self, name: str, default=None):
-        return self._part(self._key(name)).get(name, default)
+        return self[name] if name in self else default
 
     def __contains__(self, name: str) -> bool:
         return name in self._part(self._key(name))
 
     def __getitem__(self, name: str):
-        return self._part(self._key(name))[name]
+        from ktconvert.model.executor import resolve
+
+        part = self._part(self._key(name))
+        got = part[name] = resolve(part[name])  # decoded when first asked for (the reader's tensors are pending)
+        return got
 
     def pop(self, name: str):
         """``name``'s tensor, no longer kept here (the caller holds it now)."""
-        return self._part(self._key(name)).pop(name)
+        from ktconvert.model.executor import resolve
+
+        return resolve(self._part(self._key(name)).pop(name))
 
     def forget_experts(self, layer: int) -> None:
         self.parts.pop(("experts", layer), None)
