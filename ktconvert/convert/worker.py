@@ -25,6 +25,8 @@ from ktconvert.formats.imatrix import read_imatrix
 from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.formats.transforms import tile_columns
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
+from ktconvert.io.files import ReadBuffer, pread_into
+from ktconvert.io.heap import keep_freed_memory
 from ktconvert.quant import dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
 from ktconvert.convert.kt_amx_io import pack_group
@@ -131,9 +133,15 @@ def worker_init(parent: int | None = None) -> None:
 def run_task(task: Task) -> tuple[int, str]:
     """Convert and write one unit; returns the unit id and :func:`source_digest` of the input it read (what
     ``--resume`` checks the source against). Raises :class:`InputError` for bad data (NaN/Inf)."""
+    keep_freed_memory()
+    t, r0, r1 = task.tensor, task.r0, task.r1
     try:
-        uid = _run(task)
-        return uid, source_digest(_checkpoint(task.src), task.tensor, task.r0, task.r1)
+        h = _READ_HASH[0] = hashlib.sha256() if _reads_are_ranges(t, r0, r1) else None
+        try:
+            uid = _run(task)
+        finally:
+            _READ_HASH[0] = None
+        return uid, h.hexdigest()[:16] if h is not None else source_digest(_checkpoint(task.src), t, r0, r1)
     except InputError as exc:
         if exc.path is None:
             raise InputError(exc.message, path=task.src, where=exc.where or f"tensor {task.tensor.name}",
@@ -188,6 +196,7 @@ def _run(task: Task) -> int:
 
 
 _IMATRICES: dict = {}
+DIGEST_CHUNK = 1 << 26  # bytes hashed per read
 
 
 def _quantize(x: np.ndarray, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
@@ -255,18 +264,22 @@ def _row_bytes(info) -> int:
 
 
 def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
-    """sha256 (first 16 hex digits) of the input bytes a unit reads, read from the files as they are now."""
+    """sha256 (first 16 hex digits) of the input bytes a unit reads, read from the files as they are now, into this
+    process's read buffer (the unit has just read them: they come from the page cache)."""
     h = hashlib.sha256()
     for path, offset, length in source_ranges(ck, t, r0, r1):
-        with open(path, "rb") as fh:
-            fh.seek(offset)
+        fd = os.open(path, os.O_RDONLY)
+        try:
             while length > 0:
-                chunk = fh.read(min(length, 1 << 24))
-                if not chunk:
+                chunk = _BUF.take(min(length, DIGEST_CHUNK))
+                got = pread_into(fd, chunk, offset)
+                h.update(chunk[:got])
+                if got < chunk.nbytes:
                     h.update(b"<short>")
                     break
-                h.update(chunk)
-                length -= len(chunk)
+                offset, length = offset + got, length - got
+        finally:
+            os.close(fd)
     return h.hexdigest()[:16]
 
 
@@ -286,6 +299,32 @@ def _overlaps(t: PlanTensor, r0: int, r1: int):
             yield s, a - s.start, b - a, a - r0
 
 
+_BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in the same pages
+
+
+#: the running unit's sha256 of the bytes it reads, when those are exactly :func:`source_ranges` in order
+_READ_HASH: list = [None]
+
+
+def _reads_are_ranges(t: PlanTensor, r0: int, r1: int) -> bool:
+    """Whether a unit reads its input only through :func:`_read_rows`, each of :func:`source_ranges` once and in
+    that order (whole rows of plain stored tensors), so hashing what it read gives :func:`source_digest` without
+    reading the input a second time."""
+    if t.const is not None:
+        return False
+    segs = t.segments if t.kt_pack is not None else [s for s, *_ in _overlaps(t, r0, r1)]
+    return all(s.op == "rows" and not s.scale and not s.lora for s in segs)
+
+
+def _read_rows(ck, name: str, first: int, n: int) -> np.ndarray:
+    """Flat rows ``first .. first+n`` of a stored tensor, read into this process's buffer (valid until the next
+    read: decode or copy them before reading again), and hashed into the unit's digest when it keeps one."""
+    rows = ck.read_rows(name, first, first + n, _BUF)
+    if _READ_HASH[0] is not None:
+        _READ_HASH[0].update(rows)
+    return rows
+
+
 def _rows2d(ck, name: str) -> np.ndarray:
     raw = ck.read(name)
     if raw.ndim == 0:
@@ -299,13 +338,12 @@ def _raw_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     """Rows ``r0..r1`` as stored bytes (the output type equals the input type, rows are only regrouped)."""
     out = np.empty((r1 - r0, t.row_bytes), dtype=np.uint8)
     for s, i, n, pos in _overlaps(t, r0, r1):
-        src = _rows2d(ck, s.source)
-        rows = np.ascontiguousarray(src[s.src_row + i: s.src_row + i + n]).view(np.uint8).reshape(n, -1)
+        rows = _read_rows(ck, s.source, s.src_row + i, n).view(np.uint8).reshape(n, -1)
         if rows.shape[1] != t.row_bytes:
             raise AssertionError(f"{s.source}: row of {rows.shape[1]} bytes, {t.name} needs {t.row_bytes}")
         _check_finite_raw(rows, ck[s.source].dtype, s, i)
         out[pos: pos + n] = rows
-        del src, rows
+        del rows
     return out
 
 
@@ -313,7 +351,7 @@ def _int_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     """Rows ``r0..r1`` of an integer index table as I32 (values outside int32 are an input error)."""
     out = np.empty((r1 - r0, t.shape[-1] if t.shape else 1), dtype="<i4")
     for s, i, n, pos in _overlaps(t, r0, r1):
-        rows = np.asarray(_rows2d(ck, s.source)[s.src_row + i: s.src_row + i + n])
+        rows = _read_rows(ck, s.source, s.src_row + i, n)
         if rows.size and (rows.min() < np.iinfo(np.int32).min or rows.max() > np.iinfo(np.int32).max):
             raise InputError(f"index values {rows.min()}..{rows.max()} do not fit llama.cpp's I32",
                              path=None, where=f"tensor {s.source}", fix="check the checkpoint's index table")
@@ -397,14 +435,10 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
                 idx = head * 2 * half + (rem % 2) * half + rem // 2
                 x[pos: pos + n] = quantized.read_row_ids(ck, w, idx)
         elif s.op == "rows" and s.col_step:  # every col_step-th column from src_col (an interleaved bias)
-            src = _rows2d(ck, s.source)
             cols = s.src_col + np.arange(n_out) * s.col_step
-            x[pos: pos + n] = _decode(src[s.src_row + i: s.src_row + i + n][:, cols], dtype)
-            del src
+            x[pos: pos + n] = _decode(_read_rows(ck, s.source, s.src_row + i, n)[:, cols], dtype)
         elif s.op == "rows":
-            src = _rows2d(ck, s.source)
-            _decode_into(x[pos: pos + n], src[s.src_row + i: s.src_row + i + n], dtype)
-            del src
+            _decode_into(x[pos: pos + n], _read_rows(ck, s.source, s.src_row + i, n), dtype)
             if s.lora:
                 x[pos: pos + n] += _lora_rows(s.lora, np.arange(s.src_row + i, s.src_row + i + n))
         else:

@@ -48,6 +48,7 @@ import torch
 from torch import nn
 
 from ktconvert.errors import InputError, UsageProblem
+from ktconvert.io.heap import return_freed_memory
 from ktconvert.io.sizes import format_size
 from ktconvert.model.modules import VOCAB_CHUNK, KVCache, RoutedExperts, VocabEmbedding, VocabHead
 
@@ -283,29 +284,6 @@ def _slots(root: nn.Module, prefix: str, skip: set[int]):
                 yield mod, table, attr, (prefix + (f"{path}." if path else "") + attr) if persistent else None, t
 
 
-#: tensors at least this large get memory of their own from the OS (glibc's mmap threshold), returned when freed
-MMAP_THRESHOLD = 128 * 1024
-_tuned = False
-
-
-def _return_freed_memory() -> None:
-    """Make glibc give a dropped part's memory back to the OS. By default glibc raises its mmap threshold after
-    large frees (up to 32 MiB), so the next parts' tensors come from the heap, which fragments and keeps its peak:
-    a streamed run of a 400 MB model under a 16 MiB budget grew by 146 MiB that way, by 23 MiB with a fixed
-    threshold (measured on tests/test_executor.py's RSS test). Nothing happens off glibc."""
-    global _tuned
-    if _tuned:
-        return
-    _tuned = True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (fixing it also stops glibc's dynamic raise)
-    except (OSError, AttributeError):
-        pass
-
-
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -338,7 +316,7 @@ class StreamedWeights:
         self.stats = StreamStats()
         self._kept: dict[int, tuple] = {}
         self.lora: dict[str, tuple] = {}  # reference name -> LoRA tuple: W + alpha/r * B @ A, added in float32
-        _return_freed_memory()
+        return_freed_memory()
 
     # --- what a source provides -------------------------------------------------------------------------------
     def part_state(self, kind: str, layer: int | None, expected: dict[str, tuple]) -> tuple[dict, int]:
