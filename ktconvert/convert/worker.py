@@ -14,6 +14,7 @@ import hashlib
 import multiprocessing.context
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -73,6 +74,7 @@ def close_all() -> None:
         os.close(fd)
     _FDS.clear()
     _CHECKPOINTS.clear()
+    _BUF.release()
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
@@ -106,7 +108,7 @@ def ignore_interrupts() -> None:
 
 
 def worker_init(parent: int | None = None) -> None:
-    """Per worker process: one core each (the executor runs ``jobs`` processes side by side), and exit when the
+    """Per worker process: one thread each (the executor runs ``jobs`` processes side by side), and exit when the
     converting process dies (a ``kill -9`` of it must not leave workers behind, blocked on their task queue).
 
     ``parent`` is the converting process's pid, passed in: a worker still starting up when its parent is killed
@@ -119,9 +121,12 @@ def worker_init(parent: int | None = None) -> None:
     if os.getppid() != parent:
         os._exit(1)
 
-    import torch
-
-    torch.set_num_threads(1)
+    # one thread each, for torch too should anything here import it (a LoRA merge), without importing it now:
+    # the quantizers are numpy and numba, and torch's import costs each worker seconds of CPU and ~150 MiB
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[var] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
     def watch() -> None:
         while True:

@@ -61,6 +61,10 @@ class ReadBuffer:
         self._raw = np.empty(0, dtype=np.uint8)
         self._view = self._raw
 
+    def release(self) -> None:
+        """Give the memory back (a later ``take`` allocates again)."""
+        self._raw = self._view = np.empty(0, dtype=np.uint8)
+
     def take(self, nbytes: int) -> np.ndarray:
         """A writable uint8 view of the first ``nbytes`` (valid until the next ``take``)."""
         if nbytes > self._view.size:
