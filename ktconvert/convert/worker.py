@@ -290,12 +290,30 @@ def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
     return h.hexdigest()[:16]
 
 
-def _pwrite(path: str, data: np.ndarray, offset: int) -> None:
-    view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None:
+    """Write ``data`` (an array, or arrays laid end to end: one ``pwritev`` of them all, no joined copy) at
+    ``offset``, as few calls as the kernel allows."""
+    views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in
+             (data if isinstance(data, list) else [data])]
+    views = [v for v in views if len(v)]
     fd = _fd(path)  # an OSError (disk full, read-only) goes up as is: the executor names OUT and the fix
-    while len(view):
-        n = os.pwrite(fd, view[: 1 << 30], offset)
-        view, offset = view[n:], offset + n
+    while views:
+        batch, size = [], 0
+        for v in views[:_IOV_MAX]:
+            if size + len(v) > 1 << 30 and batch:
+                break
+            batch.append(v)
+            size += len(v)
+        n = os.pwritev(fd, batch, offset)
+        offset += n
+        while views and n >= len(views[0]):  # drop what was written, keep the rest of a buffer cut short
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+_IOV_MAX = 1024  # buffers per pwritev (Linux's IOV_MAX)
 
 
 def _overlaps(t: PlanTensor, r0: int, r1: int):
