@@ -32,15 +32,20 @@ def src(tmp_path_factory):
 
 
 def _full_disk(monkeypatch, after: int = 5):
-    real, calls = os.pwrite, {"n": 0}
+    """The disk fills after ``after`` unit writes (the converter writes with ``pwritev``; ``pwrite`` too, for
+    any other writer)."""
+    calls = {"n": 0}
 
-    def pwrite(fd, data, offset):
-        calls["n"] += 1
-        if calls["n"] > after:
-            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
-        return real(fd, data, offset)
+    def full(real):
+        def write(fd, data, offset):
+            calls["n"] += 1
+            if calls["n"] > after:
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return real(fd, data, offset)
+        return write
 
-    monkeypatch.setattr(os, "pwrite", pwrite)
+    monkeypatch.setattr(os, "pwrite", full(os.pwrite))
+    monkeypatch.setattr(os, "pwritev", full(os.pwritev))
 
 
 def _one_line(res, out: Path) -> str:

@@ -304,7 +304,7 @@ def test_peak_rss_of_a_streamed_golden_stays_near_its_budget(tmp_path):
     """A child process makes a streamed golden of a 400 MB (float32) qwen3_moe-shaped checkpoint within 16 MiB: its
     peak RSS (VmHWM) over a child that only imports, opens and checks the same checkpoint stays within the budget
     plus a fixed 32 MiB for activations and the allocator, far below the model (an executor holding every layer
-    fails; so did glibc's heap keeping freed parts, 146 MiB, before executor._return_freed_memory). Measured: 26 MiB."""
+    fails; so did glibc's heap keeping freed parts, 146 MiB, before ktconvert.io.heap.return_freed_memory). Measured: 26 MiB."""
     import subprocess
     import sys
 

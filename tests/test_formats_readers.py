@@ -219,3 +219,70 @@ def test_bytes_no_tensor_covers_are_a_note_like_the_reference_refuses_them(tmp_p
 
 def test_files_written_by_safetensors_have_no_uncovered_bytes(root):
     assert open_checkpoint(hf_checkpoint(root, "qwen3_moe", "split")).notes == []
+
+
+@pytest.mark.parametrize("container", ["safetensors", "gguf"])
+def test_read_rows_is_read_byte_for_byte_through_one_reused_buffer(root, container):
+    """The conversion's reader (large preads into a reused buffer) hands out exactly what the mapping reader does,
+    for every tensor and runs of rows at its start, middle and end; read_all is the same bytes again."""
+    from ktconvert.io.files import ReadBuffer
+
+    path = hf_checkpoint(root, "qwen3_moe", "split") if container == "safetensors" else \
+        gguf_from_hf(root, "qwen3_moe") / "model.gguf"
+    ck = open_checkpoint(path)
+    buf = ReadBuffer()
+    whole = ck.read_all()
+    assert sorted(whole) == sorted(ck)
+    for name in ck:
+        ref = np.asarray(ck.read(name))
+        flat = ref.reshape(-1, ref.shape[-1]) if ref.ndim > 1 else ref.reshape(1, -1)
+        rows = ck.rows(name)
+        assert rows == flat.shape[0]
+        for r0, r1 in ((0, rows), (rows // 3, rows // 3 + 1), (rows - 1, rows)):
+            got = ck.read_rows(name, r0, r1, buf)
+            assert got.dtype == ref.dtype and got.shape == (r1 - r0, flat.shape[1])
+            np.testing.assert_array_equal(got, flat[r0:r1])
+            assert got.ctypes.data % 4096 == 0  # page-aligned: the buffer's start, reused
+        assert whole[name].dtype == ref.dtype and whole[name].shape == ref.shape
+        np.testing.assert_array_equal(whole[name], ref)
+
+
+def test_read_rows_of_a_truncated_file_names_it_and_the_tensor(root, tmp_path):
+    src = hf_checkpoint(root, "qwen3_moe", "split") / "model.safetensors"
+    ck = open_checkpoint(src)
+    name = max(ck, key=lambda n: ck[n].offset)
+    cut = tmp_path / "model.safetensors"
+    cut.write_bytes(src.read_bytes())
+    ck = open_checkpoint(cut)
+    with open(cut, "r+b") as fh:  # shortened after it was opened, as by a copy still running
+        fh.truncate(ck[name].offset + 1)
+    with pytest.raises(InputError) as err:
+        ck.read_rows(name, 0, ck.rows(name))
+    assert err.value.path == str(cut) and err.value.where == f"tensor {name}"
+    assert "ends at byte" in err.value.message and "truncated" in err.value.fix
+
+
+def test_sha256_file_reads_like_hashlib(tmp_path):
+    import hashlib
+
+    from ktconvert.io.atomic import sha256_file
+
+    rng = np.random.default_rng(0)
+    for size in (0, 1, 4095, 1 << 16, (1 << 17) + 3):
+        p = tmp_path / f"f{size}"
+        p.write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+        assert sha256_file(p, chunk=1 << 16) == hashlib.sha256(p.read_bytes()).hexdigest(), size
+
+
+def test_heap_policies_are_set_on_glibc():
+    import platform
+
+    from ktconvert.io import heap
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    try:
+        assert heap.keep_freed_memory() and heap._POLICY[0] == "keep"
+        assert heap.return_freed_memory() and heap._POLICY[0] == "return"
+    finally:
+        heap.return_freed_memory()  # this test process runs streamed models too

@@ -12,21 +12,17 @@ from ktconvert.convert.items import Item, Segment
 from ktconvert.errors import InputError
 
 
-def pack_group(ck, t, float_rows) -> np.ndarray:
-    """Bytes of the group led by plan tensor ``t``; ``float_rows(ck, tensor, r0, r1)`` reads (and NaN-checks) rows."""
+def pack_group(ck, t, float_rows) -> list[np.ndarray]:
+    """The group led by plan tensor ``t`` as its parts' arrays in file order (``weight, scale`` per part), to be
+    written end to end; ``float_rows(ck, tensor, r0, r1)`` reads (and NaN-checks) rows."""
     method, proj, parts, rows, cols, nbytes = t.kt_pack
     m = kt_amx.method(method)
     mat = float_rows(ck, dataclasses.replace(t, shape=(rows, cols), kt_pack=None), 0, rows)
-    out = np.empty(nbytes, dtype=np.uint8)
-    pos = 0
     merged = any(seg.lora for seg in t.segments)  # a merged LoRA leaves bf16 values: round them as upstream would
-    for w, s in kt_amx.pack_expert(mat, proj, m, parts, is_bf16=t.src_dtype == "BF16" and not merged):
-        for a in (w, s):
-            b = a.view(np.uint8)
-            out[pos:pos + b.size] = b
-            pos += b.size
-    if pos != nbytes:
-        raise AssertionError(f"{t.name}: packed {pos} bytes, plan says {nbytes}")
+    out = [a for pair in kt_amx.pack_expert(mat, proj, m, parts, is_bf16=t.src_dtype == "BF16" and not merged)
+           for a in pair]
+    if sum(a.nbytes for a in out) != nbytes:
+        raise AssertionError(f"{t.name}: packed {sum(a.nbytes for a in out)} bytes, plan says {nbytes}")
     return out
 
 

@@ -2,8 +2,10 @@
 
 Runs in the main process (``jobs=1``) or in worker processes; it opens what it needs by path and caches it per
 process, so a task is only a few small objects. Everything a unit allocates is proportional to its rows, which
-the executor sizes from the memory budget; the input is read through short-lived memory maps that are released
-when the unit ends, so resident memory does not grow with the checkpoint.
+the executor sizes from the memory budget. Runs of whole input rows are read with large ``pread`` calls into one
+reused buffer per process (other access, a column band or a row permutation, goes through short-lived memory
+maps), and the process keeps the heap memory it frees for the next unit (:mod:`ktconvert.io.heap`), so resident
+memory does not grow with the checkpoint and no unit faults in the pages the last one used.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import hashlib
 import multiprocessing.context
 import os
 import signal
+import sys
 import time
 from dataclasses import dataclass
 
@@ -26,6 +29,8 @@ from ktconvert.formats.imatrix import read_imatrix
 from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.formats.transforms import tile_columns
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
+from ktconvert.io.files import ReadBuffer, pread_into
+from ktconvert.io.heap import keep_freed_memory
 from ktconvert.quant import dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
 from ktconvert.convert.kt_amx_io import pack_group
@@ -70,6 +75,7 @@ def close_all() -> None:
         os.close(fd)
     _FDS.clear()
     _CHECKPOINTS.clear()
+    _BUF.release()
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
@@ -103,7 +109,7 @@ def ignore_interrupts() -> None:
 
 
 def worker_init(parent: int | None = None) -> None:
-    """Per worker process: one core each (the executor runs ``jobs`` processes side by side), and exit when the
+    """Per worker process: one thread each (the executor runs ``jobs`` processes side by side), and exit when the
     converting process dies (a ``kill -9`` of it must not leave workers behind, blocked on their task queue).
 
     ``parent`` is the converting process's pid, passed in: a worker still starting up when its parent is killed
@@ -116,9 +122,12 @@ def worker_init(parent: int | None = None) -> None:
     if os.getppid() != parent:
         os._exit(1)
 
-    import torch
-
-    torch.set_num_threads(1)
+    # one thread each, for torch too should anything here import it (a LoRA merge), without importing it now:
+    # the quantizers are numpy and numba, and torch's import costs each worker seconds of CPU and ~150 MiB
+    for var in ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ[var] = "1"
+    if "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(1)
 
     def watch() -> None:
         while True:
@@ -132,8 +141,20 @@ def worker_init(parent: int | None = None) -> None:
 def run_task(task: Task) -> tuple[int, str]:
     """Convert and write one unit; returns the unit id and :func:`source_digest` of the input it read (what
     ``--resume`` checks the source against). Raises :class:`InputError` for bad data (NaN/Inf)."""
-    uid = _convert(task)
-    return uid, source_digest(_checkpoint(task.src), task.tensor, task.r0, task.r1)
+    keep_freed_memory()
+    return _convert_hashed(task)
+
+
+def _convert_hashed(task: Task) -> tuple[int, str]:
+    """:func:`_convert` and the :func:`source_digest` of its input: hashed from the bytes the unit read when it reads
+    whole rows of plain tensors (no second read), else read again."""
+    t, r0, r1 = task.tensor, task.r0, task.r1
+    h = _READ_HASH[0] = hashlib.sha256() if _reads_are_ranges(t, r0, r1) else None
+    try:
+        uid = _convert(task)
+    finally:
+        _READ_HASH[0] = None
+    return uid, h.hexdigest()[:16] if h is not None else source_digest(_checkpoint(task.src), t, r0, r1)
 
 
 def _convert(task: Task) -> int:
@@ -172,7 +193,13 @@ def _shared_reads(ck, names: frozenset):
             a.flags.writeable = False
         return a
 
-    shared.read = read
+    def read_rows(name: str, r0: int, r1: int, buf=None) -> np.ndarray:
+        if name not in names:
+            return ck.read_rows(name, r0, r1, buf)
+        a = read(name)
+        return (a.reshape(1, -1) if a.ndim < 2 else a.reshape(-1, a.shape[-1]))[r0:r1]
+
+    shared.read, shared.read_rows = read, read_rows
     return shared
 
 
@@ -192,12 +219,14 @@ def run_group(group: Group) -> list[tuple[int, int, str]]:
     plain = {t.src: _checkpoint(t.src) for _, t in group.tasks} if group.shared else {}
     for src, ck in plain.items():
         _CHECKPOINTS[src] = _shared_reads(ck, group.shared)
+    keep_freed_memory()
     try:
         for k, task in group.tasks:
-            uid = _convert(task)
             key = tuple(source_ranges(_checkpoint(task.src), task.tensor, task.r0, task.r1))
-            if key not in digests:
-                digests[key] = source_digest(_checkpoint(task.src), task.tensor, task.r0, task.r1)
+            if key in digests:
+                uid = _convert(task)
+            else:
+                uid, digests[key] = _convert_hashed(task)
             out.append((k, uid, digests[key]))
     finally:
         _CHECKPOINTS.update(plain)
@@ -256,6 +285,7 @@ def _run(task: Task) -> int:
 
 
 _IMATRICES: dict = {}
+DIGEST_CHUNK = 1 << 26  # bytes hashed per read
 
 
 def _quantize(x: np.ndarray, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
@@ -329,27 +359,49 @@ def _row_bytes(info) -> int:
 
 
 def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
-    """sha256 (first 16 hex digits) of the input bytes a unit reads, read from the files as they are now."""
+    """sha256 (first 16 hex digits) of the input bytes a unit reads, read from the files as they are now, into this
+    process's read buffer (the unit has just read them: they come from the page cache)."""
     h = hashlib.sha256()
     for path, offset, length in source_ranges(ck, t, r0, r1):
-        with open(path, "rb") as fh:
-            fh.seek(offset)
+        fd = os.open(path, os.O_RDONLY)
+        try:
             while length > 0:
-                chunk = fh.read(min(length, 1 << 24))
-                if not chunk:
+                chunk = _BUF.take(min(length, DIGEST_CHUNK))
+                got = pread_into(fd, chunk, offset)
+                h.update(chunk[:got])
+                if got < chunk.nbytes:
                     h.update(b"<short>")
                     break
-                h.update(chunk)
-                length -= len(chunk)
+                offset, length = offset + got, length - got
+        finally:
+            os.close(fd)
     return h.hexdigest()[:16]
 
 
-def _pwrite(path: str, data: np.ndarray, offset: int) -> None:
-    view = memoryview(np.ascontiguousarray(data).reshape(-1).view(np.uint8))
+def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None:
+    """Write ``data`` (an array, or arrays laid end to end: one ``pwritev`` of them all, no joined copy) at
+    ``offset``, as few calls as the kernel allows."""
+    views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in
+             (data if isinstance(data, list) else [data])]
+    views = [v for v in views if len(v)]
     fd = _fd(path)  # an OSError (disk full, read-only) goes up as is: the executor names OUT and the fix
-    while len(view):
-        n = os.pwrite(fd, view[: 1 << 30], offset)
-        view, offset = view[n:], offset + n
+    while views:
+        batch, size = [], 0
+        for v in views[:_IOV_MAX]:
+            if size + len(v) > 1 << 30 and batch:
+                break
+            batch.append(v)
+            size += len(v)
+        n = os.pwritev(fd, batch, offset)
+        offset += n
+        while views and n >= len(views[0]):  # drop what was written, keep the rest of a buffer cut short
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+_IOV_MAX = 1024  # buffers per pwritev (Linux's IOV_MAX)
 
 
 def _overlaps(t: PlanTensor, r0: int, r1: int):
@@ -358,6 +410,32 @@ def _overlaps(t: PlanTensor, r0: int, r1: int):
         a, b = max(r0, s.start), min(r1, s.start + s.rows)
         if a < b:
             yield s, a - s.start, b - a, a - r0
+
+
+_BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in the same pages
+
+
+#: the running unit's sha256 of the bytes it reads, when those are exactly :func:`source_ranges` in order
+_READ_HASH: list = [None]
+
+
+def _reads_are_ranges(t: PlanTensor, r0: int, r1: int) -> bool:
+    """Whether a unit reads its input only through :func:`_read_rows`, each of :func:`source_ranges` once and in
+    that order (whole rows of plain stored tensors), so hashing what it read gives :func:`source_digest` without
+    reading the input a second time."""
+    if t.const is not None:
+        return False
+    segs = t.segments if t.kt_pack is not None else [s for s, *_ in _overlaps(t, r0, r1)]
+    return all(s.op == "rows" and not s.scale and not s.lora for s in segs)
+
+
+def _read_rows(ck, name: str, first: int, n: int) -> np.ndarray:
+    """Flat rows ``first .. first+n`` of a stored tensor, read into this process's buffer (valid until the next
+    read: decode or copy them before reading again), and hashed into the unit's digest when it keeps one."""
+    rows = ck.read_rows(name, first, first + n, _BUF)
+    if _READ_HASH[0] is not None:
+        _READ_HASH[0].update(rows)
+    return rows
 
 
 def _rows2d(ck, name: str) -> np.ndarray:
@@ -373,13 +451,12 @@ def _raw_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     """Rows ``r0..r1`` as stored bytes (the output type equals the input type, rows are only regrouped)."""
     out = np.empty((r1 - r0, t.row_bytes), dtype=np.uint8)
     for s, i, n, pos in _overlaps(t, r0, r1):
-        src = _rows2d(ck, s.source)
-        rows = np.ascontiguousarray(src[s.src_row + i: s.src_row + i + n]).view(np.uint8).reshape(n, -1)
+        rows = _read_rows(ck, s.source, s.src_row + i, n).view(np.uint8).reshape(n, -1)
         if rows.shape[1] != t.row_bytes:
             raise AssertionError(f"{s.source}: row of {rows.shape[1]} bytes, {t.name} needs {t.row_bytes}")
         _check_finite_raw(rows, ck[s.source].dtype, s, i)
         out[pos: pos + n] = rows
-        del src, rows
+        del rows
     return out
 
 
@@ -387,7 +464,7 @@ def _int_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     """Rows ``r0..r1`` of an integer index table as I32 (values outside int32 are an input error)."""
     out = np.empty((r1 - r0, t.shape[-1] if t.shape else 1), dtype="<i4")
     for s, i, n, pos in _overlaps(t, r0, r1):
-        rows = np.asarray(_rows2d(ck, s.source)[s.src_row + i: s.src_row + i + n])
+        rows = _read_rows(ck, s.source, s.src_row + i, n)
         if rows.size and (rows.min() < np.iinfo(np.int32).min or rows.max() > np.iinfo(np.int32).max):
             raise InputError(f"index values {rows.min()}..{rows.max()} do not fit llama.cpp's I32",
                              path=None, where=f"tensor {s.source}", fix="check the checkpoint's index table")
@@ -471,14 +548,10 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
                 idx = head * 2 * half + (rem % 2) * half + rem // 2
                 x[pos: pos + n] = quantized.read_row_ids(ck, w, idx)
         elif s.op == "rows" and s.col_step:  # every col_step-th column from src_col (an interleaved bias)
-            src = _rows2d(ck, s.source)
             cols = s.src_col + np.arange(n_out) * s.col_step
-            x[pos: pos + n] = _decode(src[s.src_row + i: s.src_row + i + n][:, cols], dtype)
-            del src
+            x[pos: pos + n] = _decode(_read_rows(ck, s.source, s.src_row + i, n)[:, cols], dtype)
         elif s.op == "rows":
-            src = _rows2d(ck, s.source)
-            _decode_into(x[pos: pos + n], src[s.src_row + i: s.src_row + i + n], dtype)
-            del src
+            _decode_into(x[pos: pos + n], _read_rows(ck, s.source, s.src_row + i, n), dtype)
             if s.lora:
                 x[pos: pos + n] += _lora_rows(s.lora, np.arange(s.src_row + i, s.src_row + i + n))
         else:

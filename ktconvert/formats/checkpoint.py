@@ -1,7 +1,9 @@
 """One checkpoint, whatever its container: tensor names and infos from the headers, data read lazily per tensor.
 
-Opening reads and validates headers only. :meth:`Checkpoint.read` memory-maps one tensor at a time; nothing ever
-loads a whole file, so a 700 GB checkpoint opens in the time it takes to read its headers.
+Opening reads and validates headers only. :meth:`Checkpoint.read` memory-maps one tensor at a time (random
+access); :meth:`Checkpoint.read_rows` reads a run of whole rows with large ``pread`` calls into a reused buffer
+(a conversion's reads: no page faults). Nothing ever loads a whole file, so a 700 GB checkpoint opens in the time
+it takes to read its headers.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from ktconvert.formats.config import (
 from ktconvert.formats.safetensors_header import parse_safetensors_header
 from ktconvert.formats.sources import Source, resolve
 from ktconvert.formats.tensor_info import TensorInfo
-from ktconvert.io.files import regular_file_size
+from ktconvert.io.files import ReadBuffer, read_exact, regular_file_size
 from ktconvert.io.dtypes import (
     SAFETENSORS_DTYPES,
     decode_float32,
@@ -145,14 +147,8 @@ class Checkpoint(Mapping):
         return value
 
     # Data --------------------------------------------------------------------------------------------------------
-    def read(self, name: str) -> np.ndarray:
-        """The tensor's stored data as a read-only memory-mapped array; nothing is read until it is touched.
-
-        Numpy-native types come with their numpy dtype and ``info.shape``. BF16 comes as ``uint16`` bits with the
-        element shape; float8 as ``uint8`` with the element shape; packed sub-byte safetensors types as a flat
-        ``uint8`` array; ggml block types as ``uint8`` shaped ``(*shape[:-1], row_bytes)``, so ``a[e]`` is the byte
-        slab of expert ``e`` of a merged expert tensor.
-        """
+    def _layout(self, name: str) -> tuple[TensorInfo, np.dtype, tuple[int, ...]]:
+        """The stored info of ``name`` and the dtype and shape :meth:`read` hands its data out as."""
         info = self._stored.get(name) or self._info(name)
         if info.ggml_type is None:
             d = SAFETENSORS_DTYPES[info.dtype]
@@ -160,6 +156,20 @@ class Checkpoint(Mapping):
             shape = info.shape if d.bits == 8 * dtype.itemsize else (info.nbytes,)
         else:
             dtype, shape = ggml_view_dtype_and_shape(info.ne, info.ggml_type)
+        return info, np.dtype(dtype), tuple(shape)
+
+    def read(self, name: str) -> np.ndarray:
+        """The tensor's stored data as a read-only memory-mapped array; nothing is read until it is touched.
+
+        Numpy-native types come with their numpy dtype and ``info.shape``. BF16 comes as ``uint16`` bits with the
+        element shape; float8 as ``uint8`` with the element shape; packed sub-byte safetensors types as a flat
+        ``uint8`` array; ggml block types as ``uint8`` shaped ``(*shape[:-1], row_bytes)``, so ``a[e]`` is the byte
+        slab of expert ``e`` of a merged expert tensor.
+
+        For random access (a few rows, a column band). Code that reads runs of whole rows in order (a
+        conversion) uses :meth:`read_rows`, which reads them with large ``pread`` calls instead of page faults.
+        """
+        info, dtype, shape = self._layout(name)
         if info.nbytes == 0:
             out = np.empty(shape, dtype)
             out.flags.writeable = False
@@ -169,29 +179,34 @@ class Checkpoint(Mapping):
         except OSError as exc:
             raise InputError(f"cannot map tensor data: {exc.strerror}", path=str(info.file), where=f"tensor {name}") from None
 
-    def read_all(self, whole_file_below: int = 1 << 30) -> dict[str, np.ndarray]:
+    def rows(self, name: str) -> int:
+        """How many flat rows :meth:`read_rows` counts in ``name`` (every axis but the last; a 0-/1-D tensor is one)."""
+        _, _, shape = self._layout(name)
+        return int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+
+    def read_rows(self, name: str, r0: int, r1: int, buf: ReadBuffer | None = None) -> np.ndarray:
+        """Flat rows ``r0..r1`` of the stored data (``read(name)`` seen as ``(rows, last axis)``, a 0-/1-D tensor as
+        one row) as a 2-D array, read from the file with large ``pread`` calls into ``buf`` (reused: the array is
+        only valid until ``buf``'s next use) or, without one, into a new array.
+
+        Rows are contiguous in the file, so this is one read of exactly their bytes: no mapping, no page faults,
+        and the same bytes whatever reads them (``read`` and ``read_rows`` agree byte for byte)."""
+        info, dtype, shape = self._layout(name)
+        cols = shape[-1] if shape else 1
+        nbytes = (r1 - r0) * cols * dtype.itemsize
+        out = buf.take(nbytes) if buf is not None else np.empty(nbytes, np.uint8)
+        if nbytes:
+            read_exact(info.file, info.offset + r0 * cols * dtype.itemsize, out, what="checkpoint file",
+                       where=f"tensor {name}")
+        return out.view(dtype).reshape(r1 - r0, cols)
+
+    def read_all(self) -> dict[str, np.ndarray]:
         """Every tensor's stored data as a writable copy (same dtypes and shapes as :meth:`read`), for callers that
-        load a whole checkpoint (the reference models). Files under ``whole_file_below`` bytes are read in one
-        call and sliced: faulting a mapping in page by page costs several times more than the read on small files."""
+        load a whole checkpoint (the reference models): one read per tensor, no mapping."""
         out: dict[str, np.ndarray] = {}
-        by_file: dict[Path, list[TensorInfo]] = {}
-        for info in self._tensors.values():
-            by_file.setdefault(Path(info.file), []).append(info)
-        for path, infos in by_file.items():
-            buf = None
-            if path.stat().st_size < whole_file_below:
-                try:
-                    buf = np.fromfile(path, dtype=np.uint8)
-                except OSError as exc:
-                    raise InputError(f"cannot read: {exc.strerror}", path=str(path)) from None
-            for info in infos:
-                view = self.read(info.name)
-                if buf is not None and info.nbytes:
-                    piece = buf[info.offset: info.offset + info.nbytes]
-                    aligned = info.offset % view.dtype.itemsize == 0
-                    out[info.name] = piece.view(view.dtype).reshape(view.shape) if aligned else np.array(view)
-                else:
-                    out[info.name] = np.array(view)
+        for name in self._tensors:
+            _, _, shape = self._layout(name)
+            out[name] = self.read_rows(name, 0, self.rows(name)).reshape(shape)
         return out
 
     def read_float32(self, name: str, index: int | slice | None = None) -> np.ndarray:

@@ -1,11 +1,14 @@
 """What every reader checks before it reads: the path is a regular file (a device such as /dev/zero, a FIFO or
-a socket would block or never end) of a size such a file can have."""
+a socket would block or never end) of a size such a file can have; and the one way bulk data is read: large
+``preadv`` calls into a reused, page-aligned buffer (:class:`ReadBuffer`, :func:`read_exact`)."""
 
 from __future__ import annotations
 
 import os
 import stat
 from pathlib import Path
+
+import numpy as np
 
 from ktconvert.errors import InputError
 
@@ -45,3 +48,62 @@ def read_text(path: str | os.PathLike, what: str = "text file", *, limit: int = 
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"{what} is not UTF-8 text (byte {exc.start})", path=str(p), fix=fix or "save it as UTF-8") from None
+
+
+ALIGN = 4096  # the page size: buffers start on a page, so the kernel copies whole pages into them
+
+
+class ReadBuffer:
+    """A grow-only, page-aligned byte buffer reused for every read of a process: reading into the same memory
+    again costs no page faults (a fresh array per read faults in and zeroes every page of it first)."""
+
+    def __init__(self) -> None:
+        self._raw = np.empty(0, dtype=np.uint8)
+        self._view = self._raw
+
+    def release(self) -> None:
+        """Give the memory back (a later ``take`` allocates again)."""
+        self._raw = self._view = np.empty(0, dtype=np.uint8)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        """A writable uint8 view of the first ``nbytes`` (valid until the next ``take``)."""
+        if nbytes > self._view.size:
+            self._raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
+            skip = -self._raw.ctypes.data % ALIGN
+            self._view = self._raw[skip: skip + nbytes]
+        return self._view[:nbytes]
+
+
+def pread_into(fd: int, out: np.ndarray | memoryview, offset: int) -> int:
+    """Fill ``out`` (a writable contiguous buffer) from ``fd`` at ``offset`` with as few ``preadv`` calls as the
+    kernel allows; returns the bytes read (fewer than asked only at the end of the file)."""
+    view = memoryview(out).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done: done + (1 << 30)]], offset + done)
+        if n == 0:
+            break
+        done += n
+    return done
+
+
+def read_exact(path: str | os.PathLike, offset: int, out: np.ndarray, *, what: str = "file",
+               where: str | None = None) -> np.ndarray:
+    """``out`` filled with the bytes of ``path`` at ``offset`` (one open, large reads, the file's readahead told
+    it is read in order); an InputError naming the file when it is shorter than that or unreadable."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise InputError(f"cannot read {what}: {exc.strerror}", path=str(path), where=where) from None
+    try:
+        if hasattr(os, "posix_fadvise"):
+            os.posix_fadvise(fd, offset, out.nbytes, os.POSIX_FADV_SEQUENTIAL)
+        got = pread_into(fd, out, offset)
+    except OSError as exc:
+        raise InputError(f"cannot read {what}: {exc.strerror}", path=str(path), where=where) from None
+    finally:
+        os.close(fd)
+    if got != out.nbytes:
+        raise InputError(f"{what} ends at byte {offset + got}, its header says data runs to {offset + out.nbytes}",
+                         path=str(path), where=where, fix="the file is truncated; re-download it")
+    return out

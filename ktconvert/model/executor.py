@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from ktconvert.errors import InputError, UsageProblem
+from ktconvert.io.heap import return_freed_memory
 from ktconvert.io.sizes import format_size
 from ktconvert.model.modules import VOCAB_CHUNK, KVCache, RoutedExperts, VocabEmbedding, VocabHead
 
@@ -314,29 +315,6 @@ def _slots(root: nn.Module, prefix: str, skip: set[int]):
                 yield mod, table, attr, (prefix + (f"{path}." if path else "") + attr) if persistent else None, t
 
 
-#: tensors at least this large get memory of their own from the OS (glibc's mmap threshold), returned when freed
-MMAP_THRESHOLD = 128 * 1024
-_tuned = False
-
-
-def _return_freed_memory() -> None:
-    """Make glibc give a dropped part's memory back to the OS. By default glibc raises its mmap threshold after
-    large frees (up to 32 MiB), so the next parts' tensors come from the heap, which fragments and keeps its peak:
-    a streamed run of a 400 MB model under a 16 MiB budget grew by 146 MiB that way, by 23 MiB with a fixed
-    threshold (measured on tests/test_executor.py's RSS test). Nothing happens off glibc."""
-    global _tuned
-    if _tuned:
-        return
-    _tuned = True
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        libc.mallopt(-3, MMAP_THRESHOLD)  # M_MMAP_THRESHOLD (fixing it also stops glibc's dynamic raise)
-    except (OSError, AttributeError):
-        pass
-
-
 def _bytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
@@ -405,7 +383,7 @@ class StreamedWeights:
         self.reuse = False
         self._free: list[torch.Tensor] = []  # dropped weights' tensors kept for the next part's slots, oldest first
         self._pooled = 0  # their bytes
-        _return_freed_memory()
+        return_freed_memory()
 
     # --- what a source provides -------------------------------------------------------------------------------
     def part_state(self, kind: str, layer: int | None, expected: dict[str, tuple]) -> tuple[dict, int]:
@@ -617,7 +595,7 @@ class StreamedWeights:
 
     # --- reusing dropped weights' memory --------------------------------------------------------------------------
     # A tensor of a new part in memory just freed by the last one: freshly mapped pages fault in one by one as they
-    # are first written (glibc maps every tensor of 128 KiB or more on its own, _return_freed_memory), which made
+    # are first written (glibc maps every tensor of 128 KiB or more on its own, ktconvert.io.heap.return_freed_memory), which made
     # the widening copy of a BF16 weight 10-30x slower than a copy into pages already in memory (docs/measurements.md).
     # With `reuse` on and a budget, dropped tensors are kept and handed to the next slot of the same shape and
     # dtype (layers and experts repeat their shapes); what is kept counts in the peak, and is freed, oldest first,
