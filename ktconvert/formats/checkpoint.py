@@ -6,6 +6,7 @@ loads a whole file, so a 700 GB checkpoint opens in the time it takes to read it
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -91,6 +92,9 @@ class Checkpoint(Mapping):
         self.packed, self.packed_bad, self._stored = packed
         self.packed_parts = frozenset(n for p in [*self.packed.values(), *self.packed_bad] for _, n in p.parts)
         self._config: dict | None = None
+        self.read_config = None  # who reads config.json when first asked (a Release: its one read), else load_config
+        # per safetensors file: its size and the sha256 of its header (8-byte length + JSON), taken as it was parsed
+        self.headers: dict[str, dict] = {}
         self.llama_names = self.container == "gguf" or any(n.endswith(COMPANION) for n in tensors)
 
     # Mapping protocol ---------------------------------------------------------------------------------------------
@@ -121,7 +125,7 @@ class Checkpoint(Mapping):
     @property
     def config(self) -> dict | None:
         if self._config is None and self.config_path is not None:
-            self._config = load_config(self.config_path)
+            self._config = self.read_config() if self.read_config is not None else load_config(self.config_path)
         return self._config
 
     def dims(self, config: str | Path | dict | None = None) -> ModelDims:
@@ -154,12 +158,7 @@ class Checkpoint(Mapping):
         slab of expert ``e`` of a merged expert tensor.
         """
         info = self._stored.get(name) or self._info(name)
-        if info.ggml_type is None:
-            d = SAFETENSORS_DTYPES[info.dtype]
-            dtype = d.raw
-            shape = info.shape if d.bits == 8 * dtype.itemsize else (info.nbytes,)
-        else:
-            dtype, shape = ggml_view_dtype_and_shape(info.ne, info.ggml_type)
+        dtype, shape = _view_of(info)
         if info.nbytes == 0:
             out = np.empty(shape, dtype)
             out.flags.writeable = False
@@ -185,13 +184,11 @@ class Checkpoint(Mapping):
                 except OSError as exc:
                     raise InputError(f"cannot read: {exc.strerror}", path=str(path)) from None
             for info in infos:
-                view = self.read(info.name)
-                if buf is not None and info.nbytes:
-                    piece = buf[info.offset: info.offset + info.nbytes]
-                    aligned = info.offset % view.dtype.itemsize == 0
-                    out[info.name] = piece.view(view.dtype).reshape(view.shape) if aligned else np.array(view)
+                dtype, shape = _view_of(self._stored.get(info.name) or info)
+                if buf is not None and info.nbytes and info.offset % dtype.itemsize == 0:  # sliced, no file mapped
+                    out[info.name] = buf[info.offset: info.offset + info.nbytes].view(dtype).reshape(shape)
                 else:
-                    out[info.name] = np.array(view)
+                    out[info.name] = np.array(self.read(info.name))
         return out
 
     def read_float32(self, name: str, index: int | slice | None = None) -> np.ndarray:
@@ -232,6 +229,14 @@ class Checkpoint(Mapping):
             raise InputError(f"no tensor named {name!r}", path=str(self.path), fix="list names with ktconvert inspect") from None
 
 
+def _view_of(info: TensorInfo) -> tuple[np.dtype, tuple]:
+    """The numpy dtype and shape :meth:`Checkpoint.read` hands a tensor's stored data out as."""
+    if info.ggml_type is None:
+        d = SAFETENSORS_DTYPES[info.dtype]
+        return d.raw, (info.shape if d.bits == 8 * d.raw.itemsize else (info.nbytes,))
+    return ggml_view_dtype_and_shape(info.ne, info.ggml_type)
+
+
 def _add(tensors: dict, info: TensorInfo, fix: str) -> None:
     """Shards must not repeat a tensor: which copy a loader takes would depend on file order."""
     if info.name in tensors:
@@ -245,14 +250,17 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     split GGUF set (any shard or the directory); validate every header; raise :class:`InputError` when unusable."""
     source = resolve(path)
     opener = _open_gguf if source.container == "gguf" else _open_safetensors
-    tensors, metadata, notes, version = opener(source)
+    headers: dict[str, dict] = {}
+    tensors, metadata, notes, version = opener(source, headers)
     packed = ({}, [], {})
     if source.container == "safetensors":
         from ktconvert.formats.quantized import overlay, present_packed
 
         good, bad = present_packed(tensors, _read_small)
         packed = (good, bad, overlay(tensors, good))
-    return Checkpoint(source, tensors, metadata, notes, Path(path), version, packed)
+    ck = Checkpoint(source, tensors, metadata, notes, Path(path), version, packed)
+    ck.headers = headers
+    return ck
 
 
 def _read_small(info: TensorInfo) -> list[int] | None:
@@ -303,13 +311,15 @@ def _kernel_order(tensors: dict[str, TensorInfo]) -> None:
                                    info.file, info.offset, info.nbytes)
 
 
-def _open_safetensors(source: Source) -> tuple[dict[str, TensorInfo], dict, list[str], None]:
+def _open_safetensors(source: Source, headers: dict) -> tuple[dict[str, TensorInfo], dict, list[str], None]:
     tensors: dict[str, TensorInfo] = {}
     metadata: dict = {}
     notes: list[str] = []
     for f in source.files:
         with _mapped(f) as mm:
             header = parse_safetensors_header(mm, str(f))
+            n = 8 + int.from_bytes(mm[:8], "little")
+            headers[f.name] = {"bytes": len(mm), "header_sha256": hashlib.sha256(mm[:n]).hexdigest()}
         metadata.update(header.metadata)
         if header.uncovered:
             a, b = header.uncovered[0]
@@ -338,7 +348,7 @@ def _open_safetensors(source: Source) -> tuple[dict[str, TensorInfo], dict, list
     return tensors, metadata, notes, None
 
 
-def _open_gguf(source: Source) -> tuple[dict[str, TensorInfo], dict, list[str], int | None]:
+def _open_gguf(source: Source, headers: dict) -> tuple[dict[str, TensorInfo], dict, list[str], int | None]:
     tensors: dict[str, TensorInfo] = {}
     metadata: dict = {}
     notes: list[str] = []
