@@ -99,6 +99,19 @@ def test_streamed_golden_opens_the_model_directory_once(ws, monkeypatch, tmp_pat
     assert got.manifest["model"]["sources"] == open_release(model).source_records()
 
 
+def test_imatrix_parses_each_header_once(ws, monkeypatch, tmp_path):
+    """imatrix's planner (convert.source.analyze) and its streamed provider read the one release's headers; the
+    tokenizer converter still reads config.json and the tokenizer files itself (gguf-py's SpecialVocab)."""
+    from ktconvert.imatrix import make_imatrix
+
+    model = ws.model(FAMILY)
+    files = _weight_files(model)
+    with _Opens(model, monkeypatch) as seen:
+        run = make_imatrix(model, tmp_path / "imatrix.gguf", prompt_ids=list(range(1, 40)), chunk_size=16)
+    assert run.entries
+    assert all(seen.headers[f] == 1 for f in files) and set(seen.headers) == set(files), seen.headers
+
+
 def test_a_release_hands_back_what_it_read_once(ws):
     """The object every layer reads: one config read gives its hash, the raw dict and the normalised config; the
     checkpoint's own config is that dict (quantized.analyze and dims read it, not the file)."""
