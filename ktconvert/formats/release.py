@@ -27,10 +27,11 @@ from pathlib import Path
 from ktconvert.errors import InputError
 from ktconvert.families.config import MoeConfig, normalize_config
 from ktconvert.formats.checkpoint import Checkpoint, open_checkpoint
-from ktconvert.formats.config import CONFIG_FIX, checked_config
+from ktconvert.formats.config import checked_config
 from ktconvert.io.atomic import sha256_file
 from ktconvert.io.datafile import parse_json, read_json_bytes
 
+CONFIG_FIX = "pass a model directory that holds config.json"
 #: the files a Hugging Face tokenizer reads, those a golden records the hashes of
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json",
                    "merges.txt")
@@ -41,7 +42,8 @@ class Release:
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
-        self.config_file = (self.path if self.path.is_dir() else self.path.parent) / "config.json"
+        # a checkpoint file reads the config.json beside it; a directory (or a path that is not there) its own
+        self.config_file = (self.path.parent if self.path.is_file() else self.path) / "config.json"
         self._hashes: dict[str, str] = {}
 
     def __repr__(self) -> str:

@@ -300,7 +300,7 @@ def _resident_bytes(release, localize: bool) -> int | None:
         return None
 
 
-def _build_run(release, cfg, compiled, catalog, source, pre_source, weights, options, loaded, prompt_len: int,
+def _build_run(release, cfg, compiled, catalog, source, pre_source, options, loaded, prompt_len: int,
                localize: bool, budget: int | None, notes: list[str]) -> _Run:
     """The models of the run. ``budget`` None: half the available memory (as ``golden``), everything resident
     when both float32 models fit it, else streamed within it; a budget given: streamed within it."""
@@ -331,8 +331,7 @@ def _build_run(release, cfg, compiled, catalog, source, pre_source, weights, opt
                 provider.check_budget(skeleton)
                 reference = LayerMajor(skeleton, provider)
             else:
-                own = weights is None and source.container == "safetensors"
-                original = source.raw if own else read_safetensors(release)
+                original = read_safetensors(release)  # the one opened release (the candidate's too, when its own)
                 model = build_model(cfg)
                 load_weights(model, original)
                 if loaded is not None:
@@ -475,7 +474,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         catalog = catalog or load_catalog()
         compiled = load_rules(rules, catalog, backend, family=cfg.family)
         weights_path = weights if weights is not None else model_dir
-        source = WeightSource(weights if weights is not None else release, cfg)
+        own = weights is None or Path(weights).resolve() == model_dir.resolve()  # the model's own weights
+        source = WeightSource(release if own else weights, cfg)
         pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
         if profile == "auto" and options.kernel_runtime is not None and options.kernel_runtime.auto_profile(cfg):
             profile = load_profile(options.kernel_runtime.auto_profile(cfg))  # a kt-amx dir: its method's profile
@@ -483,7 +483,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
             profile = auto_profile({t for layer in source.expert_types().values() for t in layer.values()})
         profile = profile.for_family(cfg.family)
         prompt_len = int(gold.input_ids.shape[1])
-        run = _build_run(release, cfg, compiled, catalog, source, pre_source, weights, options, loaded,
+        run = _build_run(release, cfg, compiled, catalog, source, pre_source, options, loaded,
                          prompt_len, localize, max_memory, notes)
         injected = run.injected
         phases = [
