@@ -25,7 +25,8 @@ from pathlib import Path
 from ktconvert import families
 from ktconvert.formats import transforms
 from ktconvert.errors import InputError
-from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map, open_checkpoint
+from ktconvert.formats import Checkpoint, LayoutReport, NamingMap, detect_layout, naming_map
+from ktconvert.formats.release import Release, checkpoint_of
 from ktconvert.formats import quantized
 from ktconvert.formats.config import load_config
 from ktconvert.convert.items import Item, Segment  # noqa: F401 (planners import them from here too)
@@ -58,7 +59,8 @@ def _fail(problems: list[tuple[str, str | None]], path: str, fix: str) -> InputE
 
 
 def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceModel:
-    """Open ``src`` (anything :func:`ktconvert.formats.open_checkpoint` reads) and derive the output items.
+    """Open ``src`` (anything :func:`ktconvert.formats.open_checkpoint` reads, or a
+    :class:`~ktconvert.formats.release.Release` already opened) and derive the output items.
 
     Raises :class:`InputError` for anything that would make a wrong or partial conversion: errors of the
     layout detection (missing or extra experts, shapes that disagree with each other or with ``config.json``,
@@ -66,7 +68,7 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
     missing or do not fit (:mod:`ktconvert.formats.quantized`; checked first, so the error names the tensor),
     tensor names no naming map knows.
     """
-    ck = open_checkpoint(src)
+    ck = checkpoint_of(src)  # a Release the caller opened: its checkpoint and config, not opened again
     shown = str(src)
     cfg_dict, cfg_path = None, None
     if isinstance(config, dict):
@@ -81,7 +83,8 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                          "from it", path=shown, fix="pass --config path/to/config.json")
     if ck.container == "safetensors":  # another model is refused here, before layout detection, as check-rules does
         families.require_family(cfg_dict, cfg_path)
-    qmap = quantized.require(ck, cfg_dict, shown)
+    own = isinstance(src, Release) and config is None  # its analysis of the same headers and config
+    qmap = quantized.require(ck, cfg_dict, shown, analysis=src.quant if own else None)
     report = detect_layout(ck, cfg_path if cfg_path is not None else cfg_dict)  # its errors name the file
     if report.arch is None:
         raise InputError("cannot tell which architecture this is (no general.architecture, no model_type, and "

@@ -50,6 +50,12 @@ Public API (everything else in this package is an implementation detail):
     kt-kernel's AMXINT8/AMXINT4 expert format in numpy: ``pack_matrix``/``pack_expert`` (bytes equal to kt-kernel's
     packer), ``unpack_matrix``, ``dequantize_matrix``, ``check_alignment``, ``tensor_name``.
 
+``open_release(path) -> Release`` (:mod:`ktconvert.formats.release`)
+    A model directory opened once for a run: ``config.json`` read once (``config_sha256``, ``raw``, the normalised
+    ``config`` and its family ``spec``), the ``checkpoint`` with every header validated once (``source_records()``
+    from those headers), the quantized-release analysis (``quant``, ``qmap``), whole-file hashes once per file
+    (``file_sha256``), ``tokenizer_files``. verify, golden and imatrix build one and hand it down.
+
 ``build_inspect_report(path, config=None, tensors=None, scan=False, progress_factory=None) -> dict``
     What ``ktconvert inspect`` prints, as data matching ``schemas/inspect-report.schema.json``.
 """
@@ -77,6 +83,7 @@ from ktconvert.formats.naming import (
     to_gguf_name,
     to_hf_name,
 )
+from ktconvert.formats.release import Release, open_release
 from ktconvert.formats.scan import ScanFinding, ScanResult, scan_checkpoint
 from ktconvert.formats.tensor_info import TensorInfo
 
@@ -91,6 +98,7 @@ __all__ = [
     "NameMatch",
     "NamingMap",
     "ProjectionInfo",
+    "Release",
     "ScanFinding",
     "ScanResult",
     "TensorEntry",
@@ -104,6 +112,7 @@ __all__ = [
     "naming_map",
     "naming_maps",
     "open_checkpoint",
+    "open_release",
     "scan_checkpoint",
     "to_gguf_name",
     "to_hf_name",

@@ -8,6 +8,7 @@ it takes to read its headers.
 
 from __future__ import annotations
 
+import hashlib
 import mmap
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
@@ -93,6 +94,9 @@ class Checkpoint(Mapping):
         self.packed, self.packed_bad, self._stored = packed
         self.packed_parts = frozenset(n for p in [*self.packed.values(), *self.packed_bad] for _, n in p.parts)
         self._config: dict | None = None
+        self.read_config = None  # who reads config.json when first asked (a Release: its one read), else load_config
+        # per safetensors file: its size and the sha256 of its header (8-byte length + JSON), taken as it was parsed
+        self.headers: dict[str, dict] = {}
         self.llama_names = self.container == "gguf" or any(n.endswith(COMPANION) for n in tensors)
 
     # Mapping protocol ---------------------------------------------------------------------------------------------
@@ -123,7 +127,7 @@ class Checkpoint(Mapping):
     @property
     def config(self) -> dict | None:
         if self._config is None and self.config_path is not None:
-            self._config = load_config(self.config_path)
+            self._config = self.read_config() if self.read_config is not None else load_config(self.config_path)
         return self._config
 
     def dims(self, config: str | Path | dict | None = None) -> ModelDims:
@@ -260,14 +264,17 @@ def open_checkpoint(path: str | Path) -> Checkpoint:
     split GGUF set (any shard or the directory); validate every header; raise :class:`InputError` when unusable."""
     source = resolve(path)
     opener = _open_gguf if source.container == "gguf" else _open_safetensors
-    tensors, metadata, notes, version = opener(source)
+    headers: dict[str, dict] = {}
+    tensors, metadata, notes, version = opener(source, headers)
     packed = ({}, [], {})
     if source.container == "safetensors":
         from ktconvert.formats.quantized import overlay, present_packed
 
         good, bad = present_packed(tensors, _read_small)
         packed = (good, bad, overlay(tensors, good))
-    return Checkpoint(source, tensors, metadata, notes, Path(path), version, packed)
+    ck = Checkpoint(source, tensors, metadata, notes, Path(path), version, packed)
+    ck.headers = headers
+    return ck
 
 
 def _read_small(info: TensorInfo) -> list[int] | None:
@@ -318,13 +325,15 @@ def _kernel_order(tensors: dict[str, TensorInfo]) -> None:
                                    info.file, info.offset, info.nbytes)
 
 
-def _open_safetensors(source: Source) -> tuple[dict[str, TensorInfo], dict, list[str], None]:
+def _open_safetensors(source: Source, headers: dict) -> tuple[dict[str, TensorInfo], dict, list[str], None]:
     tensors: dict[str, TensorInfo] = {}
     metadata: dict = {}
     notes: list[str] = []
     for f in source.files:
         with _mapped(f) as mm:
             header = parse_safetensors_header(mm, str(f))
+            n = 8 + int.from_bytes(mm[:8], "little")
+            headers[f.name] = {"bytes": len(mm), "header_sha256": hashlib.sha256(mm[:n]).hexdigest()}
         metadata.update(header.metadata)
         if header.uncovered:
             a, b = header.uncovered[0]
@@ -353,7 +362,7 @@ def _open_safetensors(source: Source) -> tuple[dict[str, TensorInfo], dict, list
     return tensors, metadata, notes, None
 
 
-def _open_gguf(source: Source) -> tuple[dict[str, TensorInfo], dict, list[str], int | None]:
+def _open_gguf(source: Source, headers: dict) -> tuple[dict[str, TensorInfo], dict, list[str], int | None]:
     tensors: dict[str, TensorInfo] = {}
     metadata: dict = {}
     notes: list[str] = []

@@ -54,9 +54,16 @@ def _int_keys(cfg: dict) -> dict:
 
 def load_config(path: str | Path) -> dict:
     """``config.json`` as written; its counts are checked on reading (:mod:`ktconvert.families.limits`)."""
-    cfg = read_json(path, "config.json", fix="fix or re-download it, or check the --config path")
+    return checked_config(read_json(path, "config.json", fix=CONFIG_FIX), str(path))
+
+
+CONFIG_FIX = "fix or re-download it, or check the --config path"
+
+
+def checked_config(cfg, path: str):
+    """``config.json`` as parsed (by :func:`load_config`, or from bytes a caller also hashes), its counts checked."""
     if isinstance(cfg, dict):
-        check_counts(families.text_view(cfg), str(path))
+        check_counts(families.text_view(cfg), path)
     return cfg
 
 

@@ -163,9 +163,10 @@ def _declared(ck, qm: QuantMap, qc: dict | None) -> list[Diagnostic]:
     return out
 
 
-def require(ck, config: dict | None = None, path: str | None = None) -> QuantMap:
-    """:func:`analyze`, raising the first problem as one :class:`InputError` naming the tensor (before any output)."""
-    qm = analyze(ck, config)
+def require(ck, config: dict | None = None, path: str | None = None, analysis: QuantMap | None = None) -> QuantMap:
+    """:func:`analyze` (or its ``analysis`` already made), raising the first problem as one :class:`InputError`
+    naming the tensor (before any output)."""
+    qm = analysis if analysis is not None else analyze(ck, config)
     if qm.problems:
         p = qm.problems[0]
         more = (f" (and {len(qm.problems) - 1} more quantization problem(s); ktconvert inspect lists them)"

@@ -20,8 +20,7 @@ import numpy as np
 
 from ktconvert import __version__
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
-from ktconvert.families.config import load_config
-from ktconvert.formats import open_checkpoint
+from ktconvert.formats import Release, open_checkpoint, open_release
 from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.golden import kld
 from ktconvert.golden.manifest import MANIFEST_NAME, dump_manifest
@@ -33,14 +32,13 @@ from ktconvert.golden.store import (
     read_golden,
     sha256_bytes,
 )
-from ktconvert.io.atomic import claim_output, guard_output, replace_files, sha256_file
+from ktconvert.io.atomic import claim_output, guard_output, replace_files
 from ktconvert.io.files import read_text
 from ktconvert.model.tinytok import PROMPT_TEXT
 from ktconvert.optional import require
 
 ATTN_IMPLEMENTATION = "eager"
 EXPERTS_IMPLEMENTATION = "eager"
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model", "vocab.json", "merges.txt")
 
 
 def refuse_under_ci() -> None:
@@ -63,10 +61,11 @@ def _load(transformers, torch, model_dir):
     text-only prompt."""
     kw = dict(dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION,
               experts_implementation=EXPERTS_IMPLEMENTATION, local_files_only=True)
-    config = _family_config(transformers, model_dir)  # a release's model_type transformers does not know (Kimi-K2)
+    release = open_release(model_dir)
+    config = _family_config(transformers, release)  # a release's model_type transformers does not know (Kimi-K2)
     if config is not None:
         kw["config"] = config
-    qc = load_config(model_dir).raw.get("quantization_config")
+    qc = release.raw.get("quantization_config")
     if isinstance(qc, dict) and qc.get("quant_method") == "mxfp4":
         # an MXFP4 release (gpt-oss): transformers dequantizes it on the CPU in any case; asking for that up front
         # skips the accelerate check it makes only for running MXFP4 natively
@@ -180,14 +179,14 @@ def _family_config(transformers, model_dir) -> object | None:
     """A config.json whose model_type transformers does not know but whose ``architectures`` name a family
     (Kimi-K2's ``kimi_k2`` is DeepseekV3ForCausalLM) loads as that family's transformers config, which is what
     its users do; ``None`` lets transformers read config.json itself."""
-    cfg = load_config(model_dir)
+    cfg = open_release(model_dir).config
     if cfg.raw.get("model_type") in transformers.CONFIG_MAPPING:
         return None
     return transformers.AutoConfig.for_model(cfg.spec.transformers_type,
                                              **{k: v for k, v in cfg.raw.items() if k != "model_type"})
 
 
-def prompt_for(model_dir: str | os.PathLike, text: str | None, ids: list[int] | None, bos: bool) -> tuple[list[int], str | None, bool]:
+def prompt_for(model_dir: str | os.PathLike | Release, text: str | None, ids: list[int] | None, bos: bool) -> tuple[list[int], str | None, bool]:
     """The prompt ids: given ids as they are, else ``text`` (default: the tiny prompt) through the model's tokenizer."""
     if ids is not None:
         if not ids or any(i < 0 for i in ids):
@@ -210,15 +209,16 @@ def prompt_for(model_dir: str | os.PathLike, text: str | None, ids: list[int] | 
     return out, text, prepended
 
 
-def model_file_hashes(model_dir: str | os.PathLike, *, weights: bool = True) -> dict[str, str]:
+def model_file_hashes(model_dir: str | os.PathLike | Release, *, weights: bool = True) -> dict[str, str]:
     """sha256 of config.json, every weights file (unless ``weights`` is false: the stream engine records their
     headers instead, :func:`ktconvert.golden.stream.source_records`) and the tokenizer files present."""
-    root = Path(model_dir)
-    paths = [root / "config.json", *(open_checkpoint(root).files if weights else ())]
-    for name in ("model.safetensors.index.json", *_TOKENIZER_FILES):
-        if (root / name).is_file():
-            paths.append(root / name)
-    return {p.name: sha256_file(p) for p in sorted(set(paths))}
+    release = open_release(model_dir)
+    root = release.path
+    paths = [root / "config.json", *(release.checkpoint.files if weights else ())]
+    index = root / "model.safetensors.index.json"
+    paths += [index] if index.is_file() else []
+    paths += release.tokenizer_files
+    return {p.name: release.file_sha256(p.name) for p in sorted(set(paths))}
 
 
 def match_tiny_model(files: dict[str, str]) -> str | None:
@@ -293,10 +293,10 @@ def _merged_golden(model_dir: Path, cfg, ids: list[int], threads: int, lora: Pat
     return run, record
 
 
-def _check_vocab(model_dir: Path, vocab_size: int) -> None:
+def _check_vocab(release: Release, vocab_size: int) -> None:
     """config.json's ``vocab_size`` against the rows of the checkpoint's token embedding, read from the header:
     transformers would first build (allocate) the embedding of that size, then fail on the mismatch."""
-    ck = open_checkpoint(model_dir)
+    ck, model_dir = release.checkpoint, release.path
     embd = next((n for n, _ in ck.items() if n.endswith("embed_tokens.weight")), None)
     if embd is None:
         return
@@ -384,16 +384,17 @@ def _generate_golden(
         from ktconvert.io.atomic import check_output_file
 
         check_output_file(kl_base, "--kl-base")  # before the run, not after it
-    model_dir, out = Path(model_dir), Path(out_dir)
-    cfg = load_config(model_dir)
+    release, out = open_release(model_dir), Path(out_dir)  # opened once, handed down
+    model_dir = release.path
+    cfg = release.config
     # every weights file's header is validated (a torch pickle named model.safetensors is refused in one line,
     # never unpickled) before either engine reads the directory
-    open_checkpoint(model_dir)
+    release.checkpoint
     budget = streamed.default_budget() if max_memory is None else max_memory
-    engine = streamed.pick_engine("transformers" if engine == "auto" and lora is not None else engine, model_dir, budget)
+    engine = streamed.pick_engine("transformers" if engine == "auto" and lora is not None else engine, release, budget)
     if engine == "stream" and lora is not None:
         raise UsageProblem("--lora is merged by the transformers engine only", fix="add --engine transformers")
-    _check_vocab(model_dir, cfg.vocab_size)
+    _check_vocab(release, cfg.vocab_size)
     previous = None
     if (out / MANIFEST_NAME).exists():
         if not force:  # OUT exists: a usage error (exit 2), as for every other command
@@ -401,7 +402,7 @@ def _generate_golden(
         previous = read_golden(out)
         _check_same_model(previous, cfg, out)
     guard_output(out, inputs=[model_dir, *([Path(lora)] if lora is not None else [])], force=force)
-    ids, text, prepended = prompt_for(model_dir, prompt_text, prompt_ids, bos)
+    ids, text, prepended = prompt_for(release, prompt_text, prompt_ids, bos)
     if max(ids) >= cfg.vocab_size:
         raise InputError(f"prompt id {max(ids)} is outside the vocabulary (vocab_size={cfg.vocab_size})")
     if len(ids) > cfg.max_position_embeddings:  # attention and the rope tables grow with the prompt: check first
@@ -413,12 +414,12 @@ def _generate_golden(
         raise UsageProblem(f"--kl-base needs a prompt of at least {kld.MIN_CTX} tokens (llama.cpp scores positions "
                            f"n_ctx/2..n_ctx-2), this one has {len(ids)}", where="--kl-base", fix="pass a longer prompt")
     if engine == "stream":
-        run, lora_record = streamed.compute_stream_golden(model_dir, ids, threads=threads, max_memory=budget), None
+        run, lora_record = streamed.compute_stream_golden(release, ids, threads=threads, max_memory=budget), None
     elif lora is None:
-        run, lora_record = compute_golden(model_dir, ids, threads=threads), None
+        run, lora_record = compute_golden(release, ids, threads=threads), None
     else:
         run, lora_record = _merged_golden(model_dir, cfg, ids, threads, Path(lora), lora_alpha)
-    files = model_file_hashes(model_dir, weights=engine != "stream")
+    files = model_file_hashes(release, weights=engine != "stream")
     tiny = match_tiny_model(files)
     data = to_bytes(run.tensors, {"format": "pt", "producer": "ktconvert golden"})
     digest = sha256_bytes(data)
@@ -470,7 +471,7 @@ def _generate_golden(
             "config_sha256": files["config.json"],
             "files": files,
             "tiny_model": tiny,
-            "sources": streamed.source_records(model_dir),
+            "sources": release.source_records(),
         },
         "producer": run.producer,
         "prompt": {"ids": ids, "text": text, "bos_prepended": prepended},

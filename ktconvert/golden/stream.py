@@ -14,19 +14,15 @@ golden equals the transformers golden within the goldens' tolerance (tests/test_
 
 from __future__ import annotations
 
-import hashlib
-import math
 import os
 import platform
-import struct
 import time
 from pathlib import Path
 
 import numpy as np
 
 from ktconvert import __version__
-from ktconvert.errors import InputError
-from ktconvert.formats import open_checkpoint, quantized
+from ktconvert.formats import Release, open_release
 from ktconvert.io.procstats import TreePeak
 
 ENGINES = ("auto", "transformers", "stream")
@@ -51,11 +47,9 @@ def default_budget() -> int:
     return int(available_memory() * DEFAULT_SHARE)
 
 
-def float32_bytes(model_dir: str | os.PathLike) -> int:
+def float32_bytes(model_dir: str | os.PathLike | Release) -> int:
     """What the whole model takes in float32 (logical sizes, quantized weights decoded; scales not counted)."""
-    ck = open_checkpoint(model_dir)
-    qmap = quantized.analyze(ck)
-    return 4 * sum(math.prod(info.shape) for name, info in ck.items() if name not in qmap.scales)
+    return open_release(model_dir).float32_bytes()
 
 
 def pick_engine(engine: str, model_dir, budget: int) -> str:
@@ -69,27 +63,13 @@ def pick_engine(engine: str, model_dir, budget: int) -> str:
     return "transformers" if float32_bytes(model_dir) <= budget else "stream"
 
 
-def source_records(model_dir: str | os.PathLike) -> dict[str, dict]:
+def source_records(model_dir: str | os.PathLike | Release) -> dict[str, dict]:
     """Per weight file: its size and the sha256 of its safetensors header (8-byte length + JSON), which names and
     places every tensor; hashing a whole multi-hundred-gigabyte release would take longer than the run."""
-    out = {}
-    for f in open_checkpoint(model_dir).files:
-        f = Path(f)
-        try:
-            size = f.stat().st_size
-            with open(f, "rb") as fh:
-                head = fh.read(8)
-                n = struct.unpack("<Q", head)[0] if len(head) == 8 else size
-                if 8 + n > size:
-                    raise InputError(f"header length {n} runs past the end of the file", path=str(f))
-                head += fh.read(n)
-        except OSError as exc:
-            raise InputError(f"cannot read: {exc.strerror}", path=str(f), fix="check the file") from None
-        out[f.name] = {"bytes": size, "header_sha256": hashlib.sha256(head).hexdigest()}
-    return out
+    return open_release(model_dir).source_records()
 
 
-def compute_stream_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *, threads: int = 1,
+def compute_stream_golden(model_dir: str | os.PathLike | Release, prompt_ids: list[int], *, threads: int = 1,
                           max_memory: int, decode_check: bool = True):
     """The golden tensors of ``prompt_ids`` from the streamed reference model (nothing is written): a
     :class:`ktconvert.golden.run.GoldenRun` whose producer records the engine, the budget and what the run
@@ -97,13 +77,13 @@ def compute_stream_golden(model_dir: str | os.PathLike, prompt_ids: list[int], *
     import torch
 
     from ktconvert.golden.run import GoldenRun
-    from ktconvert.model import load_config
     from ktconvert.model.executor import CheckpointWeights, LayerMajor
     from ktconvert.model.reference import build_skeleton
 
     began = time.perf_counter()
-    cfg = load_config(model_dir)
-    weights = CheckpointWeights(model_dir, cfg, budget=max_memory)
+    release = open_release(model_dir)
+    cfg = release.config
+    weights = CheckpointWeights(release, cfg, budget=max_memory)
     weights.reuse = True  # the run's only provider: a dropped part's memory goes to the next part, within the budget
     skeleton = build_skeleton(cfg)
     weights.check_budget(skeleton)

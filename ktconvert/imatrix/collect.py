@@ -38,6 +38,7 @@ import numpy as np
 
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.formats.imatrix import ImatrixEntry, imatrix_gguf_bytes
+from ktconvert.formats.release import open_release
 from ktconvert.formats.transforms import tile_columns
 
 #: llama-imatrix's default ``-c``
@@ -84,10 +85,10 @@ def bos_policy(model_dir: str | os.PathLike) -> int | None:
     """The BOS id llama.cpp puts first (the whole text's first token, and each chunk's), or ``None`` when the
     vocabulary ``quantize`` writes adds none."""
     from ktconvert.convert.tokenizer import convert_tokenizer
-    from ktconvert.model import load_config
 
-    cfg = load_config(model_dir)
-    vocab = convert_tokenizer(Path(model_dir), int(cfg.vocab_size), cfg.raw)
+    release = open_release(model_dir)
+    cfg = release.config
+    vocab = convert_tokenizer(release.path, int(cfg.vocab_size), cfg.raw)
     if vocab is None:
         return None
     add = vocab.add_special.get("bos", vocab.pre in _BOS_BY_DEFAULT)
@@ -230,12 +231,12 @@ def collect_imatrix(model_dir: str | os.PathLike, chunks: list[list[int]], *, ch
     import torch
 
     from ktconvert.convert.source import analyze
-    from ktconvert.model import load_config
     from ktconvert.model.executor import CheckpointWeights, LayerMajor
     from ktconvert.model.reference import build_skeleton
 
     began = time.perf_counter()
-    cfg = load_config(model_dir)
+    model_dir = open_release(model_dir)  # the release the caller opened, or opened here: handed down
+    cfg = model_dir.config
     vocab = int(cfg.vocab_size)
     for i, c in enumerate(chunks):
         bad = next((t for t in c if not 0 <= t < vocab), None)
@@ -317,7 +318,8 @@ def make_imatrix(model_dir: str | os.PathLike, out: str | os.PathLike, *, text_f
     if (text_file is None) == (prompt_ids is None):
         raise UsageProblem("give one of --text-file and --prompt-ids",
                            fix="--text-file calibration.txt, or --prompt-ids 1,2,3 (or a file of ids)")
-    ins = [Path(model_dir)] + [Path(p) for p in (text_file, prompt_ids_source) if p is not None and Path(p).exists()]
+    model_dir = open_release(model_dir)  # opened once: config, tokenizer, weights and their decoding, handed down
+    ins = [model_dir.path] + [Path(p) for p in (text_file, prompt_ids_source) if p is not None and Path(p).exists()]
     out_p = guard_output_file(out, "OUT", inputs=ins, force=force)
     bos = bos_policy(model_dir)
     if text_file is not None:

@@ -76,12 +76,27 @@ def read_json(path: str | Path, what: str = "JSON file", *, shown: str | None = 
     """A JSON document (a JSON object unless ``obj=False``), or one InputError naming the file, the line:column of
     a syntax error and the fix. Every JSON companion file ktconvert reads comes through here."""
     shown = shown or str(path)
+    return parse_json(read_json_bytes(path, what, shown=shown, fix=fix), what, shown=shown, fix=fix, obj=obj)
+
+
+def read_json_bytes(path: str | Path, what: str = "JSON file", *, shown: str | None = None,
+                    fix: str | None = None) -> bytes:
+    """A JSON companion file's bytes (a regular file under :data:`MAX_JSON_BYTES`), for a caller that both hashes and
+    parses it (:func:`parse_json`) from one read."""
+    shown = shown or str(path)
     p = Path(path)
     try:
         regular_file_size(p, what, limit=MAX_JSON_BYTES, fix=fix)
-        text = p.read_bytes().decode("utf-8")
+        return p.read_bytes()
     except OSError as exc:
         raise InputError(f"cannot read {what}: {exc.strerror}", path=shown, fix=fix) from None
+
+
+def parse_json(data: bytes, what: str = "JSON file", *, shown: str = "<bytes>", fix: str | None = None,
+               obj: bool = True):
+    """:func:`read_json` of bytes already read."""
+    try:
+        text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         raise InputError(f"{what} is not UTF-8 text (byte {exc.start})", path=shown, fix=fix) from None
     try:

@@ -654,15 +654,16 @@ class CheckpointWeights(StreamedWeights):
     :func:`~ktconvert.model.weights.to_reference_state`, as the in-memory loader reads it whole."""
 
     def __init__(self, model_dir, cfg, budget: int | None = None):
-        from ktconvert.formats import open_checkpoint, quantized
+        from ktconvert.formats import open_release
 
         super().__init__(model_dir, cfg, budget)
-        ck = open_checkpoint(model_dir)
+        release = open_release(model_dir)  # the run's one opened release (headers, decoding), or opened here
+        ck = release.checkpoint
         if ck.container != "safetensors":
             raise InputError(f"a {ck.container} checkpoint, not Hugging Face safetensors", path=self.path,
                              fix="pass the Hugging Face checkpoint directory")
         self.ck = ck
-        self.qmap = quantized.require(ck, path=self.path)
+        self.qmap = release.qmap
         self.files = tuple(Path(f) for f in ck.files)
         sp = cfg.spec
         self.groups: dict[tuple, list[str]] = {}  # ("embed",) / ("head",) / ("layer", L) / ("expert", L, e)

@@ -18,7 +18,7 @@ import torch
 
 from ktconvert.errors import InputError
 from ktconvert.families.config import MoeConfig
-from ktconvert.formats import open_checkpoint
+from ktconvert.formats import open_release
 from ktconvert.formats import quantized
 from ktconvert.io.dtypes import SAFETENSORS_DTYPES, TORCH_NAMES
 
@@ -41,11 +41,12 @@ def read_tensors(model_dir: str | os.PathLike, report: LoadReport | None = None)
     headers, shards, index and duplicate names); each a writable torch tensor of the stored dtype, except FP8
     block-scaled and other quantized release weights (:mod:`ktconvert.formats.quantized`): their exact float32
     decoding (their scale tensors are consumed)."""
-    ck = open_checkpoint(model_dir)
+    release = open_release(model_dir)  # the run's one opened release, or opened here
+    ck = release.checkpoint
     if ck.container != "safetensors":
         raise InputError(f"a {ck.container} checkpoint, not Hugging Face safetensors", path=str(model_dir),
                          fix="pass the Hugging Face checkpoint directory")
-    qmap = quantized.require(ck, path=str(model_dir))  # a quantized release loads as its exact decoding
+    qmap = release.qmap  # a quantized release loads as its exact decoding
     out = {}
     for name, arr in ck.read_all().items():
         if name in qmap.scales:

@@ -26,11 +26,11 @@ import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.golden import read_golden
-from ktconvert.io.atomic import sha256_file
 from ktconvert.io.datafile import read_json
 from ktconvert.io.procstats import TreePeak
 from ktconvert.io.sizes import format_size
-from ktconvert.model import build_model, load_config, load_weights, module_type_resolver
+from ktconvert.formats.release import open_release
+from ktconvert.model import build_model, load_weights, module_type_resolver
 from ktconvert.model.inject import EmulationOptions, inject
 from ktconvert.model.ops.experts import torch_dtype
 from ktconvert.model.ops.source import WeightSource, read_safetensors
@@ -101,13 +101,16 @@ def _threads(n: int):
         torch.set_num_threads(before)
 
 
-def check_golden_matches(golden, model_dir: Path) -> list[str]:
-    """Refuse a golden made from another model (config hash, weight hashes); return what was not checkable."""
+def check_golden_matches(golden, release) -> list[str]:
+    """Refuse a golden made from another model (config hash, weight hashes); return what was not checkable.
+    ``release``: the model directory (a :class:`~ktconvert.formats.release.Release`, or a path opened here)."""
+    release = open_release(release)
+    model_dir = release.path
     manifest = golden.manifest
-    cfg = model_dir / "config.json"
+    cfg = release.config_file
     if not cfg.is_file():
         raise InputError("config.json not found", path=str(cfg), fix="--model takes the Hugging Face model directory")
-    if sha256_file(cfg) != manifest["model"]["config_sha256"]:
+    if release.config_sha256 != manifest["model"]["config_sha256"]:
         raise InputError(f"config.json differs from the one golden {manifest['name']!r} was made with "
                          f"(config sha256 {manifest['model']['config_sha256'][:12]}…)", path=str(cfg),
                          fix="pass the golden of this model, or the model this golden belongs to")
@@ -119,15 +122,13 @@ def check_golden_matches(golden, model_dir: Path) -> list[str]:
         if not f.is_file():
             unchecked.append(f"{name} (not in the model directory)")
             continue
-        if sha256_file(f) != digest:
+        if release.file_sha256(name) != digest:
             raise InputError(f"weights differ from those golden {manifest['name']!r} was made with "
                              f"(sha256 {digest[:12]}…)", path=str(f),
                              fix="the golden belongs to other weights: regenerate it or pass the original model")
     sources = {n: r for n, r in manifest["model"].get("sources", {}).items() if n not in manifest["model"]["files"]}
     if sources:  # a streamed golden records each weight file's size and header hash, not a whole-file hash
-        from ktconvert.golden.stream import source_records
-
-        have = source_records(model_dir)
+        have = release.source_records()
         for name, rec in sources.items():
             if name not in have:
                 unchecked.append(f"{name} (not in the model directory)")
@@ -290,18 +291,16 @@ class _Run:
                 **peaks.as_dict()}
 
 
-def _resident_bytes(model_dir: Path, localize: bool) -> int | None:
+def _resident_bytes(release, localize: bool) -> int | None:
     """What the in-memory run holds in float32: the candidate, and the reference when localisation runs (None
     where the release cannot be measured: then the run stays in memory, as it always did)."""
-    from ktconvert.golden.stream import float32_bytes
-
     try:
-        return float32_bytes(model_dir) * (2 if localize else 1)
+        return release.float32_bytes() * (2 if localize else 1)
     except InputError:
         return None
 
 
-def _build_run(model_dir: Path, cfg, compiled, catalog, source, pre_source, weights, options, loaded, prompt_len: int,
+def _build_run(release, cfg, compiled, catalog, source, pre_source, options, loaded, prompt_len: int,
                localize: bool, budget: int | None, notes: list[str]) -> _Run:
     """The models of the run. ``budget`` None: half the available memory (as ``golden``), everything resident
     when both float32 models fit it, else streamed within it; a budget given: streamed within it."""
@@ -312,7 +311,7 @@ def _build_run(model_dir: Path, cfg, compiled, catalog, source, pre_source, weig
     default = budget is None
     if default:
         budget = default_budget()
-        need = _resident_bytes(model_dir, localize)
+        need = _resident_bytes(release, localize)
         streamed = need is not None and need > budget
         if streamed:
             notes.append(f"the float32 models need {format_size(need)}, more than the default budget "
@@ -327,13 +326,12 @@ def _build_run(model_dir: Path, cfg, compiled, catalog, source, pre_source, weig
         try:
             if streamed:
                 skeleton = build_skeleton(cfg)
-                provider = CheckpointWeights(model_dir, cfg, budget=budget)
+                provider = CheckpointWeights(release, cfg, budget=budget)
                 provider.lora = loaded.deltas if loaded is not None else {}
                 provider.check_budget(skeleton)
                 reference = LayerMajor(skeleton, provider)
             else:
-                own = weights is None and source.container == "safetensors"
-                original = source.raw if own else read_safetensors(model_dir)
+                original = read_safetensors(release)  # the one opened release (the candidate's too, when its own)
                 model = build_model(cfg)
                 load_weights(model, original)
                 if loaded is not None:
@@ -453,7 +451,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         finally:
             options.kernel_runtime.close()
             options.kernel_runtime = None
-    model_dir = Path(model_dir)
+    release = open_release(model_dir)  # opened once: config, family, weights and their decoding, handed down
+    model_dir = release.path
     if not model_dir.is_dir():
         raise InputError("model directory not found", path=str(model_dir),
                          fix="--model takes the Hugging Face model directory (config.json and its weights)")
@@ -462,7 +461,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
                                profile=profile, options=options, catalog=catalog, backend=backend, threads=threads,
                                lora=lora, max_memory=max_memory, progress=progress)
     gold = read_golden(golden)
-    notes = [f"weights not hashed against the golden: {u}" for u in check_golden_matches(gold, model_dir)]
+    notes = [f"weights not hashed against the golden: {u}" for u in check_golden_matches(gold, release)]
     # every torch op of the run at the golden's thread count: one thread is also the fastest on these small
     # tensors (a contended machine makes each multi-threaded op wait for its workers)
     threads = threads or int(gold.manifest["producer"].get("threads", 1))
@@ -470,7 +469,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     with peaks, _threads(threads):
         if isinstance(profile, str) and profile != "auto":
             profile = load_profile(profile)
-        cfg = load_config(model_dir)
+        cfg = release.config
         loaded = check_golden_lora(gold, lora, lora_alpha, cfg, model_dir, weights)
         if loaded is not None:
             notes += [f"LoRA: {w}" for w in loaded.warnings]
@@ -479,11 +478,12 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         catalog = catalog or load_catalog()
         compiled = load_rules(rules, catalog, backend, family=cfg.family)
         weights_path = weights if weights is not None else model_dir
-        source = WeightSource(weights_path, cfg)
+        own = weights is None or Path(weights).resolve() == model_dir.resolve()  # the model's own weights
+        source = WeightSource(release if own else weights, cfg)
         pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
         profile = choose_profile(profile, options, source, cfg)
         prompt_len = int(gold.input_ids.shape[1])
-        run = _build_run(model_dir, cfg, compiled, catalog, source, pre_source, weights, options, loaded,
+        run = _build_run(release, cfg, compiled, catalog, source, pre_source, options, loaded,
                          prompt_len, localize, max_memory, notes)
         injected = run.injected
         phases = [

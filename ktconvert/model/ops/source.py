@@ -26,10 +26,11 @@ import torch
 from ktconvert import quant
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.families.config import MoeConfig
-from ktconvert.formats import naming_map, open_checkpoint, quantized, transforms
+from ktconvert.formats import naming_map, transforms
 from ktconvert.formats.checkpoint import COMPANION
 from ktconvert.formats.kt_amx import NAME_RE as KT_AMX_NAME
 from ktconvert.formats.lora_delta import EXPERT_WEIGHT, lora_delta
+from ktconvert.formats.release import Release, open_release
 from ktconvert.io.dtypes import TORCH_NAMES
 from ktconvert.model.weights import read_tensors
 
@@ -98,9 +99,10 @@ def _fit(name: str, arr: np.ndarray, shape: tuple[int, ...] | None, path: str) -
 
 
 class WeightSource:
-    """A checkpoint the injected model reads from (``--weights``, ``--prefill-weights`` or the model directory)."""
+    """A checkpoint the injected model reads from (``--weights``, ``--prefill-weights`` or the model directory, as
+    the :class:`~ktconvert.formats.release.Release` the run opened)."""
 
-    def __init__(self, path: str | os.PathLike, cfg: MoeConfig):
+    def __init__(self, path: str | os.PathLike | Release, cfg: MoeConfig):
         self.path = str(path)
         self.cfg = cfg
         p = Path(path)
@@ -114,12 +116,13 @@ class WeightSource:
                                  fix="pass a checkpoint file or directory")
         else:
             gguf = p.suffix == ".gguf"
+        self.release = open_release(path)
         if gguf:
             self.container = "gguf"
-            self._ck = open_checkpoint(p)
+            self._ck = self.release.checkpoint
             self._init_ggml_named()
         else:
-            ck = open_checkpoint(p)
+            ck = self.release.checkpoint
             if any(KT_AMX_NAME.match(n) for n in ck):  # kt-kernel's expert blobs: the kernel reads them, not the model
                 raise UsageProblem("this is a kt-amx directory (kt-kernel's AMX expert blobs, no other weights)",
                                    path=self.path, fix="pass it as --kt-weights (with --kernel kt-kernel), and the "
@@ -144,9 +147,9 @@ class WeightSource:
     # --- safetensors ------------------------------------------------------------------------------------------
     def _init_safetensors(self) -> None:
         self.arch = self.cfg.family
-        self._state = _PartStates(self.path, self.cfg)  # read part by part as asked, as the streamed reference reads
+        self._state = _PartStates(self.release, self.cfg)  # read part by part as asked, as the streamed reference reads
         # quantized release formats of the experts (read here decoded; kt-kernel reads them as released)
-        qmap = quantized.analyze(open_checkpoint(self.path))
+        qmap = self._state.reader.qmap
         self.release_formats = tuple(sorted({w.fmt for n, w in qmap.weights.items() if ".experts." in n}))
         self.expert_names = tuple(n for n in qmap.weights if ".experts." in n)
         # FP8 block shapes of the experts (kt-kernel's FP8 method reads 128x128 only)
@@ -399,7 +402,7 @@ class WeightSource:
     @property
     def raw(self) -> dict:
         """Every tensor of a safetensors checkpoint, read whole (the in-memory reference of a resident verify)."""
-        return read_safetensors(self.path)
+        return read_safetensors(self.release)
 
     def forget(self, part: int | str) -> None:
         """Drop what :meth:`expert_blocks` keeps of layer ``part`` and the tensors read for it (``"embed"`` or
@@ -424,7 +427,7 @@ class _PartStates:
     experts, the embedding, the head; each kept until :meth:`forget`. Grouped and decoded by
     :class:`~ktconvert.model.executor.CheckpointWeights`, as the streamed reference reads the same release."""
 
-    def __init__(self, path: str, cfg: MoeConfig):
+    def __init__(self, path: str | Release, cfg: MoeConfig):
         from ktconvert.model.executor import CheckpointWeights
 
         self.cfg = cfg
@@ -497,7 +500,7 @@ _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
 VOCAB_PARTS = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight"}
 
 
-def read_safetensors(path: str | os.PathLike) -> dict:
+def read_safetensors(path: str | os.PathLike | Release) -> dict:
     """Every tensor of a safetensors checkpoint (through :mod:`ktconvert.formats`, small files read whole)."""
     return read_tensors(path)
 
