@@ -3,7 +3,7 @@ holds ``C`` of the layer's ``E`` experts, and each forward reads only the expert
 whose picks fit (docs/kt-kernel.md, "Memory").
 
 * the forward is bit for bit the whole layer's, both methods, prefill (many tokens, several groups) and decode
-  (one token), layer after layer through one reused object;
+  (one token), layer after layer through one reused object; a call whose picks the object holds reads nothing;
 * the bytes the ``--max-memory`` plan counts are the capacity's, not the layer's: a DeepSeek-V3-shaped AMXINT4 layer
   (256 experts, H 7168, I 2048: 5.6 GB) fits a 4 GiB budget;
 * the child's peak over a mid-size layer (E 64, H 1024, I 512) with a capacity of 4 grows by about 4 experts, not
@@ -47,6 +47,12 @@ def test_picked_experts_forward_bit_for_bit_as_the_whole_layer(tmp_path, method)
                 got = s.forward(f"P{n}", f32_to_bf16_bits(x), ids, w)
                 assert np.array_equal(want, got), (method, layer, ids.shape)
             assert s.expert_loads - before >= 20  # a prefill call of 40 tokens needs 20 groups of 2 at least
+            x, ids, w = calls[-1]
+            before = s.expert_loads
+            for again in (ids, ids[:, ::-1].copy()):  # the same picks again, in another order: nothing is read
+                assert np.array_equal(s.forward(f"W{n}", f32_to_bf16_bits(x), again, w),
+                                      s.forward(f"P{n}", f32_to_bf16_bits(x), again, w))
+            assert s.expert_loads == before
             s.unload(f"W{n}")
             s.unload(f"P{n}")
         with pytest.raises(KernelRefused, match="capacity of 1 experts cannot hold one token's 2 picks"):

@@ -453,9 +453,10 @@ class Child:
         """A picked slot holds ``C`` of the layer's ``E`` experts: the call's tokens go in groups whose picks fit
         ``C`` (in token order; a token's ``K`` experts always in one group, so the kernel sums them in one go), and
         each group's experts are read from the layer's ``.kt`` files into positions ``0..n-1`` (the
-        ``physical_to_logical_map`` of the ``config_.load`` branch names the file of each position; the unused
-        positions repeat the group's first expert, as every position is read) before its forward runs on ids
-        renumbered to those positions. Returns the output and how many loads it took."""
+        ``physical_to_logical_map`` of the ``config_.load`` branch names the file of each position; the other
+        positions keep experts the object held before, else repeat the group's first one, as every position is read)
+        before its forward runs on ids renumbered to those positions; a group whose picks the object holds already
+        reads nothing. Returns the output and how many loads it took."""
         np = self.np
         cap = slot.sig[2]
         out = np.zeros_like(hidden)
@@ -473,17 +474,18 @@ class Child:
             if end == start:
                 raise ValueError(f"token {start} picks {len(set(ids[start].tolist()))} experts, more than the "
                                  f"slot's capacity {cap}")
-            held = sorted(picked)
-            held += [held[0]] * (cap - len(held))
-            if slot.held != tuple(held):
+            held = slot.held
+            if held is None or not set(picked) <= set(held):  # else the object holds them already: no read
+                keep = [x for x in dict.fromkeys(held or ()) if x not in picked]  # the next group may want them
+                held = sorted(picked) + keep[:cap - len(picked)]
+                held += [held[0]] * (cap - len(held))
                 slot.held = None  # a failed load leaves the object holding nothing known
-                where = np.asarray(held, dtype=np.int64)
-                slot.keep[1][...] = where
+                slot.keep[1][...] = np.asarray(held, dtype=np.int64)
                 self._pool().submit(slot.moe.load_weights_task(_ptr(slot.keep[1])))
                 self._pool().sync()
-                slot.held = tuple(held)
+                slot.held = held = tuple(held)
                 loads += 1
-            position = {x: n for n, x in enumerate(held[:len(picked)])}
+            position = {x: held.index(x) for x in picked}
             local = np.ascontiguousarray(np.vectorize(position.__getitem__, otypes=[np.int64])(ids[start:end]))
             out[start:end] = self._run(slot, np.ascontiguousarray(hidden[start:end]), local,
                                        np.ascontiguousarray(w[start:end]))
