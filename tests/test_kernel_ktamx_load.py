@@ -63,16 +63,17 @@ def test_a_layer_read_from_its_files_forwards_bit_for_bit_as_the_quantizer_holds
         assert not np.array_equal(ref[0][0], ref[1][0])  # the layers differ: a stale slot would be seen
 
 
-def _write_ktamx(root, layer, e, h, i, parts=1, *, sparse=False, rng=None) -> int:
-    """A kt-amx directory of one AMXINT8 layer written directly (random packed bytes, small positive scales), or
-    with ``sparse`` only its header over a sparse file of the right size; returns the layer's bytes."""
+def _write_ktamx(root, layer, e, h, i, parts=1, *, sparse=False, rng=None, bits=8) -> int:
+    """A kt-amx directory of one AMXINT8 layer (``bits`` 4: AMXINT4, two weights a byte) written directly (random
+    packed bytes, small positive scales), or with ``sparse`` only its header over a sparse file of the right size;
+    returns the layer's bytes."""
     root.mkdir(parents=True, exist_ok=True)
     tensors, at = {}, 0
     for p in ("gate", "up", "down"):
         rows = h if p == "down" else i // parts
         for x in range(e):
             for n in range(parts):
-                for kind, dtype, nbytes in (("weight", "I8", h * i // parts), ("scale", "F32", 4 * rows)):
+                for kind, dtype, nbytes in (("weight", "I8", h * i * bits // 8 // parts), ("scale", "F32", 4 * rows)):
                     count = nbytes if kind == "weight" else rows
                     tensors[tensor_name(layer, p, x, n, kind)] = {"dtype": dtype, "shape": [count],
                                                                   "data_offsets": [at, at + nbytes]}

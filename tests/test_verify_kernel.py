@@ -313,6 +313,37 @@ def test_streamed_kernel_verify_is_bit_identical_to_the_resident_one(ws, request
     assert streamed.kernel["child_peak_rss"] > 0
 
 
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+def test_streamed_kernel_verify_of_picked_experts_is_bit_identical_to_the_resident_one(ws, ktamx_dirs, method,
+                                                                                      monkeypatch):
+    """A streamed run holds a kt-amx layer over 1 GiB as the experts each forward picks (here every layer: the
+    threshold is set to 0; 4 experts of 8 held, tokens in groups whose picks fit): every number is the resident
+    run's, which loads each layer whole."""
+    from ktconvert.golden.stream import float32_bytes
+    from ktconvert.kernel.runner import KernelSession
+    from ktconvert.kernel.verify_op import KernelRuntime
+
+    monkeypatch.setattr(KernelRuntime, "WHOLE_LAYER_BYTES", 0)
+    held, load = [], KernelSession.load_ktamx_layer
+
+    def spy(self, *a, **kw):
+        held.append(kw.get("capacity"))
+        return load(self, *a, **kw)
+
+    monkeypatch.setattr(KernelSession, "load_ktamx_layer", spy)
+    kw = {"weights": None, "kt_weights": ktamx_dirs[method]}
+    resident = _verify(ws, **kw)
+    assert held and set(held) == {None}
+    held.clear()
+    budget = max(float32_bytes(ws.model(FAMILY)) // 2, _minimum(ws, kw, "kt-kernel"))
+    streamed = _verify(ws, **kw, max_memory=budget)
+    assert held and set(held) == {4}  # 2 * top_k of the 8 experts
+    assert _without_run(streamed) == _without_run(resident)
+    for a, b in zip(resident.phases, streamed.phases):
+        assert np.array_equal(a.candidate_logits, b.candidate_logits)
+    assert resident.passed, [b.line() for b in resident.breaches]
+
+
 def test_budget_below_the_kernel_layer_is_refused_naming_the_child(ws):
     """The kernel child's memory counts against --max-memory: a budget the emulation would fit but the kernel's
     layer does not is refused before anything runs, naming the minimum and the kernel child (the candidate's

@@ -13,11 +13,13 @@ stdout (fd 1 itself is pointed at stderr, because the C++ side prints its own lo
   ``LLAMAFILE``: ``arrays`` {gate, up, down: npy of the merged ggml blocks [E, rows, row_bytes]} and
   ``types`` {gate, up, down: ggml type id}; ``BF16``: ``arrays`` of uint16 bf16 bits [E, rows, cols];
   ``AMXINT8``/``AMXINT4``: ``dir``, a kt-amx directory, read here by tensor name, and ``scratch``, a folder of the
-  parent's where the layer's ``.kt`` files are written for the kernel to read. ``BF16`` with ``sft``
+  parent's where the layer's ``.kt`` files are written for the kernel to read; with ``capacity`` C below E the
+  object holds C experts and each forward reads the ones its tokens pick (:meth:`Child._forward_picked`). ``BF16`` with ``sft``
   {``lora``: {gate_a, gate_b, up_a, up_b, down_a, down_b: npy of bf16 bits, the fused ``[E, ., .]`` form},
   ``rank``, ``alpha``}: kt-kernel's SFT class ``AMXBF16_SFT_MOE``, whose forward adds ``alpha/r * B(Ax)`` to
   gate, up and down (verify --lora).
-* ``{"op": "forward", "key", "hidden", "ids", "weights", "out"}``: npy paths; writes bf16 bits [T, H] to out.
+* ``{"op": "forward", "key", "hidden", "ids", "weights", "out"}``: npy paths; writes bf16 bits [T, H] to out
+  (a picked layer answers ``loads``: how many times it read picked experts into its object).
 * ``{"op": "unload", "key"}``: the layer is done (a streamed verify frees each layer's experts when its part ends);
   answers like ``memory``.
 * ``{"op": "memory"}`` -> ``rss``, ``hwm``: this process's VmRSS and VmHWM in bytes.
@@ -28,7 +30,9 @@ Memory. kt-kernel's AMX classes (AMXINT8, AMXINT4, BF16) copy the experts into b
 leaks its weights). So a layer of those methods is loaded into a *slot*: one MoE object and one staging per shape,
 reused by the next layer of that shape once its layer is unloaded. AMXINT8/AMXINT4's staging is the kernel's own
 ``.kt`` tree of the layer (:class:`_Tree`: written file to file, read by the kernel straight into its buffers, so this
-process holds the layer once while it loads). BF16's is an anonymous mapping whose addresses the MoE object keeps;
+process holds the layer once while it loads), or with a ``capacity`` only the experts each forward picks (the tree
+is written whole on disk; the object holds ``capacity`` experts, read from it by the kernel's
+``physical_to_logical_map``). BF16's is an anonymous mapping whose addresses the MoE object keeps;
 its pages go back to the system (``MADV_DONTNEED``) right after the kernel has copied them (the layer is held twice
 while it loads). LLAMAFILE reads the ggml blocks in place at every forward: they stay until ``unload``.
 
@@ -160,6 +164,7 @@ class _Slot(_Layer):
         self.staging = staging
         self.sig = sig
         self.key: str | None = None  # the layer loaded now, None when free
+        self.held: tuple | None = None  # a picked slot: the layer's experts its object holds now, by position
 
 
 class Child:
@@ -203,8 +208,11 @@ class Child:
         moe_mod = self.ext.moe
         method = req["method"]
         e, k, h, i = int(req["E"]), int(req["top_k"]), int(req["H"]), int(req["I"])
-        mask = np.zeros(e, dtype=np.bool_)  # every expert on the CPU
-        cfg = moe_mod.MOEConfig(e, k, h, i, _ptr(mask))
+        cap = int(req.get("capacity") or e)  # AMXINT8/AMXINT4: the experts the object holds (picked per forward)
+        if cap < e and method not in ("AMXINT8", "AMXINT4"):
+            raise ValueError(f"{method} loads whole layers only (capacity {cap} of {e} experts asked)")
+        mask = np.zeros(cap, dtype=np.bool_)  # every expert on the CPU
+        cfg = moe_mod.MOEConfig(cap, k, h, i, _ptr(mask))
         cfg.layer_idx = int(req["layer"])
         cfg.pool = self._pool().backend_
         max_len = int(req.get("max_len", 64))
@@ -336,7 +344,8 @@ class Child:
             parts = int(req["parts"])
             sources = self._ktamx_layer(req["dir"], layer, e, parts)
             layout = {key: ((nbytes,), "u1") for key, (_f, _off, nbytes) in sources.items()}
-        sig = (method, e, int(req["top_k"]), int(req["H"]), int(req["I"]), cfg.max_len, int(req.get("parts", 1)),
+        cap = int(cfg.expert_num)
+        sig = (method, e, cap, int(req["top_k"]), int(req["H"]), int(req["I"]), cfg.max_len, int(req.get("parts", 1)),
                tuple(layout.items()))
         slot = next((s for s in self.slots if s.key is None and s.sig == sig), None)
         if slot is None:
@@ -356,16 +365,18 @@ class Child:
                 cfg.path = tree
                 moe = getattr(self.ext.moe, "AMXInt8_MOE" if method == "AMXINT8" else "AMXInt4_MOE")(cfg)
                 staging = _Tree(tree, layer, "INT8" if method == "AMXINT8" else "INT4")
-            slot = _Slot(moe, [mask, np.arange(e, dtype=np.int64)], req, staging, sig)  # the C++ reads uint64 ids
+            slot = _Slot(moe, [mask, np.arange(cap, dtype=np.int64)], req, staging, sig)  # the C++ reads uint64 ids
             self.slots.append(slot)
+        slot.held = None  # nothing of this layer in the object yet
         try:
             if method == "BF16":
                 for p, a in sources.items():
                     slot.staging.arrays[p][...] = a
             else:
                 slot.staging.write(sources)
-            self._pool().submit(slot.moe.load_weights_task(_ptr(slot.keep[1])))
-            self._pool().sync()
+            if cap == e:  # the whole layer, now; a picked slot loads the experts each forward picks
+                self._pool().submit(slot.moe.load_weights_task(_ptr(slot.keep[1])))
+                self._pool().sync()
         finally:
             slot.staging.release()  # copied by the kernel (or failed): the staging's pages are not needed
         slot.key, slot.spec = req["key"], req
@@ -418,6 +429,17 @@ class Child:
         hidden = np.ascontiguousarray(np.load(req["hidden"]), dtype=np.uint16)
         ids = np.ascontiguousarray(np.load(req["ids"]), dtype=np.int64)
         w = np.ascontiguousarray(np.load(req["weights"]), dtype=np.float32)
+        if isinstance(layer, _Slot) and layer.sig[2] < layer.sig[1]:
+            out, loads = self._forward_picked(layer, hidden, ids, w)
+            np.save(req["out"], out)
+            return {"tokens": int(ids.shape[0]), "loads": loads}
+        out = self._run(layer, hidden, ids, w)
+        np.save(req["out"], out)
+        return {"tokens": int(ids.shape[0])}
+
+    def _run(self, layer, hidden, ids, w):
+        """One kernel forward of these tokens (bf16 bits in and out)."""
+        np = self.np
         t, k = ids.shape
         out = np.zeros_like(hidden)
         bsz = np.array([t], dtype=np.int32)
@@ -425,8 +447,50 @@ class Child:
         task = fwd(_ptr(bsz), k, _ptr(ids), _ptr(w), _ptr(hidden), _ptr(out), False)  # no incremental / no backward
         self._pool().submit(task)
         self._pool().sync()
-        np.save(req["out"], out)
-        return {"tokens": t}
+        return out
+
+    def _forward_picked(self, slot, hidden, ids, w):
+        """A picked slot holds ``C`` of the layer's ``E`` experts: the call's tokens go in groups whose picks fit
+        ``C`` (in token order; a token's ``K`` experts always in one group, so the kernel sums them in one go), and
+        each group's experts are read from the layer's ``.kt`` files into positions ``0..n-1`` (the
+        ``physical_to_logical_map`` of the ``config_.load`` branch names the file of each position; the other
+        positions keep experts the object held before, else repeat the group's first one, as every position is read)
+        before its forward runs on ids renumbered to those positions; a group whose picks the object holds already
+        reads nothing. Returns the output and how many loads it took."""
+        np = self.np
+        cap = slot.sig[2]
+        out = np.zeros_like(hidden)
+        loads, start = 0, 0
+        t = ids.shape[0]
+        while start < t:
+            picked: dict[int, None] = {}
+            end = start
+            while end < t:
+                more = [int(x) for x in ids[end] if int(x) not in picked]
+                if len(picked) + len(set(more)) > cap:
+                    break
+                picked.update(dict.fromkeys(more))
+                end += 1
+            if end == start:
+                raise ValueError(f"token {start} picks {len(set(ids[start].tolist()))} experts, more than the "
+                                 f"slot's capacity {cap}")
+            held = slot.held
+            if held is None or not set(picked) <= set(held):  # else the object holds them already: no read
+                keep = [x for x in dict.fromkeys(held or ()) if x not in picked]  # the next group may want them
+                held = sorted(picked) + keep[:cap - len(picked)]
+                held += [held[0]] * (cap - len(held))
+                slot.held = None  # a failed load leaves the object holding nothing known
+                slot.keep[1][...] = np.asarray(held, dtype=np.int64)
+                self._pool().submit(slot.moe.load_weights_task(_ptr(slot.keep[1])))
+                self._pool().sync()
+                slot.held = held = tuple(held)
+                loads += 1
+            position = {x: held.index(x) for x in picked}
+            local = np.ascontiguousarray(np.vectorize(position.__getitem__, otypes=[np.int64])(ids[start:end]))
+            out[start:end] = self._run(slot, np.ascontiguousarray(hidden[start:end]), local,
+                                       np.ascontiguousarray(w[start:end]))
+            start = end
+        return out, loads
 
 
 def main(argv=None) -> int:

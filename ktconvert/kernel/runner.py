@@ -103,6 +103,7 @@ class KernelSession:
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=full_env, text=True)
         self._n = 0
         self.loaded: dict[str, dict] = {}
+        self.expert_loads = 0  # picked experts read into the child's object at forwards (a capacity below E)
         try:
             self._start(method)
         except BaseException:
@@ -218,12 +219,18 @@ class KernelSession:
                             "max_len": max_len}
 
     def load_ktamx_layer(self, key: str, directory, layer: int, *, experts: int, top_k: int, hidden: int, inter: int,
-                         max_len: int = 64) -> None:
-        """AMXINT8/AMXINT4 on one layer of a kt-amx directory written for ``threadpools`` parts."""
+                         max_len: int = 64, capacity: int | None = None) -> None:
+        """AMXINT8/AMXINT4 on one layer of a kt-amx directory written for ``threadpools`` parts. ``capacity`` below
+        ``experts``: the child's object holds that many experts, and each forward reads only the experts its tokens
+        pick (in groups of tokens whose picks fit); at least ``top_k``."""
         self._check(hidden=hidden, inter=inter, types=None, where=f"layer {layer}")
+        if capacity is not None and not top_k <= capacity:
+            raise KernelRefused(f"a capacity of {capacity} experts cannot hold one token's {top_k} picks",
+                                fix=f"give at least {top_k}")
         req = {"op": "load", "key": key, "method": self.method, "E": experts, "top_k": top_k, "H": hidden,
                "I": inter, "layer": layer, "max_len": max_len, "dir": str(directory), "parts": self.threadpools,
-               "scratch": str(self._dir)}  # the child writes the layer's .kt files there for the kernel to read
+               "scratch": str(self._dir),  # the child writes the layer's .kt files there for the kernel to read
+               "capacity": min(capacity or experts, experts)}
         self._call(req, f"loading layer {layer} of {directory}")
         self.loaded[key] = {"layer": layer, "H": hidden, "E": experts, "types": {}, "max_len": max_len}
 
@@ -251,10 +258,11 @@ class KernelSession:
             return np.concatenate([self.forward(key, hidden_bf16[a:a + step], ids[a:a + step], weights[a:a + step])
                                    for a in range(0, ids.shape[0], step)])
         out = self._dir / "out.npy"
-        self._call({"op": "forward", "key": key, "hidden": self._save(np.ascontiguousarray(hidden_bf16, dtype=np.uint16)),
+        ans = self._call({"op": "forward", "key": key, "hidden": self._save(np.ascontiguousarray(hidden_bf16, dtype=np.uint16)),
                     "ids": self._save(ids), "weights": self._save(np.ascontiguousarray(weights, dtype=np.float32)),
                     "out": str(out)}, f"running layer {info['layer']} on {ids.shape[0]} token(s)")
         res = np.load(out)
+        self.expert_loads += int(ans.get("loads", 0))
         for f in self._dir.glob("a*.npy"):  # inputs of this call; loaded weights live in the child already
             f.unlink()
         return res

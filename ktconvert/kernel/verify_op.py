@@ -32,6 +32,10 @@ MODES = ("emulate", "kt-kernel", "both")
 
 
 class KernelRuntime:
+    #: a streamed run loads an AMXINT8/AMXINT4 layer of at most this many bytes whole, a larger one as the experts
+    #: each forward picks (:meth:`capacity`)
+    WHOLE_LAYER_BYTES = 2**30
+
     def __init__(self, mode: str, *, kt_weights=None, threads: int = 1, streamed: bool = False):
         if mode not in MODES[1:]:
             raise KernelRefused(f"unknown kernel mode {mode!r}", fix="use emulate, kt-kernel or both")
@@ -135,6 +139,8 @@ class KernelRuntime:
         else:
             s._check(hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, types=None, where=f"layer {blocks.layer}")
 
+        capacity = self.capacity(method, cfg, blocks.layer)
+
         def load() -> None:  # when the layer first runs: a streamed run loads it part by part
             if method == "LLAMAFILE":
                 s.load_gguf_layer(key, blocks, top_k)
@@ -148,7 +154,8 @@ class KernelRuntime:
                                      hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
             else:
                 s.load_ktamx_layer(key, self.kt_weights, blocks.layer, experts=cfg.num_experts, top_k=top_k,
-                                   hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
+                                   hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size,
+                                   capacity=capacity)
 
         row = self.rows.get(key)
         if row is None:
@@ -157,15 +164,32 @@ class KernelRuntime:
                 "method": "AMXBF16_SFT" if lora is not None else method, "variant": s.info.variant,
                 "threadpools": parts, "weights": "kt-amx " + str(self.kt_weights) if self._ktamx is not None
                 else source.path, "agreement": {} if self.mode == "both" else None}
-        return KernelExperts(self, s, key, emulation, row, load, self._child_bytes(method, blocks, lora))
+        return KernelExperts(self, s, key, emulation, row, load, self._child_bytes(method, blocks, lora, capacity))
 
-    def _child_bytes(self, method: str, blocks, lora) -> int:
+    def capacity(self, method: str, cfg, layer: int) -> int | None:
+        """How many experts the child's object holds for an AMXINT8/AMXINT4 layer: None, the whole layer loaded once,
+        unless the run is streamed and the layer is over :attr:`WHOLE_LAYER_BYTES`; then ``2 * top_k`` (one token's
+        picks and as many again), each forward reading only the experts its tokens pick. Neither depends on the
+        budget, so the minimum a refusal names is a budget that runs (a switch to the whole layer at a larger budget
+        would raise the need past it)."""
+        if not self.streamed or method not in ("AMXINT8", "AMXINT4"):
+            return None
+        if self._layer_bytes(layer) <= self.WHOLE_LAYER_BYTES:
+            return None
+        cap = 2 * int(cfg.num_experts_per_tok)
+        return cap if cap < int(cfg.num_experts) else None
+
+    def _layer_bytes(self, layer: int) -> int:
+        return sum(n for _dtype, n, _f in self._ktamx.layers[layer].tensors.values())
+
+    def _child_bytes(self, method: str, blocks, lora, capacity: int | None = None) -> int:
         """The most the child holds for one layer: LLAMAFILE maps the ggml blocks and reads them in place;
         AMXINT8/AMXINT4 hold the layer once (kt-kernel reads the layer's ``.kt`` files, written file to file from
-        the kt-amx directory, straight into its buffers); BF16 holds it twice while it loads (read into the staging,
-        and kt-kernel's own copy), then once."""
+        the kt-amx directory, straight into its buffers), or ``capacity`` of its experts when it holds picked ones;
+        BF16 holds it twice while it loads (read into the staging, and kt-kernel's own copy), then once."""
         if method in ("AMXINT8", "AMXINT4"):
-            return sum(n for _dtype, n, _f in self._ktamx.layers[blocks.layer].tensors.values())
+            layer = self._layer_bytes(blocks.layer)
+            return layer if capacity is None else layer // self._ktamx.layers[blocks.layer].experts * capacity
         stored = sum(getattr(blocks, p).data.nbytes for p in ("gate", "up", "down"))
         if lora is not None:
             stored += sum(a.nbytes for a in lora.values())
