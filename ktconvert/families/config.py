@@ -187,6 +187,11 @@ class MoeConfig:
         return self.shared_experts_width or self.moe_intermediate_size * self.n_shared_experts
 
     @property
+    def architecture(self) -> str:
+        """config.json's first ``architectures`` entry, else the family's name (what a golden's manifest records)."""
+        return (self.raw.get("architectures") or [self.family])[0]
+
+    @property
     def spec(self) -> registry.FamilySpec:
         """The family's spec (``rules/families/<family>.yaml``): ask it instead of comparing family names."""
         return registry.spec(self.family)

@@ -75,6 +75,13 @@ class Release:
         """The normalised config; ``config.spec`` is the family spec."""
         return normalize_config(self.raw, path=str(self.config_file))
 
+    @cached_property
+    def dims(self):
+        """The dimensions an adapter is checked against (:func:`ktconvert.formats.config.dims_from_hf_config`)."""
+        from ktconvert.formats.config import dims_from_hf_config
+
+        return dims_from_hf_config(self.raw, str(self.config_file))
+
     # --- weights -------------------------------------------------------------------------------------------------
     @cached_property
     def checkpoint(self) -> Checkpoint:

@@ -179,11 +179,11 @@ def _family_config(transformers, model_dir) -> object | None:
     """A config.json whose model_type transformers does not know but whose ``architectures`` name a family
     (Kimi-K2's ``kimi_k2`` is DeepseekV3ForCausalLM) loads as that family's transformers config, which is what
     its users do; ``None`` lets transformers read config.json itself."""
-    cfg = open_release(model_dir).config
-    if cfg.raw.get("model_type") in transformers.CONFIG_MAPPING:
+    release = open_release(model_dir)
+    if release.raw.get("model_type") in transformers.CONFIG_MAPPING:
         return None
-    return transformers.AutoConfig.for_model(cfg.spec.transformers_type,
-                                             **{k: v for k, v in cfg.raw.items() if k != "model_type"})
+    return transformers.AutoConfig.for_model(release.config.spec.transformers_type,
+                                             **{k: v for k, v in release.raw.items() if k != "model_type"})
 
 
 def prompt_for(model_dir: str | os.PathLike | Release, text: str | None, ids: list[int] | None, bos: bool) -> tuple[list[int], str | None, bool]:
@@ -269,10 +269,7 @@ def _merged_golden(model_dir: Path, cfg, ids: list[int], threads: int, lora: Pat
     checkpoint), plus the base model's logits as ``base_logits``; the manifest's ``lora`` record."""
     from ktconvert.convert.api import convert
     from ktconvert.convert.lora_merge import load_lora
-    from ktconvert.formats import dims_from_hf_config
-
-    loaded = load_lora(lora, lora_alpha=lora_alpha, dims=dims_from_hf_config(cfg.raw, str(model_dir / "config.json")),
-                       model_type=cfg.family)
+    loaded = load_lora(lora, lora_alpha=lora_alpha, dims=open_release(model_dir).dims, model_type=cfg.family)
     fused = next((n for n, _ in open_checkpoint(model_dir).items() if _FUSED_EXPERTS.search(n)), None)
     if fused is not None:
         raise InputError("golden --lora merges per-expert LoRA through quantize --to hf, which keeps this checkpoint's "
@@ -467,7 +464,7 @@ def _generate_golden(
         "name": out.resolve().name,
         "model": {
             "family": cfg.family,
-            "architecture": (cfg.raw.get("architectures") or [cfg.family])[0],
+            "architecture": cfg.architecture,
             "config_sha256": files["config.json"],
             "files": files,
             "tiny_model": tiny,

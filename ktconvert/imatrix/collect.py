@@ -88,7 +88,7 @@ def bos_policy(model_dir: str | os.PathLike) -> int | None:
 
     release = open_release(model_dir)
     cfg = release.config
-    vocab = convert_tokenizer(release.path, int(cfg.vocab_size), cfg.raw)
+    vocab = convert_tokenizer(release.path, int(cfg.vocab_size), release.raw)
     if vocab is None:
         return None
     add = vocab.add_special.get("bos", vocab.pre in _BOS_BY_DEFAULT)

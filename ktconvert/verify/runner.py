@@ -470,7 +470,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         if isinstance(profile, str) and profile != "auto":
             profile = load_profile(profile)
         cfg = release.config
-        loaded = check_golden_lora(gold, lora, lora_alpha, cfg, model_dir, weights)
+        loaded = check_golden_lora(gold, lora, lora_alpha, cfg, release, weights)
         if loaded is not None:
             notes += [f"LoRA: {w}" for w in loaded.warnings]
             if options.kernel_runtime is not None:  # the kernel runs the expert LoRA itself (its SFT class)
@@ -617,13 +617,13 @@ def merged_lora(weights) -> dict | None:
     return data.get("lora") if data.get("kind") == "ktconvert-manifest" else None
 
 
-def check_golden_lora(golden, lora, lora_alpha, cfg, model_dir: Path, weights=None):
+def check_golden_lora(golden, lora, lora_alpha, cfg, model_dir, weights=None):
     """The adapter (loaded and checked) when it is the one the golden was made with, else :class:`InputError` naming
     both: a golden with an adapter used without it, or the reverse, or another adapter (sha256 of its values) or
     alpha, would compare the wrong models. Weights that ``quantize --lora`` merged the golden's adapter files into
     (their manifest.json says so) pass without ``--lora``; with ``--lora`` they are refused (applied twice)."""
     from ktconvert.convert.lora_merge import load_lora
-    from ktconvert.formats import dims_from_hf_config
+    from ktconvert.formats.release import open_release
 
     want = golden.manifest.get("lora")
     name = golden.manifest["name"]
@@ -648,8 +648,7 @@ def check_golden_lora(golden, lora, lora_alpha, cfg, model_dir: Path, weights=No
                              path=str(weights), fix="pass the golden made with the adapter these weights merged")
         raise InputError(f"golden {name!r} was made with LoRA {_describe(want)}; verify ran without --lora",
                          path=str(golden.path), fix="pass --lora ADAPTER, or a golden made without an adapter")
-    loaded = load_lora(lora, lora_alpha=lora_alpha, dims=dims_from_hf_config(cfg.raw, str(model_dir / "config.json")),
-                       model_type=cfg.family)
+    loaded = load_lora(lora, lora_alpha=lora_alpha, dims=open_release(model_dir).dims, model_type=cfg.family)
     got = loaded.record
     if want is None:
         raise InputError(f"--lora {_describe(got)} but golden {name!r} was made without an adapter",
