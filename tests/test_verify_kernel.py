@@ -362,3 +362,26 @@ def test_budget_below_the_kernel_layer_is_refused_naming_the_child(ws):
     # LLAMAFILE: the child maps the layer's Q8_0 blocks; the emulation decodes one expert at a time
     assert kernel > emulated
     _verify(ws, gguf, kernel="kt-kernel", localize=False, max_memory=kernel)  # the minimum itself runs
+
+
+@pytest.mark.parametrize("method", ["AMXINT8", "AMXINT4"])
+def test_ktamx_kernel_minimum_does_not_hold_the_models_stored_experts(ws, ktamx_dirs, method):
+    """With ``--kt-weights`` the kernel reads its experts from the kt-amx directory and nothing decodes the
+    --model's own: the candidate's operators hold its child's layer, not also the safetensors layer stacked in this
+    process (a Qwen3-30B-shaped AMXINT8 layer was refused at 1 GiB for that: 578 MiB in the child plus 1.2 GB of
+    BF16 experts here). ``both`` runs the emulation, so it still reads and counts them."""
+    from ktconvert.kernel.verify_op import KernelRuntime
+    from ktconvert.model.ops.source import WeightSource
+
+    require_kernel()
+    kw = {"weights": None, "kt_weights": ktamx_dirs[method]}
+    own = _minimum(ws, kw, "kt-kernel")
+    both = _minimum(ws, kw, "both")
+    from ktconvert.model import load_config
+
+    src = WeightSource(ws.model(FAMILY), load_config(ws.model(FAMILY)))
+    stored = max(sum(getattr(src.expert_blocks(layer), p).data.nbytes for p in ("gate", "up", "down"))
+                 for layer in src.cfg.moe_layers)
+    assert both - own >= stored  # the emulation's stacked copy (and its decoded expert) is what kt-kernel alone skips
+    runtime = KernelRuntime("kt-kernel", kt_weights=ktamx_dirs[method])
+    assert runtime.reads_own_files and not KernelRuntime("both", kt_weights=ktamx_dirs[method]).reads_own_files

@@ -51,6 +51,12 @@ class KernelRuntime:
         self.streamed = streamed  # verify --max-memory: layers are loaded and freed part by part
         self.lora = None  # verify --lora: the loaded adapter (convert.lora_merge.LoadedLora), run by the SFT class
 
+    @property
+    def reads_own_files(self) -> bool:
+        """The kernel reads its experts from ``kt_weights`` and nothing runs the emulation beside it: the candidate's
+        stored experts are never decoded, so they need not be read (``WeightSource.expert_shapes``)."""
+        return self._ktamx is not None and self.mode == "kt-kernel"
+
     def auto_profile(self, cfg) -> str | None:
         """``--tolerance auto`` for a kt-amx ``kt_weights`` run: the profile measured for its method (the
         experts of ``--weights`` do not say what the kernel reads)."""

@@ -257,7 +257,9 @@ def _op_builder(inj, kind: str, run: str, source: WeightSource, options: Emulati
             if layer is None:
                 raise InputError(f"an experts operator on {inj.path}, which is not in a decoder layer",
                                  where=inj.path, fix="match experts modules only (…\\.mlp\\.experts$)")
-            blocks = source.expert_blocks(layer)
+            rt = options.kernel_runtime
+            own = run == "cpu-experts-ggml" and rt is not None and rt.reads_own_files
+            blocks = source.expert_shapes(layer) if own else source.expert_blocks(layer)
             if run == "cpu-experts-ggml":
                 op = CpuExpertsGGML(blocks, CpuKernelNumerics(options.cpu_hidden_dtype, options.cpu_act_quant))
                 if options.kernel_runtime is not None:  # the real kernel, in its child process

@@ -374,6 +374,23 @@ class WeightSource:
                         getattr(found, p).lora = per
         return found
 
+    def expert_shapes(self, layer: int) -> ExpertBlocks:
+        """The experts of ``layer`` as their type and shapes only, with no data: what an operator that never decodes
+        them needs (the real kernel reading its own kt-amx files, which would otherwise hold a safetensors layer's
+        stacked copy beside its own). A GGUF's blocks are views of the mapped file already, and a safetensors layer
+        of mixed types is read as :meth:`expert_blocks` reads it."""
+        dtypes = getattr(self._state, "expert_dtypes", None) if self.container == "safetensors" else None
+        qtype = dtypes(layer) if dtypes is not None else None
+        if qtype is None or self.lora:
+            return self.expert_blocks(layer)
+        cfg = self.cfg
+        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        names = dict(zip(PROJECTIONS, cfg.expert_proj_names))
+        prefix = f"model.layers.{layer}.{cfg.moe_block_name}.experts.0"
+        shapes = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
+        return ExpertBlocks(layer, *(Blocks(qtype, np.empty(0, np.uint8), shapes[p], (f"{prefix}.{names[p]}.weight",))
+                                     for p in PROJECTIONS))
+
     def _st_experts(self, layer: int) -> ExpertBlocks:
         cfg = self.cfg
         names = dict(zip(PROJECTIONS, cfg.expert_proj_names))
