@@ -340,6 +340,9 @@ class WeightSource:
         stored = self.vocab_name(name)
         sel = ids if ids is not None else slice(*span)
         if self.container == "safetensors":
+            by_rows = getattr(self._state, "rows", None)  # streamed: only these rows read, never the whole table
+            if by_rows is not None and stored in VOCAB_PARTS.values():
+                return by_rows(stored, ids, span)
             return self._state[stored][torch.from_numpy(np.asarray(sel)) if ids is not None else sel].to(
                 torch.float32).numpy()
         qtype, cols = self._types[stored], self._shapes[stored][-1]
@@ -459,6 +462,8 @@ class _PartStates:
         return ("embed",) if name.startswith("model.embed_tokens.") else ("head",)
 
     def _part(self, key: tuple) -> dict:
+        from ktconvert.model.executor import Pending
+
         got = self.parts.get(key)
         if got is None:
             r = self.reader
@@ -472,7 +477,11 @@ class _PartStates:
                     name = r.vocab[key[0]]
                     w = r.qmap.weights.get(name)
                     rows = int(w.shape[0]) if w is not None else int(r.ck[name].shape[0])
-                    got = {**got, VOCAB_PARTS[key[0]]: r.rows_state(key[0], None, (0, rows))[0]}
+                    # read when asked for, not when its name is looked up: the streamed candidate's vocabulary
+                    # modules read rows, and a whole table held here would sit beside every later part
+                    got = {**got, VOCAB_PARTS[key[0]]: Pending(
+                        (rows, self.cfg.hidden_size), 0,
+                        lambda kind=key[0], rows=rows: r.rows_state(kind, None, (0, rows))[0])}
             self.parts[key] = got
         return got
 
@@ -494,6 +503,16 @@ class _PartStates:
         from ktconvert.model.executor import resolve
 
         return resolve(self._part(self._key(name)).pop(name))
+
+    def rows(self, name: str, ids: np.ndarray | None, span: tuple[int, int] | None) -> np.ndarray:
+        """Rows ``ids`` (any order, repeats allowed) or ``span`` of a vocabulary table (a :data:`VOCAB_PARTS` name),
+        float32, read from the file alone: the same values as the whole table's rows, without holding the table."""
+        kind = next(k for k, v in VOCAB_PARTS.items() if v == name)
+        if ids is None:
+            return self.reader.rows_state(kind, None, span)[0].to(torch.float32).numpy()
+        distinct, back = np.unique(np.asarray(ids), return_inverse=True)
+        got = self.reader.rows_state(kind, torch.from_numpy(distinct), None)[0]
+        return got.to(torch.float32).numpy()[back.reshape(-1)]
 
     def forget_experts(self, layer: int) -> None:
         self.parts.pop(("experts", layer), None)
