@@ -385,3 +385,29 @@ def test_ktamx_kernel_minimum_does_not_hold_the_models_stored_experts(ws, ktamx_
     assert both - own >= stored  # the emulation's stacked copy (and its decoded expert) is what kt-kernel alone skips
     runtime = KernelRuntime("kt-kernel", kt_weights=ktamx_dirs[method])
     assert runtime.reads_own_files and not KernelRuntime("both", kt_weights=ktamx_dirs[method]).reads_own_files
+
+
+def test_the_reference_runs_beside_the_kernel_childs_kept_slot(ws, ktamx_dirs):
+    """kt-kernel frees no AMX layer's buffers: the child's slot stays allocated between the candidate's layers, so a
+    streamed verify with localisation gives the reference what the budget leaves beside it, and a budget that
+    cannot hold both is one line naming the child's share and the minimum (which then runs)."""
+    import re
+
+    from ktconvert.errors import UsageProblem
+    from ktconvert.kernel.verify_op import KernelRuntime
+    from ktconvert.model import load_config
+
+    require_kernel()
+    kw = {"kt_weights": ktamx_dirs["AMXINT8"]}
+    runtime = KernelRuntime("kt-kernel", kt_weights=ktamx_dirs["AMXINT8"], streamed=True)
+    kept = runtime.kept_between_layers(load_config(ws.model(FAMILY)))
+    assert kept == max(runtime._layer_bytes(layer) for layer in runtime._ktamx.layers) > 0
+    alone = _minimum(ws, {"weights": None, **kw}, "kt-kernel")  # the candidate's minimum (no reference built)
+    with pytest.raises(UsageProblem) as exc:
+        _verify(ws, None, max_memory=alone, **kw)
+    line = exc.value.message
+    assert "the kt-kernel child keeps" in line and "between layers" in line and "reference" in line, line
+    need = int(re.search(r"\((\d+) bytes\)", line).group(1))
+    assert need > alone
+    report = _verify(ws, None, max_memory=need, **kw)
+    assert report.run["mode"] == "stream" and report.passed, [b.line() for b in report.breaches]

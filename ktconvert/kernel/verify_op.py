@@ -185,6 +185,20 @@ class KernelRuntime:
         cap = 2 * int(cfg.num_experts_per_tok)
         return cap if cap < int(cfg.num_experts) else None
 
+    def kept_between_layers(self, cfg) -> int:
+        """What the child keeps between the candidate's layers: kt-kernel never frees an AMX class's buffers, so the
+        slot a kt-amx layer was loaded into stays allocated after its part ends (the largest such layer, or its
+        picked-experts capacity). 0 without ``kt_weights`` (LLAMAFILE maps its blocks and frees them)."""
+        if self._ktamx is None:
+            return 0
+        method = "AMXINT8" if self._ktamx.bits(cfg.hidden_size, cfg.moe_intermediate_size) == 8 else "AMXINT4"
+        most = 0
+        for layer, la in self._ktamx.layers.items():
+            cap = self.capacity(method, cfg, layer)
+            size = self._layer_bytes(layer)
+            most = max(most, size if cap is None else size // la.experts * cap)
+        return most
+
     def _layer_bytes(self, layer: int) -> int:
         return sum(n for _dtype, n, _f in self._ktamx.layers[layer].tensors.values())
 

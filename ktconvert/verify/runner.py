@@ -326,8 +326,21 @@ def _build_run(release, cfg, compiled, catalog, source, pre_source, options, loa
         try:
             if streamed:
                 skeleton = build_skeleton(cfg)
-                provider = CheckpointWeights(release, cfg, budget=budget)
+                # the kernel child's slot stays allocated between the candidate's layers: the reference's parts
+                # run beside it, so they get what the budget leaves
+                kept = options.kernel_runtime.kept_between_layers(cfg) if options.kernel_runtime is not None else 0
+                provider = CheckpointWeights(release, cfg, budget=budget - kept)
                 provider.lora = loaded.deltas if loaded is not None else {}
+                if kept:
+                    need, where = provider.minimum(skeleton)
+                    if budget - kept < need:
+                        from ktconvert.errors import UsageProblem
+
+                        raise UsageProblem(
+                            f"--max-memory {format_size(budget)} is below the minimum {format_size(need + kept)} "
+                            f"({need + kept} bytes): the kt-kernel child keeps {format_size(kept)} of packed experts "
+                            f"between layers (kt-kernel frees no layer's buffers) and the reference's {where} needs "
+                            f"{format_size(need)} beside it", fix=f"pass --max-memory {need + kept} or more")
                 provider.check_budget(skeleton)
                 reference = LayerMajor(skeleton, provider)
             else:

@@ -354,6 +354,10 @@ class WeightSource:
     def stored_type(self, name: str) -> str:
         """How ``name``'s tensor is stored (ggml type name, or the safetensors dtype), for the report."""
         if self.container == "safetensors":
+            known = getattr(self._state, "stored_dtype", None)  # streamed: a vocabulary table's from its header
+            got = known(name) if known is not None else None
+            if got is not None:
+                return got
             t = self._state.get(name)
             return str(t.dtype).replace("torch.", "") if t is not None else "?"
         m = self._naming.lookup(name)
@@ -513,6 +517,17 @@ class _PartStates:
         distinct, back = np.unique(np.asarray(ids), return_inverse=True)
         got = self.reader.rows_state(kind, torch.from_numpy(distinct), None)[0]
         return got.to(torch.float32).numpy()[back.reshape(-1)]
+
+    def stored_dtype(self, name: str) -> str | None:
+        """The dtype a vocabulary table (a :data:`VOCAB_PARTS` name read by rows) reads as, from its header and
+        without reading it (torch's name: ``bfloat16``; a quantized release's decodes to ``float32``); None for
+        any other name."""
+        kind = next((k for k, v in VOCAB_PARTS.items() if v == name), None)
+        r = self.reader
+        if kind is None or not r.has_rows(kind):
+            return None
+        stored = r.vocab[kind]
+        return "float32" if stored in r.qmap.weights else TORCH_NAMES.get(r.ck[stored].dtype)
 
     def forget_experts(self, layer: int) -> None:
         self.parts.pop(("experts", layer), None)
