@@ -157,12 +157,19 @@ def test_parallel_entry_point_uses_the_requested_threads_and_matches(monkeypatch
 
     seen = set()
     real = _api._kernel
+    # the first two threads to run a chunk wait for each other (a serial implementation would time out here), so
+    # the check does not depend on how a loaded machine schedules the pool's threads
+    meet = {"barrier": None}
 
     def spy_kernel(name):
         kernel = real(name)
 
         def spy(*args):
-            seen.add(threading.current_thread().name)
+            me = threading.current_thread().name
+            first = me not in seen
+            seen.add(me)
+            if meet["barrier"] is not None and first and len(seen) <= 2:
+                meet["barrier"].wait()
             return kernel(*args)
         return spy
 
@@ -172,6 +179,7 @@ def test_parallel_entry_point_uses_the_requested_threads_and_matches(monkeypatch
     a = Q.quantize(x, T.Q8_0, workers=1)
     assert seen == {threading.current_thread().name}  # one worker: the caller's own thread
     seen.clear()
+    meet["barrier"] = threading.Barrier(2, timeout=60)
     b = Q.quantize_parallel(x, T.Q8_0, workers=4)
     assert len(seen) > 1 and all(n.startswith("ktconvert-quant") for n in seen)
     assert np.array_equal(a, b)

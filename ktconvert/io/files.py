@@ -7,10 +7,12 @@ from __future__ import annotations
 import os
 import stat
 from pathlib import Path
-
-import numpy as np
+from typing import TYPE_CHECKING
 
 from ktconvert.errors import InputError
+
+if TYPE_CHECKING:  # numpy is imported where a buffer is made: check-rules and inspect stay without it
+    import numpy as np
 
 
 def regular_file_size(path: Path, what: str = "file", *, limit: int | None = None, fix: str | None = None) -> int:
@@ -58,16 +60,17 @@ class ReadBuffer:
     again costs no page faults (a fresh array per read faults in and zeroes every page of it first)."""
 
     def __init__(self) -> None:
-        self._raw = np.empty(0, dtype=np.uint8)
-        self._view = self._raw
+        self._raw = self._view = None
 
     def release(self) -> None:
         """Give the memory back (a later ``take`` allocates again)."""
-        self._raw = self._view = np.empty(0, dtype=np.uint8)
+        self._raw = self._view = None
 
     def take(self, nbytes: int) -> np.ndarray:
         """A writable uint8 view of the first ``nbytes`` (valid until the next ``take``)."""
-        if nbytes > self._view.size:
+        import numpy as np
+
+        if self._view is None or nbytes > self._view.size:
             self._raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
             skip = -self._raw.ctypes.data % ALIGN
             self._view = self._raw[skip: skip + nbytes]

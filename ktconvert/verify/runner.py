@@ -538,7 +538,8 @@ def _verify_kl_base(model_dir: Path, rules, base_path, *, weights, prefill_weigh
     from ktconvert.verify import klbase
 
     began = time.perf_counter()
-    cfg = load_config(model_dir)
+    release = open_release(model_dir)
+    cfg = release.config
     base, bos = klbase.load_base(model_dir, base_path, int(cfg.vocab_size), lora)
     extra = float(klbase.allowance(base).max())
     notes = klbase.notes(base, extra)
@@ -549,11 +550,11 @@ def _verify_kl_base(model_dir: Path, rules, base_path, *, weights, prefill_weigh
             profile = load_profile(profile)
         catalog = catalog or load_catalog()
         compiled = load_rules(rules, catalog, backend, family=cfg.family)
-        source = WeightSource(weights if weights is not None else model_dir, cfg)
+        source = WeightSource(weights if weights is not None else release, cfg)
         pre_source = WeightSource(prefill_weights, cfg) if prefill_weights is not None else None
         profile = choose_profile(profile, options, source, cfg)
         judged = klbase.judged_profile(profile, extra)
-        run = _build_run(model_dir, cfg, compiled, catalog, source, pre_source, weights, options, None, base.n_ctx,
+        run = _build_run(release, cfg, compiled, catalog, source, pre_source, options, None, base.n_ctx,
                          False, max_memory, notes)
         phases = []
         for name, layerwise, step in (("prefill", run.injected.layerwise(base.n_ctx), None), ("decode", False, 1)):
@@ -561,7 +562,7 @@ def _verify_kl_base(model_dir: Path, rules, base_path, *, weights, prefill_weigh
             phases.append(PhaseResult(name, layerwise, stats, [], nonfinite, None, None,
                                       klbase.judge(name, base, stats, nonfinite, judged)))
     report = VerifyReport(
-        model={"dir": str(model_dir), "family": cfg.family, "config_sha256": sha256_file(model_dir / "config.json")},
+        model={"dir": str(model_dir), "family": cfg.family, "config_sha256": release.config_sha256},
         rules=str(rules),
         weights={"path": str(weights if weights is not None else model_dir), "container": source.container,
                  "prefill_path": None if pre_source is None else str(prefill_weights),
