@@ -192,15 +192,16 @@ class KernelRuntime:
         if self._ktamx is None:
             return 0
         method = "AMXINT8" if self._ktamx.bits(cfg.hidden_size, cfg.moe_intermediate_size) == 8 else "AMXINT4"
-        most = 0
-        for layer, la in self._ktamx.layers.items():
-            cap = self.capacity(method, cfg, layer)
-            size = self._layer_bytes(layer)
-            most = max(most, size if cap is None else size // la.experts * cap)
-        return most
+        return max((self._held_bytes(layer, self.capacity(method, cfg, layer)) for layer in self._ktamx.layers),
+                   default=0)
 
     def _layer_bytes(self, layer: int) -> int:
         return sum(n for _dtype, n, _f in self._ktamx.layers[layer].tensors.values())
+
+    def _held_bytes(self, layer: int, capacity: int | None) -> int:
+        """What the child's object holds of a kt-amx layer: all of it, or ``capacity`` of its experts."""
+        size = self._layer_bytes(layer)
+        return size if capacity is None else size // self._ktamx.layers[layer].experts * capacity
 
     def _child_bytes(self, method: str, blocks, lora, capacity: int | None = None) -> int:
         """The most the child holds for one layer: LLAMAFILE maps the ggml blocks and reads them in place;
@@ -208,8 +209,7 @@ class KernelRuntime:
         the kt-amx directory, straight into its buffers), or ``capacity`` of its experts when it holds picked ones;
         BF16 holds it twice while it loads (read into the staging, and kt-kernel's own copy), then once."""
         if method in ("AMXINT8", "AMXINT4"):
-            layer = self._layer_bytes(blocks.layer)
-            return layer if capacity is None else layer // self._ktamx.layers[blocks.layer].experts * capacity
+            return self._held_bytes(blocks.layer, capacity)
         stored = sum(getattr(blocks, p).data.nbytes for p in ("gate", "up", "down"))
         if lora is not None:
             stored += sum(a.nbytes for a in lora.values())

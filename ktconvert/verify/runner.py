@@ -331,17 +331,17 @@ def _build_run(release, cfg, compiled, catalog, source, pre_source, options, loa
                 kept = options.kernel_runtime.kept_between_layers(cfg) if options.kernel_runtime is not None else 0
                 provider = CheckpointWeights(release, cfg, budget=budget - kept)
                 provider.lora = loaded.deltas if loaded is not None else {}
-                if kept:
-                    need, where = provider.minimum(skeleton)
-                    if budget - kept < need:
-                        from ktconvert.errors import UsageProblem
+                if not kept:
+                    provider.check_budget(skeleton)
+                elif budget - kept < (need := provider.minimum(skeleton))[0]:
+                    from ktconvert.errors import UsageProblem
 
-                        raise UsageProblem(
-                            f"--max-memory {format_size(budget)} is below the minimum {format_size(need + kept)} "
-                            f"({need + kept} bytes): the kt-kernel child keeps {format_size(kept)} of packed experts "
-                            f"between layers (kt-kernel frees no layer's buffers) and the reference's {where} needs "
-                            f"{format_size(need)} beside it", fix=f"pass --max-memory {need + kept} or more")
-                provider.check_budget(skeleton)
+                    least, where = need[0] + kept, need[1]
+                    raise UsageProblem(
+                        f"--max-memory {format_size(budget)} is below the minimum {format_size(least)} ({least} "
+                        f"bytes): the kt-kernel child keeps {format_size(kept)} of packed experts between layers "
+                        f"(kt-kernel frees no layer's buffers) and the reference's {where} needs "
+                        f"{format_size(need[0])} beside it", fix=f"pass --max-memory {least} or more")
                 reference = LayerMajor(skeleton, provider)
             else:
                 original = read_safetensors(release)  # the one opened release (the candidate's too, when its own)
@@ -470,7 +470,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         raise InputError("model directory not found", path=str(model_dir),
                          fix="--model takes the Hugging Face model directory (config.json and its weights)")
     if Path(golden).is_file():  # not a golden directory: a llama.cpp KL-divergence base file
-        return _verify_kl_base(model_dir, rules, golden, weights=weights, prefill_weights=prefill_weights,
+        return _verify_kl_base(release, rules, golden, weights=weights, prefill_weights=prefill_weights,
                                profile=profile, options=options, catalog=catalog, backend=backend, threads=threads,
                                lora=lora, max_memory=max_memory, progress=progress)
     gold = read_golden(golden)
@@ -530,7 +530,7 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
     return report
 
 
-def _verify_kl_base(model_dir: Path, rules, base_path, *, weights, prefill_weights, profile, options, catalog, backend,
+def _verify_kl_base(release, rules, base_path, *, weights, prefill_weights, profile, options, catalog, backend,
                     threads, lora, max_memory, progress) -> VerifyReport:
     """:func:`run_verify` against a llama.cpp KL-divergence base file (:mod:`ktconvert.verify.klbase`): each chunk
     from a fresh cache, prefill and decode, KL and top-1/top-k at its scored positions; no hidden states, so no
@@ -538,8 +538,7 @@ def _verify_kl_base(model_dir: Path, rules, base_path, *, weights, prefill_weigh
     from ktconvert.verify import klbase
 
     began = time.perf_counter()
-    release = open_release(model_dir)
-    cfg = release.config
+    model_dir, cfg = release.path, release.config
     base, bos = klbase.load_base(model_dir, base_path, int(cfg.vocab_size), lora)
     extra = float(klbase.allowance(base).max())
     notes = klbase.notes(base, extra)
