@@ -64,6 +64,13 @@ def test_block_runs_as_written(tmp_path, where, body):
     assert after == before, f"{where} changed the repository: {sorted(set(after) ^ set(before))[:5]}"
 
 
+def test_every_code_fence_is_closed():
+    """An unclosed fence turns the rest of a page into code (the README's first block lost its closing one once)."""
+    for page in PAGES:
+        fences = [n for n, line in enumerate(page.read_text().splitlines(), 1) if line.lstrip().startswith("```")]
+        assert len(fences) % 2 == 0, f"{page.relative_to(REPO)}: the fence at line {fences[-1]} is never closed"
+
+
 def test_the_readme_is_a_first_read():
     """What a newcomer reads first stays short; the reference lives in docs/."""
     lines = README.count("\n")
