@@ -166,9 +166,11 @@ def test_llamacpp_scores_a_base_file_ktconvert_wrote(llama_perplexity, f32_gguf,
     model, gguf = f32_gguf
     ids = [510] + [(7 * i + 3) % 500 + 4 for i in range(N_CTX - 1)]  # 510: the tiny vocabulary's BOS
     kld.write_kl_base(tmp_path / "ours.kld", ids, _stream_logits(model, ids))
-    # llama.cpp logs from a thread of its own, and a process that exits under load can lose the last lines (seen
-    # once in a parallel test run: the table's header without its row): the run is repeated, at most three times
-    for _ in range(3):
+    # llama.cpp logs from a thread of its own and never joins it: common/log.cpp's common_log_main() leaks the logger
+    # on purpose, and says that lines still queued when the program exits are lost (llama-cpp-python 0.3.36's
+    # vendored llama.cpp). Under load the worker can lag behind the whole tail, so the chunk's row is lost: seen
+    # three times in a row once. A lost row is the logger, not the score, so the run is repeated, at most six times
+    for _ in range(6):
         log = _perplexity(llama_perplexity, "-m", gguf, "--kl-divergence-base", tmp_path / "ours.kld",
                           "--kl-divergence")
         row = re.search(r"^\s*1\s+([\d.]+) ± +[\d.]+\s+(-?[\d.]+) ± +[\d.]+\s+(-?[\d.]+) ± +[\d.]+\s+[\d.]+ ± +[\d.]+ %"
