@@ -29,6 +29,15 @@ class KtError(Exception):
 class InputError(KtError):
     """An input file or directory cannot be read or is malformed (exit 3)."""
 
+    @classmethod
+    def first_of(cls, problems: list[tuple[str, str | None, str | None]], path: str, kind: str = "") -> InputError:
+        """The first of ``problems`` (``(message, where, fix)``, at least one) as the one line, counting the rest
+        for ``ktconvert inspect`` (``kind``: "FP8 ", "quantization ", or "" for any)."""
+        message, where, fix = problems[0]
+        if len(problems) > 1:
+            message += f" (and {len(problems) - 1} more {kind}problem(s); ktconvert inspect lists them)"
+        return cls(message, path=path, where=where, fix=fix)
+
 
 class EnvironmentProblem(KtError):
     """A missing optional dependency or tool (exit 3)."""

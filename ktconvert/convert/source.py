@@ -52,12 +52,6 @@ class SourceModel:
     skipped: list[str] = field(default_factory=list)
 
 
-def _fail(problems: list[tuple[str, str | None]], path: str, fix: str) -> InputError:
-    msg, where = problems[0]
-    more = f" (and {len(problems) - 1} more problem(s); ktconvert inspect lists them)" if len(problems) > 1 else ""
-    return InputError(msg + more, path=path, where=where, fix=fix)
-
-
 def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceModel:
     """Open ``src`` (anything :func:`ktconvert.formats.open_checkpoint` reads, or a
     :class:`~ktconvert.formats.release.Release` already opened) and derive the output items.
@@ -92,13 +86,14 @@ def analyze(src: str | Path, config: str | Path | dict | None = None) -> SourceM
                          fix="pass --config with the model's config.json")
     nm = naming_map(report.arch)
     # the place is the layer; a message that starts by naming it again loses that start
-    errors = [(p.message.removeprefix(f"layer {p.extra['layer']}: "), f"layer {p.extra['layer']}")
+    fix = "ktconvert inspect shows the layout problems; fix or re-download the checkpoint"
+    errors = [(p.message.removeprefix(f"layer {p.extra['layer']}: "), f"layer {p.extra['layer']}", fix)
               if p.extra["layer"] is not None
-              else (p.message, None)
+              else (p.message, None, fix)
               for p in report.all_problems
               if p.severity == "error" or p.id == "ambiguous-orientation"]
     if errors:
-        raise _fail(errors, shown, "ktconvert inspect shows the layout problems; fix or re-download the checkpoint")
+        raise InputError.first_of(errors, shown)
     kt = "kt-amx" in report.layouts
 
     model_type = report.dims.model_type

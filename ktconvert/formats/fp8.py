@@ -226,10 +226,8 @@ def require_fp8(ck, config: dict | None = None, path: str | None = None) -> Fp8M
     """:func:`analyze_fp8`, raising the first problem as :class:`InputError` (before anything is written)."""
     fm = analyze_fp8(ck, config)
     if fm.problems:
-        p = fm.problems[0]
-        more = f" (and {len(fm.problems) - 1} more FP8 problem(s); ktconvert inspect lists them)" \
-            if len(fm.problems) > 1 else ""
-        raise InputError(p.message + more, path=path or str(ck.path), where=f"tensor {p.where}", fix=p.fix)
+        raise InputError.first_of([(p.message, f"tensor {p.where}", p.fix) for p in fm.problems],
+                                  path or str(ck.path), "FP8 ")
     return fm
 
 

@@ -168,10 +168,8 @@ def require(ck, config: dict | None = None, path: str | None = None, analysis: Q
     naming the tensor (before any output)."""
     qm = analysis if analysis is not None else analyze(ck, config)
     if qm.problems:
-        p = qm.problems[0]
-        more = (f" (and {len(qm.problems) - 1} more quantization problem(s); ktconvert inspect lists them)"
-                if len(qm.problems) > 1 else "")
-        raise InputError(p.message + more, path=path or str(ck.path), where=f"tensor {p.where}", fix=p.fix)
+        raise InputError.first_of([(p.message, f"tensor {p.where}", p.fix) for p in qm.problems],
+                                  path or str(ck.path), "quantization ")
     return qm
 
 
