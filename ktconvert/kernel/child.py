@@ -31,8 +31,8 @@ leaks its weights). So a layer of those methods is loaded into a *slot*: one MoE
 reused by the next layer of that shape once its layer is unloaded. AMXINT8/AMXINT4's staging is the kernel's own
 ``.kt`` tree of the layer (:class:`_Tree`: written file to file, read by the kernel straight into its buffers, so this
 process holds the layer once while it loads), or with a ``capacity`` only the experts each forward picks (the tree
-is written whole on disk; the object holds ``capacity`` experts, read from it by the kernel's
-``physical_to_logical_map``). BF16's is an anonymous mapping whose addresses the MoE object keeps;
+holds the files of the experts picked so far, each written when a group first picks it; the object holds
+``capacity`` experts, read from it by the kernel's ``physical_to_logical_map``). BF16's is an anonymous mapping whose addresses the MoE object keeps;
 its pages go back to the system (``MADV_DONTNEED``) right after the kernel has copied them (the layer is held twice
 while it loads). LLAMAFILE reads the ggml blocks in place at every forward: they stay until ``unload``.
 
@@ -165,6 +165,8 @@ class _Slot(_Layer):
         self.sig = sig
         self.key: str | None = None  # the layer loaded now, None when free
         self.held: tuple | None = None  # a picked slot: the layer's experts its object holds now, by position
+        self.sources: dict = {}  # a picked slot: where each kt-amx tensor of its layer is, (proj, expert, part, kind)
+        self.written: set[int] = set()  # a picked slot: the experts whose files hold this layer's bytes
 
 
 class Child:
@@ -368,12 +370,15 @@ class Child:
             slot = _Slot(moe, [mask, np.arange(cap, dtype=np.int64)], req, staging, sig)  # the C++ reads uint64 ids
             self.slots.append(slot)
         slot.held = None  # nothing of this layer in the object yet
+        slot.sources, slot.written = ({}, set()) if cap == e else (sources, set())
         try:
             if method == "BF16":
                 for p, a in sources.items():
                     slot.staging.arrays[p][...] = a
-            else:
+            elif cap == e:
                 slot.staging.write(sources)
+            # else a picked slot: each expert's files are written when a group first picks it (_forward_picked);
+            # a DeepSeek-V3-shaped layer is 5.6 GB of AMXINT4, and a prompt's tokens pick a fraction of its experts
             if cap == e:  # the whole layer, now; a picked slot loads the experts each forward picks
                 self._pool().submit(slot.moe.load_weights_task(_ptr(slot.keep[1])))
                 self._pool().sync()
@@ -480,6 +485,10 @@ class Child:
                 held = sorted(picked) + keep[:cap - len(picked)]
                 held += [held[0]] * (cap - len(held))
                 slot.held = None  # a failed load leaves the object holding nothing known
+                fresh = set(held) - slot.written
+                if fresh:  # this layer's files of the experts not picked before (the rest hold another layer's)
+                    slot.staging.write({k: v for k, v in slot.sources.items() if k[1] in fresh})
+                    slot.written |= fresh
                 slot.keep[1][...] = np.asarray(held, dtype=np.int64)
                 self._pool().submit(slot.moe.load_weights_task(_ptr(slot.keep[1])))
                 self._pool().sync()
