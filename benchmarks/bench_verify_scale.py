@@ -20,7 +20,8 @@ Weights are normal with std 0.02 (FP8: codes of normal values times 64, scale_in
 so hidden states stay at unit scale and routing depends on the token. **Planted fault**: after the clean verify
 of the Q8_0 GGUF (Qwen) and of the AMXINT4 directory (DeepSeek), the bytes of one expert's gate and up projections
 in one layer are swapped in place in the candidate, and verify runs again; the benchmark checks that the report
-names that layer (free-running and teacher-forced) and says which expert. So that the prompt's tokens pick the
+names that layer (teacher-forced, or as the layer of the expert that stands out from its layer's experts) and
+says which expert. So that the prompt's tokens pick the
 planted expert, the checkpoint gives it a reason to: Qwen's router row of that expert in that layer is 6x the
 others' scale (picked by about 40% of the tokens), DeepSeek's correction bias of that expert is 1.0 (picked
 by every token; the bias selects, it does not weight).
@@ -299,13 +300,19 @@ def swap_gate_up(candidate: Path, layer: int, expert: int) -> list[str]:
 
 
 def fault_named(rep: dict, layer: int, expert: int) -> dict:
-    """Whether the report names the planted layer (free-running and teacher-forced, every phase) and the expert."""
+    """Whether the report names the planted layer and expert in every phase. The layer: the teacher-forced layer
+    (the first that alone adds more than the limit), or the layer of the expert that stands out from its layer's
+    experts (``localization.outlier``); the expert: that outlier, or the localised layer's worst expert. On random
+    weights a 4-bit candidate's own error can break the limits first at a later layer, where the outlier still
+    names the broken expert and its layer."""
     phases = {ph: v.get("localization") or {} for ph, v in rep.get("phases", {}).items() if isinstance(v, dict)}
     want = f"layer {layer}"
-    layer_ok = bool(phases) and all(loc.get("layer") == want and loc.get("forced_layer") == want
-                                    for loc in phases.values())
+    outliers = {ph: loc.get("outlier") or {} for ph, loc in phases.items()}
+    layer_ok = bool(phases) and all(loc.get("forced_layer") == want or outliers[ph].get("layer") == want
+                                    for ph, loc in phases.items())
     text = json.dumps(phases)
-    experts = [loc.get("expert") for loc in phases.values()]
+    experts = [outliers[ph].get("expert") if outliers[ph].get("layer") == want else loc.get("expert")
+               for ph, loc in phases.items()]
     expert_ok = bool(phases) and all(e == expert for e in experts)
     return {"layer_named": layer_ok, "expert_named": expert_ok, "experts_reported": experts,
             "localization": phases, "mentions_expert": f"expert {expert}" in text}

@@ -88,6 +88,14 @@ def test_fault_verdict_needs_the_planted_layer_in_every_phase():
     other["phases"]["decode"]["localization"]["forced_layer"] = "layer 0"
     assert not bvs.fault_named(other, 1, 5)["layer_named"]
     assert not bvs.fault_named({"phases": {}}, 1, 5)["layer_named"]
+    # a 4-bit candidate on random weights breaks the limits first at a later layer: the outlier names the fault
+    noisy = {"phases": {p: {"localization": {"layer": "layer 2", "forced_layer": None, "expert": 12,
+                                             "outlier": {"layer": "layer 1", "expert": 5}}}
+                        for p in ("prefill", "decode")}}
+    got = bvs.fault_named(noisy, 1, 5)
+    assert got["layer_named"] and got["expert_named"] and got["experts_reported"] == [5, 5]
+    noisy["phases"]["decode"]["localization"]["outlier"] = None
+    assert not bvs.fault_named(noisy, 1, 5)["layer_named"]
 
 
 def test_cold_read_reads_every_byte(tmp_path):

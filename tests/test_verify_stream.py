@@ -208,5 +208,29 @@ def test_one_swapped_expert_is_named_resident_and_streamed(ws, family):
             assert loc["expert_tokens"] == rows[2]["tokens"] > 0
             # the others: only the CPU experts op's own rounding (measured: 1e-5 against 0.4)
             assert max(r["nmse"] for e, r in rows.items() if e != 2) < 1e-3 * loc["expert_nmse"]
+            # and it stands out from its layer's other experts
+            assert loc["outlier"]["layer"] == f"layer {FAULT_LAYER}" and loc["outlier"]["expert"] == 2, loc
     for a, b in zip(mem.phases, st.phases):
         assert a.experts == b.experts and a.localization == b.localization
+
+
+def test_the_streamed_candidates_injection_keeps_nothing_it_decoded(ws, monkeypatch):
+    """A streamed candidate's operators are built once at injection, to check and describe them, and again when
+    their layer runs. The weights that first build decoded are not kept: before, the source held every layer's
+    float32 weights from injection until the layer ran, outside the budget (the DeepSeek-V3-shaped benchmark's
+    FP8 attention and dense MLP: 3 GB beside --max-memory 4GiB, a 5.6 GB process)."""
+    import torch
+
+    from ktconvert.model import executor
+
+    held = []
+    real = executor.InjectedWeights.__init__
+
+    def spy(self, source, *args, **kw):  # right after inject(..., lazy=True), before any layer runs
+        held.append(sorted(name for part in source._state.parts.values() for name, t in part.items()
+                           if isinstance(t, torch.Tensor)))
+        real(self, source, *args, **kw)
+
+    monkeypatch.setattr(executor.InjectedWeights, "__init__", spy)
+    rep = _run(ws, "deepseek_v3", None, max_memory=_budget(ws, "deepseek_v3"))
+    assert rep.run["mode"] == "stream" and held == [[]], held[0][:5]

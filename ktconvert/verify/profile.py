@@ -20,6 +20,7 @@ from ktconvert.verify.metrics import LogitStats, compare_logits, tie_margins
 
 KIND = "tolerance-profile"
 DEFAULT_MIN_SHARE = 0.1  # localisation heuristic when a profile does not set one (not a pass/fail limit)
+DEFAULT_EXPERT_OUTLIER = 3.0  # an expert this many times its layer's median NMSE stands out (not a limit)
 
 
 @dataclass
@@ -69,6 +70,10 @@ class Profile:
     @property
     def min_share(self) -> float:
         return float(self.data.get("localization", {}).get("min_share", DEFAULT_MIN_SHARE))
+
+    @property
+    def expert_outlier(self) -> float:
+        return float(self.data.get("localization", {}).get("expert_outlier", DEFAULT_EXPERT_OUTLIER))
 
     def as_dict(self) -> dict:
         limits = {k: v for k, v in self.data.items() if k in ("logits", "hidden_states", "not_emulated")}

@@ -103,6 +103,11 @@ def render_text(report) -> str:
             lines.append(f"{name}: worst routed expert of {loc.get('forced_layer') or loc['layer']}: expert "
                          f"{loc['expert']} (NMSE {_g(loc['expert_nmse'])} over the {loc['expert_tokens']} rows the "
                          "reference routed to it, on the reference's expert input)")
+        if loc and loc.get("outlier"):
+            o = loc["outlier"]
+            times = f"{o['ratio']:.1f}x" if o["ratio"] is not None else "infinitely many times"
+            lines.append(f"{name}: expert {o['expert']} of {o['layer']} stands out: NMSE {_g(o['nmse'])} over "
+                         f"{o['tokens']} rows, {times} the median of that layer's experts ({_g(o['median'])})")
     if d.get("kernel") and not d["kernel"]["layers"]:
         lines.append("CPU experts by kt-kernel: none (no module runs a CPU experts op under this rule file)")
     elif d.get("kernel"):

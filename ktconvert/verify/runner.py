@@ -219,6 +219,34 @@ def _where_nonfinite(nf: dict) -> str:
     return f"{nf['layer']} output, {at}" if nf["where"] == "hidden_states" else f"logits, {at}"
 
 
+#: fewer routed experts than this in a layer make no median to stand out from
+OUTLIER_PEERS = 4
+
+
+def _outlier(experts: dict[str, list[dict]], factor: float) -> dict | None:
+    """The routed expert whose NMSE is the most times its own layer's median (over the layer's experts with a
+    finite error, at least :data:`OUTLIER_PEERS` of them), when that is at least ``factor``; None if none is.
+    Each layer is its own baseline, so a quantization's error common to every expert (or one layer's larger share)
+    does not stand out, and one broken expert does even where the run fails for other reasons. Ties: the lower
+    layer, then the lower expert id."""
+    import statistics
+
+    best = None
+    for order, (layer, rows) in enumerate(experts.items()):
+        finite = [r["nmse"] for r in rows if r["nmse"] is not None and math.isfinite(r["nmse"])]
+        if len(finite) < OUTLIER_PEERS:
+            continue
+        median = statistics.median(finite)
+        for r in rows:
+            v = _rank(r["nmse"])
+            ratio = math.inf if median == 0 and v > 0 else (v / median if median > 0 else 0.0)
+            if ratio >= factor and (best is None or (ratio, -order, -r["expert"]) > best[0]):
+                best = ((ratio, -order, -r["expert"]),
+                        {"layer": layer, "expert": r["expert"], "tokens": r["tokens"], "nmse": _num(r["nmse"]),
+                         "median": float(median), "ratio": _num(ratio)})
+    return None if best is None else best[1]
+
+
 def _localize(result: PhaseResult, profile: Profile) -> dict | None:
     """First layer over the hidden-state limit (or the head, when only logits break), and the first module,
     in execution order up to it, that adds a significant share of the largest error any module adds."""
@@ -246,6 +274,7 @@ def _localize(result: PhaseResult, profile: Profile) -> dict | None:
     if result.experts and named in result.experts:  # the localised layer's worst expert (routed experts only)
         worst = max(result.experts[named], key=lambda r: (_rank(r["nmse"]), -r["expert"]))
         out["expert"], out["expert_nmse"], out["expert_tokens"] = worst["expert"], worst["nmse"], worst["tokens"]
+    out["outlier"] = _outlier(result.experts or {}, profile.expert_outlier)
     if not result.modules:
         out["module"] = None
         out["note"] = "module-level localisation needs the original weights in --model" if result.modules is None else ""
