@@ -19,17 +19,18 @@ PKG = Path(__file__).resolve().parents[1] / "ktconvert"
 FLOORS = {
     "errors": 0, "diagnostics": 0, "optional": 1, "io": 1,
     "families": 2, "quant": 2, "cluster": 2,
-    "formats": 3,
-    "rules": 4,
-    "convert": 5, "model": 5,
-    "golden": 6, "kernel": 6, "imatrix": 6,
-    "verify": 7, "preflight": 7,
-    "gate": 8,
-    "demo": 9,
-    "cli": 10, "__main__": 11,
+    "arch": 3,
+    "formats": 4,
+    "rules": 5,
+    "convert": 6, "model": 6,
+    "golden": 7, "kernel": 7, "imatrix": 7,
+    "verify": 8, "preflight": 8,
+    "gate": 9,
+    "demo": 10,
+    "cli": 11, "__main__": 12,
 }
 #: Packages that must stay light: check-rules, inspect and planning run without torch.
-NO_TORCH = ("io", "families", "formats", "rules")
+NO_TORCH = ("io", "families", "arch", "formats", "rules")
 
 
 def _modules():
