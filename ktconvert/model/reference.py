@@ -1,11 +1,13 @@
-"""Reference causal LMs for the five MoE families, with the module tree upstream rule files match.
+"""Reference causal LMs for every family, with the module tree upstream rule files match. A decoder layer is
+assembled from the mechanisms ``ktconvert/arch/`` picks for it and their torch modules in ``ktconvert/model/mechanisms.py``.
 
 Tree (``L`` = layer, ``E`` = expert; ``mlp`` is ``block_sparse_moe`` for Mixtral, as its checkpoints and
 ktransformers' Mixtral rules name it)::
 
     model.embed_tokens                  VocabEmbedding (an nn.Embedding)
     model.layers.L.input_layernorm      RMSNorm
-    model.layers.L.self_attn            Attention / MLAttention, with .rotary_emb and nn.Linear projections
+    model.layers.L.self_attn            the layer's attention mechanism (Attention, MLAttention, CompressedAttention,
+                                        KimiDeltaAttention), with .rotary_emb and nn.Linear projections
     model.layers.L.linear_attn          GatedDeltaNet (hybrid families' linear-attention layers, by layer_types)
     model.layers.L.post_attention_layernorm
     model.layers.L.mlp                  SparseMoeBlock / DeepseekMoE, or GatedMLP on dense layers
@@ -28,36 +30,24 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ktconvert import arch
 from ktconvert.families.config import MoeConfig, load_config
-from ktconvert.model import hfnames
-from ktconvert.model.compressed import (
-    CompressedAttention,
-    CompressedCompressor,
-    HashGate,
-    HashRoutedMoE,
-    HyperConnection,
-    HyperHead,
-    IndexerScorer,
-    LightningIndexer,
-)
+from ktconvert.model import hfnames, mechanisms
+from ktconvert.model.compressed import CompressedCompressor, HyperHead, IndexerScorer, LightningIndexer
 from ktconvert.model.executor import ForwardOutput, LayerMajor
+from ktconvert.model.hyper import hyper_mix, hyper_residual
+from ktconvert.model.linear_attention import GatedRMSNorm
 from ktconvert.model.modules import (
-    Attention,
-    DeepseekMoE,
     DsaIndexer,
     DsaKPoolIndexer,
     GatedMLP,
     KVCache,
-    MLAttention,
     RMSNorm,
-    SparseMoeBlock,
     Tagged,
     VocabEmbedding,
     VocabHead,
     rms_norm,
 )
-from ktconvert.model.hyper import hyper_mix, hyper_residual
-from ktconvert.model.linear_attention import GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention
 
 
 class DecoderLayer(Tagged, nn.Module):
@@ -65,41 +55,17 @@ class DecoderLayer(Tagged, nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
-        # hybrid families: layer_types names a linear-attention layer, which holds linear_attn instead of self_attn
-        linear = bool(cfg.layer_types) and cfg.layer_types[layer_idx] == "linear_attention"
-        # Kimi Delta Attention (GLM-5-Next) keeps the name self_attn on its linear layers
-        self.attn_attr = "linear_attn" if linear and cfg.kda is None else "self_attn"
-        if linear and cfg.kda is not None:
-            self.self_attn = KimiDeltaAttention(cfg, layer_idx)
-        elif self.attn_attr == "linear_attn":
-            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
-        elif cfg.compressed is not None:
-            self.self_attn = CompressedAttention(cfg, layer_idx)
-        else:
-            self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
+        self.attention_kind = arch.attention_for(cfg, layer_idx)
+        self.attn_attr = arch.mechanism(self.attention_kind).attr  # self_attn / linear_attn
+        setattr(self, self.attn_attr, mechanisms.ATTENTION[self.attention_kind](cfg, layer_idx))
         self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
-        if layer_idx in cfg.hash_layers:
-            block = HashRoutedMoE(cfg)
-        elif layer_idx in cfg.moe_layers:
-            # the spec's routing maths picks the block (DeepSeek's grouped routing with shared experts, or
-            # softmax top-k), independently of the attention kind
-            logits_router = cfg.routing.logits_router
-            block: nn.Module = SparseMoeBlock(cfg) if logits_router else DeepseekMoE(cfg)
-        else:
-            block = GatedMLP(cfg.hidden_size, cfg.intermediate_size, clamp=cfg.swiglu_clamp if cfg.dense_swiglu else None)
+        self.ffn_kind = arch.feed_forward_for(cfg, layer_idx)
         self.moe_attr = cfg.ffn_name(layer_idx)
-        setattr(self, self.moe_attr, block)
-        hc = cfg.hyper_connections
-        self.hc, self.hc_norm_eps = hc, cfg.rms_norm_eps
-        if cfg.hc_modules:  # modules of their own, as transformers' tree has them
-            self.attn_hc = HyperConnection(cfg)
-            self.ffn_hc = HyperConnection(cfg)
-        elif hc is not None:  # parameters on the layer under the checkpoint's names (hc_attn_fn, ...)
-            width = (2 + hc.mult) * hc.mult
-            for part in ("attn", "ffn"):
-                setattr(self, f"hc_{part}_fn", nn.Parameter(torch.zeros(width, hc.mult * cfg.hidden_size)))
-                setattr(self, f"hc_{part}_base", nn.Parameter(torch.zeros(width)))
-                setattr(self, f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+        setattr(self, self.moe_attr, mechanisms.FEED_FORWARD[self.ffn_kind](cfg, layer_idx))
+        residual = arch.residual_for(cfg)
+        self.hc, self.hc_norm_eps = cfg.hyper_connections, cfg.rms_norm_eps
+        if residual:
+            mechanisms.RESIDUAL[residual](self, cfg)
 
     @property
     def mixer(self) -> nn.Module:
@@ -185,7 +151,7 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             _tag(norm, fam, "rmsnorm")
         attn = layer.mixer
-        if isinstance(attn, (GatedDeltaNet, KimiDeltaAttention)):
+        if arch.mechanism(layer.attention_kind).recurrent:
             _tag(attn, fam, "linear_attention")
         else:
             _tag(attn, fam, "attention")
@@ -211,7 +177,7 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
             continue
         _tag(block, fam, "moe_block")
         gate = getattr(block, "router_module", None) or block.gate
-        _tag(gate, fam, "hash_gate" if isinstance(gate, HashGate) else "gate")
+        _tag(gate, fam, "hash_gate" if layer.ffn_kind == "hash_routing" else "gate")
         _tag(block.experts, fam, "experts")
         for expert in block.experts:
             _tag(expert, fam, "mlp", expert=True)
