@@ -37,9 +37,13 @@ class Mechanism(Protocol):
         """Add this mechanism's modules under the decoder layer's module-tree node ``node``."""
 
 
-class Attention(Mechanism, Protocol):
-    attr: str  # the decoder layer's attribute holding it (self_attn / linear_attn)
-    recurrent: bool  # a recurrent state instead of a KV cache (GGUF head_count_kv 0, tagged linear attention)
+class AttentionMechanism:
+    """What every attention mechanism has besides the protocol, with the common values: ``attr``, the decoder layer's
+    attribute holding it (``self_attn`` / ``linear_attn``); ``recurrent``, a recurrent state instead of a KV cache
+    (GGUF head_count_kv 0 where the spec writes it per layer; tagged as linear attention)."""
+
+    attr = "self_attn"
+    recurrent = False
 
 
 def layer_prefix(layer: int) -> str:

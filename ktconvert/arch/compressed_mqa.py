@@ -5,14 +5,12 @@ indexer-ratio layers overlapping windows picked by its lightning indexer). Torch
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, layer_prefix
+from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix
 from ktconvert.families.config import MoeConfig
 
 
-class CompressedMqa:
+class CompressedMqa(AttentionMechanism):
     name = "compressed_mqa"
-    attr = "self_attn"
-    recurrent = False
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         """Reference names; the spec's layer_renames publish them."""

@@ -4,11 +4,11 @@ key head (``attention.linear_packing``). Torch: ``model/linear_attention.py`` ``
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, layer_prefix
+from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix
 from ktconvert.families.config import MoeConfig
 
 
-class GatedDeltaNet:
+class GatedDeltaNet(AttentionMechanism):
     name = "gated_deltanet"
     attr = "linear_attn"
     recurrent = True

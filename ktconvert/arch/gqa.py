@@ -4,14 +4,12 @@ window, and MiniMax Sparse Attention's indexer on the layers that run it. Torch:
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, layer_prefix, norm_role, when
+from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix, norm_role, when
 from ktconvert.families.config import MoeConfig
 
 
-class Gqa:
+class Gqa(AttentionMechanism):
     name = "gqa"
-    attr = "self_attn"
-    recurrent = False
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         a, h, norm = f"{layer_prefix(layer)}.self_attn", cfg.hidden_size, norm_role(cfg)

@@ -4,13 +4,12 @@ Torch: ``model/linear_attention.py`` ``KimiDeltaAttention``."""
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, layer_prefix, when
+from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix, when
 from ktconvert.families.config import MoeConfig
 
 
-class Kda:
+class Kda(AttentionMechanism):
     name = "kda"
-    attr = "self_attn"
     recurrent = True
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:

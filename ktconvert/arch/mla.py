@@ -4,14 +4,12 @@ Torch: ``model/modules.py`` ``MLAttention``."""
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, layer_prefix, when
+from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix, when
 from ktconvert.families.config import MoeConfig, indexer_types
 
 
-class Mla:
+class Mla(AttentionMechanism):
     name = "mla"
-    attr = "self_attn"
-    recurrent = False
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         a, h, mla = f"{layer_prefix(layer)}.self_attn", cfg.hidden_size, cfg.mla

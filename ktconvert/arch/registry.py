@@ -10,7 +10,7 @@ from types import MappingProxyType
 from typing import Mapping
 
 from ktconvert.arch import compressed_mqa, gated_deltanet, gqa, hash_routing, hyper_connections, kda, mla, moe
-from ktconvert.arch.base import Attention, KeyWriter, Mechanism
+from ktconvert.arch.base import AttentionMechanism, KeyWriter, Mechanism
 from ktconvert.families.config import MoeConfig
 
 MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
@@ -32,7 +32,7 @@ def attention_for(cfg: MoeConfig, layer: int) -> str:
     return "gqa" if spec.kind == "gated_deltanet_hybrid" else spec.kind
 
 
-def attention(cfg: MoeConfig, layer: int) -> Attention:
+def attention(cfg: MoeConfig, layer: int) -> AttentionMechanism:
     return MECHANISMS[attention_for(cfg, layer)]
 
 
