@@ -1,43 +1,12 @@
-"""The feed-forward blocks: the dense gated MLP (``dense_mlp``: DeepSeek's first layers, Qwen's ``mlp_only_layers``)
-and the MoE block (``moe``: router, routed experts, shared expert(s)), whose router scores the hidden state.
-``hash_routing.py`` is the MoE block routed by token id. Torch: ``model/modules.py`` ``GatedMLP``,
+"""The MoE block (``moe``: router, routed experts of the dense MLP's shape, shared expert(s)), whose router scores
+the hidden state; ``hash_routing.py`` is the MoE block routed by token id. Torch: ``model/modules.py``
 ``SparseMoeBlock`` / ``DeepseekMoE`` (picked by the spec's routing maths)."""
 
 from __future__ import annotations
 
 from ktconvert.arch.base import Add, layer_prefix, when
+from ktconvert.arch.dense_mlp import mlp_modules, mlp_tensors
 from ktconvert.families.config import MoeConfig
-
-
-def mlp_tensors(add: Add, h: int, prefix: str, inter: int, names=("gate_proj", "up_proj", "down_proj"),
-                bias: bool = False) -> None:
-    """A gated MLP's three projections (and their biases): dense layers, experts and shared experts."""
-    add(f"{prefix}.{names[0]}.weight", (inter, h), "linear")
-    add(f"{prefix}.{names[1]}.weight", (inter, h), "linear")
-    add(f"{prefix}.{names[2]}.weight", (h, inter), "out_linear")
-    if bias:
-        add(f"{prefix}.{names[0]}.bias", (inter,), "bias")
-        add(f"{prefix}.{names[1]}.bias", (inter,), "bias")
-        add(f"{prefix}.{names[2]}.bias", (h,), "out_bias")
-
-
-def mlp_modules(parent, name: str, type_: str, projs=("gate_proj", "up_proj", "down_proj")):
-    mlp = parent.add(name, type_)
-    for p in projs:
-        mlp.add(p, "Linear")
-    mlp.add("act_fn", "Activation")
-    return mlp
-
-
-class DenseMlp:
-    name = "dense_mlp"
-    gguf_keys: dict = {}
-
-    def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
-        mlp_tensors(add, cfg.hidden_size, f"{layer_prefix(layer)}.{cfg.ffn_name(layer)}", cfg.intermediate_size)
-
-    def layer_modules(self, node, cfg: MoeConfig) -> None:
-        mlp_modules(node, cfg.dense_block_name, f"{cfg.spec.prefix}MLP")
 
 
 class Moe:
@@ -128,5 +97,4 @@ def _gating_func(w, c: MoeConfig) -> None:
                                  else ExpertGatingFuncType.SOFTMAX)
 
 
-DENSE = DenseMlp()
 MECHANISM = Moe()

@@ -6,16 +6,30 @@
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
+from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping
 
-from ktconvert.arch import compressed_mqa, gated_deltanet, gqa, hash_routing, hyper_connections, kda, mla, moe
 from ktconvert.arch.base import AttentionMechanism, KeyWriter, Mechanism
 from ktconvert.families.config import MoeConfig
 
-MECHANISMS: dict[str, Mechanism] = {m.name: m for m in (
-    gqa.MECHANISM, mla.MECHANISM, compressed_mqa.MECHANISM, gated_deltanet.MECHANISM, kda.MECHANISM,
-    moe.DENSE, moe.MECHANISM, hash_routing.MECHANISM, hyper_connections.MECHANISM)}
+#: the modules of this package that are not a mechanism; every other one is, and names its instance ``MECHANISM``
+_MACHINERY = ("base", "registry", "tensors")
+
+
+def _discover() -> dict[str, Mechanism]:
+    """Every mechanism module of ``ktconvert/arch/`` (a new one registers itself by being there), by name."""
+    found: dict[str, Mechanism] = {}
+    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda i: i.name):
+        if info.name not in _MACHINERY:
+            m = importlib.import_module(f"ktconvert.arch.{info.name}").MECHANISM
+            found[m.name] = m
+    return found
+
+
+MECHANISMS: dict[str, Mechanism] = _discover()
 
 
 def mechanism(name: str) -> Mechanism:

@@ -79,6 +79,8 @@ class WindowCompressor(Tagged, nn.Module):
 class IndexerScorer(Tagged, nn.Module):
     """Holds the indexer's per-head weight projection (``scorer.weights_proj``), as transformers nests it."""
 
+    hf_role = "indexer_scorer"
+
     def __init__(self, cfg: MoeConfig):
         super().__init__()
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.indexer.n_heads, bias=False)
@@ -88,6 +90,8 @@ class LightningIndexer(WindowCompressor):
     """Which compressed entries each query of a ratio-4 layer sees: its own overlapping compressor at
     ``index_head_dim``, scores ``sum_h w_h relu(q_h . k) / sqrt(d)`` with ``q = q_b_proj(q_residual)`` rotated at the
     query position and ``w = scorer.weights_proj(x) / sqrt(heads)``; the top ``index_topk`` causal entries are kept."""
+
+    hf_role = "indexer"
 
     def __init__(self, cfg: MoeConfig, ratio: int):
         d = cfg.indexer
@@ -119,6 +123,10 @@ class LightningIndexer(WindowCompressor):
 class CompressedCompressor(WindowCompressor):
     """A compressed layer's ``self_attn.compressor``: the indexer lives under it (ratio-4 layers), as transformers
     names the modules."""
+
+    @property
+    def hf_role(self) -> str:
+        return "csa_compressor" if self.indexer is not None else "hca_compressor"
 
     def __init__(self, cfg: MoeConfig, ratio: int):
         csa = ratio == cfg.compressed.csa_ratio

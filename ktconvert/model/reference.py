@@ -33,16 +33,11 @@ from torch import nn
 from ktconvert import arch
 from ktconvert.families.config import MoeConfig, load_config
 from ktconvert.model import hfnames, mechanisms
-from ktconvert.model.compressed import CompressedCompressor, HyperHead, IndexerScorer, LightningIndexer
+from ktconvert.model.compressed import HyperHead
 from ktconvert.model.executor import ForwardOutput, LayerMajor
 from ktconvert.model.hyper import hyper_mix, hyper_residual
-from ktconvert.model.linear_attention import GatedRMSNorm
 from ktconvert.model.modules import (
-    DsaIndexer,
-    DsaKPoolIndexer,
-    GatedMLP,
     KVCache,
-    RMSNorm,
     Tagged,
     VocabEmbedding,
     VocabHead,
@@ -157,22 +152,15 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
             _tag(attn, fam, "attention")
             if attn.rotary_emb is not None:
                 _tag(attn.rotary_emb, fam, "rotary", yarn=yarn)
-        for sub in attn.modules():
-            if isinstance(sub, RMSNorm):
-                _tag(sub, fam, "rmsnorm")
-            elif isinstance(sub, GatedRMSNorm):  # either gate (silu or sigmoid)
-                _tag(sub, fam, "gated_rmsnorm")
-            elif isinstance(sub, (DsaIndexer, DsaKPoolIndexer, LightningIndexer)):
-                _tag(sub, fam, "indexer")
-            elif isinstance(sub, IndexerScorer):
-                _tag(sub, fam, "indexer_scorer")
-            elif isinstance(sub, CompressedCompressor):
-                _tag(sub, fam, "csa_compressor" if sub.indexer is not None else "hca_compressor")
+        for sub in attn.modules():  # the mechanism's own parts (norms, indexers, compressors) name their role
+            role = getattr(sub, "hf_role", None)
+            if role is not None:
+                _tag(sub, fam, role)
         for hc in (getattr(layer, "attn_hc", None), getattr(layer, "ffn_hc", None)):
             if hc is not None:
                 _tag(hc, fam, "hyper_connection")
         block = layer.feed_forward
-        if isinstance(block, GatedMLP):
+        if layer.ffn_kind == "dense_mlp":
             _tag(block, fam, "mlp")
             continue
         _tag(block, fam, "moe_block")
