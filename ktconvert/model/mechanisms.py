@@ -10,8 +10,10 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ktconvert import arch
 from ktconvert.families.config import MoeConfig
-from ktconvert.model.compressed import CompressedAttention, HashRoutedMoE, HyperConnection
+from ktconvert.model.compressed import CompressedAttention, HashRoutedMoE
+from ktconvert.model.hyper import HyperStreams
 from ktconvert.model.linear_attention import GatedDeltaNet, KimiDeltaAttention
 from ktconvert.model.modules import Attention, DeepseekMoE, GatedMLP, MLAttention, SparseMoeBlock
 
@@ -40,22 +42,36 @@ FEED_FORWARD: dict[str, Callable[[MoeConfig, int], nn.Module]] = {
 }
 
 
-def _hyper_connections(layer: nn.Module, cfg: MoeConfig) -> None:
-    """Modules of their own (``attn_hc`` / ``ffn_hc``) as transformers' tree has them, else parameters on the layer
-    under the checkpoint's names (``hc_attn_fn``, ...)."""
-    if cfg.hc_modules:
-        layer.attn_hc = HyperConnection(cfg)
-        layer.ffn_hc = HyperConnection(cfg)
-        return
-    hc = cfg.hyper_connections
-    width = (2 + hc.mult) * hc.mult
-    for part in ("attn", "ffn"):
-        setattr(layer, f"hc_{part}_fn", nn.Parameter(torch.zeros(width, hc.mult * cfg.hidden_size)))
-        setattr(layer, f"hc_{part}_base", nn.Parameter(torch.zeros(width)))
-        setattr(layer, f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+class PlainResidual:
+    """One residual stream: each block's output added to its input; what :class:`HyperStreams` does for several."""
+
+    def attach(self, layer: nn.Module) -> None:
+        pass
+
+    def attach_model(self, model: nn.Module) -> None:
+        pass
+
+    def widen(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def around(self, layer: nn.Module, part: str, hidden: torch.Tensor, block) -> torch.Tensor:
+        return hidden + block(hidden)
+
+    def collapse(self, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
+
+    def final(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        return hidden
 
 
-#: residual-stream mechanisms: ``attach(layer, cfg)`` puts their weights on the decoder layer
-RESIDUAL: dict[str, Callable[[nn.Module, MoeConfig], None]] = {
-    "hyper_connections": _hyper_connections,
+#: residual-stream mechanisms: ``(cfg) -> residual`` (attach its weights to the layers and the model, widen the
+#: embedding, run a block, read one hidden state back: :class:`PlainResidual`'s methods)
+RESIDUAL: dict[str, Callable[[MoeConfig], object]] = {
+    "hyper_connections": HyperStreams,
 }
+
+
+def residual(cfg: MoeConfig):
+    """The residual stream of ``cfg``'s model: ``arch.residual_for``'s mechanism, else the plain one."""
+    name = arch.residual_for(cfg)
+    return RESIDUAL[name](cfg) if name else PlainResidual()

@@ -33,9 +33,7 @@ from torch import nn
 from ktconvert import arch
 from ktconvert.families.config import MoeConfig, load_config
 from ktconvert.model import hfnames, mechanisms
-from ktconvert.model.compressed import HyperHead
 from ktconvert.model.executor import ForwardOutput, LayerMajor
-from ktconvert.model.hyper import hyper_mix, hyper_residual
 from ktconvert.model.modules import (
     KVCache,
     Tagged,
@@ -46,7 +44,7 @@ from ktconvert.model.modules import (
 
 
 class DecoderLayer(Tagged, nn.Module):
-    def __init__(self, cfg: MoeConfig, layer_idx: int):
+    def __init__(self, cfg: MoeConfig, layer_idx: int, residual):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
@@ -57,10 +55,8 @@ class DecoderLayer(Tagged, nn.Module):
         self.ffn_kind = arch.feed_forward_for(cfg, layer_idx)
         self.moe_attr = cfg.ffn_name(layer_idx)
         setattr(self, self.moe_attr, mechanisms.FEED_FORWARD[self.ffn_kind](cfg, layer_idx))
-        residual = arch.residual_for(cfg)
-        self.hc, self.hc_norm_eps = cfg.hyper_connections, cfg.rms_norm_eps
-        if residual:
-            mechanisms.RESIDUAL[residual](self, cfg)
+        self.residual = residual  # the model's residual stream (one, or hyper-connections' several)
+        residual.attach(self)
 
     @property
     def mixer(self) -> nn.Module:
@@ -75,21 +71,10 @@ class DecoderLayer(Tagged, nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden [B, T, H]``, or ``[B, T, N, H]`` residual streams with hyper-connections."""
-        if self.hc is not None:
-            post, comb, x = self._hyper("attn", hidden)
-            hidden = hyper_residual(hidden, self.mixer(self.input_layernorm(x), position_ids, cache), post, comb)
-            post, comb, x = self._hyper("ffn", hidden)
-            return hyper_residual(hidden, self._feed(self.post_attention_layernorm(x), input_ids), post, comb)
-        hidden = hidden + self.mixer(self.input_layernorm(hidden), position_ids, cache)
-        return hidden + self._feed(self.post_attention_layernorm(hidden), input_ids)
-
-    def _hyper(self, part: str, streams: torch.Tensor):
-        """``hyper_mix`` around the attention (``attn``) or the MLP (``ffn``), wherever its parameters live."""
-        module = getattr(self, f"{part}_hc", None)
-        if module is not None:
-            return module(streams)
-        fn, base, scale = (getattr(self, f"hc_{part}_{w}") for w in ("fn", "base", "scale"))
-        return hyper_mix(streams, fn, base, scale, self.hc, self.hc_norm_eps)
+        hidden = self.residual.around(self, "attn", hidden,
+                                      lambda x: self.mixer(self.input_layernorm(x), position_ids, cache))
+        return self.residual.around(self, "ffn", hidden,
+                                    lambda x: self._feed(self.post_attention_layernorm(x), input_ids))
 
     def _feed(self, hidden: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """The MLP / MoE block; a hash-routed one also reads the token ids."""
@@ -99,15 +84,14 @@ class DecoderLayer(Tagged, nn.Module):
 
 
 class DecoderModel(Tagged, nn.Module):
-    def __init__(self, cfg: MoeConfig):
+    def __init__(self, cfg: MoeConfig, residual):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, residual) for i in range(cfg.num_hidden_layers))
         for i in cfg.dsa_shared_layers:  # a plain attribute: the source stays a module of its own layer only
             object.__setattr__(self.layers[i].self_attn, "selection_source", self.layers[i - 1].self_attn)
         self.norm = rms_norm(cfg, cfg.hidden_size)
-        if cfg.hc_modules:
-            self.hc_head = HyperHead(cfg)
+        residual.attach_model(self)
 
 
 class ReferenceCausalLM(Tagged, nn.Module):
@@ -116,7 +100,8 @@ class ReferenceCausalLM(Tagged, nn.Module):
     def __init__(self, cfg: MoeConfig):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.residual = mechanisms.residual(cfg)  # ktconvert/model/executor.py widens and reads the streams with it
+        self.model = DecoderModel(cfg, self.residual)
         self.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def new_cache(self) -> KVCache:
