@@ -6,11 +6,10 @@ ktransformers' Mixtral rules name it)::
 
     model.embed_tokens                  VocabEmbedding (an nn.Embedding)
     model.layers.L.input_layernorm      RMSNorm
-    model.layers.L.self_attn            the layer's attention mechanism (Attention, MLAttention, CompressedAttention,
-                                        KimiDeltaAttention), with .rotary_emb and nn.Linear projections
-    model.layers.L.linear_attn          GatedDeltaNet (hybrid families' linear-attention layers, by layer_types)
+    model.layers.L.self_attn            the layer's attention mechanism (``mechanisms.ATTENTION``), with .rotary_emb
+                                        and nn.Linear projections; ``linear_attn`` where the mechanism says so
     model.layers.L.post_attention_layernorm
-    model.layers.L.mlp                  SparseMoeBlock / DeepseekMoE, or GatedMLP on dense layers
+    model.layers.L.mlp                  the layer's feed-forward mechanism (``mechanisms.FEED_FORWARD``): MoE or dense
     model.layers.L.mlp.gate             TopKRouter (nn.Linear) / MoEGate
     model.layers.L.mlp.experts          RoutedExperts (nn.ModuleList), children E = GatedMLP
     model.layers.L.mlp.shared_expert(s) GatedMLP (+ shared_expert_gate nn.Linear for Qwen2-MoE)
