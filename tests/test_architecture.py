@@ -19,17 +19,18 @@ PKG = Path(__file__).resolve().parents[1] / "ktconvert"
 FLOORS = {
     "errors": 0, "diagnostics": 0, "optional": 1, "io": 1,
     "families": 2, "quant": 2, "cluster": 2,
-    "formats": 3,
-    "rules": 4,
-    "convert": 5, "model": 5,
-    "golden": 6, "kernel": 6, "imatrix": 6,
-    "verify": 7, "preflight": 7,
-    "gate": 8,
-    "demo": 9,
-    "cli": 10, "__main__": 11,
+    "arch": 3,
+    "formats": 4,
+    "rules": 5,
+    "convert": 6, "model": 6,
+    "golden": 7, "kernel": 7, "imatrix": 7,
+    "verify": 8, "preflight": 8,
+    "gate": 9,
+    "demo": 10,
+    "cli": 11, "__main__": 12,
 }
 #: Packages that must stay light: check-rules, inspect and planning run without torch.
-NO_TORCH = ("io", "families", "formats", "rules")
+NO_TORCH = ("io", "families", "arch", "formats", "rules")
 
 
 def _modules():
@@ -197,3 +198,66 @@ def test_only_the_families_package_reads_raw_spec_sections():
     in ``ktconvert/families/parts.py``."""
     offenders = _attribute_calls("section")
     assert offenders == [], f"FamilySpec.section(...) read outside ktconvert/families/: {offenders}"
+
+
+# --- one place per mechanism ----------------------------------------------------------------------------------------
+#: the values of a spec's attention kinds and config.json's layer kinds: comparing one of them chooses a mechanism
+_KIND_VALUES = {"linear_attention", "gqa", "mla", "compressed_mqa", "gated_deltanet_hybrid", "gated_deltanet", "kda"}
+#: the parsed config's per-kind parts and flags: testing one chooses a mechanism
+_KIND_FLAGS = {"kda", "compressed", "linear", "mla", "is_mla"}
+
+
+def _kind_choices(tree: ast.AST) -> list[int]:
+    """Lines choosing a mechanism by hand: a comparison with a kind value (``layer_types[i] == "linear_attention"``,
+    ``attention.kind == "mla"``), an ``is None`` / ``is not None`` test of a kind's part (``cfg.kda is not None``),
+    or any use of ``is_mla``."""
+    lines = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare):
+            sides = [node.left, *node.comparators]
+            if any(isinstance(s, ast.Constant) and s.value in _KIND_VALUES for s in sides):
+                lines.append(node.lineno)
+            elif any(isinstance(op, (ast.Is, ast.IsNot)) for op in node.ops) and any(
+                    isinstance(s, ast.Attribute) and s.attr in _KIND_FLAGS for s in sides):
+                lines.append(node.lineno)
+        elif isinstance(node, ast.Attribute) and node.attr == "is_mla":
+            lines.append(node.lineno)
+    return lines
+
+
+def test_only_arch_chooses_a_layers_mechanism(pkg=PKG):
+    """The kda -> linear -> compressed -> mla -> gqa ladder exists once, in ``ktconvert/arch/registry.py``
+    (``attention_for``; the families package parses the parts it reads). Any other module asks ``arch`` which
+    mechanism a layer runs, and the mechanism's own module says what it holds."""
+    offenders = []
+    for f in sorted(pkg.rglob("*.py")):
+        rel = f.relative_to(pkg)
+        if rel.parts[0] in ("arch", "families"):
+            continue
+        offenders += [f"ktconvert/{rel}:{n}" for n in _kind_choices(ast.parse(f.read_text(encoding="utf-8")))]
+    assert offenders == [], f"a mechanism chosen outside ktconvert/arch/: {offenders}"
+
+
+def test_arch_is_torch_free_and_sits_just_above_families():
+    """``ktconvert/arch/`` reads the parsed config and nothing above it (no model, convert, rules, formats); no torch,
+    and gguf (numpy) only inside the GGUF key writers that need an enum of it: check-rules imports this package and
+    runs without numpy."""
+    above = []
+    for f, owner, tree in _modules():
+        if owner != "arch":
+            continue
+        top = set(_imports(ast.Module(body=[n for n in tree.body if isinstance(n, (ast.Import, ast.ImportFrom))],
+                                      type_ignores=[])))
+        above += [f"{f.relative_to(PKG.parent)}: {n}" for n in _imports(tree)
+                  if n.split(".")[0] in ("torch", "transformers") or (n.split(".")[0] in ("gguf", "numpy") and n in top)
+                  or (n.startswith("ktconvert.") and n.split(".")[1] not in ("arch", "families", "errors", "io"))]
+    assert not above, sorted(above)
+
+
+def test_every_mechanism_has_its_torch_module_under_the_same_name():
+    from ktconvert import arch
+    from ktconvert.model import mechanisms
+
+    torch_names = [*mechanisms.ATTENTION, *mechanisms.FEED_FORWARD, *mechanisms.RESIDUAL]
+    assert sorted(torch_names) == sorted(arch.MECHANISMS)
+    assert all(hasattr(arch.mechanism(n), "attr") for n in mechanisms.ATTENTION)

@@ -1,6 +1,6 @@
 """A checkpoint is complete or refused (issue 31): every non-expert tensor the family's spec gives the model (norms,
 attention, router, shared experts, embeddings, the head unless tied) must be present. The expected list is the tiny
-models' own (``families.tensors.tensor_specs``), placed through the naming maps: inspect reports a missing one as an
+models' own (``arch.tensors.tensor_specs``), placed through the naming maps: inspect reports a missing one as an
 error, quantize refuses before writing anything. And a legal but large header is classified in time proportional
 to its size."""
 

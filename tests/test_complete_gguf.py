@@ -1,6 +1,6 @@
 """A GGUF alone (no config.json beside it, no --config) is complete or refused too (issue 31): its own metadata
 settles the layer count (``{arch}.block_count``), and every layer of every family holds the norm before its mixer and
-the norm before its FFN (``families.tensors.LAYER_NORMS``); every model holds the embeddings and the output norm; a
+the norm before its FFN (``arch.tensors.LAYER_NORMS``); every model holds the embeddings and the output norm; a
 layer holding routed experts holds a router. Taking any of those away from the tiny model of each family, as
 ktconvert writes it, is refused by quantize (exit 3, one line naming the tensor and the file, nothing written) and
 reported by inspect (exit 1)."""
@@ -16,7 +16,7 @@ from click.testing import CliRunner
 
 from ktconvert.cli import cli
 from ktconvert.families import FAMILIES
-from ktconvert.families.tensors import LAYER_NORMS, MODEL_WIDE
+from ktconvert.arch.tensors import LAYER_NORMS, MODEL_WIDE
 from ktconvert.formats.checkpoint import open_checkpoint
 from ktconvert.formats.completeness import missing_everywhere
 from ktconvert.formats.gguf_write import encode_kv, layout_gguf, raw_kv_pairs

@@ -627,7 +627,7 @@ def test_peak_rss_stays_within_budget_plus_overhead(tiny_root, tmp_path):
                 t[f"model.layers.{L}.mlp.experts.{e}.{p}_proj.weight"] = base.roll(e * 31 + L).reshape(shape)
         if L == 0:  # the rest of the model (a checkpoint is complete or refused): small beside the experts
             from ktconvert.families import normalize_config
-            from ktconvert.families.tensors import tensor_specs
+            from ktconvert.arch.tensors import tensor_specs
 
             for spec in tensor_specs(normalize_config(cfg), experts=False):
                 t[spec.name] = torch.full(spec.shape, 0.01, dtype=torch.bfloat16)

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import numpy as np
 from gguf import (
-    ExpertGatingFuncType,
     GGUFType,
     GGUFValueType,
     GGUFWriter,
@@ -29,10 +28,12 @@ from gguf import (
 )
 
 from ktconvert import families
+from ktconvert.arch import attention as layer_attention, gguf_keys
+from ktconvert.arch.base import when
 from ktconvert.convert.tokenizer import GgufVocab, quiet_gguf
 from ktconvert.errors import InputError
 from ktconvert.io.files import regular_file_size
-from ktconvert.families.config import indexer_types, normalize_config
+from ktconvert.families.config import normalize_config
 from ktconvert.formats.gguf_write import encode_kv, kv_pairs_from_writer, raw_kv_pairs
 
 #: keys whose values an output recomputes; every other pair of a GGUF input is copied byte for byte
@@ -58,132 +59,28 @@ def file_type(recipe_file_type: str | None, bytes_by_type: dict[str, int]) -> in
     return int(LlamaFileType[_TYPE_TO_FTYPE.get(top, "GUESSED")])
 
 
-def _if(cond, add) -> None:
-    if cond:
-        add()
-
-
-# The architecture-specific keys a family spec's gguf.metadata lists, each computed from the normalised config
-# (w: the writer, c: MoeConfig, n: block count); the spec fixes which and in what order.
-_ARCH_KEYS = {
-    "expert_feed_forward_length": lambda w, c, n: w.add_expert_feed_forward_length(c.moe_intermediate_size),
-    "expert_shared_feed_forward_length": lambda w, c, n: _if(
-        c.shared_expert_intermediate_size, lambda: w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)),
+# The keys a family spec's gguf.metadata lists, each computed from the normalised config (w: the writer, c: MoeConfig,
+# n: block count); the spec fixes which and in what order. Each mechanism's own keys are its arch module's
+# (``ktconvert/arch/``, e.g. ``mla.py``'s kv_lora_rank); these are the model's sizes and rope, whatever its mechanisms.
+_MODEL_KEYS = {
     "key_length": lambda w, c, n: w.add_key_length(c.head_dim),
     "value_length": lambda w, c, n: w.add_value_length(c.head_dim),
     "rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.rope.dim),  # partial rotary: < head_dim
-    "leading_dense_block_count": lambda w, c, n: w.add_leading_dense_block_count(min(c.moe_layers) if c.moe_layers else n),
-    # 0: no q LoRA (V2-Lite style q_proj); llama.cpp requires the key
-    "q_lora_rank": lambda w, c, n: w.add_q_lora_rank(c.q_lora_rank or 0),
-    "kv_lora_rank": lambda w, c, n: w.add_kv_lora_rank(c.mla.kv_lora_rank),
-    "mla_key_length": lambda w, c, n: w.add_key_length(c.mla.qk_nope_head_dim + c.qk_rope_head_dim),
-    "mla_value_length": lambda w, c, n: w.add_value_length(c.mla.v_head_dim),
-    "mla_rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.qk_rope_head_dim),
-    "expert_shared_count": lambda w, c, n: w.add_expert_shared_count(c.n_shared_experts),
-    "expert_weights_scale": lambda w, c, n: w.add_expert_weights_scale(c.routing.routed_scaling_factor),
-    "expert_weights_norm": lambda w, c, n: _if(c.routing.norm_topk_prob, lambda: w.add_expert_weights_norm(True)),
-    "expert_gating_func": lambda w, c, n: _gating_func(w, c),
-    "expert_group_count": lambda w, c, n: _if(c.routing.n_group, lambda: w.add_expert_group_count(c.routing.n_group)),
-    "expert_group_used_count": lambda w, c, n: _if(c.routing.topk_group, lambda: w.add_expert_group_used_count(c.routing.topk_group)),
-    # the window and which layers use it (llama.cpp reads the per-layer pattern before its architecture default)
-    "sliding_window": lambda w, c, n: _if(c.sliding_window, lambda: (
-        w.add_sliding_window(c.sliding_window),
-        w.add_sliding_window_pattern([i in c.sliding_layers for i in range(n)]))),
-    # Gated DeltaNet hybrids (what llama.cpp's Qwen3-Next / Qwen3.5 converters write)
+    # Qwen3.5's multimodal rope sections (what llama.cpp's Qwen3.5 converter writes)
     "rope_dimension_sections": lambda w, c, n: w.add_rope_dimension_sections(_mrope_sections(c)),
-    "ssm_conv_kernel": lambda w, c, n: w.add_ssm_conv_kernel(c.linear.conv_kernel),
-    "ssm_state_size": lambda w, c, n: w.add_ssm_state_size(c.linear.key_head_dim),
-    "ssm_group_count": lambda w, c, n: w.add_ssm_group_count(c.linear.num_key_heads),
-    "ssm_time_step_rank": lambda w, c, n: w.add_ssm_time_step_rank(c.linear.num_value_heads),
-    "ssm_inner_size": lambda w, c, n: w.add_ssm_inner_size(c.linear.value_head_dim * c.linear.num_value_heads),
-    "recurrent_layers": lambda w, c, n: w.add_array(f"{w.arch}.attention.recurrent_layers",
-                                                    [t == "linear_attention" for t in c.layer_types]),
-    "full_attention_interval": lambda w, c, n: w.add_full_attention_interval(int(c.raw.get("full_attention_interval", 4))),
     "partial_rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.rope.dim),
     # Qwen3-VL: vision layers whose features join the text model (0 for text only; the key is read by llama.cpp)
     "n_deepstack_layers": lambda w, c, n: w.add_num_deepstack_layers(len(
         (c.raw.get("vision_config") or {}).get("deepstack_visual_indexes") or ())),
-    # llama.cpp's absorbed MLA (MQA over the latent): K = latent + rope, V = latent; then the decompressed heads
-    "mqa_key_length": lambda w, c, n: w.add_key_length(c.mla.kv_lora_rank + c.qk_rope_head_dim),
-    "mqa_value_length": lambda w, c, n: w.add_value_length(c.mla.kv_lora_rank),
-    "key_length_mla": lambda w, c, n: w.add_key_length_mla(c.mla.qk_nope_head_dim + c.qk_rope_head_dim),
-    "value_length_mla": lambda w, c, n: w.add_value_length_mla(c.mla.v_head_dim),
-    # DSA indexer (GLM-5); llama.cpp reads indexer.types when written, else every layer runs its own indexer
-    "indexer": lambda w, c, n: (w.add_indexer_head_count(c.indexer.n_heads), w.add_indexer_key_length(c.indexer.head_dim),
-                                w.add_indexer_top_k(c.indexer.topk),
-                                _if(c.indexer.kpool, lambda: (
-                                    w.add_uint32(f"{w.arch}.attention.indexer.kpool", c.indexer.kpool),
-                                    w.add_bool(f"{w.arch}.attention.indexer.kpool_select_tail", c.indexer.kpool_tail))),
-                                _if(c.raw.get("indexer_types") is not None or c.dsa_shared_layers, lambda: w.add_array(
-                                    f"{w.arch}.attention.indexer.types", [t == "full" for t in indexer_types(c.raw, n)]))),
-    # GLM-5-Next (what llama.cpp's Glm5NextModel converter writes): head_count_kv per layer, 0 marking a recurrent
-    # (Kimi Delta Attention) layer (written by hf_kv in the place of the single value); the indexer LayerNorm's
-    # fixed eps; the KDA sizes from linear_attn_config; the hyper-connection streams (swiglu_clamp: below)
-    "recurrent_head_count_kv": lambda w, c, n: None,
-    "layer_norm_epsilon": lambda w, c, n: w.add_layer_norm_eps(1e-6),
-    "kda": lambda w, c, n: (w.add_ssm_conv_kernel(c.kda.conv_kernel),
-                            w.add_uint32(f"{w.arch}.kda.head_dim", c.kda.head_dim),
-                            _if(c.kda.lower_bound is not None, lambda: w.add_float32(
-                                f"{w.arch}.kda.gate_lower_bound", c.kda.lower_bound))),
-    "hyper_connections": lambda w, c, n: (
-        w.add_uint32(f"{w.arch}.hyper_connection.count", c.hyper_connections.mult),
-        w.add_uint32(f"{w.arch}.hyper_connection.sinkhorn_iterations", c.hyper_connections.sinkhorn_iters),
-        w.add_float32(f"{w.arch}.hyper_connection.epsilon", c.hyper_connections.eps)),
     # MiniMax-M3: rotary_dim as the hub config says (llama.cpp's converter writes it and llama.cpp rotates that many
     # dims; transformers 5.23 ignores it), else the rotated share the reference uses
     "rotary_dim": lambda w, c, n: w.add_rope_dimension_count(
         c.raw["rotary_dim"] if isinstance(c.raw.get("rotary_dim"), int) else c.rope.dim),
-    # MiniMax Sparse Attention: the indexer and its block selection (llama.cpp reads all five)
-    "msa_indexer": lambda w, c, n: (w.add_indexer_head_count(c.indexer.n_heads), w.add_indexer_key_length(c.indexer.head_dim),
-                                    w.add_indexer_top_k(c.indexer.topk),
-                                    w.add_uint32(f"{w.arch}.attention.indexer.block_size", c.indexer.block_size),
-                                    w.add_uint32(f"{w.arch}.attention.indexer.local_blocks", c.indexer.local_blocks)),
-    # DeepSeek-V4 (llama.cpp deepseek4, whose converter reads these from the release's config.json): the window,
-    # the lightning indexer, the grouped output projection, per-layer compress ratios (0 / 4 / 128) and the compressed
-    # layers' rope (its base, and YaRN where the release scales it: llama.cpp applies it to those layers only)
-    "compressed_mqa": lambda w, c, n: _compressed_mqa(w, c, n),
-    # the width of the hyper-connection streams a DeepSeek-V4 head reads (hidden_size * hc_mult)
-    "embedding_length_out": lambda w, c, n: w.add_embedding_length_out(c.hidden_size * c.hyper_connections.mult),
-    "hash_layers": lambda w, c, n: w.add_uint32(f"{w.arch}.hash_layer_count", len(c.hash_layers)),
-    # the clamped SwiGLU's limit per layer, for the routed and (where they clamp too: GLM-5-Next, DeepSeek-V4) the
-    # shared experts
-    "swiglu_clamp": lambda w, c, n: (
-        w.add_swiglu_clamp_exp([float(c.swiglu_limit)] * n),
-        _if(c.shared_swiglu, lambda: w.add_swiglu_clamp_shexp([float(c.swiglu_limit)] * n))),
     # llama.cpp divides by 0.1 again
-    "rope_scaling_yarn_log_mul": lambda w, c, n: _if(
+    "rope_scaling_yarn_log_mul": lambda w, c, n: when(
         c.rope.kind == "yarn" and c.rope.mscale_all_dim, lambda: w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)),
 }
-
-
-#: llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRTSOFTPLUS (gguf-py 0.19.0's enum predates it)
-SQRTSOFTPLUS = 4
-
-
-def _gating_func(w, c) -> None:
-    if c.routing.scoring_func == "sqrtsoftplus":
-        w.add_uint32(f"{w.arch}.expert_gating_func", SQRTSOFTPLUS)
-    else:
-        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if c.routing.scoring_func == "sigmoid" else ExpertGatingFuncType.SOFTMAX)
-
-
-def _compressed_mqa(w, c, n: int) -> None:
-    d = c.compressed
-    w.add_sliding_window(c.sliding_window)
-    w.add_indexer_head_count(c.indexer.n_heads)
-    w.add_indexer_key_length(c.indexer.head_dim)
-    w.add_indexer_top_k(c.indexer.topk)
-    w.add_uint32(f"{w.arch}.attention.output_group_count", d.o_groups)
-    w.add_uint32(f"{w.arch}.attention.output_lora_rank", d.o_lora_rank)
-    w.add_array(f"{w.arch}.attention.compress_ratios", [int(r) for r in d.ratios])
-    w.add_float32(f"{w.arch}.attention.compress_rope_freq_base", d.compress_rope.theta)
-    r = d.compress_rope
-    if r.kind == "yarn":
-        w.add_rope_scaling_type(RopeScalingType.YARN)
-        w.add_rope_scaling_factor(r.factor)
-        w.add_rope_scaling_orig_ctx_len(r.original_max_position_embeddings)
-        w.add_rope_scaling_yarn_beta_fast(r.beta_fast)
-        w.add_rope_scaling_yarn_beta_slow(r.beta_slow)
+_ARCH_KEYS = gguf_keys(_MODEL_KEYS)
 
 
 def _mrope_sections(c) -> list[int]:
@@ -268,8 +165,8 @@ def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, 
     w.add_embedding_length(c.hidden_size)
     w.add_feed_forward_length(getattr(c, spec.gguf.feed_forward_length))
     w.add_head_count(c.num_attention_heads)
-    if "recurrent_head_count_kv" in spec.gguf.metadata:
-        w.add_head_count_kv([0 if t == "linear_attention" else 1 for t in c.layer_types])
+    if "recurrent_head_count_kv" in spec.gguf.metadata:  # 0 marks a layer holding a recurrent state, not a KV cache
+        w.add_head_count_kv([0 if layer_attention(c, i).recurrent else 1 for i in range(c.num_hidden_layers)])
     else:
         w.add_head_count_kv(1 if spec.gguf.mla_mqa else c.num_key_value_heads)
     w.add_rope_freq_base(c.rope.theta)

@@ -19,7 +19,8 @@ LOGITS_ROUTERS = ("softmax_topk", "topk_softmax")
 class AttentionPart:
     """The spec's ``attention`` section as the attention modules use it."""
 
-    kind: str  # gqa | mla | gated_deltanet_hybrid | compressed_mqa ...
+    kind: str  # gqa | mla | gated_deltanet_hybrid | compressed_mqa: picks the mechanism (``ktconvert/arch/registry.py``)
+    linear_attention: str | None  # the mechanism of config.json's linear_attention layers where the spec names one (kda)
     output_gate: bool  # q_proj also emits a per-head sigmoid gate
     qk_norm_whole: bool  # qk_norm_scope: projection (one RMSNorm over the whole q / k projection)
     sinks: bool  # a learned logit per head joins each softmax (gpt-oss)
@@ -28,7 +29,8 @@ class AttentionPart:
 
     @classmethod
     def of(cls, section: dict) -> AttentionPart:
-        return cls(kind=section["kind"], output_gate=bool(section.get("output_gate")),
+        return cls(kind=section["kind"], linear_attention=section.get("linear_attention"),
+                   output_gate=bool(section.get("output_gate")),
                    qk_norm_whole=section.get("qk_norm_scope", "head") == "projection",
                    sinks=bool(section.get("sinks")), complex_rope=bool(section.get("complex_rope")),
                    indexer_rope_halves=section.get("dsa_indexer_rope", "interleaved") == "rotate_half")

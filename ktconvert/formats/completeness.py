@@ -2,14 +2,14 @@
 attention, router, shared experts, embeddings, the output head unless tied) must be present, not only the routed
 experts (which the layout detection counts per layer).
 
-The expected list is the one the tiny models and the module tree are built from (``families.tensors.tensor_specs``
+The expected list is the one the tiny models and the module tree are built from (``arch.tensors.tensor_specs``
 over ``normalize_config``); each name is placed through the architecture's naming map, so an HF checkpoint in
 either spelling, a GGUF (llama.cpp names, split or merged tensors) and a packed release are all compared by what
 their tensors hold. A name the naming map does not know is not required (llama.cpp has no place for it either).
 
 A GGUF read without its config.json (the common case) is checked for what its own metadata settles whatever the
 family: ``{arch}.block_count`` layers (less ``nextn_predict_layers`` MTP layers, whose tensors a converter may leave
-out), each holding the two norms every layer of every kind holds (``families.tensors.LAYER_NORMS``), the embeddings
+out), each holding the two norms every layer of every kind holds (``arch.tensors.LAYER_NORMS``), the embeddings
 and the output norm, and in every layer that holds routed experts a router and, where the metadata gives shared
 experts (``expert_shared_count`` or ``expert_shared_feed_forward_length``), the naming map's shared-expert tensors. The rest of a layer (attention,
 linear attention, compressed or shared-indexer layers, a dense FFN) varies with config keys the metadata does not
@@ -22,7 +22,7 @@ from collections.abc import Mapping
 
 from ktconvert.errors import InputError
 from ktconvert.families.config import normalize_config
-from ktconvert.families.tensors import everywhere_names, tensor_specs
+from ktconvert.arch.tensors import everywhere_names, tensor_specs
 from ktconvert.formats.naming import NameMatch, naming_maps
 
 _EXPERT_GROUPS = ("experts", "expert_scales", "expert_biases")

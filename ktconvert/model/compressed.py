@@ -1,5 +1,5 @@
-"""Reference blocks of compressed sparse MQA with hyper-connections (DeepSeek-V4; spec ``attention.kind:
-compressed_mqa``, ``config.hyper_connections``, ``routing.hash_layers``).
+"""Reference blocks of compressed sparse MQA and hash routing (DeepSeek-V4; spec ``attention.kind:
+compressed_mqa``, ``routing.hash_layers``); its hyper-connections are ``hyper.py``'s.
 
 Numerics follow transformers 5.23's modeling_deepseek_v4.py operation by operation (float32 softmaxes, rope in
 float32, the Sinkhorn loop as written there). Attention is computed over the whole sequence each call: decode keeps
@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ktconvert.families.config import MoeConfig
-from ktconvert.model.hyper import hyper_mix, unweighted_rms_norm
+from ktconvert.model.hyper import unweighted_rms_norm
 from ktconvert.model.modules import DeepseekMoE, KVCache, RMSNorm, RotaryEmbedding, Tagged, rms_norm, router_scores
 
 
@@ -79,6 +79,8 @@ class WindowCompressor(Tagged, nn.Module):
 class IndexerScorer(Tagged, nn.Module):
     """Holds the indexer's per-head weight projection (``scorer.weights_proj``), as transformers nests it."""
 
+    hf_role = "indexer_scorer"
+
     def __init__(self, cfg: MoeConfig):
         super().__init__()
         self.weights_proj = nn.Linear(cfg.hidden_size, cfg.indexer.n_heads, bias=False)
@@ -88,6 +90,8 @@ class LightningIndexer(WindowCompressor):
     """Which compressed entries each query of a ratio-4 layer sees: its own overlapping compressor at
     ``index_head_dim``, scores ``sum_h w_h relu(q_h . k) / sqrt(d)`` with ``q = q_b_proj(q_residual)`` rotated at the
     query position and ``w = scorer.weights_proj(x) / sqrt(heads)``; the top ``index_topk`` causal entries are kept."""
+
+    hf_role = "indexer"
 
     def __init__(self, cfg: MoeConfig, ratio: int):
         d = cfg.indexer
@@ -119,6 +123,10 @@ class LightningIndexer(WindowCompressor):
 class CompressedCompressor(WindowCompressor):
     """A compressed layer's ``self_attn.compressor``: the indexer lives under it (ratio-4 layers), as transformers
     names the modules."""
+
+    @property
+    def hf_role(self) -> str:
+        return "csa_compressor" if self.indexer is not None else "hca_compressor"
 
     def __init__(self, cfg: MoeConfig, ratio: int):
         csa = ratio == cfg.compressed.csa_ratio
@@ -184,41 +192,6 @@ class CompressedAttention(Tagged, nn.Module):
         weight = self.o_a_proj.weight.view(self.groups, -1, grouped.shape[-1]).transpose(1, 2)
         mixed = torch.bmm(grouped, weight).transpose(0, 1).reshape(b, t, -1)
         return self.o_b_proj(mixed)
-
-
-class HyperConnection(Tagged, nn.Module):
-    """DeepSeek-V4's ``attn_hc`` / ``ffn_hc``: the parameters of :func:`~ktconvert.model.hyper.hyper_mix` as a
-    module of their own, where transformers' tree has one; returns ``post, comb, collapsed``."""
-
-    def __init__(self, cfg: MoeConfig):
-        super().__init__()
-        self.dims, self.norm_eps = cfg.hyper_connections, cfg.rms_norm_eps
-        n = self.dims.mult
-        size = (2 + n) * n
-        self.fn = nn.Parameter(torch.zeros(size, n * cfg.hidden_size))
-        self.base = nn.Parameter(torch.zeros(size))
-        self.scale = nn.Parameter(torch.ones(3))
-
-    def forward(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        return hyper_mix(streams, self.fn, self.base, self.scale, self.dims, self.norm_eps)
-
-
-class HyperHead(Tagged, nn.Module):
-    """The final collapse of the streams before the model's norm (``hc_head``)."""
-
-    def __init__(self, cfg: MoeConfig):
-        super().__init__()
-        d = cfg.hyper_connections
-        self.hc_eps, self.norm_eps = d.eps, cfg.rms_norm_eps
-        self.hc_fn = nn.Parameter(torch.zeros(d.mult, d.mult * cfg.hidden_size))
-        self.hc_base = nn.Parameter(torch.zeros(d.mult))
-        self.hc_scale = nn.Parameter(torch.ones(1))
-
-    def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        flat = unweighted_rms_norm(streams.flatten(2).float(), self.norm_eps)
-        mixes = F.linear(flat, self.hc_fn.float())
-        pre = torch.sigmoid(mixes * self.hc_scale.float() + self.hc_base.float()) + self.hc_eps
-        return (pre.unsqueeze(-1) * streams).sum(dim=2).to(streams.dtype)
 
 
 class HashGate(Tagged, nn.Module):

@@ -145,15 +145,11 @@ class LayerMajor:
         with self.weights.part(self.model, "embed"):
             parts = [self.model.model.embed_tokens(input_ids[:, a:z]) for a, z in chunks or [(0, input_ids.shape[1])]]
             hidden = parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
-        hc = self.model.config.hyper_connections
-        states = [hidden]
-        if hc is not None:
-            hidden = hidden.unsqueeze(2).expand(-1, -1, hc.mult, -1).contiguous()
-        return hidden, states
+        return self.model.residual.widen(hidden), [hidden]
 
     def collapse(self, hidden: torch.Tensor) -> torch.Tensor:
         """A layer's output as recorded: its streams' mean where there are several (as the goldens record it)."""
-        return hidden.mean(dim=2) if self.model.config.hyper_connections is not None else hidden
+        return self.model.residual.collapse(hidden)
 
     def head(self, hidden: torch.Tensor, chunks: list[tuple[int, int]]) -> tuple[torch.Tensor, torch.Tensor]:
         """``(logits, final hidden)``, per chunk too: a matmul over 1 row and over T rows round apart."""
@@ -161,7 +157,7 @@ class LayerMajor:
 
     def heads(self, runs: list[tuple[torch.Tensor, list[tuple[int, int]]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """:meth:`head` of several runs (``(last layer output, chunks)`` each) with the head resident once."""
-        model, cfg = self.model, self.model.config
+        model = self.model
         lm = model.lm_head
         finals = []  # per run, per chunk
         with self.weights.part(model, "head"):
@@ -169,9 +165,7 @@ class LayerMajor:
                 finals.append([])
                 for a, z in chunks:
                     h = hidden[:, a:z]
-                    if cfg.hyper_connections is not None:  # GLM-5-Next: the streams' unweighted mean; DeepSeek-V4: hc_head
-                        h = model.model.hc_head(h) if cfg.hc_modules else h.mean(dim=2)
-                    finals[-1].append(model.model.norm(h))
+                    finals[-1].append(model.model.norm(model.residual.final(model.model, h)))
             # several chunks (decode, several runs): each vocabulary chunk of lm_head is read once for all of them,
             # then the module is called per chunk as before (hooks see those calls) and hands out what was computed
             flat = [f for run in finals for f in run]

@@ -91,6 +91,8 @@ def _l2norm_div(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 class GatedRMSNorm(Tagged, nn.Module):
     """Gated DeltaNet's output norm: ``weight * x / rms(x) * silu(gate)`` (plain weight, not zero-centred)."""
 
+    hf_role = "gated_rmsnorm"  # either gate (silu or sigmoid)
+
     def __init__(self, size: int, eps: float):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(size))

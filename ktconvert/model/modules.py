@@ -27,11 +27,16 @@ class Tagged:
 
     hf_class: str | None = None
     hf_class_paths: tuple[str, ...] = ()
+    #: the role ``hfnames.class_names`` names a module of this class by, wherever it sits inside a mechanism (None:
+    #: its place gives the role, see ``ktconvert/model/reference.py``)
+    hf_role: str | None = None
 
 
 class RMSNorm(Tagged, nn.Module):
     """``weight * x / rms(x)``; ``zero_centered`` (spec ``config.rms_norm``): ``(1 + weight) * ...`` in float32, the
     weight stored around 0 (Qwen3-Next / Qwen3.5)."""
+
+    hf_role = "rmsnorm"
 
     def __init__(self, size: int, eps: float, zero_centered: bool = False):
         super().__init__()
@@ -344,6 +349,8 @@ class DsaKPoolIndexer(Tagged, nn.Module):
     scores; pools are rebuilt from them at every step, as transformers does.
     """
 
+    hf_role = "indexer"
+
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
         d = cfg.indexer
@@ -483,6 +490,8 @@ class DsaIndexer(Tagged, nn.Module):
     summed with weights ``weights_proj(x) / sqrt(heads)``; future keys are masked; the top ``index_topk`` keys
     are kept. Computed in float32 in transformers' operation order, so score ties break the same way.
     """
+
+    hf_role = "indexer"
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()

@@ -1,14 +1,15 @@
-"""Reference causal LMs for the five MoE families, with the module tree upstream rule files match.
+"""Reference causal LMs for every family, with the module tree upstream rule files match. A decoder layer is
+assembled from the mechanisms ``ktconvert/arch/`` picks for it and their torch modules in ``ktconvert/model/mechanisms.py``.
 
 Tree (``L`` = layer, ``E`` = expert; ``mlp`` is ``block_sparse_moe`` for Mixtral, as its checkpoints and
 ktransformers' Mixtral rules name it)::
 
     model.embed_tokens                  VocabEmbedding (an nn.Embedding)
     model.layers.L.input_layernorm      RMSNorm
-    model.layers.L.self_attn            Attention / MLAttention, with .rotary_emb and nn.Linear projections
-    model.layers.L.linear_attn          GatedDeltaNet (hybrid families' linear-attention layers, by layer_types)
+    model.layers.L.self_attn            the layer's attention mechanism (``mechanisms.ATTENTION``), with .rotary_emb
+                                        and nn.Linear projections; ``linear_attn`` where the mechanism says so
     model.layers.L.post_attention_layernorm
-    model.layers.L.mlp                  SparseMoeBlock / DeepseekMoE, or GatedMLP on dense layers
+    model.layers.L.mlp                  the layer's feed-forward mechanism (``mechanisms.FEED_FORWARD``): MoE or dense
     model.layers.L.mlp.gate             TopKRouter (nn.Linear) / MoEGate
     model.layers.L.mlp.experts          RoutedExperts (nn.ModuleList), children E = GatedMLP
     model.layers.L.mlp.shared_expert(s) GatedMLP (+ shared_expert_gate nn.Linear for Qwen2-MoE)
@@ -28,78 +29,33 @@ from typing import Callable
 import torch
 from torch import nn
 
+from ktconvert import arch
 from ktconvert.families.config import MoeConfig, load_config
-from ktconvert.model import hfnames
-from ktconvert.model.compressed import (
-    CompressedAttention,
-    CompressedCompressor,
-    HashGate,
-    HashRoutedMoE,
-    HyperConnection,
-    HyperHead,
-    IndexerScorer,
-    LightningIndexer,
-)
+from ktconvert.model import hfnames, mechanisms
 from ktconvert.model.executor import ForwardOutput, LayerMajor
 from ktconvert.model.modules import (
-    Attention,
-    DeepseekMoE,
-    DsaIndexer,
-    DsaKPoolIndexer,
-    GatedMLP,
     KVCache,
-    MLAttention,
-    RMSNorm,
-    SparseMoeBlock,
     Tagged,
     VocabEmbedding,
     VocabHead,
     rms_norm,
 )
-from ktconvert.model.hyper import hyper_mix, hyper_residual
-from ktconvert.model.linear_attention import GatedDeltaNet, GatedRMSNorm, KimiDeltaAttention
 
 
 class DecoderLayer(Tagged, nn.Module):
-    def __init__(self, cfg: MoeConfig, layer_idx: int):
+    def __init__(self, cfg: MoeConfig, layer_idx: int, residual):
         super().__init__()
         self.layer_idx = layer_idx
         self.input_layernorm = rms_norm(cfg, cfg.hidden_size)
-        # hybrid families: layer_types names a linear-attention layer, which holds linear_attn instead of self_attn
-        linear = bool(cfg.layer_types) and cfg.layer_types[layer_idx] == "linear_attention"
-        # Kimi Delta Attention (GLM-5-Next) keeps the name self_attn on its linear layers
-        self.attn_attr = "linear_attn" if linear and cfg.kda is None else "self_attn"
-        if linear and cfg.kda is not None:
-            self.self_attn = KimiDeltaAttention(cfg, layer_idx)
-        elif self.attn_attr == "linear_attn":
-            self.linear_attn = GatedDeltaNet(cfg, layer_idx)
-        elif cfg.compressed is not None:
-            self.self_attn = CompressedAttention(cfg, layer_idx)
-        else:
-            self.self_attn = MLAttention(cfg, layer_idx) if cfg.is_mla else Attention(cfg, layer_idx)
+        self.attention_kind = arch.attention_for(cfg, layer_idx)
+        self.attn_attr = arch.mechanism(self.attention_kind).attr  # self_attn / linear_attn
+        setattr(self, self.attn_attr, mechanisms.ATTENTION[self.attention_kind](cfg, layer_idx))
         self.post_attention_layernorm = rms_norm(cfg, cfg.hidden_size)
-        if layer_idx in cfg.hash_layers:
-            block = HashRoutedMoE(cfg)
-        elif layer_idx in cfg.moe_layers:
-            # the spec's routing maths picks the block (DeepSeek's grouped routing with shared experts, or
-            # softmax top-k), independently of the attention kind
-            logits_router = cfg.routing.logits_router
-            block: nn.Module = SparseMoeBlock(cfg) if logits_router else DeepseekMoE(cfg)
-        else:
-            block = GatedMLP(cfg.hidden_size, cfg.intermediate_size, clamp=cfg.swiglu_clamp if cfg.dense_swiglu else None)
+        self.ffn_kind = arch.feed_forward_for(cfg, layer_idx)
         self.moe_attr = cfg.ffn_name(layer_idx)
-        setattr(self, self.moe_attr, block)
-        hc = cfg.hyper_connections
-        self.hc, self.hc_norm_eps = hc, cfg.rms_norm_eps
-        if cfg.hc_modules:  # modules of their own, as transformers' tree has them
-            self.attn_hc = HyperConnection(cfg)
-            self.ffn_hc = HyperConnection(cfg)
-        elif hc is not None:  # parameters on the layer under the checkpoint's names (hc_attn_fn, ...)
-            width = (2 + hc.mult) * hc.mult
-            for part in ("attn", "ffn"):
-                setattr(self, f"hc_{part}_fn", nn.Parameter(torch.zeros(width, hc.mult * cfg.hidden_size)))
-                setattr(self, f"hc_{part}_base", nn.Parameter(torch.zeros(width)))
-                setattr(self, f"hc_{part}_scale", nn.Parameter(torch.ones(3)))
+        setattr(self, self.moe_attr, mechanisms.FEED_FORWARD[self.ffn_kind](cfg, layer_idx))
+        self.residual = residual  # the model's residual stream (one, or hyper-connections' several)
+        residual.attach(self)
 
     @property
     def mixer(self) -> nn.Module:
@@ -114,21 +70,10 @@ class DecoderLayer(Tagged, nn.Module):
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None,
                 input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``hidden [B, T, H]``, or ``[B, T, N, H]`` residual streams with hyper-connections."""
-        if self.hc is not None:
-            post, comb, x = self._hyper("attn", hidden)
-            hidden = hyper_residual(hidden, self.mixer(self.input_layernorm(x), position_ids, cache), post, comb)
-            post, comb, x = self._hyper("ffn", hidden)
-            return hyper_residual(hidden, self._feed(self.post_attention_layernorm(x), input_ids), post, comb)
-        hidden = hidden + self.mixer(self.input_layernorm(hidden), position_ids, cache)
-        return hidden + self._feed(self.post_attention_layernorm(hidden), input_ids)
-
-    def _hyper(self, part: str, streams: torch.Tensor):
-        """``hyper_mix`` around the attention (``attn``) or the MLP (``ffn``), wherever its parameters live."""
-        module = getattr(self, f"{part}_hc", None)
-        if module is not None:
-            return module(streams)
-        fn, base, scale = (getattr(self, f"hc_{part}_{w}") for w in ("fn", "base", "scale"))
-        return hyper_mix(streams, fn, base, scale, self.hc, self.hc_norm_eps)
+        hidden = self.residual.around(self, "attn", hidden,
+                                      lambda x: self.mixer(self.input_layernorm(x), position_ids, cache))
+        return self.residual.around(self, "ffn", hidden,
+                                    lambda x: self._feed(self.post_attention_layernorm(x), input_ids))
 
     def _feed(self, hidden: torch.Tensor, input_ids: torch.Tensor | None) -> torch.Tensor:
         """The MLP / MoE block; a hash-routed one also reads the token ids."""
@@ -138,15 +83,14 @@ class DecoderLayer(Tagged, nn.Module):
 
 
 class DecoderModel(Tagged, nn.Module):
-    def __init__(self, cfg: MoeConfig):
+    def __init__(self, cfg: MoeConfig, residual):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, residual) for i in range(cfg.num_hidden_layers))
         for i in cfg.dsa_shared_layers:  # a plain attribute: the source stays a module of its own layer only
             object.__setattr__(self.layers[i].self_attn, "selection_source", self.layers[i - 1].self_attn)
         self.norm = rms_norm(cfg, cfg.hidden_size)
-        if cfg.hc_modules:
-            self.hc_head = HyperHead(cfg)
+        residual.attach_model(self)
 
 
 class ReferenceCausalLM(Tagged, nn.Module):
@@ -155,7 +99,8 @@ class ReferenceCausalLM(Tagged, nn.Module):
     def __init__(self, cfg: MoeConfig):
         super().__init__()
         self.config = cfg
-        self.model = DecoderModel(cfg)
+        self.residual = mechanisms.residual(cfg)  # ktconvert/model/executor.py widens and reads the streams with it
+        self.model = DecoderModel(cfg, self.residual)
         self.lm_head = VocabHead(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def new_cache(self) -> KVCache:
@@ -185,33 +130,26 @@ def _tag_tree(model: ReferenceCausalLM) -> None:
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             _tag(norm, fam, "rmsnorm")
         attn = layer.mixer
-        if isinstance(attn, (GatedDeltaNet, KimiDeltaAttention)):
+        if arch.mechanism(layer.attention_kind).recurrent:
             _tag(attn, fam, "linear_attention")
         else:
             _tag(attn, fam, "attention")
             if attn.rotary_emb is not None:
                 _tag(attn.rotary_emb, fam, "rotary", yarn=yarn)
-        for sub in attn.modules():
-            if isinstance(sub, RMSNorm):
-                _tag(sub, fam, "rmsnorm")
-            elif isinstance(sub, GatedRMSNorm):  # either gate (silu or sigmoid)
-                _tag(sub, fam, "gated_rmsnorm")
-            elif isinstance(sub, (DsaIndexer, DsaKPoolIndexer, LightningIndexer)):
-                _tag(sub, fam, "indexer")
-            elif isinstance(sub, IndexerScorer):
-                _tag(sub, fam, "indexer_scorer")
-            elif isinstance(sub, CompressedCompressor):
-                _tag(sub, fam, "csa_compressor" if sub.indexer is not None else "hca_compressor")
+        for sub in attn.modules():  # the mechanism's own parts (norms, indexers, compressors) name their role
+            role = getattr(sub, "hf_role", None)
+            if role is not None:
+                _tag(sub, fam, role)
         for hc in (getattr(layer, "attn_hc", None), getattr(layer, "ffn_hc", None)):
             if hc is not None:
                 _tag(hc, fam, "hyper_connection")
         block = layer.feed_forward
-        if isinstance(block, GatedMLP):
+        if layer.ffn_kind == "dense_mlp":
             _tag(block, fam, "mlp")
             continue
         _tag(block, fam, "moe_block")
         gate = getattr(block, "router_module", None) or block.gate
-        _tag(gate, fam, "hash_gate" if isinstance(gate, HashGate) else "gate")
+        _tag(gate, fam, "hash_gate" if layer.ffn_kind == "hash_routing" else "gate")
         _tag(block.experts, fam, "experts")
         for expert in block.experts:
             _tag(expert, fam, "mlp", expert=True)

@@ -29,7 +29,7 @@ import numpy as np
 from ktconvert import families
 from ktconvert.errors import UsageProblem
 from ktconvert.families.config import FAMILIES, MoeConfig, normalize_config
-from ktconvert.families.tensors import TensorSpec, tensor_specs  # noqa: F401 (the tiny models' tensor list)
+from ktconvert.arch.tensors import TensorSpec, tensor_specs  # noqa: F401 (the tiny models' tensor list)
 from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.model import rng
 from ktconvert.model.tinytok import tokenizer_files

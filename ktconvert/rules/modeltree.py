@@ -1,4 +1,5 @@
-"""The module tree of a model, built from ``config.json`` alone (no torch, no weights).
+"""The module tree of a model, built from ``config.json`` alone (no torch, no weights): a walker over the layers,
+each layer's mechanisms (``ktconvert/arch/``) adding their own modules.
 
 Paths and module types follow the ktransformers model definitions the upstream rule files are written
 against (``model.layers.3.mlp.experts.7.gate_proj``), so rule regexes and class matches resolve here
@@ -12,7 +13,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from ktconvert.errors import InputError
-from ktconvert import families
+from ktconvert import arch, families
 from ktconvert.families.config import normalize_config, text_view
 from ktconvert.io.datafile import read_json
 
@@ -102,51 +103,27 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
     family = mc.family
     sp = mc.spec
     pre = sp.prefix
-    classes = sp.classes
-    root = Node("", classes.causal_lm or f"{pre}ForCausalLM")
+    root = Node("", sp.classes.causal_lm or f"{pre}ForCausalLM")
     model = root.add("model", f"{pre}Model")
     model.add("embed_tokens", "Embedding")
     layers = model.add("layers", "ModuleList")
     moe_layers = set(mc.moe_layers)
     dense_layers = []
+    residual = arch.residual_for(mc)
     for i in range(mc.num_hidden_layers):
         sparse = i in moe_layers
         if not sparse:
             dense_layers.append(i)
         layer = layers.add(str(i), f"{pre}DecoderLayer", layer=i, dense=not sparse)
-        _attention(layer, sp, mc, pre)
-        if not sparse:
-            _mlp(layer, mc.dense_block_name, f"{pre}MLP")
-        else:
-            # upstream ktransformers classes: DeepSeek's block is <P>MoE with a <P>MoEGate, others a
-            # <P>SparseMoeBlock with a plain Linear router
-            router = sp.experts.router_attr
-            if not classes.ktransformers_module:
-                # no ktransformers modeling file: transformers' own block and router classes; its routed
-                # experts are fused into one module there, so each expert here is a plain Module
-                moe = layer.add(sp.moe_block_name, classes.moe_block.get("transformers", f"{pre}SparseMoeBlock"))
-                hashed = i in mc.hash_layers  # routed by token id (DeepSeek-V4's first layers)
-                moe.add(router, f"{pre}HashRouter" if hashed else classes.gate.get("transformers", "Linear"))
-                expert_type = "Module"
-            else:
-                kt_gate = bool(classes.gate)
-                moe = layer.add(sp.moe_block_name, f"{pre}MoE" if kt_gate else f"{pre}SparseMoeBlock")
-                moe.add(router, f"{pre}MoEGate" if kt_gate else "Linear")
-                expert_type = classes.expert or f"{pre}MLP"
-            _experts(moe, pre, mc.num_experts, sp.expert_proj_names, expert_type)
-            if sp.shared_expert == "shared_experts" and mc.n_shared_experts:
-                _mlp(moe, "shared_experts", f"{pre}MLP")
-            if sp.shared_expert == "gated" and mc.shared_expert_intermediate_size:
-                _mlp(moe, "shared_expert", f"{pre}MLP")
-                moe.add("shared_expert_gate", "Linear")
+        arch.attention(mc, i).layer_modules(layer, mc)
+        arch.mechanism(arch.feed_forward_for(mc, i)).layer_modules(layer, mc)
         layer.add("input_layernorm", f"{pre}RMSNorm")
         layer.add("post_attention_layernorm", f"{pre}RMSNorm")
-        if mc.hc_modules:
-            layer.add("attn_hc", f"{pre}HyperConnection")
-            layer.add("ffn_hc", f"{pre}HyperConnection")
+        if residual:
+            arch.mechanism(residual).layer_modules(layer, mc)
     model.add("norm", f"{pre}RMSNorm", layer=None, dense=False)
-    if mc.hc_modules:
-        model.add("hc_head", f"{pre}HyperHead", layer=None, dense=False)
+    if residual:
+        arch.mechanism(residual).model_modules(model, mc)
     root.add("lm_head", "Linear")
     return ModelTree(family, cfg, root, mc.num_hidden_layers, dense_layers, source, mc)
 
@@ -155,98 +132,3 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
 def probe_tree(family: str) -> ModelTree:
     """Built once per family: trees are never mutated by the checks."""
     return build_tree(dict(PROBE_CONFIGS[family]), source="probe", where=f"<{family} probe>")
-
-
-def _attention(layer: Node, sp, mc, pre: str) -> None:
-    if mc.kda is not None and mc.layer_types[layer.layer] == "linear_attention":  # Kimi Delta Attention
-        lin = layer.add("self_attn", sp.classes.linear_attention or f"{pre}GatedDeltaNet")
-        for name in ("q_proj", "k_proj", "v_proj"):
-            lin.add(name, "Linear")
-        for name in ("q_conv1d", "k_conv1d", "v_conv1d"):
-            lin.add(name, "Conv1d")
-        for name in ("f_a_proj", "f_b_proj", "b_proj", "g_a_proj", "g_b_proj"):
-            lin.add(name, "Linear")
-        lin.add("o_norm", f"{pre}RMSNormGated")
-        lin.add("o_proj", "Linear")
-        return
-    if mc.layer_types and mc.layer_types[layer.layer] == "linear_attention":
-        lin = layer.add("linear_attn", f"{pre}GatedDeltaNet")
-        for name in sp.linear_projections:
-            lin.add(name, "Linear")
-        lin.add("conv1d", "Conv1d")
-        lin.add("norm", f"{pre}RMSNormGated")
-        lin.add("out_proj", "Linear")
-        return
-    attn = layer.add("self_attn", f"{pre}Attention")
-    if mc.compressed is not None:
-        _compressed_attention(attn, mc, pre)
-        return
-    if mc.is_mla:
-        if mc.q_lora_rank:
-            attn.add("q_a_proj", "Linear")
-            attn.add("q_a_layernorm", f"{pre}RMSNorm")
-            attn.add("q_b_proj", "Linear")
-        else:
-            attn.add("q_proj", "Linear")
-        attn.add("kv_a_proj_with_mqa", "Linear")
-        attn.add("kv_a_layernorm", f"{pre}RMSNorm")
-        attn.add("kv_b_proj", "Linear")
-        attn.add("o_proj", "Linear")
-        if mc.qk_rope_head_dim:  # NoPE MLA (GLM-5-Next) has no rotary module
-            attn.add("rotary_emb", sp.classes.tree_rotary or f"{pre}RotaryEmbedding")
-        if mc.indexer is not None and layer.layer not in mc.dsa_shared_layers:
-            ix = attn.add("indexer", f"{pre}Indexer")
-            ix.add("wq_b", "Linear")
-            ix.add("wk", "Linear")
-            ix.add("k_norm", "LayerNorm")
-            ix.add("weights_proj", "Linear")
-        return
-    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
-        attn.add(name, "Linear")
-    if mc.qk_norm:
-        attn.add("q_norm", f"{pre}RMSNorm")
-        attn.add("k_norm", f"{pre}RMSNorm")
-    attn.add("rotary_emb", f"{pre}RotaryEmbedding")
-    if layer.layer in mc.msa_layers:  # MiniMax Sparse Attention's indexer, flat in self_attn as released
-        attn.add("index_q_proj", "Linear")
-        attn.add("index_k_proj", "Linear")
-        attn.add("index_q_norm", f"{pre}RMSNorm")
-        attn.add("index_k_norm", f"{pre}RMSNorm")
-
-
-def _compressed_attention(attn: Node, mc, pre: str) -> None:
-    """DeepSeek-V4's attention: q LoRA, one K=V projection, grouped output projection; a compressed layer's compressor
-    (its lightning indexer under it on the indexer-ratio layers)."""
-    for name, type_ in (("q_a_proj", "Linear"), ("q_a_norm", f"{pre}RMSNorm"), ("q_b_proj", "Linear"),
-                        ("kv_proj", "Linear"), ("kv_norm", f"{pre}RMSNorm"), ("o_a_proj", "Linear"),
-                        ("o_b_proj", "Linear"), ("rotary_emb", f"{pre}RotaryEmbedding")):
-        attn.add(name, type_)
-    ratio = mc.compressed.ratios[attn.layer]
-    if not ratio:
-        return
-    csa = ratio == mc.compressed.csa_ratio
-    comp = attn.add("compressor", f"{pre}CSACompressor" if csa else f"{pre}HCACompressor")
-    parts = [comp]
-    if csa:
-        parts.append(comp.add("indexer", f"{pre}Indexer"))
-    for part in parts:
-        part.add("kv_proj", "Linear")
-        part.add("gate_proj", "Linear")
-        part.add("kv_norm", f"{pre}RMSNorm")
-    if csa:
-        parts[1].add("q_b_proj", "Linear")
-        parts[1].add("scorer", f"{pre}IndexerScorer").add("weights_proj", "Linear")
-
-
-def _mlp(parent: Node, name: str, type_: str, projs=("gate_proj", "up_proj", "down_proj")) -> Node:
-    mlp = parent.add(name, type_)
-    for p in projs:
-        mlp.add(p, "Linear")
-    mlp.add("act_fn", "Activation")
-    return mlp
-
-
-def _experts(moe: Node, pre: str, n: int, projs, expert_type: str) -> None:
-    experts = moe.add("experts", f"{pre}Experts")
-    for e in range(n):
-        _mlp(experts, str(e), expert_type, projs)

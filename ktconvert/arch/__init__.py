@@ -1,0 +1,20 @@
+"""Model architecture as mechanisms: one module per mechanism (``gqa``, ``mla``, ``compressed_mqa``,
+``gated_deltanet``, ``kda``, ``dense_mlp``, ``moe``, ``hash_routing``, ``hyper_connections``), each listing its
+tensors, its module-tree nodes and its GGUF keys behind one protocol (``base.py``); ``registry.py`` finds them (a
+module here with a ``MECHANISM`` is one), holds them by name and picks each layer's (the spec names the kind as
+data); ``tensors.py`` walks the layers for the checkpoint's tensor list. The torch computation of each is registered under the same name in ``ktconvert/model/mechanisms.py``.
+Above ``families`` (it reads the parsed config), below everything else; torch-free."""
+
+from ktconvert.arch.base import Mechanism
+from ktconvert.arch.registry import (
+    MECHANISMS,
+    attention,
+    attention_for,
+    feed_forward_for,
+    gguf_keys,
+    mechanism,
+    residual_for,
+)
+
+__all__ = ["MECHANISMS", "Mechanism", "attention", "attention_for", "feed_forward_for", "gguf_keys", "mechanism",
+           "residual_for"]

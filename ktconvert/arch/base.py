@@ -1,0 +1,61 @@
+"""The shape every mechanism module of :mod:`ktconvert.arch` has, and the small helpers they share.
+
+A mechanism (an attention kind, the MoE block, hash routing, hyper-connections) lists, for one layer of a parsed
+:class:`~ktconvert.families.config.MoeConfig`:
+
+- its tensors (``layer_tensors``: name, shape and role; the role says how the tiny models fill it, see
+  ``ktconvert/model/tiny_weights.py``),
+- its modules in the module tree check-rules matches (``layer_modules``, adding nodes under the decoder layer's
+  node of ``ktconvert/rules/modeltree.py``),
+- its GGUF keys (``gguf_keys``: a spec's ``gguf.metadata`` entry -> a writer of ``(w, c, n)``: the gguf-py writer,
+  the config and the block count).
+
+Its torch computation is registered under the same name in ``ktconvert/model/mechanisms.py``. Torch-free; no gguf
+import at module level either (check-rules runs without numpy).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping, Protocol
+
+from ktconvert.families.config import MoeConfig
+
+#: ``add(name, shape, role)``: how a mechanism hands the tensor walker one tensor
+Add = Callable[[str, tuple, str], None]
+#: ``write(w, c, n)``: one GGUF key (or a few) of a spec's ``gguf.metadata`` list
+KeyWriter = Callable[[Any, MoeConfig, int], None]
+
+
+class Mechanism(Protocol):
+    name: str
+    gguf_keys: Mapping[str, KeyWriter]
+
+    def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
+        """The tensors of ``layer`` this mechanism holds (``experts=False``: leave out the routed experts)."""
+
+    def layer_modules(self, node: Any, cfg: MoeConfig) -> None:
+        """Add this mechanism's modules under the decoder layer's module-tree node ``node``."""
+
+
+class AttentionMechanism:
+    """What every attention mechanism has besides the protocol, with the common values: ``attr``, the decoder layer's
+    attribute holding it (``self_attn`` / ``linear_attn``); ``recurrent``, a recurrent state instead of a KV cache
+    (GGUF head_count_kv 0 where the spec writes it per layer; tagged as linear attention)."""
+
+    attr = "self_attn"
+    recurrent = False
+
+
+def layer_prefix(layer: int) -> str:
+    return f"model.layers.{layer}"
+
+
+def norm_role(cfg: MoeConfig) -> str:
+    """The role of a norm weight: ``norm0`` where the family's norms are zero-centred (scaled by 1 + weight)."""
+    return "norm0" if cfg.spec.zero_centered_norm else "norm"
+
+
+def when(cond, write: Callable[[], Any]) -> None:
+    """Run ``write`` only if ``cond``: a key written only when the config has the feature."""
+    if cond:
+        write()

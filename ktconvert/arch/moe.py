@@ -1,0 +1,100 @@
+"""The MoE block (``moe``: router, routed experts of the dense MLP's shape, shared expert(s)), whose router scores
+the hidden state; ``hash_routing.py`` is the MoE block routed by token id. Torch: ``model/modules.py``
+``SparseMoeBlock`` / ``DeepseekMoE`` (picked by the spec's routing maths)."""
+
+from __future__ import annotations
+
+from ktconvert.arch.base import Add, layer_prefix, when
+from ktconvert.arch.dense_mlp import mlp_modules, mlp_tensors
+from ktconvert.families.config import MoeConfig
+
+
+class Moe:
+    name = "moe"
+
+    def router_tensors(self, cfg: MoeConfig, m: str, add: Add) -> None:
+        """What the router holds besides its weight and bias: DeepSeek-V3's score-correction bias."""
+        if cfg.routing.topk_method == "noaux_tc":
+            on_block = cfg.spec.experts.bias_on_block
+            add(f"{m}.{'' if on_block else 'gate.'}e_score_correction_bias", (cfg.num_experts,), "score_bias")
+
+    def router_type(self, cfg: MoeConfig) -> str:
+        """The router's class in transformers' tree (a family without a ktransformers modeling file)."""
+        return cfg.spec.classes.gate.get("transformers", "Linear")
+
+    def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
+        h, m, moe = cfg.hidden_size, f"{layer_prefix(layer)}.{cfg.ffn_name(layer)}", cfg.spec.experts
+        router = moe.router_attr
+        add(f"{m}.{router}.weight", (cfg.num_experts, h), "router")
+        if moe.router_bias:
+            add(f"{m}.{router}.bias", (cfg.num_experts,), "bias")
+        self.router_tensors(cfg, m, add)
+        for e in range(cfg.num_experts if experts else 0):
+            mlp_tensors(add, h, f"{m}.experts.{e}", cfg.moe_intermediate_size, cfg.expert_proj_names, moe.expert_bias)
+        if cfg.shared_expert_intermediate_size:
+            mlp_tensors(add, h, f"{m}.shared_expert", cfg.shared_expert_intermediate_size)
+            add(f"{m}.shared_expert_gate.weight", (1, h), "linear")
+        if cfg.n_shared_experts:
+            mlp_tensors(add, h, f"{m}.shared_experts", cfg.shared_experts_inter)
+
+    def layer_modules(self, node, cfg: MoeConfig) -> None:
+        """Upstream ktransformers classes: DeepSeek's block is <P>MoE with a <P>MoEGate, others a <P>SparseMoeBlock
+        with a plain Linear router. Without a ktransformers modeling file: transformers' own block and router
+        classes; its routed experts are fused into one module there, so each expert here is a plain Module."""
+        sp = cfg.spec
+        pre, classes, router = sp.prefix, sp.classes, sp.experts.router_attr
+        if not classes.ktransformers_module:
+            moe = node.add(sp.moe_block_name, classes.moe_block.get("transformers", f"{pre}SparseMoeBlock"))
+            moe.add(router, self.router_type(cfg))
+            expert_type = "Module"
+        else:
+            kt_gate = bool(classes.gate)
+            moe = node.add(sp.moe_block_name, f"{pre}MoE" if kt_gate else f"{pre}SparseMoeBlock")
+            moe.add(router, f"{pre}MoEGate" if kt_gate else "Linear")
+            expert_type = classes.expert or f"{pre}MLP"
+        experts = moe.add("experts", f"{pre}Experts")
+        for e in range(cfg.num_experts):
+            mlp_modules(experts, str(e), expert_type, sp.expert_proj_names)
+        if sp.shared_expert == "shared_experts" and cfg.n_shared_experts:
+            mlp_modules(moe, "shared_experts", f"{pre}MLP")
+        if sp.shared_expert == "gated" and cfg.shared_expert_intermediate_size:
+            mlp_modules(moe, "shared_expert", f"{pre}MLP")
+            moe.add("shared_expert_gate", "Linear")
+
+    gguf_keys = {
+        "expert_feed_forward_length": lambda w, c, n: w.add_expert_feed_forward_length(c.moe_intermediate_size),
+        "expert_shared_feed_forward_length": lambda w, c, n: when(
+            c.shared_expert_intermediate_size,
+            lambda: w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)),
+        "leading_dense_block_count": lambda w, c, n: w.add_leading_dense_block_count(
+            min(c.moe_layers) if c.moe_layers else n),
+        "expert_shared_count": lambda w, c, n: w.add_expert_shared_count(c.n_shared_experts),
+        "expert_weights_scale": lambda w, c, n: w.add_expert_weights_scale(c.routing.routed_scaling_factor),
+        "expert_weights_norm": lambda w, c, n: when(c.routing.norm_topk_prob, lambda: w.add_expert_weights_norm(True)),
+        "expert_gating_func": lambda w, c, n: _gating_func(w, c),
+        "expert_group_count": lambda w, c, n: when(c.routing.n_group, lambda: w.add_expert_group_count(c.routing.n_group)),
+        "expert_group_used_count": lambda w, c, n: when(
+            c.routing.topk_group, lambda: w.add_expert_group_used_count(c.routing.topk_group)),
+        # the clamped SwiGLU's limit per layer, for the routed and (where they clamp too: GLM-5-Next, DeepSeek-V4)
+        # the shared experts
+        "swiglu_clamp": lambda w, c, n: (
+            w.add_swiglu_clamp_exp([float(c.swiglu_limit)] * n),
+            when(c.shared_swiglu, lambda: w.add_swiglu_clamp_shexp([float(c.swiglu_limit)] * n))),
+    }
+
+
+#: llama.cpp's LLAMA_EXPERT_GATING_FUNC_TYPE_SQRTSOFTPLUS (gguf-py 0.19.0's enum predates it)
+SQRTSOFTPLUS = 4
+
+
+def _gating_func(w, c: MoeConfig) -> None:
+    from gguf import ExpertGatingFuncType  # here, not at import: check-rules reads this package without numpy
+
+    if c.routing.scoring_func == "sqrtsoftplus":
+        w.add_uint32(f"{w.arch}.expert_gating_func", SQRTSOFTPLUS)
+    else:
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID if c.routing.scoring_func == "sigmoid"
+                                 else ExpertGatingFuncType.SOFTMAX)
+
+
+MECHANISM = Moe()

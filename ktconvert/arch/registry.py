@@ -1,0 +1,74 @@
+"""The registered mechanisms by name, and the one place that picks a layer's: ``attention_for``,
+``feed_forward_for``, ``residual_for``. Everything else (the tensor walker of ``tensors.py``, the module tree of
+``ktconvert/rules/modeltree.py``, the GGUF keys of ``ktconvert/convert/metadata.py``, the reference layers of
+``ktconvert/model/reference.py``) asks these and never tests the config for a kind itself
+(``tests/test_architecture.py`` checks that)."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from pathlib import Path
+from types import MappingProxyType
+from typing import Mapping
+
+from ktconvert.arch.base import AttentionMechanism, KeyWriter, Mechanism
+from ktconvert.families.config import MoeConfig
+
+#: the modules of this package that are not a mechanism; every other one is, and names its instance ``MECHANISM``
+_MACHINERY = ("base", "registry", "tensors")
+
+
+def _discover() -> dict[str, Mechanism]:
+    """Every mechanism module of ``ktconvert/arch/`` (a new one registers itself by being there), by name."""
+    found: dict[str, Mechanism] = {}
+    for info in sorted(pkgutil.iter_modules([str(Path(__file__).parent)]), key=lambda i: i.name):
+        if info.name not in _MACHINERY:
+            m = importlib.import_module(f"ktconvert.arch.{info.name}").MECHANISM
+            found[m.name] = m
+    return found
+
+
+MECHANISMS: dict[str, Mechanism] = _discover()
+
+
+def mechanism(name: str) -> Mechanism:
+    return MECHANISMS[name]
+
+
+def attention_for(cfg: MoeConfig, layer: int) -> str:
+    """The attention mechanism of ``layer``: the spec names it as data. A layer config.json's ``layer_types`` marks
+    ``linear_attention`` runs the spec's ``attention.linear_attention`` (``kda``), else a hybrid's Gated DeltaNet;
+    every other layer runs ``attention.kind`` (a Gated DeltaNet hybrid's full layers: ``gqa``)."""
+    spec = cfg.spec.attention
+    if cfg.layer_types and cfg.layer_types[layer] == "linear_attention":
+        return spec.linear_attention or "gated_deltanet"
+    return "gqa" if spec.kind == "gated_deltanet_hybrid" else spec.kind
+
+
+def attention(cfg: MoeConfig, layer: int) -> AttentionMechanism:
+    return MECHANISMS[attention_for(cfg, layer)]
+
+
+def feed_forward_for(cfg: MoeConfig, layer: int) -> str:
+    """``dense_mlp`` on the config's dense layers, ``hash_routing`` on its hash-routed ones, else ``moe``."""
+    if layer not in cfg.moe_layers:
+        return "dense_mlp"
+    return "hash_routing" if layer in cfg.hash_layers else "moe"
+
+
+def residual_for(cfg: MoeConfig) -> str | None:
+    """``hyper_connections`` where the spec gives the model several residual streams; None for the plain one."""
+    return "hyper_connections" if cfg.hyper_connections is not None else None
+
+
+def gguf_keys(model_keys: Mapping[str, KeyWriter] = MappingProxyType({})) -> dict[str, KeyWriter]:
+    """``model_keys`` (the model's own, whatever its mechanisms) and every mechanism's GGUF keys, by their
+    ``gguf.metadata`` name; a name written twice is refused (each is owned by one writer)."""
+    out: dict[str, KeyWriter] = dict(model_keys)
+    for m in MECHANISMS.values():
+        clash = set(out) & set(m.gguf_keys)
+        if clash:
+            raise AssertionError(f"GGUF keys {sorted(clash)} written twice (mechanism {m.name})")
+        out.update(m.gguf_keys)
+    return out
