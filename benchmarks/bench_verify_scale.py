@@ -510,6 +510,8 @@ def main(argv=None) -> dict:
     results["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
     save()
     print(table(results))
+    print(f"load average (1, 5, 15 min): start {results['load_average_start']}, end {results['load_average_end']} "
+          f"on {results['machine']['cpus']} CPUs ({results['machine']['cpu']})")
     return results
 
 
