@@ -411,3 +411,36 @@ def test_the_reference_runs_beside_the_kernel_childs_kept_slot(ws, ktamx_dirs):
     assert need > alone
     report = _verify(ws, None, max_memory=need, **kw)
     assert report.run["mode"] == "stream" and report.passed, [b.line() for b in report.breaches]
+
+
+def test_the_reference_gives_way_to_what_the_kernel_child_holds_measured(ws, ktamx_dirs, monkeypatch):
+    """kt-kernel's child holds, beside the packed experts the plan counts between layers, working buffers sized by the
+    layer's shape (39 MiB beside a 576 MiB Qwen3-30B-A3B AMXINT8 layer: the 1 GiB verify's process tree went 43-69 MiB
+    over its budget). After each candidate layer the streamed reference's budget is the run's less what the children
+    hold then, measured (their RSS over their RSS at start), never below the reference's minimum."""
+    from ktconvert.kernel.verify_op import KernelRuntime
+    from ktconvert.model import executor, load_config
+
+    require_kernel()
+    extra = 3 * 2**20  # buffers the plan cannot see, on top of what the child really holds
+    real = KernelRuntime.held_now
+    monkeypatch.setattr(KernelRuntime, "held_now", lambda self: real(self) + extra)
+    seen = []  # the reference's budget each time one of its layers starts
+    part = executor.StreamedWeights.part
+
+    def spy(self, model, kind, layer=None):
+        if isinstance(self, executor.CheckpointWeights) and kind == "layer":
+            seen.append(self.budget)
+        return part(self, model, kind, layer)
+
+    monkeypatch.setattr(executor.StreamedWeights, "part", spy)
+    kw = {"kt_weights": ktamx_dirs["AMXINT8"]}
+    runtime = KernelRuntime("kt-kernel", kt_weights=ktamx_dirs["AMXINT8"], streamed=True)
+    kept = runtime.kept_between_layers(load_config(ws.model(FAMILY)))
+    budget = 8 * kept + 64 * 2**20
+    report = _verify(ws, None, max_memory=budget, **kw)
+    assert report.passed, [b.line() for b in report.breaches]
+    layers = len(report.phases[0].layers) - 1
+    assert len(seen) == 2 * layers  # prefill and decode
+    assert seen[0] == budget - kept  # before the child holds anything: the plan's count
+    assert all(b <= budget - extra for b in seen[1:]), (budget, kept, seen)  # then what the child holds, measured

@@ -52,7 +52,8 @@ from torch import nn
 from ktconvert.errors import InputError, UsageProblem
 from ktconvert.io.heap import return_freed_memory
 from ktconvert.io.sizes import format_size
-from ktconvert.model.modules import VOCAB_CHUNK, KVCache, RoutedExperts, VocabEmbedding, VocabHead
+from ktconvert.model.modules import (VOCAB_CHUNK, ChunkedLogits, KVCache, RoutedExperts, VocabEmbedding,
+                                     VocabHead)
 
 
 @dataclass
@@ -166,16 +167,18 @@ class LayerMajor:
                 for a, z in chunks:
                     h = hidden[:, a:z]
                     finals[-1].append(model.model.norm(model.residual.final(model.model, h)))
-            # several chunks (decode, several runs): each vocabulary chunk of lm_head is read once for all of them,
-            # then the module is called per chunk as before (hooks see those calls) and hands out what was computed
+            # several chunks (decode, several runs): each vocabulary chunk of lm_head (the reference's VocabHead, or
+            # the op an injected lm_head runs) is read once for all of them, then the module is called per chunk as
+            # before (hooks see those calls) and hands out what was computed
             flat = [f for run in finals for f in run]
-            if isinstance(lm, VocabHead) and len(flat) > 1:
-                lm.ready = (flat, lm.chunked(flat))
+            op = _chunked_logits(lm)
+            if op is not None and len(flat) > 1:
+                op.ready = (flat, op.chunked(flat))
             try:
                 logits = [[lm(f) for f in run] for run in finals]
             finally:
-                if isinstance(lm, VocabHead):
-                    lm.ready = None
+                if op is not None:
+                    op.ready = None
         return [(lg[0], fs[0]) if len(fs) == 1 else (torch.cat(lg, 1), torch.cat(fs, 1)) for lg, fs in zip(logits, finals)]
 
     def layer(self, index: int, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None,
@@ -293,6 +296,14 @@ _FUSED = re.compile(r"^model\.layers\.\d+\.[a-z_]+\.experts\.(?:gate_up_proj|dow
 VOCAB_NAMES = {"model.embed_tokens.weight": "embed", "lm_head.weight": "head"}
 _VOCAB_REF = {v: k for k, v in VOCAB_NAMES.items()}
 _EXPERT = re.compile(r"^model\.layers\.\d+\.[a-z_]+\.experts\.(\d+)\.")
+
+
+def _chunked_logits(lm: nn.Module) -> ChunkedLogits | None:
+    """What computes ``lm_head``'s logits by vocabulary chunks: the module itself, or the op an injected one (a
+    :class:`~ktconvert.model.ops.switch.PhaseSwitch`) runs in its mode; None for anything else."""
+    ops = getattr(lm, "ops", None)
+    op = ops.get(lm.mode) if isinstance(ops, dict) else lm
+    return op if isinstance(op, ChunkedLogits) else None
 
 
 def _slots(root: nn.Module, prefix: str, skip: set[int]):

@@ -594,7 +594,30 @@ class VocabEmbedding(nn.Embedding):
         return F.embedding(inverse, torch.cat(parts))
 
 
-class VocabHead(nn.Linear):
+class ChunkedLogits:
+    """What computes ``lm_head``'s logits over vocabulary chunks (:class:`VocabHead`, and the injected
+    ``KLinearTorch`` on ``lm_head``, :class:`~ktconvert.model.ops.linear.VocabLinearDequant`): ``chunked(inputs)``
+    gives the logits of several inputs with each chunk of the weight fetched (read, decoded) once for all of them,
+    every (input, chunk) block the same ops on the same operands as one call per input. ``ready``: ``(inputs,
+    logits)`` that :meth:`~ktconvert.model.executor.LayerMajor.heads` computed that way for the calls about to come
+    (a decode's positions): a call with one of those inputs returns its logits, so a streamed head is read once
+    per phase, not once per position, and module hooks still see one call per input."""
+
+    ready = None
+
+    def chunked(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``hidden``'s logits: the ready ones, else computed alone."""
+        if self.ready is not None:
+            for h, logits in zip(*self.ready):
+                if h is hidden:
+                    return logits
+        return self.chunked([hidden])[0]
+
+
+class VocabHead(ChunkedLogits, nn.Linear):
     """``lm_head`` (``nn.Linear``, which upstream rules match) computed over :data:`VOCAB_CHUNK` rows of the
     vocabulary at a time, so a streaming provider holds one chunk of its weight: ``fetch_rows`` (None: the whole
     weight is resident) is set to ``fetch_rows(a, z)``, a context manager yielding weight rows ``a:z`` in float32.
@@ -607,7 +630,6 @@ class VocabHead(nn.Linear):
     hf_class_paths = ("torch.nn.Linear", "torch.nn.modules.linear.Linear")
 
     fetch_rows = None
-    ready = None  # (inputs, logits) computed by chunked() for the calls about to come (see LayerMajor.head)
 
     def chunked(self, hiddens: list[torch.Tensor]) -> list[torch.Tensor]:
         """The logits of several inputs (a decode's positions), each vocabulary chunk fetched once for all of them:
@@ -622,11 +644,7 @@ class VocabHead(nn.Linear):
         return [out[0] if len(out) == 1 else torch.cat(out, dim=-1) for out in outs]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.ready is not None:
-            for h, logits in zip(*self.ready):
-                if h is hidden:
-                    return logits
-        return self.chunked([hidden])[0]
+        return self.logits_of(hidden)
 
 
 class RoutedExperts(Tagged, nn.ModuleList):

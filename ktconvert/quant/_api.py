@@ -124,6 +124,9 @@ _DEQUANT: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
     QType.Q6_K: K.dequantize_q6_k,
 }
 _DEQUANT_CHUNK = 1 << 20
+#: decoders that write into the output (``fn(blocks, out=...)``): no temporaries per chunk, which a streamed run's
+#: heap policy (every block of 128 KiB or more mapped fresh, ktconvert.io.heap) would page-fault in every time
+_DEQUANT_INTO = frozenset({QType.Q8_0})
 
 
 def cpu_count() -> int:
@@ -423,5 +426,8 @@ def dequantize(data: Any, qtype: QType | int | str, *, name: str | None = None) 
     step = max(1, _DEQUANT_CHUNK // bs)
     with np.errstate(all="ignore"):  # inf*0 in a block with an overflowed fp16 scale is C's NaN too
         for i in range(0, blocks.shape[0], step):
-            y[i:i + step] = fn(blocks[i:i + step])
+            if qt in _DEQUANT_INTO:
+                fn(blocks[i:i + step], out=y[i:i + step])
+            else:
+                y[i:i + step] = fn(blocks[i:i + step])
     return y.reshape(shape)

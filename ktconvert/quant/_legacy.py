@@ -26,8 +26,9 @@ def _high_bits(qh: np.ndarray) -> np.ndarray:
     return np.unpackbits(qh, axis=1, bitorder="little")
 
 
-def dequantize_q8_0(b: np.ndarray) -> np.ndarray:
-    return b[:, 2:].view(np.int8).astype(F32) * _d16(b, 0)[:, None]
+def dequantize_q8_0(b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    # int8 -> float32 is exact, then one float32 product: the C's x * d, written straight into ``out``
+    return np.multiply(b[:, 2:].view(np.int8), _d16(b, 0)[:, None], out=out, dtype=F32)
 
 
 def dequantize_q4_0(b: np.ndarray) -> np.ndarray:

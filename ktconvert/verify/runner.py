@@ -155,6 +155,7 @@ def _phase(name: str, run: "_Run", golden, profile: Profile, layerwise: bool, to
     began = time.perf_counter()
 
     def on_layer(index, *_):
+        run.rebudget()  # a kernel child may hold more after the candidate's layer than the plan counted
         if tap is not None:
             tap.step()  # this layer's modules are compared: forget the reference's calls
         if progress is not None:
@@ -307,6 +308,16 @@ class _Run:
     default_budget: bool
     streamed: bool
     dtype: object = None  # the candidate's compute dtype (torch)
+    kernel: object = None  # the real kernel's runtime when its children keep memory between layers (kt-amx slots)
+    floor: int = 0  # the least the streamed reference runs in (its minimum)
+
+    def rebudget(self) -> None:
+        """The streamed reference's budget less what the kernel children hold now, measured: the plan counted the
+        packed experts kt-kernel keeps between layers, the children also keep working buffers sized by the layer
+        (never below the reference's minimum, checked up front with the plan's count)."""
+        if self.kernel is None or self.reference is None or not self.streamed:
+            return
+        self.reference.weights.budget = max(self.floor, self.budget - self.kernel.held_now())
 
     def summary(self, peaks: TreePeak) -> dict:
         """How the run held its weights, what it read, and the peak RSS of this process and of its whole process
@@ -350,7 +361,7 @@ def _build_run(release, cfg, compiled, catalog, source, pre_source, options, loa
     if options.kernel_runtime is not None:  # streamed: the kernel child loads and frees one layer per part
         options.kernel_runtime.streamed = streamed
     dtype = torch_dtype(options.compute_dtype)
-    reference = None
+    reference, kept, floor = None, 0, 0
     if localize:
         try:
             if streamed:
@@ -362,7 +373,7 @@ def _build_run(release, cfg, compiled, catalog, source, pre_source, options, loa
                 provider.lora = loaded.deltas if loaded is not None else {}
                 if not kept:
                     provider.check_budget(skeleton)
-                elif budget - kept < (need := provider.minimum(skeleton))[0]:
+                elif budget - kept < (floor := (need := provider.minimum(skeleton))[0]):
                     from ktconvert.errors import UsageProblem
 
                     least, where = need[0] + kept, need[1]
@@ -395,7 +406,8 @@ def _build_run(release, cfg, compiled, catalog, source, pre_source, options, loa
     if streamed:
         provider = InjectedWeights(source, cfg, injected.switches, budget=budget)
         provider.check_budget(model)
-    return _Run(injected, LayerMajor(model, provider), reference, budget, default, streamed, dtype)
+    kernel = options.kernel_runtime if streamed and reference is not None and kept else None
+    return _Run(injected, LayerMajor(model, provider), reference, budget, default, streamed, dtype, kernel, floor)
 
 
 @dataclass

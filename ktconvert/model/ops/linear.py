@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ktconvert.model.modules import ChunkedLogits
 from ktconvert.model.ops.experts import torch_dtype
 
 
@@ -31,13 +32,15 @@ class LinearDequant(nn.Module):
         return nn.functional.linear(x.to(self.dtype), self.weight, self.bias).to(org)
 
 
-class VocabLinearDequant(LinearDequant):
+class VocabLinearDequant(ChunkedLogits, LinearDequant):
     """``KLinearTorch`` on ``lm_head``: the same numbers as :class:`LinearDequant`, computed over ``chunk`` rows of
     the vocabulary at a time. In memory (``rows`` None) it slices its dequantized weight; streamed it holds nothing
     and reads each chunk's rows from ``rows(a, z)`` (float32, decoded as the whole tensor is) when it runs, so a
     verify within a budget never holds a real model's whole head (151936 x 2048 in float32 is 1.16 GiB). Both take
     the same chunks, the same matmul on the same operands, so they agree bit for bit (as
-    :class:`~ktconvert.model.modules.VocabHead` does for the reference)."""
+    :class:`~ktconvert.model.modules.VocabHead` does for the reference). A decode's positions take each chunk once
+    for all of them (:class:`~ktconvert.model.modules.ChunkedLogits`): streamed, the head is read and decoded once
+    per phase, not once per position."""
 
     def __init__(self, weight, bias, compute_dtype: str, qtype: str, *, chunk: int, shape: tuple[int, int],
                  rows=None):
@@ -60,10 +63,15 @@ class VocabLinearDequant(LinearDequant):
         return 2 * rows * self.shape[1] * 4 + (0 if self.bias is None else self.bias.numel() * self.bias.element_size())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        org, h = x.dtype, x.to(self.dtype)
-        outs = []
+        return self.logits_of(x)
+
+    def chunked(self, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
+        hs = [x.to(self.dtype) for x in inputs]
+        outs: list[list[torch.Tensor]] = [[] for _ in inputs]
         for a in range(0, self.shape[0], self.chunk):
             z = min(a + self.chunk, self.shape[0])
             w = self.weight[a:z] if self.weight is not None else torch.from_numpy(self.rows(a, z)).to(self.dtype)
-            outs.append(nn.functional.linear(h, w, None if self.bias is None else self.bias[a:z]))
-        return (outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)).to(org)
+            for out, h in zip(outs, hs):
+                out.append(nn.functional.linear(h, w, None if self.bias is None else self.bias[a:z]))
+            del w
+        return [(out[0] if len(out) == 1 else torch.cat(out, dim=-1)).to(x.dtype) for out, x in zip(outs, inputs)]

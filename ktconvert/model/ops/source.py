@@ -32,6 +32,7 @@ from ktconvert.formats.kt_amx import NAME_RE as KT_AMX_NAME
 from ktconvert.formats.lora_delta import EXPERT_WEIGHT, lora_delta
 from ktconvert.formats.release import Release, open_release
 from ktconvert.io.dtypes import TORCH_NAMES
+from ktconvert.io.files import ReadBuffer
 from ktconvert.model.weights import read_tensors
 
 PROJECTIONS = ("gate", "up", "down")
@@ -47,11 +48,26 @@ class Blocks:
     names: tuple[str, ...]  # the stored tensor(s) it came from
     lora: tuple | None = None  # verify --lora: per expert, the adapter's lora tuple (or None), added on decoding
     in_memory: bool = False  # data is a copy in memory (read from safetensors, or stacked), not a view of a mapped file
+    # a view of a mapped file: where :meth:`expert` reads an expert's bytes instead, with pread
+    # (Checkpoint.read_rows into a reused buffer): (checkpoint, stored name, flat rows per expert, its first row in
+    # one expert). Pages touched through the map would stay in the process's RSS until the layer is done (a real
+    # layer's picked Q8_0 experts: 220 MiB of mapped file pages outside every budget, docs/measurements.md)
+    stored: tuple | None = None
+    buf: ReadBuffer | None = None
+
+    def raw(self, e: int) -> np.ndarray:
+        """Expert ``e``'s stored bytes ``[rows, row bytes]`` (read from the file where :attr:`stored` says where; valid
+        until the buffer's next read)."""
+        if self.stored is None:
+            return self.data[e]
+        ck, name, per, first = self.stored
+        r0 = e * per + first
+        return _as_bytes(ck.read_rows(name, r0, r0 + self.shape[1], self.buf))
 
     def expert(self, e: int) -> np.ndarray:
         """Expert ``e`` dequantized to float32 ``[rows, cols]`` (each expert is whole blocks: rows hold them), plus
         ``alpha/r * B @ A`` when an adapter is applied."""
-        w = quant.dequantize(self.data[e], self.qtype, name=self.names[0]).reshape(self.shape[1:])
+        w = quant.dequantize(self.raw(e), self.qtype, name=self.names[0]).reshape(self.shape[1:])
         if self.lora is not None and self.lora[e] is not None:
             w = w + lora_delta(self.lora[e])
         return w
@@ -135,6 +151,7 @@ class WeightSource:
                 self.container = "safetensors"
                 self._init_safetensors()
         self._blocks: dict[int, ExpertBlocks] = {}
+        self._buf = ReadBuffer()  # what experts and vocabulary rows are read into from the file (pread, reused)
         self.lora: dict[str, tuple] = {}
 
     def apply_lora(self, deltas: dict[str, tuple]) -> None:
@@ -272,7 +289,8 @@ class WeightSource:
                 whole = self._merged_blocks(fused, ck[fused])
                 half = whole.data.shape[1] // 2
                 part = whole.data[:, :half] if p == "gate" else whole.data[:, half:]
-                out[p] = Blocks(whole.qtype, part, (whole.shape[0], half, whole.shape[2]), (fused,))
+                out[p] = Blocks(whole.qtype, part, (whole.shape[0], half, whole.shape[2]), (fused,),
+                                stored=(self._ck, fused, 2 * half, 0 if p == "gate" else half), buf=self._buf)
                 continue
             split = [nm.expert_name("gguf-split", p, layer, x) for x in range(e)]
             if all(s in ck for s in split):
@@ -301,7 +319,8 @@ class WeightSource:
         shape = self._shapes[name]
         if len(shape) not in (2, 3):
             raise InputError(f"expert tensor has {len(shape)} axes, expected 3 ([E, rows, cols])", path=self.path, where=name)
-        return Blocks(qtype, _as_bytes(np.asarray(self._ck.read(name))), shape, (name,))
+        stored = (self._ck, name, shape[1], 0) if len(shape) == 3 else None
+        return Blocks(qtype, _as_bytes(np.asarray(self._ck.read(name))), shape, (name,), stored=stored, buf=self._buf)
 
     # --- public ----------------------------------------------------------------------------------------------
     def tensor(self, name: str, shape: tuple[int, ...] | None = None) -> np.ndarray:
@@ -346,7 +365,9 @@ class WeightSource:
             return self._state[stored][torch.from_numpy(np.asarray(sel)) if ids is not None else sel].to(
                 torch.float32).numpy()
         qtype, cols = self._types[stored], self._shapes[stored][-1]
-        raw = np.array(self._ck.read(stored)[sel])
+        # a span: its rows read with pread (no mapped pages left behind); chosen rows (an embedding's): picked from
+        # the map
+        raw = np.array(self._ck.read(stored)[sel]) if ids is not None else self._ck.read_rows(stored, *span, self._buf)
         if qtype in ("F32", "F16"):
             return raw.astype(np.float32)
         return quant.dequantize(raw, qtype, name=stored).reshape(raw.shape[0], cols)
@@ -432,6 +453,7 @@ class WeightSource:
         """Drop what :meth:`expert_blocks` keeps of layer ``part`` and the tensors read for it (``"embed"`` or
         ``"head"``: those parts' tensors); a layer-major run is done with it."""
         self._blocks.pop(part, None)
+        self._buf.release()
         if self.container == "safetensors":
             self._state.forget(part)
 
