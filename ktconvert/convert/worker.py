@@ -260,7 +260,7 @@ def _run(task: Task) -> int:
     t = task.tensor
     if t.kt_pack is not None:
 
-        data = pack_group(_checkpoint(task.src), t, _float_rows)
+        data = pack_group(_checkpoint(task.src), t, _float_rows, _bf16_rows)
         _pwrite(task.out_path, data, t.offset)
         return task.unit
     if t.const is not None:
@@ -521,6 +521,24 @@ def _post(rows: np.ndarray, s) -> None:
         rows += np.float32(1.0)
     elif s.value == "neg_exp":
         np.negative(np.exp(rows, out=rows), out=rows)
+
+
+def _bf16_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray | None:
+    """Rows ``r0..r1`` of ``t`` as their stored bf16 bits (uint16), when every segment is whole rows of a plain
+    BF16 tensor (no scale, LoRA, column pick or value map): a kt-amx expert from a BF16 checkpoint, which the
+    packer reads as it is stored. ``None`` for any other source. Not checked for NaN/Inf (the packer does)."""
+    segs = list(_overlaps(t, r0, r1))
+    if not segs or not all(s.op == "rows" and not (s.scale or s.lora or s.col_step or s.col_tile or s.value)
+                           and ck[s.source].dtype == "BF16" for s, *_ in segs):
+        return None
+    cols = t.shape[-1]
+    if len(segs) == 1 and segs[0][2] == r1 - r0:  # the buffer itself, valid until the next read
+        s, i, n, _ = segs[0]
+        return _read_rows(ck, s.source, s.src_row + i, n).view(np.uint16).reshape(n, cols)
+    out = np.empty((r1 - r0, cols), np.uint16)
+    for s, i, n, pos in segs:
+        out[pos: pos + n] = _read_rows(ck, s.source, s.src_row + i, n).view(np.uint16).reshape(n, cols)
+    return out
 
 
 def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
