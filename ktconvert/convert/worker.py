@@ -11,7 +11,6 @@ memory does not grow with the checkpoint and no unit faults in the pages the las
 from __future__ import annotations
 
 import copy
-import hashlib
 import multiprocessing.context
 import os
 import signal
@@ -149,12 +148,12 @@ def _convert_hashed(task: Task) -> tuple[int, str]:
     """:func:`_convert` and the :func:`source_digest` of its input: hashed from the bytes the unit read when it reads
     whole rows of plain tensors (no second read), else read again."""
     t, r0, r1 = task.tensor, task.r0, task.r1
-    h = _READ_HASH[0] = hashlib.sha256() if _reads_are_ranges(t, r0, r1) else None
+    h = _READ_HASH[0] = _checksum() if _reads_are_ranges(t, r0, r1) else None
     try:
         uid = _convert(task)
     finally:
         _READ_HASH[0] = None
-    return uid, h.hexdigest()[:16] if h is not None else source_digest(_checkpoint(task.src), t, r0, r1)
+    return uid, h.hexdigest() if h is not None else source_digest(_checkpoint(task.src), t, r0, r1)
 
 
 def _convert(task: Task) -> int:
@@ -358,10 +357,18 @@ def _row_bytes(info) -> int:
     return info.nbytes // rows if rows else info.nbytes
 
 
+def _checksum():
+    """A new input checksum (numba, imported on first use: planning alone never loads it)."""
+    from ktconvert.quant._jit_digest import Checksum
+
+    return Checksum()
+
+
 def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
-    """sha256 (first 16 hex digits) of the input bytes a unit reads, read from the files as they are now, into this
-    process's read buffer (the unit has just read them: they come from the page cache)."""
-    h = hashlib.sha256()
+    """The 64-bit checksum (:mod:`ktconvert.quant._jit_digest`, 16 hex digits) of the input bytes a unit reads, read
+    from the files as they are now, into this process's read buffer (the unit has just read them: they come from the
+    page cache)."""
+    h = _checksum()
     for path, offset, length in source_ranges(ck, t, r0, r1):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -375,7 +382,7 @@ def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
                 offset, length = offset + got, length - got
         finally:
             os.close(fd)
-    return h.hexdigest()[:16]
+    return h.hexdigest()
 
 
 def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None:
@@ -415,7 +422,7 @@ def _overlaps(t: PlanTensor, r0: int, r1: int):
 _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in the same pages
 
 
-#: the running unit's sha256 of the bytes it reads, when those are exactly :func:`source_ranges` in order
+#: the running unit's checksum of the bytes it reads, when those are exactly :func:`source_ranges` in order
 _READ_HASH: list = [None]
 
 
