@@ -511,17 +511,22 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
             record()
             raise
     else:
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 
+        # ``jobs - 1`` worker processes, and this process converts too, in one thread of its own: it has imported
+        # everything already, so a worker's start-up (interpreter, numpy, ktconvert, numba: about a CPU-second)
+        # and its fixed memory are paid once less. Its thread alone uses the worker module's buffers here.
         queue = deque(groups)
         ctx = worker_context()
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init,
-                                 initargs=(os.getpid(),)) as pool:
-            inflight = {}
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktconvert-unit") as here, \
+                ProcessPoolExecutor(max_workers=jobs - 1, mp_context=ctx, initializer=worker_init,
+                                    initargs=(os.getpid(),)) as pool:
+            inflight: dict = {}  # future -> the executor it runs on
             try:
                 while queue or inflight:
-                    while queue and len(inflight) < 2 * jobs:
-                        inflight[pool.submit(run_group, queue.popleft())] = True
+                    for ex, cap in ((here, 2), (pool, 2 * (jobs - 1))):
+                        while queue and sum(1 for e in inflight.values() if e is ex) < cap:
+                            inflight[ex.submit(run_group, queue.popleft())] = ex
                     ready, _ = wait(inflight, return_when=FIRST_COMPLETED)
                     for f in ready:
                         inflight.pop(f)
@@ -530,6 +535,7 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
                 for f in inflight:
                     f.cancel()
                 pool.shutdown(wait=True, cancel_futures=True)
+                here.shutdown(wait=True, cancel_futures=True)
                 record()
                 raise
     record()
