@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 from collections import deque
+from contextlib import ExitStack
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,7 +36,7 @@ from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.provenance import git_commit, recipe_sha256
 from ktconvert.io.sizes import format_size
 from ktconvert.convert.worker import (Group, Task, close_all, run_group, run_group_synced, segments_read,
-                                      source_digest, worker_context, worker_init)
+                                      source_digest, source_ranges, worker_context, worker_init)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import (WRITE_ERRNOS, FileSha256, fsync_dir, partial_dir, replace_dir, sha256_file,
@@ -503,42 +504,92 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
             for o, p in zip(outs, pending):
                 o.state.record(p)
             raise
-    elif jobs <= 1 or len(groups) <= 1:
-        try:
-            for g in groups:
-                finished(run_group(g))
-        except BaseException:  # Ctrl-C, a full disk: what is done stays done for --resume
-            record()
-            raise
     else:
         from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 
-        # ``jobs - 1`` worker processes, and this process converts too, in one thread of its own: it has imported
-        # everything already, so a worker's start-up (interpreter, numpy, ktconvert, numba: about a CPU-second)
-        # and its fixed memory are paid once less. Its thread alone uses the worker module's buffers here.
+        # This process converts units in one thread of its own while its main thread journals, fsyncs and hashes
+        # the output (calls that wait on the disk: the conversion goes on meanwhile). With jobs > 1, jobs - 1
+        # worker processes besides: this process has imported everything already, so a worker's start-up
+        # (interpreter, numpy, ktconvert, numba: about a CPU-second) and its fixed memory are paid once less. Its
+        # unit thread alone uses the worker module's buffers here.
         queue = deque(groups)
-        ctx = worker_context()
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktconvert-unit") as here, \
-                ProcessPoolExecutor(max_workers=jobs - 1, mp_context=ctx, initializer=worker_init,
-                                    initargs=(os.getpid(),)) as pool:
+        ahead = _Prefetch(outs)
+        workers = jobs - 1 if len(groups) > 1 else 0
+        with ExitStack() as stack:
+            here = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktconvert-unit"))
+            executors = [(here, 2)]
+            if workers:
+                executors.append((stack.enter_context(ProcessPoolExecutor(
+                    max_workers=workers, mp_context=worker_context(), initializer=worker_init,
+                    initargs=(os.getpid(),))), 2 * workers))
             inflight: dict = {}  # future -> the executor it runs on
             try:
                 while queue or inflight:
-                    for ex, cap in ((here, 2), (pool, 2 * (jobs - 1))):
+                    for ex, cap in executors:
                         while queue and sum(1 for e in inflight.values() if e is ex) < cap:
+                            ahead([queue[0]])
                             inflight[ex.submit(run_group, queue.popleft())] = ex
                     ready, _ = wait(inflight, return_when=FIRST_COMPLETED)
-                    for f in ready:
-                        inflight.pop(f)
+                    for f in [f for f in inflight if f in ready]:  # in submission order: a failure stops after
+                        inflight.pop(f)                             # every unit done before it is recorded
                         finished(f.result())
-            except BaseException:
+            except BaseException:  # Ctrl-C, a full disk, a dead worker: what is done stays done for --resume
                 for f in inflight:
                     f.cancel()
-                pool.shutdown(wait=True, cancel_futures=True)
-                here.shutdown(wait=True, cancel_futures=True)
+                for ex, _ in reversed(executors):
+                    ex.shutdown(wait=True, cancel_futures=True)
                 record()
                 raise
+            finally:
+                ahead.close()
     record()
+
+
+class _Prefetch:
+    """Ask the kernel to start reading the input of groups about to run (``posix_fadvise WILLNEED``, from a thread
+    of its own: the call itself waits while the kernel queues the reads), so a unit's cold read overlaps the
+    conversion of the one before instead of stalling it (the units' reads are a few MB, far more than the kernel's
+    own readahead window). Page cache only: no memory of this process."""
+
+    def __init__(self, outs: list[_Output]):
+        import queue
+        import threading
+
+        self._ck = open_checkpoint(outs[0].plan.source) if outs and hasattr(os, "posix_fadvise") else None
+        self._seen: set[int] = set()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        if self._ck is not None:
+            threading.Thread(target=self._work, name="ktconvert-prefetch", daemon=True).start()
+
+    def _work(self) -> None:
+        fds: dict[str, int] = {}
+        try:
+            while (job := self._queue.get()) is not None:
+                path, offset, length = job
+                try:
+                    fd = fds.get(path)
+                    if fd is None:
+                        fd = fds[path] = os.open(path, os.O_RDONLY)
+                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                except OSError:  # only a hint: the unit's own read reports a real problem
+                    pass
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def __call__(self, groups: list[Group]) -> None:
+        if self._ck is None:
+            return
+        for g in groups:
+            if id(g) not in self._seen:
+                self._seen.add(id(g))
+                for _, task in g.tasks:
+                    for r in source_ranges(self._ck, task.tensor, task.r0, task.r1):
+                        self._queue.put(r)
+
+    def close(self) -> None:
+        if self._ck is not None:
+            self._queue.put(None)
 
 
 def _unit_span(t: PlanTensor, u: Unit) -> tuple[int, int]:
