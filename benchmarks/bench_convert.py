@@ -259,9 +259,9 @@ def measure(cmd: list[str], scratch: Path | None = None, drop: bool = True, env:
         raise SystemExit(f"{cmd[:4]} failed ({code}): {''.join(err).strip()[-2000:]}")
     return {"wall_s": round(wall, 1), "peak_rss_mib": round(peak[0] / 2**20), "scratch_peak_mib": round(shm[0] / 2**20),
             "peak_rss_parent_mib": round(usage.ru_maxrss / 1024), "page_cache_dropped": dropped, "stdout": stdout,
-            # user + system CPU seconds of the process and the children it waited for (a kernel child): on a shared
-            # machine the wall time waits for other processes' turns, this does not
-            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
+            # user + system CPU seconds of the process and the children it waited for (a kernel child, reaped
+            # workers): on a shared machine the wall time waits for other processes' turns, these do not
+            "cpu_s": round(usage.ru_utime + usage.ru_stime, 1), "user_s": usage.ru_utime, "sys_s": usage.ru_stime,
             "wall": wall, "code": code, "stderr": "".join(err)}
 
 

@@ -85,6 +85,23 @@ def test_unpack_inverts_pack(m, n, k):
         assert np.all(q % 16 == 0) and np.abs(q).max() <= 112
 
 
+@pytest.mark.parametrize("m", [ka.INT8, ka.INT4])
+@pytest.mark.parametrize("proj", ["gate", "down"])
+def test_bf16_bits_pack_as_their_float32_values(m, proj):
+    """The packer reads stored bf16 bits (uint16) as it reads their float32 values, awkward rows included (zero,
+    subnormal scale, subnormal inputs, outlier); a NaN or an infinity anywhere gives ``None``, not bytes."""
+    g, u, d = _layer(3, 2, 256, 3712)
+    w = (d if proj == "down" else u)[0]
+    bits = (w.view(np.uint32) >> 16).astype(np.uint16)
+    want = ka.pack_expert(w, proj, m, 2, is_bf16=True)
+    got = ka.pack_expert(bits, proj, m, 2)
+    assert [(a.tobytes(), b.tobytes()) for a, b in got] == [(a.tobytes(), b.tobytes()) for a, b in want]
+    for bad in (0x7FC0, 0xFF80):  # NaN, -inf
+        b = bits.copy()
+        b[-1, -1] = bad
+        assert ka.pack_expert(b, proj, m, 2) is None
+
+
 def test_scale_rules():
     """INT8 scales are amax times the float32 reciprocal of 127, INT4 a true division by 112 (they differ)."""
     amax = np.float32(0.7)
@@ -175,6 +192,42 @@ def test_quantize_to_kt_amx_equals_kt_kernel(kt_kernel, tiny_root, tmp_path, fam
     man = json.loads((out / "manifest.json").read_text())
     assert man["format"] == man["layout"] == "kt-amx" and set(man["files"]) >= {"model.safetensors.index.json"}
     assert man["kt_amx"] == {"method": method, "threadpool_count": parts}
+
+
+def _bf16_copy(src: Path, dst: Path) -> Path:
+    """The tiny model with every tensor stored as BF16 (the tiny models are F32; real checkpoints are BF16, the
+    path where the packer reads the stored bits without a float32 copy)."""
+    import shutil
+
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    for f in dst.glob("*.safetensors"):
+        save_file({k: v.to(torch.bfloat16) for k, v in load_file(str(f)).items()}, str(f))
+    return dst
+
+
+@pytest.mark.parametrize("method,parts", [("AMXINT8", 2), ("AMXINT4", 1)])
+def test_bf16_source_equals_kt_kernel_and_nan_is_refused(kt_kernel, tiny_root, tmp_path, method, parts):
+    """A BF16 checkpoint (experts packed from their stored bits): every tensor equals kt-kernel's packer's; a NaN
+    in a BF16 expert is refused with its tensor, row and column, nothing written."""
+    from ktconvert.formats import open_checkpoint
+    from ktconvert.kernel.run import kernel_pack
+
+    src = _bf16_copy(tiny_root / "qwen3_moe", tmp_path / "src")
+    out = tmp_path / "out"
+    res = _quantize(src, out, "--to", "kt-amx", "--type", method, "--threadpool-count", parts)
+    assert res.exit_code == 0, res.output
+    _assert_same(_read_dir(out), kernel_pack(_hf_layers(src), method=method, parts=parts, workdir=tmp_path / "k"))
+    name = "model.layers.1.mlp.experts.3.up_proj.weight"
+    info = open_checkpoint(src)[name]
+    with open(info.file, "r+b") as fh:
+        fh.seek(info.offset + 2 * (info.shape[1] + 5))
+        fh.write(b"\xc0\x7f")  # bf16 NaN at row 1, column 5
+    res = _quantize(src, tmp_path / "bad", "--to", "kt-amx", "--type", method, "--threadpool-count", parts)
+    assert res.exit_code == 3 and name in res.stderr and "row 1, column 5" in res.stderr, res.output
+    assert not any(p.name.startswith((".bad", "bad")) for p in tmp_path.iterdir())
 
 
 @pytest.mark.parametrize("method,parts,want,fix", [

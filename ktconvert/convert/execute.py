@@ -25,6 +25,7 @@ import os
 import shutil
 import time
 from collections import deque
+from contextlib import ExitStack
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,11 +36,12 @@ from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.provenance import git_commit, recipe_sha256
 from ktconvert.io.sizes import format_size
 from ktconvert.convert.worker import (Group, Task, close_all, run_group, run_group_synced, segments_read,
-                                      source_digest, worker_context, worker_init)
+                                      source_digest, source_ranges, worker_context, worker_init)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
-from ktconvert.io.atomic import (WRITE_ERRNOS, fsync_dir, partial_dir, replace_dir, sha256_file, write_durable,
-                                 write_failure)
+from ktconvert.io.atomic import (WRITE_ERRNOS, FileSha256, fsync_dir, partial_dir, replace_dir, sha256_file,
+                                 write_durable, write_failure)
+from ktconvert.io.files import ReadBuffer
 from ktconvert.io.dtypes import FLOAT_DTYPES
 
 STATE_DIR = ".ktconvert"
@@ -329,16 +331,23 @@ def execute_all(outputs: list[tuple[Plan, str | Path]], *, max_memory: int, jobs
         done_bytes = total - sum(u.in_bytes for _, u in todo)
         if progress:
             progress(done_bytes, total)
+        hashes = _OutputHashes(outs) if executor == "local" else None
         try:
-            _run_units(outs, group_units(outs, todo, cache), jobs, progress, done_bytes, total, executor, max_memory)
-        except InputError:
+            _run_units(outs, group_units(outs, todo, cache), jobs, progress, done_bytes, total, executor, max_memory,
+                       hashes)
+        except BaseException as exc:
             close_all()
-            for o in outs:
-                shutil.rmtree(o.partial, ignore_errors=True)  # bad input: nothing to resume
+            if hashes is not None:
+                hashes.abort()
+            if isinstance(exc, InputError):
+                for o in outs:
+                    shutil.rmtree(o.partial, ignore_errors=True)  # bad input: nothing to resume
             raise
         finally:
             close_all()
-        manifests = [o.ready if o.ready is not None else _finish(o.plan, o.partial, o.fingerprint) for o in outs]
+        manifests = [o.ready if o.ready is not None else
+                     _finish(o.plan, o.partial, o.fingerprint, hashes.digests(k) if hashes else None)
+                     for k, o in enumerate(outs)]
         for o, m in zip(outs, manifests):
             _publish(o.partial, o.out, force, m)
     except (OSError, BrokenProcessPool, EnvironmentProblem) as exc:  # the environment failed: one line, no partial output
@@ -451,9 +460,10 @@ def _check_space(plan: Plan, out: Path) -> None:
 
 
 def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, done_bytes, total,
-               executor: str = "local", max_memory: int = 0):
+               executor: str = "local", max_memory: int = 0, hashes: _OutputHashes | None = None):
     """Run the groups (``jobs`` at a time), journaling each unit in its output's journal once its bytes are on
-    disk; on any failure what is done stays journaled, for ``--resume``."""
+    disk; on any failure what is done stays journaled, for ``--resume``. ``hashes`` hashes each output file's
+    finished prefix as units complete."""
     paths = [p for o in outs for p in o.paths]
     if executor == "ray":  # workers elsewhere: absolute paths (the same on every node), and a run id for their caches
         run = os.urandom(8).hex()
@@ -475,6 +485,8 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
         for k, uid, digest in results:
             pending[k].append((uid, digest))
             done_bytes += unit_bytes[(k, uid)]
+            if hashes is not None:
+                hashes.finished(k, uid)
         now = time.monotonic()
         if now - last_sync >= SYNC_EVERY_S:
             record()
@@ -492,36 +504,175 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
             for o, p in zip(outs, pending):
                 o.state.record(p)
             raise
-    elif jobs <= 1 or len(groups) <= 1:
-        try:
-            for g in groups:
-                finished(run_group(g))
-        except BaseException:  # Ctrl-C, a full disk: what is done stays done for --resume
-            record()
-            raise
     else:
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 
+        # This process converts units in one thread of its own while its main thread journals, fsyncs and hashes
+        # the output (calls that wait on the disk: the conversion goes on meanwhile). With jobs > 1, jobs - 1
+        # worker processes besides: this process has imported everything already, so a worker's start-up
+        # (interpreter, numpy, ktconvert, numba: about a CPU-second) and its fixed memory are paid once less. Its
+        # unit thread alone uses the worker module's buffers here.
         queue = deque(groups)
-        ctx = worker_context()
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=ctx, initializer=worker_init,
-                                 initargs=(os.getpid(),)) as pool:
-            inflight = {}
+        ahead = _Prefetch(outs)
+        workers = jobs - 1 if len(groups) > 1 else 0
+        with ExitStack() as stack:
+            here = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktconvert-unit"))
+            executors = [(here, 2)]
+            if workers:
+                executors.append((stack.enter_context(ProcessPoolExecutor(
+                    max_workers=workers, mp_context=worker_context(), initializer=worker_init,
+                    initargs=(os.getpid(),))), 2 * workers))
+            inflight: dict = {}  # future -> the executor it runs on
             try:
                 while queue or inflight:
-                    while queue and len(inflight) < 2 * jobs:
-                        inflight[pool.submit(run_group, queue.popleft())] = True
+                    for ex, cap in executors:
+                        while queue and sum(1 for e in inflight.values() if e is ex) < cap:
+                            ahead([queue[0]])
+                            inflight[ex.submit(run_group, queue.popleft())] = ex
                     ready, _ = wait(inflight, return_when=FIRST_COMPLETED)
-                    for f in ready:
-                        inflight.pop(f)
+                    for f in [f for f in inflight if f in ready]:  # in submission order: a failure stops after
+                        inflight.pop(f)                             # every unit done before it is recorded
                         finished(f.result())
-            except BaseException:
+            except BaseException:  # Ctrl-C, a full disk, a dead worker: what is done stays done for --resume
                 for f in inflight:
                     f.cancel()
-                pool.shutdown(wait=True, cancel_futures=True)
+                for ex, _ in reversed(executors):
+                    ex.shutdown(wait=True, cancel_futures=True)
                 record()
                 raise
+            finally:
+                ahead.close()
     record()
+
+
+class _Prefetch:
+    """Ask the kernel to start reading the input of groups about to run (``posix_fadvise WILLNEED``, from a thread
+    of its own: the call itself waits while the kernel queues the reads), so a unit's cold read overlaps the
+    conversion of the one before instead of stalling it (the units' reads are a few MB, far more than the kernel's
+    own readahead window). Page cache only: no memory of this process."""
+
+    def __init__(self, outs: list[_Output]):
+        import queue
+        import threading
+
+        self._ck = open_checkpoint(outs[0].plan.source) if outs and hasattr(os, "posix_fadvise") else None
+        self._seen: set[int] = set()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        if self._ck is not None:
+            threading.Thread(target=self._work, name="ktconvert-prefetch", daemon=True).start()
+
+    def _work(self) -> None:
+        fds: dict[str, int] = {}
+        try:
+            while (job := self._queue.get()) is not None:
+                path, offset, length = job
+                try:
+                    fd = fds.get(path)
+                    if fd is None:
+                        fd = fds[path] = os.open(path, os.O_RDONLY)
+                    os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+                except OSError:  # only a hint: the unit's own read reports a real problem
+                    pass
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+
+    def __call__(self, groups: list[Group]) -> None:
+        if self._ck is None:
+            return
+        for g in groups:
+            if id(g) not in self._seen:
+                self._seen.add(id(g))
+                for _, task in g.tasks:
+                    for r in source_ranges(self._ck, task.tensor, task.r0, task.r1):
+                        self._queue.put(r)
+
+    def close(self) -> None:
+        if self._ck is not None:
+            self._queue.put(None)
+
+
+def _unit_span(t: PlanTensor, u: Unit) -> tuple[int, int]:
+    """The bytes ``[start, end)`` of its output file that unit ``u`` of ``t`` writes."""
+    if t.const is not None:
+        return t.offset, t.offset + t.nbytes
+    if t.kt_pack is not None:  # the whole group, every part's weight and scale end to end
+        return t.offset, t.offset + t.kt_pack[5]
+    return t.offset + u.r0 * t.row_bytes, t.offset + u.r1 * t.row_bytes
+
+
+class _OutputHashes:
+    """The manifest's sha256 of every output file, hashed by a thread of the converting process while the units run:
+    each file up to its first unit not yet written (headers and gaps are final from the start), so the hashing
+    overlaps the conversion (hashlib and the reads release the GIL) instead of reading every output again once it
+    is done. Local runs only: the units' bytes are in this host's page cache (a Ray worker's may not be visible
+    here before the end)."""
+
+    def __init__(self, outs: list[_Output]):
+        import queue
+        import threading
+
+        buf = ReadBuffer()  # one read buffer for every file's hasher (one thread uses them)
+        self._files: dict[tuple[int, int], list] = {}  # (output, file) -> [hasher, sorted unit spans, next span]
+        self._file_of: dict[tuple[int, int], tuple[int, int]] = {}
+        self._done: set[tuple[int, int]] = set()
+        for k, o in enumerate(outs):
+            if o.ready is not None:
+                continue
+            spans: dict[int, list] = {}
+            for u in o.units:
+                t = o.plan.tensors[u.tensor]
+                spans.setdefault(t.file, []).append((*_unit_span(t, u), u.id))
+                self._file_of[(k, u.id)] = (k, t.file)
+            for fi, f in enumerate(o.plan.files):
+                self._files[(k, fi)] = [FileSha256(o.partial / f.name, buf=buf), sorted(spans.get(fi, [])), 0]
+            self._done.update((k, uid) for uid in o.done)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._error: list[BaseException] = []
+        self._thread = threading.Thread(target=self._work, name="ktconvert-sha256", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while (job := self._queue.get()) is not None:
+            if not self._error:
+                try:
+                    job[0].advance(job[1])
+                except BaseException as exc:  # raised again by digests(), in the converting thread
+                    self._error.append(exc)
+
+    def finished(self, k: int, uid: int) -> None:
+        """Unit ``uid`` of output ``k`` is written: hash its file up to the first unit that is not."""
+        self._done.add((k, uid))
+        entry = self._files[self._file_of[(k, uid)]]
+        h, spans, i = entry
+        while i < len(spans) and (k, spans[i][2]) in self._done:
+            i += 1
+        if i > entry[2]:
+            entry[2] = i
+            self._queue.put((h, spans[i][0] if i < len(spans) else None))
+
+    def abort(self) -> None:
+        """The run failed: drop what is queued, stop the thread."""
+        self._error.append(RuntimeError("the run stopped"))
+        self.close()
+
+    def close(self) -> None:
+        """Stop the thread after what is queued."""
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def digests(self, k: int) -> dict[str, str]:
+        """Output ``k``'s files -> sha256, every unit written."""
+        self.close()
+        if self._error:
+            raise self._error[0]
+        out = {}
+        for (kk, _), (h, _, _) in self._files.items():
+            if kk == k:
+                h.advance(None)
+                out[Path(h.path).name] = h.hexdigest()
+        return out
 
 
 def _sync(paths: list[str]) -> None:
@@ -533,15 +684,16 @@ def _sync(paths: list[str]) -> None:
             os.close(fd)
 
 
-def _finish(plan: Plan, partial: Path, fingerprint: str) -> dict:
-    """Check the files' sizes, hash them and write manifest.json; the bookkeeping goes. Returns the manifest."""
+def _finish(plan: Plan, partial: Path, fingerprint: str, digests: dict[str, str] | None = None) -> dict:
+    """Check the files' sizes, hash them (or take ``digests``, their sha256 hashed while they were written) and
+    write manifest.json; the bookkeeping goes. Returns the manifest."""
     files = {}
     for f in plan.files:
         p = partial / f.name
         if p.stat().st_size != f.size:
             raise EnvironmentProblem(f"{f.name} is {p.stat().st_size} bytes, planned {f.size}", path=str(p),
                                      fix="the disk or another process changed it; start over with --force")
-        files[f.name] = {"bytes": f.size, "sha256": sha256_file(p)}
+        files[f.name] = {"bytes": f.size, "sha256": digests[f.name] if digests else sha256_file(p)}
     for name, data in plan.extra.items():
         files[name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
     manifest = build_manifest(plan, files, fingerprint)

@@ -233,6 +233,7 @@ class Plan:
         """sha256 over everything that decides the output bytes (not over options that only change speed)."""
         core = {
             "version": __version__,
+            "unit_digest": "checksum64",  # what the journal records per unit (a partial run of another kind is refused)
             "format": self.format,
             "sources": self.sources,
             "files": [{"name": f.name, "size": f.size, "header": hashlib.sha256(f.header).hexdigest()} for f in self.files],

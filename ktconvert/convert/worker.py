@@ -11,7 +11,6 @@ memory does not grow with the checkpoint and no unit faults in the pages the las
 from __future__ import annotations
 
 import copy
-import hashlib
 import multiprocessing.context
 import os
 import signal
@@ -149,12 +148,12 @@ def _convert_hashed(task: Task) -> tuple[int, str]:
     """:func:`_convert` and the :func:`source_digest` of its input: hashed from the bytes the unit read when it reads
     whole rows of plain tensors (no second read), else read again."""
     t, r0, r1 = task.tensor, task.r0, task.r1
-    h = _READ_HASH[0] = hashlib.sha256() if _reads_are_ranges(t, r0, r1) else None
+    h = _READ_HASH[0] = _checksum() if _reads_are_ranges(t, r0, r1) else None
     try:
         uid = _convert(task)
     finally:
         _READ_HASH[0] = None
-    return uid, h.hexdigest()[:16] if h is not None else source_digest(_checkpoint(task.src), t, r0, r1)
+    return uid, h.hexdigest() if h is not None else source_digest(_checkpoint(task.src), t, r0, r1)
 
 
 def _convert(task: Task) -> int:
@@ -260,7 +259,7 @@ def _run(task: Task) -> int:
     t = task.tensor
     if t.kt_pack is not None:
 
-        data = pack_group(_checkpoint(task.src), t, _float_rows)
+        data = pack_group(_checkpoint(task.src), t, _float_rows, _bf16_rows)
         _pwrite(task.out_path, data, t.offset)
         return task.unit
     if t.const is not None:
@@ -358,10 +357,18 @@ def _row_bytes(info) -> int:
     return info.nbytes // rows if rows else info.nbytes
 
 
+def _checksum():
+    """A new input checksum (numba, imported on first use: planning alone never loads it)."""
+    from ktconvert.quant._jit_digest import Checksum
+
+    return Checksum()
+
+
 def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
-    """sha256 (first 16 hex digits) of the input bytes a unit reads, read from the files as they are now, into this
-    process's read buffer (the unit has just read them: they come from the page cache)."""
-    h = hashlib.sha256()
+    """The 64-bit checksum (:mod:`ktconvert.quant._jit_digest`, 16 hex digits) of the input bytes a unit reads, read
+    from the files as they are now, into this process's read buffer (the unit has just read them: they come from the
+    page cache)."""
+    h = _checksum()
     for path, offset, length in source_ranges(ck, t, r0, r1):
         fd = os.open(path, os.O_RDONLY)
         try:
@@ -375,7 +382,7 @@ def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
                 offset, length = offset + got, length - got
         finally:
             os.close(fd)
-    return h.hexdigest()[:16]
+    return h.hexdigest()
 
 
 def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None:
@@ -415,7 +422,7 @@ def _overlaps(t: PlanTensor, r0: int, r1: int):
 _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in the same pages
 
 
-#: the running unit's sha256 of the bytes it reads, when those are exactly :func:`source_ranges` in order
+#: the running unit's checksum of the bytes it reads, when those are exactly :func:`source_ranges` in order
 _READ_HASH: list = [None]
 
 
@@ -521,6 +528,24 @@ def _post(rows: np.ndarray, s) -> None:
         rows += np.float32(1.0)
     elif s.value == "neg_exp":
         np.negative(np.exp(rows, out=rows), out=rows)
+
+
+def _bf16_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray | None:
+    """Rows ``r0..r1`` of ``t`` as their stored bf16 bits (uint16), when every segment is whole rows of a plain
+    BF16 tensor (no scale, LoRA, column pick or value map): a kt-amx expert from a BF16 checkpoint, which the
+    packer reads as it is stored. ``None`` for any other source. Not checked for NaN/Inf (the packer does)."""
+    segs = list(_overlaps(t, r0, r1))
+    if not segs or not all(s.op == "rows" and not (s.scale or s.lora or s.col_step or s.col_tile or s.value)
+                           and ck[s.source].dtype == "BF16" for s, *_ in segs):
+        return None
+    cols = t.shape[-1]
+    if len(segs) == 1 and segs[0][2] == r1 - r0:  # the buffer itself, valid until the next read
+        s, i, n, _ = segs[0]
+        return _read_rows(ck, s.source, s.src_row + i, n).view(np.uint16).reshape(n, cols)
+    out = np.empty((r1 - r0, cols), np.uint16)
+    for s, i, n, pos in segs:
+        out[pos: pos + n] = _read_rows(ck, s.source, s.src_row + i, n).view(np.uint16).reshape(n, cols)
+    return out
 
 
 def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:

@@ -47,7 +47,7 @@ Public API (everything else in this package is an implementation detail):
     ``X.weight [N, K]``.
 
 ``ktconvert.formats.kt_amx``
-    kt-kernel's AMXINT8/AMXINT4 expert format in numpy: ``pack_matrix``/``pack_expert`` (bytes equal to kt-kernel's
+    kt-kernel's AMXINT8/AMXINT4 expert format: ``pack_matrix``/``pack_expert`` (bytes equal to kt-kernel's
     packer), ``unpack_matrix``, ``dequantize_matrix``, ``check_alignment``, ``tensor_name``.
 
 ``open_release(path) -> Release`` (:mod:`ktconvert.formats.release`)

@@ -1,9 +1,10 @@
-"""kt-kernel's AMXINT8 / AMXINT4 expert format (``kt-amx``): pure numpy packing, unpacking and dequantization.
+"""kt-kernel's AMXINT8 / AMXINT4 expert format (``kt-amx``): packing (compiled), unpacking and dequantization.
 
 kt-kernel's fastest CPU methods read per-row quantized, tile-packed experts from safetensors tensors named
 ``blk.L.ffn_{gate,up,down}_exps.E.numa.N.{weight,scale}``. Upstream can only make them by running the compiled
-kernel over whole layers; this module computes the same bytes from one matrix at a time with numpy alone, so a
-conversion needs neither kt-kernel nor more memory than one expert. Every constant and rounding step below is
+kernel over whole layers; this module computes the same bytes from one matrix at a time (numpy, and a numba
+kernel for the packing itself: :mod:`ktconvert.quant._jit_kt_amx`), so a conversion needs neither kt-kernel nor
+more memory than one expert. Every constant and rounding step below is
 the kernel's (see ``docs/formats/kt-amx.md``): a packing that differs in one byte loads fine and gives
 silently wrong output, so the tests compare against kt-kernel's own compiled packer byte for byte.
 
@@ -169,29 +170,6 @@ def quantize_rows(w: np.ndarray, m: Method) -> tuple[np.ndarray, np.ndarray]:
     return y.astype(np.int8), d.astype(np.float32)
 
 
-def _tile(b: np.ndarray, nb: int, kb: int) -> np.ndarray:
-    """Lay out an ``n x kbytes`` int8/uint8 matrix in tile order (row blocks of ``nb`` rows, K blocks of ``kb``
-    bytes, 32-row groups, 64-byte tiles, half tiles word-transposed). Returns the flat bytes."""
-    n, kbytes = b.shape
-    out = np.empty(n * kbytes, dtype=np.uint8)
-    b = b.view(np.uint8)
-    full = n // nb * nb
-    for r0, r1 in ((0, full), (full, n)):
-        rows = r1 - r0
-        if rows == 0:
-            continue
-        nbs = min(nb, rows)
-        R = rows // nbs
-        blk = b[r0:r1].reshape(R, nbs, kbytes)
-        dst = out[r0 * kbytes: r1 * kbytes].reshape(R, nbs * kbytes)
-        for kb0 in range(0, kbytes, kb):
-            kbs = min(kb, kbytes - kb0)
-            s = blk[:, :, kb0:kb0 + kbs].reshape(R, nbs // 32, 2, 16, kbs // TILE_BYTES, 16, 4)
-            # (R, group, half, row i, tile c, word w, byte) -> (R, group, tile c, half, word w, row i, byte)
-            dst[:, kb0 * nbs:(kb0 + kbs) * nbs] = s.transpose(0, 1, 4, 2, 5, 3, 6).reshape(R, -1)
-    return out.view(np.int8)
-
-
 def _untile(flat: np.ndarray, n: int, kbytes: int, nb: int, kb: int) -> np.ndarray:
     """Inverse of :func:`_tile`: ``n x kbytes`` uint8 matrix."""
     src = np.asarray(flat).view(np.uint8).reshape(-1)
@@ -212,14 +190,6 @@ def _untile(flat: np.ndarray, n: int, kbytes: int, nb: int, kb: int) -> np.ndarr
     return b
 
 
-def _nibbles(q: np.ndarray) -> np.ndarray:
-    """INT4 values (multiples of 16) -> bytes: per 128-column tile, column j low nibble, column j+64 high."""
-    n, k = q.shape
-    code = (q.astype(np.int16) >> 4).astype(np.uint8) & np.uint8(0xF)
-    c = code.reshape(n, k // 128, 2, 64)
-    return (c[:, :, 0, :] | (c[:, :, 1, :] << np.uint8(4))).reshape(n, k // 2)
-
-
 def _unnibble(b: np.ndarray) -> np.ndarray:
     """Bytes -> INT4 values as int8 multiples of 16 (code * 16)."""
     n, kb = b.shape
@@ -235,13 +205,24 @@ def pack_matrix(w: np.ndarray, m: Method) -> tuple[np.ndarray, np.ndarray]:
     ``w`` is ``n x k`` float32 holding bf16 values (round with :func:`to_bf16_f32` first); ``n % 32 == 0`` and
     ``k`` a multiple of the method's tile width (checked by the caller through :func:`check_alignment`).
     """
-    n, k = w.shape
+    return _pack(np.ascontiguousarray(w, dtype=np.float32), 0, 0, *w.shape, m)
+
+
+def _pack(src: np.ndarray, r0: int, c0: int, n: int, k: int, m: Method) -> tuple[np.ndarray, np.ndarray] | None:
+    """Rows ``r0..r0+n``, columns ``c0..c0+k`` of ``src`` (C-contiguous float32 holding bf16 values, or the bf16
+    bits as uint16) packed by the compiled packer (:mod:`ktconvert.quant._jit_kt_amx`: the arithmetic of
+    :func:`quantize_rows`, the layout :func:`unpack_matrix` inverts); ``None`` when a row holds a NaN or an
+    infinity."""
+    from ktconvert.quant._jit_kt_amx import pack_part
+
     if n % TILE_ROWS or k % m.k_align:
         raise ValueError(f"{m.name} cannot pack a {n} x {k} matrix (rows % 32, columns % {m.k_align})")
-    q, d = quantize_rows(w, m)
-    if m.bits == 8:
-        return _tile(q, m.row_block, K_BLOCK), d
-    return _tile(_nibbles(q), m.row_block, K_BLOCK // 2), d
+    weight = np.empty(m.weight_bytes(n, k), dtype=np.int8)
+    scale = np.empty(n, dtype=np.float32)
+    bits, shift = (src, 16) if src.dtype == np.uint16 else (src.view(np.uint32), 0)
+    if pack_part(bits, shift, r0, c0, n, k, m.bits, weight.view(np.uint32), scale) >= 0:
+        return None
+    return weight, scale
 
 
 def unpack_matrix(weight: np.ndarray, n: int, k: int, m: Method) -> np.ndarray:
@@ -276,11 +257,27 @@ def part_of(mat: np.ndarray, proj: str, part: int, parts: int) -> np.ndarray:
 
 
 def pack_expert(mat: np.ndarray, proj: str, m: Method, parts: int, *, is_bf16: bool = False
-                ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """``[(weight, scale)]`` per part of one expert's projection (float32 input, rounded to bf16 here unless
-    ``is_bf16`` says its values already are bf16)."""
-    x = np.asarray(mat, dtype=np.float32) if is_bf16 else to_bf16_f32(mat)
-    return [pack_matrix(np.ascontiguousarray(part_of(x, proj, n, parts)), m) for n in range(parts)]
+                ) -> list[tuple[np.ndarray, np.ndarray]] | None:
+    """``[(weight, scale)]`` per part of one expert's projection: float32 input, rounded to bf16 here unless
+    ``is_bf16`` says its values already are bf16, or the stored bf16 bits (uint16: no float32 copy is made).
+    ``None`` when the matrix holds a NaN or an infinity (the float32 path's reader reports where)."""
+    if mat.dtype == np.uint16:
+        x = np.ascontiguousarray(mat)
+    else:
+        x = np.ascontiguousarray(mat, dtype=np.float32) if is_bf16 else to_bf16_f32(mat)
+    rows, cols = x.shape
+    out = []
+    for p in range(parts):
+        if proj == "down":
+            ip = cols // parts
+            packed = _pack(x, 0, p * ip, rows, ip, m)
+        else:
+            ip = rows // parts
+            packed = _pack(x, p * ip, 0, ip, cols, m)
+        if packed is None:
+            return None
+        out.append(packed)
+    return out
 
 
 def unpack_expert(blobs: list[tuple[np.ndarray, np.ndarray]], proj: str, hidden: int, inter: int,

@@ -312,22 +312,41 @@ def fsync_dir(path: Path) -> None:
 
 def sha256_file(path: Path, chunk: int = 16 * 1024**2) -> str:
     """The file's sha256, read with large ``preadv`` calls into one reused buffer (no fresh memory per chunk)."""
-    h = hashlib.sha256()
-    buf = ReadBuffer()
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if hasattr(os, "posix_fadvise"):
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
-        offset, size = 0, os.fstat(fd).st_size
-        while True:
-            b = buf.take(min(chunk, max(size - offset, 1 << 16)))
-            got = pread_into(fd, b, offset)
-            h.update(b[:got])
-            if got < b.nbytes:
-                return h.hexdigest()
-            offset += got
-    finally:
-        os.close(fd)
+    h = FileSha256(path, chunk)
+    h.advance(None)
+    return h.hexdigest()
+
+
+class FileSha256:
+    """The sha256 of a file hashed front to back in pieces, as its bytes become final (``advance(to)``: hash up to
+    offset ``to``, ``None`` for the end of the file): a run that writes a file out of order hashes each finished
+    prefix while the rest is still being written, instead of reading the whole file again at the end."""
+
+    def __init__(self, path: Path | str, chunk: int = 16 * 1024**2, buf: ReadBuffer | None = None):
+        self.path, self.pos, self._chunk = path, 0, chunk
+        self._h = hashlib.sha256()
+        self._buf = buf if buf is not None else ReadBuffer()  # one buffer may serve many files' hashers
+
+    def advance(self, to: int | None) -> None:
+        if to is not None and to <= self.pos:
+            return
+        fd = os.open(self.path, os.O_RDONLY)
+        try:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(fd, self.pos, 0, os.POSIX_FADV_SEQUENTIAL)
+            end = os.fstat(fd).st_size if to is None else to
+            while self.pos < end:
+                b = self._buf.take(min(self._chunk, end - self.pos))
+                got = pread_into(fd, b, self.pos)
+                self._h.update(b[:got])
+                self.pos += got
+                if got < b.nbytes:
+                    raise OSError(errno.EIO, f"{self.path} ends at {self.pos} bytes, {end} expected", str(self.path))
+        finally:
+            os.close(fd)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
 
 
 def replace_dir(partial: Path, out: Path, *, force: bool) -> None:
