@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import xml.etree.ElementTree as ET
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -278,7 +279,7 @@ def release(tmp_path_factory):
     return {"root": root, "model": model, "good": good, "broken": broken, "budget": float32_bytes(model) // 2}
 
 
-def _model_suite(path, *cases) -> "Path":
+def _model_suite(path, *cases) -> Path:
     import yaml
 
     path.parent.mkdir(parents=True, exist_ok=True)
