@@ -251,9 +251,11 @@ def test_ctrl_c_while_quantize_j2_starts_its_workers_is_one_line(src, tmp_path):
     env = {**os.environ, "KT_TEST_STARTUP_DIR": str(marks),
            "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
     out = tmp_path / "out"
+    # SIGINT as a terminal leaves it (default): a test run started in the background by a non-interactive shell
+    # inherits it ignored, and so would the run, which then never sees the Ctrl-C
     proc = subprocess.Popen([sys.executable, "-m", "ktconvert", "quantize", str(src), str(out), *Q, "-j", "2"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
-                            start_new_session=True)
+                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         deadline = time.monotonic() + 120
         while not list(marks.glob("worker-*")):
