@@ -294,7 +294,8 @@ _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 _FUSED = re.compile(r"^model\.layers\.\d+\.[a-z_]+\.experts\.(?:gate_up_proj|down_proj)(?:_bias)?(?:\.weight)?$")
 #: the reference names of the tensors read by rows (VocabEmbedding, VocabHead) -> their part
 VOCAB_NAMES = {"model.embed_tokens.weight": "embed", "lm_head.weight": "head"}
-_VOCAB_REF = {v: k for k, v in VOCAB_NAMES.items()}
+#: the same, part -> reference name
+VOCAB_PARTS = {v: k for k, v in VOCAB_NAMES.items()}
 _EXPERT = re.compile(r"^model\.layers\.\d+\.[a-z_]+\.experts\.(\d+)\.")
 
 
@@ -822,10 +823,10 @@ class ConvertedWeights(StreamedWeights):
         return weights  # the dequantized float32 copies, before they go into the slots
 
     def has_rows(self, kind: str) -> bool:
-        return self.source.vocab_name(_VOCAB_REF[kind]) is not None
+        return self.source.vocab_name(VOCAB_PARTS[kind]) is not None
 
     def rows_state(self, kind, ids, span):
-        got = torch.from_numpy(self.source.rows(_VOCAB_REF[kind], None if ids is None else ids.numpy(), span))
+        got = torch.from_numpy(self.source.rows(VOCAB_PARTS[kind], None if ids is None else ids.numpy(), span))
         self.stats.bytes_read += _bytes(got)  # float32 handed over, as for whole tensors
         return got, _bytes(got)
 

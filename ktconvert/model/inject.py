@@ -37,7 +37,8 @@ from ktconvert.model.ops.experts import (
 )
 from ktconvert.model.modules import VOCAB_CHUNK, VocabHead
 from ktconvert.model.ops.linear import LinearDequant, VocabLinearDequant
-from ktconvert.model.ops.source import VOCAB_PARTS, MissingTensor, WeightSource
+from ktconvert.model.executor import VOCAB_NAMES
+from ktconvert.model.ops.source import MissingTensor, WeightSource
 from ktconvert.model.ops.switch import PhaseSwitch
 from ktconvert.rules.catalog import load_catalog
 
@@ -203,8 +204,7 @@ def inject(model: nn.Module, plan: list, weights: WeightSource, *, prefill_weigh
                 # the source keeps nothing this build decoded (a release's FP8 attention and dense MLP of every
                 # layer, 3 GB of float32 for a DeepSeek-V3-shaped model) until the part runs and reads it again
                 layer = _layer_of(inj.path)
-                part = layer if layer is not None else next(
-                    (kind for kind, name in VOCAB_PARTS.items() if name == f"{inj.path}.weight"), None)
+                part = layer if layer is not None else VOCAB_NAMES.get(f"{inj.path}.weight")
                 if part is not None:
                     source.forget(part)
             built[key] = op

@@ -33,6 +33,7 @@ from ktconvert.formats.lora_delta import EXPERT_WEIGHT, lora_delta
 from ktconvert.formats.release import Release, open_release
 from ktconvert.io.dtypes import TORCH_NAMES
 from ktconvert.io.files import ReadBuffer
+from ktconvert.model.executor import VOCAB_NAMES, VOCAB_PARTS
 from ktconvert.model.weights import read_tensors
 
 PROJECTIONS = ("gate", "up", "down")
@@ -360,7 +361,7 @@ class WeightSource:
         sel = ids if ids is not None else slice(*span)
         if self.container == "safetensors":
             by_rows = getattr(self._state, "rows", None)  # streamed: only these rows read, never the whole table
-            if by_rows is not None and stored in _VOCAB_KIND:
+            if by_rows is not None and stored in VOCAB_NAMES:
                 return by_rows(stored, ids, span)
             return self._state[stored][torch.from_numpy(np.asarray(sel)) if ids is not None else sel].to(
                 torch.float32).numpy()
@@ -533,7 +534,7 @@ class _PartStates:
     def rows(self, name: str, ids: np.ndarray | None, span: tuple[int, int] | None) -> np.ndarray:
         """Rows ``ids`` (any order, repeats allowed) or ``span`` of a vocabulary table (a :data:`VOCAB_PARTS` name),
         float32, read from the file alone: the same values as the whole table's rows, without holding the table."""
-        kind = _VOCAB_KIND[name]
+        kind = VOCAB_NAMES[name]
         if ids is None:
             return self.reader.rows_state(kind, None, span)[0].to(torch.float32).numpy()
         distinct, back = np.unique(np.asarray(ids), return_inverse=True)
@@ -544,7 +545,7 @@ class _PartStates:
         """The dtype a vocabulary table (a :data:`VOCAB_PARTS` name read by rows) reads as, from its header and
         without reading it (torch's name: ``bfloat16``; a quantized release's decodes to ``float32``); None for
         any other name."""
-        kind = _VOCAB_KIND.get(name)
+        kind = VOCAB_NAMES.get(name)
         r = self.reader
         if kind is None or not r.has_rows(kind):
             return None
@@ -569,9 +570,6 @@ class _PartStates:
 
 
 _LAYER_NAME = re.compile(r"^model\.layers\.(\d+)\.")
-#: the parts whose table the streamed reference reads by rows, and the reference name it goes by
-VOCAB_PARTS = {"embed": "model.embed_tokens.weight", "head": "lm_head.weight"}
-_VOCAB_KIND = {name: kind for kind, name in VOCAB_PARTS.items()}
 
 
 def read_safetensors(path: str | os.PathLike | Release) -> dict:
