@@ -171,7 +171,8 @@ def quantize_rows(w: np.ndarray, m: Method) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _untile(flat: np.ndarray, n: int, kbytes: int, nb: int, kb: int) -> np.ndarray:
-    """Inverse of :func:`_tile`: ``n x kbytes`` uint8 matrix."""
+    """Inverse of the packer's tile order (:mod:`ktconvert.quant._jit_kt_amx`; row blocks of ``nb`` rows, K blocks
+    of ``kb`` bytes, 32-row groups, 64-byte tiles, half tiles word-transposed): the ``n x kbytes`` uint8 matrix."""
     src = np.asarray(flat).view(np.uint8).reshape(-1)
     b = np.empty((n, kbytes), dtype=np.uint8)
     full = n // nb * nb
@@ -247,13 +248,21 @@ def dequantize_values(w: np.ndarray, m: Method) -> np.ndarray:
 # --- whole experts -----------------------------------------------------------------------------------------------
 
 
+def part_span(shape: tuple[int, int], proj: str, part: int, parts: int) -> tuple[int, int, int, int]:
+    """Where part ``part`` of an expert's ``[I, H]`` (gate/up: rows) or ``[H, I]`` (down: columns) matrix is:
+    ``(first row, first column, rows, columns)``."""
+    rows, cols = shape
+    if proj == "down":
+        ip = cols // parts
+        return 0, part * ip, rows, ip
+    ip = rows // parts
+    return part * ip, 0, ip, cols
+
+
 def part_of(mat: np.ndarray, proj: str, part: int, parts: int) -> np.ndarray:
     """Part ``part`` of an expert's ``[I, H]`` (gate/up: rows) or ``[H, I]`` (down: columns) matrix."""
-    if proj == "down":
-        ip = mat.shape[1] // parts
-        return mat[:, part * ip:(part + 1) * ip]
-    ip = mat.shape[0] // parts
-    return mat[part * ip:(part + 1) * ip]
+    r0, c0, n, k = part_span(mat.shape, proj, part, parts)
+    return mat[r0:r0 + n, c0:c0 + k]
 
 
 def pack_expert(mat: np.ndarray, proj: str, m: Method, parts: int, *, is_bf16: bool = False
@@ -265,15 +274,9 @@ def pack_expert(mat: np.ndarray, proj: str, m: Method, parts: int, *, is_bf16: b
         x = np.ascontiguousarray(mat)
     else:
         x = np.ascontiguousarray(mat, dtype=np.float32) if is_bf16 else to_bf16_f32(mat)
-    rows, cols = x.shape
     out = []
     for p in range(parts):
-        if proj == "down":
-            ip = cols // parts
-            packed = _pack(x, 0, p * ip, rows, ip, m)
-        else:
-            ip = rows // parts
-            packed = _pack(x, p * ip, 0, ip, cols, m)
+        packed = _pack(x, *part_span(x.shape, proj, p, parts), m)
         if packed is None:
             return None
         out.append(packed)
