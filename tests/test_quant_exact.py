@@ -133,6 +133,24 @@ def test_dequantize_bit_identical_to_c_reference(ref, qtype):
         assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32)), f"{qtype.name} on {name}"
 
 
+@pytest.mark.parametrize("qtype", [T.Q2_K, T.Q3_K, T.Q4_K, T.Q5_K, T.Q6_K], ids=lambda t: t.name)
+def test_k_quant_dequantize_of_any_bytes_is_the_c_reference(ref, qtype):
+    """Blocks no quantizer would write (every byte random: fp16 scales that are inf, NaN or subnormal, every code
+    and sub-scale) decode bit for bit as ggml's C decodes them, NaN payloads included; the compiled in-place
+    decoders are also checked on a slice of rows, as the streamed decode hands them chunk by chunk."""
+    ts = Q.type_size(qtype)
+    q = np.random.default_rng(int(qtype)).integers(0, 256, (3, 700 * ts), dtype=np.uint8)
+    d_at = {T.Q2_K: 80, T.Q3_K: 108, T.Q6_K: 208}.get(qtype, 0)  # the block's fp16 scale d
+    for block, bits in ((0, 0x7C00), (1, 0x7E01), (2, 0x0001)):  # inf, a NaN with a payload, a subnormal
+        q[0, block * ts + d_at:block * ts + d_at + 2] = np.array([bits], "<u2").view(np.uint8)
+    theirs = ref.dequantize(q, qtype)
+    ours = Q.dequantize(q, qtype)
+    assert np.isnan(theirs).any() and np.isinf(theirs).any()  # the odd scales are there
+    assert np.array_equal(ours.view(np.uint32), theirs.view(np.uint32))
+    assert np.array_equal(Q.dequantize(q[1:2, 5 * ts:9 * ts], qtype).view(np.uint32),
+                          theirs[1:2, 5 * 256:9 * 256].view(np.uint32))
+
+
 def _gguf_can_quantize(qtype) -> bool:
     try:
         gq.quantize(np.zeros((1, Q.block_size(qtype)), dtype=F32), qtype)

@@ -126,7 +126,7 @@ _DEQUANT: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
 _DEQUANT_CHUNK = 1 << 20
 #: decoders that write into the output (``fn(blocks, out=...)``): no temporaries per chunk, which a streamed run's
 #: heap policy (every block of 128 KiB or more mapped fresh, ktconvert.io.heap) would page-fault in every time
-_DEQUANT_INTO = frozenset({QType.Q8_0})
+_DEQUANT_INTO = frozenset({QType.Q8_0, QType.Q2_K, QType.Q3_K, QType.Q4_K, QType.Q5_K, QType.Q6_K})
 
 
 def cpu_count() -> int:
