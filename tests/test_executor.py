@@ -15,7 +15,7 @@ from ktconvert.families.config import FAMILIES
 from ktconvert.formats.safetensors_write import to_bytes
 from ktconvert.io.sizes import format_size
 from ktconvert.model import from_pretrained, load_config
-from ktconvert.model.executor import CheckpointWeights, LayerMajor
+from ktconvert.model.executor import CheckpointWeights, LayerMajor, max_memory_for
 from ktconvert.model.reference import build_skeleton
 from ktconvert.model.tiny import FP8_VARIANTS, TINY_VARIANTS, tiny_name, tiny_tensors, write_tiny_model
 from ktconvert.model.tiny_release import FORMATS as RELEASE_FORMATS
@@ -227,13 +227,16 @@ def test_a_budget_smaller_than_the_model_holds(tmp_path):
     need, where = CheckpointWeights(d, cfg).minimum(skeleton)
     assert need < model_bytes / 2
     pre, dec = _in_memory(d)
-    spre, sdec, weights = _streamed(d, budget=need)
+    least = max_memory_for(need)  # the weights get all but the budget's reserve
+    spre, sdec, weights = _streamed(d, budget=least)
     _assert_identical(pre, spre, "prefill")
     _assert_identical(dec, sdec, "decode")
-    assert 0 < weights.stats.peak <= need < model_bytes
+    assert 0 < weights.stats.peak <= need < least < model_bytes
+    assert need <= weights.budget < need + 16
     with pytest.raises(UsageProblem) as exc:
-        CheckpointWeights(d, cfg, budget=need - 1).check_budget(skeleton)
+        CheckpointWeights(d, cfg, budget=least - 1).check_budget(skeleton)
     assert f"{where}" in exc.value.message and "below" in exc.value.message
+    assert f"the minimum {format_size(least)} ({least} bytes)" in exc.value.message
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
@@ -274,7 +277,7 @@ def test_an_fp8_release_decodes_within_the_budget(tmp_path):
     need, _ = CheckpointWeights(d, cfg).minimum(skeleton)
     assert need >= floor
     pre, dec = _in_memory(d)
-    spre, sdec, weights = _streamed(d, budget=need)
+    spre, sdec, weights = _streamed(d, budget=max_memory_for(need))
     _assert_identical(pre, spre, "prefill")
     _assert_identical(dec, sdec, "decode")
     assert 0 < weights.stats.peak <= need
@@ -407,6 +410,7 @@ def test_real_shaped_models_fit_small_budgets(tmp_path, family, shape, fits, ref
     CheckpointWeights(d, cfg, budget=fits).check_budget(skeleton)
     with pytest.raises(UsageProblem) as exc:
         CheckpointWeights(d, cfg, budget=refused).check_budget(skeleton)
-    assert f"the minimum {format_size(need)} ({need} bytes)" in exc.value.message and where in exc.value.message
+    least = max_memory_for(need)
+    assert f"the minimum {format_size(least)} ({least} bytes)" in exc.value.message and where in exc.value.message
     if family == "deepseek_v3":
         assert where.startswith("layer 0 (largest module model.layers.0.mlp: 1.48 GiB)")

@@ -71,13 +71,13 @@ def test_file_reads_back_and_prompt_ids_give_the_same_bytes(model, text, tmp_pat
 def test_streamed_under_a_small_budget_writes_the_same_bytes(model, text, tmp_path):
     from ktconvert.imatrix import make_imatrix
     from ktconvert.model import load_config
-    from ktconvert.model.executor import CheckpointWeights
+    from ktconvert.model.executor import CheckpointWeights, max_memory_for
     from ktconvert.model.reference import build_skeleton
 
     need, _ = CheckpointWeights(model, load_config(model)).minimum(build_skeleton(load_config(model)))
     whole = make_imatrix(model, tmp_path / "whole.gguf", text_file=text, chunk_size=CHUNK, chunks=CHUNKS)
     small = make_imatrix(model, tmp_path / "small.gguf", text_file=text, chunk_size=CHUNK, chunks=CHUNKS,
-                         max_memory=need)
+                         max_memory=max_memory_for(need))
     assert small.stream["peak_resident_weights"] <= need < whole.stream["peak_resident_weights"]
     assert (tmp_path / "small.gguf").read_bytes() == (tmp_path / "whole.gguf").read_bytes()
 

@@ -356,6 +356,26 @@ def resolve(value):
     return value.load().clone() if value.mapped else value.load()
 
 
+#: a streamed run's weights get all of ``--max-memory`` but this fraction (1/RESERVE_DIVISOR), kept for what the
+#: weights' count does not see: activations, logits of a vocabulary chunk, decoders' and kernels' scratch, and the
+#: allocators' slack. Measured at real width, that was 14 to 55 MiB above the tiny models' fixed overhead under
+#: budgets of 1 and 4 GiB (docs/measurements.md); a sixteenth is 64 and 256 MiB there.
+RESERVE_DIVISOR = 16
+
+
+def weights_budget(max_memory: int) -> int:
+    """The bytes a streamed run's weights may hold within ``max_memory`` (see :data:`RESERVE_DIVISOR`)."""
+    return max_memory - max_memory // RESERVE_DIVISOR
+
+
+def max_memory_for(weights: int) -> int:
+    """The least ``--max-memory`` whose :func:`weights_budget` holds ``weights`` bytes."""
+    m = weights + weights // (RESERVE_DIVISOR - 1)
+    while weights_budget(m) < weights:
+        m += 1
+    return m
+
+
 @dataclass
 class StreamStats:
     """What a streaming provider did: bytes read from disk (stored), bytes of float32 weights resident now and at
@@ -380,7 +400,8 @@ class StreamedWeights:
     def __init__(self, path, cfg, budget: int | None = None):
         self.path = str(path)
         self.cfg = cfg
-        self.budget = budget
+        self.max_memory = budget  # what the run gives this provider; its weights get :func:`weights_budget` of it
+        self.budget = None if budget is None else weights_budget(budget)
         self.stats = StreamStats()
         self._kept: dict[int, tuple] = {}
         self.lora: dict[str, tuple] = {}  # reference name -> LoRA tuple: W + alpha/r * B @ A, added in float32
@@ -456,10 +477,12 @@ class StreamedWeights:
             return
         need, where = self.minimum(model)
         if self.budget < need:
-            raise UsageProblem(f"--max-memory {format_size(self.budget)} is below the minimum {format_size(need)} "
-                               f"({need} bytes): {where} needs that much resident (its float32 weights, one expert "
-                               f"or {VOCAB_CHUNK} vocabulary rows, and the stored copies being decoded)", path=self.path,
-                               fix=f"pass --max-memory {need} or more")
+            least = max_memory_for(need)
+            raise UsageProblem(f"--max-memory {format_size(self.max_memory)} is below the minimum {format_size(least)} "
+                               f"({least} bytes): {where} needs {format_size(need)} resident (its float32 weights, one "
+                               f"expert or {VOCAB_CHUNK} vocabulary rows, and the stored copies being decoded), and "
+                               f"1/{RESERVE_DIVISOR} of the budget is kept for activations and scratch", path=self.path,
+                               fix=f"pass --max-memory {least} or more")
 
     # --- parts ----------------------------------------------------------------------------------------------------
     def _vocab(self, model: nn.Module, kind: str):

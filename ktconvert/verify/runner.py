@@ -315,9 +315,11 @@ class _Run:
         """The streamed reference's budget less what the kernel children hold now, measured: the plan counted the
         packed experts kt-kernel keeps between layers, the children also keep working buffers sized by the layer
         (never below the reference's minimum, checked up front with the plan's count)."""
+        from ktconvert.model.executor import weights_budget
+
         if self.kernel is None or self.reference is None or not self.streamed:
             return
-        self.reference.weights.budget = max(self.floor, self.budget - self.kernel.held_now())
+        self.reference.weights.budget = max(self.floor, weights_budget(self.budget - self.kernel.held_now()))
 
     def summary(self, peaks: TreePeak) -> dict:
         """How the run held its weights, what it read, and the peak RSS of this process and of its whole process
@@ -345,7 +347,7 @@ def _build_run(release, cfg, compiled, catalog, source, pre_source, options, loa
     """The models of the run. ``budget`` None: half the available memory (as ``golden``), everything resident
     when both float32 models fit it, else streamed within it; a budget given: streamed within it."""
     from ktconvert.golden.stream import DEFAULT_SHARE, default_budget
-    from ktconvert.model.executor import CheckpointWeights, InjectedWeights, LayerMajor
+    from ktconvert.model.executor import CheckpointWeights, InjectedWeights, LayerMajor, max_memory_for
     from ktconvert.model.reference import build_skeleton
 
     default = budget is None
@@ -373,10 +375,10 @@ def _build_run(release, cfg, compiled, catalog, source, pre_source, options, loa
                 provider.lora = loaded.deltas if loaded is not None else {}
                 if not kept:
                     provider.check_budget(skeleton)
-                elif budget - kept < (floor := (need := provider.minimum(skeleton))[0]):
+                elif provider.budget < (floor := (need := provider.minimum(skeleton))[0]):
                     from ktconvert.errors import UsageProblem
 
-                    least, where = need[0] + kept, need[1]
+                    least, where = max_memory_for(need[0]) + kept, need[1]
                     raise UsageProblem(
                         f"--max-memory {format_size(budget)} is below the minimum {format_size(least)} ({least} "
                         f"bytes): the kt-kernel child keeps {format_size(kept)} of packed experts between layers "
