@@ -445,3 +445,23 @@ def test_the_reference_gives_way_to_what_the_kernel_child_holds_measured(ws, kta
     # before the child holds anything: the plan's count (the weights get all but the budget's reserve)
     assert seen[0] == executor.weights_budget(budget - kept)
     assert all(b <= executor.weights_budget(budget - extra) for b in seen[1:]), (budget, kept, seen)  # then measured
+
+
+def test_a_kernel_child_holding_more_than_the_budget_leaves_is_said_in_the_report(ws, ktamx_dirs, monkeypatch):
+    """When what the child holds, measured, leaves the reference less than its minimum, the reference still runs
+    (at its minimum: there is no smaller way), and the report says by how much the run went beyond the budget,
+    rather than staying silent."""
+    from ktconvert.kernel.verify_op import KernelRuntime
+    from ktconvert.model import load_config
+
+    require_kernel()
+    kw = {"kt_weights": ktamx_dirs["AMXINT8"]}
+    runtime = KernelRuntime("kt-kernel", kt_weights=ktamx_dirs["AMXINT8"], streamed=True)
+    budget = 8 * runtime.kept_between_layers(load_config(ws.model(FAMILY))) + 64 * 2**20
+    clean = _verify(ws, None, max_memory=budget, **kw)
+    assert not [n for n in clean.notes if "more than the plan counted" in n]
+    monkeypatch.setattr(KernelRuntime, "held_now", lambda self: budget)  # the child holds it all
+    report = _verify(ws, None, max_memory=budget, **kw)
+    notes = [n for n in report.notes if "more than the plan counted" in n]
+    assert len(notes) == 1 and "the reference ran at its minimum" in notes[0], report.notes
+    assert _without_run(report) == _without_run(clean)  # the same numbers: only where the memory went differs

@@ -310,6 +310,7 @@ class _Run:
     dtype: object = None  # the candidate's compute dtype (torch)
     kernel: object = None  # the real kernel's runtime when its children keep memory between layers (kt-amx slots)
     floor: int = 0  # the least the streamed reference runs in (its minimum)
+    squeezed: tuple = (0, 0)  # the most the reference ran above what the kernel child left it, and what it held then
 
     def rebudget(self) -> None:
         """The streamed reference's budget less what the kernel children hold now, measured: the plan counted the
@@ -319,7 +320,11 @@ class _Run:
 
         if self.kernel is None or self.reference is None or not self.streamed:
             return
-        self.reference.weights.budget = max(self.floor, weights_budget(self.budget - self.kernel.held_now()))
+        held = self.kernel.held_now()
+        want = weights_budget(self.budget - held)
+        if want < self.floor:  # the reference cannot run in less: the run goes over, and the report says so
+            self.squeezed = max(self.squeezed, (self.floor - want, held))
+        self.reference.weights.budget = max(self.floor, want)
 
     def summary(self, peaks: TreePeak) -> dict:
         """How the run held its weights, what it read, and the peak RSS of this process and of its whole process
@@ -637,6 +642,11 @@ def finish_report(report: VerifyReport, run: _Run, options, peaks: TreePeak) -> 
     if options.kernel_runtime is not None:
         report.kernel = options.kernel_runtime.summary()
     report.run = run.summary(peaks)
+    over, held = run.squeezed
+    if over:
+        report.notes.append(f"the kt-kernel child held {format_size(held)}, more than the plan counted: the reference "
+                            f"ran at its minimum, {format_size(over)} beyond what --max-memory {format_size(run.budget)} "
+                            f"left it (see the run's peak_rss_tree)")
     peak = report.run["peak_resident_weights"]
     if peak is not None and peak > run.budget:
         report.notes.append(f"peak {format_size(peak)} of weights resident is over the budget "
