@@ -230,3 +230,21 @@ def test_memory_stays_bounded_by_chunks_not_tensor_size(tmp_path, qtype):
         tracemalloc.stop()
     assert peak < x.nbytes / 2, f"peak {peak / 2**20:.1f} MiB for a {x.nbytes / 2**20:.0f} MiB tensor"
     assert np.array_equal(np.asarray(out[:4]), Q.quantize(np.asarray(x[:4]), qtype))
+
+
+def test_numba_is_loaded_only_by_what_compiles():
+    """numba (and llvmlite) add about 100 MiB to a process's resident size, which a streamed verify's fixed overhead
+    and every budget pay: importing the verify, golden and streaming code loads none of it; decoding a K-quant does."""
+    import subprocess
+    import sys
+
+    code = ("import sys, numpy as np\n"
+            "import ktconvert.cli, ktconvert.verify.runner, ktconvert.golden.stream, ktconvert.model.executor\n"
+            "from ktconvert import quant as Q\n"
+            "before = 'numba' in sys.modules\n"
+            "Q.dequantize(np.zeros((1, Q.type_size(Q.QType.Q8_0)), np.uint8), Q.QType.Q8_0)\n"
+            "q8 = 'numba' in sys.modules\n"
+            "Q.dequantize(np.zeros((1, Q.type_size(Q.QType.Q4_K)), np.uint8), Q.QType.Q4_K)\n"
+            "print(before, q8, 'numba' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["False", "False", "True"]

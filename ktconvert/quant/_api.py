@@ -10,7 +10,6 @@ from typing import Any, Callable, Iterator
 
 import numpy as np
 
-from . import _kquants as K
 from . import _legacy as G
 from ._types import (
     IMATRIX_REQUIRED,
@@ -108,6 +107,17 @@ def _importance(imatrix: Any, rows: "_Rows", qt: QType, name: str | None) -> tup
     return qw, max(1, rows.nrows // e)
 
 
+def _kquant(name: str) -> Callable[..., np.ndarray]:
+    """A K-quant decoder of :mod:`ktconvert.quant._kquants`, imported when first called: its compiled loops bring
+    numba (about 100 MiB of resident size), which a run that decodes no K-quant should not pay."""
+    def dequantize(b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+        from . import _kquants
+
+        return getattr(_kquants, name)(b, out)
+
+    return dequantize
+
+
 _DEQUANT: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
     QType.F32: G.dequantize_f32,
     QType.F16: G.dequantize_f16,
@@ -117,11 +127,11 @@ _DEQUANT: dict[QType, Callable[[np.ndarray], np.ndarray]] = {
     QType.Q4_1: G.dequantize_q4_1,
     QType.Q5_0: G.dequantize_q5_0,
     QType.Q5_1: G.dequantize_q5_1,
-    QType.Q2_K: K.dequantize_q2_k,
-    QType.Q3_K: K.dequantize_q3_k,
-    QType.Q4_K: K.dequantize_q4_k,
-    QType.Q5_K: K.dequantize_q5_k,
-    QType.Q6_K: K.dequantize_q6_k,
+    QType.Q2_K: _kquant("dequantize_q2_k"),
+    QType.Q3_K: _kquant("dequantize_q3_k"),
+    QType.Q4_K: _kquant("dequantize_q4_k"),
+    QType.Q5_K: _kquant("dequantize_q5_k"),
+    QType.Q6_K: _kquant("dequantize_q6_k"),
 }
 _DEQUANT_CHUNK = 1 << 20
 #: decoders that write into the output (``fn(blocks, out=...)``): no temporaries per chunk, which a streamed run's
