@@ -200,6 +200,34 @@ def test_only_the_families_package_reads_raw_spec_sections():
     assert offenders == [], f"FamilySpec.section(...) read outside ktconvert/families/: {offenders}"
 
 
+#: the names the parsed config goes by (``cfg``, ``c``, ``config``, ``self.cfg``): ``<one of them>.raw`` reads the raw
+#: config.json dict a parser in families/ or arch/ should have read once
+_CONFIG_NAMES = {"cfg", "c", "config", "mcfg", "moe_cfg"}
+
+
+def test_only_families_and_arch_read_the_raw_config():
+    """What a command needs of config.json is a parsed field of ``MoeConfig`` (or one of its parts), parsed once in
+    ``ktconvert/families/`` or ``ktconvert/arch/``: the parsed config keeps no raw dict to read, and no module
+    elsewhere reads ``<config>.raw``."""
+    import dataclasses
+
+    from ktconvert.families.config import MoeConfig
+
+    assert "raw" not in {f.name for f in dataclasses.fields(MoeConfig)} and not hasattr(MoeConfig, "raw"), (
+        "MoeConfig keeps the raw config.json dict: parse what its readers need into fields")
+    offenders = []
+    for f, owner, tree in _modules():
+        if owner in ("families", "arch"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "raw":
+                v = node.value
+                name = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
+                if name in _CONFIG_NAMES:
+                    offenders.append(f"{f.relative_to(PKG.parent)}:{node.lineno}")
+    assert offenders == [], f"the raw config read outside ktconvert/families/ and ktconvert/arch/: {offenders}"
+
+
 # --- one place per mechanism ----------------------------------------------------------------------------------------
 #: the values of a spec's attention kinds and config.json's layer kinds: comparing one of them chooses a mechanism
 _KIND_VALUES = {"linear_attention", "gqa", "mla", "compressed_mqa", "gated_deltanet_hybrid", "gated_deltanet", "kda"}

@@ -49,8 +49,7 @@ class GatedDeltaNet(AttentionMechanism):
         "ssm_inner_size": lambda w, c, n: w.add_ssm_inner_size(c.linear.value_head_dim * c.linear.num_value_heads),
         "recurrent_layers": lambda w, c, n: w.add_array(f"{w.arch}.attention.recurrent_layers",
                                                         [t == "linear_attention" for t in c.layer_types]),
-        "full_attention_interval": lambda w, c, n: w.add_full_attention_interval(
-            int(c.raw.get("full_attention_interval", 4))),
+        "full_attention_interval": lambda w, c, n: w.add_full_attention_interval(c.linear.full_attention_interval),
     }
 
 

@@ -5,7 +5,7 @@ Torch: ``model/modules.py`` ``MLAttention``."""
 from __future__ import annotations
 
 from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix, when
-from ktconvert.families.config import MoeConfig, indexer_types
+from ktconvert.families.config import MoeConfig
 
 
 class Mla(AttentionMechanism):
@@ -77,8 +77,8 @@ class Mla(AttentionMechanism):
             when(c.indexer.kpool, lambda: (
                 w.add_uint32(f"{w.arch}.attention.indexer.kpool", c.indexer.kpool),
                 w.add_bool(f"{w.arch}.attention.indexer.kpool_select_tail", c.indexer.kpool_tail))),
-            when(c.raw.get("indexer_types") is not None or c.dsa_shared_layers, lambda: w.add_array(
-                f"{w.arch}.attention.indexer.types", [t == "full" for t in indexer_types(c.raw, n)]))),
+            when(c.indexer.types_written or c.dsa_shared_layers, lambda: w.add_array(
+                f"{w.arch}.attention.indexer.types", c.indexer.full_layers(n)))),
         # the DSA indexer LayerNorm's fixed eps (what llama.cpp's Glm5NextModel converter writes)
         "layer_norm_epsilon": lambda w, c, n: w.add_layer_norm_eps(1e-6),
     }

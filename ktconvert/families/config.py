@@ -64,6 +64,9 @@ class LinearAttentionDims:
     key_head_dim: int
     value_head_dim: int
     conv_kernel: int
+    # the hub's every-n-th-layer-full key, as llama.cpp's converter writes it (default 4; transformers turns it into
+    # layer_types and drops it): a GGUF fact, not a size, so two spellings of one model still compare equal
+    full_attention_interval: int = field(default=4, compare=False)
 
 
 @dataclass(frozen=True)
@@ -100,6 +103,16 @@ class IndexerDims:
     local_blocks: int | None = None
     kpool: int | None = None  # DSA over pools of kpool keys (GLM-5-Next); topk counts keys, a multiple of kpool
     kpool_tail: bool = True  # the query's incomplete pool is always attended
+    # DSA: each layer's indexer mode as config.json gives it (indexer_types or index_topk_pattern; None: every
+    # topk_freq-th layer from skip_offset runs its own), and whether config.json writes indexer_types
+    types: tuple | None = None
+    topk_freq: int = 1
+    skip_offset: int = 2
+    types_written: bool = False
+
+    def full_layers(self, layers: int) -> list[bool]:
+        """Whether each of ``layers`` layers runs its own DSA indexer (transformers 5.23's reading)."""
+        return [t == "full" for t in _indexer_schedule(self.types, self.topk_freq, self.skip_offset, layers)]
 
 
 @dataclass(frozen=True)
@@ -167,7 +180,14 @@ class MoeConfig:
     hash_layers: tuple[int, ...] = ()  # layers routing by tid2eid[input_id] (spec routing.hash_layers)
     bos_token_id: int | None = None
     eos_token_id: Any = None
-    raw: dict = field(default_factory=dict, compare=False, repr=False)
+    # config.json's first ``architectures`` entry, else the family's name (what a golden's manifest records)
+    architecture: str = ""
+    # GGUF facts the reference does not compute with: the vision layers whose features join the text model
+    # (Qwen3-VL's vision_config.deepstack_visual_indexes), the hub's rotary_dim as written (MiniMax-M3; transformers
+    # ignores it, llama.cpp rotates that many dims) and the multimodal rope sections (Qwen3.5's mrope_section)
+    deepstack_layers: int = 0
+    hub_rotary_dim: int | None = None
+    mrope_section: tuple[int, ...] | None = None
 
     @property
     def hc_modules(self) -> bool:
@@ -185,11 +205,6 @@ class MoeConfig:
         """The ``shared_experts`` MLP's width: the spec's width key where it names one, else ``n_shared_experts``
         expert widths."""
         return self.shared_experts_width or self.moe_intermediate_size * self.n_shared_experts
-
-    @property
-    def architecture(self) -> str:
-        """config.json's first ``architectures`` entry, else the family's name (what a golden's manifest records)."""
-        return (self.raw.get("architectures") or [self.family])[0]
 
     @property
     def spec(self) -> registry.FamilySpec:
@@ -444,11 +459,23 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         eos_token_id=g.opt("eos_token_id"),
         sliding_window=window,
         sliding_layers=sliding,
-        raw=dict(raw),
+        architecture=(raw.get("architectures") or [family])[0],
+        **_gguf_facts(raw),
         **kwargs,
         **kwargs_act,
     )
 
+
+
+def _gguf_facts(raw: dict) -> dict:
+    """What only the GGUF keys read of config.json (``MoeConfig.deepstack_layers`` and its neighbours)."""
+    vision = raw.get("vision_config")
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    sections = params.get("mrope_section") if isinstance(params, dict) else None
+    rotary_dim = raw.get("rotary_dim")
+    return dict(deepstack_layers=len((vision.get("deepstack_visual_indexes") or ()) if isinstance(vision, dict) else ()),
+                hub_rotary_dim=rotary_dim if isinstance(rotary_dim, int) else None,
+                mrope_section=tuple(sections) if sections else None)
 
 
 def _routing(g: "_Getter", routing: dict, family: str, num_experts: int, path: str | None) -> Routing:
@@ -517,8 +544,12 @@ def _indexer(g: "_Getter", raw: dict, layers: int, rope_dim: int, path: str | No
             raise InputError(f"index_topk ({raw.get('index_topk')}) must be a positive multiple of index_kpool "
                              f"({extra['kpool']})", path=path, where="index_topk",
                              fix="set index_topk to a multiple of index_kpool")
-    dims = _indexer_dims(g, rope_dim, path, **extra)
     types = raw.get("indexer_types")
+    if shared or types is not None:  # what the GGUF's indexer.types key is written from
+        src, freq, offset = _indexer_source(raw)
+        extra.update(types=tuple(src) if isinstance(src, list) else src, topk_freq=freq, skip_offset=offset,
+                     types_written=types is not None)
+    dims = _indexer_dims(g, rope_dim, path, **extra)
     if shared:  # checked with the layer kinds (_dsa_shared)
         return dims
     if types is not None and (not isinstance(types, list) or len(types) != layers or set(types) != {"full"}):
@@ -769,24 +800,37 @@ def _kda(g: "_Getter", raw: dict, layers: int, heads: int, path: str | None) -> 
             "kda": dims}
 
 
-def indexer_types(raw: dict, layers: int) -> list:
-    """Each layer's DSA indexer mode as transformers 5.23 reads it: ``indexer_types``, else the releases'
-    ``index_topk_pattern`` (``F``/``S`` per layer), else every ``index_topk_freq``-th layer from
-    ``index_skip_topk_offset`` (defaults 1 and 2: all full) runs its own indexer."""
+def _indexer_source(raw: dict) -> tuple[Any, int, int]:
+    """``(types, topk_freq, skip_offset)`` of a DSA config: ``indexer_types``, else the releases'
+    ``index_topk_pattern`` (``F``/``S`` per layer) as types, else None and the ``index_topk_freq`` /
+    ``index_skip_topk_offset`` schedule (defaults 1 and 2: all full)."""
     types = raw.get("indexer_types")
+    if types is None:
+        pattern = raw.get("index_topk_pattern")
+        if pattern is not None:
+            types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
     if types is not None:
-        return types
-    pattern = raw.get("index_topk_pattern")
-    if pattern is not None:
-        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
-    freq, offset = max(int(raw.get("index_topk_freq") or 1), 1), int(raw.get("index_skip_topk_offset", 2))
+        return types, 1, 2
+    return None, max(int(raw.get("index_topk_freq") or 1), 1), int(raw.get("index_skip_topk_offset", 2))
+
+
+def _indexer_schedule(types: Any, freq: int, offset: int, layers: int) -> list:
+    """Each layer's DSA indexer mode as transformers 5.23 reads it: the given types, else every ``freq``-th layer
+    from ``offset`` runs its own indexer."""
+    if types is not None:
+        return list(types) if isinstance(types, tuple) else types
     return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(layers)]
+
+
+def _indexer_types(raw: dict, layers: int) -> list:
+    """Each layer's DSA indexer mode (``full`` / ``shared``) as transformers 5.23 reads it."""
+    return _indexer_schedule(*_indexer_source(raw), layers)
 
 
 def _dsa_shared(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, ...]:
     """The attention layers that reuse the DSA selection of the layer right before them (``shared``); that layer must
     be an attention layer running its own indexer (transformers passes the selection only between neighbours)."""
-    types = indexer_types(raw, layers)
+    types = _indexer_types(raw, layers)
     if not isinstance(types, list) or len(types) != layers or any(t not in ("full", "shared") for t in types):
         raise InputError(f"indexer_types must list {layers} entries of full / shared, got {types!r}", path=path,
                          where="indexer_types")
@@ -824,7 +868,7 @@ def _hybrid(g: "_Getter", raw: dict, layers: int, path: str | None) -> dict:
     dims = LinearAttentionDims(
         num_key_heads=g.int("linear_num_key_heads"), num_value_heads=g.int("linear_num_value_heads"),
         key_head_dim=g.int("linear_key_head_dim"), value_head_dim=g.int("linear_value_head_dim"),
-        conv_kernel=g.int("linear_conv_kernel_dim"))
+        conv_kernel=g.int("linear_conv_kernel_dim"), full_attention_interval=int(g.opt("full_attention_interval", 4)))
     if dims.num_value_heads % dims.num_key_heads:
         raise InputError(f"linear_num_value_heads={dims.num_value_heads} is not a multiple of "
                          f"linear_num_key_heads={dims.num_key_heads}", path=path, where="linear_num_value_heads")
