@@ -16,14 +16,16 @@ import at module level either (check-rules runs without numpy).
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
-from ktconvert.families.config import MoeConfig
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
+
 
 #: ``add(name, shape, role)``: how a mechanism hands the tensor walker one tensor
 Add = Callable[[str, tuple, str], None]
 #: ``write(w, c, n)``: one GGUF key (or a few) of a spec's ``gguf.metadata`` list
-KeyWriter = Callable[[Any, MoeConfig, int], None]
+KeyWriter = Callable[[Any, "MoeConfig", int], None]
 
 
 class Mechanism(Protocol):

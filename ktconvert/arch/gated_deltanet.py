@@ -4,8 +4,12 @@ key head (``attention.linear_packing``). Torch: ``model/linear_attention.py`` ``
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix
-from ktconvert.families.config import MoeConfig
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
 
 
 class GatedDeltaNet(AttentionMechanism):

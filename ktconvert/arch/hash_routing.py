@@ -4,9 +4,13 @@ Torch: ``model/compressed.py`` ``HashRoutedMoE``."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ktconvert.arch.base import Add
 from ktconvert.arch.moe import Moe
-from ktconvert.families.config import MoeConfig
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
 
 
 class HashRouting(Moe):

@@ -5,8 +5,12 @@ streams into the final norm). Torch: ``model/hyper.py`` (the maths), ``model/com
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ktconvert.arch.base import Add, layer_prefix
-from ktconvert.families.config import MoeConfig
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
 
 
 class HyperConnections:

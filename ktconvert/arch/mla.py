@@ -4,8 +4,12 @@ Torch: ``model/modules.py`` ``MLAttention``."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix, when
-from ktconvert.families.config import MoeConfig
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
 
 
 class Mla(AttentionMechanism):

@@ -4,9 +4,13 @@ the hidden state; ``hash_routing.py`` is the MoE block routed by token id. Torch
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ktconvert.arch.base import Add, layer_prefix, when
 from ktconvert.arch.dense_mlp import mlp_modules, mlp_tensors
-from ktconvert.families.config import MoeConfig
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
 
 
 class Moe:

@@ -10,10 +10,12 @@ import importlib
 import pkgutil
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, TYPE_CHECKING
 
 from ktconvert.arch.base import AttentionMechanism, KeyWriter, Mechanism
-from ktconvert.families.config import MoeConfig
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
 
 #: the modules of this package that are not a mechanism; every other one is, and names its instance ``MECHANISM``
 _MACHINERY = ("base", "registry", "tensors")
