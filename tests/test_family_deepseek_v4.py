@@ -159,7 +159,7 @@ def test_release_and_transformers_spellings_read_alike(hf):
     saved = hf.config.to_dict()
     tf = normalize_config(saved)
     assert "compress_ratios" not in saved and saved["layer_types"][2] == "heavily_compressed_attention"
-    for field in ("compressed", "hyper_connections", "hash_layers", "indexer", "sliding_window", "rope", "swiglu_clamp",
+    for field in ("compressed", "residual", "hash_layers", "indexer", "sliding_window", "rope", "swiglu_clamp",
                   "routing", "q_lora_rank", "head_dim"):
         assert getattr(rel, field) == getattr(tf, field), field
     assert rel.compressed.ratios == (0, 4, 128) and rel.hash_layers == (0,)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
+from ktconvert.errors import InputError
+
 if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
     from ktconvert.families.config import MoeConfig
 
@@ -61,3 +63,31 @@ def when(cond, write: Callable[[], Any]) -> None:
     """Run ``write`` only if ``cond``: a key written only when the config has the feature."""
     if cond:
         write()
+
+
+class Getter:
+    """config.json's values as the parsers read them (``families/config.py`` and each mechanism's ``parse``): an
+    optional key with its default, a required integer, the first of several spellings; a wrong one is one
+    :class:`~ktconvert.errors.InputError` naming the key."""
+
+    def __init__(self, raw: dict, path: str | None):
+        self.raw = raw
+        self.path = path
+
+    def opt(self, key: str, default: Any = None) -> Any:
+        value = self.raw.get(key, default)
+        return default if value is None and default is not None else value
+
+    def int(self, key: str) -> int:
+        value = self.raw.get(key)
+        if value is None:
+            raise InputError(f"missing required field {key!r}", path=self.path, where=key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise InputError(f"{key} must be an integer, got {value!r}", path=self.path, where=key)
+        return int(value)
+
+    def first_int(self, *keys: str) -> int:
+        for key in keys:
+            if self.raw.get(key) is not None:
+                return self.int(key)
+        raise InputError(f"missing the expert count (one of {', '.join(keys)})", path=self.path, where=keys[0])

@@ -61,7 +61,7 @@ def feed_forward_for(cfg: MoeConfig, layer: int) -> str:
 
 def residual_for(cfg: MoeConfig) -> str | None:
     """``hyper_connections`` where the spec gives the model several residual streams; None for the plain one."""
-    return "hyper_connections" if cfg.hyper_connections is not None else None
+    return "hyper_connections" if cfg.residual is not None else None
 
 
 def gguf_keys(model_keys: Mapping[str, KeyWriter] = MappingProxyType({})) -> dict[str, KeyWriter]:

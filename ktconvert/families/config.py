@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ktconvert.arch import hyper_connections
+from ktconvert.arch.base import Getter
+from ktconvert.arch.hyper_connections import HyperConnectionDims
 from ktconvert.errors import InputError
 from ktconvert.families import registry
 from ktconvert.families.limits import check_counts
@@ -77,17 +80,6 @@ class KdaDims:
     head_dim: int
     conv_kernel: int
     lower_bound: float | None  # the forget gate's safe lower bound; None: -exp(A_log) * softplus
-
-
-@dataclass(frozen=True)
-class HyperConnectionDims:
-    """Hyper-connection residual streams (``hc_mult``), their Sinkhorn normalisation and how the final norm reads
-    them (spec ``config.hyper_connections``: ``mean_head`` GLM-5-Next, ``learned_head`` DeepSeek-V4's ``hc_head``)."""
-
-    mult: int
-    sinkhorn_iters: int
-    eps: float
-    head: str = "mean_head"
 
 
 @dataclass(frozen=True)
@@ -167,7 +159,7 @@ class MoeConfig:
     swiglu_limit: float | None = None
     dense_swiglu: bool = False  # the dense MLP layers use the clamped activation too (moe.activation.dense)
     kda: KdaDims | None = None  # Kimi Delta Attention on the linear_attention layers (attention.linear_attention)
-    hyper_connections: HyperConnectionDims | None = None  # config.hyper_connections
+    residual: HyperConnectionDims | None = None  # the residual streams where not one (spec config.hyper_connections)
     dsa_shared_layers: tuple[int, ...] = ()  # attention layers reusing the previous layer's DSA selection
     # hybrid attention (spec attention.kind gated_deltanet_hybrid): each layer's kind, and the linear layers' dims
     layer_types: tuple[str, ...] = ()
@@ -188,12 +180,6 @@ class MoeConfig:
     deepstack_layers: int = 0
     hub_rotary_dim: int | None = None
     mrope_section: tuple[int, ...] | None = None
-
-    @property
-    def hc_modules(self) -> bool:
-        """Hyper-connections held in modules of their own (``attn_hc`` / ``ffn_hc`` per layer, ``hc_head``: spec
-        ``learned_head``, DeepSeek-V4's tree); ``mean_head`` keeps the weights on the layer and has no head."""
-        return self.hyper_connections is not None and self.hyper_connections.head == "learned_head"
 
     @property
     def swiglu_clamp(self) -> tuple[float, float] | None:
@@ -285,7 +271,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     family = require_family(raw, path)
     raw = text_view(raw)
     check_counts(raw, path)
-    g = _Getter(raw, path)
+    g = Getter(raw, path)
     sp = registry.spec(family)
     cfg_facts, routing = sp.section("config"), sp.section("routing")
     defaults = cfg_facts["defaults"]
@@ -412,7 +398,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         kwargs["dsa_shared_layers"] = _dsa_shared(raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers,
                                                   path)
     if cfg_facts.get("hyper_connections"):
-        kwargs["hyper_connections"] = _hyper_connections(g, cfg_facts["hyper_connections"], path)
+        kwargs["residual"] = hyper_connections.parse(g, cfg_facts["hyper_connections"], path)
     if attn_facts.get("msa_indexer"):
         kwargs.update(_msa(g, raw, layers, kv_heads, rope_dim, path))
         sparse_dense = [i for i in kwargs["msa_layers"] if i not in moe_layers]
@@ -478,7 +464,7 @@ def _gguf_facts(raw: dict) -> dict:
                 mrope_section=tuple(sections) if sections else None)
 
 
-def _routing(g: "_Getter", routing: dict, family: str, num_experts: int, path: str | None) -> Routing:
+def _routing(g: Getter, routing: dict, family: str, num_experts: int, path: str | None) -> Routing:
     """The spec's routing section with the config's numbers, or the one-line refusal of a routing it cannot run."""
     norm_topk = bool(_choice(g, routing["norm_topk_prob"]))
     scoring = _choice(g, routing["scoring_func"])
@@ -520,7 +506,7 @@ def _routing(g: "_Getter", routing: dict, family: str, num_experts: int, path: s
                    topk_group=topk_group if method != "greedy" else None, routed_scaling_factor=scaling)
 
 
-def _indexer_dims(g: "_Getter", rope_dim: int, path: str | None, **extra) -> IndexerDims:
+def _indexer_dims(g: Getter, rope_dim: int, path: str | None, **extra) -> IndexerDims:
     """``index_n_heads`` / ``index_head_dim`` / ``index_topk``, checked against the rotated size the indexer keys hold
     (a DSA indexer's and DeepSeek-V4's lightning indexer alike)."""
     dims = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"),
@@ -531,7 +517,7 @@ def _indexer_dims(g: "_Getter", rope_dim: int, path: str | None, **extra) -> Ind
     return dims
 
 
-def _indexer(g: "_Getter", raw: dict, layers: int, rope_dim: int, path: str | None, *, kpool: bool = False,
+def _indexer(g: Getter, raw: dict, layers: int, rope_dim: int, path: str | None, *, kpool: bool = False,
              shared: bool = False) -> IndexerDims:
     """The DSA indexer's sizes; every layer must run its own indexer (``indexer_types`` all ``full``). With k-pools
     (``attention.dsa_kpool``) ``index_topk`` counts keys and must be a multiple of ``index_kpool`` (as transformers
@@ -564,7 +550,7 @@ _MSA_KEYS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "spars
 _MSA_LAYER = "minimax_m3_sparse"
 
 
-def _msa(g: "_Getter", raw: dict, layers: int, kv_heads: int, rope_dim: int, path: str | None) -> dict:
+def _msa(g: Getter, raw: dict, layers: int, kv_heads: int, rope_dim: int, path: str | None) -> dict:
     """MiniMax Sparse Attention's indexer sizes and layers, from transformers' ``index_*`` / ``layer_types`` or the
     hub's ``sparse_attention_config`` (``sparse_*``, ``sparse_attention_freq``), whichever the config holds."""
     hub = raw.get("sparse_attention_config")
@@ -646,7 +632,7 @@ def _compressed_ropes(raw: dict, default_theta: float, dim: int, max_pos: int, p
     return main, _rope({"rope_parameters": comp_raw}, default_theta, dim, max_pos, path)
 
 
-def _compressed(g: "_Getter", raw: dict, layers: int, heads: int, kv_heads: int, head_dim: int, compress_rope: RopeSpec,
+def _compressed(g: Getter, raw: dict, layers: int, heads: int, kv_heads: int, head_dim: int, compress_rope: RopeSpec,
                 path: str | None) -> dict:
     """Compressed sparse MQA: per-layer compress ratios (the release's ``compress_ratios``, or transformers'
     ``layer_types`` + ``compress_rates``), the indexer, the window and the grouped output projection."""
@@ -695,7 +681,7 @@ def _compressed(g: "_Getter", raw: dict, layers: int, heads: int, kv_heads: int,
             "sliding_window": int(window), "sliding_layers": tuple(range(layers))}
 
 
-def _hash_layers(g: "_Getter", raw: dict, choice: dict, layers: int, path: str | None) -> tuple[int, ...]:
+def _hash_layers(g: Getter, raw: dict, choice: dict, layers: int, path: str | None) -> tuple[int, ...]:
     """The hash-routed layers: transformers' ``mlp_layer_types`` (``hash_moe`` / ``moe``) or the release's
     ``num_hash_layers`` leading layers."""
     types = raw.get("mlp_layer_types")
@@ -767,7 +753,7 @@ _KDA_KEYS = {"num_heads": "linear_num_heads", "head_dim": "linear_head_dim",
              "short_conv_kernel_size": "linear_conv_kernel_dim", "gate_lower_bound": "linear_lower_bound"}
 
 
-def _kda(g: "_Getter", raw: dict, layers: int, heads: int, path: str | None) -> dict:
+def _kda(g: Getter, raw: dict, layers: int, heads: int, path: str | None) -> dict:
     """Kimi Delta Attention layers (``layer_types`` ``linear_attention``; the others are attention, transformers'
     ``full_attention`` read as ``indexed_attention``) and sizes, from the release's ``linear_attn_config`` or
     transformers' ``linear_*`` keys, whichever the config holds (the dict wins, as transformers reads it)."""
@@ -842,20 +828,7 @@ def _dsa_shared(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, .
     return shared
 
 
-def _hyper_connections(g: "_Getter", head: str, path: str | None) -> HyperConnectionDims:
-    """The residual streams of a hyper-connection family (transformers' defaults: 4 streams, 20 iterations)."""
-    dims = HyperConnectionDims(mult=int(g.opt("hc_mult", 4)), sinkhorn_iters=int(g.opt("hc_sinkhorn_iters", 20)),
-                               eps=float(g.opt("hc_eps", 1e-6)), head=head)
-    if dims.mult < 1 or dims.sinkhorn_iters < 1:
-        raise InputError(f"hc_mult ({dims.mult}) and hc_sinkhorn_iters ({dims.sinkhorn_iters}) must be positive",
-                         path=path, where="hc_mult")
-    if not dims.eps > 0:
-        raise InputError(f"hc_eps must be above 0, got {dims.eps}", path=path, where="hc_eps",
-                         fix="set hc_eps as the release does (1e-6)")
-    return dims
-
-
-def _hybrid(g: "_Getter", raw: dict, layers: int, path: str | None) -> dict:
+def _hybrid(g: Getter, raw: dict, layers: int, path: str | None) -> dict:
     """layer_types (or every ``full_attention_interval``-th layer full, transformers' default) and the Gated DeltaNet
     dims of a hybrid-attention family."""
     types = raw.get("layer_types")
@@ -927,7 +900,7 @@ def _rotary_dim(raw: dict, head_dim: int, default: float, path: str | None) -> i
     return dim
 
 
-def _choice(g: "_Getter", choice: dict) -> Any:
+def _choice(g: Getter, choice: dict) -> Any:
     """A spec ``choice``: a fixed value or a config key with its default."""
     return choice["fixed"] if "fixed" in choice else g.opt(choice["key"], choice["default"])
 
@@ -1005,27 +978,3 @@ def _rope(raw: dict, default_theta: float, dim: int, max_pos: int, path: str | N
             truncate=bool(params.get("truncate", True)),
         )
     raise InputError(f"rope type {kind!r} is not supported (default, linear, yarn)", path=path, where="rope_scaling")
-
-
-class _Getter:
-    def __init__(self, raw: dict, path: str | None):
-        self.raw = raw
-        self.path = path
-
-    def opt(self, key: str, default: Any = None) -> Any:
-        value = self.raw.get(key, default)
-        return default if value is None and default is not None else value
-
-    def int(self, key: str) -> int:
-        value = self.raw.get(key)
-        if value is None:
-            raise InputError(f"missing required field {key!r}", path=self.path, where=key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise InputError(f"{key} must be an integer, got {value!r}", path=self.path, where=key)
-        return int(value)
-
-    def first_int(self, *keys: str) -> int:
-        for key in keys:
-            if self.raw.get(key) is not None:
-                return self.int(key)
-        raise InputError(f"missing the expert count (one of {', '.join(keys)})", path=self.path, where=keys[0])
