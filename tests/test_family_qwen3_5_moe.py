@@ -102,7 +102,7 @@ def test_value_transforms_are_llamacpps_and_undo_inverts_them(f32, model):
 
 
 def test_redo_and_undo_are_inverse():
-    from ktconvert.families.config import LinearAttentionDims
+    from ktconvert.arch.gated_deltanet import LinearAttentionDims
 
     cfg = LinearAttentionDims(2, 6, 3, 4, conv_kernel=4)
     rng = np.random.default_rng(0)

@@ -219,7 +219,7 @@ def test_mtp_tensors_are_left_out_as_llamacpps_converter_does(model, f32, tmp_pa
 
 
 def test_redo_and_join_are_inverse():
-    from ktconvert.families.config import LinearAttentionDims
+    from ktconvert.arch.gated_deltanet import LinearAttentionDims
 
     cfg = {"linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 3, "linear_value_head_dim": 4}
     dims = LinearAttentionDims(2, 6, 3, 4, conv_kernel=4)

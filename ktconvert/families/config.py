@@ -10,13 +10,15 @@ in exactly one place. Pure Python: importing this never imports torch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ktconvert.arch import hyper_connections
+from ktconvert.arch import gated_deltanet, hyper_connections, kda
 from ktconvert.arch.base import Getter
+from ktconvert.arch.gated_deltanet import LinearAttentionDims
 from ktconvert.arch.hyper_connections import HyperConnectionDims
+from ktconvert.arch.kda import KdaDims
 from ktconvert.errors import InputError
 from ktconvert.families import registry
 from ktconvert.families.limits import check_counts
@@ -56,30 +58,6 @@ class MlaDims:
     v_head_dim: int
     rope_interleave: bool = True
     latent_norm_eps: float = 1e-6  # the q_a / kv_a layernorms' eps (attention.latent_norm_eps)
-
-
-@dataclass(frozen=True)
-class LinearAttentionDims:
-    """Gated DeltaNet linear-attention sizes (config keys ``linear_*``)."""
-
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel: int
-    # the hub's every-n-th-layer-full key, as llama.cpp's converter writes it (default 4; transformers turns it into
-    # layer_types and drops it): a GGUF fact, not a size, so two spellings of one model still compare equal
-    full_attention_interval: int = field(default=4, compare=False)
-
-
-@dataclass(frozen=True)
-class KdaDims:
-    """Kimi Delta Attention sizes (the release's ``linear_attn_config``, or transformers' ``linear_*`` keys)."""
-
-    num_heads: int
-    head_dim: int
-    conv_kernel: int
-    lower_bound: float | None  # the forget gate's safe lower bound; None: -exp(A_log) * softplus
 
 
 @dataclass(frozen=True)
@@ -391,9 +369,9 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
             )
 
     if sp.section("attention")["kind"] == "gated_deltanet_hybrid":
-        kwargs.update(_hybrid(g, raw, layers, path))
+        kwargs.update(gated_deltanet.parse(g, raw, layers, path))
     if attn_facts.get("linear_attention") == "kda":
-        kwargs.update(_kda(g, raw, layers, heads, path))
+        kwargs.update(kda.parse(g, raw, layers, heads, path))
     if attn_facts.get("dsa_shared"):
         kwargs["dsa_shared_layers"] = _dsa_shared(raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers,
                                                   path)
@@ -747,45 +725,6 @@ def _lists_dense(raw: dict) -> bool:
             or (isinstance(freq, list) and any(not f for f in freq)))
 
 
-_LAYER_KINDS = ("linear_attention", "full_attention")
-_KDA_KINDS = ("linear_attention", "indexed_attention", "full_attention")
-_KDA_KEYS = {"num_heads": "linear_num_heads", "head_dim": "linear_head_dim",
-             "short_conv_kernel_size": "linear_conv_kernel_dim", "gate_lower_bound": "linear_lower_bound"}
-
-
-def _kda(g: Getter, raw: dict, layers: int, heads: int, path: str | None) -> dict:
-    """Kimi Delta Attention layers (``layer_types`` ``linear_attention``; the others are attention, transformers'
-    ``full_attention`` read as ``indexed_attention``) and sizes, from the release's ``linear_attn_config`` or
-    transformers' ``linear_*`` keys, whichever the config holds (the dict wins, as transformers reads it)."""
-    types = raw.get("layer_types")
-    if types is None:  # transformers' default: every fourth layer attention
-        types = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or any(t not in _KDA_KINDS for t in types):
-        raise InputError(f"layer_types must list {layers} entries, each one of {', '.join(_KDA_KINDS)}",
-                         path=path, where="layer_types")
-    hub = raw.get("linear_attn_config")
-    hub = hub if isinstance(hub, dict) else {}
-    vals = {}
-    for key, flat in _KDA_KEYS.items():
-        v = hub.get(key, raw.get(flat))
-        if key == "gate_lower_bound":
-            if v is None and (key not in hub and flat not in raw or hub.get("safe_gate", True)):
-                v = -5.0  # transformers' default and its safe_gate rule
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise InputError(f"linear_attn_config.{key} must be a number, got {v!r}", path=path, where=key)
-        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InputError(f"linear_attn_config.{key} ({flat}) must be a positive integer, got {v!r}", path=path,
-                             where=key, fix="write the release's linear_attn_config")
-        vals[key] = v
-    if vals["num_heads"] != heads:
-        raise InputError(f"linear_attn_config.num_heads ({vals['num_heads']}) must equal num_attention_heads ({heads})",
-                         path=path, where="linear_attn_config.num_heads")
-    dims = KdaDims(num_heads=vals["num_heads"], head_dim=vals["head_dim"], conv_kernel=vals["short_conv_kernel_size"],
-                   lower_bound=None if vals["gate_lower_bound"] is None else float(vals["gate_lower_bound"]))
-    return {"layer_types": tuple("linear_attention" if t == "linear_attention" else "indexed_attention" for t in types),
-            "kda": dims}
-
-
 def _indexer_source(raw: dict) -> tuple[Any, int, int]:
     """``(types, topk_freq, skip_offset)`` of a DSA config: ``indexer_types``, else the releases'
     ``index_topk_pattern`` (``F``/``S`` per layer) as types, else None and the ``index_topk_freq`` /
@@ -826,26 +765,6 @@ def _dsa_shared(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, .
             raise InputError(f"layer {i} reuses the DSA selection of layer {i - 1}, which runs no indexer of its own",
                              path=path, where="indexer_types", fix=f"mark layer {i} full")
     return shared
-
-
-def _hybrid(g: Getter, raw: dict, layers: int, path: str | None) -> dict:
-    """layer_types (or every ``full_attention_interval``-th layer full, transformers' default) and the Gated DeltaNet
-    dims of a hybrid-attention family."""
-    types = raw.get("layer_types")
-    if types is None:
-        every = int(g.opt("full_attention_interval", 4))
-        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or any(t not in _LAYER_KINDS for t in types):
-        raise InputError(f"layer_types must list {layers} entries, each one of {', '.join(_LAYER_KINDS)}",
-                         path=path, where="layer_types")
-    dims = LinearAttentionDims(
-        num_key_heads=g.int("linear_num_key_heads"), num_value_heads=g.int("linear_num_value_heads"),
-        key_head_dim=g.int("linear_key_head_dim"), value_head_dim=g.int("linear_value_head_dim"),
-        conv_kernel=g.int("linear_conv_kernel_dim"), full_attention_interval=int(g.opt("full_attention_interval", 4)))
-    if dims.num_value_heads % dims.num_key_heads:
-        raise InputError(f"linear_num_value_heads={dims.num_value_heads} is not a multiple of "
-                         f"linear_num_key_heads={dims.num_key_heads}", path=path, where="linear_num_value_heads")
-    return {"layer_types": tuple(types), "linear": dims}
 
 
 def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int, path: str | None = None) -> set[int]:

@@ -26,7 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from ktconvert.errors import InputError
-from ktconvert.families.config import LinearAttentionDims
+from ktconvert.arch.gated_deltanet import LinearAttentionDims
 
 
 #: transforms that make one of several GGUF tensors from one HF tensor
