@@ -91,3 +91,7 @@ class Getter:
             if self.raw.get(key) is not None:
                 return self.int(key)
         raise InputError(f"missing the expert count (one of {', '.join(keys)})", path=self.path, where=keys[0])
+
+    def choice(self, choice: dict) -> Any:
+        """A spec ``choice``: a fixed value or a config key with its default."""
+        return choice["fixed"] if "fixed" in choice else self.opt(choice["key"], choice["default"])

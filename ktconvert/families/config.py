@@ -14,20 +14,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ktconvert.arch import gated_deltanet, hyper_connections, kda
+from ktconvert.arch import gated_deltanet, hyper_connections, kda, moe
 from ktconvert.arch.base import Getter
 from ktconvert.arch.gated_deltanet import LinearAttentionDims
 from ktconvert.arch.hyper_connections import HyperConnectionDims
 from ktconvert.arch.kda import KdaDims
+from ktconvert.arch.moe import Routing
 from ktconvert.errors import InputError
 from ktconvert.families import registry
 from ktconvert.families.limits import check_counts
-from ktconvert.families.parts import Routing
 from ktconvert.io.datafile import read_json
 
 FAMILIES = registry.families()
-
-_TOPK_METHODS = {"greedy", "group_limited_greedy", "noaux_tc"}
 
 
 @dataclass(frozen=True)
@@ -320,7 +318,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
                          "llama.cpp's converter reads intermediate_size instead)", path=path, where=dense_key,
                          fix=f"write {dense_key} as the release does")
 
-    routing_part = _routing(g, routing, family, num_experts, path)
+    routing_part = moe.parse_routing(g, routing, family, num_experts, path)
 
     # biases
     bias = cfg_facts.get("attention_bias")
@@ -330,8 +328,8 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
 
     window, sliding = _sliding_window(raw, cfg_facts["sliding_window"], layers, path)
     if act:
-        kwargs_act = dict(swiglu_alpha=float(_choice(g, act["alpha"])) if act["kind"] == "swiglu_clamped" else None,
-                          swiglu_limit=float(_choice(g, act["limit"])), dense_swiglu=bool(act.get("dense")))
+        kwargs_act = dict(swiglu_alpha=float(g.choice(act["alpha"])) if act["kind"] == "swiglu_clamped" else None,
+                          swiglu_limit=float(g.choice(act["limit"])), dense_swiglu=bool(act.get("dense")))
         if kwargs_act["swiglu_limit"] <= 0:
             raise InputError(f"swiglu_limit must be positive, got {kwargs_act['swiglu_limit']}", path=path,
                              where=act["limit"].get("key", "swiglu_limit"))
@@ -440,48 +438,6 @@ def _gguf_facts(raw: dict) -> dict:
     return dict(deepstack_layers=len((vision.get("deepstack_visual_indexes") or ()) if isinstance(vision, dict) else ()),
                 hub_rotary_dim=rotary_dim if isinstance(rotary_dim, int) else None,
                 mrope_section=tuple(sections) if sections else None)
-
-
-def _routing(g: Getter, routing: dict, family: str, num_experts: int, path: str | None) -> Routing:
-    """The spec's routing section with the config's numbers, or the one-line refusal of a routing it cannot run."""
-    norm_topk = bool(_choice(g, routing["norm_topk_prob"]))
-    scoring = _choice(g, routing["scoring_func"])
-    method = _choice(g, routing["topk_method"])
-    if method == "gready":  # the DeepSeek-V2 remote-code config's default spelling
-        method = "greedy"
-    if method not in _TOPK_METHODS:
-        raise InputError(f"topk_method {method!r} is not supported ({', '.join(sorted(_TOPK_METHODS))})", path=path, where="topk_method")
-    if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
-        raise InputError(f"scoring_func {scoring!r} is not supported (softmax, sigmoid, sqrtsoftplus)", path=path,
-                         where="scoring_func")
-    allowed = routing.get("allowed") or {}
-    if (scoring not in allowed.get("scoring_func", (scoring,))
-            or method not in allowed.get("topk_method", (method,))):
-        raise InputError(
-            f"{family} routing must use scoring_func {'/'.join(allowed.get('scoring_func', ('any',)))} with topk_method "
-            f"{'/'.join(allowed.get('topk_method', ('any',)))}, got {method}/{scoring}",
-            path=path,
-            where="topk_method",
-        )
-    n_group = _choice(g, routing["n_group"]) if "n_group" in routing else g.opt("n_group")
-    topk_group = _choice(g, routing["topk_group"]) if "topk_group" in routing else g.opt("topk_group")
-    if method in ("group_limited_greedy", "noaux_tc"):
-        if not n_group or not topk_group:
-            raise InputError(f"topk_method {method} needs n_group and topk_group", path=path, where="n_group")
-        n_group, topk_group = int(n_group), int(topk_group)
-        if num_experts % n_group or not 0 < topk_group <= n_group:
-            raise InputError(
-                f"n_group={n_group} must divide num_experts={num_experts} and topk_group={topk_group} must be in 1..{n_group}",
-                path=path,
-                where="n_group",
-            )
-        if method == "noaux_tc" and num_experts // n_group < 2:
-            raise InputError("noaux_tc scores groups by their top-2 experts: groups need at least 2 experts", path=path, where="n_group")
-
-    scaling = float(g.opt("routed_scaling_factor", 1.0) or 1.0) if routing.get("routed_scaling") else 1.0
-    return Routing(weights=routing["weights"], float32_weights=bool(routing["float32_weights"]), scoring_func=scoring,
-                   topk_method=method, norm_topk_prob=norm_topk, n_group=n_group if method != "greedy" else None,
-                   topk_group=topk_group if method != "greedy" else None, routed_scaling_factor=scaling)
 
 
 def _indexer_dims(g: Getter, rope_dim: int, path: str | None, **extra) -> IndexerDims:
@@ -673,7 +629,7 @@ def _hash_layers(g: Getter, raw: dict, choice: dict, layers: int, path: str | No
                              "llama.cpp's hash_layer_count name the first layers only", path=path,
                              where="mlp_layer_types", fix="list hash_moe for the first layers, then moe")
         return hashed
-    n = _choice(g, choice)
+    n = g.choice(choice)
     if isinstance(n, bool) or not isinstance(n, int) or n < 0:
         raise InputError(f"num_hash_layers must be a non-negative integer, got {n!r}", path=path,
                          where="num_hash_layers")
@@ -817,11 +773,6 @@ def _rotary_dim(raw: dict, head_dim: int, default: float, path: str | None) -> i
         raise InputError(f"partial_rotary_factor={factor} rotates {dim} of {head_dim} head dims; rope needs an even "
                          "count of at least 2", path=path, where="partial_rotary_factor")
     return dim
-
-
-def _choice(g: Getter, choice: dict) -> Any:
-    """A spec ``choice``: a fixed value or a config key with its default."""
-    return choice["fixed"] if "fixed" in choice else g.opt(choice["key"], choice["default"])
 
 
 def _sliding_window(raw: dict, rule: str, layers: int, path: str | None) -> tuple[int | None, tuple[int, ...]]:
