@@ -14,11 +14,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ktconvert.arch import gated_deltanet, hyper_connections, kda, moe
+from ktconvert.arch import gated_deltanet, hash_routing, hyper_connections, kda, moe
+from ktconvert.arch import mla as mla_mechanism
 from ktconvert.arch.base import Getter
 from ktconvert.arch.gated_deltanet import LinearAttentionDims
 from ktconvert.arch.hyper_connections import HyperConnectionDims
+from ktconvert.arch.indexer import IndexerDims, indexer_dims
 from ktconvert.arch.kda import KdaDims
+from ktconvert.arch.mla import MlaDims
 from ktconvert.arch.moe import Routing
 from ktconvert.errors import InputError
 from ktconvert.families import registry
@@ -43,44 +46,6 @@ class RopeSpec:
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
-
-
-@dataclass(frozen=True)
-class MlaDims:
-    """Multi-head latent attention (DeepSeek): the compressed KV latent and the per-head split of q / k / v. The
-    query latent (``q_lora_rank``) and the rotated width (``qk_rope_head_dim``) stay on :class:`MoeConfig`: the DSA
-    indexer and DeepSeek-V4's compressed MQA read them too."""
-
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool = True
-    latent_norm_eps: float = 1e-6  # the q_a / kv_a layernorms' eps (attention.latent_norm_eps)
-
-
-@dataclass(frozen=True)
-class IndexerDims:
-    """Sparse-attention indexer sizes (config ``index_*``): DeepSeek Sparse Attention keeps ``topk`` keys; MiniMax
-    Sparse Attention keeps ``topk`` blocks of ``block_size`` keys, the ``local_blocks`` ending at the query's own
-    among them."""
-
-    n_heads: int
-    head_dim: int
-    topk: int
-    block_size: int | None = None
-    local_blocks: int | None = None
-    kpool: int | None = None  # DSA over pools of kpool keys (GLM-5-Next); topk counts keys, a multiple of kpool
-    kpool_tail: bool = True  # the query's incomplete pool is always attended
-    # DSA: each layer's indexer mode as config.json gives it (indexer_types or index_topk_pattern; None: every
-    # topk_freq-th layer from skip_offset runs its own), and whether config.json writes indexer_types
-    types: tuple | None = None
-    topk_freq: int = 1
-    skip_offset: int = 2
-    types_written: bool = False
-
-    def full_layers(self, layers: int) -> list[bool]:
-        """Whether each of ``layers`` layers runs its own DSA indexer (transformers 5.23's reading)."""
-        return [t == "full" for t in _indexer_schedule(self.types, self.topk_freq, self.skip_offset, layers)]
 
 
 @dataclass(frozen=True)
@@ -340,39 +305,16 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     qk_key = attn_facts.get("qk_norm_key")
     qk_norm = bool(g.opt(qk_key, sp.qk_norm)) if qk_key else sp.qk_norm
     if mla:
-        q_lora = g.opt("q_lora_rank")
-        interleave_key = sp.section("attention").get("rope_interleave_key")
-        latent_eps = (float(g.opt("rms_norm_eps", defaults["rms_norm_eps"]))
-                      if attn_facts.get("latent_norm_eps") == "rms_norm_eps" else 1e-6)
-        kwargs = dict(
-            q_lora_rank=None if q_lora in (None, 0) else int(q_lora),
-            qk_rope_head_dim=g.int("qk_rope_head_dim"),
-            mla=MlaDims(kv_lora_rank=g.int("kv_lora_rank"), qk_nope_head_dim=g.int("qk_nope_head_dim"),
-                        v_head_dim=g.int("v_head_dim"),
-                        rope_interleave=bool(g.opt(interleave_key, True)) if interleave_key else True,
-                        latent_norm_eps=latent_eps),
-        )
-        if sp.section("attention").get("dsa_indexer"):
-            kwargs["indexer"] = _indexer(g, raw, layers, int(kwargs["qk_rope_head_dim"]), path,
-                                         kpool=bool(attn_facts.get("dsa_kpool")),
-                                         shared=bool(attn_facts.get("dsa_shared")))
-            if kwargs["q_lora_rank"] is None:
-                raise InputError("the DSA indexer reads the q LoRA latent: q_lora_rank must be set", path=path,
-                                 where="q_lora_rank")
-        if kv_heads != heads:
-            raise InputError(
-                f"MLA expands keys per attention head: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads})",
-                path=path,
-                where="num_key_value_heads",
-            )
+        kwargs = mla_mechanism.parse(g, raw, attn_facts, layers, heads, kv_heads,
+                                     float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])), path)
 
     if sp.section("attention")["kind"] == "gated_deltanet_hybrid":
         kwargs.update(gated_deltanet.parse(g, raw, layers, path))
     if attn_facts.get("linear_attention") == "kda":
         kwargs.update(kda.parse(g, raw, layers, heads, path))
     if attn_facts.get("dsa_shared"):
-        kwargs["dsa_shared_layers"] = _dsa_shared(raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers,
-                                                  path)
+        kwargs["dsa_shared_layers"] = mla_mechanism.parse_shared(
+            raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers, path)
     if cfg_facts.get("hyper_connections"):
         kwargs["residual"] = hyper_connections.parse(g, cfg_facts["hyper_connections"], path)
     if attn_facts.get("msa_indexer"):
@@ -386,7 +328,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         kwargs.update(_compressed(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
         window, sliding = kwargs.pop("sliding_window"), kwargs.pop("sliding_layers")
     if "hash_layers" in routing:
-        kwargs["hash_layers"] = _hash_layers(g, raw, routing["hash_layers"], layers, path)
+        kwargs["hash_layers"] = hash_routing.parse(g, raw, routing["hash_layers"], layers, path)
 
     shared = sp.shared_expert
     width_key = sp.section("moe").get("shared_experts_width")
@@ -438,44 +380,6 @@ def _gguf_facts(raw: dict) -> dict:
     return dict(deepstack_layers=len((vision.get("deepstack_visual_indexes") or ()) if isinstance(vision, dict) else ()),
                 hub_rotary_dim=rotary_dim if isinstance(rotary_dim, int) else None,
                 mrope_section=tuple(sections) if sections else None)
-
-
-def _indexer_dims(g: Getter, rope_dim: int, path: str | None, **extra) -> IndexerDims:
-    """``index_n_heads`` / ``index_head_dim`` / ``index_topk``, checked against the rotated size the indexer keys hold
-    (a DSA indexer's and DeepSeek-V4's lightning indexer alike)."""
-    dims = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"),
-                       **extra)
-    if dims.head_dim < rope_dim or min(dims.n_heads, dims.topk) < 1:
-        raise InputError(f"index_head_dim={dims.head_dim} must hold qk_rope_head_dim={rope_dim}; index_n_heads and "
-                         "index_topk must be positive", path=path, where="index_head_dim")
-    return dims
-
-
-def _indexer(g: Getter, raw: dict, layers: int, rope_dim: int, path: str | None, *, kpool: bool = False,
-             shared: bool = False) -> IndexerDims:
-    """The DSA indexer's sizes; every layer must run its own indexer (``indexer_types`` all ``full``). With k-pools
-    (``attention.dsa_kpool``) ``index_topk`` counts keys and must be a multiple of ``index_kpool`` (as transformers
-    checks)."""
-    extra = {}
-    if kpool:
-        extra = dict(kpool=g.int("index_kpool") if "index_kpool" in raw else 16,
-                     kpool_tail=bool(g.opt("index_kpool_always_select_tail", True)))
-        if extra["kpool"] < 1 or g.int("index_topk") % extra["kpool"]:
-            raise InputError(f"index_topk ({raw.get('index_topk')}) must be a positive multiple of index_kpool "
-                             f"({extra['kpool']})", path=path, where="index_topk",
-                             fix="set index_topk to a multiple of index_kpool")
-    types = raw.get("indexer_types")
-    if shared or types is not None:  # what the GGUF's indexer.types key is written from
-        src, freq, offset = _indexer_source(raw)
-        extra.update(types=tuple(src) if isinstance(src, list) else src, topk_freq=freq, skip_offset=offset,
-                     types_written=types is not None)
-    dims = _indexer_dims(g, rope_dim, path, **extra)
-    if shared:  # checked with the layer kinds (_dsa_shared)
-        return dims
-    if types is not None and (not isinstance(types, list) or len(types) != layers or set(types) != {"full"}):
-        raise InputError("only indexer_types of all \"full\" layers are supported (a \"shared\" layer reuses another "
-                         "layer's selection)", path=path, where="indexer_types")
-    return dims
 
 
 _MSA_KEYS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
@@ -608,32 +512,11 @@ def _compressed(g: Getter, raw: dict, layers: int, heads: int, kv_heads: int, he
                          where="sliding_window")
     q_lora = g.int("q_lora_rank")
     rope_dim = compress_rope.dim
-    indexer = _indexer_dims(g, rope_dim, path)
+    indexer = indexer_dims(g, rope_dim, path)
     dims = CompressedDims(ratios=ratios, csa_ratio=csa, compress_rope=compress_rope, o_groups=o_groups,
                           o_lora_rank=o_lora)
     return {"compressed": dims, "indexer": indexer, "q_lora_rank": q_lora, "qk_rope_head_dim": rope_dim,
             "sliding_window": int(window), "sliding_layers": tuple(range(layers))}
-
-
-def _hash_layers(g: Getter, raw: dict, choice: dict, layers: int, path: str | None) -> tuple[int, ...]:
-    """The hash-routed layers: transformers' ``mlp_layer_types`` (``hash_moe`` / ``moe``) or the release's
-    ``num_hash_layers`` leading layers."""
-    types = raw.get("mlp_layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) < layers or any(t not in ("hash_moe", "moe") for t in types[:layers]):
-            raise InputError(f"mlp_layer_types must list {layers} entries of hash_moe / moe, got {types!r}", path=path,
-                             where="mlp_layer_types")
-        hashed = tuple(i for i, t in enumerate(types[:layers]) if t == "hash_moe")
-        if hashed != tuple(range(len(hashed))):
-            raise InputError(f"hash_moe layers {list(hashed)} do not lead the stack: the release's num_hash_layers and "
-                             "llama.cpp's hash_layer_count name the first layers only", path=path,
-                             where="mlp_layer_types", fix="list hash_moe for the first layers, then moe")
-        return hashed
-    n = g.choice(choice)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise InputError(f"num_hash_layers must be a non-negative integer, got {n!r}", path=path,
-                         where="num_hash_layers")
-    return tuple(range(min(n, layers)))
 
 
 def mlp_kinds(raw: dict) -> list | None:
@@ -679,48 +562,6 @@ def _lists_dense(raw: dict) -> bool:
     types, freq = raw.get("mlp_layer_types"), raw.get("moe_layer_freq")
     return ((isinstance(types, list) and "dense" in types)
             or (isinstance(freq, list) and any(not f for f in freq)))
-
-
-def _indexer_source(raw: dict) -> tuple[Any, int, int]:
-    """``(types, topk_freq, skip_offset)`` of a DSA config: ``indexer_types``, else the releases'
-    ``index_topk_pattern`` (``F``/``S`` per layer) as types, else None and the ``index_topk_freq`` /
-    ``index_skip_topk_offset`` schedule (defaults 1 and 2: all full)."""
-    types = raw.get("indexer_types")
-    if types is None:
-        pattern = raw.get("index_topk_pattern")
-        if pattern is not None:
-            types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
-    if types is not None:
-        return types, 1, 2
-    return None, max(int(raw.get("index_topk_freq") or 1), 1), int(raw.get("index_skip_topk_offset", 2))
-
-
-def _indexer_schedule(types: Any, freq: int, offset: int, layers: int) -> list:
-    """Each layer's DSA indexer mode as transformers 5.23 reads it: the given types, else every ``freq``-th layer
-    from ``offset`` runs its own indexer."""
-    if types is not None:
-        return list(types) if isinstance(types, tuple) else types
-    return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(layers)]
-
-
-def _indexer_types(raw: dict, layers: int) -> list:
-    """Each layer's DSA indexer mode (``full`` / ``shared``) as transformers 5.23 reads it."""
-    return _indexer_schedule(*_indexer_source(raw), layers)
-
-
-def _dsa_shared(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, ...]:
-    """The attention layers that reuse the DSA selection of the layer right before them (``shared``); that layer must
-    be an attention layer running its own indexer (transformers passes the selection only between neighbours)."""
-    types = _indexer_types(raw, layers)
-    if not isinstance(types, list) or len(types) != layers or any(t not in ("full", "shared") for t in types):
-        raise InputError(f"indexer_types must list {layers} entries of full / shared, got {types!r}", path=path,
-                         where="indexer_types")
-    shared = tuple(i for i, t in enumerate(types) if t == "shared" and kinds[i] != "linear_attention")
-    for i in shared:
-        if i == 0 or kinds[i - 1] == "linear_attention" or i - 1 in shared:
-            raise InputError(f"layer {i} reuses the DSA selection of layer {i - 1}, which runs no indexer of its own",
-                             path=path, where="indexer_types", fix=f"mark layer {i} full")
-    return shared
 
 
 def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int, path: str | None = None) -> set[int]:
