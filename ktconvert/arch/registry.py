@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the t
     from ktconvert.families.config import MoeConfig
 
 #: the modules of this package that are not a mechanism; every other one is, and names its instance ``MECHANISM``
-_MACHINERY = ("base", "indexer", "registry", "tensors")
+_MACHINERY = ("base", "indexer", "registry", "rope", "tensors")
 
 
 def _discover() -> dict[str, Mechanism]:

@@ -14,51 +14,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ktconvert.arch import gated_deltanet, hash_routing, hyper_connections, kda, moe
+from ktconvert.arch import compressed_mqa, gated_deltanet, gqa, hash_routing, hyper_connections, kda, moe
 from ktconvert.arch import mla as mla_mechanism
 from ktconvert.arch.base import Getter
+from ktconvert.arch.compressed_mqa import CompressedDims
 from ktconvert.arch.gated_deltanet import LinearAttentionDims
 from ktconvert.arch.hyper_connections import HyperConnectionDims
-from ktconvert.arch.indexer import IndexerDims, indexer_dims
+from ktconvert.arch.indexer import IndexerDims
 from ktconvert.arch.kda import KdaDims
 from ktconvert.arch.mla import MlaDims
 from ktconvert.arch.moe import Routing
+from ktconvert.arch.rope import RopeSpec, parse_rope
 from ktconvert.errors import InputError
 from ktconvert.families import registry
 from ktconvert.families.limits import check_counts
 from ktconvert.io.datafile import read_json
 
 FAMILIES = registry.families()
-
-
-@dataclass(frozen=True)
-class RopeSpec:
-    """Rotary embedding parameters; ``kind`` is ``default``, ``linear`` or ``yarn``."""
-
-    kind: str
-    theta: float
-    dim: int
-    factor: float = 1.0
-    original_max_position_embeddings: int | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
-
-
-@dataclass(frozen=True)
-class CompressedDims:
-    """Compressed sparse MQA (spec ``attention.kind: compressed_mqa``): per layer the compress ratio (0: window only;
-    ``csa_ratio``: overlapping windows picked by the indexer; any other: every closed window), the rope of compressed
-    layers, and the grouped output projection."""
-
-    ratios: tuple[int, ...]
-    csa_ratio: int
-    compress_rope: RopeSpec
-    o_groups: int
-    o_lora_rank: int
 
 
 @dataclass(frozen=True)
@@ -234,10 +206,10 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     mla = sp.is_mla
     attn_facts = sp.section("attention")
     head_dim = g.opt("head_dim")
-    compressed_mqa = attn_facts["kind"] == "compressed_mqa"
-    if compressed_mqa:
+    compressed = attn_facts["kind"] == "compressed_mqa"
+    if compressed:
         head_dim = g.int("head_dim")
-        rope_dim = _compressed_rope_dim(raw, head_dim, path)
+        rope_dim = compressed_mqa.parse_rope_dim(raw, head_dim, path)
     elif mla:
         rope_dim = g.int("qk_rope_head_dim")
         head_dim = rope_dim
@@ -249,10 +221,10 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         raise InputError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}", path=path)
 
     max_pos = int(g.opt("max_position_embeddings", defaults["max_position_embeddings"]))
-    if compressed_mqa:
-        rope, compress_rope = _compressed_ropes(raw, defaults["rope_theta"], rope_dim, max_pos, path)
+    if compressed:
+        rope, compress_rope = compressed_mqa.parse_ropes(raw, defaults["rope_theta"], rope_dim, max_pos, path)
     else:
-        rope = _rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
+        rope = parse_rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
 
     moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts, path)))
     types = raw.get("mlp_layer_types")
@@ -318,14 +290,9 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     if cfg_facts.get("hyper_connections"):
         kwargs["residual"] = hyper_connections.parse(g, cfg_facts["hyper_connections"], path)
     if attn_facts.get("msa_indexer"):
-        kwargs.update(_msa(g, raw, layers, kv_heads, rope_dim, path))
-        sparse_dense = [i for i in kwargs["msa_layers"] if i not in moe_layers]
-        if sparse_dense:
-            raise InputError(f"dense MLP layers {sparse_dense} run MiniMax Sparse Attention: llama.cpp's minimax-m3 "
-                             "attends fully on its leading dense layers and holds no indexer there", path=path,
-                             where="layer_types", fix="mark the dense layers full_attention (sparse_attention_freq 0)")
-    if compressed_mqa:
-        kwargs.update(_compressed(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
+        kwargs.update(gqa.parse_msa(g, raw, layers, kv_heads, rope_dim, moe_layers, path))
+    if compressed:
+        kwargs.update(compressed_mqa.parse(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
         window, sliding = kwargs.pop("sliding_window"), kwargs.pop("sliding_layers")
     if "hash_layers" in routing:
         kwargs["hash_layers"] = hash_routing.parse(g, raw, routing["hash_layers"], layers, path)
@@ -380,143 +347,6 @@ def _gguf_facts(raw: dict) -> dict:
     return dict(deepstack_layers=len((vision.get("deepstack_visual_indexes") or ()) if isinstance(vision, dict) else ()),
                 hub_rotary_dim=rotary_dim if isinstance(rotary_dim, int) else None,
                 mrope_section=tuple(sections) if sections else None)
-
-
-_MSA_KEYS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
-             "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
-             "index_local_blocks": "sparse_local_block"}
-_MSA_LAYER = "minimax_m3_sparse"
-
-
-def _msa(g: Getter, raw: dict, layers: int, kv_heads: int, rope_dim: int, path: str | None) -> dict:
-    """MiniMax Sparse Attention's indexer sizes and layers, from transformers' ``index_*`` / ``layer_types`` or the
-    hub's ``sparse_attention_config`` (``sparse_*``, ``sparse_attention_freq``), whichever the config holds."""
-    hub = raw.get("sparse_attention_config")
-    hub = hub if isinstance(hub, dict) else {}
-    vals = {}
-    for key, legacy in _MSA_KEYS.items():
-        v = hub.get(legacy, raw.get(key))
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "index_local_blocks" else 1):
-            raise InputError(f"{key} (sparse_attention_config.{legacy}) must be a "
-                             f"{'non-negative' if key == 'index_local_blocks' else 'positive'} integer, got {v!r}",
-                             path=path, where=key)
-        vals[key] = v
-    dims = IndexerDims(n_heads=vals["index_n_heads"], head_dim=vals["index_head_dim"], topk=vals["index_topk_blocks"],
-                       block_size=vals["index_block_size"], local_blocks=vals["index_local_blocks"])
-    if dims.n_heads != kv_heads:
-        raise InputError(f"index_n_heads={dims.n_heads} must equal num_key_value_heads={kv_heads} (one indexer head "
-                         "per KV group)", path=path, where="index_n_heads")
-    if dims.head_dim < rope_dim:
-        raise InputError(f"index_head_dim={dims.head_dim} must hold the {rope_dim} rotated dims", path=path,
-                         where="index_head_dim")
-    freq = hub.get("sparse_attention_freq")
-    types = raw.get("layer_types")
-    if freq is not None:
-        ok = isinstance(freq, list) and len(freq) == layers
-        sparse = tuple(i for i, f in enumerate(freq) if f) if ok else ()
-    elif types is not None:
-        ok = isinstance(types, list) and len(types) == layers and set(types) <= {_MSA_LAYER, "full_attention"}
-        sparse = tuple(i for i, t in enumerate(types) if t == _MSA_LAYER) if ok else ()
-    else:
-        ok, sparse = True, ()
-    if not ok:
-        raise InputError(f"layer_types (sparse_attention_config.sparse_attention_freq) must list {layers} entries of "
-                         f"{_MSA_LAYER} / full_attention", path=path, where="layer_types")
-    return {"indexer": dims, "msa_layers": sparse}
-
-
-_CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
-_RATIO_KINDS = {0: "sliding_attention", 4: _CSA, 128: _HCA}
-
-
-def _compressed_rope_dim(raw: dict, head_dim: int, path: str | None) -> int:
-    """The rotated tail of each head: the release's ``qk_rope_head_dim``, else transformers' ``partial_rotary_factor``
-    (top level or in ``rope_parameters.main``)."""
-    dim = raw.get("qk_rope_head_dim")
-    if dim is None:
-        params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-        main = params.get("main") if isinstance(params.get("main"), dict) else params
-        factor = main.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
-            raise InputError("the rotated head size is missing: give qk_rope_head_dim (or partial_rotary_factor in "
-                             "(0, 1])", path=path, where="qk_rope_head_dim")
-        dim = int(head_dim * factor)
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2 or dim > head_dim:
-        raise InputError(f"qk_rope_head_dim must be an even integer in 2..head_dim ({head_dim}), got {dim!r}",
-                         path=path, where="qk_rope_head_dim")
-    return dim
-
-
-def _compressed_ropes(raw: dict, default_theta: float, dim: int, max_pos: int, path: str | None) -> tuple[RopeSpec, RopeSpec]:
-    """``(main, compress)`` ropes: window-only layers rotate with ``rope_theta``, compressed layers (and their
-    compressors and indexers) with ``compress_rope_theta`` and the release's ``rope_scaling`` (YaRN without its
-    attention factor, as transformers 5.23 forces). transformers' nested ``rope_parameters`` {main, compress} too."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
-        main_raw, comp_raw = params["main"], params["compress"]
-    else:
-        scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else {}
-        main_raw = {"rope_type": "default", "rope_theta": raw.get("rope_theta", default_theta)}
-        comp_raw = {**scaling, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
-    comp_raw = dict(comp_raw)
-    if comp_raw.get("rope_type", comp_raw.get("type")) == "yarn":
-        comp_raw.setdefault("attention_factor", 1.0)
-    main_raw = {k: v for k, v in main_raw.items() if k != "partial_rotary_factor"}
-    comp_raw = {k: v for k, v in comp_raw.items() if k != "partial_rotary_factor"}
-    main = _rope({"rope_parameters": main_raw}, default_theta, dim, max_pos, path)
-    if main.kind != "default":
-        raise InputError(f"the window-only layers' rope must be the default rope, got {main.kind!r}", path=path,
-                         where="rope_parameters.main")
-    return main, _rope({"rope_parameters": comp_raw}, default_theta, dim, max_pos, path)
-
-
-def _compressed(g: Getter, raw: dict, layers: int, heads: int, kv_heads: int, head_dim: int, compress_rope: RopeSpec,
-                path: str | None) -> dict:
-    """Compressed sparse MQA: per-layer compress ratios (the release's ``compress_ratios``, or transformers'
-    ``layer_types`` + ``compress_rates``), the indexer, the window and the grouped output projection."""
-    if kv_heads != 1:
-        raise InputError(f"compressed MQA has one shared K=V head: num_key_value_heads must be 1, got {kv_heads}",
-                         path=path, where="num_key_value_heads")
-    rates = raw.get("compress_rates") if isinstance(raw.get("compress_rates"), dict) else {}
-    csa = rates.get(_CSA, raw.get("compress_rate_csa", 4))
-    hca = rates.get(_HCA, raw.get("compress_rate_hca", 128))
-    ratios, types = raw.get("compress_ratios"), raw.get("layer_types")
-    if ratios is not None:
-        ok = (isinstance(ratios, list) and len(ratios) >= layers
-              and all(not isinstance(r, bool) and r in _RATIO_KINDS for r in ratios))
-        if not ok:
-            raise InputError(f"compress_ratios must list {layers} entries of 0 / 4 / 128, got {ratios!r}", path=path,
-                             where="compress_ratios")
-        ratios = tuple({0: 0, 4: csa, 128: hca}[r] for r in ratios[:layers])
-    elif types is not None:
-        kinds = {"sliding_attention": 0, _CSA: csa, _HCA: hca}
-        if not isinstance(types, list) or len(types) < layers or any(t not in kinds for t in types[:layers]):
-            raise InputError(f"layer_types must list {layers} entries of {' / '.join(kinds)}, got {types!r}",
-                             path=path, where="layer_types")
-        ratios = tuple(kinds[t] for t in types[:layers])
-    else:
-        raise InputError("compressed MQA needs each layer's compress ratio: give compress_ratios (or layer_types)",
-                         path=path, where="compress_ratios")
-    for name, v in (("compress_rates.compressed_sparse_attention", csa),
-                    ("compress_rates.heavily_compressed_attention", hca)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InputError(f"{name} must be a positive integer, got {v!r}", path=path, where=name)
-    if csa == hca:
-        raise InputError(f"the two compress rates must differ (both {csa})", path=path, where="compress_rates")
-    o_groups, o_lora = g.int("o_groups"), g.int("o_lora_rank")
-    if o_groups < 1 or heads % o_groups:
-        raise InputError(f"o_groups={o_groups} must divide num_attention_heads={heads}", path=path, where="o_groups")
-    window = raw.get("sliding_window")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise InputError(f"sliding_window must be a positive integer, got {window!r}", path=path,
-                         where="sliding_window")
-    q_lora = g.int("q_lora_rank")
-    rope_dim = compress_rope.dim
-    indexer = indexer_dims(g, rope_dim, path)
-    dims = CompressedDims(ratios=ratios, csa_ratio=csa, compress_rope=compress_rope, o_groups=o_groups,
-                          o_lora_rank=o_lora)
-    return {"compressed": dims, "indexer": indexer, "q_lora_rank": q_lora, "qk_rope_head_dim": rope_dim,
-            "sliding_window": int(window), "sliding_layers": tuple(range(layers))}
 
 
 def mlp_kinds(raw: dict) -> list | None:
@@ -650,42 +480,3 @@ def _check_sliding_window(raw: dict, rule: str, path: str | None) -> None:
             where="sliding_window",
             fix="set use_sliding_window=false / sliding_window=null if the window exceeds your prompts",
         )
-
-
-def _rope(raw: dict, default_theta: float, dim: int, max_pos: int, path: str | None) -> RopeSpec:
-    params = raw.get("rope_parameters")
-    if params is None:
-        params = dict(raw.get("rope_scaling") or {})
-    else:
-        params = dict(params)
-    if "rope_layers" in params or any(isinstance(v, dict) for v in params.values()):
-        raise InputError("per-layer rope_parameters are not supported", path=path, where="rope_parameters")
-    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind == "default":
-        return RopeSpec(kind="default", theta=float(theta), dim=dim)
-    if kind == "linear":
-        return RopeSpec(kind="linear", theta=float(theta), dim=dim, factor=float(params["factor"]))
-    if kind == "yarn":
-        omax = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", max_pos))
-        factor = params.get("factor")
-        factor = float(max_pos / omax) if factor is None else float(factor)
-
-        def _f(key: str) -> float | None:
-            v = params.get(key)
-            return None if v is None else float(v)
-
-        return RopeSpec(
-            kind="yarn",
-            theta=float(theta),
-            dim=dim,
-            factor=factor,
-            original_max_position_embeddings=int(omax),
-            beta_fast=float(params.get("beta_fast") or 32),
-            beta_slow=float(params.get("beta_slow") or 1),
-            mscale=_f("mscale"),
-            mscale_all_dim=_f("mscale_all_dim"),
-            attention_factor=_f("attention_factor"),
-            truncate=bool(params.get("truncate", True)),
-        )
-    raise InputError(f"rope type {kind!r} is not supported (default, linear, yarn)", path=path, where="rope_scaling")
