@@ -127,7 +127,7 @@ def _transformers_spelling() -> dict:
 def test_release_and_transformers_spellings_read_alike():
     rel, tf5 = normalize_config(tiny_config(FAMILY)), normalize_config(_transformers_spelling())
     for field in ("kda", "layer_types", "moe_layers", "indexer", "dsa_shared_layers", "residual",
-                  "swiglu_limit", "mla"):
+                  "activation", "mla"):
         assert getattr(rel, field) == getattr(tf5, field), field
     assert rel.moe_layers == (1, 2, 3) and rel.dsa_shared_layers == (2,) and rel.kda.lower_bound == -5.0
     # the releases' index_topk_pattern spelling of indexer_types, and transformers' all-full default

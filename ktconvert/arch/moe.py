@@ -1,7 +1,8 @@
 """The MoE block (``moe``: router, routed experts of the dense MLP's shape, shared expert(s)), whose router scores
 the hidden state; ``hash_routing.py`` is the MoE block routed by token id. Torch: ``model/modules.py``
 ``SparseMoeBlock`` / ``DeepseekMoE`` (picked by the spec's routing maths). Its part of the config is
-``MoeConfig.routing`` (:class:`Routing`), parsed here by :func:`parse_routing`."""
+``MoeConfig.routing`` (:class:`Routing`) and ``MoeConfig.activation`` (:class:`Activation`), parsed here by
+:func:`parse_routing` and :func:`parse_activation`."""
 
 from __future__ import annotations
 
@@ -94,6 +95,30 @@ def parse_routing(g: Getter, routing: dict, family: str, num_experts: int, path:
                    topk_group=topk_group if method != "greedy" else None, routed_scaling_factor=scaling)
 
 
+@dataclass(frozen=True)
+class Activation:
+    """The experts' activation: ``clamp``, the ``(alpha, limit)`` of a clamped SwiGLU (a spec's ``moe.activation``;
+    alpha None with a limit: silu_clamped, GLM-5-Next), None for plain silu(gate) * up; whether the dense MLP layers
+    (``dense``) and the shared experts (``shared``) use it too."""
+
+    clamp: tuple[float | None, float] | None = None
+    dense: bool = False
+    shared: bool = False
+
+
+def parse_activation(g: Getter, act: dict | None, shared_experts: bool, path: str | None) -> Activation:
+    """The spec's ``moe.activation`` with the config's numbers (``shared_experts``: the family has DeepSeek's
+    ``shared_experts`` MLP, which ``moe.activation.shared`` may clamp too)."""
+    if not act:
+        return Activation()
+    alpha = float(g.choice(act["alpha"])) if act["kind"] == "swiglu_clamped" else None
+    limit = float(g.choice(act["limit"]))
+    if limit <= 0:
+        raise InputError(f"swiglu_limit must be positive, got {limit}", path=path,
+                         where=act["limit"].get("key", "swiglu_limit"))
+    return Activation(clamp=(alpha, limit), dense=bool(act.get("dense")), shared=shared_experts and bool(act.get("shared")))
+
+
 class Moe:
     name = "moe"
 
@@ -163,8 +188,8 @@ class Moe:
         # the clamped SwiGLU's limit per layer, for the routed and (where they clamp too: GLM-5-Next, DeepSeek-V4)
         # the shared experts
         "swiglu_clamp": lambda w, c, n: (
-            w.add_swiglu_clamp_exp([float(c.swiglu_limit)] * n),
-            when(c.shared_swiglu, lambda: w.add_swiglu_clamp_shexp([float(c.swiglu_limit)] * n))),
+            w.add_swiglu_clamp_exp([float(c.activation.clamp[1])] * n),
+            when(c.activation.shared, lambda: w.add_swiglu_clamp_shexp([float(c.activation.clamp[1])] * n))),
     }
 
 

@@ -23,7 +23,7 @@ from ktconvert.arch.hyper_connections import HyperConnectionDims
 from ktconvert.arch.indexer import IndexerDims
 from ktconvert.arch.kda import KdaDims
 from ktconvert.arch.mla import MlaDims
-from ktconvert.arch.moe import Routing
+from ktconvert.arch.moe import Activation, Routing
 from ktconvert.arch.rope import RopeSpec, parse_rope
 from ktconvert.errors import InputError
 from ktconvert.families import registry
@@ -57,6 +57,7 @@ class MoeConfig:
     intermediate_size: int  # dense MLP (DeepSeek first layers, Qwen mlp_only_layers)
     moe_layers: tuple[int, ...]
     routing: Routing  # how a token picks and weighs its experts
+    activation: Activation  # the experts' activation (a clamped SwiGLU where the spec's moe.activation says)
     shared_expert_intermediate_size: int | None  # Qwen2-MoE gated shared expert
     n_shared_experts: int  # DeepSeek shared experts (intermediate = n * moe_intermediate_size)
     mla: MlaDims | None = None  # multi-head latent attention (spec attention.kind mla)
@@ -66,11 +67,6 @@ class MoeConfig:
     # sliding-window attention where a spec models it: the window and the layers that use it
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
-    # the experts' clamped SwiGLU (a spec's moe.activation), None for plain silu(gate) * up; alpha None with a
-    # limit: silu_clamped (GLM-5-Next)
-    swiglu_alpha: float | None = None
-    swiglu_limit: float | None = None
-    dense_swiglu: bool = False  # the dense MLP layers use the clamped activation too (moe.activation.dense)
     kda: KdaDims | None = None  # Kimi Delta Attention on the linear_attention layers (attention.linear_attention)
     residual: HyperConnectionDims | None = None  # the residual streams where not one (spec config.hyper_connections)
     dsa_shared_layers: tuple[int, ...] = ()  # attention layers reusing the previous layer's DSA selection
@@ -80,7 +76,6 @@ class MoeConfig:
     indexer: IndexerDims | None = None  # DSA (spec attention.dsa_indexer) or MSA (attention.msa_indexer)
     msa_layers: tuple[int, ...] = ()  # the layers running MiniMax Sparse Attention
     shared_experts_width: int | None = None  # the shared_experts MLP's width when a spec names its key
-    shared_swiglu: bool = False  # the shared experts use the clamped SwiGLU too (moe.activation.shared)
     compressed: CompressedDims | None = None  # compressed sparse MQA (spec attention.kind compressed_mqa)
     hash_layers: tuple[int, ...] = ()  # layers routing by tid2eid[input_id] (spec routing.hash_layers)
     bos_token_id: int | None = None
@@ -93,11 +88,6 @@ class MoeConfig:
     deepstack_layers: int = 0
     hub_rotary_dim: int | None = None
     mrope_section: tuple[int, ...] | None = None
-
-    @property
-    def swiglu_clamp(self) -> tuple[float, float] | None:
-        """``(alpha, limit)`` of the experts' clamped SwiGLU; None for plain silu(gate) * up."""
-        return (self.swiglu_alpha, self.swiglu_limit) if self.swiglu_limit is not None else None
 
     @property
     def shared_experts_inter(self) -> int:
@@ -264,14 +254,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         raise InputError("mlp_bias=true is not supported", path=path, where="mlp_bias")
 
     window, sliding = _sliding_window(raw, cfg_facts["sliding_window"], layers, path)
-    if act:
-        kwargs_act = dict(swiglu_alpha=float(g.choice(act["alpha"])) if act["kind"] == "swiglu_clamped" else None,
-                          swiglu_limit=float(g.choice(act["limit"])), dense_swiglu=bool(act.get("dense")))
-        if kwargs_act["swiglu_limit"] <= 0:
-            raise InputError(f"swiglu_limit must be positive, got {kwargs_act['swiglu_limit']}", path=path,
-                             where=act["limit"].get("key", "swiglu_limit"))
-    else:
-        kwargs_act = {}
+    activation = moe.parse_activation(g, act, sp.shared_expert == "shared_experts", path)
 
     kwargs: dict[str, Any] = {}
     qk_key = attn_facts.get("qk_norm_key")
@@ -301,8 +284,6 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     width_key = sp.section("moe").get("shared_experts_width")
     if shared == "shared_experts" and width_key:
         kwargs.update(shared_experts_width=g.int(width_key))
-    if shared == "shared_experts":
-        kwargs.update(shared_swiglu=bool((act or {}).get("shared")))
     return MoeConfig(
         family=family,
         vocab_size=g.int("vocab_size"),
@@ -322,6 +303,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         intermediate_size=inter,
         moe_layers=moe_layers,
         routing=routing_part,
+        activation=activation,
         shared_expert_intermediate_size=(g.int("shared_expert_intermediate_size") if shared == "gated" else None),
         n_shared_experts=(int(g.opt("n_shared_experts", 1 if width_key else 0) or 0)
                           if shared == "shared_experts" else 0),
@@ -333,7 +315,6 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         architecture=(raw.get("architectures") or [family])[0],
         **_gguf_facts(raw),
         **kwargs,
-        **kwargs_act,
     )
 
 

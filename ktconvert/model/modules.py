@@ -803,7 +803,7 @@ class SparseMoeBlock(Tagged, nn.Module):
         setattr(self, self.router_attr, router(cfg.hidden_size, cfg.num_experts, bias=moe.router_bias))
         self.experts = RoutedExperts(
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names,
-                     bias=moe.expert_bias, clamp=cfg.swiglu_clamp) for _ in range(cfg.num_experts)
+                     bias=moe.expert_bias, clamp=cfg.activation.clamp) for _ in range(cfg.num_experts)
         )
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
@@ -844,14 +844,14 @@ class DeepseekMoE(Tagged, nn.Module):
         if bias is not None and cfg.spec.experts.bias_on_block:
             self.gate.register_buffer("e_score_correction_bias", bias, persistent=False)
             self.register_buffer("e_score_correction_bias", bias)
-        clamp = cfg.swiglu_clamp
+        clamp = cfg.activation.clamp
         self.experts = RoutedExperts(
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names, clamp=clamp)
             for _ in range(cfg.num_experts)
         )
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.shared_experts_inter,
-                                           clamp=clamp if cfg.shared_swiglu else None)
+                                           clamp=clamp if cfg.activation.shared else None)
         else:
             self.shared_experts = None
 
