@@ -1,10 +1,11 @@
 """Full softmax attention with grouped KV heads (spec ``attention.kind: gqa``, and the full-attention layers of a
 Gated DeltaNet hybrid): optional output gate, biases, sinks, q/k norms (per head or over the projection), sliding
-window, and MiniMax Sparse Attention's indexer on the layers that run it (``MoeConfig.indexer`` and ``msa_layers``,
-parsed here by :func:`parse_msa`). Torch: ``model/modules.py`` ``Attention``."""
+window, and MiniMax Sparse Attention's indexer on the layers that run it (``MoeConfig.indexer`` with its
+``sparse_layers``, parsed here by :func:`parse_msa`). Torch: ``model/modules.py`` ``Attention``."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix, norm_role, when
@@ -61,7 +62,7 @@ def parse_msa(g: Getter, raw: dict, layers: int, kv_heads: int, rope_dim: int, m
         raise InputError(f"dense MLP layers {sparse_dense} run MiniMax Sparse Attention: llama.cpp's minimax-m3 "
                          "attends fully on its leading dense layers and holds no indexer there", path=path,
                          where="layer_types", fix="mark the dense layers full_attention (sparse_attention_freq 0)")
-    return {"indexer": dims, "msa_layers": sparse}
+    return {"indexer": replace(dims, sparse_layers=sparse)}
 
 
 class Gqa(AttentionMechanism):
@@ -84,7 +85,7 @@ class Gqa(AttentionMechanism):
             whole = cfg.spec.attention.qk_norm_whole
             add(f"{a}.q_norm.weight", (nh * hd if whole else hd,), norm)
             add(f"{a}.k_norm.weight", (nkv * hd if whole else hd,), norm)
-        if layer in cfg.msa_layers:  # MiniMax Sparse Attention's indexer, flat in self_attn as released
+        if cfg.indexer is not None and layer in cfg.indexer.sparse_layers:  # MiniMax Sparse Attention's indexer, flat in self_attn as released
             d = cfg.indexer
             add(f"{a}.index_q_proj.weight", (d.n_heads * d.head_dim, h), "linear")
             add(f"{a}.index_k_proj.weight", (d.head_dim, h), "linear")
@@ -100,7 +101,7 @@ class Gqa(AttentionMechanism):
             attn.add("q_norm", f"{pre}RMSNorm")
             attn.add("k_norm", f"{pre}RMSNorm")
         attn.add("rotary_emb", f"{pre}RotaryEmbedding")
-        if node.layer in cfg.msa_layers:
+        if cfg.indexer is not None and node.layer in cfg.indexer.sparse_layers:
             attn.add("index_q_proj", "Linear")
             attn.add("index_k_proj", "Linear")
             attn.add("index_q_norm", f"{pre}RMSNorm")

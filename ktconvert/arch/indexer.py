@@ -30,6 +30,8 @@ class IndexerDims:
     topk_freq: int = 1
     skip_offset: int = 2
     types_written: bool = False
+    shared_layers: tuple[int, ...] = ()  # DSA: attention layers reusing the previous layer's selection
+    sparse_layers: tuple[int, ...] = ()  # MSA: the layers running MiniMax Sparse Attention (the others attend fully)
 
     def full_layers(self, layers: int) -> list[bool]:
         """Whether each of ``layers`` layers runs its own DSA indexer (transformers 5.23's reading)."""

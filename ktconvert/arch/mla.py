@@ -1,7 +1,7 @@
 """Multi-head latent attention (spec ``attention.kind: mla``): DeepSeek's compressed KV latent, the optional q LoRA,
 and the DeepSeek Sparse Attention indexer (``attention.dsa_indexer``; k-pools and shared layers: GLM-5-Next).
 Its part of the config is ``MoeConfig.mla`` (:class:`MlaDims`) with ``q_lora_rank``, ``qk_rope_head_dim``, the DSA
-``indexer`` and ``dsa_shared_layers``, parsed here (:func:`parse`, :func:`parse_shared`). Torch: ``model/modules.py``
+``indexer`` with its ``shared_layers``, parsed here (:func:`parse`, :func:`parse_shared`). Torch: ``model/modules.py``
 ``MLAttention``."""
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ class Mla(AttentionMechanism):
         add(f"{a}.kv_a_layernorm.weight", (mla.kv_lora_rank,), "norm")
         add(f"{a}.kv_b_proj.weight", (nh * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank), "linear")
         add(f"{a}.o_proj.weight", (h, nh * mla.v_head_dim), "out_linear")
-        if cfg.indexer is not None and layer not in cfg.dsa_shared_layers:  # a shared layer has no indexer
+        if cfg.indexer is not None and layer not in cfg.indexer.shared_layers:  # a shared layer has no indexer
             d, ix = cfg.indexer, f"{a}.indexer"
             add(f"{ix}.wq_b.weight", (d.n_heads * d.head_dim, cfg.q_lora_rank), "linear")
             add(f"{ix}.wk.weight", (d.head_dim, h), "linear")
@@ -145,7 +145,7 @@ class Mla(AttentionMechanism):
         attn.add("o_proj", "Linear")
         if cfg.qk_rope_head_dim:  # NoPE MLA (GLM-5-Next) has no rotary module
             attn.add("rotary_emb", cfg.spec.classes.tree_rotary or f"{pre}RotaryEmbedding")
-        if cfg.indexer is not None and node.layer not in cfg.dsa_shared_layers:
+        if cfg.indexer is not None and node.layer not in cfg.indexer.shared_layers:
             ix = attn.add("indexer", f"{pre}Indexer")
             ix.add("wq_b", "Linear")
             ix.add("wk", "Linear")
@@ -171,7 +171,7 @@ class Mla(AttentionMechanism):
             when(c.indexer.kpool, lambda: (
                 w.add_uint32(f"{w.arch}.attention.indexer.kpool", c.indexer.kpool),
                 w.add_bool(f"{w.arch}.attention.indexer.kpool_select_tail", c.indexer.kpool_tail))),
-            when(c.indexer.types_written or c.dsa_shared_layers, lambda: w.add_array(
+            when(c.indexer.types_written or c.indexer.shared_layers, lambda: w.add_array(
                 f"{w.arch}.attention.indexer.types", c.indexer.full_layers(n)))),
         # the DSA indexer LayerNorm's fixed eps (what llama.cpp's Glm5NextModel converter writes)
         "layer_norm_epsilon": lambda w, c, n: w.add_layer_norm_eps(1e-6),

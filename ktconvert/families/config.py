@@ -10,7 +10,7 @@ in exactly one place. Pure Python: importing this never imports torch.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -69,12 +69,10 @@ class MoeConfig:
     sliding_layers: tuple[int, ...] = ()
     kda: KdaDims | None = None  # Kimi Delta Attention on the linear_attention layers (attention.linear_attention)
     residual: HyperConnectionDims | None = None  # the residual streams where not one (spec config.hyper_connections)
-    dsa_shared_layers: tuple[int, ...] = ()  # attention layers reusing the previous layer's DSA selection
     # hybrid attention (spec attention.kind gated_deltanet_hybrid): each layer's kind, and the linear layers' dims
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionDims | None = None
     indexer: IndexerDims | None = None  # DSA (spec attention.dsa_indexer) or MSA (attention.msa_indexer)
-    msa_layers: tuple[int, ...] = ()  # the layers running MiniMax Sparse Attention
     shared_experts_width: int | None = None  # the shared_experts MLP's width when a spec names its key
     compressed: CompressedDims | None = None  # compressed sparse MQA (spec attention.kind compressed_mqa)
     hash_layers: tuple[int, ...] = ()  # layers routing by tid2eid[input_id] (spec routing.hash_layers)
@@ -268,8 +266,8 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     if attn_facts.get("linear_attention") == "kda":
         kwargs.update(kda.parse(g, raw, layers, heads, path))
     if attn_facts.get("dsa_shared"):
-        kwargs["dsa_shared_layers"] = mla_mechanism.parse_shared(
-            raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers, path)
+        kwargs["indexer"] = replace(kwargs["indexer"], shared_layers=mla_mechanism.parse_shared(
+            raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers, path))
     if cfg_facts.get("hyper_connections"):
         kwargs["residual"] = hyper_connections.parse(g, cfg_facts["hyper_connections"], path)
     if attn_facts.get("msa_indexer"):

@@ -263,7 +263,7 @@ class Attention(Tagged, nn.Module):
             self.sinks = nn.Parameter(torch.zeros(nh))
         else:
             self.sinks = None
-        self.msa = layer_idx in cfg.msa_layers
+        self.msa = cfg.indexer is not None and layer_idx in cfg.indexer.sparse_layers
         if self.msa:  # MiniMax Sparse Attention's lightning indexer, flat in self_attn as the releases store it
             d = cfg.indexer
             self.index_q_proj = nn.Linear(h, d.n_heads * d.head_dim, bias=False)
@@ -434,7 +434,7 @@ class MLAttention(Tagged, nn.Module):
         self.complex_rope = cfg.spec.attention.complex_rope  # transformers 5 V2 ignores rope_interleave
         self.scaling = softmax_scale(self.qk_head_dim, cfg.rope)
         indexer = DsaKPoolIndexer if cfg.indexer is not None and cfg.indexer.kpool else DsaIndexer
-        own = cfg.indexer is not None and layer_idx not in cfg.dsa_shared_layers
+        own = cfg.indexer is not None and layer_idx not in cfg.indexer.shared_layers
         self.indexer = indexer(cfg, layer_idx) if own else None
         # a shared layer (GLM-5-Next) attends where the previous layer's indexer chose: DecoderModel links that
         # layer's attention here (not a submodule) and it keeps its last selection for this one
