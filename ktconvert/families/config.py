@@ -34,6 +34,18 @@ FAMILIES = registry.families()
 
 
 @dataclass(frozen=True)
+class GgufFacts:
+    """config.json's facts that only the model's own GGUF keys read (``convert/metadata.py``), not the reference:
+    the vision layers whose features join the text model (Qwen3-VL's ``vision_config.deepstack_visual_indexes``),
+    the hub's ``rotary_dim`` as written (MiniMax-M3; transformers ignores it, llama.cpp rotates that many dims) and
+    the multimodal rope sections (Qwen3.5's ``mrope_section``). A mechanism's own GGUF facts are on its part."""
+
+    deepstack_layers: int = 0
+    rotary_dim: int | None = None
+    mrope_section: tuple[int, ...] | None = None
+
+
+@dataclass(frozen=True)
 class MoeConfig:
     """The fields the reference models need, with defaults resolved per family."""
 
@@ -80,12 +92,7 @@ class MoeConfig:
     eos_token_id: Any = None
     # config.json's first ``architectures`` entry, else the family's name (what a golden's manifest records)
     architecture: str = ""
-    # GGUF facts the reference does not compute with: the vision layers whose features join the text model
-    # (Qwen3-VL's vision_config.deepstack_visual_indexes), the hub's rotary_dim as written (MiniMax-M3; transformers
-    # ignores it, llama.cpp rotates that many dims) and the multimodal rope sections (Qwen3.5's mrope_section)
-    deepstack_layers: int = 0
-    hub_rotary_dim: int | None = None
-    mrope_section: tuple[int, ...] | None = None
+    gguf: GgufFacts = GgufFacts()  # what only the model's own GGUF keys read (convert/metadata.py)
 
     @property
     def shared_experts_inter(self) -> int:
@@ -311,21 +318,21 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         sliding_window=window,
         sliding_layers=sliding,
         architecture=(raw.get("architectures") or [family])[0],
-        **_gguf_facts(raw),
+        gguf=_gguf_facts(raw),
         **kwargs,
     )
 
 
 
-def _gguf_facts(raw: dict) -> dict:
-    """What only the GGUF keys read of config.json (``MoeConfig.deepstack_layers`` and its neighbours)."""
+def _gguf_facts(raw: dict) -> GgufFacts:
+    """What only the model's own GGUF keys read of config.json."""
     vision = raw.get("vision_config")
     params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
     sections = params.get("mrope_section") if isinstance(params, dict) else None
     rotary_dim = raw.get("rotary_dim")
-    return dict(deepstack_layers=len((vision.get("deepstack_visual_indexes") or ()) if isinstance(vision, dict) else ()),
-                hub_rotary_dim=rotary_dim if isinstance(rotary_dim, int) else None,
-                mrope_section=tuple(sections) if sections else None)
+    return GgufFacts(deepstack_layers=len((vision.get("deepstack_visual_indexes") or ()) if isinstance(vision, dict) else ()),
+                     rotary_dim=rotary_dim if isinstance(rotary_dim, int) else None,
+                     mrope_section=tuple(sections) if sections else None)
 
 
 def mlp_kinds(raw: dict) -> list | None:
