@@ -216,40 +216,14 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         raise InputError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}", path=path)
 
     max_pos = int(g.opt("max_position_embeddings", defaults["max_position_embeddings"]))
+    compress_rope = None
     if compressed:
         rope, compress_rope = compressed_mqa.parse_ropes(raw, defaults["rope_theta"], rope_dim, max_pos, path)
     else:
         rope = parse_rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
 
-    moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts, path)))
-    types = raw.get("mlp_layer_types")
-    if sp.dense_layers == "first_k_dense" and isinstance(types, list) and "first_k_dense_replace" in raw and (
-            [t == "sparse" for t in types] != [i in moe_layers for i in range(layers)]):
-        # transformers reads only mlp_layer_types, llama.cpp's converters only first_k_dense_replace
-        raise InputError(f"mlp_layer_types {types} disagrees with first_k_dense_replace="
-                         f"{raw.get('first_k_dense_replace')}", path=path, where="mlp_layer_types",
-                         fix="make both name the same dense layers")
-    if sp.dense_layers == "none" and _lists_dense(raw):
-        raise InputError("dense MLP layers (mlp_layer_types \"dense\" / moe_layer_freq 0) are not supported for "
-                         f"{family}: every layer must be MoE", path=path, where="mlp_layer_types")
-
-    if sp.expert_width_key == "intermediate_size":
-        moe_inter = g.int("intermediate_size")
-        inter = moe_inter
-    else:
-        moe_inter = g.int(sp.expert_width_key)
-        inter = int(g.opt("intermediate_size", moe_inter))
-    dense_key = cfg_facts.get("dense_width")
-    # read only where a layer is dense: transformers saves its default (MiniMax-M3: 12288) whatever the layers, and
-    # without dense layers both spellings must read alike (llama.cpp's minimax-m3 reads feed_forward_length only
-    # for its leading dense layers)
-    if dense_key and dense_key in raw and len(moe_layers) < layers:
-        inter = g.int(dense_key)
-    elif dense_key and len(moe_layers) < layers:
-        raise InputError(f"the dense MLP layers' width is missing: give {dense_key} (transformers defaults it, "
-                         "llama.cpp's converter reads intermediate_size instead)", path=path, where=dense_key,
-                         fix=f"write {dense_key} as the release does")
-
+    moe_layers = _checked_moe_layers(sp, raw, layers, num_experts, path)
+    moe_inter, inter = _mlp_widths(g, sp, raw, layers, moe_layers, path)
     routing_part = moe.parse_routing(g, routing, family, num_experts, path)
 
     # biases
@@ -261,29 +235,12 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     window, sliding = _sliding_window(raw, cfg_facts["sliding_window"], layers, path)
     activation = moe.parse_activation(g, act, sp.shared_expert == "shared_experts", path)
 
-    kwargs: dict[str, Any] = {}
     qk_key = attn_facts.get("qk_norm_key")
     qk_norm = bool(g.opt(qk_key, sp.qk_norm)) if qk_key else sp.qk_norm
-    if mla:
-        kwargs = mla_mechanism.parse(g, raw, attn_facts, layers, heads, kv_heads,
-                                     float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])), path)
-
-    if sp.section("attention")["kind"] == "gated_deltanet_hybrid":
-        kwargs.update(gated_deltanet.parse(g, raw, layers, path))
-    if attn_facts.get("linear_attention") == "kda":
-        kwargs.update(kda.parse(g, raw, layers, heads, path))
-    if attn_facts.get("dsa_shared"):
-        kwargs["indexer"] = replace(kwargs["indexer"], shared_layers=mla_mechanism.parse_shared(
-            raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers, path))
-    if cfg_facts.get("hyper_connections"):
-        kwargs["residual"] = hyper_connections.parse(g, cfg_facts["hyper_connections"], path)
-    if attn_facts.get("msa_indexer"):
-        kwargs.update(gqa.parse_msa(g, raw, layers, kv_heads, rope_dim, moe_layers, path))
-    if compressed:
-        kwargs.update(compressed_mqa.parse(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
+    kwargs = _parts(g, raw, sp, layers, heads, kv_heads, head_dim, rope_dim, compress_rope, moe_layers,
+                    float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])), path)
+    if compressed:  # compressed MQA's window covers every layer
         window, sliding = kwargs.pop("sliding_window"), kwargs.pop("sliding_layers")
-    if "hash_layers" in routing:
-        kwargs["hash_layers"] = hash_routing.parse(g, raw, routing["hash_layers"], layers, path)
 
     shared = sp.shared_expert
     width_key = sp.section("moe").get("shared_experts_width")
@@ -322,6 +279,73 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         **kwargs,
     )
 
+
+
+def _parts(g: Getter, raw: dict, sp: registry.FamilySpec, layers: int, heads: int, kv_heads: int, head_dim: int,
+           rope_dim: int, compress_rope: RopeSpec | None, moe_layers: tuple[int, ...], rms_norm_eps: float,
+           path: str | None) -> dict[str, Any]:
+    """The parts of ``MoeConfig`` its mechanisms own, each parsed by the mechanism the spec names (``ktconvert/arch/``),
+    in the order their refusals are checked."""
+    attn, cfg_facts, routing = sp.section("attention"), sp.section("config"), sp.section("routing")
+    kwargs: dict[str, Any] = {}
+    if sp.is_mla:
+        kwargs = mla_mechanism.parse(g, raw, attn, layers, heads, kv_heads, rms_norm_eps, path)
+    if attn["kind"] == "gated_deltanet_hybrid":
+        kwargs.update(gated_deltanet.parse(g, raw, layers, path))
+    if attn.get("linear_attention") == "kda":
+        kwargs.update(kda.parse(g, raw, layers, heads, path))
+    if attn.get("dsa_shared"):
+        kwargs["indexer"] = replace(kwargs["indexer"], shared_layers=mla_mechanism.parse_shared(
+            raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers, path))
+    if cfg_facts.get("hyper_connections"):
+        kwargs["residual"] = hyper_connections.parse(g, cfg_facts["hyper_connections"], path)
+    if attn.get("msa_indexer"):
+        kwargs.update(gqa.parse_msa(g, raw, layers, kv_heads, rope_dim, moe_layers, path))
+    if attn["kind"] == "compressed_mqa":
+        kwargs.update(compressed_mqa.parse(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
+    if "hash_layers" in routing:
+        kwargs["hash_layers"] = hash_routing.parse(g, raw, routing["hash_layers"], layers, path)
+    return kwargs
+
+
+def _checked_moe_layers(sp: registry.FamilySpec, raw: dict, layers: int, num_experts: int,
+                        path: str | None) -> tuple[int, ...]:
+    """The MoE layers under the spec's ``dense_layers`` policy, refused where config.json's two spellings of the
+    dense layers disagree or name a dense layer the family cannot have."""
+    moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts, path)))
+    types = raw.get("mlp_layer_types")
+    if sp.dense_layers == "first_k_dense" and isinstance(types, list) and "first_k_dense_replace" in raw and (
+            [t == "sparse" for t in types] != [i in moe_layers for i in range(layers)]):
+        # transformers reads only mlp_layer_types, llama.cpp's converters only first_k_dense_replace
+        raise InputError(f"mlp_layer_types {types} disagrees with first_k_dense_replace="
+                         f"{raw.get('first_k_dense_replace')}", path=path, where="mlp_layer_types",
+                         fix="make both name the same dense layers")
+    if sp.dense_layers == "none" and _lists_dense(raw):
+        raise InputError("dense MLP layers (mlp_layer_types \"dense\" / moe_layer_freq 0) are not supported for "
+                         f"{sp.family}: every layer must be MoE", path=path, where="mlp_layer_types")
+    return moe_layers
+
+
+def _mlp_widths(g: Getter, sp: registry.FamilySpec, raw: dict, layers: int, moe_layers: tuple[int, ...],
+                path: str | None) -> tuple[int, int]:
+    """``(moe_intermediate_size, intermediate_size)``: an expert's width and the dense MLP layers'."""
+    if sp.expert_width_key == "intermediate_size":
+        moe_inter = g.int("intermediate_size")
+        inter = moe_inter
+    else:
+        moe_inter = g.int(sp.expert_width_key)
+        inter = int(g.opt("intermediate_size", moe_inter))
+    dense_key = sp.section("config").get("dense_width")
+    # read only where a layer is dense: transformers saves its default (MiniMax-M3: 12288) whatever the layers, and
+    # without dense layers both spellings must read alike (llama.cpp's minimax-m3 reads feed_forward_length only
+    # for its leading dense layers)
+    if dense_key and dense_key in raw and len(moe_layers) < layers:
+        inter = g.int(dense_key)
+    elif dense_key and len(moe_layers) < layers:
+        raise InputError(f"the dense MLP layers' width is missing: give {dense_key} (transformers defaults it, "
+                         "llama.cpp's converter reads intermediate_size instead)", path=path, where=dense_key,
+                         fix=f"write {dense_key} as the release does")
+    return moe_inter, inter
 
 
 def _gguf_facts(raw: dict) -> GgufFacts:
