@@ -10,8 +10,9 @@ A mechanism (an attention kind, the MoE block, hash routing, hyper-connections) 
 - its GGUF keys (``gguf_keys``: a spec's ``gguf.metadata`` entry -> a writer of ``(w, c, n)``: the gguf-py writer,
   the config and the block count).
 
-Its torch computation is registered under the same name in ``ktconvert/model/mechanisms.py``. Torch-free; no gguf
-import at module level either (check-rules runs without numpy).
+It defines its part of the config and parses it (``parse``, called by ``ktconvert/families/config.py``) through
+:class:`Getter`. Its torch computation is registered under the same name in ``ktconvert/model/mechanisms.py``.
+Torch-free; no gguf import at module level either (check-rules runs without numpy).
 """
 
 from __future__ import annotations

@@ -4,7 +4,9 @@ Hub checkpoints (the authors' remote-code configs) and transformers 5 (``save_pr
 fields differently: ``num_experts`` / ``num_local_experts`` / ``n_routed_experts``, ``rope_theta`` +
 ``rope_scaling`` / ``rope_parameters``, ``qkv_bias`` present or implied. Everything downstream (reference
 models, weight loading, rule checks) reads :class:`MoeConfig` and never the raw dict, so a spelling is handled
-in exactly one place. Pure Python: importing this never imports torch.
+in exactly one place. This module parses the core (sizes, layers, experts, rope, norms); each mechanism's part
+(``routing``, ``activation``, ``mla``, ``indexer``, ``linear``, ``kda``, ``compressed``, ``residual``, ...) is
+defined and parsed in its ``ktconvert/arch/`` module. Pure Python: importing this never imports torch.
 """
 
 from __future__ import annotations
