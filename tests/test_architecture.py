@@ -16,10 +16,12 @@ PKG = Path(__file__).resolve().parents[1] / "ktconvert"
 
 #: A package may import only packages on a lower floor (same floor: never). ``__init__``/``__main__``/``demo``
 #: are the top-level modules.
+#: ``arch`` sits below ``families``: each mechanism's module parses its part of config.json, and
+#: ``families/config.py`` asks the mechanisms a spec picks for their parts (docs/developing/layout.md).
 FLOORS = {
     "errors": 0, "diagnostics": 0, "optional": 1, "io": 1,
-    "families": 2, "quant": 2, "cluster": 2,
-    "arch": 3,
+    "arch": 2, "quant": 2, "cluster": 2,
+    "families": 3,
     "formats": 4,
     "rules": 5,
     "convert": 6, "model": 6,
@@ -40,8 +42,20 @@ def _modules():
         yield f, owner, ast.parse(f.read_text(encoding="utf-8"))
 
 
-def _imports(tree: ast.AST):
+def _type_only(tree: ast.AST) -> set[int]:
+    """The ids of the import nodes inside ``if TYPE_CHECKING:``: they name a type for annotations and never run."""
+    out: set[int] = set()
     for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
+def _imports(tree: ast.AST):
+    skip = _type_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
         if isinstance(node, ast.Import):
             yield from (a.name for a in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -82,7 +96,11 @@ def _module_graph() -> dict[str, set[str]]:
         mods[".".join(rel.parts)] = f
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for m, f in mods.items():
-        for node in ast.walk(ast.parse(f.read_text(encoding="utf-8"))):
+        tree = ast.parse(f.read_text(encoding="utf-8"))
+        skip = _type_only(tree)
+        for node in ast.walk(tree):
+            if id(node) in skip:
+                continue
             targets = []
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
@@ -200,6 +218,34 @@ def test_only_the_families_package_reads_raw_spec_sections():
     assert offenders == [], f"FamilySpec.section(...) read outside ktconvert/families/: {offenders}"
 
 
+#: the names the parsed config goes by (``cfg``, ``c``, ``config``, ``self.cfg``): ``<one of them>.raw`` reads the raw
+#: config.json dict a parser in families/ or arch/ should have read once
+_CONFIG_NAMES = {"cfg", "c", "config", "mcfg", "moe_cfg"}
+
+
+def test_only_families_and_arch_read_the_raw_config():
+    """What a command needs of config.json is a parsed field of ``MoeConfig`` (or one of its parts), parsed once in
+    ``ktconvert/families/`` or ``ktconvert/arch/``: the parsed config keeps no raw dict to read, and no module
+    elsewhere reads ``<config>.raw``."""
+    import dataclasses
+
+    from ktconvert.families.config import MoeConfig
+
+    assert "raw" not in {f.name for f in dataclasses.fields(MoeConfig)} and not hasattr(MoeConfig, "raw"), (
+        "MoeConfig keeps the raw config.json dict: parse what its readers need into fields")
+    offenders = []
+    for f, owner, tree in _modules():
+        if owner in ("families", "arch"):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and node.attr == "raw":
+                v = node.value
+                name = v.id if isinstance(v, ast.Name) else v.attr if isinstance(v, ast.Attribute) else None
+                if name in _CONFIG_NAMES:
+                    offenders.append(f"{f.relative_to(PKG.parent)}:{node.lineno}")
+    assert offenders == [], f"the raw config read outside ktconvert/families/ and ktconvert/arch/: {offenders}"
+
+
 # --- one place per mechanism ----------------------------------------------------------------------------------------
 #: the values of a spec's attention kinds and config.json's layer kinds: comparing one of them chooses a mechanism
 _KIND_VALUES = {"linear_attention", "gqa", "mla", "compressed_mqa", "gated_deltanet_hybrid", "gated_deltanet", "kda"}
@@ -238,8 +284,9 @@ def test_only_arch_chooses_a_layers_mechanism(pkg=PKG):
     assert offenders == [], f"a mechanism chosen outside ktconvert/arch/: {offenders}"
 
 
-def test_arch_is_torch_free_and_sits_just_above_families():
-    """``ktconvert/arch/`` reads the parsed config and nothing above it (no model, convert, rules, formats); no torch,
+def test_arch_is_torch_free_and_sits_just_below_families():
+    """``ktconvert/arch/`` imports nothing above errors and io at run time (the parsed config it reads is named for
+    annotations only, under ``TYPE_CHECKING``): ``families/config.py`` imports its mechanisms' parsers. No torch,
     and gguf (numpy) only inside the GGUF key writers that need an enum of it: check-rules imports this package and
     runs without numpy."""
     above = []
@@ -250,7 +297,7 @@ def test_arch_is_torch_free_and_sits_just_above_families():
                                       type_ignores=[])))
         above += [f"{f.relative_to(PKG.parent)}: {n}" for n in _imports(tree)
                   if n.split(".")[0] in ("torch", "transformers") or (n.split(".")[0] in ("gguf", "numpy") and n in top)
-                  or (n.startswith("ktconvert.") and n.split(".")[1] not in ("arch", "families", "errors", "io"))]
+                  or (n.startswith("ktconvert.") and n.split(".")[1] not in ("arch", "errors", "io"))]
     assert not above, sorted(above)
 
 

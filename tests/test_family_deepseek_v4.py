@@ -121,7 +121,7 @@ def test_clamped_swiglu_matches_transformers_experts_past_the_limit():
     for p in list(experts.parameters()) + list(shared.parameters()):
         torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(16, cfg.hidden_size)
-    ours = GatedMLP(cfg.hidden_size, rel.moe_intermediate_size, rel.expert_proj_names, clamp=rel.swiglu_clamp)
+    ours = GatedMLP(cfg.hidden_size, rel.moe_intermediate_size, rel.expert_proj_names, clamp=rel.activation.clamp)
     inter = rel.moe_intermediate_size
     with torch.no_grad():
         ours.w1.weight.copy_(experts.gate_up_proj[3, :inter])
@@ -130,7 +130,7 @@ def test_clamped_swiglu_matches_transformers_experts_past_the_limit():
         assert (ours.w1(x).abs() > 10).float().mean() > 0.2  # the clamp is exercised
         want = experts(x, torch.full((16, 1), 3), torch.ones(16, 1))
         assert_close(ours(x), want, "routed experts")
-        sh = GatedMLP(cfg.hidden_size, rel.shared_experts_inter, clamp=rel.swiglu_clamp)
+        sh = GatedMLP(cfg.hidden_size, rel.shared_experts_inter, clamp=rel.activation.clamp)
         sh.load_state_dict(shared.state_dict())
         assert_close(sh(x), shared(x), "shared expert")
         plain = GatedMLP(cfg.hidden_size, rel.shared_experts_inter)  # no clamp: far from transformers
@@ -159,11 +159,11 @@ def test_release_and_transformers_spellings_read_alike(hf):
     saved = hf.config.to_dict()
     tf = normalize_config(saved)
     assert "compress_ratios" not in saved and saved["layer_types"][2] == "heavily_compressed_attention"
-    for field in ("compressed", "hyper_connections", "hash_layers", "indexer", "sliding_window", "rope", "swiglu_clamp",
+    for field in ("compressed", "residual", "hash_layers", "indexer", "sliding_window", "rope", "activation",
                   "routing", "q_lora_rank", "head_dim"):
         assert getattr(rel, field) == getattr(tf, field), field
     assert rel.compressed.ratios == (0, 4, 128) and rel.hash_layers == (0,)
-    assert rel.swiglu_clamp == (None, 10.0) and rel.shared_swiglu  # transformers' DeepseekV4MLP clamps too
+    assert rel.activation.clamp == (None, 10.0) and rel.activation.shared  # transformers' DeepseekV4MLP clamps too
 
 
 @pytest.mark.parametrize("change, where", [

@@ -126,14 +126,14 @@ def _transformers_spelling() -> dict:
 
 def test_release_and_transformers_spellings_read_alike():
     rel, tf5 = normalize_config(tiny_config(FAMILY)), normalize_config(_transformers_spelling())
-    for field in ("kda", "layer_types", "moe_layers", "indexer", "dsa_shared_layers", "hyper_connections",
-                  "swiglu_limit", "mla"):
+    for field in ("kda", "layer_types", "moe_layers", "indexer", "residual",
+                  "activation", "mla"):
         assert getattr(rel, field) == getattr(tf5, field), field
-    assert rel.moe_layers == (1, 2, 3) and rel.dsa_shared_layers == (2,) and rel.kda.lower_bound == -5.0
+    assert rel.moe_layers == (1, 2, 3) and rel.indexer.shared_layers == (2,) and rel.kda.lower_bound == -5.0
     # the releases' index_topk_pattern spelling of indexer_types, and transformers' all-full default
     raw = {k: v for k, v in tiny_config(FAMILY).items() if k != "indexer_types"}
-    assert normalize_config({**raw, "index_topk_pattern": "FFSF"}).dsa_shared_layers == (2,)
-    assert normalize_config(raw).dsa_shared_layers == ()
+    assert normalize_config({**raw, "index_topk_pattern": "FFSF"}).indexer.shared_layers == (2,)
+    assert normalize_config(raw).indexer.shared_layers == ()
 
 
 @pytest.mark.parametrize("change,where", [

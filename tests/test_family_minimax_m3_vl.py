@@ -169,9 +169,9 @@ def test_hub_and_transformers_spellings_read_alike():
                 mlp_layer_types=["sparse", "sparse"], hidden_act="silu")
     a, b = normalize_config(hub), normalize_config({**hub, "text_config": text})
     assert a == b
-    assert a.msa_layers == (0, 1) and (a.indexer.block_size, a.indexer.topk, a.indexer.local_blocks) == (8, 2, 1)
+    assert a.indexer.sparse_layers == (0, 1) and (a.indexer.block_size, a.indexer.topk, a.indexer.local_blocks) == (8, 2, 1)
     assert a.shared_experts_width == 256 and a.n_shared_experts == 1 and a.routing.routed_scaling_factor == 2.0
-    assert (a.swiglu_alpha, a.swiglu_limit) == (1.702, 7.0)
+    assert a.activation.clamp == (1.702, 7.0)
 
 
 def test_rotary_dim_is_ignored_as_transformers_ignores_it():
@@ -384,8 +384,8 @@ def test_dense_layers_read_alike_in_both_spellings():
     text.update(mlp_layer_types=["dense", "sparse"])
     a, b = normalize_config(hub), normalize_config({**hub, "text_config": text})
     assert a == b
-    assert a.moe_layers == (1,) and a.msa_layers == (1,) and a.intermediate_size == 576 and a.moe_intermediate_size == 256
-    assert a.dense_swiglu and a.swiglu_clamp == (1.702, 7.0)
+    assert a.moe_layers == (1,) and a.indexer.sparse_layers == (1,) and a.intermediate_size == 576 and a.moe_intermediate_size == 256
+    assert a.activation.dense and a.activation.clamp == (1.702, 7.0)
     assert (a.ffn_name(0), a.ffn_name(1)) == ("mlp", "block_sparse_moe")
     transformers, _ = _transformers()
     cfg = transformers.AutoConfig.for_model(**hub).text_config

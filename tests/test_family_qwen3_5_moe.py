@@ -102,7 +102,9 @@ def test_value_transforms_are_llamacpps_and_undo_inverts_them(f32, model):
 
 
 def test_redo_and_undo_are_inverse():
-    cfg = {"linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 3, "linear_value_head_dim": 4}
+    from ktconvert.arch.gated_deltanet import LinearAttentionDims
+
+    cfg = LinearAttentionDims(2, 6, 3, 4, conv_kernel=4)
     rng = np.random.default_rng(0)
     for kind, shape in (("qkv_value_rows", (36, 5)), ("value_rows", (24, 5)), ("scalar_rows", (6, 5)),
                         ("scalar_cols", (6,)), ("value_cols", (5, 24))):

@@ -149,7 +149,8 @@ def test_gguf_tensors_are_llamacpps_and_verify_reads_them_back(f32, model):
     cfg = load_config(model)
     hf = {k: v.numpy() for k, v in to_reference_state(cfg, read_tensors(model)).items()}
     got = {t.name: np.asarray(t.data) for t in GGUFReader(f32).tensors}
-    qkv, z = _llamacpp_qkvz(hf["model.layers.0.linear_attn.in_proj_qkvz.weight"], cfg.raw)
+    qkv, z = _llamacpp_qkvz(hf["model.layers.0.linear_attn.in_proj_qkvz.weight"],
+                            json.loads((model / "config.json").read_text()))
     np.testing.assert_array_equal(got["blk.0.attn_qkv.weight"], qkv)
     np.testing.assert_array_equal(got["blk.0.attn_gate.weight"], z)
     np.testing.assert_array_equal(got["blk.0.ssm_ba.weight"], hf["model.layers.0.linear_attn.in_proj_ba.weight"])
@@ -218,17 +219,20 @@ def test_mtp_tensors_are_left_out_as_llamacpps_converter_does(model, f32, tmp_pa
 
 
 def test_redo_and_join_are_inverse():
+    from ktconvert.arch.gated_deltanet import LinearAttentionDims
+
     cfg = {"linear_num_key_heads": 2, "linear_num_value_heads": 6, "linear_key_head_dim": 3, "linear_value_head_dim": 4}
+    dims = LinearAttentionDims(2, 6, 3, 4, conv_kernel=4)
     rows = 2 * (2 * 3 + 2 * 3 * 4)
     a = np.random.default_rng(0).standard_normal((rows, 5)).astype(np.float32)
-    qkv, z = (transforms.redo(a, {"qkvz_split": p}, cfg, "x") for p in ("qkv", "z"))
+    qkv, z = (transforms.redo(a, {"qkvz_split": p}, dims, "x") for p in ("qkv", "z"))
     assert qkv.shape == (2 * 2 * 3 + 6 * 4, 5) and z.shape == (6 * 4, 5)
     want_qkv, want_z = _llamacpp_qkvz(a, {**cfg, "hidden_size": 5})
     np.testing.assert_array_equal(qkv, want_qkv)
     np.testing.assert_array_equal(z, want_z)
-    np.testing.assert_array_equal(transforms.join_qkvz(qkv, z, cfg, "x"), a)
+    np.testing.assert_array_equal(transforms.join_qkvz(qkv, z, dims, "x"), a)
     with pytest.raises(InputError):
-        transforms.redo(a[:-1], {"qkvz_split": "z"}, cfg, "x")
+        transforms.redo(a[:-1], {"qkvz_split": "z"}, dims, "x")
 
 
 @pytest.mark.interop

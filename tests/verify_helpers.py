@@ -73,11 +73,11 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
             continue
         if transforms.splits(m.transform):  # one HF tensor, several GGUF ones (Qwen3-Next's in_proj_qkvz)
             for sib in nm.hf_siblings(m):
-                part = transforms.redo(w, dict(sib.transform), cfg.raw, name)
+                part = transforms.redo(w, dict(sib.transform), cfg.linear, name)
                 tensors[sib.gguf_name] = (part, _row_type(other, part.shape[-1]))
             continue
         if m.transform:  # llama.cpp's value changes (Qwen3.5: norms + 1, -exp(A_log), tiled value heads)
-            w = transforms.redo(w, dict(m.transform), cfg.raw, name)
+            w = transforms.redo(w, dict(m.transform), cfg.linear, name)
         if nm.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             w = permute_rope_rows(w, heads if ".attn_q." in gname else kv_heads)
         if gname.endswith("ffn_gate_inp_shexp.weight"):

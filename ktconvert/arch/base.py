@@ -10,20 +10,25 @@ A mechanism (an attention kind, the MoE block, hash routing, hyper-connections) 
 - its GGUF keys (``gguf_keys``: a spec's ``gguf.metadata`` entry -> a writer of ``(w, c, n)``: the gguf-py writer,
   the config and the block count).
 
-Its torch computation is registered under the same name in ``ktconvert/model/mechanisms.py``. Torch-free; no gguf
-import at module level either (check-rules runs without numpy).
+It defines its part of the config and parses it (``parse``, called by ``ktconvert/families/config.py``) through
+:class:`Getter`. Its torch computation is registered under the same name in ``ktconvert/model/mechanisms.py``.
+Torch-free; no gguf import at module level either (check-rules runs without numpy).
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
 
-from ktconvert.families.config import MoeConfig
+from ktconvert.errors import InputError
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
+
 
 #: ``add(name, shape, role)``: how a mechanism hands the tensor walker one tensor
 Add = Callable[[str, tuple, str], None]
 #: ``write(w, c, n)``: one GGUF key (or a few) of a spec's ``gguf.metadata`` list
-KeyWriter = Callable[[Any, MoeConfig, int], None]
+KeyWriter = Callable[[Any, "MoeConfig", int], None]
 
 
 class Mechanism(Protocol):
@@ -59,3 +64,35 @@ def when(cond, write: Callable[[], Any]) -> None:
     """Run ``write`` only if ``cond``: a key written only when the config has the feature."""
     if cond:
         write()
+
+
+class Getter:
+    """config.json's values as the parsers read them (``families/config.py`` and each mechanism's ``parse``): an
+    optional key with its default, a required integer, the first of several spellings; a wrong one is one
+    :class:`~ktconvert.errors.InputError` naming the key."""
+
+    def __init__(self, raw: dict, path: str | None):
+        self.raw = raw
+        self.path = path
+
+    def opt(self, key: str, default: Any = None) -> Any:
+        value = self.raw.get(key, default)
+        return default if value is None and default is not None else value
+
+    def int(self, key: str) -> int:
+        value = self.raw.get(key)
+        if value is None:
+            raise InputError(f"missing required field {key!r}", path=self.path, where=key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
+            raise InputError(f"{key} must be an integer, got {value!r}", path=self.path, where=key)
+        return int(value)
+
+    def first_int(self, *keys: str) -> int:
+        for key in keys:
+            if self.raw.get(key) is not None:
+                return self.int(key)
+        raise InputError(f"missing the expert count (one of {', '.join(keys)})", path=self.path, where=keys[0])
+
+    def choice(self, choice: dict) -> Any:
+        """A spec ``choice``: a fixed value or a config key with its default."""
+        return choice["fixed"] if "fixed" in choice else self.opt(choice["key"], choice["default"])

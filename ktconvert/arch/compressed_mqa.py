@@ -1,12 +1,129 @@
 """Compressed sparse MQA (DeepSeek-V4, spec ``attention.kind: compressed_mqa``): q LoRA, one K=V projection, the
 grouped output projection and per-head sinks; on a compressed layer the compressor (every closed window, or on the
-indexer-ratio layers overlapping windows picked by its lightning indexer). Torch: ``model/compressed.py``
+indexer-ratio layers overlapping windows picked by its lightning indexer). Its part of the config is
+``MoeConfig.compressed`` (:class:`CompressedDims`) with the indexer, the q LoRA, the rotated width and the window,
+parsed here (:func:`parse`, :func:`parse_rope_dim`, :func:`parse_ropes`). Torch: ``model/compressed.py``
 ``CompressedAttention``."""
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix
-from ktconvert.families.config import MoeConfig
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix
+from ktconvert.arch.indexer import indexer_dims
+from ktconvert.arch.rope import RopeSpec, parse_rope
+from ktconvert.errors import InputError
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
+
+
+@dataclass(frozen=True)
+class CompressedDims:
+    """Compressed sparse MQA (spec ``attention.kind: compressed_mqa``): per layer the compress ratio (0: window only;
+    ``csa_ratio``: overlapping windows picked by the indexer; any other: every closed window), the rope of compressed
+    layers, and the grouped output projection."""
+
+    ratios: tuple[int, ...]
+    csa_ratio: int
+    compress_rope: RopeSpec
+    o_groups: int
+    o_lora_rank: int
+
+
+_CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
+_RATIO_KINDS = {0: "sliding_attention", 4: _CSA, 128: _HCA}
+
+
+def parse_rope_dim(raw: dict, head_dim: int, path: str | None) -> int:
+    """The rotated tail of each head: the release's ``qk_rope_head_dim``, else transformers' ``partial_rotary_factor``
+    (top level or in ``rope_parameters.main``)."""
+    dim = raw.get("qk_rope_head_dim")
+    if dim is None:
+        params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
+        main = params.get("main") if isinstance(params.get("main"), dict) else params
+        factor = main.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
+            raise InputError("the rotated head size is missing: give qk_rope_head_dim (or partial_rotary_factor in "
+                             "(0, 1])", path=path, where="qk_rope_head_dim")
+        dim = int(head_dim * factor)
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2 or dim > head_dim:
+        raise InputError(f"qk_rope_head_dim must be an even integer in 2..head_dim ({head_dim}), got {dim!r}",
+                         path=path, where="qk_rope_head_dim")
+    return dim
+
+
+def parse_ropes(raw: dict, default_theta: float, dim: int, max_pos: int, path: str | None) -> tuple[RopeSpec, RopeSpec]:
+    """``(main, compress)`` ropes: window-only layers rotate with ``rope_theta``, compressed layers (and their
+    compressors and indexers) with ``compress_rope_theta`` and the release's ``rope_scaling`` (YaRN without its
+    attention factor, as transformers 5.23 forces). transformers' nested ``rope_parameters`` {main, compress} too."""
+    params = raw.get("rope_parameters")
+    if isinstance(params, dict) and isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
+        main_raw, comp_raw = params["main"], params["compress"]
+    else:
+        scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else {}
+        main_raw = {"rope_type": "default", "rope_theta": raw.get("rope_theta", default_theta)}
+        comp_raw = {**scaling, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
+    comp_raw = dict(comp_raw)
+    if comp_raw.get("rope_type", comp_raw.get("type")) == "yarn":
+        comp_raw.setdefault("attention_factor", 1.0)
+    main_raw = {k: v for k, v in main_raw.items() if k != "partial_rotary_factor"}
+    comp_raw = {k: v for k, v in comp_raw.items() if k != "partial_rotary_factor"}
+    main = parse_rope({"rope_parameters": main_raw}, default_theta, dim, max_pos, path)
+    if main.kind != "default":
+        raise InputError(f"the window-only layers' rope must be the default rope, got {main.kind!r}", path=path,
+                         where="rope_parameters.main")
+    return main, parse_rope({"rope_parameters": comp_raw}, default_theta, dim, max_pos, path)
+
+
+def parse(g: Getter, raw: dict, layers: int, heads: int, kv_heads: int, head_dim: int, compress_rope: RopeSpec,
+                path: str | None) -> dict:
+    """Compressed sparse MQA: per-layer compress ratios (the release's ``compress_ratios``, or transformers'
+    ``layer_types`` + ``compress_rates``), the indexer, the window and the grouped output projection."""
+    if kv_heads != 1:
+        raise InputError(f"compressed MQA has one shared K=V head: num_key_value_heads must be 1, got {kv_heads}",
+                         path=path, where="num_key_value_heads")
+    rates = raw.get("compress_rates") if isinstance(raw.get("compress_rates"), dict) else {}
+    csa = rates.get(_CSA, raw.get("compress_rate_csa", 4))
+    hca = rates.get(_HCA, raw.get("compress_rate_hca", 128))
+    ratios, types = raw.get("compress_ratios"), raw.get("layer_types")
+    if ratios is not None:
+        ok = (isinstance(ratios, list) and len(ratios) >= layers
+              and all(not isinstance(r, bool) and r in _RATIO_KINDS for r in ratios))
+        if not ok:
+            raise InputError(f"compress_ratios must list {layers} entries of 0 / 4 / 128, got {ratios!r}", path=path,
+                             where="compress_ratios")
+        ratios = tuple({0: 0, 4: csa, 128: hca}[r] for r in ratios[:layers])
+    elif types is not None:
+        kinds = {"sliding_attention": 0, _CSA: csa, _HCA: hca}
+        if not isinstance(types, list) or len(types) < layers or any(t not in kinds for t in types[:layers]):
+            raise InputError(f"layer_types must list {layers} entries of {' / '.join(kinds)}, got {types!r}",
+                             path=path, where="layer_types")
+        ratios = tuple(kinds[t] for t in types[:layers])
+    else:
+        raise InputError("compressed MQA needs each layer's compress ratio: give compress_ratios (or layer_types)",
+                         path=path, where="compress_ratios")
+    for name, v in (("compress_rates.compressed_sparse_attention", csa),
+                    ("compress_rates.heavily_compressed_attention", hca)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"{name} must be a positive integer, got {v!r}", path=path, where=name)
+    if csa == hca:
+        raise InputError(f"the two compress rates must differ (both {csa})", path=path, where="compress_rates")
+    o_groups, o_lora = g.int("o_groups"), g.int("o_lora_rank")
+    if o_groups < 1 or heads % o_groups:
+        raise InputError(f"o_groups={o_groups} must divide num_attention_heads={heads}", path=path, where="o_groups")
+    window = raw.get("sliding_window")
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InputError(f"sliding_window must be a positive integer, got {window!r}", path=path,
+                         where="sliding_window")
+    q_lora = g.int("q_lora_rank")
+    rope_dim = compress_rope.dim
+    indexer = indexer_dims(g, rope_dim, path)
+    dims = CompressedDims(ratios=ratios, csa_ratio=csa, compress_rope=compress_rope, o_groups=o_groups,
+                          o_lora_rank=o_lora)
+    return {"compressed": dims, "indexer": indexer, "q_lora_rank": q_lora, "qk_rope_head_dim": rope_dim,
+            "sliding_window": int(window), "sliding_layers": tuple(range(layers))}
 
 
 class CompressedMqa(AttentionMechanism):

@@ -4,8 +4,12 @@ Torch: ``model/modules.py`` ``GatedMLP``."""
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ktconvert.arch.base import Add, layer_prefix
-from ktconvert.families.config import MoeConfig
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
 
 
 def mlp_tensors(add: Add, h: int, prefix: str, inter: int, names=("gate_proj", "up_proj", "down_proj"),

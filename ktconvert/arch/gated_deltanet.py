@@ -1,11 +1,56 @@
 """Gated DeltaNet linear attention (the ``linear_attention`` layers of spec ``attention.kind:
 gated_deltanet_hybrid``: Qwen3-Next, Qwen3.5), held as ``linear_attn``; its input projections split or grouped per
-key head (``attention.linear_packing``). Torch: ``model/linear_attention.py`` ``GatedDeltaNet``."""
+key head (``attention.linear_packing``). Its part of the config is ``MoeConfig.linear`` (:class:`LinearAttentionDims`)
+with each layer's kind (``MoeConfig.layer_types``), parsed here by :func:`parse`. Torch:
+``model/linear_attention.py`` ``GatedDeltaNet``."""
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix
-from ktconvert.families.config import MoeConfig
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix
+from ktconvert.errors import InputError
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
+
+
+@dataclass(frozen=True)
+class LinearAttentionDims:
+    """Gated DeltaNet linear-attention sizes (config keys ``linear_*``)."""
+
+    num_key_heads: int
+    num_value_heads: int
+    key_head_dim: int
+    value_head_dim: int
+    conv_kernel: int
+    # the hub's every-n-th-layer-full key, as llama.cpp's converter writes it (default 4; transformers turns it into
+    # layer_types and drops it): a GGUF fact, not a size, so two spellings of one model still compare equal
+    full_attention_interval: int = field(default=4, compare=False)
+
+
+KINDS = ("linear_attention", "full_attention")
+
+
+def parse(g: Getter, raw: dict, layers: int, path: str | None) -> dict:
+    """layer_types (or every ``full_attention_interval``-th layer full, transformers' default) and the Gated DeltaNet
+    dims of a hybrid-attention family."""
+    types = raw.get("layer_types")
+    if types is None:
+        every = int(g.opt("full_attention_interval", 4))
+        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(t not in KINDS for t in types):
+        raise InputError(f"layer_types must list {layers} entries, each one of {', '.join(KINDS)}",
+                         path=path, where="layer_types")
+    dims = LinearAttentionDims(
+        num_key_heads=g.int("linear_num_key_heads"), num_value_heads=g.int("linear_num_value_heads"),
+        key_head_dim=g.int("linear_key_head_dim"), value_head_dim=g.int("linear_value_head_dim"),
+        conv_kernel=g.int("linear_conv_kernel_dim"), full_attention_interval=int(g.opt("full_attention_interval", 4)))
+    if dims.num_value_heads % dims.num_key_heads:
+        raise InputError(f"linear_num_value_heads={dims.num_value_heads} is not a multiple of "
+                         f"linear_num_key_heads={dims.num_key_heads}", path=path, where="linear_num_value_heads")
+    return {"layer_types": tuple(types), "linear": dims}
 
 
 class GatedDeltaNet(AttentionMechanism):
@@ -49,8 +94,7 @@ class GatedDeltaNet(AttentionMechanism):
         "ssm_inner_size": lambda w, c, n: w.add_ssm_inner_size(c.linear.value_head_dim * c.linear.num_value_heads),
         "recurrent_layers": lambda w, c, n: w.add_array(f"{w.arch}.attention.recurrent_layers",
                                                         [t == "linear_attention" for t in c.layer_types]),
-        "full_attention_interval": lambda w, c, n: w.add_full_attention_interval(
-            int(c.raw.get("full_attention_interval", 4))),
+        "full_attention_interval": lambda w, c, n: w.add_full_attention_interval(c.linear.full_attention_interval),
     }
 
 

@@ -1,11 +1,68 @@
 """Full softmax attention with grouped KV heads (spec ``attention.kind: gqa``, and the full-attention layers of a
 Gated DeltaNet hybrid): optional output gate, biases, sinks, q/k norms (per head or over the projection), sliding
-window, and MiniMax Sparse Attention's indexer on the layers that run it. Torch: ``model/modules.py`` ``Attention``."""
+window, and MiniMax Sparse Attention's indexer on the layers that run it (``MoeConfig.indexer`` with its
+``sparse_layers``, parsed here by :func:`parse_msa`). Torch: ``model/modules.py`` ``Attention``."""
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix, norm_role, when
-from ktconvert.families.config import MoeConfig
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix, norm_role, when
+from ktconvert.arch.indexer import IndexerDims
+from ktconvert.errors import InputError
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
+
+
+_KEYS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
+             "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
+             "index_local_blocks": "sparse_local_block"}
+_LAYER = "minimax_m3_sparse"
+
+
+def parse_msa(g: Getter, raw: dict, layers: int, kv_heads: int, rope_dim: int, moe_layers: tuple[int, ...],
+              path: str | None) -> dict:
+    """MiniMax Sparse Attention's indexer sizes and layers, from transformers' ``index_*`` / ``layer_types`` or the
+    hub's ``sparse_attention_config`` (``sparse_*``, ``sparse_attention_freq``), whichever the config holds."""
+    hub = raw.get("sparse_attention_config")
+    hub = hub if isinstance(hub, dict) else {}
+    vals = {}
+    for key, legacy in _KEYS.items():
+        v = hub.get(legacy, raw.get(key))
+        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "index_local_blocks" else 1):
+            raise InputError(f"{key} (sparse_attention_config.{legacy}) must be a "
+                             f"{'non-negative' if key == 'index_local_blocks' else 'positive'} integer, got {v!r}",
+                             path=path, where=key)
+        vals[key] = v
+    dims = IndexerDims(n_heads=vals["index_n_heads"], head_dim=vals["index_head_dim"], topk=vals["index_topk_blocks"],
+                       block_size=vals["index_block_size"], local_blocks=vals["index_local_blocks"])
+    if dims.n_heads != kv_heads:
+        raise InputError(f"index_n_heads={dims.n_heads} must equal num_key_value_heads={kv_heads} (one indexer head "
+                         "per KV group)", path=path, where="index_n_heads")
+    if dims.head_dim < rope_dim:
+        raise InputError(f"index_head_dim={dims.head_dim} must hold the {rope_dim} rotated dims", path=path,
+                         where="index_head_dim")
+    freq = hub.get("sparse_attention_freq")
+    types = raw.get("layer_types")
+    if freq is not None:
+        ok = isinstance(freq, list) and len(freq) == layers
+        sparse = tuple(i for i, f in enumerate(freq) if f) if ok else ()
+    elif types is not None:
+        ok = isinstance(types, list) and len(types) == layers and set(types) <= {_LAYER, "full_attention"}
+        sparse = tuple(i for i, t in enumerate(types) if t == _LAYER) if ok else ()
+    else:
+        ok, sparse = True, ()
+    if not ok:
+        raise InputError(f"layer_types (sparse_attention_config.sparse_attention_freq) must list {layers} entries of "
+                         f"{_LAYER} / full_attention", path=path, where="layer_types")
+    sparse_dense = [i for i in sparse if i not in moe_layers]
+    if sparse_dense:
+        raise InputError(f"dense MLP layers {sparse_dense} run MiniMax Sparse Attention: llama.cpp's minimax-m3 "
+                         "attends fully on its leading dense layers and holds no indexer there", path=path,
+                         where="layer_types", fix="mark the dense layers full_attention (sparse_attention_freq 0)")
+    return {"indexer": replace(dims, sparse_layers=sparse)}
 
 
 class Gqa(AttentionMechanism):
@@ -28,7 +85,7 @@ class Gqa(AttentionMechanism):
             whole = cfg.spec.attention.qk_norm_whole
             add(f"{a}.q_norm.weight", (nh * hd if whole else hd,), norm)
             add(f"{a}.k_norm.weight", (nkv * hd if whole else hd,), norm)
-        if layer in cfg.msa_layers:  # MiniMax Sparse Attention's indexer, flat in self_attn as released
+        if cfg.indexer is not None and layer in cfg.indexer.sparse_layers:  # MiniMax Sparse Attention's indexer, flat in self_attn as released
             d = cfg.indexer
             add(f"{a}.index_q_proj.weight", (d.n_heads * d.head_dim, h), "linear")
             add(f"{a}.index_k_proj.weight", (d.head_dim, h), "linear")
@@ -44,7 +101,7 @@ class Gqa(AttentionMechanism):
             attn.add("q_norm", f"{pre}RMSNorm")
             attn.add("k_norm", f"{pre}RMSNorm")
         attn.add("rotary_emb", f"{pre}RotaryEmbedding")
-        if node.layer in cfg.msa_layers:
+        if cfg.indexer is not None and node.layer in cfg.indexer.sparse_layers:
             attn.add("index_q_proj", "Linear")
             attn.add("index_k_proj", "Linear")
             attn.add("index_q_norm", f"{pre}RMSNorm")

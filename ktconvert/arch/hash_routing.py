@@ -1,12 +1,39 @@
 """Hash routing (DeepSeek-V4's first layers, spec ``routing.hash_layers``): an MoE block whose experts are looked up
 by token id in a ``tid2eid`` table instead of scored; the rest of the block is the MoE block of ``moe.py``.
-Torch: ``model/compressed.py`` ``HashRoutedMoE``."""
+Its part of the config is ``MoeConfig.hash_layers``, parsed here by :func:`parse`. Torch: ``model/compressed.py``
+``HashRoutedMoE``."""
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add
+from typing import TYPE_CHECKING
+
+from ktconvert.arch.base import Add, Getter
 from ktconvert.arch.moe import Moe
-from ktconvert.families.config import MoeConfig
+from ktconvert.errors import InputError
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
+
+
+def parse(g: Getter, raw: dict, choice: dict, layers: int, path: str | None) -> tuple[int, ...]:
+    """The hash-routed layers: transformers' ``mlp_layer_types`` (``hash_moe`` / ``moe``) or the release's
+    ``num_hash_layers`` leading layers."""
+    types = raw.get("mlp_layer_types")
+    if types is not None:
+        if not isinstance(types, list) or len(types) < layers or any(t not in ("hash_moe", "moe") for t in types[:layers]):
+            raise InputError(f"mlp_layer_types must list {layers} entries of hash_moe / moe, got {types!r}", path=path,
+                             where="mlp_layer_types")
+        hashed = tuple(i for i, t in enumerate(types[:layers]) if t == "hash_moe")
+        if hashed != tuple(range(len(hashed))):
+            raise InputError(f"hash_moe layers {list(hashed)} do not lead the stack: the release's num_hash_layers and "
+                             "llama.cpp's hash_layer_count name the first layers only", path=path,
+                             where="mlp_layer_types", fix="list hash_moe for the first layers, then moe")
+        return hashed
+    n = g.choice(choice)
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise InputError(f"num_hash_layers must be a non-negative integer, got {n!r}", path=path,
+                         where="num_hash_layers")
+    return tuple(range(min(n, layers)))
 
 
 class HashRouting(Moe):

@@ -1,11 +1,66 @@
 """Kimi Delta Attention (GLM-5-Next's ``linear_attention`` layers, spec ``attention.linear_attention: kda``), held
 as ``self_attn``: q / k / v with per-projection short convolutions, the low-rank forget and output gates.
-Torch: ``model/linear_attention.py`` ``KimiDeltaAttention``."""
+Its part of the config is ``MoeConfig.kda`` (:class:`KdaDims`) with each layer's kind (``MoeConfig.layer_types``),
+parsed here by :func:`parse`. Torch: ``model/linear_attention.py`` ``KimiDeltaAttention``."""
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix, when
-from ktconvert.families.config import MoeConfig
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix, when
+from ktconvert.errors import InputError
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
+
+
+@dataclass(frozen=True)
+class KdaDims:
+    """Kimi Delta Attention sizes (the release's ``linear_attn_config``, or transformers' ``linear_*`` keys)."""
+
+    num_heads: int
+    head_dim: int
+    conv_kernel: int
+    lower_bound: float | None  # the forget gate's safe lower bound; None: -exp(A_log) * softplus
+
+
+KINDS = ("linear_attention", "indexed_attention", "full_attention")
+_KEYS = {"num_heads": "linear_num_heads", "head_dim": "linear_head_dim",
+         "short_conv_kernel_size": "linear_conv_kernel_dim", "gate_lower_bound": "linear_lower_bound"}
+
+
+def parse(g: Getter, raw: dict, layers: int, heads: int, path: str | None) -> dict:
+    """Kimi Delta Attention layers (``layer_types`` ``linear_attention``; the others are attention, transformers'
+    ``full_attention`` read as ``indexed_attention``) and sizes, from the release's ``linear_attn_config`` or
+    transformers' ``linear_*`` keys, whichever the config holds (the dict wins, as transformers reads it)."""
+    types = raw.get("layer_types")
+    if types is None:  # transformers' default: every fourth layer attention
+        types = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(layers)]
+    if not isinstance(types, list) or len(types) != layers or any(t not in KINDS for t in types):
+        raise InputError(f"layer_types must list {layers} entries, each one of {', '.join(KINDS)}",
+                         path=path, where="layer_types")
+    hub = raw.get("linear_attn_config")
+    hub = hub if isinstance(hub, dict) else {}
+    vals = {}
+    for key, flat in _KEYS.items():
+        v = hub.get(key, raw.get(flat))
+        if key == "gate_lower_bound":
+            if v is None and (key not in hub and flat not in raw or hub.get("safe_gate", True)):
+                v = -5.0  # transformers' default and its safe_gate rule
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
+                raise InputError(f"linear_attn_config.{key} must be a number, got {v!r}", path=path, where=key)
+        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise InputError(f"linear_attn_config.{key} ({flat}) must be a positive integer, got {v!r}", path=path,
+                             where=key, fix="write the release's linear_attn_config")
+        vals[key] = v
+    if vals["num_heads"] != heads:
+        raise InputError(f"linear_attn_config.num_heads ({vals['num_heads']}) must equal num_attention_heads ({heads})",
+                         path=path, where="linear_attn_config.num_heads")
+    dims = KdaDims(num_heads=vals["num_heads"], head_dim=vals["head_dim"], conv_kernel=vals["short_conv_kernel_size"],
+                   lower_bound=None if vals["gate_lower_bound"] is None else float(vals["gate_lower_bound"]))
+    return {"layer_types": tuple("linear_attention" if t == "linear_attention" else "indexed_attention" for t in types),
+            "kda": dims}
 
 
 class Kda(AttentionMechanism):

@@ -1,11 +1,105 @@
 """Multi-head latent attention (spec ``attention.kind: mla``): DeepSeek's compressed KV latent, the optional q LoRA,
 and the DeepSeek Sparse Attention indexer (``attention.dsa_indexer``; k-pools and shared layers: GLM-5-Next).
-Torch: ``model/modules.py`` ``MLAttention``."""
+Its part of the config is ``MoeConfig.mla`` (:class:`MlaDims`) with ``q_lora_rank``, ``qk_rope_head_dim``, the DSA
+``indexer`` with its ``shared_layers``, parsed here (:func:`parse`, :func:`parse_shared`). Torch: ``model/modules.py``
+``MLAttention``."""
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, AttentionMechanism, layer_prefix, when
-from ktconvert.families.config import MoeConfig, indexer_types
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix, when
+from ktconvert.arch.indexer import IndexerDims, indexer_dims, indexer_source, indexer_types
+from ktconvert.errors import InputError
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
+
+
+@dataclass(frozen=True)
+class MlaDims:
+    """Multi-head latent attention (DeepSeek): the compressed KV latent and the per-head split of q / k / v. The
+    query latent (``q_lora_rank``) and the rotated width (``qk_rope_head_dim``) stay on :class:`MoeConfig`: the DSA
+    indexer and DeepSeek-V4's compressed MQA read them too."""
+
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool = True
+    latent_norm_eps: float = 1e-6  # the q_a / kv_a layernorms' eps (attention.latent_norm_eps)
+
+
+def parse(g: Getter, raw: dict, facts: dict, layers: int, heads: int, kv_heads: int, rms_norm_eps: float,
+          path: str | None) -> dict:
+    """``MoeConfig``'s MLA part: the query latent, the rotated width, :class:`MlaDims` and, where the spec's
+    ``attention`` (``facts``) names a DSA indexer, its sizes."""
+    q_lora = g.opt("q_lora_rank")
+    interleave_key = facts.get("rope_interleave_key")
+    latent_eps = rms_norm_eps if facts.get("latent_norm_eps") == "rms_norm_eps" else 1e-6
+    kwargs = dict(
+        q_lora_rank=None if q_lora in (None, 0) else int(q_lora),
+        qk_rope_head_dim=g.int("qk_rope_head_dim"),
+        mla=MlaDims(kv_lora_rank=g.int("kv_lora_rank"), qk_nope_head_dim=g.int("qk_nope_head_dim"),
+                    v_head_dim=g.int("v_head_dim"),
+                    rope_interleave=bool(g.opt(interleave_key, True)) if interleave_key else True,
+                    latent_norm_eps=latent_eps),
+    )
+    if facts.get("dsa_indexer"):
+        kwargs["indexer"] = _dsa_indexer(g, raw, layers, int(kwargs["qk_rope_head_dim"]), path,
+                                         kpool=bool(facts.get("dsa_kpool")), shared=bool(facts.get("dsa_shared")))
+        if kwargs["q_lora_rank"] is None:
+            raise InputError("the DSA indexer reads the q LoRA latent: q_lora_rank must be set", path=path,
+                             where="q_lora_rank")
+    if kv_heads != heads:
+        raise InputError(
+            f"MLA expands keys per attention head: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads})",
+            path=path,
+            where="num_key_value_heads",
+        )
+    return kwargs
+
+
+def _dsa_indexer(g: Getter, raw: dict, layers: int, rope_dim: int, path: str | None, *, kpool: bool = False,
+             shared: bool = False) -> IndexerDims:
+    """The DSA indexer's sizes; every layer must run its own indexer (``indexer_types`` all ``full``). With k-pools
+    (``attention.dsa_kpool``) ``index_topk`` counts keys and must be a multiple of ``index_kpool`` (as transformers
+    checks)."""
+    extra = {}
+    if kpool:
+        extra = dict(kpool=g.int("index_kpool") if "index_kpool" in raw else 16,
+                     kpool_tail=bool(g.opt("index_kpool_always_select_tail", True)))
+        if extra["kpool"] < 1 or g.int("index_topk") % extra["kpool"]:
+            raise InputError(f"index_topk ({raw.get('index_topk')}) must be a positive multiple of index_kpool "
+                             f"({extra['kpool']})", path=path, where="index_topk",
+                             fix="set index_topk to a multiple of index_kpool")
+    types = raw.get("indexer_types")
+    if shared or types is not None:  # what the GGUF's indexer.types key is written from
+        src, freq, offset = indexer_source(raw)
+        extra.update(types=tuple(src) if isinstance(src, list) else src, topk_freq=freq, skip_offset=offset,
+                     types_written=types is not None)
+    dims = indexer_dims(g, rope_dim, path, **extra)
+    if shared:  # checked with the layer kinds (parse_shared)
+        return dims
+    if types is not None and (not isinstance(types, list) or len(types) != layers or set(types) != {"full"}):
+        raise InputError("only indexer_types of all \"full\" layers are supported (a \"shared\" layer reuses another "
+                         "layer's selection)", path=path, where="indexer_types")
+    return dims
+
+
+def parse_shared(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, ...]:
+    """The attention layers that reuse the DSA selection of the layer right before them (``shared``); that layer must
+    be an attention layer running its own indexer (transformers passes the selection only between neighbours)."""
+    types = indexer_types(raw, layers)
+    if not isinstance(types, list) or len(types) != layers or any(t not in ("full", "shared") for t in types):
+        raise InputError(f"indexer_types must list {layers} entries of full / shared, got {types!r}", path=path,
+                         where="indexer_types")
+    shared = tuple(i for i, t in enumerate(types) if t == "shared" and kinds[i] != "linear_attention")
+    for i in shared:
+        if i == 0 or kinds[i - 1] == "linear_attention" or i - 1 in shared:
+            raise InputError(f"layer {i} reuses the DSA selection of layer {i - 1}, which runs no indexer of its own",
+                             path=path, where="indexer_types", fix=f"mark layer {i} full")
+    return shared
 
 
 class Mla(AttentionMechanism):
@@ -25,7 +119,7 @@ class Mla(AttentionMechanism):
         add(f"{a}.kv_a_layernorm.weight", (mla.kv_lora_rank,), "norm")
         add(f"{a}.kv_b_proj.weight", (nh * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank), "linear")
         add(f"{a}.o_proj.weight", (h, nh * mla.v_head_dim), "out_linear")
-        if cfg.indexer is not None and layer not in cfg.dsa_shared_layers:  # a shared layer has no indexer
+        if cfg.indexer is not None and layer not in cfg.indexer.shared_layers:  # a shared layer has no indexer
             d, ix = cfg.indexer, f"{a}.indexer"
             add(f"{ix}.wq_b.weight", (d.n_heads * d.head_dim, cfg.q_lora_rank), "linear")
             add(f"{ix}.wk.weight", (d.head_dim, h), "linear")
@@ -51,7 +145,7 @@ class Mla(AttentionMechanism):
         attn.add("o_proj", "Linear")
         if cfg.qk_rope_head_dim:  # NoPE MLA (GLM-5-Next) has no rotary module
             attn.add("rotary_emb", cfg.spec.classes.tree_rotary or f"{pre}RotaryEmbedding")
-        if cfg.indexer is not None and node.layer not in cfg.dsa_shared_layers:
+        if cfg.indexer is not None and node.layer not in cfg.indexer.shared_layers:
             ix = attn.add("indexer", f"{pre}Indexer")
             ix.add("wq_b", "Linear")
             ix.add("wk", "Linear")
@@ -77,8 +171,8 @@ class Mla(AttentionMechanism):
             when(c.indexer.kpool, lambda: (
                 w.add_uint32(f"{w.arch}.attention.indexer.kpool", c.indexer.kpool),
                 w.add_bool(f"{w.arch}.attention.indexer.kpool_select_tail", c.indexer.kpool_tail))),
-            when(c.raw.get("indexer_types") is not None or c.dsa_shared_layers, lambda: w.add_array(
-                f"{w.arch}.attention.indexer.types", [t == "full" for t in indexer_types(c.raw, n)]))),
+            when(c.indexer.types_written or c.indexer.shared_layers, lambda: w.add_array(
+                f"{w.arch}.attention.indexer.types", c.indexer.full_layers(n)))),
         # the DSA indexer LayerNorm's fixed eps (what llama.cpp's Glm5NextModel converter writes)
         "layer_norm_epsilon": lambda w, c, n: w.add_layer_norm_eps(1e-6),
     }

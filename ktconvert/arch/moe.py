@@ -1,12 +1,122 @@
 """The MoE block (``moe``: router, routed experts of the dense MLP's shape, shared expert(s)), whose router scores
 the hidden state; ``hash_routing.py`` is the MoE block routed by token id. Torch: ``model/modules.py``
-``SparseMoeBlock`` / ``DeepseekMoE`` (picked by the spec's routing maths)."""
+``SparseMoeBlock`` / ``DeepseekMoE`` (picked by the spec's routing maths). Its part of the config is
+``MoeConfig.routing`` (:class:`Routing`) and ``MoeConfig.activation`` (:class:`Activation`), parsed here by
+:func:`parse_routing` and :func:`parse_activation`."""
 
 from __future__ import annotations
 
-from ktconvert.arch.base import Add, layer_prefix, when
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from ktconvert.arch.base import Add, Getter, layer_prefix, when
+from ktconvert.errors import InputError
 from ktconvert.arch.dense_mlp import mlp_modules, mlp_tensors
-from ktconvert.families.config import MoeConfig
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
+
+
+#: routing.weights values whose reference is a softmax over the router logits then top-k (or top-k then softmax):
+#: the SparseMoeBlock family of Qwen / Mixtral; every other value is DeepSeek's gate with its own maths
+LOGITS_ROUTERS = ("softmax_topk", "topk_softmax")
+
+_TOPK_METHODS = {"greedy", "group_limited_greedy", "noaux_tc"}
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a token picks and weighs its experts: the spec's ``routing`` maths with the config's numbers
+    (``MoeConfig.routing``, parsed by ``families.config``)."""
+
+    weights: str  # softmax_topk | topk_softmax | renorm_or_scale | renorm_then_scale | ...
+    float32_weights: bool  # the weights stay float32 instead of returning to the activations' dtype
+    scoring_func: str  # softmax | sigmoid | sqrtsoftplus
+    topk_method: str  # greedy | group_limited_greedy | noaux_tc
+    norm_topk_prob: bool
+    n_group: int | None  # expert groups (None for greedy)
+    topk_group: int | None  # groups a token may pick from
+    routed_scaling_factor: float
+
+    @property
+    def logits_router(self) -> bool:
+        """Softmax-and-top-k routing (Qwen / Mixtral's SparseMoeBlock), whatever the attention kind."""
+        return self.weights in LOGITS_ROUTERS
+
+    @property
+    def renorm_then_scale(self) -> bool:
+        return self.weights == "renorm_then_scale"
+
+    @property
+    def groups(self) -> int:
+        """Expert groups, 1 when the method has none."""
+        return self.n_group or 1
+
+
+def parse_routing(g: Getter, routing: dict, family: str, num_experts: int, path: str | None) -> Routing:
+    """The spec's routing section with the config's numbers, or the one-line refusal of a routing it cannot run."""
+    norm_topk = bool(g.choice(routing["norm_topk_prob"]))
+    scoring = g.choice(routing["scoring_func"])
+    method = g.choice(routing["topk_method"])
+    if method == "gready":  # the DeepSeek-V2 remote-code config's default spelling
+        method = "greedy"
+    if method not in _TOPK_METHODS:
+        raise InputError(f"topk_method {method!r} is not supported ({', '.join(sorted(_TOPK_METHODS))})", path=path, where="topk_method")
+    if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
+        raise InputError(f"scoring_func {scoring!r} is not supported (softmax, sigmoid, sqrtsoftplus)", path=path,
+                         where="scoring_func")
+    allowed = routing.get("allowed") or {}
+    if (scoring not in allowed.get("scoring_func", (scoring,))
+            or method not in allowed.get("topk_method", (method,))):
+        raise InputError(
+            f"{family} routing must use scoring_func {'/'.join(allowed.get('scoring_func', ('any',)))} with topk_method "
+            f"{'/'.join(allowed.get('topk_method', ('any',)))}, got {method}/{scoring}",
+            path=path,
+            where="topk_method",
+        )
+    n_group = g.choice(routing["n_group"]) if "n_group" in routing else g.opt("n_group")
+    topk_group = g.choice(routing["topk_group"]) if "topk_group" in routing else g.opt("topk_group")
+    if method in ("group_limited_greedy", "noaux_tc"):
+        if not n_group or not topk_group:
+            raise InputError(f"topk_method {method} needs n_group and topk_group", path=path, where="n_group")
+        n_group, topk_group = int(n_group), int(topk_group)
+        if num_experts % n_group or not 0 < topk_group <= n_group:
+            raise InputError(
+                f"n_group={n_group} must divide num_experts={num_experts} and topk_group={topk_group} must be in 1..{n_group}",
+                path=path,
+                where="n_group",
+            )
+        if method == "noaux_tc" and num_experts // n_group < 2:
+            raise InputError("noaux_tc scores groups by their top-2 experts: groups need at least 2 experts", path=path, where="n_group")
+
+    scaling = float(g.opt("routed_scaling_factor", 1.0) or 1.0) if routing.get("routed_scaling") else 1.0
+    return Routing(weights=routing["weights"], float32_weights=bool(routing["float32_weights"]), scoring_func=scoring,
+                   topk_method=method, norm_topk_prob=norm_topk, n_group=n_group if method != "greedy" else None,
+                   topk_group=topk_group if method != "greedy" else None, routed_scaling_factor=scaling)
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The experts' activation: ``clamp``, the ``(alpha, limit)`` of a clamped SwiGLU (a spec's ``moe.activation``;
+    alpha None with a limit: silu_clamped, GLM-5-Next), None for plain silu(gate) * up; whether the dense MLP layers
+    (``dense``) and the shared experts (``shared``) use it too."""
+
+    clamp: tuple[float | None, float] | None = None
+    dense: bool = False
+    shared: bool = False
+
+
+def parse_activation(g: Getter, act: dict | None, shared_experts: bool, path: str | None) -> Activation:
+    """The spec's ``moe.activation`` with the config's numbers (``shared_experts``: the family has DeepSeek's
+    ``shared_experts`` MLP, which ``moe.activation.shared`` may clamp too)."""
+    if not act:
+        return Activation()
+    alpha = float(g.choice(act["alpha"])) if act["kind"] == "swiglu_clamped" else None
+    limit = float(g.choice(act["limit"]))
+    if limit <= 0:
+        raise InputError(f"swiglu_limit must be positive, got {limit}", path=path,
+                         where=act["limit"].get("key", "swiglu_limit"))
+    return Activation(clamp=(alpha, limit), dense=bool(act.get("dense")), shared=shared_experts and bool(act.get("shared")))
 
 
 class Moe:
@@ -78,8 +188,8 @@ class Moe:
         # the clamped SwiGLU's limit per layer, for the routed and (where they clamp too: GLM-5-Next, DeepSeek-V4)
         # the shared experts
         "swiglu_clamp": lambda w, c, n: (
-            w.add_swiglu_clamp_exp([float(c.swiglu_limit)] * n),
-            when(c.shared_swiglu, lambda: w.add_swiglu_clamp_shexp([float(c.swiglu_limit)] * n))),
+            w.add_swiglu_clamp_exp([float(c.activation.clamp[1])] * n),
+            when(c.activation.shared, lambda: w.add_swiglu_clamp_shexp([float(c.activation.clamp[1])] * n))),
     }
 
 

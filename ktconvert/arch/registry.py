@@ -10,13 +10,15 @@ import importlib
 import pkgutil
 from pathlib import Path
 from types import MappingProxyType
-from typing import Mapping
+from typing import Mapping, TYPE_CHECKING
 
 from ktconvert.arch.base import AttentionMechanism, KeyWriter, Mechanism
-from ktconvert.families.config import MoeConfig
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
 
 #: the modules of this package that are not a mechanism; every other one is, and names its instance ``MECHANISM``
-_MACHINERY = ("base", "registry", "tensors")
+_MACHINERY = ("base", "indexer", "registry", "rope", "tensors")
 
 
 def _discover() -> dict[str, Mechanism]:
@@ -59,7 +61,7 @@ def feed_forward_for(cfg: MoeConfig, layer: int) -> str:
 
 def residual_for(cfg: MoeConfig) -> str | None:
     """``hyper_connections`` where the spec gives the model several residual streams; None for the plain one."""
-    return "hyper_connections" if cfg.hyper_connections is not None else None
+    return "hyper_connections" if cfg.residual is not None else None
 
 
 def gguf_keys(model_keys: Mapping[str, KeyWriter] = MappingProxyType({})) -> dict[str, KeyWriter]:

@@ -5,11 +5,15 @@ layer's mechanisms (``registry.py``) list their own tensors. Pure Python, no tor
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from dataclasses import dataclass
 
 from ktconvert.arch.base import norm_role
 from ktconvert.arch.registry import attention, feed_forward_for, mechanism, residual_for
-from ktconvert.families.config import MoeConfig
+
+if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.families.config import MoeConfig
 
 
 #: the tensors every layer of every family holds, whatever its kind (full, linear, compressed or sparse attention;

@@ -70,12 +70,11 @@ _MODEL_KEYS = {
     "rope_dimension_sections": lambda w, c, n: w.add_rope_dimension_sections(_mrope_sections(c)),
     "partial_rope_dimension_count": lambda w, c, n: w.add_rope_dimension_count(c.rope.dim),
     # Qwen3-VL: vision layers whose features join the text model (0 for text only; the key is read by llama.cpp)
-    "n_deepstack_layers": lambda w, c, n: w.add_num_deepstack_layers(len(
-        (c.raw.get("vision_config") or {}).get("deepstack_visual_indexes") or ())),
+    "n_deepstack_layers": lambda w, c, n: w.add_num_deepstack_layers(c.gguf.deepstack_layers),
     # MiniMax-M3: rotary_dim as the hub config says (llama.cpp's converter writes it and llama.cpp rotates that many
     # dims; transformers 5.23 ignores it), else the rotated share the reference uses
     "rotary_dim": lambda w, c, n: w.add_rope_dimension_count(
-        c.raw["rotary_dim"] if isinstance(c.raw.get("rotary_dim"), int) else c.rope.dim),
+        c.gguf.rotary_dim if c.gguf.rotary_dim is not None else c.rope.dim),
     # llama.cpp divides by 0.1 again
     "rope_scaling_yarn_log_mul": lambda w, c, n: when(
         c.rope.kind == "yarn" and c.rope.mscale_all_dim, lambda: w.add_rope_scaling_yarn_log_mul(0.1 * c.rope.mscale_all_dim)),
@@ -85,8 +84,7 @@ _ARCH_KEYS = gguf_keys(_MODEL_KEYS)
 
 def _mrope_sections(c) -> list[int]:
     """rope_parameters' mrope_section padded to four (llama.cpp requires the key); Qwen3.5's default when absent."""
-    params = c.raw.get("rope_parameters") or c.raw.get("rope_scaling") or {}
-    sections = list(params.get("mrope_section") or [11, 11, 10])
+    sections = list(c.gguf.mrope_section or [11, 11, 10])
     return (sections + [0] * 4)[:4]
 
 

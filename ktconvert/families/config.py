@@ -4,115 +4,47 @@ Hub checkpoints (the authors' remote-code configs) and transformers 5 (``save_pr
 fields differently: ``num_experts`` / ``num_local_experts`` / ``n_routed_experts``, ``rope_theta`` +
 ``rope_scaling`` / ``rope_parameters``, ``qkv_bias`` present or implied. Everything downstream (reference
 models, weight loading, rule checks) reads :class:`MoeConfig` and never the raw dict, so a spelling is handled
-in exactly one place. Pure Python: importing this never imports torch.
+in exactly one place. This module parses the core (sizes, layers, experts, rope, norms); each mechanism's part
+(``routing``, ``activation``, ``mla``, ``indexer``, ``linear``, ``kda``, ``compressed``, ``residual``, ...) is
+defined and parsed in its ``ktconvert/arch/`` module. Pure Python: importing this never imports torch.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from ktconvert.arch import compressed_mqa, gated_deltanet, gqa, hash_routing, hyper_connections, kda, moe
+from ktconvert.arch import mla as mla_mechanism
+from ktconvert.arch.base import Getter
+from ktconvert.arch.compressed_mqa import CompressedDims
+from ktconvert.arch.gated_deltanet import LinearAttentionDims
+from ktconvert.arch.hyper_connections import HyperConnectionDims
+from ktconvert.arch.indexer import IndexerDims
+from ktconvert.arch.kda import KdaDims
+from ktconvert.arch.mla import MlaDims
+from ktconvert.arch.moe import Activation, Routing
+from ktconvert.arch.rope import RopeSpec, parse_rope
 from ktconvert.errors import InputError
 from ktconvert.families import registry
 from ktconvert.families.limits import check_counts
-from ktconvert.families.parts import Routing
 from ktconvert.io.datafile import read_json
 
 FAMILIES = registry.families()
 
-_TOPK_METHODS = {"greedy", "group_limited_greedy", "noaux_tc"}
-
 
 @dataclass(frozen=True)
-class RopeSpec:
-    """Rotary embedding parameters; ``kind`` is ``default``, ``linear`` or ``yarn``."""
+class GgufFacts:
+    """config.json's facts that only the model's own GGUF keys read (``convert/metadata.py``), not the reference:
+    the vision layers whose features join the text model (Qwen3-VL's ``vision_config.deepstack_visual_indexes``),
+    the hub's ``rotary_dim`` as written (MiniMax-M3; transformers ignores it, llama.cpp rotates that many dims) and
+    the multimodal rope sections (Qwen3.5's ``mrope_section``). A mechanism's own GGUF facts are on its part."""
 
-    kind: str
-    theta: float
-    dim: int
-    factor: float = 1.0
-    original_max_position_embeddings: int | None = None
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float | None = None
-    mscale_all_dim: float | None = None
-    attention_factor: float | None = None
-    truncate: bool = True
-
-
-@dataclass(frozen=True)
-class MlaDims:
-    """Multi-head latent attention (DeepSeek): the compressed KV latent and the per-head split of q / k / v. The
-    query latent (``q_lora_rank``) and the rotated width (``qk_rope_head_dim``) stay on :class:`MoeConfig`: the DSA
-    indexer and DeepSeek-V4's compressed MQA read them too."""
-
-    kv_lora_rank: int
-    qk_nope_head_dim: int
-    v_head_dim: int
-    rope_interleave: bool = True
-    latent_norm_eps: float = 1e-6  # the q_a / kv_a layernorms' eps (attention.latent_norm_eps)
-
-
-@dataclass(frozen=True)
-class LinearAttentionDims:
-    """Gated DeltaNet linear-attention sizes (config keys ``linear_*``)."""
-
-    num_key_heads: int
-    num_value_heads: int
-    key_head_dim: int
-    value_head_dim: int
-    conv_kernel: int
-
-
-@dataclass(frozen=True)
-class KdaDims:
-    """Kimi Delta Attention sizes (the release's ``linear_attn_config``, or transformers' ``linear_*`` keys)."""
-
-    num_heads: int
-    head_dim: int
-    conv_kernel: int
-    lower_bound: float | None  # the forget gate's safe lower bound; None: -exp(A_log) * softplus
-
-
-@dataclass(frozen=True)
-class HyperConnectionDims:
-    """Hyper-connection residual streams (``hc_mult``), their Sinkhorn normalisation and how the final norm reads
-    them (spec ``config.hyper_connections``: ``mean_head`` GLM-5-Next, ``learned_head`` DeepSeek-V4's ``hc_head``)."""
-
-    mult: int
-    sinkhorn_iters: int
-    eps: float
-    head: str = "mean_head"
-
-
-@dataclass(frozen=True)
-class IndexerDims:
-    """Sparse-attention indexer sizes (config ``index_*``): DeepSeek Sparse Attention keeps ``topk`` keys; MiniMax
-    Sparse Attention keeps ``topk`` blocks of ``block_size`` keys, the ``local_blocks`` ending at the query's own
-    among them."""
-
-    n_heads: int
-    head_dim: int
-    topk: int
-    block_size: int | None = None
-    local_blocks: int | None = None
-    kpool: int | None = None  # DSA over pools of kpool keys (GLM-5-Next); topk counts keys, a multiple of kpool
-    kpool_tail: bool = True  # the query's incomplete pool is always attended
-
-
-@dataclass(frozen=True)
-class CompressedDims:
-    """Compressed sparse MQA (spec ``attention.kind: compressed_mqa``): per layer the compress ratio (0: window only;
-    ``csa_ratio``: overlapping windows picked by the indexer; any other: every closed window), the rope of compressed
-    layers, and the grouped output projection."""
-
-    ratios: tuple[int, ...]
-    csa_ratio: int
-    compress_rope: RopeSpec
-    o_groups: int
-    o_lora_rank: int
+    deepstack_layers: int = 0
+    rotary_dim: int | None = None
+    mrope_section: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -139,6 +71,7 @@ class MoeConfig:
     intermediate_size: int  # dense MLP (DeepSeek first layers, Qwen mlp_only_layers)
     moe_layers: tuple[int, ...]
     routing: Routing  # how a token picks and weighs its experts
+    activation: Activation  # the experts' activation (a clamped SwiGLU where the spec's moe.activation says)
     shared_expert_intermediate_size: int | None  # Qwen2-MoE gated shared expert
     n_shared_experts: int  # DeepSeek shared experts (intermediate = n * moe_intermediate_size)
     mla: MlaDims | None = None  # multi-head latent attention (spec attention.kind mla)
@@ -148,48 +81,26 @@ class MoeConfig:
     # sliding-window attention where a spec models it: the window and the layers that use it
     sliding_window: int | None = None
     sliding_layers: tuple[int, ...] = ()
-    # the experts' clamped SwiGLU (a spec's moe.activation), None for plain silu(gate) * up; alpha None with a
-    # limit: silu_clamped (GLM-5-Next)
-    swiglu_alpha: float | None = None
-    swiglu_limit: float | None = None
-    dense_swiglu: bool = False  # the dense MLP layers use the clamped activation too (moe.activation.dense)
     kda: KdaDims | None = None  # Kimi Delta Attention on the linear_attention layers (attention.linear_attention)
-    hyper_connections: HyperConnectionDims | None = None  # config.hyper_connections
-    dsa_shared_layers: tuple[int, ...] = ()  # attention layers reusing the previous layer's DSA selection
+    residual: HyperConnectionDims | None = None  # the residual streams where not one (spec config.hyper_connections)
     # hybrid attention (spec attention.kind gated_deltanet_hybrid): each layer's kind, and the linear layers' dims
     layer_types: tuple[str, ...] = ()
     linear: LinearAttentionDims | None = None
     indexer: IndexerDims | None = None  # DSA (spec attention.dsa_indexer) or MSA (attention.msa_indexer)
-    msa_layers: tuple[int, ...] = ()  # the layers running MiniMax Sparse Attention
     shared_experts_width: int | None = None  # the shared_experts MLP's width when a spec names its key
-    shared_swiglu: bool = False  # the shared experts use the clamped SwiGLU too (moe.activation.shared)
     compressed: CompressedDims | None = None  # compressed sparse MQA (spec attention.kind compressed_mqa)
     hash_layers: tuple[int, ...] = ()  # layers routing by tid2eid[input_id] (spec routing.hash_layers)
     bos_token_id: int | None = None
     eos_token_id: Any = None
-    raw: dict = field(default_factory=dict, compare=False, repr=False)
-
-    @property
-    def hc_modules(self) -> bool:
-        """Hyper-connections held in modules of their own (``attn_hc`` / ``ffn_hc`` per layer, ``hc_head``: spec
-        ``learned_head``, DeepSeek-V4's tree); ``mean_head`` keeps the weights on the layer and has no head."""
-        return self.hyper_connections is not None and self.hyper_connections.head == "learned_head"
-
-    @property
-    def swiglu_clamp(self) -> tuple[float, float] | None:
-        """``(alpha, limit)`` of the experts' clamped SwiGLU; None for plain silu(gate) * up."""
-        return (self.swiglu_alpha, self.swiglu_limit) if self.swiglu_limit is not None else None
+    # config.json's first ``architectures`` entry, else the family's name (what a golden's manifest records)
+    architecture: str = ""
+    gguf: GgufFacts = GgufFacts()  # what only the model's own GGUF keys read (convert/metadata.py)
 
     @property
     def shared_experts_inter(self) -> int:
         """The ``shared_experts`` MLP's width: the spec's width key where it names one, else ``n_shared_experts``
         expert widths."""
         return self.shared_experts_width or self.moe_intermediate_size * self.n_shared_experts
-
-    @property
-    def architecture(self) -> str:
-        """config.json's first ``architectures`` entry, else the family's name (what a golden's manifest records)."""
-        return (self.raw.get("architectures") or [self.family])[0]
 
     @property
     def spec(self) -> registry.FamilySpec:
@@ -270,7 +181,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     family = require_family(raw, path)
     raw = text_view(raw)
     check_counts(raw, path)
-    g = _Getter(raw, path)
+    g = Getter(raw, path)
     sp = registry.spec(family)
     cfg_facts, routing = sp.section("config"), sp.section("routing")
     defaults = cfg_facts["defaults"]
@@ -292,10 +203,10 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     mla = sp.is_mla
     attn_facts = sp.section("attention")
     head_dim = g.opt("head_dim")
-    compressed_mqa = attn_facts["kind"] == "compressed_mqa"
-    if compressed_mqa:
+    compressed = attn_facts["kind"] == "compressed_mqa"
+    if compressed:
         head_dim = g.int("head_dim")
-        rope_dim = _compressed_rope_dim(raw, head_dim, path)
+        rope_dim = compressed_mqa.parse_rope_dim(raw, head_dim, path)
     elif mla:
         rope_dim = g.int("qk_rope_head_dim")
         head_dim = rope_dim
@@ -307,41 +218,15 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         raise InputError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}", path=path)
 
     max_pos = int(g.opt("max_position_embeddings", defaults["max_position_embeddings"]))
-    if compressed_mqa:
-        rope, compress_rope = _compressed_ropes(raw, defaults["rope_theta"], rope_dim, max_pos, path)
+    compress_rope = None
+    if compressed:
+        rope, compress_rope = compressed_mqa.parse_ropes(raw, defaults["rope_theta"], rope_dim, max_pos, path)
     else:
-        rope = _rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
+        rope = parse_rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
 
-    moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts, path)))
-    types = raw.get("mlp_layer_types")
-    if sp.dense_layers == "first_k_dense" and isinstance(types, list) and "first_k_dense_replace" in raw and (
-            [t == "sparse" for t in types] != [i in moe_layers for i in range(layers)]):
-        # transformers reads only mlp_layer_types, llama.cpp's converters only first_k_dense_replace
-        raise InputError(f"mlp_layer_types {types} disagrees with first_k_dense_replace="
-                         f"{raw.get('first_k_dense_replace')}", path=path, where="mlp_layer_types",
-                         fix="make both name the same dense layers")
-    if sp.dense_layers == "none" and _lists_dense(raw):
-        raise InputError("dense MLP layers (mlp_layer_types \"dense\" / moe_layer_freq 0) are not supported for "
-                         f"{family}: every layer must be MoE", path=path, where="mlp_layer_types")
-
-    if sp.expert_width_key == "intermediate_size":
-        moe_inter = g.int("intermediate_size")
-        inter = moe_inter
-    else:
-        moe_inter = g.int(sp.expert_width_key)
-        inter = int(g.opt("intermediate_size", moe_inter))
-    dense_key = cfg_facts.get("dense_width")
-    # read only where a layer is dense: transformers saves its default (MiniMax-M3: 12288) whatever the layers, and
-    # without dense layers both spellings must read alike (llama.cpp's minimax-m3 reads feed_forward_length only
-    # for its leading dense layers)
-    if dense_key and dense_key in raw and len(moe_layers) < layers:
-        inter = g.int(dense_key)
-    elif dense_key and len(moe_layers) < layers:
-        raise InputError(f"the dense MLP layers' width is missing: give {dense_key} (transformers defaults it, "
-                         "llama.cpp's converter reads intermediate_size instead)", path=path, where=dense_key,
-                         fix=f"write {dense_key} as the release does")
-
-    routing_part = _routing(g, routing, family, num_experts, path)
+    moe_layers = _checked_moe_layers(sp, raw, layers, num_experts, path)
+    moe_inter, inter = _mlp_widths(g, sp, raw, layers, moe_layers, path)
+    routing_part = moe.parse_routing(g, routing, family, num_experts, path)
 
     # biases
     bias = cfg_facts.get("attention_bias")
@@ -350,73 +235,19 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         raise InputError("mlp_bias=true is not supported", path=path, where="mlp_bias")
 
     window, sliding = _sliding_window(raw, cfg_facts["sliding_window"], layers, path)
-    if act:
-        kwargs_act = dict(swiglu_alpha=float(_choice(g, act["alpha"])) if act["kind"] == "swiglu_clamped" else None,
-                          swiglu_limit=float(_choice(g, act["limit"])), dense_swiglu=bool(act.get("dense")))
-        if kwargs_act["swiglu_limit"] <= 0:
-            raise InputError(f"swiglu_limit must be positive, got {kwargs_act['swiglu_limit']}", path=path,
-                             where=act["limit"].get("key", "swiglu_limit"))
-    else:
-        kwargs_act = {}
+    activation = moe.parse_activation(g, act, sp.shared_expert == "shared_experts", path)
 
-    kwargs: dict[str, Any] = {}
     qk_key = attn_facts.get("qk_norm_key")
     qk_norm = bool(g.opt(qk_key, sp.qk_norm)) if qk_key else sp.qk_norm
-    if mla:
-        q_lora = g.opt("q_lora_rank")
-        interleave_key = sp.section("attention").get("rope_interleave_key")
-        latent_eps = (float(g.opt("rms_norm_eps", defaults["rms_norm_eps"]))
-                      if attn_facts.get("latent_norm_eps") == "rms_norm_eps" else 1e-6)
-        kwargs = dict(
-            q_lora_rank=None if q_lora in (None, 0) else int(q_lora),
-            qk_rope_head_dim=g.int("qk_rope_head_dim"),
-            mla=MlaDims(kv_lora_rank=g.int("kv_lora_rank"), qk_nope_head_dim=g.int("qk_nope_head_dim"),
-                        v_head_dim=g.int("v_head_dim"),
-                        rope_interleave=bool(g.opt(interleave_key, True)) if interleave_key else True,
-                        latent_norm_eps=latent_eps),
-        )
-        if sp.section("attention").get("dsa_indexer"):
-            kwargs["indexer"] = _indexer(g, raw, layers, int(kwargs["qk_rope_head_dim"]), path,
-                                         kpool=bool(attn_facts.get("dsa_kpool")),
-                                         shared=bool(attn_facts.get("dsa_shared")))
-            if kwargs["q_lora_rank"] is None:
-                raise InputError("the DSA indexer reads the q LoRA latent: q_lora_rank must be set", path=path,
-                                 where="q_lora_rank")
-        if kv_heads != heads:
-            raise InputError(
-                f"MLA expands keys per attention head: num_key_value_heads ({kv_heads}) must equal num_attention_heads ({heads})",
-                path=path,
-                where="num_key_value_heads",
-            )
-
-    if sp.section("attention")["kind"] == "gated_deltanet_hybrid":
-        kwargs.update(_hybrid(g, raw, layers, path))
-    if attn_facts.get("linear_attention") == "kda":
-        kwargs.update(_kda(g, raw, layers, heads, path))
-    if attn_facts.get("dsa_shared"):
-        kwargs["dsa_shared_layers"] = _dsa_shared(raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers,
-                                                  path)
-    if cfg_facts.get("hyper_connections"):
-        kwargs["hyper_connections"] = _hyper_connections(g, cfg_facts["hyper_connections"], path)
-    if attn_facts.get("msa_indexer"):
-        kwargs.update(_msa(g, raw, layers, kv_heads, rope_dim, path))
-        sparse_dense = [i for i in kwargs["msa_layers"] if i not in moe_layers]
-        if sparse_dense:
-            raise InputError(f"dense MLP layers {sparse_dense} run MiniMax Sparse Attention: llama.cpp's minimax-m3 "
-                             "attends fully on its leading dense layers and holds no indexer there", path=path,
-                             where="layer_types", fix="mark the dense layers full_attention (sparse_attention_freq 0)")
-    if compressed_mqa:
-        kwargs.update(_compressed(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
+    kwargs = _parts(g, raw, sp, layers, heads, kv_heads, head_dim, rope_dim, compress_rope, moe_layers,
+                    float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])), path)
+    if compressed:  # compressed MQA's window covers every layer
         window, sliding = kwargs.pop("sliding_window"), kwargs.pop("sliding_layers")
-    if "hash_layers" in routing:
-        kwargs["hash_layers"] = _hash_layers(g, raw, routing["hash_layers"], layers, path)
 
     shared = sp.shared_expert
     width_key = sp.section("moe").get("shared_experts_width")
     if shared == "shared_experts" and width_key:
         kwargs.update(shared_experts_width=g.int(width_key))
-    if shared == "shared_experts":
-        kwargs.update(shared_swiglu=bool((act or {}).get("shared")))
     return MoeConfig(
         family=family,
         vocab_size=g.int("vocab_size"),
@@ -436,6 +267,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         intermediate_size=inter,
         moe_layers=moe_layers,
         routing=routing_part,
+        activation=activation,
         shared_expert_intermediate_size=(g.int("shared_expert_intermediate_size") if shared == "gated" else None),
         n_shared_experts=(int(g.opt("n_shared_experts", 1 if width_key else 0) or 0)
                           if shared == "shared_experts" else 0),
@@ -444,245 +276,89 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         eos_token_id=g.opt("eos_token_id"),
         sliding_window=window,
         sliding_layers=sliding,
-        raw=dict(raw),
+        architecture=(raw.get("architectures") or [family])[0],
+        gguf=_gguf_facts(raw),
         **kwargs,
-        **kwargs_act,
     )
 
 
 
-def _routing(g: "_Getter", routing: dict, family: str, num_experts: int, path: str | None) -> Routing:
-    """The spec's routing section with the config's numbers, or the one-line refusal of a routing it cannot run."""
-    norm_topk = bool(_choice(g, routing["norm_topk_prob"]))
-    scoring = _choice(g, routing["scoring_func"])
-    method = _choice(g, routing["topk_method"])
-    if method == "gready":  # the DeepSeek-V2 remote-code config's default spelling
-        method = "greedy"
-    if method not in _TOPK_METHODS:
-        raise InputError(f"topk_method {method!r} is not supported ({', '.join(sorted(_TOPK_METHODS))})", path=path, where="topk_method")
-    if scoring not in ("softmax", "sigmoid", "sqrtsoftplus"):
-        raise InputError(f"scoring_func {scoring!r} is not supported (softmax, sigmoid, sqrtsoftplus)", path=path,
-                         where="scoring_func")
-    allowed = routing.get("allowed") or {}
-    if (scoring not in allowed.get("scoring_func", (scoring,))
-            or method not in allowed.get("topk_method", (method,))):
-        raise InputError(
-            f"{family} routing must use scoring_func {'/'.join(allowed.get('scoring_func', ('any',)))} with topk_method "
-            f"{'/'.join(allowed.get('topk_method', ('any',)))}, got {method}/{scoring}",
-            path=path,
-            where="topk_method",
-        )
-    n_group = _choice(g, routing["n_group"]) if "n_group" in routing else g.opt("n_group")
-    topk_group = _choice(g, routing["topk_group"]) if "topk_group" in routing else g.opt("topk_group")
-    if method in ("group_limited_greedy", "noaux_tc"):
-        if not n_group or not topk_group:
-            raise InputError(f"topk_method {method} needs n_group and topk_group", path=path, where="n_group")
-        n_group, topk_group = int(n_group), int(topk_group)
-        if num_experts % n_group or not 0 < topk_group <= n_group:
-            raise InputError(
-                f"n_group={n_group} must divide num_experts={num_experts} and topk_group={topk_group} must be in 1..{n_group}",
-                path=path,
-                where="n_group",
-            )
-        if method == "noaux_tc" and num_experts // n_group < 2:
-            raise InputError("noaux_tc scores groups by their top-2 experts: groups need at least 2 experts", path=path, where="n_group")
-
-    scaling = float(g.opt("routed_scaling_factor", 1.0) or 1.0) if routing.get("routed_scaling") else 1.0
-    return Routing(weights=routing["weights"], float32_weights=bool(routing["float32_weights"]), scoring_func=scoring,
-                   topk_method=method, norm_topk_prob=norm_topk, n_group=n_group if method != "greedy" else None,
-                   topk_group=topk_group if method != "greedy" else None, routed_scaling_factor=scaling)
+def _parts(g: Getter, raw: dict, sp: registry.FamilySpec, layers: int, heads: int, kv_heads: int, head_dim: int,
+           rope_dim: int, compress_rope: RopeSpec | None, moe_layers: tuple[int, ...], rms_norm_eps: float,
+           path: str | None) -> dict[str, Any]:
+    """The parts of ``MoeConfig`` its mechanisms own, each parsed by the mechanism the spec names (``ktconvert/arch/``),
+    in the order their refusals are checked."""
+    attn, cfg_facts, routing = sp.section("attention"), sp.section("config"), sp.section("routing")
+    kwargs: dict[str, Any] = {}
+    if sp.is_mla:
+        kwargs = mla_mechanism.parse(g, raw, attn, layers, heads, kv_heads, rms_norm_eps, path)
+    if attn["kind"] == "gated_deltanet_hybrid":
+        kwargs.update(gated_deltanet.parse(g, raw, layers, path))
+    if attn.get("linear_attention") == "kda":
+        kwargs.update(kda.parse(g, raw, layers, heads, path))
+    if attn.get("dsa_shared"):
+        kwargs["indexer"] = replace(kwargs["indexer"], shared_layers=mla_mechanism.parse_shared(
+            raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers, path))
+    if cfg_facts.get("hyper_connections"):
+        kwargs["residual"] = hyper_connections.parse(g, cfg_facts["hyper_connections"], path)
+    if attn.get("msa_indexer"):
+        kwargs.update(gqa.parse_msa(g, raw, layers, kv_heads, rope_dim, moe_layers, path))
+    if attn["kind"] == "compressed_mqa":
+        kwargs.update(compressed_mqa.parse(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
+    if "hash_layers" in routing:
+        kwargs["hash_layers"] = hash_routing.parse(g, raw, routing["hash_layers"], layers, path)
+    return kwargs
 
 
-def _indexer_dims(g: "_Getter", rope_dim: int, path: str | None, **extra) -> IndexerDims:
-    """``index_n_heads`` / ``index_head_dim`` / ``index_topk``, checked against the rotated size the indexer keys hold
-    (a DSA indexer's and DeepSeek-V4's lightning indexer alike)."""
-    dims = IndexerDims(n_heads=g.int("index_n_heads"), head_dim=g.int("index_head_dim"), topk=g.int("index_topk"),
-                       **extra)
-    if dims.head_dim < rope_dim or min(dims.n_heads, dims.topk) < 1:
-        raise InputError(f"index_head_dim={dims.head_dim} must hold qk_rope_head_dim={rope_dim}; index_n_heads and "
-                         "index_topk must be positive", path=path, where="index_head_dim")
-    return dims
-
-
-def _indexer(g: "_Getter", raw: dict, layers: int, rope_dim: int, path: str | None, *, kpool: bool = False,
-             shared: bool = False) -> IndexerDims:
-    """The DSA indexer's sizes; every layer must run its own indexer (``indexer_types`` all ``full``). With k-pools
-    (``attention.dsa_kpool``) ``index_topk`` counts keys and must be a multiple of ``index_kpool`` (as transformers
-    checks)."""
-    extra = {}
-    if kpool:
-        extra = dict(kpool=g.int("index_kpool") if "index_kpool" in raw else 16,
-                     kpool_tail=bool(g.opt("index_kpool_always_select_tail", True)))
-        if extra["kpool"] < 1 or g.int("index_topk") % extra["kpool"]:
-            raise InputError(f"index_topk ({raw.get('index_topk')}) must be a positive multiple of index_kpool "
-                             f"({extra['kpool']})", path=path, where="index_topk",
-                             fix="set index_topk to a multiple of index_kpool")
-    dims = _indexer_dims(g, rope_dim, path, **extra)
-    types = raw.get("indexer_types")
-    if shared:  # checked with the layer kinds (_dsa_shared)
-        return dims
-    if types is not None and (not isinstance(types, list) or len(types) != layers or set(types) != {"full"}):
-        raise InputError("only indexer_types of all \"full\" layers are supported (a \"shared\" layer reuses another "
-                         "layer's selection)", path=path, where="indexer_types")
-    return dims
-
-
-_MSA_KEYS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_index_dim",
-             "index_block_size": "sparse_block_size", "index_topk_blocks": "sparse_topk_blocks",
-             "index_local_blocks": "sparse_local_block"}
-_MSA_LAYER = "minimax_m3_sparse"
-
-
-def _msa(g: "_Getter", raw: dict, layers: int, kv_heads: int, rope_dim: int, path: str | None) -> dict:
-    """MiniMax Sparse Attention's indexer sizes and layers, from transformers' ``index_*`` / ``layer_types`` or the
-    hub's ``sparse_attention_config`` (``sparse_*``, ``sparse_attention_freq``), whichever the config holds."""
-    hub = raw.get("sparse_attention_config")
-    hub = hub if isinstance(hub, dict) else {}
-    vals = {}
-    for key, legacy in _MSA_KEYS.items():
-        v = hub.get(legacy, raw.get(key))
-        if isinstance(v, bool) or not isinstance(v, int) or v < (0 if key == "index_local_blocks" else 1):
-            raise InputError(f"{key} (sparse_attention_config.{legacy}) must be a "
-                             f"{'non-negative' if key == 'index_local_blocks' else 'positive'} integer, got {v!r}",
-                             path=path, where=key)
-        vals[key] = v
-    dims = IndexerDims(n_heads=vals["index_n_heads"], head_dim=vals["index_head_dim"], topk=vals["index_topk_blocks"],
-                       block_size=vals["index_block_size"], local_blocks=vals["index_local_blocks"])
-    if dims.n_heads != kv_heads:
-        raise InputError(f"index_n_heads={dims.n_heads} must equal num_key_value_heads={kv_heads} (one indexer head "
-                         "per KV group)", path=path, where="index_n_heads")
-    if dims.head_dim < rope_dim:
-        raise InputError(f"index_head_dim={dims.head_dim} must hold the {rope_dim} rotated dims", path=path,
-                         where="index_head_dim")
-    freq = hub.get("sparse_attention_freq")
-    types = raw.get("layer_types")
-    if freq is not None:
-        ok = isinstance(freq, list) and len(freq) == layers
-        sparse = tuple(i for i, f in enumerate(freq) if f) if ok else ()
-    elif types is not None:
-        ok = isinstance(types, list) and len(types) == layers and set(types) <= {_MSA_LAYER, "full_attention"}
-        sparse = tuple(i for i, t in enumerate(types) if t == _MSA_LAYER) if ok else ()
-    else:
-        ok, sparse = True, ()
-    if not ok:
-        raise InputError(f"layer_types (sparse_attention_config.sparse_attention_freq) must list {layers} entries of "
-                         f"{_MSA_LAYER} / full_attention", path=path, where="layer_types")
-    return {"indexer": dims, "msa_layers": sparse}
-
-
-_CSA, _HCA = "compressed_sparse_attention", "heavily_compressed_attention"
-_RATIO_KINDS = {0: "sliding_attention", 4: _CSA, 128: _HCA}
-
-
-def _compressed_rope_dim(raw: dict, head_dim: int, path: str | None) -> int:
-    """The rotated tail of each head: the release's ``qk_rope_head_dim``, else transformers' ``partial_rotary_factor``
-    (top level or in ``rope_parameters.main``)."""
-    dim = raw.get("qk_rope_head_dim")
-    if dim is None:
-        params = raw.get("rope_parameters") if isinstance(raw.get("rope_parameters"), dict) else {}
-        main = params.get("main") if isinstance(params.get("main"), dict) else params
-        factor = main.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-        if not isinstance(factor, (int, float)) or isinstance(factor, bool) or not 0 < factor <= 1:
-            raise InputError("the rotated head size is missing: give qk_rope_head_dim (or partial_rotary_factor in "
-                             "(0, 1])", path=path, where="qk_rope_head_dim")
-        dim = int(head_dim * factor)
-    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 2 or dim % 2 or dim > head_dim:
-        raise InputError(f"qk_rope_head_dim must be an even integer in 2..head_dim ({head_dim}), got {dim!r}",
-                         path=path, where="qk_rope_head_dim")
-    return dim
-
-
-def _compressed_ropes(raw: dict, default_theta: float, dim: int, max_pos: int, path: str | None) -> tuple[RopeSpec, RopeSpec]:
-    """``(main, compress)`` ropes: window-only layers rotate with ``rope_theta``, compressed layers (and their
-    compressors and indexers) with ``compress_rope_theta`` and the release's ``rope_scaling`` (YaRN without its
-    attention factor, as transformers 5.23 forces). transformers' nested ``rope_parameters`` {main, compress} too."""
-    params = raw.get("rope_parameters")
-    if isinstance(params, dict) and isinstance(params.get("main"), dict) and isinstance(params.get("compress"), dict):
-        main_raw, comp_raw = params["main"], params["compress"]
-    else:
-        scaling = raw.get("rope_scaling") if isinstance(raw.get("rope_scaling"), dict) else {}
-        main_raw = {"rope_type": "default", "rope_theta": raw.get("rope_theta", default_theta)}
-        comp_raw = {**scaling, "rope_theta": raw.get("compress_rope_theta", 160000.0)}
-    comp_raw = dict(comp_raw)
-    if comp_raw.get("rope_type", comp_raw.get("type")) == "yarn":
-        comp_raw.setdefault("attention_factor", 1.0)
-    main_raw = {k: v for k, v in main_raw.items() if k != "partial_rotary_factor"}
-    comp_raw = {k: v for k, v in comp_raw.items() if k != "partial_rotary_factor"}
-    main = _rope({"rope_parameters": main_raw}, default_theta, dim, max_pos, path)
-    if main.kind != "default":
-        raise InputError(f"the window-only layers' rope must be the default rope, got {main.kind!r}", path=path,
-                         where="rope_parameters.main")
-    return main, _rope({"rope_parameters": comp_raw}, default_theta, dim, max_pos, path)
-
-
-def _compressed(g: "_Getter", raw: dict, layers: int, heads: int, kv_heads: int, head_dim: int, compress_rope: RopeSpec,
-                path: str | None) -> dict:
-    """Compressed sparse MQA: per-layer compress ratios (the release's ``compress_ratios``, or transformers'
-    ``layer_types`` + ``compress_rates``), the indexer, the window and the grouped output projection."""
-    if kv_heads != 1:
-        raise InputError(f"compressed MQA has one shared K=V head: num_key_value_heads must be 1, got {kv_heads}",
-                         path=path, where="num_key_value_heads")
-    rates = raw.get("compress_rates") if isinstance(raw.get("compress_rates"), dict) else {}
-    csa = rates.get(_CSA, raw.get("compress_rate_csa", 4))
-    hca = rates.get(_HCA, raw.get("compress_rate_hca", 128))
-    ratios, types = raw.get("compress_ratios"), raw.get("layer_types")
-    if ratios is not None:
-        ok = (isinstance(ratios, list) and len(ratios) >= layers
-              and all(not isinstance(r, bool) and r in _RATIO_KINDS for r in ratios))
-        if not ok:
-            raise InputError(f"compress_ratios must list {layers} entries of 0 / 4 / 128, got {ratios!r}", path=path,
-                             where="compress_ratios")
-        ratios = tuple({0: 0, 4: csa, 128: hca}[r] for r in ratios[:layers])
-    elif types is not None:
-        kinds = {"sliding_attention": 0, _CSA: csa, _HCA: hca}
-        if not isinstance(types, list) or len(types) < layers or any(t not in kinds for t in types[:layers]):
-            raise InputError(f"layer_types must list {layers} entries of {' / '.join(kinds)}, got {types!r}",
-                             path=path, where="layer_types")
-        ratios = tuple(kinds[t] for t in types[:layers])
-    else:
-        raise InputError("compressed MQA needs each layer's compress ratio: give compress_ratios (or layer_types)",
-                         path=path, where="compress_ratios")
-    for name, v in (("compress_rates.compressed_sparse_attention", csa),
-                    ("compress_rates.heavily_compressed_attention", hca)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InputError(f"{name} must be a positive integer, got {v!r}", path=path, where=name)
-    if csa == hca:
-        raise InputError(f"the two compress rates must differ (both {csa})", path=path, where="compress_rates")
-    o_groups, o_lora = g.int("o_groups"), g.int("o_lora_rank")
-    if o_groups < 1 or heads % o_groups:
-        raise InputError(f"o_groups={o_groups} must divide num_attention_heads={heads}", path=path, where="o_groups")
-    window = raw.get("sliding_window")
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise InputError(f"sliding_window must be a positive integer, got {window!r}", path=path,
-                         where="sliding_window")
-    q_lora = g.int("q_lora_rank")
-    rope_dim = compress_rope.dim
-    indexer = _indexer_dims(g, rope_dim, path)
-    dims = CompressedDims(ratios=ratios, csa_ratio=csa, compress_rope=compress_rope, o_groups=o_groups,
-                          o_lora_rank=o_lora)
-    return {"compressed": dims, "indexer": indexer, "q_lora_rank": q_lora, "qk_rope_head_dim": rope_dim,
-            "sliding_window": int(window), "sliding_layers": tuple(range(layers))}
-
-
-def _hash_layers(g: "_Getter", raw: dict, choice: dict, layers: int, path: str | None) -> tuple[int, ...]:
-    """The hash-routed layers: transformers' ``mlp_layer_types`` (``hash_moe`` / ``moe``) or the release's
-    ``num_hash_layers`` leading layers."""
+def _checked_moe_layers(sp: registry.FamilySpec, raw: dict, layers: int, num_experts: int,
+                        path: str | None) -> tuple[int, ...]:
+    """The MoE layers under the spec's ``dense_layers`` policy, refused where config.json's two spellings of the
+    dense layers disagree or name a dense layer the family cannot have."""
+    moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts, path)))
     types = raw.get("mlp_layer_types")
-    if types is not None:
-        if not isinstance(types, list) or len(types) < layers or any(t not in ("hash_moe", "moe") for t in types[:layers]):
-            raise InputError(f"mlp_layer_types must list {layers} entries of hash_moe / moe, got {types!r}", path=path,
-                             where="mlp_layer_types")
-        hashed = tuple(i for i, t in enumerate(types[:layers]) if t == "hash_moe")
-        if hashed != tuple(range(len(hashed))):
-            raise InputError(f"hash_moe layers {list(hashed)} do not lead the stack: the release's num_hash_layers and "
-                             "llama.cpp's hash_layer_count name the first layers only", path=path,
-                             where="mlp_layer_types", fix="list hash_moe for the first layers, then moe")
-        return hashed
-    n = _choice(g, choice)
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise InputError(f"num_hash_layers must be a non-negative integer, got {n!r}", path=path,
-                         where="num_hash_layers")
-    return tuple(range(min(n, layers)))
+    if sp.dense_layers == "first_k_dense" and isinstance(types, list) and "first_k_dense_replace" in raw and (
+            [t == "sparse" for t in types] != [i in moe_layers for i in range(layers)]):
+        # transformers reads only mlp_layer_types, llama.cpp's converters only first_k_dense_replace
+        raise InputError(f"mlp_layer_types {types} disagrees with first_k_dense_replace="
+                         f"{raw.get('first_k_dense_replace')}", path=path, where="mlp_layer_types",
+                         fix="make both name the same dense layers")
+    if sp.dense_layers == "none" and _lists_dense(raw):
+        raise InputError("dense MLP layers (mlp_layer_types \"dense\" / moe_layer_freq 0) are not supported for "
+                         f"{sp.family}: every layer must be MoE", path=path, where="mlp_layer_types")
+    return moe_layers
+
+
+def _mlp_widths(g: Getter, sp: registry.FamilySpec, raw: dict, layers: int, moe_layers: tuple[int, ...],
+                path: str | None) -> tuple[int, int]:
+    """``(moe_intermediate_size, intermediate_size)``: an expert's width and the dense MLP layers'."""
+    if sp.expert_width_key == "intermediate_size":
+        moe_inter = g.int("intermediate_size")
+        inter = moe_inter
+    else:
+        moe_inter = g.int(sp.expert_width_key)
+        inter = int(g.opt("intermediate_size", moe_inter))
+    dense_key = sp.section("config").get("dense_width")
+    # read only where a layer is dense: transformers saves its default (MiniMax-M3: 12288) whatever the layers, and
+    # without dense layers both spellings must read alike (llama.cpp's minimax-m3 reads feed_forward_length only
+    # for its leading dense layers)
+    if dense_key and dense_key in raw and len(moe_layers) < layers:
+        inter = g.int(dense_key)
+    elif dense_key and len(moe_layers) < layers:
+        raise InputError(f"the dense MLP layers' width is missing: give {dense_key} (transformers defaults it, "
+                         "llama.cpp's converter reads intermediate_size instead)", path=path, where=dense_key,
+                         fix=f"write {dense_key} as the release does")
+    return moe_inter, inter
+
+
+def _gguf_facts(raw: dict) -> GgufFacts:
+    """What only the model's own GGUF keys read of config.json."""
+    vision = raw.get("vision_config")
+    params = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    sections = params.get("mrope_section") if isinstance(params, dict) else None
+    rotary_dim = raw.get("rotary_dim")
+    return GgufFacts(deepstack_layers=len((vision.get("deepstack_visual_indexes") or ()) if isinstance(vision, dict) else ()),
+                     rotary_dim=rotary_dim if isinstance(rotary_dim, int) else None,
+                     mrope_section=tuple(sections) if sections else None)
 
 
 def mlp_kinds(raw: dict) -> list | None:
@@ -728,107 +404,6 @@ def _lists_dense(raw: dict) -> bool:
     types, freq = raw.get("mlp_layer_types"), raw.get("moe_layer_freq")
     return ((isinstance(types, list) and "dense" in types)
             or (isinstance(freq, list) and any(not f for f in freq)))
-
-
-_LAYER_KINDS = ("linear_attention", "full_attention")
-_KDA_KINDS = ("linear_attention", "indexed_attention", "full_attention")
-_KDA_KEYS = {"num_heads": "linear_num_heads", "head_dim": "linear_head_dim",
-             "short_conv_kernel_size": "linear_conv_kernel_dim", "gate_lower_bound": "linear_lower_bound"}
-
-
-def _kda(g: "_Getter", raw: dict, layers: int, heads: int, path: str | None) -> dict:
-    """Kimi Delta Attention layers (``layer_types`` ``linear_attention``; the others are attention, transformers'
-    ``full_attention`` read as ``indexed_attention``) and sizes, from the release's ``linear_attn_config`` or
-    transformers' ``linear_*`` keys, whichever the config holds (the dict wins, as transformers reads it)."""
-    types = raw.get("layer_types")
-    if types is None:  # transformers' default: every fourth layer attention
-        types = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or any(t not in _KDA_KINDS for t in types):
-        raise InputError(f"layer_types must list {layers} entries, each one of {', '.join(_KDA_KINDS)}",
-                         path=path, where="layer_types")
-    hub = raw.get("linear_attn_config")
-    hub = hub if isinstance(hub, dict) else {}
-    vals = {}
-    for key, flat in _KDA_KEYS.items():
-        v = hub.get(key, raw.get(flat))
-        if key == "gate_lower_bound":
-            if v is None and (key not in hub and flat not in raw or hub.get("safe_gate", True)):
-                v = -5.0  # transformers' default and its safe_gate rule
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))):
-                raise InputError(f"linear_attn_config.{key} must be a number, got {v!r}", path=path, where=key)
-        elif isinstance(v, bool) or not isinstance(v, int) or v < 1:
-            raise InputError(f"linear_attn_config.{key} ({flat}) must be a positive integer, got {v!r}", path=path,
-                             where=key, fix="write the release's linear_attn_config")
-        vals[key] = v
-    if vals["num_heads"] != heads:
-        raise InputError(f"linear_attn_config.num_heads ({vals['num_heads']}) must equal num_attention_heads ({heads})",
-                         path=path, where="linear_attn_config.num_heads")
-    dims = KdaDims(num_heads=vals["num_heads"], head_dim=vals["head_dim"], conv_kernel=vals["short_conv_kernel_size"],
-                   lower_bound=None if vals["gate_lower_bound"] is None else float(vals["gate_lower_bound"]))
-    return {"layer_types": tuple("linear_attention" if t == "linear_attention" else "indexed_attention" for t in types),
-            "kda": dims}
-
-
-def indexer_types(raw: dict, layers: int) -> list:
-    """Each layer's DSA indexer mode as transformers 5.23 reads it: ``indexer_types``, else the releases'
-    ``index_topk_pattern`` (``F``/``S`` per layer), else every ``index_topk_freq``-th layer from
-    ``index_skip_topk_offset`` (defaults 1 and 2: all full) runs its own indexer."""
-    types = raw.get("indexer_types")
-    if types is not None:
-        return types
-    pattern = raw.get("index_topk_pattern")
-    if pattern is not None:
-        return [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) else pattern
-    freq, offset = max(int(raw.get("index_topk_freq") or 1), 1), int(raw.get("index_skip_topk_offset", 2))
-    return ["full" if (max(i - offset + 1, 0) % freq) == 0 else "shared" for i in range(layers)]
-
-
-def _dsa_shared(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, ...]:
-    """The attention layers that reuse the DSA selection of the layer right before them (``shared``); that layer must
-    be an attention layer running its own indexer (transformers passes the selection only between neighbours)."""
-    types = indexer_types(raw, layers)
-    if not isinstance(types, list) or len(types) != layers or any(t not in ("full", "shared") for t in types):
-        raise InputError(f"indexer_types must list {layers} entries of full / shared, got {types!r}", path=path,
-                         where="indexer_types")
-    shared = tuple(i for i, t in enumerate(types) if t == "shared" and kinds[i] != "linear_attention")
-    for i in shared:
-        if i == 0 or kinds[i - 1] == "linear_attention" or i - 1 in shared:
-            raise InputError(f"layer {i} reuses the DSA selection of layer {i - 1}, which runs no indexer of its own",
-                             path=path, where="indexer_types", fix=f"mark layer {i} full")
-    return shared
-
-
-def _hyper_connections(g: "_Getter", head: str, path: str | None) -> HyperConnectionDims:
-    """The residual streams of a hyper-connection family (transformers' defaults: 4 streams, 20 iterations)."""
-    dims = HyperConnectionDims(mult=int(g.opt("hc_mult", 4)), sinkhorn_iters=int(g.opt("hc_sinkhorn_iters", 20)),
-                               eps=float(g.opt("hc_eps", 1e-6)), head=head)
-    if dims.mult < 1 or dims.sinkhorn_iters < 1:
-        raise InputError(f"hc_mult ({dims.mult}) and hc_sinkhorn_iters ({dims.sinkhorn_iters}) must be positive",
-                         path=path, where="hc_mult")
-    if not dims.eps > 0:
-        raise InputError(f"hc_eps must be above 0, got {dims.eps}", path=path, where="hc_eps",
-                         fix="set hc_eps as the release does (1e-6)")
-    return dims
-
-
-def _hybrid(g: "_Getter", raw: dict, layers: int, path: str | None) -> dict:
-    """layer_types (or every ``full_attention_interval``-th layer full, transformers' default) and the Gated DeltaNet
-    dims of a hybrid-attention family."""
-    types = raw.get("layer_types")
-    if types is None:
-        every = int(g.opt("full_attention_interval", 4))
-        types = ["linear_attention" if (i + 1) % every else "full_attention" for i in range(layers)]
-    if not isinstance(types, list) or len(types) != layers or any(t not in _LAYER_KINDS for t in types):
-        raise InputError(f"layer_types must list {layers} entries, each one of {', '.join(_LAYER_KINDS)}",
-                         path=path, where="layer_types")
-    dims = LinearAttentionDims(
-        num_key_heads=g.int("linear_num_key_heads"), num_value_heads=g.int("linear_num_value_heads"),
-        key_head_dim=g.int("linear_key_head_dim"), value_head_dim=g.int("linear_value_head_dim"),
-        conv_kernel=g.int("linear_conv_kernel_dim"))
-    if dims.num_value_heads % dims.num_key_heads:
-        raise InputError(f"linear_num_value_heads={dims.num_value_heads} is not a multiple of "
-                         f"linear_num_key_heads={dims.num_key_heads}", path=path, where="linear_num_value_heads")
-    return {"layer_types": tuple(types), "linear": dims}
 
 
 def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int, path: str | None = None) -> set[int]:
@@ -883,11 +458,6 @@ def _rotary_dim(raw: dict, head_dim: int, default: float, path: str | None) -> i
     return dim
 
 
-def _choice(g: "_Getter", choice: dict) -> Any:
-    """A spec ``choice``: a fixed value or a config key with its default."""
-    return choice["fixed"] if "fixed" in choice else g.opt(choice["key"], choice["default"])
-
-
 def _sliding_window(raw: dict, rule: str, layers: int, path: str | None) -> tuple[int | None, tuple[int, ...]]:
     """``(window, sliding layers)`` where the spec models the window per layer (``layer_types``); elsewhere the
     window is not modelled and a config where it would change results is refused."""
@@ -922,66 +492,3 @@ def _check_sliding_window(raw: dict, rule: str, path: str | None) -> None:
             where="sliding_window",
             fix="set use_sliding_window=false / sliding_window=null if the window exceeds your prompts",
         )
-
-
-def _rope(raw: dict, default_theta: float, dim: int, max_pos: int, path: str | None) -> RopeSpec:
-    params = raw.get("rope_parameters")
-    if params is None:
-        params = dict(raw.get("rope_scaling") or {})
-    else:
-        params = dict(params)
-    if "rope_layers" in params or any(isinstance(v, dict) for v in params.values()):
-        raise InputError("per-layer rope_parameters are not supported", path=path, where="rope_parameters")
-    theta = params.get("rope_theta", raw.get("rope_theta", default_theta))
-    kind = params.get("rope_type", params.get("type", "default")) or "default"
-    if kind == "default":
-        return RopeSpec(kind="default", theta=float(theta), dim=dim)
-    if kind == "linear":
-        return RopeSpec(kind="linear", theta=float(theta), dim=dim, factor=float(params["factor"]))
-    if kind == "yarn":
-        omax = params.get("original_max_position_embeddings", raw.get("original_max_position_embeddings", max_pos))
-        factor = params.get("factor")
-        factor = float(max_pos / omax) if factor is None else float(factor)
-
-        def _f(key: str) -> float | None:
-            v = params.get(key)
-            return None if v is None else float(v)
-
-        return RopeSpec(
-            kind="yarn",
-            theta=float(theta),
-            dim=dim,
-            factor=factor,
-            original_max_position_embeddings=int(omax),
-            beta_fast=float(params.get("beta_fast") or 32),
-            beta_slow=float(params.get("beta_slow") or 1),
-            mscale=_f("mscale"),
-            mscale_all_dim=_f("mscale_all_dim"),
-            attention_factor=_f("attention_factor"),
-            truncate=bool(params.get("truncate", True)),
-        )
-    raise InputError(f"rope type {kind!r} is not supported (default, linear, yarn)", path=path, where="rope_scaling")
-
-
-class _Getter:
-    def __init__(self, raw: dict, path: str | None):
-        self.raw = raw
-        self.path = path
-
-    def opt(self, key: str, default: Any = None) -> Any:
-        value = self.raw.get(key, default)
-        return default if value is None and default is not None else value
-
-    def int(self, key: str) -> int:
-        value = self.raw.get(key)
-        if value is None:
-            raise InputError(f"missing required field {key!r}", path=self.path, where=key)
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value:
-            raise InputError(f"{key} must be an integer, got {value!r}", path=self.path, where=key)
-        return int(value)
-
-    def first_int(self, *keys: str) -> int:
-        for key in keys:
-            if self.raw.get(key) is not None:
-                return self.int(key)
-        raise InputError(f"missing the expert count (one of {', '.join(keys)})", path=self.path, where=keys[0])

@@ -10,11 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-#: routing.weights values whose reference is a softmax over the router logits then top-k (or top-k then softmax):
-#: the SparseMoeBlock family of Qwen / Mixtral; every other value is DeepSeek's gate with its own maths
-LOGITS_ROUTERS = ("softmax_topk", "topk_softmax")
-
-
 @dataclass(frozen=True)
 class AttentionPart:
     """The spec's ``attention`` section as the attention modules use it."""
@@ -34,35 +29,6 @@ class AttentionPart:
                    qk_norm_whole=section.get("qk_norm_scope", "head") == "projection",
                    sinks=bool(section.get("sinks")), complex_rope=bool(section.get("complex_rope")),
                    indexer_rope_halves=section.get("dsa_indexer_rope", "interleaved") == "rotate_half")
-
-
-@dataclass(frozen=True)
-class Routing:
-    """How a token picks and weighs its experts: the spec's ``routing`` maths with the config's numbers
-    (``MoeConfig.routing``, parsed by ``families.config``)."""
-
-    weights: str  # softmax_topk | topk_softmax | renorm_or_scale | renorm_then_scale | ...
-    float32_weights: bool  # the weights stay float32 instead of returning to the activations' dtype
-    scoring_func: str  # softmax | sigmoid | sqrtsoftplus
-    topk_method: str  # greedy | group_limited_greedy | noaux_tc
-    norm_topk_prob: bool
-    n_group: int | None  # expert groups (None for greedy)
-    topk_group: int | None  # groups a token may pick from
-    routed_scaling_factor: float
-
-    @property
-    def logits_router(self) -> bool:
-        """Softmax-and-top-k routing (Qwen / Mixtral's SparseMoeBlock), whatever the attention kind."""
-        return self.weights in LOGITS_ROUTERS
-
-    @property
-    def renorm_then_scale(self) -> bool:
-        return self.weights == "renorm_then_scale"
-
-    @property
-    def groups(self) -> int:
-        """Expert groups, 1 when the method has none."""
-        return self.n_group or 1
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,9 @@ row by row; a column reorder and a value map ride on the segments (``col_tile``,
 them after decoding. :func:`undo` is the inverse on a whole stored array, for reading such a GGUF back into the
 reference model (verify). :func:`apply` reads no tensor data.
 
+:func:`apply` (convert) reads the sizes it needs from the checkpoint's config.json dict; :func:`undo`, :func:`redo`
+and :func:`join_qkvz` take the parsed Gated DeltaNet sizes (``MoeConfig.linear``).
+
 Two transforms make several GGUF tensors of one HF tensor (:data:`SPLITS`; the naming map has one entry per part):
 ``kv_b_split`` (MLA's ``kv_b_proj`` as ``attn_k_b`` / ``attn_v_b``) and ``qkvz_split`` (Qwen3-Next's ``in_proj_qkvz``,
 per key head ``[q, k, its value heads, their z]``, as ``attn_qkv`` = every q, every k, every value head, and
@@ -23,6 +26,7 @@ from dataclasses import replace
 import numpy as np
 
 from ktconvert.errors import InputError
+from ktconvert.arch.gated_deltanet import LinearAttentionDims
 
 
 #: transforms that make one of several GGUF tensors from one HF tensor
@@ -58,7 +62,7 @@ def apply(name: str, shape: tuple[int, ...], transform: dict, config: dict | Non
     segs = (replace(seg, value=transform.get("value", "")),)
     kind = transform.get("v_heads")
     if kind:
-        nk, nv, kd, vd = _linear_dims(config, where)
+        nk, nv, kd, vd = _dims(_linear_dims(config, where), where)
         if nv != nk:  # equal counts: grouped and tiled are the same order
             segs = _v_heads(kind, segs[0], shape, nk, nv // nk, kd, vd, name, where)
     return shape, segs
@@ -107,8 +111,8 @@ def _qkvz_rows(part: str, nk: int, kd: int, pv: int) -> list[tuple[int, int, int
             + [(2 * nk * kd + g * pv, pv, g * group + 2 * kd) for g in range(nk)])
 
 
-def _qkvz_dims(shape, config: dict | None, where: str) -> tuple[int, int, int]:
-    nk, nv, kd, vd = _linear_dims(config, where)
+def _qkvz_dims(shape, linear: LinearAttentionDims | None, where: str) -> tuple[int, int, int]:
+    nk, nv, kd, vd = _dims(linear, where)
     pv = nv // nk * vd
     if len(shape) != 2 or shape[0] != nk * (2 * kd + 2 * pv):
         raise InputError(f"in_proj_qkvz {list(shape)} is not [linear_num_key_heads x (2 x linear_key_head_dim + 2 x "
@@ -118,15 +122,15 @@ def _qkvz_dims(shape, config: dict | None, where: str) -> tuple[int, int, int]:
 
 
 def _qkvz_split(part: str, shape, config, seg, where: str):
-    nk, kd, pv = _qkvz_dims(shape, config, where)
+    nk, kd, pv = _qkvz_dims(shape, _linear_dims(config, where), where)
     runs = _qkvz_rows(part, nk, kd, pv)
     return (sum(n for _, n, _ in runs), shape[1]), tuple(replace(seg, start=a, rows=n, src_row=src) for a, n, src in runs)
 
 
-def join_qkvz(qkv: np.ndarray, z: np.ndarray, config: dict | None, where: str) -> np.ndarray:
+def join_qkvz(qkv: np.ndarray, z: np.ndarray, linear: LinearAttentionDims | None, where: str) -> np.ndarray:
     """``in_proj_qkvz`` rebuilt from llama.cpp's ``attn_qkv`` and ``attn_gate`` (the inverse of ``qkvz_split``)."""
     shape = (qkv.shape[0] + z.shape[0], qkv.shape[1])
-    nk, kd, pv = _qkvz_dims(shape, config, where)
+    nk, kd, pv = _qkvz_dims(shape, linear, where)
     out = np.empty(shape, dtype=np.float32)
     for part, arr in (("qkv", qkv), ("z", z)):
         for a, n, src in _qkvz_rows(part, nk, kd, pv):
@@ -134,17 +138,29 @@ def join_qkvz(qkv: np.ndarray, z: np.ndarray, config: dict | None, where: str) -
     return out
 
 
-def _linear_dims(config: dict | None, where: str) -> tuple[int, int, int, int]:
+_LINEAR_KEYS = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
+
+
+def _linear_dims(config: dict | None, where: str) -> LinearAttentionDims | None:
+    """The Gated DeltaNet sizes of a checkpoint's config.json dict (convert reads no parsed config), None when they
+    are missing or wrong (:func:`_dims` refuses them)."""
     from ktconvert.families import text_view
 
     c = text_view(config or {})
-    keys = ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")
-    vals = [c.get(k) for k in keys]
-    if any(type(v) is not int or v <= 0 for v in vals) or vals[1] % vals[0]:
-        raise InputError(f"config.json needs {', '.join(keys)} (value heads a multiple of key heads) to reorder "
-                         "linear attention's value heads as llama.cpp does", where=where,
+    vals = [c.get(k) for k in _LINEAR_KEYS]
+    if any(type(v) is not int or v <= 0 for v in vals):
+        return None
+    return LinearAttentionDims(*vals, conv_kernel=0)
+
+
+def _dims(linear: LinearAttentionDims | None, where: str) -> tuple[int, int, int, int]:
+    vals = (None,) * 4 if linear is None else (linear.num_key_heads, linear.num_value_heads, linear.key_head_dim,
+                                               linear.value_head_dim)
+    if None in vals or vals[1] % vals[0]:
+        raise InputError(f"config.json needs {', '.join(_LINEAR_KEYS)} (value heads a multiple of key heads) to "
+                         "reorder linear attention's value heads as llama.cpp does", where=where,
                          fix="pass --config with the model's config.json")
-    return tuple(vals)
+    return vals
 
 
 def _v_heads(kind, seg, shape, nk, per_k, kd, vd, name, where):
@@ -166,16 +182,16 @@ def _v_heads(kind, seg, shape, nk, per_k, kd, vd, name, where):
     return tuple(out)
 
 
-def redo(arr: np.ndarray, transform: dict, config: dict | None, where: str) -> np.ndarray:
+def redo(arr: np.ndarray, transform: dict, linear: LinearAttentionDims | None, where: str) -> np.ndarray:
     """``transform`` applied to a whole Hugging Face array (the inverse of :func:`undo`; writers of test GGUFs)."""
     out = np.array(arr, dtype=np.float32)
     if transform.get("qkvz_split"):
-        nk, kd, pv = _qkvz_dims(out.shape, config, where)
+        nk, kd, pv = _qkvz_dims(out.shape, linear, where)
         return np.concatenate([out[src:src + n] for _, n, src in _qkvz_rows(transform["qkvz_split"], nk, kd, pv)])
     out = out.reshape(_reshaped(out.shape, transform))
     kind = transform.get("v_heads")
     if kind:
-        nk, nv, kd, vd = _linear_dims(config, where)
+        nk, nv, kd, vd = _dims(linear, where)
         if nv // nk > 1:
             out = _untile(out, kind, nv // nk, nk, kd, vd, forward=True)
     if transform.get("value") == "add_one":
@@ -185,12 +201,12 @@ def redo(arr: np.ndarray, transform: dict, config: dict | None, where: str) -> n
     return out
 
 
-def undo(arr: np.ndarray, transform: dict, config: dict | None, where: str) -> np.ndarray:
+def undo(arr: np.ndarray, transform: dict, linear: LinearAttentionDims | None, where: str) -> np.ndarray:
     """The Hugging Face values of a GGUF tensor that ``transform`` made (size-1 axes are left to the caller)."""
     out = np.array(arr, dtype=np.float32)
     kind = transform.get("v_heads")
     if kind:
-        nk, nv, kd, vd = _linear_dims(config, where)
+        nk, nv, kd, vd = _dims(linear, where)
         per_k = nv // nk
         if per_k > 1:
             out = _untile(out, kind, nk, per_k, kd, vd)

@@ -60,7 +60,7 @@ class HyperConnection(Tagged, nn.Module):
 
     def __init__(self, cfg: MoeConfig):
         super().__init__()
-        self.dims, self.norm_eps = cfg.hyper_connections, cfg.rms_norm_eps
+        self.dims, self.norm_eps = cfg.residual, cfg.rms_norm_eps
         n = self.dims.mult
         size = (2 + n) * n
         self.fn = nn.Parameter(torch.zeros(size, n * cfg.hidden_size))
@@ -76,7 +76,7 @@ class HyperHead(Tagged, nn.Module):
 
     def __init__(self, cfg: MoeConfig):
         super().__init__()
-        d = cfg.hyper_connections
+        d = cfg.residual
         self.hc_eps, self.norm_eps = d.eps, cfg.rms_norm_eps
         self.hc_fn = nn.Parameter(torch.zeros(d.mult, d.mult * cfg.hidden_size))
         self.hc_base = nn.Parameter(torch.zeros(d.mult))
@@ -95,13 +95,13 @@ class HyperStreams:
     records (their mean) and before the final norm (the mean, or DeepSeek-V4's learned ``hc_head``)."""
 
     def __init__(self, cfg: MoeConfig):
-        self.cfg, self.dims, self.norm_eps = cfg, cfg.hyper_connections, cfg.rms_norm_eps
+        self.cfg, self.dims, self.norm_eps = cfg, cfg.residual, cfg.rms_norm_eps
 
     def attach(self, layer: nn.Module) -> None:
         """The mixing weights on a decoder layer: modules of their own (``attn_hc`` / ``ffn_hc``) as transformers'
         tree has them, else parameters under the checkpoint's names (``hc_attn_fn``, ...)."""
         cfg = self.cfg
-        if cfg.hc_modules:
+        if cfg.residual.modules:
             layer.attn_hc = HyperConnection(cfg)
             layer.ffn_hc = HyperConnection(cfg)
             return
@@ -113,7 +113,7 @@ class HyperStreams:
 
     def attach_model(self, model: nn.Module) -> None:
         """The learned head over the streams (``hc_head``) where the model has one."""
-        if self.cfg.hc_modules:
+        if self.cfg.residual.modules:
             model.hc_head = HyperHead(self.cfg)
 
     def widen(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -136,4 +136,4 @@ class HyperStreams:
 
     def final(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """What the final norm reads: GLM-5-Next the streams' unweighted mean, DeepSeek-V4 its ``hc_head``."""
-        return model.hc_head(hidden) if self.cfg.hc_modules else hidden.mean(dim=2)
+        return model.hc_head(hidden) if self.cfg.residual.modules else hidden.mean(dim=2)

@@ -263,7 +263,7 @@ class Attention(Tagged, nn.Module):
             self.sinks = nn.Parameter(torch.zeros(nh))
         else:
             self.sinks = None
-        self.msa = layer_idx in cfg.msa_layers
+        self.msa = cfg.indexer is not None and layer_idx in cfg.indexer.sparse_layers
         if self.msa:  # MiniMax Sparse Attention's lightning indexer, flat in self_attn as the releases store it
             d = cfg.indexer
             self.index_q_proj = nn.Linear(h, d.n_heads * d.head_dim, bias=False)
@@ -434,7 +434,7 @@ class MLAttention(Tagged, nn.Module):
         self.complex_rope = cfg.spec.attention.complex_rope  # transformers 5 V2 ignores rope_interleave
         self.scaling = softmax_scale(self.qk_head_dim, cfg.rope)
         indexer = DsaKPoolIndexer if cfg.indexer is not None and cfg.indexer.kpool else DsaIndexer
-        own = cfg.indexer is not None and layer_idx not in cfg.dsa_shared_layers
+        own = cfg.indexer is not None and layer_idx not in cfg.indexer.shared_layers
         self.indexer = indexer(cfg, layer_idx) if own else None
         # a shared layer (GLM-5-Next) attends where the previous layer's indexer chose: DecoderModel links that
         # layer's attention here (not a submodule) and it keeps its last selection for this one
@@ -803,7 +803,7 @@ class SparseMoeBlock(Tagged, nn.Module):
         setattr(self, self.router_attr, router(cfg.hidden_size, cfg.num_experts, bias=moe.router_bias))
         self.experts = RoutedExperts(
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names,
-                     bias=moe.expert_bias, clamp=cfg.swiglu_clamp) for _ in range(cfg.num_experts)
+                     bias=moe.expert_bias, clamp=cfg.activation.clamp) for _ in range(cfg.num_experts)
         )
         if cfg.shared_expert_intermediate_size:
             self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
@@ -844,14 +844,14 @@ class DeepseekMoE(Tagged, nn.Module):
         if bias is not None and cfg.spec.experts.bias_on_block:
             self.gate.register_buffer("e_score_correction_bias", bias, persistent=False)
             self.register_buffer("e_score_correction_bias", bias)
-        clamp = cfg.swiglu_clamp
+        clamp = cfg.activation.clamp
         self.experts = RoutedExperts(
             GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names, clamp=clamp)
             for _ in range(cfg.num_experts)
         )
         if cfg.n_shared_experts:
             self.shared_experts = GatedMLP(cfg.hidden_size, cfg.shared_experts_inter,
-                                           clamp=clamp if cfg.shared_swiglu else None)
+                                           clamp=clamp if cfg.activation.shared else None)
         else:
             self.shared_experts = None
 

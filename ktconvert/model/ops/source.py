@@ -241,7 +241,7 @@ class WeightSource:
             raise _missing(self.path, [gname], f"tensor for {name}")
         arr = self._read_gguf(gname)
         if m.transform:  # what llama.cpp's converter did to the values (norm + 1, -exp(A_log), tiled value heads)
-            arr = transforms.undo(arr, dict(m.transform), self.cfg.raw, f"tensor {gname}")
+            arr = transforms.undo(arr, dict(m.transform), self.cfg.linear, f"tensor {gname}")
         if self.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             heads = self._kv_int("attention.head_count" if ".attn_q." in gname else "attention.head_count_kv",
                                  self.cfg.num_attention_heads if ".attn_q." in gname else self.cfg.num_key_value_heads)
@@ -268,7 +268,7 @@ class WeightSource:
         missing = [g for g in parts.values() if g not in self._types]
         if missing:
             raise _missing(self.path, missing, f"tensor for {name}")
-        return transforms.join_qkvz(self._read_gguf(parts["qkv"]), self._read_gguf(parts["z"]), self.cfg.raw,
+        return transforms.join_qkvz(self._read_gguf(parts["qkv"]), self._read_gguf(parts["z"]), self.cfg.linear,
                                     f"tensor {parts['qkv']}")
 
     def _gguf_experts(self, layer: int) -> ExpertBlocks:
