@@ -365,6 +365,9 @@ def _requant_asym(x, b, o, n, d, dm, nmax, L):
         L[o + i] = min(nmax, max(0, nearest_int((x[b, o + i] + dm) / d)))
 
 
+_STEP = 8  # elements summed in registers between loads and stores of the lane sums (n is a multiple of it)
+
+
 @_njit(inline="always", **_OPTS)
 def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
     """make_qkx2_quants(n, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep, use_mad) for S sub-blocks at once
@@ -418,16 +421,24 @@ def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
             sl[s] = F0
             sl2[s] = F0
             sxl[s] = F0
-            err[s] = F0
-        for i in range(n):
+        for i0 in range(0, n, _STEP):
             for s in range(S):
-                v = X[i, s]
-                l = _nint_clamp_f(isc[s] * (v - mn[s]), 0, nmax)
-                Laux[i, s] = l
-                wl = Wt[i, s] * l
-                sl[s] += wl                          # sum_l += w*l
-                sl2[s] += wl * l                     # sum_l2 += w*l*l
-                sxl[s] += wl * v                     # sum_xl += w*l*x
+                a_sl = sl[s]
+                a_sl2 = sl2[s]
+                a_sxl = sxl[s]
+                isc_s = isc[s]
+                mn_s = mn[s]
+                for k in range(_STEP):
+                    v = X[i0 + k, s]
+                    l = _nint_clamp_f(isc_s * (v - mn_s), 0, nmax)
+                    Laux[i0 + k, s] = l
+                    wl = Wt[i0 + k, s] * l
+                    a_sl += wl                       # sum_l += w*l
+                    a_sl2 += wl * l                  # sum_l2 += w*l*l
+                    a_sxl += wl * v                  # sum_xl += w*l*x
+                sl[s] = a_sl
+                sl2[s] = a_sl2
+                sxl[s] = a_sxl
         for s in range(S):
             D = sum_w[s] * sl2[s] - sl[s] * sl[s]
             this_scale = (sum_w[s] * sxl[s] - sum_x[s] * sl[s]) / D
@@ -439,11 +450,18 @@ def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
             tm[s] = this_min
             if not (D > F0):                         # C skips the error and the update
                 live[s] = -live[s] if live[s] > F0 else live[s]
-        for i in range(n):
+        for s in range(S):
+            err[s] = F0
+        for i0 in range(0, n, _STEP):
             for s in range(S):
-                diff = ts[s] * Laux[i, s] + tm[s] - X[i, s]
-                diff = abs(diff) if use_mad else diff * diff
-                err[s] += Wt[i, s] * diff
+                a_err = err[s]
+                ts_s = ts[s]
+                tm_s = tm[s]
+                for k in range(_STEP):
+                    diff = ts_s * Laux[i0 + k, s] + tm_s - X[i0 + k, s]
+                    diff = abs(diff) if use_mad else diff * diff
+                    a_err += Wt[i0 + k, s] * diff
+                err[s] = a_err
         for s in range(S):
             if live[s] > F0 and err[s] < best[s]:
                 best[s] = err[s]
