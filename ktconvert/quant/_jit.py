@@ -723,11 +723,17 @@ def _qx_trials(Xt, W, WX, isc, slx, sl2):
     for s in range(16):
         slx[s] = F0
         sl2[s] = F0
-    for i in range(16):
+    for i0 in range(0, 16, _STEP):  # as in _qkx2_lanes: the sums stay in registers for _STEP elements
         for s in range(16):
-            l = _nint_clamp_f(isc[s] * Xt[i, s], -32, 31)
-            slx[s] += WX[i, s] * l             # w*x[i]*l, w = x*x
-            sl2[s] += W[i, s] * l * l          # w*l*l
+            a_slx = slx[s]
+            a_sl2 = sl2[s]
+            isc_s = isc[s]
+            for k in range(_STEP):
+                l = _nint_clamp_f(isc_s * Xt[i0 + k, s], -32, 31)
+                a_slx += WX[i0 + k, s] * l     # w*x[i]*l, w = x*x
+                a_sl2 += W[i0 + k, s] * l * l  # w*l*l
+            slx[s] = a_slx
+            sl2[s] = a_sl2
 
 
 @_njit(inline="always", **_OPTS)
@@ -739,16 +745,21 @@ def _make_qx_q6_all(x, b, L, Xt, W, WX, amax, den, isc, slx, sl2, scale, best, b
         for i in range(16):
             v = x[b, 16 * s + i]
             Xt[i, s] = v
-    for i in range(16):
+    for i0 in range(0, 16, _STEP):
         for s in range(16):
-            v = Xt[i, s]
-            w = v * v
-            W[i, s] = w
-            WX[i, s] = w * v
-            av = abs(v)
-            if av > amax[s]:                   # first index of max |x|
-                amax[s] = av
-                den[s] = v
+            a = amax[s]
+            d = den[s]
+            for k in range(_STEP):
+                v = Xt[i0 + k, s]
+                w = v * v
+                W[i0 + k, s] = w
+                WX[i0 + k, s] = w * v
+                av = abs(v)
+                if av > a:                     # first index of max |x|
+                    a = av
+                    d = v
+            amax[s] = a
+            den[s] = d
     for s in range(16):
         if amax[s] < F_EPS:
             den[s] = F1                        # all-zero group: trials are discarded below
