@@ -636,7 +636,7 @@ def q6k_tail(xr, o, out, b, L, scales):
             out[b, 128 + 32 * h + l] = (a0 >> 4) | ((a1 >> 4) << 2) | ((a2 >> 4) << 4) | ((a3 >> 4) << 6)
 
 
-_G = 2  # super-blocks searched together: 16 lanes of sub-blocks
+_G = 4  # super-blocks searched together: 32 lanes of sub-blocks (two vectors of 16: two independent sum chains)
 
 
 @_njit(inline="always", **_OPTS)
