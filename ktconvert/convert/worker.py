@@ -30,7 +30,7 @@ from ktconvert.formats.transforms import tile_columns
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
 from ktconvert.io.files import ReadBuffer, pread_into
 from ktconvert.io.heap import keep_freed_memory
-from ktconvert.quant import dequantize, quantize
+from ktconvert.quant import bf16_to_float32, dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
 from ktconvert.convert.kt_amx_io import pack_group
 
@@ -503,16 +503,16 @@ def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
     return dequantize(np.asarray(raw), dtype)
 
 
-def _decode_into(dst: np.ndarray, raw: np.ndarray, dtype: str) -> None:
-    """Decode ``raw`` straight into the float32 rows ``dst`` (no temporaries for the float types)."""
-    if dtype == "BF16":
-        bits = dst.view(np.uint32)
-        np.copyto(bits, raw.reshape(bits.shape), casting="unsafe")
-        np.left_shift(bits, 16, out=bits)
-    elif dtype in FLOAT_DTYPES:
+def _decode_into(dst: np.ndarray, raw: np.ndarray, dtype: str) -> bool:
+    """Decode ``raw`` straight into the float32 rows ``dst`` (no temporaries for the float types); returns True when
+    the decode also found every value finite (BF16: one compiled pass does both), False when that is unknown."""
+    if dtype == "BF16" and raw.dtype == np.uint16:
+        return bf16_to_float32(raw.reshape(dst.shape), dst)
+    if dtype in FLOAT_DTYPES:
         np.copyto(dst, raw.reshape(dst.shape), casting="unsafe")
     else:
         dst[...] = _decode(raw, dtype).reshape(dst.shape)
+    return False
 
 
 def _lora_rows(lora: tuple, rows: np.ndarray) -> np.ndarray:
@@ -554,6 +554,7 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     n_out = t.shape[-1] if t.shape else 1
     x = np.empty((r1 - r0, n_out), dtype=np.float32)
     placed = []
+    checked = True  # every row of x decoded by a pass that found it finite: no second pass needed
     for s, i, n, pos in _overlaps(t, r0, r1):
         dtype = ck[s.source].dtype
         idx = None
@@ -576,7 +577,7 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
             cols = s.src_col + np.arange(n_out) * s.col_step
             x[pos: pos + n] = _decode(_read_rows(ck, s.source, s.src_row + i, n)[:, cols], dtype)
         elif s.op == "rows":
-            _decode_into(x[pos: pos + n], _read_rows(ck, s.source, s.src_row + i, n), dtype)
+            checked = _decode_into(x[pos: pos + n], _read_rows(ck, s.source, s.src_row + i, n), dtype) and checked
             if s.lora:
                 x[pos: pos + n] += _lora_rows(s.lora, np.arange(s.src_row + i, s.src_row + i + n))
         else:
@@ -604,9 +605,13 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
                 raise AssertionError(f"{s.source}: rows of {part.shape[1]}, {t.name} needs {n_out}")
             x[pos: pos + n] = part
             del part
+        if s.col_tile or s.value or s.lora or s.op != "rows" or s.scale or s.col_step:
+            checked = False
         if s.col_tile or s.value:
             _post(x[pos: pos + n], s)
         placed.append((s, i, n, pos, idx))
+    if checked and placed:
+        return x
     with np.errstate(invalid="ignore"):
         finite = np.isfinite(x.max()) and np.isfinite(x.min())
     if not finite:

@@ -200,6 +200,20 @@ def f32(x, out):
 
 
 @_njit(**_OPTS)
+def from_bf16(raw, out):
+    """bf16 bits (uint16 rows) -> float32 bits (``out``: an int32 view of the float32 rows of the same shape), the
+    exact widening; returns whether every value was finite. One pass: the decode and the finiteness check that
+    numpy would make three passes of (cast, shift, max/min)."""
+    acc = np.int32(0)
+    for r in range(raw.shape[0]):
+        for c in range(raw.shape[1]):
+            b = np.int32(raw[r, c]) << 16
+            out[r, c] = b
+            acc = max(acc, b & np.int32(0x7F800000))
+    return acc < 0x7F800000
+
+
+@_njit(**_OPTS)
 def bf16(x, out):
     """float32 rows -> bf16 bits (uint16), round to nearest even on the bit pattern (ggml_compute_fp32_to_bf16
     without its NaN branch: a NaN makes the result False and the output is not used); returns finiteness."""
