@@ -74,7 +74,8 @@ def close_all() -> None:
         os.close(fd)
     _FDS.clear()
     _CHECKPOINTS.clear()
-    _BUF.release()
+    for b in (_BUF, _XBUF, _QBUF):
+        b.release()
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
@@ -272,7 +273,7 @@ def _run(task: Task) -> int:
             data = _int_rows(ck, t, task.r0, task.r1)
         else:
 
-            x = _float_rows(ck, t, task.r0, task.r1)
+            x = _float_rows(ck, t, task.r0, task.r1, _XBUF)
             data = _quantize(x, t, task.r0, task.r1)
             del x
     offset = t.offset + task.r0 * t.row_bytes
@@ -291,8 +292,9 @@ def _quantize(x: np.ndarray, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     """Rows ``r0..r1`` of ``t`` (``x``) quantized to ``t.type``, with the importance of each row's expert when the
     plan gave the tensor an importance matrix (``quantize --imatrix``), as llama-quantize passes expert e's slice
     with expert e's rows."""
-    if t.imatrix is None:
-        return quantize(x, t.type, workers=1, name=t.name).reshape(-1)
+    if t.imatrix is None:  # into this process's output buffer (written out before the next unit takes it)
+        out = _QBUF.take((r1 - r0) * t.row_bytes).reshape(r1 - r0, t.row_bytes)
+        return quantize(x, t.type, workers=1, name=t.name, out=out).reshape(-1)
     imx = _IMATRICES.get(t.imatrix)
     if imx is None:
         imx = _IMATRICES[t.imatrix] = read_imatrix(t.imatrix)
@@ -420,6 +422,10 @@ def _overlaps(t: PlanTensor, r0: int, r1: int):
 
 
 _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in the same pages
+# and its unit's float32 rows and quantized bytes: fresh arrays per unit were fresh pages per unit, zeroed by the
+# kernel on first touch (13% of a Q4_K_M run's CPU time, in the converting process's unit thread, whose malloc
+# arena hands large blocks back when they are freed)
+_XBUF, _QBUF = ReadBuffer(), ReadBuffer()
 
 
 #: the running unit's checksum of the bytes it reads, when those are exactly :func:`source_ranges` in order
@@ -548,11 +554,13 @@ def _bf16_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray | None:
     return out
 
 
-def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
+def _float_rows(ck, t: PlanTensor, r0: int, r1: int, buf: ReadBuffer | None = None) -> np.ndarray:
     """Rows ``r0..r1`` of the output tensor as float32, assembled from the segments; a NaN/Inf is reported at
-    its place in the input tensor, before anything is quantized or written."""
+    its place in the input tensor, before anything is quantized or written. ``buf``: the memory to build them in
+    (valid until its next use), else a new array."""
     n_out = t.shape[-1] if t.shape else 1
-    x = np.empty((r1 - r0, n_out), dtype=np.float32)
+    shape = (r1 - r0, n_out)
+    x = np.empty(shape, np.float32) if buf is None else buf.take(4 * shape[0] * shape[1]).view(np.float32).reshape(shape)
     placed = []
     checked = True  # every row of x decoded by a pass that found it finite: no second pass needed
     for s, i, n, pos in _overlaps(t, r0, r1):
