@@ -383,7 +383,7 @@ _STEP = 8  # elements summed in registers between loads and stores of the lane s
 
 
 @_njit(inline="always", **_OPTS)
-def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
+def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf, step):
     """make_qkx2_quants(n, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep, use_mad) for S sub-blocks at once
     (also make_qkx3_quants with its weights given: the two differ only in ``max <= min`` for ``max == min``,
     the same test once ``min`` is clamped to <= 0).
@@ -392,7 +392,11 @@ def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
     its elements in order while the loops over s (independent lanes) vectorize. Returns nothing: ``V[4]`` gets
     the scales, ``V[0]`` the mins (``-min``, >= 0) and ``Lf[i, s]`` the levels. Keeps the C quirk that ``min``
     is updated in place when an iteration is accepted (later iterations use it in ``max - min`` and
-    ``x - min``); the accepted levels are rebuilt once at the end from that iteration's (iscale, min)."""
+    ``x - min``); the accepted levels are rebuilt once at the end from that iteration's (iscale, min).
+
+    ``step`` (a constant, dividing n): elements whose lane sums stay in registers between a load and a store of
+    them. ``_STEP`` where S is 16 or more (an unrolled block of 8 per vector of lanes); 1 for fewer lanes (the
+    importance-matrix searches' 8-16), whose vector loop would otherwise fall to its scalar remainder."""
     fnmax = F32(nmax)
     mn, mx, sum_w, sum_x, scale, best, isc = V[0], V[1], V[2], V[3], V[4], V[5], V[6]
     sl, sl2, sxl, ts, tm, err, acc_isc, acc_mn, live = V[7], V[8], V[9], V[10], V[11], V[12], V[13], V[14], V[15]
@@ -435,14 +439,14 @@ def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
             sl[s] = F0
             sl2[s] = F0
             sxl[s] = F0
-        for i0 in range(0, n, _STEP):
+        for i0 in range(0, n, step):
             for s in range(S):
                 a_sl = sl[s]
                 a_sl2 = sl2[s]
                 a_sxl = sxl[s]
                 isc_s = isc[s]
                 mn_s = mn[s]
-                for k in range(_STEP):
+                for k in range(step):
                     v = X[i0 + k, s]
                     l = _nint_clamp_f(isc_s * (v - mn_s), 0, nmax)
                     Laux[i0 + k, s] = l
@@ -466,12 +470,12 @@ def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
                 live[s] = -live[s] if live[s] > F0 else live[s]
         for s in range(S):
             err[s] = F0
-        for i0 in range(0, n, _STEP):
+        for i0 in range(0, n, step):
             for s in range(S):
                 a_err = err[s]
                 ts_s = ts[s]
                 tm_s = tm[s]
-                for k in range(_STEP):
+                for k in range(step):
                     diff = ts_s * Laux[i0 + k, s] + tm_s - X[i0 + k, s]
                     diff = abs(diff) if use_mad else diff * diff
                     a_err += Wt[i0 + k, s] * diff
@@ -515,7 +519,7 @@ def _q45_group(x, out, b0, g, nmax, rmin, nstep, L, X, Wt, Laux, V, Lf):
     for i in range(32):
         for s in range(S):
             Wt[i, s] = sx2[s] + abs(X[i, s])      # weights[l] = av_x + fabsf(x[l])
-    _qkx2_lanes(X, Wt, 32, S, nmax, rmin, F_0_1, nstep, False, Laux, V, Lf)
+    _qkx2_lanes(X, Wt, 32, S, nmax, rmin, F_0_1, nstep, False, Laux, V, Lf, _STEP)
     for t in range(g):
         b = b0 + t
         max_scale = F0
@@ -692,7 +696,7 @@ def q2_k(x, out):
                 v = x[b, 16 * j + i]
                 X[i, j] = v
                 Wt[i, j] = abs(v)
-        _qkx2_lanes(X, Wt, 16, 16, 3, F32(-0.5), F_0_1, 15, True, Laux, V, Lf)
+        _qkx2_lanes(X, Wt, 16, 16, 3, F32(-0.5), F_0_1, 15, True, Laux, V, Lf, _STEP)
         scales, mins = V[4], V[0]
         max_scale = F0
         max_min = F0
