@@ -247,5 +247,5 @@ def test_bf16_to_float32_widens_every_pattern_and_reports_finiteness():
         row = finite[:1].copy()
         row[0, 100] = bad
         assert Q.bf16_to_float32(row, np.empty((1, 256), np.float32)) is False
-    with pytest.raises(ValueError, match="2-D uint16 and float32"):
+    with pytest.raises(Q.QuantError, match="2-D uint16 and float32"):
         Q.bf16_to_float32(bits.astype(np.int32), np.empty((256, 256), np.float32))
