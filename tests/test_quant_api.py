@@ -248,3 +248,22 @@ def test_numba_is_loaded_only_by_what_compiles():
             "print(before, q8, 'numba' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
     assert out == ["False", "False", "True"]
+
+
+def test_bf16_to_float32_widens_every_pattern_and_reports_finiteness():
+    """The conversion's one-pass BF16 decode: every bf16 bit pattern widened exactly (as torch does), into a slice
+    of rows, and its flag False as soon as one value is a NaN or an infinity."""
+    bits = np.arange(1 << 16, dtype=np.uint16).reshape(256, 256)
+    want = torch.from_numpy(bits.view(np.int16).copy()).view(torch.bfloat16).float().numpy()
+    out = np.full((260, 256), 7.0, np.float32)
+    assert Q.bf16_to_float32(bits, out[2:258]) is False  # the 0x7F80.. and 0xFF80.. rows hold inf and NaN
+    assert out[2:258].view(np.uint32).tobytes() == want.view(np.uint32).tobytes()
+    assert (out[:2] == 7.0).all() and (out[258:] == 7.0).all()
+    finite = bits[(bits & 0x7F80) != 0x7F80][: 255 * 256].reshape(255, 256)
+    assert Q.bf16_to_float32(finite, np.empty((255, 256), np.float32)) is True
+    for bad in (0x7F80, 0xFF80, 0x7FC1, 0xFFFF):
+        row = finite[:1].copy()
+        row[0, 100] = bad
+        assert Q.bf16_to_float32(row, np.empty((1, 256), np.float32)) is False
+    with pytest.raises(Q.QuantError, match="2-D uint16 and float32"):
+        Q.bf16_to_float32(bits.astype(np.int32), np.empty((256, 256), np.float32))

@@ -30,7 +30,7 @@ from ktconvert.formats.transforms import tile_columns
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
 from ktconvert.io.files import ReadBuffer, pread_into
 from ktconvert.io.heap import keep_freed_memory
-from ktconvert.quant import dequantize, quantize
+from ktconvert.quant import bf16_to_float32, dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
 from ktconvert.convert.kt_amx_io import pack_group
 
@@ -74,7 +74,8 @@ def close_all() -> None:
         os.close(fd)
     _FDS.clear()
     _CHECKPOINTS.clear()
-    _BUF.release()
+    for b in (_BUF, _XBUF, _QBUF):
+        b.release()
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
@@ -272,7 +273,7 @@ def _run(task: Task) -> int:
             data = _int_rows(ck, t, task.r0, task.r1)
         else:
 
-            x = _float_rows(ck, t, task.r0, task.r1)
+            x = _float_rows(ck, t, task.r0, task.r1, _XBUF)
             data = _quantize(x, t, task.r0, task.r1)
             del x
     offset = t.offset + task.r0 * t.row_bytes
@@ -291,8 +292,9 @@ def _quantize(x: np.ndarray, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
     """Rows ``r0..r1`` of ``t`` (``x``) quantized to ``t.type``, with the importance of each row's expert when the
     plan gave the tensor an importance matrix (``quantize --imatrix``), as llama-quantize passes expert e's slice
     with expert e's rows."""
-    if t.imatrix is None:
-        return quantize(x, t.type, workers=1, name=t.name).reshape(-1)
+    if t.imatrix is None:  # into this process's output buffer (written out before the next unit takes it)
+        out = _QBUF.take((r1 - r0) * t.row_bytes).reshape(r1 - r0, t.row_bytes)
+        return quantize(x, t.type, workers=1, name=t.name, out=out).reshape(-1)
     imx = _IMATRICES.get(t.imatrix)
     if imx is None:
         imx = _IMATRICES[t.imatrix] = read_imatrix(t.imatrix)
@@ -420,6 +422,10 @@ def _overlaps(t: PlanTensor, r0: int, r1: int):
 
 
 _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in the same pages
+# and its unit's float32 rows and quantized bytes: fresh arrays per unit were fresh pages per unit, zeroed by the
+# kernel on first touch (13% of a Q4_K_M run's CPU time, in the converting process's unit thread, whose malloc
+# arena hands large blocks back when they are freed)
+_XBUF, _QBUF = ReadBuffer(), ReadBuffer()
 
 
 #: the running unit's checksum of the bytes it reads, when those are exactly :func:`source_ranges` in order
@@ -503,16 +509,16 @@ def _decode(raw: np.ndarray, dtype: str) -> np.ndarray:
     return dequantize(np.asarray(raw), dtype)
 
 
-def _decode_into(dst: np.ndarray, raw: np.ndarray, dtype: str) -> None:
-    """Decode ``raw`` straight into the float32 rows ``dst`` (no temporaries for the float types)."""
-    if dtype == "BF16":
-        bits = dst.view(np.uint32)
-        np.copyto(bits, raw.reshape(bits.shape), casting="unsafe")
-        np.left_shift(bits, 16, out=bits)
-    elif dtype in FLOAT_DTYPES:
+def _decode_into(dst: np.ndarray, raw: np.ndarray, dtype: str) -> bool:
+    """Decode ``raw`` straight into the float32 rows ``dst`` (no temporaries for the float types); returns True when
+    the decode also found every value finite (BF16: one compiled pass does both), False when that is unknown."""
+    if dtype == "BF16" and raw.dtype == np.uint16:
+        return bf16_to_float32(raw.reshape(dst.shape), dst)
+    if dtype in FLOAT_DTYPES:
         np.copyto(dst, raw.reshape(dst.shape), casting="unsafe")
     else:
         dst[...] = _decode(raw, dtype).reshape(dst.shape)
+    return False
 
 
 def _lora_rows(lora: tuple, rows: np.ndarray) -> np.ndarray:
@@ -548,12 +554,15 @@ def _bf16_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray | None:
     return out
 
 
-def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
+def _float_rows(ck, t: PlanTensor, r0: int, r1: int, buf: ReadBuffer | None = None) -> np.ndarray:
     """Rows ``r0..r1`` of the output tensor as float32, assembled from the segments; a NaN/Inf is reported at
-    its place in the input tensor, before anything is quantized or written."""
+    its place in the input tensor, before anything is quantized or written. ``buf``: the memory to build them in
+    (valid until its next use), else a new array."""
     n_out = t.shape[-1] if t.shape else 1
-    x = np.empty((r1 - r0, n_out), dtype=np.float32)
+    shape = (r1 - r0, n_out)
+    x = np.empty(shape, np.float32) if buf is None else buf.take(4 * shape[0] * shape[1]).view(np.float32).reshape(shape)
     placed = []
+    checked = True  # every row of x decoded by a pass that found it finite: no second pass needed
     for s, i, n, pos in _overlaps(t, r0, r1):
         dtype = ck[s.source].dtype
         idx = None
@@ -576,7 +585,7 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
             cols = s.src_col + np.arange(n_out) * s.col_step
             x[pos: pos + n] = _decode(_read_rows(ck, s.source, s.src_row + i, n)[:, cols], dtype)
         elif s.op == "rows":
-            _decode_into(x[pos: pos + n], _read_rows(ck, s.source, s.src_row + i, n), dtype)
+            checked = _decode_into(x[pos: pos + n], _read_rows(ck, s.source, s.src_row + i, n), dtype) and checked
             if s.lora:
                 x[pos: pos + n] += _lora_rows(s.lora, np.arange(s.src_row + i, s.src_row + i + n))
         else:
@@ -604,9 +613,13 @@ def _float_rows(ck, t: PlanTensor, r0: int, r1: int) -> np.ndarray:
                 raise AssertionError(f"{s.source}: rows of {part.shape[1]}, {t.name} needs {n_out}")
             x[pos: pos + n] = part
             del part
+        if s.col_tile or s.value or s.lora or s.op != "rows" or s.scale or s.col_step:
+            checked = False
         if s.col_tile or s.value:
             _post(x[pos: pos + n], s)
         placed.append((s, i, n, pos, idx))
+    if checked and placed:
+        return x
     with np.errstate(invalid="ignore"):
         finite = np.isfinite(x.max()) and np.isfinite(x.min())
     if not finite:

@@ -22,7 +22,7 @@ Importing this package is light: numba is imported by the first quantization, an
 
 from __future__ import annotations
 
-from ._api import cpu_count, dequantizable, dequantize, quantize, quantize_parallel
+from ._api import bf16_to_float32, cpu_count, dequantizable, dequantize, quantize, quantize_parallel
 from ._types import (
                      IMATRIX_REQUIRED,
                      IMATRIX_TYPES,
@@ -51,6 +51,7 @@ __all__ = [
     "WRITABLE",
     "QuantError",
     "as_qtype",
+    "bf16_to_float32",
     "block_size",
     "byte_shape",
     "check_row",

@@ -372,6 +372,17 @@ def quantize(data: Any, qtype: QType | int | str, *, imatrix: Any = None, worker
     return out
 
 
+def bf16_to_float32(raw: np.ndarray, out: np.ndarray) -> bool:
+    """Widen bf16 rows (uint16 bits, 2-D) into the float32 array ``out`` of the same shape (rows C-contiguous, a
+    slice of rows welcome), in one compiled pass; returns whether every value is finite (``out`` is filled either
+    way, so the caller can locate a NaN/inf)."""
+    if raw.dtype != np.uint16 or out.dtype != np.float32 or raw.shape != out.shape or raw.ndim != 2:
+        raise QuantError(f"bf16_to_float32 needs 2-D uint16 and float32 of one shape, got {raw.dtype}{raw.shape} "
+                         f"and {out.dtype}{out.shape}", fix="pass the bf16 bits as uint16 rows and a float32 array of "
+                         "their shape")
+    return bool(_kernel("from_bf16")(raw, out.view(np.int32)))
+
+
 def quantize_parallel(data: Any, qtype: QType | int | str, *, imatrix: Any = None, workers: int | None = None,
                       name: str | None = None, out: np.ndarray | None = None) -> np.ndarray:
     """:func:`quantize` on every core (or ``workers`` threads) for one large tensor; same bytes."""

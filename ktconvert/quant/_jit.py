@@ -200,6 +200,20 @@ def f32(x, out):
 
 
 @_njit(**_OPTS)
+def from_bf16(raw, out):
+    """bf16 bits (uint16 rows) -> float32 bits (``out``: an int32 view of the float32 rows of the same shape), the
+    exact widening; returns whether every value was finite. One pass: the decode and the finiteness check that
+    numpy would make three passes of (cast, shift, max/min)."""
+    acc = np.int32(0)
+    for r in range(raw.shape[0]):
+        for c in range(raw.shape[1]):
+            b = np.int32(raw[r, c]) << 16
+            out[r, c] = b
+            acc = max(acc, b & np.int32(0x7F800000))
+    return acc < 0x7F800000
+
+
+@_njit(**_OPTS)
 def bf16(x, out):
     """float32 rows -> bf16 bits (uint16), round to nearest even on the bit pattern (ggml_compute_fp32_to_bf16
     without its NaN branch: a NaN makes the result False and the output is not used); returns finiteness."""
@@ -365,8 +379,11 @@ def _requant_asym(x, b, o, n, d, dm, nmax, L):
         L[o + i] = min(nmax, max(0, nearest_int((x[b, o + i] + dm) / d)))
 
 
+_STEP = 8  # elements summed in registers between loads and stores of the lane sums (n is a multiple of it)
+
+
 @_njit(inline="always", **_OPTS)
-def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
+def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf, step):
     """make_qkx2_quants(n, nmax, x, w, L, &the_min, Laux, rmin, rdelta, nstep, use_mad) for S sub-blocks at once
     (also make_qkx3_quants with its weights given: the two differ only in ``max <= min`` for ``max == min``,
     the same test once ``min`` is clamped to <= 0).
@@ -375,7 +392,11 @@ def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
     its elements in order while the loops over s (independent lanes) vectorize. Returns nothing: ``V[4]`` gets
     the scales, ``V[0]`` the mins (``-min``, >= 0) and ``Lf[i, s]`` the levels. Keeps the C quirk that ``min``
     is updated in place when an iteration is accepted (later iterations use it in ``max - min`` and
-    ``x - min``); the accepted levels are rebuilt once at the end from that iteration's (iscale, min)."""
+    ``x - min``); the accepted levels are rebuilt once at the end from that iteration's (iscale, min).
+
+    ``step`` (a constant, dividing n): elements whose lane sums stay in registers between a load and a store of
+    them. ``_STEP`` where S is 16 or more (an unrolled block of 8 per vector of lanes); 1 for fewer lanes (the
+    importance-matrix searches' 8-16), whose vector loop would otherwise fall to its scalar remainder."""
     fnmax = F32(nmax)
     mn, mx, sum_w, sum_x, scale, best, isc = V[0], V[1], V[2], V[3], V[4], V[5], V[6]
     sl, sl2, sxl, ts, tm, err, acc_isc, acc_mn, live = V[7], V[8], V[9], V[10], V[11], V[12], V[13], V[14], V[15]
@@ -418,16 +439,24 @@ def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
             sl[s] = F0
             sl2[s] = F0
             sxl[s] = F0
-            err[s] = F0
-        for i in range(n):
+        for i0 in range(0, n, step):
             for s in range(S):
-                v = X[i, s]
-                l = _nint_clamp_f(isc[s] * (v - mn[s]), 0, nmax)
-                Laux[i, s] = l
-                wl = Wt[i, s] * l
-                sl[s] += wl                          # sum_l += w*l
-                sl2[s] += wl * l                     # sum_l2 += w*l*l
-                sxl[s] += wl * v                     # sum_xl += w*l*x
+                a_sl = sl[s]
+                a_sl2 = sl2[s]
+                a_sxl = sxl[s]
+                isc_s = isc[s]
+                mn_s = mn[s]
+                for k in range(step):
+                    v = X[i0 + k, s]
+                    l = _nint_clamp_f(isc_s * (v - mn_s), 0, nmax)
+                    Laux[i0 + k, s] = l
+                    wl = Wt[i0 + k, s] * l
+                    a_sl += wl                       # sum_l += w*l
+                    a_sl2 += wl * l                  # sum_l2 += w*l*l
+                    a_sxl += wl * v                  # sum_xl += w*l*x
+                sl[s] = a_sl
+                sl2[s] = a_sl2
+                sxl[s] = a_sxl
         for s in range(S):
             D = sum_w[s] * sl2[s] - sl[s] * sl[s]
             this_scale = (sum_w[s] * sxl[s] - sum_x[s] * sl[s]) / D
@@ -439,11 +468,18 @@ def _qkx2_lanes(X, Wt, n, S, nmax, rmin, rdelta, nstep, use_mad, Laux, V, Lf):
             tm[s] = this_min
             if not (D > F0):                         # C skips the error and the update
                 live[s] = -live[s] if live[s] > F0 else live[s]
-        for i in range(n):
+        for s in range(S):
+            err[s] = F0
+        for i0 in range(0, n, step):
             for s in range(S):
-                diff = ts[s] * Laux[i, s] + tm[s] - X[i, s]
-                diff = abs(diff) if use_mad else diff * diff
-                err[s] += Wt[i, s] * diff
+                a_err = err[s]
+                ts_s = ts[s]
+                tm_s = tm[s]
+                for k in range(step):
+                    diff = ts_s * Laux[i0 + k, s] + tm_s - X[i0 + k, s]
+                    diff = abs(diff) if use_mad else diff * diff
+                    a_err += Wt[i0 + k, s] * diff
+                err[s] = a_err
         for s in range(S):
             if live[s] > F0 and err[s] < best[s]:
                 best[s] = err[s]
@@ -483,7 +519,7 @@ def _q45_group(x, out, b0, g, nmax, rmin, nstep, L, X, Wt, Laux, V, Lf):
     for i in range(32):
         for s in range(S):
             Wt[i, s] = sx2[s] + abs(X[i, s])      # weights[l] = av_x + fabsf(x[l])
-    _qkx2_lanes(X, Wt, 32, S, nmax, rmin, F_0_1, nstep, False, Laux, V, Lf)
+    _qkx2_lanes(X, Wt, 32, S, nmax, rmin, F_0_1, nstep, False, Laux, V, Lf, _STEP)
     for t in range(g):
         b = b0 + t
         max_scale = F0
@@ -618,7 +654,7 @@ def q6k_tail(xr, o, out, b, L, scales):
             out[b, 128 + 32 * h + l] = (a0 >> 4) | ((a1 >> 4) << 2) | ((a2 >> 4) << 4) | ((a3 >> 4) << 6)
 
 
-_G = 2  # super-blocks searched together: 16 lanes of sub-blocks
+_G = 4  # super-blocks searched together: 32 lanes of sub-blocks (two vectors of 16: two independent sum chains)
 
 
 @_njit(inline="always", **_OPTS)
@@ -660,7 +696,7 @@ def q2_k(x, out):
                 v = x[b, 16 * j + i]
                 X[i, j] = v
                 Wt[i, j] = abs(v)
-        _qkx2_lanes(X, Wt, 16, 16, 3, F32(-0.5), F_0_1, 15, True, Laux, V, Lf)
+        _qkx2_lanes(X, Wt, 16, 16, 3, F32(-0.5), F_0_1, 15, True, Laux, V, Lf, _STEP)
         scales, mins = V[4], V[0]
         max_scale = F0
         max_min = F0
@@ -705,11 +741,17 @@ def _qx_trials(Xt, W, WX, isc, slx, sl2):
     for s in range(16):
         slx[s] = F0
         sl2[s] = F0
-    for i in range(16):
+    for i0 in range(0, 16, _STEP):  # as in _qkx2_lanes: the sums stay in registers for _STEP elements
         for s in range(16):
-            l = _nint_clamp_f(isc[s] * Xt[i, s], -32, 31)
-            slx[s] += WX[i, s] * l             # w*x[i]*l, w = x*x
-            sl2[s] += W[i, s] * l * l          # w*l*l
+            a_slx = slx[s]
+            a_sl2 = sl2[s]
+            isc_s = isc[s]
+            for k in range(_STEP):
+                l = _nint_clamp_f(isc_s * Xt[i0 + k, s], -32, 31)
+                a_slx += WX[i0 + k, s] * l     # w*x[i]*l, w = x*x
+                a_sl2 += W[i0 + k, s] * l * l  # w*l*l
+            slx[s] = a_slx
+            sl2[s] = a_sl2
 
 
 @_njit(inline="always", **_OPTS)
@@ -721,16 +763,21 @@ def _make_qx_q6_all(x, b, L, Xt, W, WX, amax, den, isc, slx, sl2, scale, best, b
         for i in range(16):
             v = x[b, 16 * s + i]
             Xt[i, s] = v
-    for i in range(16):
+    for i0 in range(0, 16, _STEP):
         for s in range(16):
-            v = Xt[i, s]
-            w = v * v
-            W[i, s] = w
-            WX[i, s] = w * v
-            av = abs(v)
-            if av > amax[s]:                   # first index of max |x|
-                amax[s] = av
-                den[s] = v
+            a = amax[s]
+            d = den[s]
+            for k in range(_STEP):
+                v = Xt[i0 + k, s]
+                w = v * v
+                W[i0 + k, s] = w
+                WX[i0 + k, s] = w * v
+                av = abs(v)
+                if av > a:                     # first index of max |x|
+                    a = av
+                    d = v
+            amax[s] = a
+            den[s] = d
     for s in range(16):
         if amax[s] < F_EPS:
             den[s] = F1                        # all-zero group: trials are discarded below

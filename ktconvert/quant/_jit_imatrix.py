@@ -235,7 +235,7 @@ def _q45(xr, q, o, g, out, b, nmax, X, Wt, Laux, Lf, V, F, L, LsLm):
     for t in range(g):
         sigma2 = F_TWO * _sum_sq(xr, o + 256 * t, 256) / F_256
         _load_lanes(xr, q, o + 256 * t, 32, 8, sigma2, X, Wt, sw, 8 * t)
-    _qkx2_lanes(X, Wt, 32, 8 * g, nmax, F_RMIN, F_RDELTA, NSTEP, False, Laux, V, Lf)
+    _qkx2_lanes(X, Wt, 32, 8 * g, nmax, F_RMIN, F_RDELTA, NSTEP, False, Laux, V, Lf, 1)
     Ls, Lm = LsLm[0], LsLm[1]
     for t in range(g):
         bt = b + t
@@ -285,7 +285,7 @@ def _q2k(xr, q, o, out, b, X, Wt, Laux, Lf, V, F, L, LsLm):
     sigma2 = _sum_sq(xr, o, 256) / F_256
     sw = F[3]
     _load_lanes(xr, q, o, 16, 16, sigma2, X, Wt, sw, 0)
-    _qkx2_lanes(X, Wt, 16, X.shape[1], 3, F_RMIN, F_RDELTA, NSTEP, False, Laux, V, Lf)  # 16, as a runtime value
+    _qkx2_lanes(X, Wt, 16, X.shape[1], 3, F_RMIN, F_RDELTA, NSTEP, False, Laux, V, Lf, 1)  # 16, as a runtime value
     for j in range(16):
         for i in range(16):
             L[16 * j + i] = np.int64(Lf[i, j])
@@ -444,7 +444,7 @@ def _legacy_rows(x, qw, r0, rpe, out, kind):
             if kind == 1 or kind == 3:
                 nmax = 15 if kind == 1 else 31
                 _load_lanes(xr, q, 32 * k0, 32, g, sigma2, X, Wt, F[3], 0)
-                _qkx2_lanes(X, Wt, 32, g, nmax, F_RMIN, F_RDELTA, NSTEP, False, Laux, V, Lf)
+                _qkx2_lanes(X, Wt, 32, g, nmax, F_RMIN, F_RDELTA, NSTEP, False, Laux, V, Lf, 1)
                 for t in range(g):
                     for i in range(32):
                         L[32 * t + i] = np.int64(Lf[i, t])
