@@ -255,7 +255,7 @@ _KIND_FLAGS = {"kda", "compressed", "linear", "mla", "is_mla"}
 
 def _kind_choices(tree: ast.AST) -> list[int]:
     """Lines choosing a mechanism by hand: a comparison with a kind value (``layer_types[i] == "linear_attention"``,
-    ``attention.kind == "mla"``), an ``is None`` / ``is not None`` test of a kind's part (``cfg.kda is not None``),
+    ``attention.kind == "mla"``), an ``is None`` / ``is not None`` test of a kind's part (``cfg.attention.kda is not None``),
     or any use of ``is_mla``."""
     lines = []
     for node in ast.walk(tree):

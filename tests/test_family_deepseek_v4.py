@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import shutil
+from operator import attrgetter
 
 import numpy as np
 import pytest
@@ -159,10 +160,10 @@ def test_release_and_transformers_spellings_read_alike(hf):
     saved = hf.config.to_dict()
     tf = normalize_config(saved)
     assert "compress_ratios" not in saved and saved["layer_types"][2] == "heavily_compressed_attention"
-    for field in ("compressed", "residual", "hash_layers", "indexer", "sliding_window", "rope", "activation",
-                  "routing", "q_lora_rank", "head_dim"):
-        assert getattr(rel, field) == getattr(tf, field), field
-    assert rel.compressed.ratios == (0, 4, 128) and rel.hash_layers == (0,)
+    for field in ("attention.compressed", "residual", "routing.hash_layers", "attention.indexer",
+                  "attention.sliding_window", "rope", "activation", "routing", "attention.q_lora_rank", "head_dim"):
+        assert attrgetter(field)(rel) == attrgetter(field)(tf), field
+    assert rel.attention.compressed.ratios == (0, 4, 128) and rel.routing.hash_layers == (0,)
     assert rel.activation.clamp == (None, 10.0) and rel.activation.shared  # transformers' DeepseekV4MLP clamps too
 
 
@@ -392,8 +393,8 @@ def test_yarn_compressed_rope_matches_transformers(yarn, tiny):
     from ktconvert.families.config import load_config
 
     c = load_config(yarn)
-    assert c.rope.kind == "default" and c.compressed.compress_rope.kind == "yarn"
-    assert c.compressed.compress_rope.attention_factor == 1.0
+    assert c.rope.kind == "default" and c.attention.compressed.compress_rope.kind == "yarn"
+    assert c.attention.compressed.compress_rope.attention_factor == 1.0
 
 
 @pytest.mark.interop

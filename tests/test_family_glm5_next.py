@@ -4,6 +4,8 @@ MLP), that each of them decides the golden, the release and transformers spellin
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 import pytest
 
@@ -126,14 +128,14 @@ def _transformers_spelling() -> dict:
 
 def test_release_and_transformers_spellings_read_alike():
     rel, tf5 = normalize_config(tiny_config(FAMILY)), normalize_config(_transformers_spelling())
-    for field in ("kda", "layer_types", "moe_layers", "indexer", "residual",
-                  "activation", "mla"):
-        assert getattr(rel, field) == getattr(tf5, field), field
-    assert rel.moe_layers == (1, 2, 3) and rel.indexer.shared_layers == (2,) and rel.kda.lower_bound == -5.0
+    for field in ("attention.kda", "attention.layer_types", "moe_layers", "attention.indexer", "residual",
+                  "activation", "attention.mla"):
+        assert attrgetter(field)(rel) == attrgetter(field)(tf5), field
+    assert rel.moe_layers == (1, 2, 3) and rel.attention.indexer.shared_layers == (2,) and rel.attention.kda.lower_bound == -5.0
     # the releases' index_topk_pattern spelling of indexer_types, and transformers' all-full default
     raw = {k: v for k, v in tiny_config(FAMILY).items() if k != "indexer_types"}
-    assert normalize_config({**raw, "index_topk_pattern": "FFSF"}).indexer.shared_layers == (2,)
-    assert normalize_config(raw).indexer.shared_layers == ()
+    assert normalize_config({**raw, "index_topk_pattern": "FFSF"}).attention.indexer.shared_layers == (2,)
+    assert normalize_config(raw).attention.indexer.shared_layers == ()
 
 
 @pytest.mark.parametrize("change,where", [

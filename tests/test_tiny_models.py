@@ -190,8 +190,8 @@ def test_deepseek_tiny_models_have_the_features_they_stand_for():
     v3 = normalize_config(tiny_config("deepseek_v3"))
     for cfg in (v2, v3):
         assert cfg.moe_layers == (1, 2) and cfg.n_shared_experts >= 1 and cfg.rope.kind == "yarn"
-    assert v2.q_lora_rank is None and v2.routing.topk_method == "group_limited_greedy"
-    assert v3.q_lora_rank and v3.routing.topk_method == "noaux_tc" and v3.routing.scoring_func == "sigmoid"
+    assert v2.attention.q_lora_rank is None and v2.routing.topk_method == "group_limited_greedy"
+    assert v3.attention.q_lora_rank and v3.routing.topk_method == "noaux_tc" and v3.routing.scoring_func == "sigmoid"
     assert v3.routing.routed_scaling_factor != 1.0 and v3.routing.n_group and v3.routing.topk_group
 
 

@@ -66,18 +66,18 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
         gname = m.gguf_name if m else None
         assert gname is not None, name
         if dict(m.transform).get("kv_b_split"):  # glm-dsa stores kv_b_proj only as attn_k_b / attn_v_b
-            nope, vdim, rank = cfg.mla.qk_nope_head_dim, cfg.mla.v_head_dim, cfg.mla.kv_lora_rank
+            nope, vdim, rank = cfg.attention.mla.qk_nope_head_dim, cfg.attention.mla.v_head_dim, cfg.attention.mla.kv_lora_rank
             kv = w.reshape(heads, nope + vdim, rank)
             tensors[gname] = (np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), "F32")
             tensors[gname.replace("attn_k_b", "attn_v_b")] = (np.ascontiguousarray(kv[:, nope:]), "F32")
             continue
         if transforms.splits(m.transform):  # one HF tensor, several GGUF ones (Qwen3-Next's in_proj_qkvz)
             for sib in nm.hf_siblings(m):
-                part = transforms.redo(w, dict(sib.transform), cfg.linear, name)
+                part = transforms.redo(w, dict(sib.transform), cfg.attention.linear, name)
                 tensors[sib.gguf_name] = (part, _row_type(other, part.shape[-1]))
             continue
         if m.transform:  # llama.cpp's value changes (Qwen3.5: norms + 1, -exp(A_log), tiled value heads)
-            w = transforms.redo(w, dict(m.transform), cfg.linear, name)
+            w = transforms.redo(w, dict(m.transform), cfg.attention.linear, name)
         if nm.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             w = permute_rope_rows(w, heads if ".attn_q." in gname else kv_heads)
         if gname.endswith("ffn_gate_inp_shexp.weight"):
@@ -89,7 +89,7 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
             tensors[gname] = (w, "F32")
             continue
         if split_kv_b and gname.endswith("attn_kv_b.weight"):
-            nope, vdim, rank = cfg.mla.qk_nope_head_dim, cfg.mla.v_head_dim, cfg.mla.kv_lora_rank
+            nope, vdim, rank = cfg.attention.mla.qk_nope_head_dim, cfg.attention.mla.v_head_dim, cfg.attention.mla.kv_lora_rank
             kv = w.reshape(heads, nope + vdim, rank)
             tensors[gname.replace("attn_kv_b", "attn_k_b")] = (np.ascontiguousarray(kv[:, :nope].transpose(0, 2, 1)), "F32")
             tensors[gname.replace("attn_kv_b", "attn_v_b")] = (np.ascontiguousarray(kv[:, nope:]), "F32")

@@ -1,7 +1,7 @@
 """Compressed sparse MQA (DeepSeek-V4, spec ``attention.kind: compressed_mqa``): q LoRA, one K=V projection, the
 grouped output projection and per-head sinks; on a compressed layer the compressor (every closed window, or on the
 indexer-ratio layers overlapping windows picked by its lightning indexer). Its part of the config is
-``MoeConfig.compressed`` (:class:`CompressedDims`) with the indexer, the q LoRA, the rotated width and the window,
+``MoeConfig.attention.compressed`` (:class:`CompressedDims`) with the indexer, the q LoRA, the rotated width and the window,
 parsed here (:func:`parse`, :func:`parse_rope_dim`, :func:`parse_ropes`). Torch: ``model/compressed.py``
 ``CompressedAttention``."""
 
@@ -132,10 +132,10 @@ class CompressedMqa(AttentionMechanism):
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         """Reference names; the spec's layer_renames publish them."""
         a = f"{layer_prefix(layer)}.self_attn"
-        h, hd, nh, c = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.compressed
-        add(f"{a}.q_a_proj.weight", (cfg.q_lora_rank, h), "linear")
-        add(f"{a}.q_a_norm.weight", (cfg.q_lora_rank,), "norm")
-        add(f"{a}.q_b_proj.weight", (nh * hd, cfg.q_lora_rank), "linear")
+        h, hd, nh, c = cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.attention.compressed
+        add(f"{a}.q_a_proj.weight", (cfg.attention.q_lora_rank, h), "linear")
+        add(f"{a}.q_a_norm.weight", (cfg.attention.q_lora_rank,), "norm")
+        add(f"{a}.q_b_proj.weight", (nh * hd, cfg.attention.q_lora_rank), "linear")
         add(f"{a}.kv_proj.weight", (hd, h), "linear")
         add(f"{a}.kv_norm.weight", (hd,), "norm")
         add(f"{a}.o_a_proj.weight", (c.o_groups * c.o_lora_rank, nh * hd // c.o_groups), "linear")
@@ -147,7 +147,7 @@ class CompressedMqa(AttentionMechanism):
         csa = ratio == c.csa_ratio
         parts = [(f"{a}.compressor", hd)]
         if csa:
-            parts.append((f"{a}.compressor.indexer", cfg.indexer.head_dim))
+            parts.append((f"{a}.compressor.indexer", cfg.attention.indexer.head_dim))
         for prefix, width in parts:
             coff = 2 if csa else 1
             add(f"{prefix}.kv_proj.weight", (coff * width, h), "linear")
@@ -155,8 +155,8 @@ class CompressedMqa(AttentionMechanism):
             add(f"{prefix}.position_bias", (ratio, coff * width), "bias")
             add(f"{prefix}.kv_norm.weight", (width,), "norm")
         if csa:
-            d = cfg.indexer
-            add(f"{a}.compressor.indexer.q_b_proj.weight", (d.n_heads * d.head_dim, cfg.q_lora_rank), "linear")
+            d = cfg.attention.indexer
+            add(f"{a}.compressor.indexer.q_b_proj.weight", (d.n_heads * d.head_dim, cfg.attention.q_lora_rank), "linear")
             add(f"{a}.compressor.indexer.scorer.weights_proj.weight", (d.n_heads, h), "linear")
 
     def layer_modules(self, node, cfg: MoeConfig) -> None:
@@ -166,10 +166,10 @@ class CompressedMqa(AttentionMechanism):
                             ("kv_proj", "Linear"), ("kv_norm", f"{pre}RMSNorm"), ("o_a_proj", "Linear"),
                             ("o_b_proj", "Linear"), ("rotary_emb", f"{pre}RotaryEmbedding")):
             attn.add(name, type_)
-        ratio = cfg.compressed.ratios[node.layer]
+        ratio = cfg.attention.compressed.ratios[node.layer]
         if not ratio:
             return
-        csa = ratio == cfg.compressed.csa_ratio
+        csa = ratio == cfg.attention.compressed.csa_ratio
         comp = attn.add("compressor", f"{pre}CSACompressor" if csa else f"{pre}HCACompressor")
         parts = [comp]
         if csa:
@@ -193,11 +193,11 @@ class CompressedMqa(AttentionMechanism):
 def _compressed_mqa_keys(w, c: MoeConfig) -> None:
     from gguf import RopeScalingType  # here, not at import: check-rules reads this package without numpy
 
-    d = c.compressed
-    w.add_sliding_window(c.sliding_window)
-    w.add_indexer_head_count(c.indexer.n_heads)
-    w.add_indexer_key_length(c.indexer.head_dim)
-    w.add_indexer_top_k(c.indexer.topk)
+    d = c.attention.compressed
+    w.add_sliding_window(c.attention.sliding_window)
+    w.add_indexer_head_count(c.attention.indexer.n_heads)
+    w.add_indexer_key_length(c.attention.indexer.head_dim)
+    w.add_indexer_top_k(c.attention.indexer.topk)
     w.add_uint32(f"{w.arch}.attention.output_group_count", d.o_groups)
     w.add_uint32(f"{w.arch}.attention.output_lora_rank", d.o_lora_rank)
     w.add_array(f"{w.arch}.attention.compress_ratios", [int(r) for r in d.ratios])

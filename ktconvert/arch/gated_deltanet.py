@@ -1,7 +1,7 @@
 """Gated DeltaNet linear attention (the ``linear_attention`` layers of spec ``attention.kind:
 gated_deltanet_hybrid``: Qwen3-Next, Qwen3.5), held as ``linear_attn``; its input projections split or grouped per
-key head (``attention.linear_packing``). Its part of the config is ``MoeConfig.linear`` (:class:`LinearAttentionDims`)
-with each layer's kind (``MoeConfig.layer_types``), parsed here by :func:`parse`. Torch:
+key head (``attention.linear_packing``). Its part of the config is ``MoeConfig.attention.linear`` (:class:`LinearAttentionDims`)
+with each layer's kind (``MoeConfig.attention.layer_types``), parsed here by :func:`parse`. Torch:
 ``model/linear_attention.py`` ``GatedDeltaNet``."""
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ class GatedDeltaNet(AttentionMechanism):
     recurrent = True
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
-        d, la, h = cfg.linear, f"{layer_prefix(layer)}.linear_attn", cfg.hidden_size
+        d, la, h = cfg.attention.linear, f"{layer_prefix(layer)}.linear_attn", cfg.hidden_size
         conv = 2 * d.num_key_heads * d.key_head_dim + d.num_value_heads * d.value_head_dim
         value = d.num_value_heads * d.value_head_dim
         if cfg.spec.linear_packing == "grouped":  # per key head [q, k, v, z] rows and [b, a] rows
@@ -87,14 +87,14 @@ class GatedDeltaNet(AttentionMechanism):
 
     gguf_keys = {
         # what llama.cpp's Qwen3-Next / Qwen3.5 converters write
-        "ssm_conv_kernel": lambda w, c, n: w.add_ssm_conv_kernel(c.linear.conv_kernel),
-        "ssm_state_size": lambda w, c, n: w.add_ssm_state_size(c.linear.key_head_dim),
-        "ssm_group_count": lambda w, c, n: w.add_ssm_group_count(c.linear.num_key_heads),
-        "ssm_time_step_rank": lambda w, c, n: w.add_ssm_time_step_rank(c.linear.num_value_heads),
-        "ssm_inner_size": lambda w, c, n: w.add_ssm_inner_size(c.linear.value_head_dim * c.linear.num_value_heads),
+        "ssm_conv_kernel": lambda w, c, n: w.add_ssm_conv_kernel(c.attention.linear.conv_kernel),
+        "ssm_state_size": lambda w, c, n: w.add_ssm_state_size(c.attention.linear.key_head_dim),
+        "ssm_group_count": lambda w, c, n: w.add_ssm_group_count(c.attention.linear.num_key_heads),
+        "ssm_time_step_rank": lambda w, c, n: w.add_ssm_time_step_rank(c.attention.linear.num_value_heads),
+        "ssm_inner_size": lambda w, c, n: w.add_ssm_inner_size(c.attention.linear.value_head_dim * c.attention.linear.num_value_heads),
         "recurrent_layers": lambda w, c, n: w.add_array(f"{w.arch}.attention.recurrent_layers",
-                                                        [t == "linear_attention" for t in c.layer_types]),
-        "full_attention_interval": lambda w, c, n: w.add_full_attention_interval(c.linear.full_attention_interval),
+                                                        [t == "linear_attention" for t in c.attention.layer_types]),
+        "full_attention_interval": lambda w, c, n: w.add_full_attention_interval(c.attention.linear.full_attention_interval),
     }
 
 

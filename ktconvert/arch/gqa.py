@@ -1,6 +1,7 @@
 """Full softmax attention with grouped KV heads (spec ``attention.kind: gqa``, and the full-attention layers of a
 Gated DeltaNet hybrid): optional output gate, biases, sinks, q/k norms (per head or over the projection), sliding
-window, and MiniMax Sparse Attention's indexer on the layers that run it (``MoeConfig.indexer`` with its
+window (``MoeConfig.attention.sliding_window`` / ``sliding_layers``, parsed here by :func:`parse_window`), and
+MiniMax Sparse Attention's indexer on the layers that run it (``MoeConfig.attention.indexer`` with its
 ``sparse_layers``, parsed here by :func:`parse_msa`). Torch: ``model/modules.py`` ``Attention``."""
 
 from __future__ import annotations
@@ -65,6 +66,42 @@ def parse_msa(g: Getter, raw: dict, layers: int, kv_heads: int, rope_dim: int, m
     return {"indexer": replace(dims, sparse_layers=sparse)}
 
 
+def parse_window(raw: dict, rule: str, layers: int, path: str | None) -> tuple[int | None, tuple[int, ...]]:
+    """``(window, sliding layers)`` where the spec's ``config.sliding_window`` (``rule``) models the window per layer
+    (``layer_types``); elsewhere the window is not modelled and a config where it would change results is refused."""
+    if rule != "layer_types":
+        _refuse_window(raw, rule, path)
+        return None, ()
+    window, types = raw.get("sliding_window"), raw.get("layer_types")
+    if not window:
+        return None, ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise InputError(f"sliding_window must be a positive integer, got {window!r}", path=path, where="sliding_window")
+    kinds = ("sliding_attention", "full_attention")
+    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
+        raise InputError(f"layer_types must list {layers} entries of {' / '.join(kinds)}, got {types!r}", path=path,
+                         where="layer_types", fix="write the layer_types transformers saves for this model")
+    return int(window), tuple(i for i, t in enumerate(types) if t == "sliding_attention")
+
+
+def _refuse_window(raw: dict, rule: str, path: str | None) -> None:
+    """Sliding-window attention is not modelled; refuse configs where it would change results."""
+    window = raw.get("sliding_window")
+    if rule == "use_flag":
+        active = bool(raw.get("use_sliding_window", False)) and bool(window)
+    elif rule == "window":
+        active = bool(window)
+    else:
+        active = False
+    if active:
+        raise InputError(
+            f"sliding-window attention (sliding_window={window}) is not supported by the reference models",
+            path=path,
+            where="sliding_window",
+            fix="set use_sliding_window=false / sliding_window=null if the window exceeds your prompts",
+        )
+
+
 class Gqa(AttentionMechanism):
     name = "gqa"
 
@@ -81,12 +118,12 @@ class Gqa(AttentionMechanism):
             add(f"{a}.o_proj.bias", (h,), "out_bias")
         if cfg.spec.attention.sinks:
             add(f"{a}.sinks", (nh,), "sink")
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             whole = cfg.spec.attention.qk_norm_whole
             add(f"{a}.q_norm.weight", (nh * hd if whole else hd,), norm)
             add(f"{a}.k_norm.weight", (nkv * hd if whole else hd,), norm)
-        if cfg.indexer is not None and layer in cfg.indexer.sparse_layers:  # MiniMax Sparse Attention's indexer, flat in self_attn as released
-            d = cfg.indexer
+        if cfg.attention.indexer is not None and layer in cfg.attention.indexer.sparse_layers:  # MiniMax Sparse Attention's indexer, flat in self_attn as released
+            d = cfg.attention.indexer
             add(f"{a}.index_q_proj.weight", (d.n_heads * d.head_dim, h), "linear")
             add(f"{a}.index_k_proj.weight", (d.head_dim, h), "linear")
             add(f"{a}.index_q_norm.weight", (d.head_dim,), norm)
@@ -97,11 +134,11 @@ class Gqa(AttentionMechanism):
         attn = node.add("self_attn", f"{pre}Attention")
         for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
             attn.add(name, "Linear")
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             attn.add("q_norm", f"{pre}RMSNorm")
             attn.add("k_norm", f"{pre}RMSNorm")
         attn.add("rotary_emb", f"{pre}RotaryEmbedding")
-        if cfg.indexer is not None and node.layer in cfg.indexer.sparse_layers:
+        if cfg.attention.indexer is not None and node.layer in cfg.attention.indexer.sparse_layers:
             attn.add("index_q_proj", "Linear")
             attn.add("index_k_proj", "Linear")
             attn.add("index_q_norm", f"{pre}RMSNorm")
@@ -109,15 +146,15 @@ class Gqa(AttentionMechanism):
 
     gguf_keys = {
         # the window and which layers use it (llama.cpp reads the per-layer pattern before its architecture default)
-        "sliding_window": lambda w, c, n: when(c.sliding_window, lambda: (
-            w.add_sliding_window(c.sliding_window),
-            w.add_sliding_window_pattern([i in c.sliding_layers for i in range(n)]))),
+        "sliding_window": lambda w, c, n: when(c.attention.sliding_window, lambda: (
+            w.add_sliding_window(c.attention.sliding_window),
+            w.add_sliding_window_pattern([i in c.attention.sliding_layers for i in range(n)]))),
         # MiniMax Sparse Attention: the indexer and its block selection (llama.cpp reads all five)
         "msa_indexer": lambda w, c, n: (
-            w.add_indexer_head_count(c.indexer.n_heads), w.add_indexer_key_length(c.indexer.head_dim),
-            w.add_indexer_top_k(c.indexer.topk),
-            w.add_uint32(f"{w.arch}.attention.indexer.block_size", c.indexer.block_size),
-            w.add_uint32(f"{w.arch}.attention.indexer.local_blocks", c.indexer.local_blocks)),
+            w.add_indexer_head_count(c.attention.indexer.n_heads), w.add_indexer_key_length(c.attention.indexer.head_dim),
+            w.add_indexer_top_k(c.attention.indexer.topk),
+            w.add_uint32(f"{w.arch}.attention.indexer.block_size", c.attention.indexer.block_size),
+            w.add_uint32(f"{w.arch}.attention.indexer.local_blocks", c.attention.indexer.local_blocks)),
     }
 
 

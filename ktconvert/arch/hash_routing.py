@@ -1,6 +1,6 @@
 """Hash routing (DeepSeek-V4's first layers, spec ``routing.hash_layers``): an MoE block whose experts are looked up
 by token id in a ``tid2eid`` table instead of scored; the rest of the block is the MoE block of ``moe.py``.
-Its part of the config is ``MoeConfig.hash_layers``, parsed here by :func:`parse`. Torch: ``model/compressed.py``
+Its part of the config is ``MoeConfig.routing.hash_layers``, parsed here by :func:`parse`. Torch: ``model/compressed.py``
 ``HashRoutedMoE``."""
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ class HashRouting(Moe):
         return f"{cfg.spec.prefix}HashRouter"
 
     gguf_keys = {
-        "hash_layers": lambda w, c, n: w.add_uint32(f"{w.arch}.hash_layer_count", len(c.hash_layers)),
+        "hash_layers": lambda w, c, n: w.add_uint32(f"{w.arch}.hash_layer_count", len(c.routing.hash_layers)),
     }
 
 

@@ -1,6 +1,6 @@
 """The sparse-attention indexers' sizes (not a mechanism of their own: each rides on the attention mechanism that
 runs it): DeepSeek Sparse Attention on ``mla`` (``mla.py`` parses it), DeepSeek-V4's lightning indexer on
-``compressed_mqa`` and MiniMax Sparse Attention on ``gqa``. ``MoeConfig.indexer`` holds them."""
+``compressed_mqa`` and MiniMax Sparse Attention on ``gqa``. ``MoeConfig.attention.indexer`` holds them."""
 
 from __future__ import annotations
 

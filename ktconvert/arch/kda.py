@@ -1,6 +1,6 @@
 """Kimi Delta Attention (GLM-5-Next's ``linear_attention`` layers, spec ``attention.linear_attention: kda``), held
 as ``self_attn``: q / k / v with per-projection short convolutions, the low-rank forget and output gates.
-Its part of the config is ``MoeConfig.kda`` (:class:`KdaDims`) with each layer's kind (``MoeConfig.layer_types``),
+Its part of the config is ``MoeConfig.attention.kda`` (:class:`KdaDims`) with each layer's kind (``MoeConfig.attention.layer_types``),
 parsed here by :func:`parse`. Torch: ``model/linear_attention.py`` ``KimiDeltaAttention``."""
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class Kda(AttentionMechanism):
     recurrent = True
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
-        d, a, h = cfg.kda, f"{layer_prefix(layer)}.self_attn", cfg.hidden_size
+        d, a, h = cfg.attention.kda, f"{layer_prefix(layer)}.self_attn", cfg.hidden_size
         dim = d.num_heads * d.head_dim
         for proj in ("q", "k", "v"):
             add(f"{a}.{proj}_proj.weight", (dim, h), "linear")
@@ -101,10 +101,10 @@ class Kda(AttentionMechanism):
         # ``ktconvert/convert/metadata.py`` (``hf_kv``), so this entry writes nothing of its own
         "recurrent_head_count_kv": lambda w, c, n: None,
         # the KDA sizes from linear_attn_config (what llama.cpp's Glm5NextModel converter writes)
-        "kda": lambda w, c, n: (w.add_ssm_conv_kernel(c.kda.conv_kernel),
-                                w.add_uint32(f"{w.arch}.kda.head_dim", c.kda.head_dim),
-                                when(c.kda.lower_bound is not None, lambda: w.add_float32(
-                                    f"{w.arch}.kda.gate_lower_bound", c.kda.lower_bound))),
+        "kda": lambda w, c, n: (w.add_ssm_conv_kernel(c.attention.kda.conv_kernel),
+                                w.add_uint32(f"{w.arch}.kda.head_dim", c.attention.kda.head_dim),
+                                when(c.attention.kda.lower_bound is not None, lambda: w.add_float32(
+                                    f"{w.arch}.kda.gate_lower_bound", c.attention.kda.lower_bound))),
     }
 
 

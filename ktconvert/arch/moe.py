@@ -27,7 +27,7 @@ _TOPK_METHODS = {"greedy", "group_limited_greedy", "noaux_tc"}
 @dataclass(frozen=True)
 class Routing:
     """How a token picks and weighs its experts: the spec's ``routing`` maths with the config's numbers
-    (``MoeConfig.routing``, parsed by ``families.config``)."""
+    (``MoeConfig.routing``, parsed by :func:`parse_routing`; its hash-routed layers by ``hash_routing.parse``)."""
 
     weights: str  # softmax_topk | topk_softmax | renorm_or_scale | renorm_then_scale | ...
     float32_weights: bool  # the weights stay float32 instead of returning to the activations' dtype
@@ -37,6 +37,8 @@ class Routing:
     n_group: int | None  # expert groups (None for greedy)
     topk_group: int | None  # groups a token may pick from
     routed_scaling_factor: float
+    # the layers routing by tid2eid[input_id] instead (spec routing.hash_layers, parsed by hash_routing.parse)
+    hash_layers: tuple[int, ...] = ()
 
     @property
     def logits_router(self) -> bool:

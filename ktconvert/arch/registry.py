@@ -18,7 +18,7 @@ if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the t
     from ktconvert.families.config import MoeConfig
 
 #: the modules of this package that are not a mechanism; every other one is, and names its instance ``MECHANISM``
-_MACHINERY = ("base", "indexer", "registry", "rope", "tensors")
+_MACHINERY = ("attention_part", "base", "indexer", "registry", "rope", "tensors")
 
 
 def _discover() -> dict[str, Mechanism]:
@@ -43,7 +43,7 @@ def attention_for(cfg: MoeConfig, layer: int) -> str:
     ``linear_attention`` runs the spec's ``attention.linear_attention`` (``kda``), else a hybrid's Gated DeltaNet;
     every other layer runs ``attention.kind`` (a Gated DeltaNet hybrid's full layers: ``gqa``)."""
     spec = cfg.spec.attention
-    if cfg.layer_types and cfg.layer_types[layer] == "linear_attention":
+    if cfg.attention.layer_types and cfg.attention.layer_types[layer] == "linear_attention":
         return spec.linear_attention or "gated_deltanet"
     return "gqa" if spec.kind == "gated_deltanet_hybrid" else spec.kind
 
@@ -56,7 +56,7 @@ def feed_forward_for(cfg: MoeConfig, layer: int) -> str:
     """``dense_mlp`` on the config's dense layers, ``hash_routing`` on its hash-routed ones, else ``moe``."""
     if layer not in cfg.moe_layers:
         return "dense_mlp"
-    return "hash_routing" if layer in cfg.hash_layers else "moe"
+    return "hash_routing" if layer in cfg.routing.hash_layers else "moe"
 
 
 def residual_for(cfg: MoeConfig) -> str | None:

@@ -5,8 +5,8 @@ fields differently: ``num_experts`` / ``num_local_experts`` / ``n_routed_experts
 ``rope_scaling`` / ``rope_parameters``, ``qkv_bias`` present or implied. Everything downstream (reference
 models, weight loading, rule checks) reads :class:`MoeConfig` and never the raw dict, so a spelling is handled
 in exactly one place. This module parses the core (sizes, layers, experts, rope, norms); each mechanism's part
-(``routing``, ``activation``, ``mla``, ``indexer``, ``linear``, ``kda``, ``compressed``, ``residual``, ...) is
-defined and parsed in its ``ktconvert/arch/`` module. Pure Python: importing this never imports torch.
+(``routing`` with its hash layers, ``activation``, ``residual``, and ``attention``'s ``mla``, ``indexer``, ``linear``,
+``kda``, ``compressed``, ...) is defined and parsed in its ``ktconvert/arch/`` module. Pure Python: importing this never imports torch.
 """
 
 from __future__ import annotations
@@ -18,13 +18,9 @@ from typing import Any
 
 from ktconvert.arch import compressed_mqa, gated_deltanet, gqa, hash_routing, hyper_connections, kda, moe
 from ktconvert.arch import mla as mla_mechanism
+from ktconvert.arch.attention_part import AttentionPart
 from ktconvert.arch.base import Getter
-from ktconvert.arch.compressed_mqa import CompressedDims
-from ktconvert.arch.gated_deltanet import LinearAttentionDims
 from ktconvert.arch.hyper_connections import HyperConnectionDims
-from ktconvert.arch.indexer import IndexerDims
-from ktconvert.arch.kda import KdaDims
-from ktconvert.arch.mla import MlaDims
 from ktconvert.arch.moe import Activation, Routing
 from ktconvert.arch.rope import RopeSpec, parse_rope
 from ktconvert.errors import InputError
@@ -70,26 +66,13 @@ class MoeConfig:
     moe_intermediate_size: int
     intermediate_size: int  # dense MLP (DeepSeek first layers, Qwen mlp_only_layers)
     moe_layers: tuple[int, ...]
-    routing: Routing  # how a token picks and weighs its experts
+    routing: Routing  # how a token picks and weighs its experts (and the hash-routed layers)
     activation: Activation  # the experts' activation (a clamped SwiGLU where the spec's moe.activation says)
     shared_expert_intermediate_size: int | None  # Qwen2-MoE gated shared expert
     n_shared_experts: int  # DeepSeek shared experts (intermediate = n * moe_intermediate_size)
-    mla: MlaDims | None = None  # multi-head latent attention (spec attention.kind mla)
-    q_lora_rank: int | None = None  # the query latent (MLA, the DSA indexer, compressed MQA)
-    qk_rope_head_dim: int | None = None  # the rotated part of each head (MLA, compressed MQA)
-    qk_norm: bool = False  # per-head q/k RMSNorm (the spec's qk_norm, or its qk_norm_key config switch)
-    # sliding-window attention where a spec models it: the window and the layers that use it
-    sliding_window: int | None = None
-    sliding_layers: tuple[int, ...] = ()
-    kda: KdaDims | None = None  # Kimi Delta Attention on the linear_attention layers (attention.linear_attention)
+    attention: AttentionPart = AttentionPart()  # every attention mechanism's part (ktconvert/arch/attention_part.py)
     residual: HyperConnectionDims | None = None  # the residual streams where not one (spec config.hyper_connections)
-    # hybrid attention (spec attention.kind gated_deltanet_hybrid): each layer's kind, and the linear layers' dims
-    layer_types: tuple[str, ...] = ()
-    linear: LinearAttentionDims | None = None
-    indexer: IndexerDims | None = None  # DSA (spec attention.dsa_indexer) or MSA (attention.msa_indexer)
     shared_experts_width: int | None = None  # the shared_experts MLP's width when a spec names its key
-    compressed: CompressedDims | None = None  # compressed sparse MQA (spec attention.kind compressed_mqa)
-    hash_layers: tuple[int, ...] = ()  # layers routing by tid2eid[input_id] (spec routing.hash_layers)
     bos_token_id: int | None = None
     eos_token_id: Any = None
     # config.json's first ``architectures`` entry, else the family's name (what a golden's manifest records)
@@ -234,15 +217,17 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     if cfg_facts.get("refuse_mlp_bias") and g.opt("mlp_bias", False):
         raise InputError("mlp_bias=true is not supported", path=path, where="mlp_bias")
 
-    window, sliding = _sliding_window(raw, cfg_facts["sliding_window"], layers, path)
+    window, sliding = gqa.parse_window(raw, cfg_facts["sliding_window"], layers, path)
     activation = moe.parse_activation(g, act, sp.shared_expert == "shared_experts", path)
 
     qk_key = attn_facts.get("qk_norm_key")
     qk_norm = bool(g.opt(qk_key, sp.qk_norm)) if qk_key else sp.qk_norm
-    kwargs = _parts(g, raw, sp, layers, heads, kv_heads, head_dim, rope_dim, compress_rope, moe_layers,
-                    float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])), path)
-    if compressed:  # compressed MQA's window covers every layer
-        window, sliding = kwargs.pop("sliding_window"), kwargs.pop("sliding_layers")
+    attention, kwargs = _parts(g, raw, sp, layers, heads, kv_heads, head_dim, rope_dim, compress_rope, moe_layers,
+                               float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])), path)
+    # compressed MQA's window covers every layer (its parser gives it)
+    attention = AttentionPart(**{"qk_norm": qk_norm, "sliding_window": window, "sliding_layers": sliding, **attention})
+    if "hash_layers" in kwargs:
+        routing_part = replace(routing_part, hash_layers=kwargs.pop("hash_layers"))
 
     shared = sp.shared_expert
     width_key = sp.section("moe").get("shared_experts_width")
@@ -271,11 +256,9 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         shared_expert_intermediate_size=(g.int("shared_expert_intermediate_size") if shared == "gated" else None),
         n_shared_experts=(int(g.opt("n_shared_experts", 1 if width_key else 0) or 0)
                           if shared == "shared_experts" else 0),
-        qk_norm=qk_norm,
+        attention=attention,
         bos_token_id=g.opt("bos_token_id"),
         eos_token_id=g.opt("eos_token_id"),
-        sliding_window=window,
-        sliding_layers=sliding,
         architecture=(raw.get("architectures") or [family])[0],
         gguf=_gguf_facts(raw),
         **kwargs,
@@ -285,29 +268,31 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
 
 def _parts(g: Getter, raw: dict, sp: registry.FamilySpec, layers: int, heads: int, kv_heads: int, head_dim: int,
            rope_dim: int, compress_rope: RopeSpec | None, moe_layers: tuple[int, ...], rms_norm_eps: float,
-           path: str | None) -> dict[str, Any]:
-    """The parts of ``MoeConfig`` its mechanisms own, each parsed by the mechanism the spec names (``ktconvert/arch/``),
-    in the order their refusals are checked."""
+           path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The parts its mechanisms own, each parsed by the mechanism the spec names (``ktconvert/arch/``), in the order
+    their refusals are checked: ``(attention, other)``, the fields of :class:`AttentionPart` and the rest (the
+    residual, the hash-routed layers)."""
     attn, cfg_facts, routing = sp.section("attention"), sp.section("config"), sp.section("routing")
-    kwargs: dict[str, Any] = {}
+    attention: dict[str, Any] = {}
+    other: dict[str, Any] = {}
     if sp.is_mla:
-        kwargs = mla_mechanism.parse(g, raw, attn, layers, heads, kv_heads, rms_norm_eps, path)
+        attention = mla_mechanism.parse(g, raw, attn, layers, heads, kv_heads, rms_norm_eps, path)
     if attn["kind"] == "gated_deltanet_hybrid":
-        kwargs.update(gated_deltanet.parse(g, raw, layers, path))
+        attention.update(gated_deltanet.parse(g, raw, layers, path))
     if attn.get("linear_attention") == "kda":
-        kwargs.update(kda.parse(g, raw, layers, heads, path))
+        attention.update(kda.parse(g, raw, layers, heads, path))
     if attn.get("dsa_shared"):
-        kwargs["indexer"] = replace(kwargs["indexer"], shared_layers=mla_mechanism.parse_shared(
-            raw, layers, kwargs.get("layer_types") or ("indexed_attention",) * layers, path))
+        attention["indexer"] = replace(attention["indexer"], shared_layers=mla_mechanism.parse_shared(
+            raw, layers, attention.get("layer_types") or ("indexed_attention",) * layers, path))
     if cfg_facts.get("hyper_connections"):
-        kwargs["residual"] = hyper_connections.parse(g, cfg_facts["hyper_connections"], path)
+        other["residual"] = hyper_connections.parse(g, cfg_facts["hyper_connections"], path)
     if attn.get("msa_indexer"):
-        kwargs.update(gqa.parse_msa(g, raw, layers, kv_heads, rope_dim, moe_layers, path))
+        attention.update(gqa.parse_msa(g, raw, layers, kv_heads, rope_dim, moe_layers, path))
     if attn["kind"] == "compressed_mqa":
-        kwargs.update(compressed_mqa.parse(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
+        attention.update(compressed_mqa.parse(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
     if "hash_layers" in routing:
-        kwargs["hash_layers"] = hash_routing.parse(g, raw, routing["hash_layers"], layers, path)
-    return kwargs
+        other["hash_layers"] = hash_routing.parse(g, raw, routing["hash_layers"], layers, path)
+    return attention, other
 
 
 def _checked_moe_layers(sp: registry.FamilySpec, raw: dict, layers: int, num_experts: int,
@@ -456,39 +441,3 @@ def _rotary_dim(raw: dict, head_dim: int, default: float, path: str | None) -> i
         raise InputError(f"partial_rotary_factor={factor} rotates {dim} of {head_dim} head dims; rope needs an even "
                          "count of at least 2", path=path, where="partial_rotary_factor")
     return dim
-
-
-def _sliding_window(raw: dict, rule: str, layers: int, path: str | None) -> tuple[int | None, tuple[int, ...]]:
-    """``(window, sliding layers)`` where the spec models the window per layer (``layer_types``); elsewhere the
-    window is not modelled and a config where it would change results is refused."""
-    if rule != "layer_types":
-        _check_sliding_window(raw, rule, path)
-        return None, ()
-    window, types = raw.get("sliding_window"), raw.get("layer_types")
-    if not window:
-        return None, ()
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise InputError(f"sliding_window must be a positive integer, got {window!r}", path=path, where="sliding_window")
-    kinds = ("sliding_attention", "full_attention")
-    if not isinstance(types, list) or len(types) != layers or any(t not in kinds for t in types):
-        raise InputError(f"layer_types must list {layers} entries of {' / '.join(kinds)}, got {types!r}", path=path,
-                         where="layer_types", fix="write the layer_types transformers saves for this model")
-    return int(window), tuple(i for i, t in enumerate(types) if t == "sliding_attention")
-
-
-def _check_sliding_window(raw: dict, rule: str, path: str | None) -> None:
-    """Sliding-window attention is not modelled; refuse configs where it would change results."""
-    window = raw.get("sliding_window")
-    if rule == "use_flag":
-        active = bool(raw.get("use_sliding_window", False)) and bool(window)
-    elif rule == "window":
-        active = bool(window)
-    else:
-        active = False
-    if active:
-        raise InputError(
-            f"sliding-window attention (sliding_window={window}) is not supported by the reference models",
-            path=path,
-            where="sliding_window",
-            fix="set use_sliding_window=false / sliding_window=null if the window exceeds your prompts",
-        )

@@ -11,7 +11,7 @@ them after decoding. :func:`undo` is the inverse on a whole stored array, for re
 reference model (verify). :func:`apply` reads no tensor data.
 
 :func:`apply` (convert) reads the sizes it needs from the checkpoint's config.json dict; :func:`undo`, :func:`redo`
-and :func:`join_qkvz` take the parsed Gated DeltaNet sizes (``MoeConfig.linear``).
+and :func:`join_qkvz` take the parsed Gated DeltaNet sizes (``MoeConfig.attention.linear``).
 
 Two transforms make several GGUF tensors of one HF tensor (:data:`SPLITS`; the naming map has one entry per part):
 ``kv_b_split`` (MLA's ``kv_b_proj`` as ``attn_k_b`` / ``attn_v_b``) and ``qkvz_split`` (Qwen3-Next's ``in_proj_qkvz``,

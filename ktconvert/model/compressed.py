@@ -83,7 +83,7 @@ class IndexerScorer(Tagged, nn.Module):
 
     def __init__(self, cfg: MoeConfig):
         super().__init__()
-        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.indexer.n_heads, bias=False)
+        self.weights_proj = nn.Linear(cfg.hidden_size, cfg.attention.indexer.n_heads, bias=False)
 
 
 class LightningIndexer(WindowCompressor):
@@ -94,10 +94,10 @@ class LightningIndexer(WindowCompressor):
     hf_role = "indexer"
 
     def __init__(self, cfg: MoeConfig, ratio: int):
-        d = cfg.indexer
+        d = cfg.attention.indexer
         super().__init__(cfg, ratio, d.head_dim, overlap=True)
         self.n_heads, self.topk = d.n_heads, d.topk
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
+        self.q_b_proj = nn.Linear(cfg.attention.q_lora_rank, d.n_heads * d.head_dim, bias=False)
         self.scorer = IndexerScorer(cfg)
 
     def select(self, hidden, q_residual, position_ids, rotary: PairRotary) -> torch.Tensor:
@@ -129,7 +129,7 @@ class CompressedCompressor(WindowCompressor):
         return "csa_compressor" if self.indexer is not None else "hca_compressor"
 
     def __init__(self, cfg: MoeConfig, ratio: int):
-        csa = ratio == cfg.compressed.csa_ratio
+        csa = ratio == cfg.attention.compressed.csa_ratio
         super().__init__(cfg, ratio, cfg.head_dim, overlap=csa)
         self.indexer = LightningIndexer(cfg, ratio) if csa else None
 
@@ -140,12 +140,12 @@ class CompressedAttention(Tagged, nn.Module):
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
-        c = cfg.compressed
+        c = cfg.attention.compressed
         self.layer_idx = layer_idx
         self.ratio = c.ratios[layer_idx]
         self.n_heads, self.head_dim, self.groups = cfg.num_attention_heads, cfg.head_dim, c.o_groups
-        self.window, self.eps = cfg.sliding_window, cfg.rms_norm_eps
-        h, q_lora = cfg.hidden_size, cfg.q_lora_rank
+        self.window, self.eps = cfg.attention.sliding_window, cfg.rms_norm_eps
+        h, q_lora = cfg.hidden_size, cfg.attention.q_lora_rank
         self.q_a_proj = nn.Linear(h, q_lora, bias=False)
         self.q_a_norm = rms_norm(cfg, q_lora)
         self.q_b_proj = nn.Linear(q_lora, self.n_heads * self.head_dim, bias=False)

@@ -26,7 +26,7 @@ class KimiDeltaAttention(Tagged, nn.Module):
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
-        d = cfg.kda
+        d = cfg.attention.kda
         self.layer_idx = layer_idx
         self.nh, self.dh, self.kernel, self.lower_bound = d.num_heads, d.head_dim, d.conv_kernel, d.lower_bound
         h, dim = cfg.hidden_size, d.num_heads * d.head_dim
@@ -137,7 +137,7 @@ class GatedDeltaNet(Tagged, nn.Module):
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
-        d = cfg.linear
+        d = cfg.attention.linear
         self.layer_idx = layer_idx
         self.nk, self.nv, self.dk, self.dv = d.num_key_heads, d.num_value_heads, d.key_head_dim, d.value_head_dim
         self.kernel = d.conv_kernel

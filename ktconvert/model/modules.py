@@ -250,7 +250,7 @@ class Attention(Tagged, nn.Module):
         # head scope: one norm of head_dim shared by the heads; projection scope (MiniMax-M2): one norm over the
         # whole q / k projection, applied before the split into heads
         self.qk_norm_whole = cfg.spec.attention.qk_norm_whole
-        if cfg.qk_norm:
+        if cfg.attention.qk_norm:
             self.q_norm = rms_norm(cfg, nh * hd if self.qk_norm_whole else hd)
             self.k_norm = rms_norm(cfg, nkv * hd if self.qk_norm_whole else hd)
         else:
@@ -258,14 +258,14 @@ class Attention(Tagged, nn.Module):
         self.rotary_emb = RotaryEmbedding(cfg.rope)
         self.rope_dim = cfg.rope.dim
         self.scaling = hd**-0.5
-        self.window = cfg.sliding_window if layer_idx in cfg.sliding_layers else None
+        self.window = cfg.attention.sliding_window if layer_idx in cfg.attention.sliding_layers else None
         if cfg.spec.attention.sinks:
             self.sinks = nn.Parameter(torch.zeros(nh))
         else:
             self.sinks = None
-        self.msa = cfg.indexer is not None and layer_idx in cfg.indexer.sparse_layers
+        self.msa = cfg.attention.indexer is not None and layer_idx in cfg.attention.indexer.sparse_layers
         if self.msa:  # MiniMax Sparse Attention's lightning indexer, flat in self_attn as the releases store it
-            d = cfg.indexer
+            d = cfg.attention.indexer
             self.index_q_proj = nn.Linear(h, d.n_heads * d.head_dim, bias=False)
             self.index_k_proj = nn.Linear(h, d.head_dim, bias=False)
             self.index_q_norm = rms_norm(cfg, d.head_dim)
@@ -353,10 +353,10 @@ class DsaKPoolIndexer(Tagged, nn.Module):
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
-        d = cfg.indexer
+        d = cfg.attention.indexer
         self.layer_idx = layer_idx
         self.n_heads, self.head_dim, self.topk, self.kpool, self.tail = d.n_heads, d.head_dim, d.topk, d.kpool, d.kpool_tail
-        self.wq_b = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
+        self.wq_b = nn.Linear(cfg.attention.q_lora_rank, d.n_heads * d.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(d.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, d.n_heads, bias=False)
@@ -410,10 +410,10 @@ class MLAttention(Tagged, nn.Module):
         self.layer_idx = layer_idx
         h, nh = cfg.hidden_size, cfg.num_attention_heads
         self.num_heads = nh
-        self.q_lora_rank = cfg.q_lora_rank
-        mla = cfg.mla
+        self.q_lora_rank = cfg.attention.q_lora_rank
+        mla = cfg.attention.mla
         self.kv_lora_rank = mla.kv_lora_rank
-        self.nope, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, cfg.qk_rope_head_dim, mla.v_head_dim
+        self.nope, self.rope_dim, self.v_dim = mla.qk_nope_head_dim, cfg.attention.qk_rope_head_dim, mla.v_head_dim
         self.qk_head_dim = self.nope + self.rope_dim
         bias = cfg.attention_bias_on
         if self.q_lora_rank is None:
@@ -433,8 +433,8 @@ class MLAttention(Tagged, nn.Module):
         self.interleave = mla.rope_interleave
         self.complex_rope = cfg.spec.attention.complex_rope  # transformers 5 V2 ignores rope_interleave
         self.scaling = softmax_scale(self.qk_head_dim, cfg.rope)
-        indexer = DsaKPoolIndexer if cfg.indexer is not None and cfg.indexer.kpool else DsaIndexer
-        own = cfg.indexer is not None and layer_idx not in cfg.indexer.shared_layers
+        indexer = DsaKPoolIndexer if cfg.attention.indexer is not None and cfg.attention.indexer.kpool else DsaIndexer
+        own = cfg.attention.indexer is not None and layer_idx not in cfg.attention.indexer.shared_layers
         self.indexer = indexer(cfg, layer_idx) if own else None
         # a shared layer (GLM-5-Next) attends where the previous layer's indexer chose: DecoderModel links that
         # layer's attention here (not a submodule) and it keeps its last selection for this one
@@ -495,13 +495,13 @@ class DsaIndexer(Tagged, nn.Module):
 
     def __init__(self, cfg: MoeConfig, layer_idx: int):
         super().__init__()
-        d = cfg.indexer
+        d = cfg.attention.indexer
         self.layer_idx = layer_idx
         self.n_heads, self.head_dim, self.topk = d.n_heads, d.head_dim, d.topk
-        self.rope_dim = cfg.qk_rope_head_dim
+        self.rope_dim = cfg.attention.qk_rope_head_dim
         halves = cfg.spec.attention.indexer_rope_halves
         self.rope = apply_rope if halves else apply_rope_interleaved
-        self.wq_b = nn.Linear(cfg.q_lora_rank, d.n_heads * d.head_dim, bias=False)
+        self.wq_b = nn.Linear(cfg.attention.q_lora_rank, d.n_heads * d.head_dim, bias=False)
         self.wk = nn.Linear(cfg.hidden_size, d.head_dim, bias=False)
         self.k_norm = nn.LayerNorm(d.head_dim, eps=1e-6)
         self.weights_proj = nn.Linear(cfg.hidden_size, d.n_heads, bias=False)

@@ -241,7 +241,7 @@ class WeightSource:
             raise _missing(self.path, [gname], f"tensor for {name}")
         arr = self._read_gguf(gname)
         if m.transform:  # what llama.cpp's converter did to the values (norm + 1, -exp(A_log), tiled value heads)
-            arr = transforms.undo(arr, dict(m.transform), self.cfg.linear, f"tensor {gname}")
+            arr = transforms.undo(arr, dict(m.transform), self.cfg.attention.linear, f"tensor {gname}")
         if self.arch == "llama" and (".attn_q." in gname or ".attn_k." in gname):
             heads = self._kv_int("attention.head_count" if ".attn_q." in gname else "attention.head_count_kv",
                                  self.cfg.num_attention_heads if ".attn_q." in gname else self.cfg.num_key_value_heads)
@@ -256,7 +256,7 @@ class WeightSource:
         if k_name in missing or v_name in missing:
             raise _missing(self.path, missing, f"tensor for {name}")
         cfg = self.cfg
-        heads, nope, vdim, rank = cfg.num_attention_heads, cfg.mla.qk_nope_head_dim, cfg.mla.v_head_dim, cfg.mla.kv_lora_rank
+        heads, nope, vdim, rank = cfg.num_attention_heads, cfg.attention.mla.qk_nope_head_dim, cfg.attention.mla.v_head_dim, cfg.attention.mla.kv_lora_rank
         k_b = self._read_gguf(k_name).reshape(heads, rank, nope).transpose(0, 2, 1)
         v_b = self._read_gguf(v_name).reshape(heads, vdim, rank)
         return np.concatenate([k_b, v_b], axis=1).reshape(heads * (nope + vdim), rank)
@@ -268,7 +268,7 @@ class WeightSource:
         missing = [g for g in parts.values() if g not in self._types]
         if missing:
             raise _missing(self.path, missing, f"tensor for {name}")
-        return transforms.join_qkvz(self._read_gguf(parts["qkv"]), self._read_gguf(parts["z"]), self.cfg.linear,
+        return transforms.join_qkvz(self._read_gguf(parts["qkv"]), self._read_gguf(parts["z"]), self.cfg.attention.linear,
                                     f"tensor {parts['qkv']}")
 
     def _gguf_experts(self, layer: int) -> ExpertBlocks:
