@@ -30,7 +30,7 @@ A provider's ``part(model, kind, layer)`` is a context manager around one part's
 ``layer`` or ``head``); it may set ``fetch`` on the layer's :class:`~ktconvert.model.modules.RoutedExperts`.
 
 Hooks for later users: ``run(..., on_layer=fn)`` calls ``fn(index, hidden_in, hidden_out)`` after each layer;
-:func:`run_pair` runs a reference and a candidate in lockstep, the candidate's layer also on the reference's input
+:func:`run_pairs` runs a reference and a candidate in lockstep (every phase in one pass), the candidate's layer also on the reference's input
 (teacher-forced per-layer error, for ``verify --max-memory``);
 module forward hooks (``ktconvert imatrix``'s input activations, verify's ``ModuleTap``) fire as usual, because
 the module objects stay and only their tensors come and go.
@@ -41,7 +41,7 @@ from __future__ import annotations
 import mmap
 import re
 import warnings
-from contextlib import contextmanager, nullcontext
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -156,17 +156,21 @@ class LayerMajor:
         """``(logits, final hidden)``, per chunk too: a matmul over 1 row and over T rows round apart."""
         return self.heads([(hidden, chunks)])[0]
 
-    def heads(self, runs: list[tuple[torch.Tensor, list[tuple[int, int]]]]) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """:meth:`head` of several runs (``(last layer output, chunks)`` each) with the head resident once."""
+    def heads(self, runs: list[tuple[torch.Tensor, list[tuple[int, int]]]],
+              guards: list | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """:meth:`head` of several runs (``(last layer output, chunks)`` each) with the head resident once;
+        ``guards``: per run, a context manager factory (or None) entered around that run's module calls."""
         model = self.model
         lm = model.lm_head
         finals = []  # per run, per chunk
+        guards = guards or [None] * len(runs)
         with self.weights.part(model, "head"):
-            for hidden, chunks in runs:
+            for (hidden, chunks), guard in zip(runs, guards):
                 finals.append([])
-                for a, z in chunks:
-                    h = hidden[:, a:z]
-                    finals[-1].append(model.model.norm(model.residual.final(model.model, h)))
+                with _entered(guard):
+                    for a, z in chunks:
+                        h = hidden[:, a:z]
+                        finals[-1].append(model.model.norm(model.residual.final(model.model, h)))
             # several chunks (decode, several runs): each vocabulary chunk of lm_head (the reference's VocabHead, or
             # the op an injected lm_head runs) is read once for all of them, then the module is called per chunk as
             # before (hooks see those calls) and hands out what was computed
@@ -175,7 +179,10 @@ class LayerMajor:
             if op is not None and len(flat) > 1:
                 op.ready = (flat, op.chunked(flat))
             try:
-                logits = [[lm(f) for f in run] for run in finals]
+                logits = []
+                for run, guard in zip(finals, guards):
+                    with _entered(guard):
+                        logits.append([lm(f) for f in run])
             finally:
                 if op is not None:
                     op.ready = None
@@ -248,44 +255,102 @@ class PairOutput:
     forced: tuple[torch.Tensor, ...]
 
 
+@dataclass
+class PairPhase:
+    """One phase of :func:`run_pairs`: ``step`` positions per call of a layer (None: all, prefill; 1: decode);
+    ``on_layer(index)``, called once both models are done with layer ``index``; ``forced_guard``, a context manager
+    factory entered around the candidate's teacher-forced job (see :meth:`LayerMajor.layer_jobs`); ``probe``, which
+    looks inside each layer of both models (verify's per-expert error, :mod:`ktconvert.verify.experts`):
+    ``probe.reference(index, layer)`` is a context manager around the reference's layer, ``probe.candidate(index,
+    layer)`` is called while the candidate's layer is still resident, after its jobs; ``guard``, a context manager
+    factory entered around every call this phase makes of either model (verify switches the candidate's operators
+    to the phase's and points its module tap at the phase there)."""
+
+    step: int | None = None
+    on_layer: object = None
+    forced_guard: object = None
+    probe: object = None
+    guard: object = None
+
+
+def _entered(factory):
+    """The context manager ``factory()`` makes, or a null one for None."""
+    return factory() if factory is not None else nullcontext()
+
+
+def _both(first, second):
+    """A context manager factory entering ``first``'s and then ``second``'s (either may be None)."""
+    if first is None or second is None:
+        return first if second is None else second
+
+    @contextmanager
+    def enter():
+        with ExitStack() as stack:
+            stack.enter_context(first())
+            stack.enter_context(second())
+            yield
+    return enter
+
+
+def run_pairs(reference: LayerMajor, candidate: LayerMajor, input_ids: torch.Tensor,
+              phases: list[PairPhase]) -> list[PairOutput]:
+    """Reference and candidate in lockstep, one layer of each resident at a time, for every phase in one pass: each
+    layer runs on its own model's previous output (free-running, where error compounds) and the candidate's layer
+    also on the reference's input (teacher-forced: the error that layer alone adds, which names the faulty layer at
+    scale). Each phase's three streams keep their own per-layer caches; every cache entry of a layer is dropped when
+    the layer is done. Each layer's weights (and the head's) are read once for all the phases (verify's prefill and
+    decode: once, not twice); each phase's outputs are bit-identical to two separate :meth:`LayerMajor.run` calls
+    with that phase's step: the same calls on the same operands, only the order of the phases' calls within a part
+    interleaves."""
+    runs = []
+    for ph in phases:
+        ids, t, step, _, _, _, positions, chunks = reference._setup(input_ids, None, ph.step)
+        with _entered(ph.guard):
+            rh, ref_states = reference.embed(ids, chunks)
+            ch, cand_states = candidate.embed(ids, chunks)
+        runs.append({"ph": ph, "ids": ids, "positions": positions, "chunks": chunks, "rh": rh, "ch": ch,
+                     "caches": [KVCache() if step < t else None for _ in range(3)],  # reference, candidate, forced
+                     "sel": [{}, {}, {}], "ref": ref_states, "cand": cand_states, "forced": [cand_states[0]]})
+    per = lambda key, n=1: [r[key] for r in runs for _ in range(n)]  # noqa: E731
+    for index, layer in enumerate(reference.model.model.layers):
+        ref_jobs = [(r["rh"], r["caches"][0], r["sel"][0], _both(r["ph"].guard, None if r["ph"].probe is None else
+                                                                 (lambda p=r["ph"].probe: p.reference(index, layer))))
+                    for r in runs]
+        r_outs = reference.layer_jobs(index, ref_jobs, per("positions"), per("ids"), per("chunks"))
+        cand_jobs = [job for r in runs for job in ((r["ch"], r["caches"][1], r["sel"][1], r["ph"].guard),
+                                                   (r["rh"], r["caches"][2], r["sel"][2],
+                                                    _both(r["ph"].guard, r["ph"].forced_guard)))]
+
+        def then(c, index=index):
+            for r in runs:
+                if r["ph"].probe is not None:
+                    with _entered(r["ph"].guard):
+                        r["ph"].probe.candidate(index, c)
+
+        outs = candidate.layer_jobs(index, cand_jobs, per("positions", 2), per("ids", 2), per("chunks", 2),
+                                    then=then if any(r["ph"].probe is not None for r in runs) else None)
+        for k, r in enumerate(runs):
+            for cache in r["caches"]:
+                if cache is not None:
+                    cache.drop(layer.layer_idx)
+            r["rh"], r["ch"] = r_outs[k], outs[2 * k]
+            r["ref"].append(reference.collapse(r["rh"]))
+            r["cand"].append(candidate.collapse(r["ch"]))
+            r["forced"].append(candidate.collapse(outs[2 * k + 1]))
+        for r in runs:
+            if r["ph"].on_layer is not None:
+                r["ph"].on_layer(index)
+    guards = [r["ph"].guard for r in runs]
+    r_heads = reference.heads([(r["rh"], r["chunks"]) for r in runs], guards)
+    c_heads = candidate.heads([(r["ch"], r["chunks"]) for r in runs], guards)
+    return [PairOutput(ForwardOutput(rl, tuple(r["ref"]), rf), ForwardOutput(cl, tuple(r["cand"]), cf),
+                       tuple(r["forced"])) for r, (rl, rf), (cl, cf) in zip(runs, r_heads, c_heads)]
+
+
 def run_pair(reference: LayerMajor, candidate: LayerMajor, input_ids: torch.Tensor, *,
              step: int | None = None, on_layer=None, forced_guard=None, probe=None) -> PairOutput:
-    """Reference and candidate in lockstep, one layer of each resident at a time: each layer runs on its own
-    model's previous output (free-running, where error compounds) and the candidate's layer also on the
-    reference's input (teacher-forced: the error that layer alone adds, which names the faulty layer at scale).
-    Each of the three streams keeps its own per-layer caches; every cache entry of a layer is dropped when the
-    layer is done. Outputs are bit-identical to two separate :meth:`LayerMajor.run` calls.
-
-    ``on_layer(index)`` is called once both models are done with layer ``index``; ``forced_guard``: a context
-    manager factory entered around the candidate's teacher-forced job (see :meth:`LayerMajor.layer_jobs`).
-    ``probe``: looks inside each layer of both models (verify's per-expert error, :mod:`ktconvert.verify.experts`):
-    ``probe.reference(index, layer)`` is a context manager around the reference's layer,
-    ``probe.candidate(index, layer)`` is called while the candidate's layer is still resident, after its jobs."""
-    ids, t, step, _, _, _, positions, chunks = reference._setup(input_ids, None, step)
-    caches = [KVCache() if step < t else None for _ in range(3)]  # reference, candidate, candidate forced
-    sel = [{}, {}, {}]
-    rh, ref_states = reference.embed(ids, chunks)
-    ch, cand_states = candidate.embed(ids, chunks)
-    forced = [cand_states[0]]
-    for index, layer in enumerate(reference.model.model.layers):
-        with probe.reference(index, layer) if probe is not None else nullcontext():
-            r_out = reference.layer(index, rh, positions, caches[0], ids, chunks, sel[0])
-        c_out, f_out = candidate.layer_jobs(index, [(ch, caches[1], sel[1]), (rh, caches[2], sel[2], forced_guard)],
-                                            positions, ids, chunks,
-                                            then=None if probe is None else lambda c: probe.candidate(index, c))
-        for cache in caches:
-            if cache is not None:
-                cache.drop(layer.layer_idx)
-        rh, ch = r_out, c_out
-        ref_states.append(reference.collapse(rh))
-        cand_states.append(candidate.collapse(ch))
-        forced.append(candidate.collapse(f_out))
-        if on_layer is not None:
-            on_layer(index)
-    r_logits, r_final = reference.head(rh, chunks)
-    c_logits, c_final = candidate.head(ch, chunks)
-    return PairOutput(ForwardOutput(r_logits, tuple(ref_states), r_final),
-                      ForwardOutput(c_logits, tuple(cand_states), c_final), tuple(forced))
+    """:func:`run_pairs` of one phase (see :class:`PairPhase` for the arguments)."""
+    return run_pairs(reference, candidate, input_ids, [PairPhase(step, on_layer, forced_guard, probe)])[0]
 
 
 # --- the streaming provider ----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -140,44 +140,84 @@ def check_golden_matches(golden, release) -> list[str]:
     return unchecked
 
 
-def _phase(name: str, run: "_Run", golden, profile: Profile, layerwise: bool, tokens_per_step: int,
-           progress=None) -> PhaseResult:
-    """One phase through the layer-major executor: the candidate alone, or in lockstep with the reference
-    (:func:`~ktconvert.model.executor.run_pair`: module errors, and each layer's teacher-forced error)."""
+def _phases(specs: list[tuple[str, bool, int]], run: "_Run", golden, profile: Profile,
+            progress=None) -> list[PhaseResult]:
+    """The phases ``specs`` (``(name, layerwise prefill, tokens per step)``) through the layer-major executor. With
+    the reference: every phase in one pass in lockstep with it (:func:`~ktconvert.model.executor.run_pairs`: each
+    layer's weights read once for all the phases; module errors, and each layer's teacher-forced error), each phase
+    with a module tap and an expert probe of its own, pointed at by the phase's guard, which also switches the
+    candidate's operators to the phase's. The candidate alone: one pass per phase."""
     import torch
 
-    from ktconvert.model.executor import run_pair
+    from ktconvert.model.executor import PairPhase, run_pairs
 
     ids = torch.from_numpy(np.ascontiguousarray(golden.input_ids)).to(torch.long)
-    t = ids.shape[1]
     n_layers = len(run.candidate.model.model.layers)
-    tap = ModuleTap(run.reference.model, run.candidate.model) if run.reference is not None else None
     began = time.perf_counter()
 
-    def on_layer(index, *_):
-        run.rebudget()  # a kernel child may hold more after the candidate's layer than the plan counted
-        if tap is not None:
-            tap.step()  # this layer's modules are compared: forget the reference's calls
-        if progress is not None:
-            progress(name, index + 1, n_layers, time.perf_counter() - began)
+    def on_layer_of(name: str | None, tap):
+        """After each layer: ``name`` the pass's progress line (None: another phase of the pass reports it)."""
+        def on_layer(index, *_):
+            run.rebudget()  # a kernel child may hold more after the candidate's layer than the plan counted
+            if tap is not None:
+                tap.step()  # this layer's modules are compared: forget the reference's calls
+            if progress is not None and name is not None:
+                progress(name, index + 1, n_layers, time.perf_counter() - began)
+        return on_layer
 
-    run.injected.set_layerwise(layerwise)
-    forced, probe = None, None
+    if run.reference is None:
+        results = []
+        for name, layerwise, step in specs:
+            run.injected.set_layerwise(layerwise)
+            try:
+                with torch.no_grad():
+                    out = run.candidate.run(ids, step=step, on_layer=on_layer_of(name, None))
+            finally:
+                run.injected.set_layerwise(False)
+            results.append(_phase_result(name, layerwise, step, out, None, None, None, golden, profile))
+        return results
+
+    taps = [ModuleTap(run.reference.model, run.candidate.model) for _ in specs]
+    probes = [ExpertProbe(guard=tap.paused, dtype=run.dtype) for tap in taps]
+
+    def guard_of(k: int, layerwise: bool):
+        @contextmanager
+        def guard():
+            with ExitStack() as stack:
+                for j, other in enumerate(taps):
+                    if j != k:
+                        stack.enter_context(other.muted())
+                run.injected.set_layerwise(layerwise)
+                try:
+                    yield
+                finally:
+                    run.injected.set_layerwise(False)
+        return guard
+
+    together = "+".join(name for name, _, _ in specs)  # one progress line per layer of the one pass
+    phases = [PairPhase(step, on_layer_of(together if k == len(specs) - 1 else None, taps[k]), taps[k].paused,
+                        probes[k], guard_of(k, layerwise)) for k, (name, layerwise, step) in enumerate(specs)]
     try:
         with torch.no_grad():
-            if run.reference is not None:
-                probe = ExpertProbe(guard=tap.paused, dtype=run.dtype)
-                pair = run_pair(run.reference, run.candidate, ids, step=tokens_per_step, on_layer=on_layer,
-                                forced_guard=tap.paused, probe=probe)
-                out = pair.candidate
-                forced = [(_layer_name(li), nmse(r[0].to(torch.float32).numpy(), f[0].to(torch.float32).numpy()))
-                          for li, (r, f) in enumerate(zip(pair.reference.hidden_states, pair.forced))]
-            else:
-                out = run.candidate.run(ids, step=tokens_per_step, on_layer=on_layer)
+            pairs = run_pairs(run.reference, run.candidate, ids, phases)
     finally:
         run.injected.set_layerwise(False)
-        if tap is not None:
+        for tap in taps:
             tap.close()
+    results = []
+    for (name, layerwise, step), pair, tap, probe in zip(specs, pairs, taps, probes):
+        forced = [(_layer_name(li), nmse(r[0].to(torch.float32).numpy(), f[0].to(torch.float32).numpy()))
+                  for li, (r, f) in enumerate(zip(pair.reference.hidden_states, pair.forced))]
+        results.append(_phase_result(name, layerwise, step, pair.candidate, forced, tap, probe, golden, profile))
+    return results
+
+
+def _phase_result(name: str, layerwise: bool, tokens_per_step: int, out, forced, tap, probe, golden,
+                  profile: Profile) -> PhaseResult:
+    """One phase's :class:`PhaseResult` from the candidate's output (and the reference's taps, where it ran)."""
+    import torch
+
+    t = int(golden.input_ids.shape[1])
     cand_logits = out.logits[0].to(torch.float32).numpy()
     hidden = [h[0].to(torch.float32).numpy() for h in out.hidden_states]
     nonfinite = None
@@ -547,10 +587,8 @@ def run_verify(model_dir, rules, golden, *, weights=None, prefill_weights=None, 
         run = _build_run(release, cfg, compiled, catalog, source, pre_source, options, loaded,
                          prompt_len, localize, max_memory, notes)
         injected = run.injected
-        phases = [
-            _phase("prefill", run, gold, profile, injected.layerwise(prompt_len), prompt_len, progress),
-            _phase("decode", run, gold, profile, False, 1, progress),
-        ]
+        phases = _phases([("prefill", injected.layerwise(prompt_len), prompt_len), ("decode", False, 1)], run, gold,
+                         profile, progress)
     report = VerifyReport(
         model={"dir": str(model_dir), "family": cfg.family, "config_sha256": gold.manifest["model"]["config_sha256"]},
         rules=str(rules),

@@ -113,6 +113,7 @@ class ModuleTap:
         self._cursor: dict[str, int] = {}
         self._order = 0
         self._paused = False
+        self._muted = False  # another phase's calls (verify runs its phases in one pass): neither model's are kept
         self._handles = []
         cand_modules = dict(candidate.named_modules())
         for p in self.paths:
@@ -121,12 +122,14 @@ class ModuleTap:
 
     def _ref_hook(self, path: str):
         def hook(module, args, output):
+            if self._muted:
+                return
             self._ref.setdefault(path, []).append((_canonical(_tensors(args)), _canonical(_tensors(output))))
         return hook
 
     def _cand_hook(self, path: str):
         def hook(module, args, output):
-            if self._paused:
+            if self._paused or self._muted:
                 return
             calls = self._ref.get(path, [])
             i = self._cursor.get(path, 0)
@@ -171,6 +174,15 @@ class ModuleTap:
             yield
         finally:
             self._paused = False
+
+    @contextmanager
+    def muted(self):
+        """Neither model's calls in the block are seen (they belong to another phase, with a tap of its own)."""
+        self._muted = True
+        try:
+            yield
+        finally:
+            self._muted = False
 
     def close(self) -> None:
         for h in self._handles:
