@@ -298,3 +298,21 @@ def test_a_streamed_candidates_head_is_read_once_per_pass(ws, monkeypatch):
     chunks = -(-vocab // VOCAB_CHUNK)
     assert len(calls) == chunks  # prefill and decode (12 positions) in one pass: each chunk read once
     assert _numbers(st) == _numbers(mem)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+def test_the_candidate_alone_runs_its_phases_in_one_pass_with_the_same_numbers(ws, family):
+    """Without the reference (``localize=False``) the candidate still runs prefill and decode in one pass over its
+    layers (one progress line per layer), and every number of each phase is the one the run with the reference
+    gives the candidate: its logits, its statistics and each layer's hidden-state error, streamed and resident."""
+    weights = ws.gguf(family, "Q8_0")
+    paired = _run(ws, family, weights)
+    for kw in ({}, {"max_memory": _budget(ws, family)}):
+        seen = []
+        alone = _run(ws, family, weights, localize=False, progress=lambda *a: seen.append(a), **kw)
+        layers = len(alone.phases[0].layers) - 1
+        assert [s[:3] for s in seen] == [("prefill+decode", i + 1, layers) for i in range(layers)]
+        for a, b in zip(paired.phases, alone.phases):
+            assert a.name == b.name and b.forced is None and b.modules is None
+            assert np.array_equal(a.candidate_logits, b.candidate_logits)
+            assert a.layers == b.layers and a.logits.summary() == b.logits.summary()

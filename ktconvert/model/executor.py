@@ -104,26 +104,33 @@ class LayerMajor:
             cache.seq_len = past + t
         return ForwardOutput(logits=logits, hidden_states=tuple(states), final_hidden=final)
 
-    def run_many(self, input_ids: torch.Tensor, steps: list[int | None]) -> list[ForwardOutput]:
+    def run_many(self, input_ids: torch.Tensor, steps: list[int | None], guards: list | None = None,
+                 on_layer=None) -> list[ForwardOutput]:
         """``input_ids`` run once per entry of ``steps`` (``None``: every position in one call, prefill; ``1``:
         decode), all in one pass over the parts: each decoder layer and the head are resident once for every run
         (a streamed golden's prefill and its decode self-check read the checkpoint once, not twice). Each run has
         its own caches and computes what :meth:`run` computes for it alone, bit for bit: the same calls on the same
-        operands, only the order of the runs' calls within a part interleaves."""
+        operands, only the order of the runs' calls within a part interleaves. ``guards``: per run, a context
+        manager factory (or None) entered around every call that run makes (verify switches the candidate's
+        operators to the run's phase there); ``on_layer(index)``: called once every run is done with a layer."""
+        guards = guards or [None] * len(steps)
         setups = [self._setup(input_ids, None, step) for step in steps]
         runs = []
-        for ids, _, _, cache, _, _, positions, chunks in setups:
-            hidden, states = self.embed(ids, chunks)
+        for (ids, _, _, cache, _, _, positions, chunks), guard in zip(setups, guards):
+            with _entered(guard):
+                hidden, states = self.embed(ids, chunks)
             runs.append([hidden, states, cache, {}])
         for index, layer in enumerate(self.model.model.layers):
-            jobs = [(r[0], r[2], r[3]) for r in runs]
+            jobs = [(r[0], r[2], r[3], guard) for r, guard in zip(runs, guards)]
             outs = self.layer_jobs(index, jobs, [s[6] for s in setups], [s[0] for s in setups], [s[7] for s in setups])
             for r, out in zip(runs, outs):
                 r[0] = out
                 if r[2] is not None:
                     r[2].drop(layer.layer_idx)
                 r[1].append(self.collapse(out))
-        heads = self.heads([(r[0], s[7]) for r, s in zip(runs, setups)])
+            if on_layer is not None:
+                on_layer(index)
+        heads = self.heads([(r[0], s[7]) for r, s in zip(runs, setups)], guards)
         return [ForwardOutput(logits=lg, hidden_states=tuple(r[1]), final_hidden=f) for r, (lg, f) in zip(runs, heads)]
 
     def _setup(self, input_ids, cache, step):

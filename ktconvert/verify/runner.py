@@ -146,7 +146,7 @@ def _phases(specs: list[tuple[str, bool, int]], run: "_Run", golden, profile: Pr
     the reference: every phase in one pass in lockstep with it (:func:`~ktconvert.model.executor.run_pairs`: each
     layer's weights read once for all the phases; module errors, and each layer's teacher-forced error), each phase
     with a module tap and an expert probe of its own, pointed at by the phase's guard, which also switches the
-    candidate's operators to the phase's. The candidate alone: one pass per phase."""
+    candidate's operators to the phase's. The candidate alone: its phases in one pass as well."""
     import torch
 
     from ktconvert.model.executor import PairPhase, run_pairs
@@ -165,17 +165,24 @@ def _phases(specs: list[tuple[str, bool, int]], run: "_Run", golden, profile: Pr
                 progress(name, index + 1, n_layers, time.perf_counter() - began)
         return on_layer
 
-    if run.reference is None:
-        results = []
-        for name, layerwise, step in specs:
-            run.injected.set_layerwise(layerwise)
-            try:
-                with torch.no_grad():
-                    out = run.candidate.run(ids, step=step, on_layer=on_layer_of(name, None))
-            finally:
-                run.injected.set_layerwise(False)
-            results.append(_phase_result(name, layerwise, step, out, None, None, None, golden, profile))
-        return results
+    together = "+".join(name for name, _, _ in specs)  # one progress line per layer of the one pass
+    if run.reference is None:  # the candidate alone: its phases in one pass too (LayerMajor.run_many)
+        def switch_of(layerwise: bool):
+            @contextmanager
+            def guard():
+                run.injected.set_layerwise(layerwise)
+                try:
+                    yield
+                finally:
+                    run.injected.set_layerwise(False)
+            return guard
+
+        with torch.no_grad():
+            outs = run.candidate.run_many(ids, [step for _, _, step in specs],
+                                          [switch_of(layerwise) for _, layerwise, _ in specs],
+                                          on_layer=on_layer_of(together, None))
+        return [_phase_result(name, layerwise, step, out, None, None, None, golden, profile)
+                for (name, layerwise, step), out in zip(specs, outs)]
 
     taps = [ModuleTap(run.reference.model, run.candidate.model) for _ in specs]
     probes = [ExpertProbe(guard=tap.paused, dtype=run.dtype) for tap in taps]
@@ -194,7 +201,6 @@ def _phases(specs: list[tuple[str, bool, int]], run: "_Run", golden, profile: Pr
                     run.injected.set_layerwise(False)
         return guard
 
-    together = "+".join(name for name, _, _ in specs)  # one progress line per layer of the one pass
     phases = [PairPhase(step, on_layer_of(together if k == len(specs) - 1 else None, taps[k]), taps[k].paused,
                         probes[k], guard_of(k, layerwise)) for k, (name, layerwise, step) in enumerate(specs)]
     try:
