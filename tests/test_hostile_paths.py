@@ -274,3 +274,39 @@ def test_ctrl_c_while_quantize_j2_starts_its_workers_is_one_line(src, tmp_path):
     lines = err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ktconvert: interrupted; rerun with --resume"), err
     assert not out.exists() and not (tmp_path / ".out.ktconvert-lock").exists()
+
+
+_MANAGER_SITE = """
+import os, signal, sys, time
+import concurrent.futures.process as _cfp
+_real = _cfp._ExecutorManagerThread.start
+def _start(self):
+    if not os.environ.pop("KT_TEST_SIGINT_ONCE", ""):
+        return _real(self)
+    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C after the manager thread is made, before it is started
+    time.sleep(0.2)                      # (the handler runs at the next bytecode; as a real Ctrl-C can)
+    return _real(self)
+_cfp._ExecutorManagerThread.start = _start
+"""
+
+
+@pytest.mark.slow  # a spawned worker imports numpy and ktconvert before the run can end
+def test_ctrl_c_inside_the_worker_pools_submit_is_one_line(src, tmp_path):
+    """A Ctrl-C that lands inside ``ProcessPoolExecutor.submit``, between its manager thread's creation and start,
+    made shutdown() fail to join that thread: "internal error: RuntimeError: cannot join thread before it is
+    started", exit 3 (seen once in CI). The interrupt is now taken when submit returns: exit 130, one line."""
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(_MANAGER_SITE)
+    env = {**os.environ, "KT_TEST_SIGINT_ONCE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")]))}
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "ktconvert", "quantize", str(src), str(out), *Q, "-j", "2"],
+                          capture_output=True, text=True, env=env, timeout=300,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    err = proc.stderr
+    assert "internal error" not in err and "Traceback" not in err and "KeyboardInterrupt" not in err, err
+    assert proc.returncode == 130, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("ktconvert: interrupted; rerun with --resume"), err
+    assert not out.exists() and not (tmp_path / ".out.ktconvert-lock").exists()

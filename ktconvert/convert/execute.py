@@ -35,8 +35,8 @@ from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.provenance import git_commit, recipe_sha256
 from ktconvert.io.sizes import format_size
-from ktconvert.convert.worker import (Group, Task, close_all, run_group, run_group_synced, segments_read,
-                                      source_digest, source_ranges, worker_context, worker_init)
+from ktconvert.convert.worker import (Group, Task, close_all, interrupts_deferred, run_group, run_group_synced,
+                                      segments_read, source_digest, source_ranges, worker_context, worker_init)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import (WRITE_ERRNOS, FileSha256, fsync_dir, partial_dir, replace_dir, sha256_file,
@@ -528,7 +528,8 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
                     for ex, cap in executors:
                         while queue and sum(1 for e in inflight.values() if e is ex) < cap:
                             ahead([queue[0]])
-                            inflight[ex.submit(run_group, queue.popleft())] = ex
+                            with interrupts_deferred():  # not inside submit: see interrupts_deferred
+                                inflight[ex.submit(run_group, queue.popleft())] = ex
                     ready, _ = wait(inflight, return_when=FIRST_COMPLETED)
                     for f in [f for f in inflight if f in ready]:  # in submission order: a failure stops after
                         inflight.pop(f)                             # every unit done before it is recorded

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -90,6 +91,31 @@ class _WorkerProcess(multiprocessing.context.SpawnProcess):
             super().start()
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+@contextmanager
+def interrupts_deferred():
+    """Ctrl-C during the block raises ``KeyboardInterrupt`` when the block ends, not inside it (in the main thread;
+    elsewhere a no-op). For ``Executor.submit``: a ``KeyboardInterrupt`` inside ``ProcessPoolExecutor.submit`` can
+    land after the executor has made its manager thread and before it starts it, and ``shutdown()`` then fails
+    joining a thread never started (CPython's ``concurrent.futures``), which turned a Ctrl-C into an internal error.
+    A handler of Python's own is used, not a signal mask: the kernel may hand the signal to any thread that does
+    not block it, and Python runs the handler in the main thread whichever did."""
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    got = []
+    before = signal.signal(signal.SIGINT, lambda signum, frame: got.append(frame))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, before)
+        if got and callable(before):
+            before(signal.SIGINT, got[0])  # Python's default handler: KeyboardInterrupt, here
+        elif got and before == signal.SIG_DFL:
+            signal.raise_signal(signal.SIGINT)
 
 
 class _WorkerContext(multiprocessing.context.SpawnContext):

@@ -18,7 +18,7 @@ from typing import Callable
 
 from ktconvert.cluster import check_executor, check_fits, connect, run_tasks
 from ktconvert.convert import convert
-from ktconvert.convert.worker import ignore_interrupts, worker_context
+from ktconvert.convert.worker import ignore_interrupts, interrupts_deferred, worker_context
 from ktconvert.errors import KtError
 from ktconvert.gate.suite import Case, Suite
 from ktconvert.model.tiny import write_tiny_model
@@ -115,7 +115,8 @@ def run_suite(suite: Suite, select: str | None = None, jobs: int = 1, workdir: s
                         progress(r)
         else:
             with ProcessPoolExecutor(max_workers=jobs, mp_context=worker_context(), initializer=ignore_interrupts) as pool:
-                futures = [pool.submit(run_group, group, tmp) for group in groups.values()]
+                with interrupts_deferred():  # not inside submit (see interrupts_deferred)
+                    futures = [pool.submit(run_group, group, tmp) for group in groups.values()]
                 for fut in as_completed(futures):
                     for r in fut.result():
                         results[r.case.name] = r
