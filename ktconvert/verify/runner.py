@@ -166,17 +166,19 @@ def _phases(specs: list[tuple[str, bool, int]], run: "_Run", golden, profile: Pr
         return on_layer
 
     together = "+".join(name for name, _, _ in specs)  # one progress line per layer of the one pass
-    if run.reference is None:  # the candidate alone: its phases in one pass too (LayerMajor.run_many)
-        def switch_of(layerwise: bool):
-            @contextmanager
-            def guard():
-                run.injected.set_layerwise(layerwise)
-                try:
-                    yield
-                finally:
-                    run.injected.set_layerwise(False)
-            return guard
 
+    def switch_of(layerwise: bool):
+        """A guard switching the candidate's operators to a phase's (layer-wise prefill or not) for its calls."""
+        @contextmanager
+        def guard():
+            run.injected.set_layerwise(layerwise)
+            try:
+                yield
+            finally:
+                run.injected.set_layerwise(False)
+        return guard
+
+    if run.reference is None:  # the candidate alone: its phases in one pass too (LayerMajor.run_many)
         with torch.no_grad():
             outs = run.candidate.run_many(ids, [step for _, _, step in specs],
                                           [switch_of(layerwise) for _, layerwise, _ in specs],
@@ -188,17 +190,15 @@ def _phases(specs: list[tuple[str, bool, int]], run: "_Run", golden, profile: Pr
     probes = [ExpertProbe(guard=tap.paused, dtype=run.dtype) for tap in taps]
 
     def guard_of(k: int, layerwise: bool):
+        """The phase's switch, with every other phase's module tap muted."""
         @contextmanager
         def guard():
             with ExitStack() as stack:
                 for j, other in enumerate(taps):
                     if j != k:
                         stack.enter_context(other.muted())
-                run.injected.set_layerwise(layerwise)
-                try:
-                    yield
-                finally:
-                    run.injected.set_layerwise(False)
+                stack.enter_context(switch_of(layerwise)())
+                yield
         return guard
 
     phases = [PairPhase(step, on_layer_of(together if k == len(specs) - 1 else None, taps[k]), taps[k].paused,
