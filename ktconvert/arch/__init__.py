@@ -12,11 +12,13 @@ from ktconvert.arch.registry import (
     MECHANISMS,
     attention,
     attention_for,
+    count_limits,
     feed_forward_for,
     gguf_keys,
     mechanism,
+    parse_steps,
     residual_for,
 )
 
-__all__ = ["MECHANISMS", "Mechanism", "attention", "attention_for", "feed_forward_for", "gguf_keys", "mechanism",
-           "residual_for"]
+__all__ = ["MECHANISMS", "Mechanism", "attention", "attention_for", "count_limits", "feed_forward_for", "gguf_keys",
+           "mechanism", "parse_steps", "residual_for"]

@@ -10,18 +10,23 @@ A mechanism (an attention kind, the MoE block, hash routing, hyper-connections) 
 - its GGUF keys (``gguf_keys``: a spec's ``gguf.metadata`` entry -> a writer of ``(w, c, n)``: the gguf-py writer,
   the config and the block count).
 
-It defines its part of the config and parses it (``parse``, called by ``ktconvert/families/config.py``) through
-:class:`Getter`. Its torch computation is registered under the same name in ``ktconvert/model/mechanisms.py``.
+It defines its part of the config and parses it (``parsers``: each a step of :class:`ParseContext` -> its part's
+fields, or None where the spec does not use it; ``ktconvert/families/config.py`` runs every registered mechanism's
+steps in their ``order``) through :class:`Getter`, and bounds the counts config.json gives it (``count_limits``,
+gathered by ``ktconvert/families/limits.py``). Its torch computation is registered under the same name in
+``ktconvert/model/mechanisms.py``.
 Torch-free; no gguf import at module level either (check-rules runs without numpy).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol
 
 from ktconvert.errors import InputError
 
 if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
+    from ktconvert.arch.rope import RopeSpec
     from ktconvert.families.config import MoeConfig
 
 
@@ -34,6 +39,10 @@ KeyWriter = Callable[[Any, "MoeConfig", int], None]
 class Mechanism(Protocol):
     name: str
     gguf_keys: Mapping[str, KeyWriter]
+    #: its steps parsing config.json (``()``: it has no part of its own)
+    parsers: tuple[ParseStep, ...]
+    #: config.json count -> (smallest legal value, largest accepted value): ``ktconvert/families/limits.py``
+    count_limits: Mapping[str, tuple[int, int]]
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         """The tensors of ``layer`` this mechanism holds (``experts=False``: leave out the routed experts)."""
@@ -42,13 +51,53 @@ class Mechanism(Protocol):
         """Add this mechanism's modules under the decoder layer's module-tree node ``node``."""
 
 
+@dataclass(frozen=True)
+class ParseContext:
+    """What a mechanism's parse step reads: config.json (``g``, ``raw``: its text view), the family spec's sections
+    that name the mechanisms (the raw ``attention`` / ``config`` / ``routing`` dicts ``families/config.py`` reads),
+    the core sizes parsed before the parts, and ``attention``, the attention fields the earlier steps gave (a
+    later step builds on them: DSA's shared layers on Kimi Delta Attention's layer kinds)."""
+
+    g: Getter
+    raw: dict
+    attention_spec: dict
+    config_spec: dict
+    routing_spec: dict
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    rope_dim: int
+    compress_rope: RopeSpec | None  # the compressed layers' rope (compressed MQA's ``parse_ropes``), else None
+    moe_layers: tuple[int, ...]
+    rms_norm_eps: float
+    path: str | None
+    attention: dict = field(default_factory=dict)
+
+
+#: what a parse step gives: ``MoeConfig`` field -> value, where ``attention`` and ``routing`` map their parts' fields
+Parsed = Mapping[str, Any]
+
+
+class ParseStep(NamedTuple):
+    """One parser of a mechanism: ``families/config.py`` runs every registered mechanism's steps by ``order`` (a
+    refusal of a lower one comes first; a step reads what the lower ones gave), ``parse`` returning None where the
+    spec does not use the mechanism."""
+
+    order: int
+    parse: Callable[[ParseContext], Parsed | None]
+
+
 class AttentionMechanism:
     """What every attention mechanism has besides the protocol, with the common values: ``attr``, the decoder layer's
     attribute holding it (``self_attn`` / ``linear_attn``); ``recurrent``, a recurrent state instead of a KV cache
-    (GGUF head_count_kv 0 where the spec writes it per layer; tagged as linear attention)."""
+    (GGUF head_count_kv 0 where the spec writes it per layer; tagged as linear attention); no parser and no counts
+    of its own unless it says."""
 
     attr = "self_attn"
     recurrent = False
+    parsers: tuple[ParseStep, ...] = ()
+    count_limits: Mapping[str, tuple[int, int]] = {}
 
 
 def layer_prefix(layer: int) -> str:

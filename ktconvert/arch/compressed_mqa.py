@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix
+from ktconvert.arch.base import Add, AttentionMechanism, ParseContext, Parsed, ParseStep, layer_prefix
 from ktconvert.arch.indexer import indexer_dims
 from ktconvert.arch.rope import RopeSpec, parse_rope
 from ktconvert.errors import InputError
@@ -77,10 +77,14 @@ def parse_ropes(raw: dict, default_theta: float, dim: int, max_pos: int, path: s
     return main, parse_rope({"rope_parameters": comp_raw}, default_theta, dim, max_pos, path)
 
 
-def parse(g: Getter, raw: dict, layers: int, heads: int, kv_heads: int, head_dim: int, compress_rope: RopeSpec,
-                path: str | None) -> dict:
-    """Compressed sparse MQA: per-layer compress ratios (the release's ``compress_ratios``, or transformers'
-    ``layer_types`` + ``compress_rates``), the indexer, the window and the grouped output projection."""
+def parse(ctx: ParseContext) -> Parsed | None:
+    """Compressed sparse MQA (spec ``attention.kind: compressed_mqa``): per-layer compress ratios (the release's
+    ``compress_ratios``, or transformers' ``layer_types`` + ``compress_rates``), the indexer, the window and the
+    grouped output projection."""
+    if ctx.attention_spec["kind"] != "compressed_mqa":
+        return None
+    g, raw, layers, heads, kv_heads, compress_rope, path = (ctx.g, ctx.raw, ctx.layers, ctx.heads, ctx.kv_heads,
+                                                            ctx.compress_rope, ctx.path)
     if kv_heads != 1:
         raise InputError(f"compressed MQA has one shared K=V head: num_key_value_heads must be 1, got {kv_heads}",
                          path=path, where="num_key_value_heads")
@@ -122,12 +126,14 @@ def parse(g: Getter, raw: dict, layers: int, heads: int, kv_heads: int, head_dim
     indexer = indexer_dims(g, rope_dim, path)
     dims = CompressedDims(ratios=ratios, csa_ratio=csa, compress_rope=compress_rope, o_groups=o_groups,
                           o_lora_rank=o_lora)
-    return {"compressed": dims, "indexer": indexer, "q_lora_rank": q_lora, "qk_rope_head_dim": rope_dim,
-            "sliding_window": int(window), "sliding_layers": tuple(range(layers))}
+    return {"attention": {"compressed": dims, "indexer": indexer, "q_lora_rank": q_lora, "qk_rope_head_dim": rope_dim,
+                          "sliding_window": int(window), "sliding_layers": tuple(range(layers))}}
 
 
 class CompressedMqa(AttentionMechanism):
     name = "compressed_mqa"
+    parsers = (ParseStep(70, parse),)
+    count_limits = {"o_groups": (1, 4096), "o_lora_rank": (1, 1 << 16)}
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         """Reference names; the spec's layer_renames publish them."""

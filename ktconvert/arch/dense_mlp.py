@@ -35,6 +35,8 @@ def mlp_modules(parent, name: str, type_: str, projs=("gate_proj", "up_proj", "d
 class DenseMlp:
     name = "dense_mlp"
     gguf_keys: dict = {}
+    parsers = ()  # its width is the core's (MoeConfig.intermediate_size)
+    count_limits: dict = {}
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         mlp_tensors(add, cfg.hidden_size, f"{layer_prefix(layer)}.{cfg.ffn_name(layer)}", cfg.intermediate_size)

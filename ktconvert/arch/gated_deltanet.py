@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix
+from ktconvert.arch.base import Add, AttentionMechanism, ParseContext, Parsed, ParseStep, layer_prefix
 from ktconvert.errors import InputError
 
 if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
@@ -33,9 +33,12 @@ class LinearAttentionDims:
 KINDS = ("linear_attention", "full_attention")
 
 
-def parse(g: Getter, raw: dict, layers: int, path: str | None) -> dict:
+def parse(ctx: ParseContext) -> Parsed | None:
     """layer_types (or every ``full_attention_interval``-th layer full, transformers' default) and the Gated DeltaNet
-    dims of a hybrid-attention family."""
+    dims of a hybrid-attention family (spec ``attention.kind: gated_deltanet_hybrid``)."""
+    if ctx.attention_spec["kind"] != "gated_deltanet_hybrid":
+        return None
+    g, raw, layers, path = ctx.g, ctx.raw, ctx.layers, ctx.path
     types = raw.get("layer_types")
     if types is None:
         every = int(g.opt("full_attention_interval", 4))
@@ -50,13 +53,17 @@ def parse(g: Getter, raw: dict, layers: int, path: str | None) -> dict:
     if dims.num_value_heads % dims.num_key_heads:
         raise InputError(f"linear_num_value_heads={dims.num_value_heads} is not a multiple of "
                          f"linear_num_key_heads={dims.num_key_heads}", path=path, where="linear_num_value_heads")
-    return {"layer_types": tuple(types), "linear": dims}
+    return {"attention": {"layer_types": tuple(types), "linear": dims}}
 
 
 class GatedDeltaNet(AttentionMechanism):
     name = "gated_deltanet"
     attr = "linear_attn"
     recurrent = True
+    parsers = (ParseStep(20, parse),)
+    count_limits = {"linear_num_key_heads": (1, 4096), "linear_num_value_heads": (1, 4096),
+                    "linear_key_head_dim": (1, 1 << 14), "linear_value_head_dim": (1, 1 << 14),
+                    "linear_conv_kernel_dim": (1, 1024)}
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         d, la, h = cfg.attention.linear, f"{layer_prefix(layer)}.linear_attn", cfg.hidden_size

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
-from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix, norm_role, when
+from ktconvert.arch.base import Add, AttentionMechanism, ParseContext, Parsed, ParseStep, layer_prefix, norm_role, when
 from ktconvert.arch.indexer import IndexerDims
 from ktconvert.errors import InputError
 
@@ -23,10 +23,14 @@ _KEYS = {"index_n_heads": "sparse_num_index_heads", "index_head_dim": "sparse_in
 _LAYER = "minimax_m3_sparse"
 
 
-def parse_msa(g: Getter, raw: dict, layers: int, kv_heads: int, rope_dim: int, moe_layers: tuple[int, ...],
-              path: str | None) -> dict:
-    """MiniMax Sparse Attention's indexer sizes and layers, from transformers' ``index_*`` / ``layer_types`` or the
-    hub's ``sparse_attention_config`` (``sparse_*``, ``sparse_attention_freq``), whichever the config holds."""
+def parse_msa(ctx: ParseContext) -> Parsed | None:
+    """MiniMax Sparse Attention's indexer sizes and layers (spec ``attention.msa_indexer``), from transformers'
+    ``index_*`` / ``layer_types`` or the hub's ``sparse_attention_config`` (``sparse_*``, ``sparse_attention_freq``),
+    whichever the config holds."""
+    if not ctx.attention_spec.get("msa_indexer"):
+        return None
+    raw, layers, kv_heads, rope_dim, moe_layers, path = (ctx.raw, ctx.layers, ctx.kv_heads, ctx.rope_dim,
+                                                         ctx.moe_layers, ctx.path)
     hub = raw.get("sparse_attention_config")
     hub = hub if isinstance(hub, dict) else {}
     vals = {}
@@ -63,7 +67,7 @@ def parse_msa(g: Getter, raw: dict, layers: int, kv_heads: int, rope_dim: int, m
         raise InputError(f"dense MLP layers {sparse_dense} run MiniMax Sparse Attention: llama.cpp's minimax-m3 "
                          "attends fully on its leading dense layers and holds no indexer there", path=path,
                          where="layer_types", fix="mark the dense layers full_attention (sparse_attention_freq 0)")
-    return {"indexer": replace(dims, sparse_layers=sparse)}
+    return {"attention": {"indexer": replace(dims, sparse_layers=sparse)}}
 
 
 def parse_window(raw: dict, rule: str, layers: int, path: str | None) -> tuple[int | None, tuple[int, ...]]:
@@ -104,6 +108,7 @@ def _refuse_window(raw: dict, rule: str, path: str | None) -> None:
 
 class Gqa(AttentionMechanism):
     name = "gqa"
+    parsers = (ParseStep(60, parse_msa),)  # its window is the core's (parse_window: every family's spec rules on it)
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         a, h, norm = f"{layer_prefix(layer)}.self_attn", cfg.hidden_size, norm_role(cfg)

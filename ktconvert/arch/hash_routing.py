@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ktconvert.arch.base import Add, Getter
+from ktconvert.arch.base import Add, Getter, ParseContext, Parsed, ParseStep
 from ktconvert.arch.moe import Moe
 from ktconvert.errors import InputError
 
@@ -15,9 +15,16 @@ if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the t
     from ktconvert.families.config import MoeConfig
 
 
-def parse(g: Getter, raw: dict, choice: dict, layers: int, path: str | None) -> tuple[int, ...]:
-    """The hash-routed layers: transformers' ``mlp_layer_types`` (``hash_moe`` / ``moe``) or the release's
-    ``num_hash_layers`` leading layers."""
+def parse(ctx: ParseContext) -> Parsed | None:
+    """The hash-routed layers (spec ``routing.hash_layers``): transformers' ``mlp_layer_types`` (``hash_moe`` /
+    ``moe``) or the release's ``num_hash_layers`` leading layers."""
+    if "hash_layers" not in ctx.routing_spec:
+        return None
+    return {"routing": {"hash_layers": _hash_layers(ctx.g, ctx.raw, ctx.routing_spec["hash_layers"], ctx.layers,
+                                                    ctx.path)}}
+
+
+def _hash_layers(g: Getter, raw: dict, choice: dict, layers: int, path: str | None) -> tuple[int, ...]:
     types = raw.get("mlp_layer_types")
     if types is not None:
         if not isinstance(types, list) or len(types) < layers or any(t not in ("hash_moe", "moe") for t in types[:layers]):
@@ -38,6 +45,8 @@ def parse(g: Getter, raw: dict, choice: dict, layers: int, path: str | None) -> 
 
 class HashRouting(Moe):
     name = "hash_routing"
+    parsers = (ParseStep(80, parse),)
+    count_limits = {"num_hash_layers": (0, 1024)}
 
     def router_tensors(self, cfg: MoeConfig, m: str, add: Add) -> None:
         """Each token's experts: the table instead of a score bias."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ktconvert.arch.base import Add, Getter, layer_prefix
+from ktconvert.arch.base import Add, ParseContext, Parsed, ParseStep, layer_prefix
 from ktconvert.errors import InputError
 
 if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
@@ -33,8 +33,13 @@ class HyperConnectionDims:
         return self.head == "learned_head"
 
 
-def parse(g: Getter, head: str, path: str | None) -> HyperConnectionDims:
-    """The residual streams of a hyper-connection family (transformers' defaults: 4 streams, 20 iterations)."""
+def parse(ctx: ParseContext) -> Parsed | None:
+    """The residual streams of a hyper-connection family (spec ``config.hyper_connections``, how the final norm reads
+    them; transformers' defaults: 4 streams, 20 iterations)."""
+    head = ctx.config_spec.get("hyper_connections")
+    if not head:
+        return None
+    g, path = ctx.g, ctx.path
     dims = HyperConnectionDims(mult=int(g.opt("hc_mult", 4)), sinkhorn_iters=int(g.opt("hc_sinkhorn_iters", 20)),
                                eps=float(g.opt("hc_eps", 1e-6)), head=head)
     if dims.mult < 1 or dims.sinkhorn_iters < 1:
@@ -43,11 +48,13 @@ def parse(g: Getter, head: str, path: str | None) -> HyperConnectionDims:
     if not dims.eps > 0:
         raise InputError(f"hc_eps must be above 0, got {dims.eps}", path=path, where="hc_eps",
                          fix="set hc_eps as the release does (1e-6)")
-    return dims
+    return {"residual": dims}
 
 
 class HyperConnections:
     name = "hyper_connections"
+    parsers = (ParseStep(50, parse),)
+    count_limits = {"hc_mult": (1, 64), "hc_sinkhorn_iters": (1, 1024)}
 
     def before_attention(self, cfg: MoeConfig) -> bool:
         """The release's layer parameters come before the attention's tensors; transformers' modules after them."""

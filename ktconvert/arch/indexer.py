@@ -11,6 +11,11 @@ from ktconvert.arch.base import Getter
 from ktconvert.errors import InputError
 
 
+#: config.json's indexer sizes (every indexer's ``index_*`` spelling), bounded as ``ktconvert/families/limits.py``
+#: bounds counts: gathered with MLA's (``mla.py``), whose DSA indexer reads them first
+COUNT_LIMITS = {"index_n_heads": (1, 4096), "index_head_dim": (1, 1 << 14), "index_topk": (1, 1 << 28)}
+
+
 @dataclass(frozen=True)
 class IndexerDims:
     """Sparse-attention indexer sizes (config ``index_*``): DeepSeek Sparse Attention keeps ``topk`` keys; MiniMax

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix, when
+from ktconvert.arch.base import Add, AttentionMechanism, ParseContext, Parsed, ParseStep, layer_prefix, when
 from ktconvert.errors import InputError
 
 if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
@@ -30,10 +30,14 @@ _KEYS = {"num_heads": "linear_num_heads", "head_dim": "linear_head_dim",
          "short_conv_kernel_size": "linear_conv_kernel_dim", "gate_lower_bound": "linear_lower_bound"}
 
 
-def parse(g: Getter, raw: dict, layers: int, heads: int, path: str | None) -> dict:
+def parse(ctx: ParseContext) -> Parsed | None:
     """Kimi Delta Attention layers (``layer_types`` ``linear_attention``; the others are attention, transformers'
     ``full_attention`` read as ``indexed_attention``) and sizes, from the release's ``linear_attn_config`` or
-    transformers' ``linear_*`` keys, whichever the config holds (the dict wins, as transformers reads it)."""
+    transformers' ``linear_*`` keys, whichever the config holds (the dict wins, as transformers reads it); where the
+    spec's ``attention.linear_attention`` names it."""
+    if ctx.attention_spec.get("linear_attention") != "kda":
+        return None
+    raw, layers, heads, path = ctx.raw, ctx.layers, ctx.heads, ctx.path
     types = raw.get("layer_types")
     if types is None:  # transformers' default: every fourth layer attention
         types = ["linear_attention" if i % 4 != 3 else "indexed_attention" for i in range(layers)]
@@ -59,13 +63,14 @@ def parse(g: Getter, raw: dict, layers: int, heads: int, path: str | None) -> di
                          path=path, where="linear_attn_config.num_heads")
     dims = KdaDims(num_heads=vals["num_heads"], head_dim=vals["head_dim"], conv_kernel=vals["short_conv_kernel_size"],
                    lower_bound=None if vals["gate_lower_bound"] is None else float(vals["gate_lower_bound"]))
-    return {"layer_types": tuple("linear_attention" if t == "linear_attention" else "indexed_attention" for t in types),
-            "kda": dims}
+    return {"attention": {"layer_types": tuple("linear_attention" if t == "linear_attention" else "indexed_attention"
+                                               for t in types), "kda": dims}}
 
 
 class Kda(AttentionMechanism):
     name = "kda"
     recurrent = True
+    parsers = (ParseStep(30, parse),)
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         d, a, h = cfg.attention.kda, f"{layer_prefix(layer)}.self_attn", cfg.hidden_size

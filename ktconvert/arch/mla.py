@@ -6,11 +6,11 @@ Its part of the config is ``MoeConfig.attention.mla`` (:class:`MlaDims`) with ``
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
-from ktconvert.arch.base import Add, AttentionMechanism, Getter, layer_prefix, when
-from ktconvert.arch.indexer import IndexerDims, indexer_dims, indexer_source, indexer_types
+from ktconvert.arch.base import Add, AttentionMechanism, Getter, ParseContext, Parsed, ParseStep, layer_prefix, when
+from ktconvert.arch.indexer import COUNT_LIMITS as INDEXER_LIMITS, IndexerDims, indexer_dims, indexer_source, indexer_types
 from ktconvert.errors import InputError
 
 if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
@@ -30,10 +30,13 @@ class MlaDims:
     latent_norm_eps: float = 1e-6  # the q_a / kv_a layernorms' eps (attention.latent_norm_eps)
 
 
-def parse(g: Getter, raw: dict, facts: dict, layers: int, heads: int, kv_heads: int, rms_norm_eps: float,
-          path: str | None) -> dict:
-    """``MoeConfig``'s MLA part: the query latent, the rotated width, :class:`MlaDims` and, where the spec's
-    ``attention`` (``facts``) names a DSA indexer, its sizes."""
+def parse(ctx: ParseContext) -> Parsed | None:
+    """``MoeConfig``'s MLA part (spec ``attention.kind: mla``): the query latent, the rotated width, :class:`MlaDims`
+    and, where the spec's ``attention`` names a DSA indexer, its sizes."""
+    g, raw, facts, layers, path = ctx.g, ctx.raw, ctx.attention_spec, ctx.layers, ctx.path
+    if facts["kind"] != "mla":
+        return None
+    heads, kv_heads, rms_norm_eps = ctx.heads, ctx.kv_heads, ctx.rms_norm_eps
     q_lora = g.opt("q_lora_rank")
     interleave_key = facts.get("rope_interleave_key")
     latent_eps = rms_norm_eps if facts.get("latent_norm_eps") == "rms_norm_eps" else 1e-6
@@ -57,7 +60,7 @@ def parse(g: Getter, raw: dict, facts: dict, layers: int, heads: int, kv_heads: 
             path=path,
             where="num_key_value_heads",
         )
-    return kwargs
+    return {"attention": kwargs}
 
 
 def _dsa_indexer(g: Getter, raw: dict, layers: int, rope_dim: int, path: str | None, *, kpool: bool = False,
@@ -87,7 +90,18 @@ def _dsa_indexer(g: Getter, raw: dict, layers: int, rope_dim: int, path: str | N
     return dims
 
 
-def parse_shared(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, ...]:
+def parse_shared(ctx: ParseContext) -> Parsed | None:
+    """The DSA indexer's shared layers (spec ``attention.dsa_shared``), checked with the layer kinds Kimi Delta
+    Attention parsed (a step after it)."""
+    if not ctx.attention_spec.get("dsa_shared"):
+        return None
+    kinds = ctx.attention.get("layer_types") or ("indexed_attention",) * ctx.layers
+    indexer = ctx.attention["indexer"]
+    return {"attention": {"indexer": replace(indexer, shared_layers=_shared_layers(ctx.raw, ctx.layers, kinds,
+                                                                                     ctx.path))}}
+
+
+def _shared_layers(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, ...]:
     """The attention layers that reuse the DSA selection of the layer right before them (``shared``); that layer must
     be an attention layer running its own indexer (transformers passes the selection only between neighbours)."""
     types = indexer_types(raw, layers)
@@ -104,6 +118,11 @@ def parse_shared(raw: dict, layers: int, kinds, path: str | None) -> tuple[int, 
 
 class Mla(AttentionMechanism):
     name = "mla"
+    parsers = (ParseStep(10, parse), ParseStep(40, parse_shared))
+    # the query latent and the rotated width are compressed MQA's keys too; the indexer's with them (DSA's, and the
+    # lightning and MSA indexers' transformers spelling)
+    count_limits = {"q_lora_rank": (0, 1 << 16), "kv_lora_rank": (1, 1 << 16), "qk_nope_head_dim": (0, 1 << 14),
+                    "qk_rope_head_dim": (0, 1 << 14), "v_head_dim": (1, 1 << 14), **INDEXER_LIMITS}
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         a, h, mla = f"{layer_prefix(layer)}.self_attn", cfg.hidden_size, cfg.attention.mla

@@ -123,6 +123,8 @@ def parse_activation(g: Getter, act: dict | None, shared_experts: bool, path: st
 
 class Moe:
     name = "moe"
+    parsers: tuple = ()  # its routing and activation are parsed with the core (parse_routing, parse_activation)
+    count_limits = {"n_group": (1, 8192), "topk_group": (1, 8192)}
 
     def router_tensors(self, cfg: MoeConfig, m: str, add: Add) -> None:
         """What the router holds besides its weight and bias: DeepSeek-V3's score-correction bias."""

@@ -12,7 +12,7 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Mapping, TYPE_CHECKING
 
-from ktconvert.arch.base import AttentionMechanism, KeyWriter, Mechanism
+from ktconvert.arch.base import AttentionMechanism, KeyWriter, Mechanism, ParseStep
 
 if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
     from ktconvert.families.config import MoeConfig
@@ -67,10 +67,32 @@ def residual_for(cfg: MoeConfig) -> str | None:
 def gguf_keys(model_keys: Mapping[str, KeyWriter] = MappingProxyType({})) -> dict[str, KeyWriter]:
     """``model_keys`` (the model's own, whatever its mechanisms) and every mechanism's GGUF keys, by their
     ``gguf.metadata`` name; a name written twice is refused (each is owned by one writer)."""
-    out: dict[str, KeyWriter] = dict(model_keys)
+    return _owned("gguf_keys", "GGUF keys {} written twice", dict(model_keys))
+
+
+def _owned(attr: str, clash_message: str, out: dict) -> dict:
+    """``out`` with each mechanism's ``attr`` mapping added, refusing a key two of them own."""
     for m in MECHANISMS.values():
-        clash = set(out) & set(m.gguf_keys)
+        mine = getattr(m, attr)
+        clash = set(out) & set(mine)
         if clash:
-            raise AssertionError(f"GGUF keys {sorted(clash)} written twice (mechanism {m.name})")
-        out.update(m.gguf_keys)
+            raise AssertionError(f"{clash_message.format(sorted(clash))} (mechanism {m.name})")
+        out.update(mine)
     return out
+
+
+def parse_steps() -> list[ParseStep]:
+    """Every mechanism's config parsers in the order ``ktconvert/families/config.py`` runs them (each step's
+    ``order``: a refusal of an earlier step comes first, and a step reads what the earlier ones gave); two steps of
+    one order are refused (their refusals' order would hang on the modules' names)."""
+    steps = sorted((s for m in MECHANISMS.values() for s in m.parsers), key=lambda s: s.order)
+    orders = [s.order for s in steps]
+    if len(set(orders)) != len(orders):
+        raise AssertionError(f"two mechanisms' parse steps share an order: {orders}")
+    return steps
+
+
+def count_limits() -> dict[str, tuple[int, int]]:
+    """Every mechanism's config.json count bounds (``count_limits``) by key; a key bounded twice is refused (each
+    count belongs to one mechanism)."""
+    return _owned("count_limits", "config counts {} bounded twice", {})

@@ -16,10 +16,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from ktconvert.arch import compressed_mqa, gated_deltanet, gqa, hash_routing, hyper_connections, kda, moe
-from ktconvert.arch import mla as mla_mechanism
+from ktconvert import arch
+from ktconvert.arch import compressed_mqa, gqa, moe
 from ktconvert.arch.attention_part import AttentionPart
-from ktconvert.arch.base import Getter
+from ktconvert.arch.base import Getter, ParseContext
 from ktconvert.arch.hyper_connections import HyperConnectionDims
 from ktconvert.arch.moe import Activation, Routing
 from ktconvert.arch.rope import RopeSpec, parse_rope
@@ -222,12 +222,13 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
 
     qk_key = attn_facts.get("qk_norm_key")
     qk_norm = bool(g.opt(qk_key, sp.qk_norm)) if qk_key else sp.qk_norm
-    attention, kwargs = _parts(g, raw, sp, layers, heads, kv_heads, head_dim, rope_dim, compress_rope, moe_layers,
-                               float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])), path)
+    kwargs = _parts(ParseContext(g, raw, attn_facts, cfg_facts, routing, layers, heads, kv_heads, head_dim, rope_dim,
+                                 compress_rope, moe_layers, float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])),
+                                 path))
     # compressed MQA's window covers every layer (its parser gives it)
-    attention = AttentionPart(**{"qk_norm": qk_norm, "sliding_window": window, "sliding_layers": sliding, **attention})
-    if "hash_layers" in kwargs:
-        routing_part = replace(routing_part, hash_layers=kwargs.pop("hash_layers"))
+    attention = AttentionPart(**{"qk_norm": qk_norm, "sliding_window": window, "sliding_layers": sliding,
+                                 **kwargs.pop("attention")})
+    routing_part = replace(routing_part, **kwargs.pop("routing"))
 
     shared = sp.shared_expert
     width_key = sp.section("moe").get("shared_experts_width")
@@ -266,33 +267,19 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
 
 
 
-def _parts(g: Getter, raw: dict, sp: registry.FamilySpec, layers: int, heads: int, kv_heads: int, head_dim: int,
-           rope_dim: int, compress_rope: RopeSpec | None, moe_layers: tuple[int, ...], rms_norm_eps: float,
-           path: str | None) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The parts its mechanisms own, each parsed by the mechanism the spec names (``ktconvert/arch/``), in the order
-    their refusals are checked: ``(attention, other)``, the fields of :class:`AttentionPart` and the rest (the
-    residual, the hash-routed layers)."""
-    attn, cfg_facts, routing = sp.section("attention"), sp.section("config"), sp.section("routing")
-    attention: dict[str, Any] = {}
-    other: dict[str, Any] = {}
-    if sp.is_mla:
-        attention = mla_mechanism.parse(g, raw, attn, layers, heads, kv_heads, rms_norm_eps, path)
-    if attn["kind"] == "gated_deltanet_hybrid":
-        attention.update(gated_deltanet.parse(g, raw, layers, path))
-    if attn.get("linear_attention") == "kda":
-        attention.update(kda.parse(g, raw, layers, heads, path))
-    if attn.get("dsa_shared"):
-        attention["indexer"] = replace(attention["indexer"], shared_layers=mla_mechanism.parse_shared(
-            raw, layers, attention.get("layer_types") or ("indexed_attention",) * layers, path))
-    if cfg_facts.get("hyper_connections"):
-        other["residual"] = hyper_connections.parse(g, cfg_facts["hyper_connections"], path)
-    if attn.get("msa_indexer"):
-        attention.update(gqa.parse_msa(g, raw, layers, kv_heads, rope_dim, moe_layers, path))
-    if attn["kind"] == "compressed_mqa":
-        attention.update(compressed_mqa.parse(g, raw, layers, heads, kv_heads, head_dim, compress_rope, path))
-    if "hash_layers" in routing:
-        other["hash_layers"] = hash_routing.parse(g, raw, routing["hash_layers"], layers, path)
-    return attention, other
+def _parts(ctx: ParseContext) -> dict[str, Any]:
+    """The parts its mechanisms own: every registered mechanism's parse steps (``ktconvert/arch/``), in their order
+    (the order their refusals are checked in), each giving its part's fields where the spec uses it. ``MoeConfig``
+    field -> value; ``attention`` and ``routing`` gather their parts' fields (the attention ones in ``ctx.attention``,
+    where a later step reads them)."""
+    out: dict[str, Any] = {"attention": ctx.attention, "routing": {}}
+    for step in arch.parse_steps():
+        for key, value in (step.parse(ctx) or {}).items():
+            if key in ("attention", "routing"):
+                out[key].update(value)
+            else:
+                out[key] = value
+    return out
 
 
 def _checked_moe_layers(sp: registry.FamilySpec, raw: dict, layers: int, num_experts: int,

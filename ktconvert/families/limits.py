@@ -15,13 +15,15 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from ktconvert import arch
 from ktconvert.errors import InputError
 
 # field -> (smallest legal value, largest accepted value). The largest released MoE models today have 94 layers,
 # 512 routed experts per layer, hidden size 7168 (dense models: 16384), vocabularies of 262k and 10M positions;
 # every maximum below is at least 8x past that, so no real model is refused and no hostile one costs more than a
-# real one would.
-FIELD_LIMITS: dict[str, tuple[int, int]] = {
+# real one would. These are the core's; each mechanism bounds its own counts (``count_limits`` of its
+# ``ktconvert/arch/`` module: MLA's latents, the indexers', Gated DeltaNet's, ...), gathered after them.
+CORE_LIMITS: dict[str, tuple[int, int]] = {
     "num_hidden_layers": (1, 1024),
     "num_experts": (1, 8192),
     "num_local_experts": (1, 8192),
@@ -39,27 +41,19 @@ FIELD_LIMITS: dict[str, tuple[int, int]] = {
     "head_dim": (0, 1 << 14),  # 0: MLA configs transformers saves (GLM-5-Next), where head_dim is unused
     "first_k_dense_replace": (0, 1024),
     "decoder_sparse_step": (1, 1024),
-    "n_group": (1, 8192),
-    "topk_group": (1, 8192),
-    "q_lora_rank": (0, 1 << 16),
-    "kv_lora_rank": (1, 1 << 16),
-    "qk_nope_head_dim": (0, 1 << 14),
-    "qk_rope_head_dim": (0, 1 << 14),
-    "v_head_dim": (1, 1 << 14),
-    "index_n_heads": (1, 4096),
-    "index_head_dim": (1, 1 << 14),
-    "index_topk": (1, 1 << 28),
-    "num_hash_layers": (0, 1024),
-    "hc_mult": (1, 64),
-    "hc_sinkhorn_iters": (1, 1024),
-    "linear_num_key_heads": (1, 4096),
-    "linear_num_value_heads": (1, 4096),
-    "linear_key_head_dim": (1, 1 << 14),
-    "linear_value_head_dim": (1, 1 << 14),
-    "linear_conv_kernel_dim": (1, 1024),
-    "o_groups": (1, 4096),
-    "o_lora_rank": (1, 1 << 16),
 }
+
+
+def _gathered() -> dict[str, tuple[int, int]]:
+    mechanisms = arch.count_limits()
+    clash = set(CORE_LIMITS) & set(mechanisms)
+    if clash:
+        raise AssertionError(f"config counts {sorted(clash)} bounded by the core and a mechanism")
+    return {**CORE_LIMITS, **mechanisms}
+
+
+#: every count this module checks: the core's, then each registered mechanism's
+FIELD_LIMITS: dict[str, tuple[int, int]] = _gathered()
 
 #: How many routed expert modules (layers x experts) a model may declare: the largest released models have about 24k
 #: (48 x 512 Qwen3-Next, 61 x 384 Kimi K2, 94 x 128 Qwen3-235B). check-rules --model builds the module tree from a
