@@ -23,10 +23,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Callable, Mapping, NamedTuple, Protocol
 
+from ktconvert.arch.rope import RopeSpec, parse_rope, rotary_dim
 from ktconvert.errors import InputError
 
 if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
-    from ktconvert.arch.rope import RopeSpec
     from ktconvert.families.config import MoeConfig
 
 
@@ -68,7 +68,7 @@ class ParseContext:
     kv_heads: int
     head_dim: int
     rope_dim: int
-    compress_rope: RopeSpec | None  # the compressed layers' rope (compressed MQA's ``parse_ropes``), else None
+    compress_rope: RopeSpec | None  # the second rope of the attention kind's ``ropes`` (compressed MQA's), else None
     moe_layers: tuple[int, ...]
     rms_norm_eps: float
     path: str | None
@@ -98,6 +98,22 @@ class AttentionMechanism:
     recurrent = False
     parsers: tuple[ParseStep, ...] = ()
     count_limits: Mapping[str, tuple[int, int]] = {}
+
+    def head_dims(self, g: Getter, facts: dict, hidden: int, heads: int, path: str | None) -> tuple[int, int]:
+        """``(head_dim, rope_dim)`` of a model whose spec's ``attention.kind`` (``facts``: that section) names this
+        mechanism, read before the parts: config.json's ``head_dim`` (else hidden / heads) and its rotated part
+        (``partial_rotary_factor`` / ``rotary_dim``, unless the spec says transformers ignores ``rotary_dim``)."""
+        head_dim = g.opt("head_dim")
+        head_dim = int(head_dim) if head_dim else hidden // heads
+        raw = g.raw
+        seen = raw if not facts.get("rotary_dim_ignored") else {k: v for k, v in raw.items() if k != "rotary_dim"}
+        return head_dim, rotary_dim(seen, head_dim, facts.get("partial_rotary_factor", 1.0), path)
+
+    def ropes(self, raw: dict, default_theta: float, rope_dim: int, max_pos: int,
+              path: str | None) -> tuple[RopeSpec, RopeSpec | None]:
+        """``(rope, second rope)``: the model's rope, and a second one where this kind rotates some layers with
+        another (:class:`ParseContext`'s ``compress_rope``); None here."""
+        return parse_rope(raw, default_theta, rope_dim, max_pos, path), None
 
 
 def layer_prefix(layer: int) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ktconvert.arch.base import Add, AttentionMechanism, ParseContext, Parsed, ParseStep, layer_prefix
+from ktconvert.arch.base import Add, AttentionMechanism, Getter, ParseContext, Parsed, ParseStep, layer_prefix
 from ktconvert.arch.indexer import indexer_dims
 from ktconvert.arch.rope import RopeSpec, parse_rope
 from ktconvert.errors import InputError
@@ -133,6 +133,15 @@ def parse(ctx: ParseContext) -> Parsed | None:
 class CompressedMqa(AttentionMechanism):
     name = "compressed_mqa"
     parsers = (ParseStep(70, parse),)
+
+    def head_dims(self, g: Getter, facts: dict, hidden: int, heads: int, path: str | None) -> tuple[int, int]:
+        head_dim = g.int("head_dim")
+        return head_dim, parse_rope_dim(g.raw, head_dim, path)
+
+    def ropes(self, raw: dict, default_theta: float, rope_dim: int, max_pos: int,
+              path: str | None) -> tuple[RopeSpec, RopeSpec | None]:
+        """The window-only layers' rope and the compressed layers' (:func:`parse_ropes`)."""
+        return parse_ropes(raw, default_theta, rope_dim, max_pos, path)
     count_limits = {"o_groups": (1, 4096), "o_lora_rank": (1, 1 << 16)}
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:

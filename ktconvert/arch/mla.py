@@ -119,6 +119,11 @@ def _shared_layers(raw: dict, layers: int, kinds, path: str | None) -> tuple[int
 class Mla(AttentionMechanism):
     name = "mla"
     parsers = (ParseStep(10, parse), ParseStep(40, parse_shared))
+
+    def head_dims(self, g: Getter, facts: dict, hidden: int, heads: int, path: str | None) -> tuple[int, int]:
+        """Rope rotates the ``qk_rope_head_dim`` part of each head (the core's head_dim is that width)."""
+        rope_dim = g.int("qk_rope_head_dim")
+        return rope_dim, rope_dim
     # the query latent and the rotated width are compressed MQA's keys too; the indexer's with them (DSA's, and the
     # lightning and MSA indexers' transformers spelling)
     count_limits = {"q_lora_rank": (0, 1 << 16), "kv_lora_rank": (1, 1 << 16), "qk_nope_head_dim": (0, 1 << 14),

@@ -45,7 +45,17 @@ def attention_for(cfg: MoeConfig, layer: int) -> str:
     spec = cfg.spec.attention
     if cfg.attention.layer_types and cfg.attention.layer_types[layer] == "linear_attention":
         return spec.linear_attention or "gated_deltanet"
-    return "gqa" if spec.kind == "gated_deltanet_hybrid" else spec.kind
+    return _of_kind(spec.kind)
+
+
+def _of_kind(kind: str) -> str:
+    return "gqa" if kind == "gated_deltanet_hybrid" else kind
+
+
+def kind_mechanism(kind: str) -> AttentionMechanism:
+    """The attention mechanism a spec's ``attention.kind`` names (a Gated DeltaNet hybrid's: its full layers'
+    ``gqa``): what sizes the heads and the rope of the model (``head_dims``, ``ropes``)."""
+    return MECHANISMS[_of_kind(kind)]
 
 
 def attention(cfg: MoeConfig, layer: int) -> AttentionMechanism:

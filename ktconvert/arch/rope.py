@@ -1,5 +1,6 @@
-"""Rotary embedding parameters (``MoeConfig.rope``; not a mechanism of its own): :class:`RopeSpec` and
-:func:`parse_rope`, which ``families/config.py`` and ``compressed_mqa.py`` (its two ropes) read config.json with."""
+"""Rotary embedding parameters (``MoeConfig.rope``; not a mechanism of its own): :class:`RopeSpec`,
+:func:`parse_rope` and :func:`rotary_dim`, which the attention mechanisms' ``head_dims`` / ``ropes`` read config.json
+with (``base.py``'s defaults, ``mla.py``, ``compressed_mqa.py`` with its two ropes)."""
 
 from __future__ import annotations
 
@@ -62,3 +63,27 @@ def parse_rope(raw: dict, default_theta: float, dim: int, max_pos: int, path: st
             truncate=bool(params.get("truncate", True)),
         )
     raise InputError(f"rope type {kind!r} is not supported (default, linear, yarn)", path=path, where="rope_scaling")
+
+
+def rotary_dim(raw: dict, head_dim: int, default: float, path: str | None) -> int:
+    """How many leading dims of each head are rotated: ``partial_rotary_factor`` as transformers 5 writes it
+    (inside ``rope_parameters``) or as the hub configs do (top level), a hub ``rotary_dim`` (MiniMax-M2), else
+    the family's default."""
+    params = raw.get("rope_parameters") or raw.get("rope_scaling")
+    params = params if isinstance(params, dict) else {}
+    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
+    rotary_dim = raw.get("rotary_dim")
+    if factor is None and rotary_dim is not None:
+        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 0 < rotary_dim <= head_dim:
+            raise InputError(f"rotary_dim must be an integer in 1..head_dim ({head_dim}), got {rotary_dim!r}",
+                             path=path, where="rotary_dim")
+        factor = rotary_dim / head_dim
+    factor = default if factor is None else factor
+    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+        raise InputError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}", path=path,
+                         where="partial_rotary_factor")
+    dim = int(head_dim * factor)
+    if dim < 2 or dim % 2:
+        raise InputError(f"partial_rotary_factor={factor} rotates {dim} of {head_dim} head dims; rope needs an even "
+                         "count of at least 2", path=path, where="partial_rotary_factor")
+    return dim

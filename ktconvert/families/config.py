@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from ktconvert import arch
-from ktconvert.arch import compressed_mqa, gqa, moe
+from ktconvert.arch import gqa, moe
 from ktconvert.arch.attention_part import AttentionPart
 from ktconvert.arch.base import Getter, ParseContext
 from ktconvert.arch.hyper_connections import HyperConnectionDims
 from ktconvert.arch.moe import Activation, Routing
-from ktconvert.arch.rope import RopeSpec, parse_rope
+from ktconvert.arch.rope import RopeSpec
 from ktconvert.errors import InputError
 from ktconvert.families import registry
 from ktconvert.families.limits import check_counts
@@ -183,29 +183,14 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     if not 0 < top_k <= num_experts:
         raise InputError(f"num_experts_per_tok={top_k} must be in 1..{num_experts}", path=path, where="num_experts_per_tok")
 
-    mla = sp.is_mla
     attn_facts = sp.section("attention")
-    head_dim = g.opt("head_dim")
-    compressed = attn_facts["kind"] == "compressed_mqa"
-    if compressed:
-        head_dim = g.int("head_dim")
-        rope_dim = compressed_mqa.parse_rope_dim(raw, head_dim, path)
-    elif mla:
-        rope_dim = g.int("qk_rope_head_dim")
-        head_dim = rope_dim
-    else:
-        head_dim = int(head_dim) if head_dim else hidden // heads
-        seen = raw if not attn_facts.get("rotary_dim_ignored") else {k: v for k, v in raw.items() if k != "rotary_dim"}
-        rope_dim = _rotary_dim(seen, head_dim, attn_facts.get("partial_rotary_factor", 1.0), path)
+    kind = arch.kind_mechanism(attn_facts["kind"])  # the spec's attention kind sizes the heads and the rope
+    head_dim, rope_dim = kind.head_dims(g, attn_facts, hidden, heads, path)
     if heads % kv_heads:
         raise InputError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}", path=path)
 
     max_pos = int(g.opt("max_position_embeddings", defaults["max_position_embeddings"]))
-    compress_rope = None
-    if compressed:
-        rope, compress_rope = compressed_mqa.parse_ropes(raw, defaults["rope_theta"], rope_dim, max_pos, path)
-    else:
-        rope = parse_rope(raw, defaults["rope_theta"], rope_dim, max_pos, path)
+    rope, compress_rope = kind.ropes(raw, defaults["rope_theta"], rope_dim, max_pos, path)
 
     moe_layers = _checked_moe_layers(sp, raw, layers, num_experts, path)
     moe_inter, inter = _mlp_widths(g, sp, raw, layers, moe_layers, path)
@@ -404,27 +389,3 @@ def _moe_layers(policy: str, raw: dict, layers: int, num_experts: int, path: str
         freq = opt_int("moe_layer_freq", 1)
         return {i for i in range(layers) if i >= first_dense and i % freq == 0}
     return set(range(layers))
-
-
-def _rotary_dim(raw: dict, head_dim: int, default: float, path: str | None) -> int:
-    """How many leading dims of each head are rotated: ``partial_rotary_factor`` as transformers 5 writes it
-    (inside ``rope_parameters``) or as the hub configs do (top level), a hub ``rotary_dim`` (MiniMax-M2), else
-    the family's default."""
-    params = raw.get("rope_parameters") or raw.get("rope_scaling")
-    params = params if isinstance(params, dict) else {}
-    factor = params.get("partial_rotary_factor", raw.get("partial_rotary_factor"))
-    rotary_dim = raw.get("rotary_dim")
-    if factor is None and rotary_dim is not None:
-        if isinstance(rotary_dim, bool) or not isinstance(rotary_dim, int) or not 0 < rotary_dim <= head_dim:
-            raise InputError(f"rotary_dim must be an integer in 1..head_dim ({head_dim}), got {rotary_dim!r}",
-                             path=path, where="rotary_dim")
-        factor = rotary_dim / head_dim
-    factor = default if factor is None else factor
-    if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-        raise InputError(f"partial_rotary_factor must be a number in (0, 1], got {factor!r}", path=path,
-                         where="partial_rotary_factor")
-    dim = int(head_dim * factor)
-    if dim < 2 or dim % 2:
-        raise InputError(f"partial_rotary_factor={factor} rotates {dim} of {head_dim} head dims; rope needs an even "
-                         "count of at least 2", path=path, where="partial_rotary_factor")
-    return dim
