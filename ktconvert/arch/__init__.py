@@ -20,7 +20,9 @@ from ktconvert.arch.registry import (
     mechanism,
     parse_steps,
     residual_for,
+    role_fills,
 )
 
 __all__ = ["MECHANISMS", "Mechanism", "attention", "attention_for", "count_limits", "feed_forward_for", "gguf_keys",
-           "kind_mechanism", "mechanism", "parse_steps", "residual_for"]
+           "kind_mechanism", "mechanism", "parse_steps", "residual_for",
+           "role_fills"]

@@ -34,6 +34,9 @@ if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the t
 Add = Callable[[str, tuple, str], None]
 #: ``write(w, c, n)``: one GGUF key (or a few) of a spec's ``gguf.metadata`` list
 KeyWriter = Callable[[Any, "MoeConfig", int], None]
+#: ``fill(cfg, name, shape, draws)``: the tiny models' values of a tensor of a mechanism's own role (a numpy array;
+#: ``draws``: the seeded streams of ``ktconvert/model/tiny_weights.py``, which arch cannot import)
+RoleFill = Callable[["MoeConfig", str, tuple, Any], Any]
 
 
 class Mechanism(Protocol):
@@ -43,6 +46,9 @@ class Mechanism(Protocol):
     parsers: tuple[ParseStep, ...]
     #: config.json count -> (smallest legal value, largest accepted value): ``ktconvert/families/limits.py``
     count_limits: Mapping[str, tuple[int, int]]
+    #: role -> how the tiny models fill its tensors, for a role only this mechanism's tensors have (the shared roles,
+    #: ``linear``, ``norm``, ..., are ``ktconvert/model/tiny_weights.py``'s)
+    fills: Mapping[str, RoleFill]
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         """The tensors of ``layer`` this mechanism holds (``experts=False``: leave out the routed experts)."""
@@ -98,6 +104,7 @@ class AttentionMechanism:
     recurrent = False
     parsers: tuple[ParseStep, ...] = ()
     count_limits: Mapping[str, tuple[int, int]] = {}
+    fills: Mapping[str, RoleFill] = {}
 
     def head_dims(self, g: Getter, facts: dict, hidden: int, heads: int, path: str | None) -> tuple[int, int]:
         """``(head_dim, rope_dim)`` of a model whose spec's ``attention.kind`` (``facts``: that section) names this

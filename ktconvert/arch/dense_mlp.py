@@ -37,6 +37,7 @@ class DenseMlp:
     gguf_keys: dict = {}
     parsers = ()  # its width is the core's (MoeConfig.intermediate_size)
     count_limits: dict = {}
+    fills: dict = {}
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         mlp_tensors(add, cfg.hidden_size, f"{layer_prefix(layer)}.{cfg.ffn_name(layer)}", cfg.intermediate_size)

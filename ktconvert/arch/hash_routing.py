@@ -43,10 +43,21 @@ def _hash_layers(g: Getter, raw: dict, choice: dict, layers: int, path: str | No
     return tuple(range(min(n, layers)))
 
 
+def fill_tid2eid(cfg: MoeConfig, name: str, shape: tuple, draws):
+    """The tiny models' table: each token's experts are its routing code's pair through a permutation of the
+    layer's own."""
+    import numpy as np  # here, not at import: check-rules reads this package without numpy
+
+    layer = name.split(".")[2]
+    perm = draws.permutation("hash-perm", layer, n=cfg.num_experts)
+    return np.asarray(perm)[draws.token_codes()].astype(np.int64)
+
+
 class HashRouting(Moe):
     name = "hash_routing"
     parsers = (ParseStep(80, parse),)
     count_limits = {"num_hash_layers": (0, 1024)}
+    fills = {"tid2eid": fill_tid2eid}
 
     def router_tensors(self, cfg: MoeConfig, m: str, add: Add) -> None:
         """Each token's experts: the table instead of a score bias."""

@@ -55,6 +55,7 @@ class HyperConnections:
     name = "hyper_connections"
     parsers = (ParseStep(50, parse),)
     count_limits = {"hc_mult": (1, 64), "hc_sinkhorn_iters": (1, 1024)}
+    fills: dict = {}
 
     def before_attention(self, cfg: MoeConfig) -> bool:
         """The release's layer parameters come before the attention's tensors; transformers' modules after them."""

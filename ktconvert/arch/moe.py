@@ -125,6 +125,7 @@ class Moe:
     name = "moe"
     parsers: tuple = ()  # its routing and activation are parsed with the core (parse_routing, parse_activation)
     count_limits = {"n_group": (1, 8192), "topk_group": (1, 8192)}
+    fills: dict = {}  # its router's designed fill is the tiny models' own (routing channels, every family)
 
     def router_tensors(self, cfg: MoeConfig, m: str, add: Add) -> None:
         """What the router holds besides its weight and bias: DeepSeek-V3's score-correction bias."""

@@ -106,3 +106,8 @@ def count_limits() -> dict[str, tuple[int, int]]:
     """Every mechanism's config.json count bounds (``count_limits``) by key; a key bounded twice is refused (each
     count belongs to one mechanism)."""
     return _owned("count_limits", "config counts {} bounded twice", {})
+
+
+def role_fills() -> dict:
+    """Every mechanism's own tensor roles and how the tiny models fill them (``fills``); a role two own is refused."""
+    return _owned("fills", "tensor roles {} filled twice", {})

@@ -436,10 +436,17 @@ class MLAttention(Tagged, nn.Module):
         indexer = DsaKPoolIndexer if cfg.attention.indexer is not None and cfg.attention.indexer.kpool else DsaIndexer
         own = cfg.attention.indexer is not None and layer_idx not in cfg.attention.indexer.shared_layers
         self.indexer = indexer(cfg, layer_idx) if own else None
-        # a shared layer (GLM-5-Next) attends where the previous layer's indexer chose: DecoderModel links that
+        # a shared layer (GLM-5-Next) attends where the previous layer's indexer chose: link() points at that
         # layer's attention here (not a submodule) and it keeps its last selection for this one
+        self.shares_selection = cfg.attention.indexer is not None and not own
         self.selection_source: MLAttention | None = None
         self.last_selection: torch.Tensor | None = None
+
+    def link(self, layers: nn.ModuleList, index: int) -> None:
+        """Called once the model's layers exist (``DecoderModel``): a shared layer's selection source is the previous
+        layer's attention, held as a plain attribute so that it stays a module of its own layer only."""
+        if self.shares_selection:
+            object.__setattr__(self, "selection_source", layers[index - 1].mixer)
 
     def forward(self, hidden: torch.Tensor, position_ids: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
         b, t, _ = hidden.shape

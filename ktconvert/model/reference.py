@@ -87,8 +87,9 @@ class DecoderModel(Tagged, nn.Module):
         super().__init__()
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, residual) for i in range(cfg.num_hidden_layers))
-        for i in (cfg.attention.indexer.shared_layers if cfg.attention.indexer is not None else ()):  # a plain attribute: the source stays a module of its own layer only
-            object.__setattr__(self.layers[i].self_attn, "selection_source", self.layers[i - 1].self_attn)
+        for i, layer in enumerate(self.layers):  # what a layer's attention reads of another's (DSA's shared layers)
+            if hasattr(layer.mixer, "link"):
+                layer.mixer.link(self.layers, i)
         self.norm = rms_norm(cfg, cfg.hidden_size)
         residual.attach_model(self)
 

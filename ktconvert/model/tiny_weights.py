@@ -26,7 +26,7 @@ import json
 
 import numpy as np
 
-from ktconvert import families
+from ktconvert import arch, families
 from ktconvert.errors import UsageProblem
 from ktconvert.families.config import FAMILIES, MoeConfig, normalize_config
 from ktconvert.arch.tensors import TensorSpec, tensor_specs  # noqa: F401 (the tiny models' tensor list)
@@ -162,6 +162,23 @@ def router_permutation(family: str, layer: int | str, experts: int = EXPERTS, gr
     return [order[j // size] * size + within[j // size][j % size] for j in range(experts)]
 
 
+class _Draws:
+    """What a mechanism's own role filler (``fills`` of its ``ktconvert/arch/`` module) draws from: this module's
+    seeded streams and the tokens' routing codes."""
+
+    def __init__(self, family: str, cfg: MoeConfig):
+        self.family, self.cfg = family, cfg
+
+    def permutation(self, *key, n: int) -> list[int]:
+        return rng.permutation(rng.stream_key(SEED, self.family, *key), n)
+
+    def token_codes(self) -> np.ndarray:
+        return token_codes(self.cfg.vocab_size, self.cfg.num_experts)
+
+
+_ROLE_FILLS = arch.role_fills()
+
+
 def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
     n = int(np.prod(spec.shape))
     u = rng.uniform_pm1(rng.stream_key(SEED, family, spec.name), n).reshape(spec.shape)
@@ -205,10 +222,8 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
         gain = _router_gain(family)
         for j, ch in enumerate(chans):
             out[perm[j], ch] += gain
-    elif spec.kind == "tid2eid":  # each token's experts: its code's pair through a permutation of the layer's own
-        layer = spec.name.split(".")[2]
-        perm = rng.permutation(rng.stream_key(SEED, family, "hash-perm", layer), cfg.num_experts)
-        return np.asarray(perm)[token_codes(cfg.vocab_size, cfg.num_experts)].astype(np.int64)
+    elif spec.kind in _ROLE_FILLS:  # a role of one mechanism's own (hash routing's tid2eid table)
+        return _ROLE_FILLS[spec.kind](cfg, spec.name, spec.shape, _Draws(family, cfg))
     elif spec.kind == "score_bias":
         out = 0.02 * np.abs(u)  # non-negative: upstream masks with 0.0 or -inf, which then agree
         layer = int(spec.name.split(".")[2])
