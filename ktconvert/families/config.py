@@ -91,10 +91,6 @@ class MoeConfig:
         return registry.spec(self.family)
 
     @property
-    def is_mla(self) -> bool:
-        return self.spec.is_mla
-
-    @property
     def moe_block_name(self) -> str:
         """The attribute a decoder layer keeps its MoE block under (upstream rule files match this name)."""
         return self.spec.moe_block_name

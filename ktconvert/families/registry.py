@@ -78,10 +78,6 @@ class FamilySpec:
         return self.data["classes"].get("transformers_type", self.family)
 
     @property
-    def is_mla(self) -> bool:
-        return self.attention.kind == "mla"
-
-    @property
     def qk_norm(self) -> bool:
         return bool(self.data["attention"]["qk_norm"])
 
