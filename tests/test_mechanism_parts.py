@@ -62,3 +62,23 @@ def test_a_mechanisms_count_is_refused_by_the_one_validator(field, value, messag
     with pytest.raises(InputError) as err:
         limits.check_counts({field: value}, "config.json")
     assert err.value.where == field and message in str(err.value)
+
+
+def test_a_shared_dsa_layer_is_linked_to_the_previous_layers_attention():
+    """``MLAttention.link`` (called by ``DecoderModel``): GLM-5-Next's shared layer 2 reads layer 1's selection,
+    held as a plain attribute, so that it stays a module of its own layer only."""
+    from ktconvert.model.reference import build_skeleton
+
+    model = build_skeleton(tiny_config("glm5_next"))
+    layers = model.model.layers
+    sources = {i: layer.mixer.selection_source for i, layer in enumerate(layers)
+               if hasattr(layer.mixer, "selection_source")}  # the MLA layers (the others run Kimi Delta Attention)
+    assert sources.keys() >= {1, 2} and all(sources[i] is None for i in sources if i != 2)
+    assert layers[2].mixer.selection_source is layers[1].mixer and layers[2].mixer.indexer is None
+    assert "selection_source" not in dict(layers[2].mixer.named_children())
+
+
+def test_hash_routings_table_is_filled_by_its_mechanism():
+    from ktconvert.arch import hash_routing
+
+    assert arch.role_fills() == {"tid2eid": hash_routing.fill_tid2eid}

@@ -8,7 +8,8 @@ A mechanism (an attention kind, the MoE block, hash routing, hyper-connections) 
 - its modules in the module tree check-rules matches (``layer_modules``, adding nodes under the decoder layer's
   node of ``ktconvert/rules/modeltree.py``),
 - its GGUF keys (``gguf_keys``: a spec's ``gguf.metadata`` entry -> a writer of ``(w, c, n)``: the gguf-py writer,
-  the config and the block count).
+  the config and the block count),
+- how the tiny models fill a tensor role only it has (``fills``: hash routing's ``tid2eid`` table).
 
 It defines its part of the config and parses it (``parsers``: each a step of :class:`ParseContext` -> its part's
 fields, or None where the spec does not use it; ``ktconvert/families/config.py`` runs every registered mechanism's
