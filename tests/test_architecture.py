@@ -246,6 +246,42 @@ def test_only_families_and_arch_read_the_raw_config():
     assert offenders == [], f"the raw config read outside ktconvert/families/ and ktconvert/arch/: {offenders}"
 
 
+#: ``MoeConfig``'s fields: the core (sizes, layers, experts, rope, norms, the model's own GGUF facts) and one field
+#: per typed part. A new field is a size every layer shares (the core) or, more likely, belongs to a mechanism's
+#: part: add it to that part (``MlpPart`` in ktconvert/arch/moe.py for the dense layers' and experts' widths and the
+#: shared experts, ``AttentionPart`` in ktconvert/arch/attention_part.py, ``Routing``, ``Activation``, ...) and its
+#: parser, not here.
+_MOE_CONFIG_CORE = {"family", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "rms_norm_eps", "max_position_embeddings", "rope",
+                    "tie_word_embeddings", "attention_bias_on", "num_experts", "num_experts_per_tok", "bos_token_id",
+                    "eos_token_id", "architecture", "gguf"}
+_MOE_CONFIG_PARTS = {"mlp": "MlpPart", "routing": "Routing", "activation": "Activation",
+                     "attention": "AttentionPart", "residual": "HyperConnectionDims"}
+
+
+def test_moe_config_is_a_core_plus_typed_parts():
+    """A mechanism's field cannot drift back into ``MoeConfig``'s core (an MLP width, a shared-expert count, an
+    attention rank): its fields are exactly the core and the parts, each part typed by its mechanism's class from
+    ``ktconvert/arch/``."""
+    import dataclasses
+    import typing
+
+    from ktconvert.families.config import MoeConfig
+
+    fields, wanted = {f.name for f in dataclasses.fields(MoeConfig)}, _MOE_CONFIG_CORE | set(_MOE_CONFIG_PARTS)
+    assert fields == wanted, (f"MoeConfig's fields changed: new {sorted(fields - wanted)}, gone "
+                              f"{sorted(wanted - fields)}; a mechanism's field goes on its part")
+    hints = typing.get_type_hints(MoeConfig)
+    for name, cls in _MOE_CONFIG_PARTS.items():
+        part = next(t for t in (typing.get_args(hints[name]) or (hints[name],)) if t is not type(None))  # X | None
+        assert part.__name__ == cls and part.__module__.startswith("ktconvert.arch."), (name, part)
+        assert dataclasses.is_dataclass(part) and part.__dataclass_params__.frozen, name
+    from ktconvert.arch.moe import MlpPart
+
+    mlp = {f.name for f in dataclasses.fields(MlpPart)}
+    assert not fields & mlp, f"an MLP field is back in MoeConfig's core: {sorted(fields & mlp)}"
+
+
 # --- one place per mechanism ----------------------------------------------------------------------------------------
 #: the values of a spec's attention kinds and config.json's layer kinds: comparing one of them chooses a mechanism
 _KIND_VALUES = {"linear_attention", "gqa", "mla", "compressed_mqa", "gated_deltanet_hybrid", "gated_deltanet", "kda"}

@@ -76,7 +76,7 @@ def test_streamed_run_is_bit_identical_to_the_in_memory_run(tmp_path, family, va
     weights = _check(d)
     cfg = load_config(d)
     # routed experts came one at a time, only the picked ones: never more than every (layer, expert) pair per run
-    assert 0 < weights.stats.experts <= 2 * len(cfg.moe_layers) * cfg.num_experts
+    assert 0 < weights.stats.experts <= 2 * len(cfg.mlp.moe_layers) * cfg.num_experts
 
 
 @pytest.mark.parametrize("fmt", RELEASE_FORMATS)

@@ -122,8 +122,8 @@ def test_clamped_swiglu_matches_transformers_experts_past_the_limit():
     for p in list(experts.parameters()) + list(shared.parameters()):
         torch.nn.init.normal_(p, std=0.5)
     x = torch.randn(16, cfg.hidden_size)
-    ours = GatedMLP(cfg.hidden_size, rel.moe_intermediate_size, rel.expert_proj_names, clamp=rel.activation.clamp)
-    inter = rel.moe_intermediate_size
+    ours = GatedMLP(cfg.hidden_size, rel.mlp.moe_intermediate_size, rel.expert_proj_names, clamp=rel.activation.clamp)
+    inter = rel.mlp.moe_intermediate_size
     with torch.no_grad():
         ours.w1.weight.copy_(experts.gate_up_proj[3, :inter])
         ours.w3.weight.copy_(experts.gate_up_proj[3, inter:])
@@ -131,10 +131,10 @@ def test_clamped_swiglu_matches_transformers_experts_past_the_limit():
         assert (ours.w1(x).abs() > 10).float().mean() > 0.2  # the clamp is exercised
         want = experts(x, torch.full((16, 1), 3), torch.ones(16, 1))
         assert_close(ours(x), want, "routed experts")
-        sh = GatedMLP(cfg.hidden_size, rel.shared_experts_inter, clamp=rel.activation.clamp)
+        sh = GatedMLP(cfg.hidden_size, rel.mlp.shared_experts_inter, clamp=rel.activation.clamp)
         sh.load_state_dict(shared.state_dict())
         assert_close(sh(x), shared(x), "shared expert")
-        plain = GatedMLP(cfg.hidden_size, rel.shared_experts_inter)  # no clamp: far from transformers
+        plain = GatedMLP(cfg.hidden_size, rel.mlp.shared_experts_inter)  # no clamp: far from transformers
         plain.load_state_dict(shared.state_dict())
         assert (plain(x) - shared(x)).abs().max().item() > 1.0
 

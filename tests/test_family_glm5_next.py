@@ -128,10 +128,10 @@ def _transformers_spelling() -> dict:
 
 def test_release_and_transformers_spellings_read_alike():
     rel, tf5 = normalize_config(tiny_config(FAMILY)), normalize_config(_transformers_spelling())
-    for field in ("attention.kda", "attention.layer_types", "moe_layers", "attention.indexer", "residual",
+    for field in ("attention.kda", "attention.layer_types", "mlp.moe_layers", "attention.indexer", "residual",
                   "activation", "attention.mla"):
         assert attrgetter(field)(rel) == attrgetter(field)(tf5), field
-    assert rel.moe_layers == (1, 2, 3) and rel.attention.indexer.shared_layers == (2,) and rel.attention.kda.lower_bound == -5.0
+    assert rel.mlp.moe_layers == (1, 2, 3) and rel.attention.indexer.shared_layers == (2,) and rel.attention.kda.lower_bound == -5.0
     # the releases' index_topk_pattern spelling of indexer_types, and transformers' all-full default
     raw = {k: v for k, v in tiny_config(FAMILY).items() if k != "indexer_types"}
     assert normalize_config({**raw, "index_topk_pattern": "FFSF"}).attention.indexer.shared_layers == (2,)

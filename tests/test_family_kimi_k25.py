@@ -47,7 +47,7 @@ def test_k26_release_spelling_reads_as_the_family_config():
     assert (k26.rope.beta_fast, k26.rope.beta_slow) == (1.0, 1.0) and (base.rope.beta_fast, base.rope.beta_slow) == (32.0, 1.0)
     same = lambda c: {k: v for k, v in c.__dict__.items() if k not in ("raw", "rope", "bos_token_id", "eos_token_id")}
     assert same(k26) == same(base)
-    assert k26.routing.n_group == k26.routing.topk_group == 1 and k26.routing.routed_scaling_factor == 2.827 and k26.moe_layers == (1, 2)
+    assert k26.routing.n_group == k26.routing.topk_group == 1 and k26.routing.routed_scaling_factor == 2.827 and k26.mlp.moe_layers == (1, 2)
 
 
 def test_k26_reference_matches_its_transformers_golden(models):

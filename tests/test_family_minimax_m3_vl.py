@@ -170,7 +170,7 @@ def test_hub_and_transformers_spellings_read_alike():
     a, b = normalize_config(hub), normalize_config({**hub, "text_config": text})
     assert a == b
     assert a.attention.indexer.sparse_layers == (0, 1) and (a.attention.indexer.block_size, a.attention.indexer.topk, a.attention.indexer.local_blocks) == (8, 2, 1)
-    assert a.shared_experts_width == 256 and a.n_shared_experts == 1 and a.routing.routed_scaling_factor == 2.0
+    assert a.mlp.shared_experts_width == 256 and a.mlp.n_shared_experts == 1 and a.routing.routed_scaling_factor == 2.0
     assert a.activation.clamp == (1.702, 7.0)
 
 
@@ -384,7 +384,7 @@ def test_dense_layers_read_alike_in_both_spellings():
     text.update(mlp_layer_types=["dense", "sparse"])
     a, b = normalize_config(hub), normalize_config({**hub, "text_config": text})
     assert a == b
-    assert a.moe_layers == (1,) and a.attention.indexer.sparse_layers == (1,) and a.intermediate_size == 576 and a.moe_intermediate_size == 256
+    assert a.mlp.moe_layers == (1,) and a.attention.indexer.sparse_layers == (1,) and a.mlp.intermediate_size == 576 and a.mlp.moe_intermediate_size == 256
     assert a.activation.dense and a.activation.clamp == (1.702, 7.0)
     assert (a.ffn_name(0), a.ffn_name(1)) == ("mlp", "block_sparse_moe")
     transformers, _ = _transformers()

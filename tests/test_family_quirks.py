@@ -144,7 +144,7 @@ def test_variant_configs_read_as_their_releases():
     assert (kimi.rope.kind, kimi.rope.factor, kimi.rope.beta_fast, kimi.rope.beta_slow, kimi.rope.theta) == ("yarn", 32.0, 1.0, 1.0, 50000.0)
     assert (kimi.routing.n_group, kimi.routing.topk_group, kimi.routing.routed_scaling_factor) == (1, 1, 2.827)
     moon = normalize_config(tiny_config("deepseek_v3", "moonlight"))
-    assert moon.attention.q_lora_rank is None and moon.n_shared_experts == 2 and moon.rope.kind == "default"
+    assert moon.attention.q_lora_rank is None and moon.mlp.n_shared_experts == 2 and moon.rope.kind == "default"
     assert tiny_config("deepseek_v3", "moonlight")["q_lora_rank"] is None  # written as null, not dropped
     names = {s.name for s in tensor_specs(moon)}
     assert "model.layers.1.self_attn.q_proj.weight" in names and not any("q_a_proj" in n for n in names)

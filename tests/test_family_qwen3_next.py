@@ -90,9 +90,9 @@ def test_hub_and_transformers_spellings_read_alike():
     saved = transformers.Qwen3NextConfig(**{k: v for k, v in hub.items() if k != "model_type"}).to_dict()
     assert "full_attention_interval" not in saved and saved["layer_types"] == raw["layer_types"]
     a, b, c = normalize_config(raw), normalize_config(hub), normalize_config(saved)
-    assert (a.attention.layer_types, a.rope, a.attention.linear, a.moe_layers, a.routing.norm_topk_prob) == (
-        b.attention.layer_types, b.rope, b.attention.linear, b.moe_layers, b.routing.norm_topk_prob) == (
-        c.attention.layer_types, c.rope, c.attention.linear, c.moe_layers, c.routing.norm_topk_prob)
+    assert (a.attention.layer_types, a.rope, a.attention.linear, a.mlp.moe_layers, a.routing.norm_topk_prob) == (
+        b.attention.layer_types, b.rope, b.attention.linear, b.mlp.moe_layers, b.routing.norm_topk_prob) == (
+        c.attention.layer_types, c.rope, c.attention.linear, c.mlp.moe_layers, c.routing.norm_topk_prob)
     assert a.rope.dim == 16  # 0.25 of head_dim 64
     del hub["partial_rotary_factor"]  # transformers' (and llama.cpp's converter's) default
     assert normalize_config(hub).rope.dim == 16

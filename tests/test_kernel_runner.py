@@ -58,7 +58,7 @@ def test_llamafile_runs_quantize_output_like_the_emulation(q3, quantized):
     for qtype, (to_emu, to_f32) in limits.items():
         src = WeightSource(quantized[qtype], cfg)
         with KernelSession("LLAMAFILE") as s:
-            for layer in sorted(cfg.moe_layers):
+            for layer in sorted(cfg.mlp.moe_layers):
                 b = src.expert_blocks(layer)
                 s.load_gguf_layer(f"L{layer}", b, cfg.num_experts_per_tok)
                 out = bf16_bits_to_f32(s.forward(f"L{layer}", f32_to_bf16_bits(x), ids, w))

@@ -187,7 +187,7 @@ def _fused(family: str, transposed: bool = False, tf5_names: bool = False) -> di
     g, u, d = cfg.expert_proj_names
     src = {k: torch.from_numpy(v) for k, v in tiny_tensors(family).items()}
     out = {k: v for k, v in src.items() if ".experts." not in k}
-    for layer in cfg.moe_layers:
+    for layer in cfg.mlp.moe_layers:
         p = f"model.layers.{layer}.{cfg.moe_block_name}.experts"
         gate_up = torch.stack([torch.cat([src[f"{p}.{e}.{g}.weight"], src[f"{p}.{e}.{u}.weight"]]) for e in range(cfg.num_experts)])
         down = torch.stack([src[f"{p}.{e}.{d}.weight"] for e in range(cfg.num_experts)])

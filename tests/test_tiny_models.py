@@ -169,10 +169,10 @@ def test_cli_writes_the_same_bytes_and_refuses_to_overwrite(tmp_path):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_expert_rows_are_multiples_of_256(family):
     cfg = normalize_config(tiny_config(family))
-    assert cfg.hidden_size % 256 == 0 and cfg.moe_intermediate_size % 256 == 0
+    assert cfg.hidden_size % 256 == 0 and cfg.mlp.moe_intermediate_size % 256 == 0
     experts = [s for s in tensor_specs(cfg) if ".experts." in s.name]
     assert experts and all(s.shape[-1] % 256 == 0 for s in experts)  # rows of weights; biases are one row
-    assert len(cfg.moe_layers) >= 2
+    assert len(cfg.mlp.moe_layers) >= 2
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -189,7 +189,7 @@ def test_deepseek_tiny_models_have_the_features_they_stand_for():
     v2 = normalize_config(tiny_config("deepseek_v2"))
     v3 = normalize_config(tiny_config("deepseek_v3"))
     for cfg in (v2, v3):
-        assert cfg.moe_layers == (1, 2) and cfg.n_shared_experts >= 1 and cfg.rope.kind == "yarn"
+        assert cfg.mlp.moe_layers == (1, 2) and cfg.mlp.n_shared_experts >= 1 and cfg.rope.kind == "yarn"
     assert v2.attention.q_lora_rank is None and v2.routing.topk_method == "group_limited_greedy"
     assert v3.attention.q_lora_rank and v3.routing.topk_method == "noaux_tc" and v3.routing.scoring_func == "sigmoid"
     assert v3.routing.routed_scaling_factor != 1.0 and v3.routing.n_group and v3.routing.topk_group
@@ -305,7 +305,7 @@ def test_bf16_does_not_flip_any_expert_over_the_golden_prompt(family, tiny_root,
     model = from_pretrained(tiny_root / family)
     fp32, gaps = _routing(model, ids)
     bf16, _ = _routing(copy.deepcopy(model).to(torch.bfloat16), ids)
-    assert len(fp32) == len(normalize_config(tiny_config(family)).moe_layers)
+    assert len(fp32) == len(normalize_config(tiny_config(family)).mlp.moe_layers)
     for layer, (a, b) in enumerate(zip(fp32, bf16)):
         assert torch.equal(a, b), f"{family}: bf16 changed the routing of MoE layer {layer}"
     # the design margins (see ktconvert.model.tiny): several logits, or 0.2 in the score+bias space of
@@ -340,7 +340,7 @@ def test_group_limited_routing_designates_experts_of_two_groups(family):
     size = cfg.num_experts // cfg.routing.n_group
     codes = token_codes(cfg.vocab_size, cfg.num_experts, cfg.routing.n_group)
     assert np.all(codes[:, 0] != codes[:, 1])
-    for layer in cfg.moe_layers:
+    for layer in cfg.mlp.moe_layers:
         perm = np.asarray(router_permutation(family, layer, cfg.num_experts, cfg.routing.n_group))
         assert sorted(perm) == list(range(cfg.num_experts))
         assert np.all(perm[codes[:, 0]] // size != perm[codes[:, 1]] // size), layer

@@ -381,7 +381,7 @@ def test_ktamx_kernel_minimum_does_not_hold_the_models_stored_experts(ws, ktamx_
 
     src = WeightSource(ws.model(FAMILY), load_config(ws.model(FAMILY)))
     stored = max(sum(getattr(src.expert_blocks(layer), p).data.nbytes for p in ("gate", "up", "down"))
-                 for layer in src.cfg.moe_layers)
+                 for layer in src.cfg.mlp.moe_layers)
     assert both - own >= stored  # the emulation's stacked copy (and its decoded expert) is what kt-kernel alone skips
     runtime = KernelRuntime("kt-kernel", kt_weights=ktamx_dirs[method])
     assert runtime.reads_own_files and not KernelRuntime("both", kt_weights=ktamx_dirs[method]).reads_own_files

@@ -105,7 +105,7 @@ def test_cpu_experts_q8_0_match_the_integer_dot_product(ws):
     blocks, _, cfg = _blocks_and_reference(ws, "qwen3_moe", "Q8_0")
     x = torch.randn(1, cfg.hidden_size, generator=torch.Generator().manual_seed(3))
     xb = x.to(torch.bfloat16).to(torch.float32).numpy()[0]
-    raw = blocks.gate.data[2].reshape(cfg.moe_intermediate_size, -1, 34)
+    raw = blocks.gate.data[2].reshape(cfg.mlp.moe_intermediate_size, -1, 34)
     d_w = raw[..., :2].copy().view(np.float16)[..., 0].astype(np.float64)
     q_w = raw[..., 2:].copy().view(np.int8).astype(np.int64)
     xs = xb.reshape(-1, 32)

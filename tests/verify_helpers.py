@@ -48,7 +48,7 @@ def write_gguf(model_dir, out, expert_type: str = "F32", other_type: str | None 
     tensors: dict[str, tuple[np.ndarray, str]] = {}
 
     names = dict(zip(PROJ, cfg.expert_proj_names))
-    for layer in cfg.moe_layers:
+    for layer in cfg.mlp.moe_layers:
         prefix = f"model.layers.{layer}.{cfg.moe_block_name}.experts"
         stacks = {p: np.stack([state.pop(f"{prefix}.{e}.{names[p]}.weight") for e in range(cfg.num_experts)])
                   for p in PROJ}

@@ -1,14 +1,17 @@
 """The MoE block (``moe``: router, routed experts of the dense MLP's shape, shared expert(s)), whose router scores
 the hidden state; ``hash_routing.py`` is the MoE block routed by token id. Torch: ``model/modules.py``
 ``SparseMoeBlock`` / ``DeepseekMoE`` (picked by the spec's routing maths). Its part of the config is
-``MoeConfig.routing`` (:class:`Routing`) and ``MoeConfig.activation`` (:class:`Activation`), parsed here by
-:func:`parse_routing` and :func:`parse_activation`."""
+``MoeConfig.routing`` (:class:`Routing`), ``MoeConfig.activation`` (:class:`Activation`) and ``MoeConfig.mlp``
+(:class:`MlpPart`: which layers hold the block, its experts' and shared experts' widths, and the dense layers'
+width), parsed here by :func:`parse_routing`, :func:`parse_activation`, :func:`parse_mlp` and
+:func:`parse_shared_experts` (the dense layers by ``dense_mlp.py``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from ktconvert.arch import dense_mlp
 from ktconvert.arch.base import Add, Getter, layer_prefix, when
 from ktconvert.errors import InputError
 from ktconvert.arch.dense_mlp import mlp_modules, mlp_tensors
@@ -121,6 +124,50 @@ def parse_activation(g: Getter, act: dict | None, shared_experts: bool, path: st
     return Activation(clamp=(alpha, limit), dense=bool(act.get("dense")), shared=shared_experts and bool(act.get("shared")))
 
 
+@dataclass(frozen=True)
+class MlpPart:
+    """Each layer's feed-forward block as config.json sizes it (``MoeConfig.mlp``): the layers that hold the MoE
+    block (the rest run the dense MLP), the routed experts' width, the dense layers' width and the shared
+    expert(s). Parsed by :func:`parse_mlp` (the layers and widths) and :func:`parse_shared_experts`."""
+
+    moe_layers: tuple[int, ...]  # the layers holding routed experts (spec config.dense_layers; the rest are dense)
+    moe_intermediate_size: int  # a routed expert's width (the config key the spec's config.expert_width names)
+    intermediate_size: int  # the dense MLP layers' width (DeepSeek's first layers, Qwen's mlp_only_layers)
+    shared_expert_intermediate_size: int | None = None  # Qwen2-MoE's gated shared expert (spec moe.shared_expert gated)
+    n_shared_experts: int = 0  # DeepSeek's shared experts (spec moe.shared_expert shared_experts)
+    shared_experts_width: int | None = None  # the shared_experts MLP's width when a spec names its key
+
+    @property
+    def shared_experts_inter(self) -> int:
+        """The ``shared_experts`` MLP's width: the spec's width key where it names one, else ``n_shared_experts``
+        expert widths."""
+        return self.shared_experts_width or self.moe_intermediate_size * self.n_shared_experts
+
+
+def parse_mlp(g: Getter, config: dict, family: str, raw: dict, layers: int, num_experts: int,
+              path: str | None) -> MlpPart:
+    """The MoE layers and the widths (the spec's ``config`` section: ``dense_layers``, ``expert_width``,
+    ``dense_width``), the shared experts left to :func:`parse_shared_experts`."""
+    moe_layers = dense_mlp.parse_layers(config["dense_layers"], family, raw, layers, num_experts, path)
+    moe_inter, inter = dense_mlp.parse_widths(g, config["expert_width"], config.get("dense_width"), raw, layers,
+                                              moe_layers, path)
+    return MlpPart(moe_layers=moe_layers, moe_intermediate_size=moe_inter, intermediate_size=inter)
+
+
+def parse_shared_experts(g: Getter, moe: dict, mlp: MlpPart, path: str | None) -> MlpPart:
+    """``mlp`` with the shared expert(s) the spec's ``moe`` section names: ``shared_expert: gated`` (Qwen's one
+    gated shared expert, ``shared_expert_intermediate_size`` wide) or ``shared_experts`` (DeepSeek's
+    ``n_shared_experts``, each an expert wide unless ``moe.shared_experts_width`` names the MLP's width key)."""
+    shared, width_key = moe["shared_expert"], moe.get("shared_experts_width")
+    if shared == "gated":
+        return replace(mlp, shared_expert_intermediate_size=g.int("shared_expert_intermediate_size"))
+    if shared == "shared_experts":
+        width = g.int(width_key) if width_key else None
+        return replace(mlp, shared_experts_width=width,
+                       n_shared_experts=int(g.opt("n_shared_experts", 1 if width_key else 0) or 0))
+    return mlp
+
+
 class Moe:
     name = "moe"
     parsers: tuple = ()  # its routing and activation are parsed with the core (parse_routing, parse_activation)
@@ -144,13 +191,14 @@ class Moe:
         if moe.router_bias:
             add(f"{m}.{router}.bias", (cfg.num_experts,), "bias")
         self.router_tensors(cfg, m, add)
+        mlp = cfg.mlp
         for e in range(cfg.num_experts if experts else 0):
-            mlp_tensors(add, h, f"{m}.experts.{e}", cfg.moe_intermediate_size, cfg.expert_proj_names, moe.expert_bias)
-        if cfg.shared_expert_intermediate_size:
-            mlp_tensors(add, h, f"{m}.shared_expert", cfg.shared_expert_intermediate_size)
+            mlp_tensors(add, h, f"{m}.experts.{e}", mlp.moe_intermediate_size, cfg.expert_proj_names, moe.expert_bias)
+        if mlp.shared_expert_intermediate_size:
+            mlp_tensors(add, h, f"{m}.shared_expert", mlp.shared_expert_intermediate_size)
             add(f"{m}.shared_expert_gate.weight", (1, h), "linear")
-        if cfg.n_shared_experts:
-            mlp_tensors(add, h, f"{m}.shared_experts", cfg.shared_experts_inter)
+        if mlp.n_shared_experts:
+            mlp_tensors(add, h, f"{m}.shared_experts", mlp.shared_experts_inter)
 
     def layer_modules(self, node, cfg: MoeConfig) -> None:
         """Upstream ktransformers classes: DeepSeek's block is <P>MoE with a <P>MoEGate, others a <P>SparseMoeBlock
@@ -170,20 +218,20 @@ class Moe:
         experts = moe.add("experts", f"{pre}Experts")
         for e in range(cfg.num_experts):
             mlp_modules(experts, str(e), expert_type, sp.expert_proj_names)
-        if sp.shared_expert == "shared_experts" and cfg.n_shared_experts:
+        if sp.shared_expert == "shared_experts" and cfg.mlp.n_shared_experts:
             mlp_modules(moe, "shared_experts", f"{pre}MLP")
-        if sp.shared_expert == "gated" and cfg.shared_expert_intermediate_size:
+        if sp.shared_expert == "gated" and cfg.mlp.shared_expert_intermediate_size:
             mlp_modules(moe, "shared_expert", f"{pre}MLP")
             moe.add("shared_expert_gate", "Linear")
 
     gguf_keys = {
-        "expert_feed_forward_length": lambda w, c, n: w.add_expert_feed_forward_length(c.moe_intermediate_size),
+        "expert_feed_forward_length": lambda w, c, n: w.add_expert_feed_forward_length(c.mlp.moe_intermediate_size),
         "expert_shared_feed_forward_length": lambda w, c, n: when(
-            c.shared_expert_intermediate_size,
-            lambda: w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)),
+            c.mlp.shared_expert_intermediate_size,
+            lambda: w.add_expert_shared_feed_forward_length(c.mlp.shared_expert_intermediate_size)),
         "leading_dense_block_count": lambda w, c, n: w.add_leading_dense_block_count(
-            min(c.moe_layers) if c.moe_layers else n),
-        "expert_shared_count": lambda w, c, n: w.add_expert_shared_count(c.n_shared_experts),
+            min(c.mlp.moe_layers) if c.mlp.moe_layers else n),
+        "expert_shared_count": lambda w, c, n: w.add_expert_shared_count(c.mlp.n_shared_experts),
         "expert_weights_scale": lambda w, c, n: w.add_expert_weights_scale(c.routing.routed_scaling_factor),
         "expert_weights_norm": lambda w, c, n: when(c.routing.norm_topk_prob, lambda: w.add_expert_weights_norm(True)),
         "expert_gating_func": lambda w, c, n: _gating_func(w, c),

@@ -64,7 +64,7 @@ def attention(cfg: MoeConfig, layer: int) -> AttentionMechanism:
 
 def feed_forward_for(cfg: MoeConfig, layer: int) -> str:
     """``dense_mlp`` on the config's dense layers, ``hash_routing`` on its hash-routed ones, else ``moe``."""
-    if layer not in cfg.moe_layers:
+    if layer not in cfg.mlp.moe_layers:
         return "dense_mlp"
     return "hash_routing" if layer in cfg.routing.hash_layers else "moe"
 

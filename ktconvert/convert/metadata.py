@@ -161,7 +161,7 @@ def hf_kv(arch: str, config: dict, card: Metadata, n_layers: int, n_vocab: int, 
     w.add_block_count(n_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
-    w.add_feed_forward_length(getattr(c, spec.gguf.feed_forward_length))
+    w.add_feed_forward_length(getattr(c.mlp, spec.gguf.feed_forward_length))
     w.add_head_count(c.num_attention_heads)
     if "recurrent_head_count_kv" in spec.gguf.metadata:  # 0 marks a layer holding a recurrent state, not a KV cache
         w.add_head_count_kv([0 if layer_attention(c, i).recurrent else 1 for i in range(c.num_hidden_layers)])

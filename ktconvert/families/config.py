@@ -5,8 +5,9 @@ fields differently: ``num_experts`` / ``num_local_experts`` / ``n_routed_experts
 ``rope_scaling`` / ``rope_parameters``, ``qkv_bias`` present or implied. Everything downstream (reference
 models, weight loading, rule checks) reads :class:`MoeConfig` and never the raw dict, so a spelling is handled
 in exactly one place. This module parses the core (sizes, layers, experts, rope, norms); each mechanism's part
-(``routing`` with its hash layers, ``activation``, ``residual``, and ``attention``'s ``mla``, ``indexer``, ``linear``,
-``kda``, ``compressed``, ...) is defined and parsed in its ``ktconvert/arch/`` module. Pure Python: importing this never imports torch.
+(``routing`` with its hash layers, ``activation``, ``mlp`` with the dense layers and the shared experts,
+``residual``, and ``attention``'s ``mla``, ``indexer``, ``linear``, ``kda``, ``compressed``, ...) is defined and
+parsed in its ``ktconvert/arch/`` module. Pure Python: importing this never imports torch.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from ktconvert.arch import gqa, moe
 from ktconvert.arch.attention_part import AttentionPart
 from ktconvert.arch.base import Getter, ParseContext
 from ktconvert.arch.hyper_connections import HyperConnectionDims
-from ktconvert.arch.moe import Activation, Routing
+from ktconvert.arch.moe import Activation, MlpPart, Routing
 from ktconvert.arch.rope import RopeSpec
 from ktconvert.errors import InputError
 from ktconvert.families import registry
@@ -63,27 +64,16 @@ class MoeConfig:
     # MoE
     num_experts: int
     num_experts_per_tok: int
-    moe_intermediate_size: int
-    intermediate_size: int  # dense MLP (DeepSeek first layers, Qwen mlp_only_layers)
-    moe_layers: tuple[int, ...]
+    mlp: MlpPart  # the MoE and dense layers, the experts', dense MLP's and shared experts' widths (arch/moe.py)
     routing: Routing  # how a token picks and weighs its experts (and the hash-routed layers)
     activation: Activation  # the experts' activation (a clamped SwiGLU where the spec's moe.activation says)
-    shared_expert_intermediate_size: int | None  # Qwen2-MoE gated shared expert
-    n_shared_experts: int  # DeepSeek shared experts (intermediate = n * moe_intermediate_size)
     attention: AttentionPart = AttentionPart()  # every attention mechanism's part (ktconvert/arch/attention_part.py)
     residual: HyperConnectionDims | None = None  # the residual streams where not one (spec config.hyper_connections)
-    shared_experts_width: int | None = None  # the shared_experts MLP's width when a spec names its key
     bos_token_id: int | None = None
     eos_token_id: Any = None
     # config.json's first ``architectures`` entry, else the family's name (what a golden's manifest records)
     architecture: str = ""
     gguf: GgufFacts = GgufFacts()  # what only the model's own GGUF keys read (convert/metadata.py)
-
-    @property
-    def shared_experts_inter(self) -> int:
-        """The ``shared_experts`` MLP's width: the spec's width key where it names one, else ``n_shared_experts``
-        expert widths."""
-        return self.shared_experts_width or self.moe_intermediate_size * self.n_shared_experts
 
     @property
     def spec(self) -> registry.FamilySpec:
@@ -102,7 +92,7 @@ class MoeConfig:
 
     def ffn_name(self, layer: int) -> str:
         """The attribute layer ``layer`` keeps its MLP or MoE block under."""
-        return self.moe_block_name if layer in self.moe_layers else self.dense_block_name
+        return self.moe_block_name if layer in self.mlp.moe_layers else self.dense_block_name
 
     @property
     def expert_proj_names(self) -> tuple[str, str, str]:
@@ -188,8 +178,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     max_pos = int(g.opt("max_position_embeddings", defaults["max_position_embeddings"]))
     rope, compress_rope = kind.ropes(raw, defaults["rope_theta"], rope_dim, max_pos, path)
 
-    moe_layers = _checked_moe_layers(sp, raw, layers, num_experts, path)
-    moe_inter, inter = _mlp_widths(g, sp, raw, layers, moe_layers, path)
+    mlp = moe.parse_mlp(g, cfg_facts, family, raw, layers, num_experts, path)
     routing_part = moe.parse_routing(g, routing, family, num_experts, path)
 
     # biases
@@ -206,16 +195,12 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
     kwargs = _parts(ParseContext(
         g=g, raw=raw, attention_spec=attn_facts, config_spec=cfg_facts, routing_spec=routing, layers=layers,
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, rope_dim=rope_dim, compress_rope=compress_rope,
-        moe_layers=moe_layers, rms_norm_eps=float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])), path=path))
+        moe_layers=mlp.moe_layers, rms_norm_eps=float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])), path=path))
     # compressed MQA's window covers every layer (its parser gives it)
     attention = AttentionPart(**{"qk_norm": qk_norm, "sliding_window": window, "sliding_layers": sliding,
                                  **kwargs.pop("attention")})
     routing_part = replace(routing_part, **kwargs.pop("routing"))
 
-    shared = sp.shared_expert
-    width_key = sp.section("moe").get("shared_experts_width")
-    if shared == "shared_experts" and width_key:
-        kwargs.update(shared_experts_width=g.int(width_key))
     return MoeConfig(
         family=family,
         vocab_size=g.int("vocab_size"),
@@ -231,14 +216,9 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         attention_bias_on=bias_on,
         num_experts=num_experts,
         num_experts_per_tok=top_k,
-        moe_intermediate_size=moe_inter,
-        intermediate_size=inter,
-        moe_layers=moe_layers,
+        mlp=moe.parse_shared_experts(g, sp.section("moe"), mlp, path),
         routing=routing_part,
         activation=activation,
-        shared_expert_intermediate_size=(g.int("shared_expert_intermediate_size") if shared == "gated" else None),
-        n_shared_experts=(int(g.opt("n_shared_experts", 1 if width_key else 0) or 0)
-                          if shared == "shared_experts" else 0),
         attention=attention,
         bos_token_id=g.opt("bos_token_id"),
         eos_token_id=g.opt("eos_token_id"),
@@ -264,46 +244,6 @@ def _parts(ctx: ParseContext) -> dict[str, Any]:
     return out
 
 
-def _checked_moe_layers(sp: registry.FamilySpec, raw: dict, layers: int, num_experts: int,
-                        path: str | None) -> tuple[int, ...]:
-    """The MoE layers under the spec's ``dense_layers`` policy, refused where config.json's two spellings of the
-    dense layers disagree or name a dense layer the family cannot have."""
-    moe_layers = tuple(sorted(_moe_layers(sp.dense_layers, raw, layers, num_experts, path)))
-    types = raw.get("mlp_layer_types")
-    if sp.dense_layers == "first_k_dense" and isinstance(types, list) and "first_k_dense_replace" in raw and (
-            [t == "sparse" for t in types] != [i in moe_layers for i in range(layers)]):
-        # transformers reads only mlp_layer_types, llama.cpp's converters only first_k_dense_replace
-        raise InputError(f"mlp_layer_types {types} disagrees with first_k_dense_replace="
-                         f"{raw.get('first_k_dense_replace')}", path=path, where="mlp_layer_types",
-                         fix="make both name the same dense layers")
-    if sp.dense_layers == "none" and _lists_dense(raw):
-        raise InputError("dense MLP layers (mlp_layer_types \"dense\" / moe_layer_freq 0) are not supported for "
-                         f"{sp.family}: every layer must be MoE", path=path, where="mlp_layer_types")
-    return moe_layers
-
-
-def _mlp_widths(g: Getter, sp: registry.FamilySpec, raw: dict, layers: int, moe_layers: tuple[int, ...],
-                path: str | None) -> tuple[int, int]:
-    """``(moe_intermediate_size, intermediate_size)``: an expert's width and the dense MLP layers'."""
-    if sp.expert_width_key == "intermediate_size":
-        moe_inter = g.int("intermediate_size")
-        inter = moe_inter
-    else:
-        moe_inter = g.int(sp.expert_width_key)
-        inter = int(g.opt("intermediate_size", moe_inter))
-    dense_key = sp.section("config").get("dense_width")
-    # read only where a layer is dense: transformers saves its default (MiniMax-M3: 12288) whatever the layers, and
-    # without dense layers both spellings must read alike (llama.cpp's minimax-m3 reads feed_forward_length only
-    # for its leading dense layers)
-    if dense_key and dense_key in raw and len(moe_layers) < layers:
-        inter = g.int(dense_key)
-    elif dense_key and len(moe_layers) < layers:
-        raise InputError(f"the dense MLP layers' width is missing: give {dense_key} (transformers defaults it, "
-                         "llama.cpp's converter reads intermediate_size instead)", path=path, where=dense_key,
-                         fix=f"write {dense_key} as the release does")
-    return moe_inter, inter
-
-
 def _gguf_facts(raw: dict) -> GgufFacts:
     """What only the model's own GGUF keys read of config.json."""
     vision = raw.get("vision_config")
@@ -313,76 +253,3 @@ def _gguf_facts(raw: dict) -> GgufFacts:
     return GgufFacts(deepstack_layers=len((vision.get("deepstack_visual_indexes") or ()) if isinstance(vision, dict) else ()),
                      rotary_dim=rotary_dim if isinstance(rotary_dim, int) else None,
                      mrope_section=tuple(sections) if sections else None)
-
-
-def mlp_kinds(raw: dict) -> list | None:
-    """Each layer's MLP as a ``layer_list`` family spells it: transformers' ``mlp_layer_types`` (``sparse`` /
-    ``dense``), else the hub's per-layer ``moe_layer_freq`` list (1 MoE, 0 dense) read as transformers reads it;
-    None when the config gives neither list."""
-    types, freq = raw.get("mlp_layer_types"), raw.get("moe_layer_freq")
-    if isinstance(types, list):
-        return types
-    if isinstance(freq, list):
-        return ["sparse" if f else "dense" for f in freq]
-    return None
-
-
-def _layer_list(raw: dict, layers: int, path: str | None) -> set[int]:
-    """The MoE layers of a ``layer_list`` family: one ``sparse`` / ``dense`` entry per layer, both spellings agreeing
-    where both are given, the dense layers leading the stack (llama.cpp's leading_dense_block_count names the first
-    layers only); neither list: every layer MoE (transformers' default)."""
-    types, freq = raw.get("mlp_layer_types"), raw.get("moe_layer_freq")
-    for key, value, ok in (("mlp_layer_types", types, lambda t: t in ("sparse", "dense")),
-                           ("moe_layer_freq", freq, lambda f: f in (0, 1) and not isinstance(f, float))):
-        if value is None:
-            continue
-        if not isinstance(value, list) or len(value) != layers or not all(ok(v) for v in value):
-            what = "sparse / dense" if key == "mlp_layer_types" else "1 (MoE) / 0 (dense)"
-            got = f"{len(value)} entries" if isinstance(value, list) else repr(value)
-            raise InputError(f"{key} must list num_hidden_layers={layers} entries of {what}, got {got}", path=path,
-                             where=key, fix=f"give {key} one entry per layer (or drop it: every layer MoE)")
-    if isinstance(types, list) and isinstance(freq, list) and [t == "sparse" for t in types] != [bool(f) for f in freq]:
-        raise InputError(f"mlp_layer_types {types} disagrees with moe_layer_freq {freq}", path=path,
-                         where="mlp_layer_types", fix="make both name the same dense layers")
-    kinds = mlp_kinds(raw) or ["sparse"] * layers
-    dense = [i for i, k in enumerate(kinds) if k == "dense"]
-    if dense != list(range(len(dense))):
-        raise InputError(f"dense MLP layers {dense} do not lead the stack: llama.cpp's leading_dense_block_count names "
-                         "the first layers only", path=path, where="mlp_layer_types",
-                         fix="make the dense layers the first ones")
-    return set(range(len(dense), layers))
-
-
-def _lists_dense(raw: dict) -> bool:
-    """A per-layer MLP list (transformers' mlp_layer_types, the hub's moe_layer_freq) that names a dense layer."""
-    types, freq = raw.get("mlp_layer_types"), raw.get("moe_layer_freq")
-    return ((isinstance(types, list) and "dense" in types)
-            or (isinstance(freq, list) and any(not f for f in freq)))
-
-
-def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int, path: str | None = None) -> set[int]:
-    """The layers that hold routed experts under a spec's ``dense_layers`` policy (see the schema); a ``layer_list``
-    that cannot say is one :class:`InputError` naming ``path``."""
-    return _moe_layers(policy, raw, layers, num_experts, path)
-
-
-def _moe_layers(policy: str, raw: dict, layers: int, num_experts: int, path: str | None = None) -> set[int]:
-    def opt_int(key: str, default: int) -> int:
-        v = raw.get(key)
-        return int(v) if v and not isinstance(v, list) else default  # a list: another policy's per-layer spelling
-
-    if policy == "sparse_step":
-        step = opt_int("decoder_sparse_step", 1)
-        mlp_only = set(raw.get("mlp_only_layers") or [])
-        return {i for i in range(layers) if i not in mlp_only and num_experts > 0 and (i + 1) % step == 0}
-    if policy == "layer_list":
-        return _layer_list(raw, layers, path)
-    if policy == "first_k_dense":
-        types = raw.get("mlp_layer_types")
-        if "first_k_dense_replace" not in raw and isinstance(types, list) and len(types) == layers:
-            # transformers 5's spelling of the dense layers (GLM-5 / GLM-5-Next save no first_k_dense_replace)
-            return {i for i, t in enumerate(types) if t == "sparse"}
-        first_dense = opt_int("first_k_dense_replace", 0)
-        freq = opt_int("moe_layer_freq", 1)
-        return {i for i in range(layers) if i >= first_dense and i % freq == 0}
-    return set(range(layers))

@@ -57,7 +57,7 @@ class GgufPart:
 
     arch: str
     naming: str
-    feed_forward_length: str  # the config field {arch}.feed_forward_length holds
+    feed_forward_length: str  # the MLP part's width {arch}.feed_forward_length holds (MoeConfig.mlp, arch/moe.py)
     mla_mqa: bool  # MLA written absorbed: one KV head
     permute_qk: bool
     metadata: tuple[str, ...]  # the architecture's own keys, in written order

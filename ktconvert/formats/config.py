@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ktconvert import families
-from ktconvert.families.config import moe_layers_of
+from ktconvert.arch.dense_mlp import moe_layers_of
 from ktconvert.families.limits import check_counts, check_gguf_counts
 from ktconvert.io.datafile import read_json
 

@@ -69,7 +69,7 @@ def ktamx_by_kernel(model_dir, out_dir, method: str = "AMXINT8", threadpools: in
     src = WeightSource(model_dir, cfg)
     with tempfile.TemporaryDirectory(prefix="ktconvert-kt-tree-") as tree, \
             KernelSession(method, threadpools=threadpools, threads=threadpools) as s:
-        for layer in sorted(cfg.moe_layers):
+        for layer in sorted(cfg.mlp.moe_layers):
             b = src.expert_blocks(layer)
             bits = {p: f32_to_bf16_bits(np.stack([getattr(b, p).expert(e) for e in range(cfg.num_experts)]))
                     for p in ("gate", "up", "down")}

@@ -63,7 +63,7 @@ class KernelRuntime:
         experts of ``--weights`` do not say what the kernel reads)."""
         if self._ktamx is None:
             return None
-        bits = self._ktamx.bits(cfg.hidden_size, cfg.moe_intermediate_size)
+        bits = self._ktamx.bits(cfg.hidden_size, cfg.mlp.moe_intermediate_size)
         return {8: "kt-amxint8", 4: "kt-amxint4"}.get(bits)
 
     def _session(self, method: str, parts: int) -> KernelSession:
@@ -87,7 +87,7 @@ class KernelRuntime:
             la = d.layers.get(blocks.layer)
             if la is None:
                 raise KernelRefused(f"the kt-amx directory has no layer {blocks.layer}", fix="pass the whole conversion")
-            bits = d.bits(cfg.hidden_size, cfg.moe_intermediate_size)
+            bits = d.bits(cfg.hidden_size, cfg.mlp.moe_intermediate_size)
             if bits is None:
                 raise KernelRefused("kt-amx tensor sizes fit neither INT8 nor INT4 for this config's H and I",
                                     fix="pass the kt-amx directory written from this --model")
@@ -147,12 +147,12 @@ class KernelRuntime:
             if lora is not None and "AMXBF16_SFT_MOE" not in s.info.classes:
                 raise KernelRefused(f"kt-kernel's {s.info.variant} variant has no AMXBF16_SFT_MOE (its LoRA path)",
                                     fix="verify --lora with --kernel emulate")
-            s._check(hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, types=None, where=f"layer {blocks.layer}")
+            s._check(hidden=cfg.hidden_size, inter=cfg.mlp.moe_intermediate_size, types=None, where=f"layer {blocks.layer}")
         elif method == "LLAMAFILE":
             e, i, h = blocks.gate.shape
             s._check(hidden=h, inter=i, types=blocks.types(), where=f"layer {blocks.layer}")
         else:
-            s._check(hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size, types=None, where=f"layer {blocks.layer}")
+            s._check(hidden=cfg.hidden_size, inter=cfg.mlp.moe_intermediate_size, types=None, where=f"layer {blocks.layer}")
 
         capacity = self.capacity(method, cfg, blocks.layer)
 
@@ -166,10 +166,10 @@ class KernelRuntime:
                 s.load_bf16_layer(key, blocks.layer, bits["gate"], bits["up"], bits["down"], top_k, **sft)
             elif METHODS[method].release:
                 s.load_release_layer(key, source.path, blocks.layer, experts=cfg.num_experts, top_k=top_k,
-                                     hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size)
+                                     hidden=cfg.hidden_size, inter=cfg.mlp.moe_intermediate_size)
             else:
                 s.load_ktamx_layer(key, self.kt_weights, blocks.layer, experts=cfg.num_experts, top_k=top_k,
-                                   hidden=cfg.hidden_size, inter=cfg.moe_intermediate_size,
+                                   hidden=cfg.hidden_size, inter=cfg.mlp.moe_intermediate_size,
                                    capacity=capacity)
 
         row = self.rows.get(key)
@@ -200,7 +200,7 @@ class KernelRuntime:
         picked-experts capacity). 0 without ``kt_weights`` (LLAMAFILE maps its blocks and frees them)."""
         if self._ktamx is None:
             return 0
-        method = "AMXINT8" if self._ktamx.bits(cfg.hidden_size, cfg.moe_intermediate_size) == 8 else "AMXINT4"
+        method = "AMXINT8" if self._ktamx.bits(cfg.hidden_size, cfg.mlp.moe_intermediate_size) == 8 else "AMXINT4"
         return max((self._held_bytes(layer, self.capacity(method, cfg, layer)) for layer in self._ktamx.layers),
                    default=0)
 

@@ -35,7 +35,7 @@ def _moe(cfg: MoeConfig, layer: int) -> nn.Module:
 
 #: feed-forward mechanisms: ``(cfg, layer) -> module``
 FEED_FORWARD: dict[str, Callable[[MoeConfig, int], nn.Module]] = {
-    "dense_mlp": lambda cfg, layer: GatedMLP(cfg.hidden_size, cfg.intermediate_size,
+    "dense_mlp": lambda cfg, layer: GatedMLP(cfg.hidden_size, cfg.mlp.intermediate_size,
                                              clamp=cfg.activation.clamp if cfg.activation.dense else None),
     "moe": _moe,
     "hash_routing": lambda cfg, layer: HashRoutedMoE(cfg),

@@ -809,11 +809,11 @@ class SparseMoeBlock(Tagged, nn.Module):
         router = TopKRouter if moe.linear_router else LogitsRouter
         setattr(self, self.router_attr, router(cfg.hidden_size, cfg.num_experts, bias=moe.router_bias))
         self.experts = RoutedExperts(
-            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names,
+            GatedMLP(cfg.hidden_size, cfg.mlp.moe_intermediate_size, cfg.expert_proj_names,
                      bias=moe.expert_bias, clamp=cfg.activation.clamp) for _ in range(cfg.num_experts)
         )
-        if cfg.shared_expert_intermediate_size:
-            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.shared_expert_intermediate_size)
+        if cfg.mlp.shared_expert_intermediate_size:
+            self.shared_expert = GatedMLP(cfg.hidden_size, cfg.mlp.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(cfg.hidden_size, 1, bias=False)
         else:
             self.shared_expert = self.shared_expert_gate = None
@@ -853,11 +853,11 @@ class DeepseekMoE(Tagged, nn.Module):
             self.register_buffer("e_score_correction_bias", bias)
         clamp = cfg.activation.clamp
         self.experts = RoutedExperts(
-            GatedMLP(cfg.hidden_size, cfg.moe_intermediate_size, cfg.expert_proj_names, clamp=clamp)
+            GatedMLP(cfg.hidden_size, cfg.mlp.moe_intermediate_size, cfg.expert_proj_names, clamp=clamp)
             for _ in range(cfg.num_experts)
         )
-        if cfg.n_shared_experts:
-            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.shared_experts_inter,
+        if cfg.mlp.n_shared_experts:
+            self.shared_experts = GatedMLP(cfg.hidden_size, cfg.mlp.shared_experts_inter,
                                            clamp=clamp if cfg.activation.shared else None)
         else:
             self.shared_experts = None

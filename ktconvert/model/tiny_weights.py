@@ -227,7 +227,7 @@ def _fill(family: str, cfg: MoeConfig, spec: TensorSpec) -> np.ndarray:
     elif spec.kind == "score_bias":
         out = 0.02 * np.abs(u)  # non-negative: upstream masks with 0.0 or -inf, which then agree
         layer = int(spec.name.split(".")[2])
-        if layer == max(cfg.moe_layers):
+        if layer == max(cfg.mlp.moe_layers):
             boosted = rng.randint(rng.stream_key(SEED, family, "boost", layer), 1, cfg.num_experts)[0]
             out[boosted] += families.spec(family).tiny.get("bias_boost", V3_BIAS_BOOST)
     else:
@@ -296,11 +296,11 @@ def fuse_interleaved(cfg: MoeConfig, tensors: dict[str, np.ndarray]) -> dict[str
             return np.stack([tensors[f"{prefix}.{e}.{proj}.{kind}"] for e in range(n)])
 
         gate, up = stack(g, "weight"), stack(u, "weight")  # [E, I, H]
-        gu = np.empty((n, cfg.hidden_size, 2 * cfg.moe_intermediate_size), dtype=np.float32)
+        gu = np.empty((n, cfg.hidden_size, 2 * cfg.mlp.moe_intermediate_size), dtype=np.float32)
         gu[:, :, 0::2], gu[:, :, 1::2] = gate.transpose(0, 2, 1), up.transpose(0, 2, 1)
         out[f"{prefix}.gate_up_proj"] = gu
         if f"{prefix}.0.{g}.bias" in tensors:
-            gb = np.empty((n, 2 * cfg.moe_intermediate_size), dtype=np.float32)
+            gb = np.empty((n, 2 * cfg.mlp.moe_intermediate_size), dtype=np.float32)
             gb[:, 0::2], gb[:, 1::2] = stack(g, "bias"), stack(u, "bias")
             out[f"{prefix}.gate_up_proj_bias"] = gb
         out[f"{prefix}.down_proj"] = np.ascontiguousarray(stack(d, "weight").transpose(0, 2, 1))

@@ -99,7 +99,7 @@ def to_reference_state(cfg: MoeConfig, tensors: dict[str, torch.Tensor], report:
     report = report if report is not None else LoadReport()
     block = cfg.moe_block_name
     gate_n, up_n, down_n = cfg.expert_proj_names
-    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    e, h, i = cfg.num_experts, cfg.hidden_size, cfg.mlp.moe_intermediate_size
     if expert is not None:
         e = 1
     state: dict[str, torch.Tensor] = {}

@@ -107,7 +107,7 @@ def build_tree(cfg: dict, source: str = "model", where: str = "config.json") -> 
     model = root.add("model", f"{pre}Model")
     model.add("embed_tokens", "Embedding")
     layers = model.add("layers", "ModuleList")
-    moe_layers = set(mc.moe_layers)
+    moe_layers = set(mc.mlp.moe_layers)
     dense_layers = []
     residual = arch.residual_for(mc)
     for i in range(mc.num_hidden_layers):

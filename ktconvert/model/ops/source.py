@@ -273,7 +273,7 @@ class WeightSource:
 
     def _gguf_experts(self, layer: int) -> ExpertBlocks:
         cfg = self.cfg
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        e, i, h = cfg.num_experts, cfg.mlp.moe_intermediate_size, cfg.hidden_size
         want = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
         nm, ck = self._naming, self._types
         out: dict[str, Blocks] = {}
@@ -413,7 +413,7 @@ class WeightSource:
         if qtype is None or self.lora:
             return self.expert_blocks(layer)
         cfg = self.cfg
-        e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+        e, i, h = cfg.num_experts, cfg.mlp.moe_intermediate_size, cfg.hidden_size
         names = dict(zip(PROJECTIONS, cfg.expert_proj_names))
         prefix = f"model.layers.{layer}.{cfg.moe_block_name}.experts.0"
         shapes = {"gate": (e, i, h), "up": (e, i, h), "down": (e, h, i)}
@@ -462,7 +462,7 @@ class WeightSource:
         """``{layer: {projection: ggml type}}`` for every MoE layer (reads headers, not data, for GGUF and for
         safetensors experts of one float dtype)."""
         out = {}
-        for layer in sorted(self.cfg.moe_layers):
+        for layer in sorted(self.cfg.mlp.moe_layers):
             types = self._state.expert_dtypes(layer) if self.container == "safetensors" else None
             out[layer] = {p: types for p in PROJECTIONS} if types else self.expert_blocks(layer).types()
         return out
