@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ktconvert.convert.plan import PlanTensor
-from ktconvert.convert.source import Segment
+from ktconvert.convert.items import PlanTensor, Segment
 from ktconvert.errors import EnvironmentProblem, InputError
 from ktconvert.formats import fp8, kt_amx, open_checkpoint, quantized
 from ktconvert.formats.imatrix import read_imatrix

@@ -13,17 +13,12 @@ import mmap
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats import gguf_header as gh
-from ktconvert.formats.config import (
-    ModelDims,
-    dims_from_gguf,
-    dims_from_hf_config,
-    load_config,
-)
 from ktconvert.formats.safetensors_header import parse_safetensors_header
 from ktconvert.formats.sources import Source, resolve
 from ktconvert.formats.tensor_info import TensorInfo
@@ -37,6 +32,9 @@ from ktconvert.io.dtypes import (
     ggml_type_name,
     ggml_view_dtype_and_shape,
 )
+
+if TYPE_CHECKING:
+    from ktconvert.formats.config import ModelDims
 
 
 @contextmanager
@@ -127,11 +125,15 @@ class Checkpoint(Mapping):
     @property
     def config(self) -> dict | None:
         if self._config is None and self.config_path is not None:
+            from ktconvert.formats.config import load_config  # its families: not for a worker that only reads data
+
             self._config = self.read_config() if self.read_config is not None else load_config(self.config_path)
         return self._config
 
     def dims(self, config: str | Path | dict | None = None) -> ModelDims:
         """Expected dims: from ``config`` if given, else config.json next to the checkpoint, else GGUF metadata."""
+        from ktconvert.formats.config import ModelDims, dims_from_gguf, dims_from_hf_config, load_config
+
         if isinstance(config, dict):
             return dims_from_hf_config(config, "config")
         if config is not None:
