@@ -1,7 +1,7 @@
 """Reads around the page cache (``O_DIRECT``, :func:`ktconvert.io.files.read_direct`): the same bytes as the page
 cache's reads, a filesystem that refuses it (tmpfs: ``EINVAL`` at open; some others at the read) read through the
-page cache instead without a word, a truncated file the same one-line error, and a conversion whose units read
-this way byte-identical to one that does not."""
+page cache instead without a word, and a conversion whose units read this way byte-identical to one that does not
+(a truncated file: ``tests/test_formats_readers.py``, the same one line both ways)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 from formats_helpers import hf_checkpoint
-from ktconvert.errors import InputError
 from ktconvert.formats import open_checkpoint
 from ktconvert.io import files
 from ktconvert.io.files import ReadBuffer
@@ -120,21 +119,6 @@ def test_a_checkpoint_on_tmpfs_reads_through_the_page_cache(ckpt, tmp_path):
             assert os.stat(copy).st_dev in files._NO_DIRECT
     finally:
         shutil.rmtree(shm)
-
-
-def test_a_truncated_file_read_directly_names_it_and_the_tensor(ckpt, tmp_path):
-    src = ckpt / "model.safetensors"
-    ck = open_checkpoint(src)
-    name = max(ck, key=lambda n: ck[n].offset)
-    cut = tmp_path / "model.safetensors"
-    cut.write_bytes(src.read_bytes())
-    ck = open_checkpoint(cut)
-    with open(cut, "r+b") as fh:  # shortened after it was opened, as by a copy still running
-        fh.truncate(ck[name].offset + 1)
-    with pytest.raises(InputError) as err:
-        ck.read_rows(name, 0, ck.rows(name), ReadBuffer(), direct=True)
-    assert err.value.path == str(cut) and err.value.where == f"tensor {name}"
-    assert "ends at byte" in err.value.message and "truncated" in err.value.fix
 
 
 def test_a_conversion_reading_around_the_page_cache_writes_the_same_bytes(ckpt, tmp_path, monkeypatch):
