@@ -87,20 +87,43 @@ def test_a_filesystem_refusing_o_direct_at_open_is_read_through_the_page_cache(c
 
 def test_a_filesystem_refusing_the_direct_read_itself_is_read_through_the_page_cache(ckpt, monkeypatch):
     """Some filesystems open with O_DIRECT and refuse the read (an alignment they need): the same fallback."""
-    real = files.pread_into
+    real = files.os.preadv
 
-    def refusing(fd, out, offset):
+    def refusing(fd, bufs, offset, *a):
         if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
             raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, out, offset)
+        return real(fd, bufs, offset, *a)
 
-    monkeypatch.setattr(files, "pread_into", refusing)
+    monkeypatch.setattr(files.os, "preadv", refusing)
     ck = open_checkpoint(ckpt)
     name = max(ck, key=lambda n: ck[n].nbytes)
     got = np.array(ck.read_rows(name, 0, ck.rows(name), ReadBuffer(), direct=True))
     np.testing.assert_array_equal(got, np.asarray(ck.read(name)).reshape(got.shape))
     if _direct_allowed(ck[name].file):
         assert files._NO_DIRECT == {os.stat(ckpt).st_dev}
+
+
+def test_the_last_partial_block_of_a_file_is_read_directly(ckpt, monkeypatch):
+    """A file's last tensor ends inside a block: the direct read stops at the end of the file instead of asking
+    again at an unaligned offset (EINVAL on filesystems stricter than ext4, simulated here), so the read stays
+    direct and the filesystem is not marked as refusing it."""
+    real = files.os.preadv
+
+    def strict(fd, bufs, offset, *a):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and offset % 4096:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset, *a)
+
+    path = ckpt / "model.safetensors"
+    if not _direct_allowed(path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    monkeypatch.setattr(files.os, "preadv", strict)
+    ck = open_checkpoint(path)
+    name = max(ck, key=lambda n: ck[n].offset)
+    assert (ck[name].offset + ck[name].nbytes) % 4096  # the file ends inside a block
+    got = ck.read_rows(name, 0, ck.rows(name), ReadBuffer(), direct=True)
+    np.testing.assert_array_equal(got, np.asarray(ck.read(name)).reshape(got.shape))
+    assert got.ctypes.data % 4096 == ck[name].offset % 4096 and not files._NO_DIRECT
 
 
 @pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm")

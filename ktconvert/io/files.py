@@ -146,8 +146,13 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
     try:
         window = buf.take(nbytes + 2 * ALIGN)[: end - start]  # the size its alignment needs at most: the buffer
         # grows for the first unit of a size, not again for one whose bytes start elsewhere in a block
+        view, got = memoryview(window), 0
         try:
-            got = pread_into(fd, window, start)
+            while got < len(view):
+                n = os.preadv(fd, [view[got: got + (1 << 30)]], start + got)
+                got += n
+                if n == 0 or n % ALIGN:  # the end of the file (its last block is partial): asking again at an
+                    break  # unaligned offset is an error on some filesystems
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # O_DIRECT opened, then refused (an alignment this filesystem needs)
                 _NO_DIRECT.add(dev)
