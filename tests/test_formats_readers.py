@@ -247,7 +247,11 @@ def test_read_rows_is_read_byte_for_byte_through_one_reused_buffer(root, contain
         np.testing.assert_array_equal(whole[name], ref)
 
 
-def test_read_rows_of_a_truncated_file_names_it_and_the_tensor(root, tmp_path):
+@pytest.mark.parametrize("direct", [False, True], ids=["page-cache", "o-direct"])
+def test_read_rows_of_a_truncated_file_names_it_and_the_tensor(root, tmp_path, direct):
+    """The same one line whether the rows are read through the page cache or around it (``O_DIRECT``)."""
+    from ktconvert.io.files import ReadBuffer
+
     src = hf_checkpoint(root, "qwen3_moe", "split") / "model.safetensors"
     ck = open_checkpoint(src)
     name = max(ck, key=lambda n: ck[n].offset)
@@ -257,7 +261,7 @@ def test_read_rows_of_a_truncated_file_names_it_and_the_tensor(root, tmp_path):
     with open(cut, "r+b") as fh:  # shortened after it was opened, as by a copy still running
         fh.truncate(ck[name].offset + 1)
     with pytest.raises(InputError) as err:
-        ck.read_rows(name, 0, ck.rows(name))
+        ck.read_rows(name, 0, ck.rows(name), ReadBuffer(), direct=direct)
     assert err.value.path == str(cut) and err.value.where == f"tensor {name}"
     assert "ends at byte" in err.value.message and "truncated" in err.value.fix
 

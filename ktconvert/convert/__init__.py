@@ -35,20 +35,18 @@ Importing this package does not import torch; the quantizing workers do.
 
 from __future__ import annotations
 
-from ktconvert.convert.api import (
-    DEFAULT_MAX_MEMORY,
-    OutputSpec,
-    convert,
-    convert_outputs,
-    parse_output,
-    plan_conversion,
-    plan_outputs,
-    resolve_recipe,
-)
-from ktconvert.convert.execute import RunResult, partial_dir
-from ktconvert.convert.lora import LoraResult, convert_lora
-from ktconvert.convert.plan import KEEP_SPLIT, Plan, PlanTensor, plan_llama_text, plan_text
-from ktconvert.convert.recipe import Recipe, Rule, load_recipe, presets, recipe_for_type, with_overrides
+from ktconvert.io.lazy import lazy_exports
+
+# loaded on first use: a worker process importing ktconvert.convert.worker needs none of the planning modules
+_MODULES = {
+    "ktconvert.convert.api": ("DEFAULT_MAX_MEMORY", "OutputSpec", "convert", "convert_outputs", "parse_output",
+                              "plan_conversion", "plan_outputs", "resolve_recipe"),
+    "ktconvert.convert.execute": ("RunResult", "partial_dir"),
+    "ktconvert.convert.lora": ("LoraResult", "convert_lora"),
+    "ktconvert.convert.plan": ("KEEP_SPLIT", "Plan", "PlanTensor", "plan_llama_text", "plan_text"),
+    "ktconvert.convert.recipe": ("Recipe", "Rule", "load_recipe", "presets", "recipe_for_type", "with_overrides"),
+}
+__getattr__ = lazy_exports(__name__, {name: mod for mod, names in _MODULES.items() for name in names})
 
 __all__ = [
     "KEEP_SPLIT",

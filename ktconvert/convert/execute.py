@@ -35,8 +35,8 @@ from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.provenance import git_commit, recipe_sha256
 from ktconvert.io.sizes import format_size
-from ktconvert.convert.worker import (Group, Task, close_all, interrupts_deferred, run_group, run_group_synced,
-                                      segments_read, source_digest, source_ranges, worker_context, worker_init)
+from ktconvert.convert.worker import (Group, Task, close_all, interrupts_deferred, reads_are_ranges, run_group,
+                                      run_group_synced, segments_read, source_digest, source_ranges, worker_context, worker_init)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import (WRITE_ERRNOS, FileSha256, fsync_dir, partial_dir, replace_dir, sha256_file,
@@ -45,6 +45,12 @@ from ktconvert.io.files import ReadBuffer
 from ktconvert.io.dtypes import FLOAT_DTYPES
 
 STATE_DIR = ".ktconvert"
+#: A unit reading at least this much reads it with O_DIRECT (the bytes straight from the disk into the process's
+#: buffer: no page cache copy, no page cache filled with bytes read once). Smaller units (a kt-amx expert: 3 MiB)
+#: read through the page cache, where :class:`_Prefetch` has the kernel read them while the unit before converts;
+#: a unit read with O_DIRECT waits for its own reads, which at this size run at the disk's rate. Several outputs
+#: from one read (``--output``) read through the page cache: their units may read the same bytes again.
+DIRECT_MIN = 16 * 1024**2
 UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
 SYNC_EVERY_S = 1.0
 #: what a Ray worker process holds besides its unit (Python, ray, numpy, torch, ktconvert): its task asks Ray for
@@ -403,12 +409,14 @@ def group_units(outs: list, todo: list[tuple[int, Unit]], cap: int) -> list[Grou
     """The units to run (``(output index, unit)``) as :class:`Group` s: one output's units one by one, in plan
     order; several outputs' units joined where they read a common source tensor (of at most ``cap`` bytes), each
     group's shared tensors together at most ``cap`` bytes (a group that would hold more runs unit by unit), in the
-    order of the source files."""
+    order of the source files. A unit of a single output that reads at least :data:`DIRECT_MIN` bytes reads them
+    around the page cache (:attr:`Task.direct`)."""
 
     def task(k: int, u: Unit) -> tuple[int, Task]:
         o = outs[k]
         t: PlanTensor = o.plan.tensors[u.tensor]
-        return k, Task(u.id, o.plan.source, o.paths[t.file], t, u.r0, u.r1)
+        return k, Task(u.id, o.plan.source, o.paths[t.file], t, u.r0, u.r1,
+                       direct=len(outs) == 1 and u.in_bytes >= DIRECT_MIN and reads_are_ranges(t, u.r0, u.r1))
 
     if len(outs) == 1 or cap <= 0:
         return [Group((task(k, u),)) for k, u in todo]
@@ -585,6 +593,8 @@ class _Prefetch:
             if id(g) not in self._seen:
                 self._seen.add(id(g))
                 for _, task in g.tasks:
+                    if task.direct:  # read around the page cache: what the kernel read ahead would go unused
+                        continue
                     for r in source_ranges(self._ck, task.tensor, task.r0, task.r1):
                         self._queue.put(r)
 

@@ -21,8 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ktconvert.convert.plan import PlanTensor
-from ktconvert.convert.source import Segment
+from ktconvert.convert.items import PlanTensor, Segment
 from ktconvert.errors import EnvironmentProblem, InputError
 from ktconvert.formats import fp8, kt_amx, open_checkpoint, quantized
 from ktconvert.formats.imatrix import read_imatrix
@@ -39,7 +38,8 @@ from ktconvert.convert.kt_amx_io import pack_group
 @dataclass(frozen=True)
 class Task:
     """What a worker needs for one unit; ``out_path`` is the output file (in the partial directory); ``run`` tells
-    the runs apart in a long-lived worker (:func:`run_task_synced`)."""
+    the runs apart in a long-lived worker (:func:`run_task_synced`); ``direct``: read its input around the page
+    cache (``O_DIRECT``, where the filesystem allows it) when the unit hashes the bytes it reads (no second read)."""
 
     unit: int
     src: str
@@ -48,6 +48,7 @@ class Task:
     r0: int
     r1: int
     run: str = ""
+    direct: bool = False
 
 
 _CHECKPOINTS: dict = {}
@@ -175,11 +176,12 @@ def _convert_hashed(task: Task) -> tuple[int, str]:
     """:func:`_convert` and the :func:`source_digest` of its input: hashed from the bytes the unit read when it reads
     whole rows of plain tensors (no second read), else read again."""
     t, r0, r1 = task.tensor, task.r0, task.r1
-    h = _READ_HASH[0] = _checksum() if _reads_are_ranges(t, r0, r1) else None
+    h = _READ_HASH[0] = _checksum() if reads_are_ranges(t, r0, r1) else None
+    _DIRECT[0] = task.direct and h is not None  # (a unit that reads its input again for the digest: page cache)
     try:
         uid = _convert(task)
     finally:
-        _READ_HASH[0] = None
+        _READ_HASH[0], _DIRECT[0] = None, False
     return uid, h.hexdigest() if h is not None else source_digest(_checkpoint(task.src), t, r0, r1)
 
 
@@ -219,9 +221,9 @@ def _shared_reads(ck, names: frozenset):
             a.flags.writeable = False
         return a
 
-    def read_rows(name: str, r0: int, r1: int, buf=None) -> np.ndarray:
+    def read_rows(name: str, r0: int, r1: int, buf=None, **how) -> np.ndarray:
         if name not in names:
-            return ck.read_rows(name, r0, r1, buf)
+            return ck.read_rows(name, r0, r1, buf, **how)
         a = read(name)
         return (a.reshape(1, -1) if a.ndim < 2 else a.reshape(-1, a.shape[-1]))[r0:r1]
 
@@ -456,9 +458,11 @@ _XBUF, _QBUF = ReadBuffer(), ReadBuffer()
 
 #: the running unit's checksum of the bytes it reads, when those are exactly :func:`source_ranges` in order
 _READ_HASH: list = [None]
+#: whether the running unit reads around the page cache (:attr:`Task.direct`, and it hashes what it reads)
+_DIRECT: list = [False]
 
 
-def _reads_are_ranges(t: PlanTensor, r0: int, r1: int) -> bool:
+def reads_are_ranges(t: PlanTensor, r0: int, r1: int) -> bool:
     """Whether a unit reads its input only through :func:`_read_rows`, each of :func:`source_ranges` once and in
     that order (whole rows of plain stored tensors), so hashing what it read gives :func:`source_digest` without
     reading the input a second time."""
@@ -471,7 +475,7 @@ def _reads_are_ranges(t: PlanTensor, r0: int, r1: int) -> bool:
 def _read_rows(ck, name: str, first: int, n: int) -> np.ndarray:
     """Flat rows ``first .. first+n`` of a stored tensor, read into this process's buffer (valid until the next
     read: decode or copy them before reading again), and hashed into the unit's digest when it keeps one."""
-    rows = ck.read_rows(name, first, first + n, _BUF)
+    rows = ck.read_rows(name, first, first + n, _BUF, direct=_DIRECT[0])
     if _READ_HASH[0] is not None:
         _READ_HASH[0].update(rows)
     return rows

@@ -60,32 +60,22 @@ Public API (everything else in this package is an implementation detail):
     What ``ktconvert inspect`` prints, as data matching ``schemas/inspect-report.schema.json``.
 """
 
-from ktconvert.formats.checkpoint import Checkpoint, open_checkpoint
-from ktconvert.formats.config import ModelDims, dims_from_gguf, dims_from_hf_config
-from ktconvert.formats.gguf_header import GGUFArray
-from ktconvert.formats.inspect_report import build_inspect_report
-from ktconvert.formats.layout import (
-    LayerLayout,
-    LayoutReport,
-    ProjectionInfo,
-    detect_layout,
-)
-from ktconvert.formats.naming import (
-    LAYOUTS,
-    PROJECTIONS,
-    NameMatch,
-    NamingMap,
-    TensorEntry,
-    guess_arch,
-    load_naming_map,
-    naming_map,
-    naming_maps,
-    to_gguf_name,
-    to_hf_name,
-)
-from ktconvert.formats.release import Release, open_release
-from ktconvert.formats.scan import ScanFinding, ScanResult, scan_checkpoint
-from ktconvert.formats.tensor_info import TensorInfo
+from ktconvert.io.lazy import lazy_exports
+
+# loaded on first use: reading tensor data (a conversion worker) needs neither the naming maps nor the families
+_MODULES = {
+    "ktconvert.formats.checkpoint": ("Checkpoint", "open_checkpoint"),
+    "ktconvert.formats.config": ("ModelDims", "dims_from_gguf", "dims_from_hf_config"),
+    "ktconvert.formats.gguf_header": ("GGUFArray",),
+    "ktconvert.formats.inspect_report": ("build_inspect_report",),
+    "ktconvert.formats.layout": ("LayerLayout", "LayoutReport", "ProjectionInfo", "detect_layout"),
+    "ktconvert.formats.naming": ("LAYOUTS", "PROJECTIONS", "NameMatch", "NamingMap", "TensorEntry", "guess_arch",
+                                 "load_naming_map", "naming_map", "naming_maps", "to_gguf_name", "to_hf_name"),
+    "ktconvert.formats.release": ("Release", "open_release"),
+    "ktconvert.formats.scan": ("ScanFinding", "ScanResult", "scan_checkpoint"),
+    "ktconvert.formats.tensor_info": ("TensorInfo",),
+}
+__getattr__ = lazy_exports(__name__, {name: mod for mod, names in _MODULES.items() for name in names})
 
 __all__ = [
     "LAYOUTS",

@@ -13,21 +13,16 @@ import mmap
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ktconvert.errors import InputError
 from ktconvert.formats import gguf_header as gh
-from ktconvert.formats.config import (
-    ModelDims,
-    dims_from_gguf,
-    dims_from_hf_config,
-    load_config,
-)
 from ktconvert.formats.safetensors_header import parse_safetensors_header
 from ktconvert.formats.sources import Source, resolve
 from ktconvert.formats.tensor_info import TensorInfo
-from ktconvert.io.files import ReadBuffer, read_exact, regular_file_size
+from ktconvert.io.files import ReadBuffer, read_direct, read_exact, regular_file_size
 from ktconvert.io.dtypes import (
     SAFETENSORS_DTYPES,
     decode_float32,
@@ -37,6 +32,9 @@ from ktconvert.io.dtypes import (
     ggml_type_name,
     ggml_view_dtype_and_shape,
 )
+
+if TYPE_CHECKING:
+    from ktconvert.formats.config import ModelDims
 
 
 @contextmanager
@@ -127,11 +125,15 @@ class Checkpoint(Mapping):
     @property
     def config(self) -> dict | None:
         if self._config is None and self.config_path is not None:
+            from ktconvert.formats.config import load_config  # its families: not for a worker that only reads data
+
             self._config = self.read_config() if self.read_config is not None else load_config(self.config_path)
         return self._config
 
     def dims(self, config: str | Path | dict | None = None) -> ModelDims:
         """Expected dims: from ``config`` if given, else config.json next to the checkpoint, else GGUF metadata."""
+        from ktconvert.formats.config import ModelDims, dims_from_gguf, dims_from_hf_config, load_config
+
         if isinstance(config, dict):
             return dims_from_hf_config(config, "config")
         if config is not None:
@@ -188,19 +190,27 @@ class Checkpoint(Mapping):
         _, _, shape = self._layout(name)
         return int(np.prod(shape[:-1])) if len(shape) > 1 else 1
 
-    def read_rows(self, name: str, r0: int, r1: int, buf: ReadBuffer | None = None) -> np.ndarray:
+    def read_rows(self, name: str, r0: int, r1: int, buf: ReadBuffer | None = None, *,
+                  direct: bool = False) -> np.ndarray:
         """Flat rows ``r0..r1`` of the stored data (``read(name)`` seen as ``(rows, last axis)``, a 0-/1-D tensor as
         one row) as a 2-D array, read from the file with large ``pread`` calls into ``buf`` (reused: the array is
         only valid until ``buf``'s next use) or, without one, into a new array.
 
         Rows are contiguous in the file, so this is one read of exactly their bytes: no mapping, no page faults,
-        and the same bytes whatever reads them (``read`` and ``read_rows`` agree byte for byte)."""
+        and the same bytes whatever reads them (``read`` and ``read_rows`` agree byte for byte). ``direct`` (with
+        ``buf``): read around the page cache (:func:`ktconvert.io.files.read_direct`) where the filesystem allows it,
+        for bytes read once, in reads large enough to keep the disk busy without the kernel's readahead."""
         info, dtype, shape = self._layout(name)
         cols = shape[-1] if shape else 1
         nbytes = (r1 - r0) * cols * dtype.itemsize
+        start = info.offset + r0 * cols * dtype.itemsize
+        if direct and buf is not None and nbytes and start % dtype.itemsize == 0:  # aligned values stay aligned
+            out = read_direct(info.file, start, nbytes, buf, what="checkpoint file", where=f"tensor {name}")
+            if out is not None:
+                return out.view(dtype).reshape(r1 - r0, cols)
         out = buf.take(nbytes) if buf is not None else np.empty(nbytes, np.uint8)
         if nbytes:
-            read_exact(info.file, info.offset + r0 * cols * dtype.itemsize, out, what="checkpoint file",
+            read_exact(info.file, start, out, what="checkpoint file",
                        where=f"tensor {name}")
         return out.view(dtype).reshape(r1 - r0, cols)
 

@@ -7,13 +7,15 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-
-import jsonschema
+from typing import TYPE_CHECKING
 
 from ktconvert.errors import InputError
 from ktconvert.io import yamlpos
 from ktconvert.io.files import regular_file_size
 from ktconvert.io.resources import load_schema
+
+if TYPE_CHECKING:
+    import jsonschema
 
 
 def load_yaml(path: str | Path, shown: str | None = None, *, missing_fix: str | None = None,
@@ -36,6 +38,8 @@ def load_yaml(path: str | Path, shown: str | None = None, *, missing_fix: str | 
 
 def schema_errors(data, schema: str) -> list[jsonschema.ValidationError]:
     """Every violation of ``schemas/<schema>.schema.json``, the most relevant first."""
+    import jsonschema  # on first use: a process that only reads JSON (a conversion worker) never validates
+
     errors = list(jsonschema.Draft202012Validator(load_schema(schema)).iter_errors(data))
     best = jsonschema.exceptions.best_match(iter(errors))
     return [best] + [e for e in errors if e is not best] if best is not None else []

@@ -1,9 +1,11 @@
 """What every reader checks before it reads: the path is a regular file (a device such as /dev/zero, a FIFO or
 a socket would block or never end) of a size such a file can have; and the one way bulk data is read: large
-``preadv`` calls into a reused, page-aligned buffer (:class:`ReadBuffer`, :func:`read_exact`)."""
+``preadv`` calls into a reused, page-aligned buffer (:class:`ReadBuffer`, :func:`read_exact`), through the page cache
+or, for reads large enough to run at the disk's rate on their own, around it (:func:`read_direct`)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
 from pathlib import Path
@@ -110,3 +112,56 @@ def read_exact(path: str | os.PathLike, offset: int, out: np.ndarray, *, what: s
         raise InputError(f"{what} ends at byte {offset + got}, its header says data runs to {offset + out.nbytes}",
                          path=str(path), where=where, fix="the file is truncated; re-download it")
     return out
+
+
+#: Filesystems (``st_dev``) that refused ``O_DIRECT`` in this process (tmpfs, some FUSE and network mounts):
+#: their files are read through the page cache from then on, without asking again.
+_NO_DIRECT: set[int] = set()
+
+
+def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuffer, *, what: str = "file",
+                where: str | None = None) -> np.ndarray | None:
+    """``nbytes`` of ``path`` at ``offset`` read with ``O_DIRECT``: the disk writes them straight into ``buf`` (no
+    copy out of the page cache, no page cache filled with bytes read once). Returns a view of ``buf`` (valid until
+    its next use), or ``None`` where the filesystem refuses ``O_DIRECT`` (the caller then reads with
+    :func:`read_exact`). The read covers the whole 4 KiB blocks around the range, so the view starts
+    ``offset % 4096`` bytes into the buffer. A file shorter than the range is :func:`read_exact`'s InputError."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None  # read_exact names the problem
+    if dev in _NO_DIRECT:
+        return None
+    start = offset - offset % ALIGN
+    end = -(-(offset + nbytes) // ALIGN) * ALIGN
+    try:
+        fd = os.open(path, os.O_RDONLY | flag)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # the filesystem has no O_DIRECT
+            _NO_DIRECT.add(dev)
+        return None
+    try:
+        window = buf.take(nbytes + 2 * ALIGN)[: end - start]  # the size its alignment needs at most: the buffer
+        # grows for the first unit of a size, not again for one whose bytes start elsewhere in a block
+        view, got = memoryview(window), 0
+        try:
+            while got < len(view):
+                n = os.preadv(fd, [view[got: got + (1 << 30)]], start + got)
+                got += n
+                if n == 0 or n % ALIGN:  # the end of the file (its last block is partial): asking again at an
+                    break  # unaligned offset is an error on some filesystems
+        except OSError as exc:
+            if exc.errno == errno.EINVAL:  # O_DIRECT opened, then refused (an alignment this filesystem needs)
+                _NO_DIRECT.add(dev)
+                return None
+            raise InputError(f"cannot read {what}: {exc.strerror}", path=str(path), where=where) from None
+    finally:
+        os.close(fd)
+    have = got - (offset - start)
+    if have < nbytes:
+        raise InputError(f"{what} ends at byte {start + got}, its header says data runs to {offset + nbytes}",
+                         path=str(path), where=where, fix="the file is truncated; re-download it")
+    return window[offset - start: offset - start + nbytes]

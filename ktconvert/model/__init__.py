@@ -15,7 +15,7 @@ Typical use::
 
 from __future__ import annotations
 
-import importlib
+from ktconvert.io.lazy import lazy_exports
 
 from ktconvert.families.config import (
     FAMILIES,
@@ -39,11 +39,7 @@ _LAZY = {
 __all__ = ["FAMILIES", "MoeConfig", "RopeSpec", "load_config", "normalize_config", "from_pretrained", *_LAZY]
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ktconvert.model' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 def from_pretrained(model_dir, *, dtype=None):

@@ -17,7 +17,7 @@ Numeric regressions are a failing report, never an exception; unusable inputs ra
 
 from __future__ import annotations
 
-import importlib
+from ktconvert.io.lazy import lazy_exports
 
 from ktconvert.verify.profile import Breach, Profile, load_profile, shipped_profiles
 
@@ -30,11 +30,7 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'ktconvert.verify' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_exports(__name__, _LAZY)
 
 
 __all__ = ["Breach", "EmulationOptions", "PhaseResult", "Profile", "VerifyReport", "load_profile", "run_verify",

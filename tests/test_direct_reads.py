@@ -1,0 +1,169 @@
+"""Reads around the page cache (``O_DIRECT``, :func:`ktconvert.io.files.read_direct`): the same bytes as the page
+cache's reads, a filesystem that refuses it (tmpfs: ``EINVAL`` at open; some others at the read) read through the
+page cache instead without a word, and a conversion whose units read this way byte-identical to one that does not
+(a truncated file: ``tests/test_formats_readers.py``, the same one line both ways)."""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import json
+import os
+
+import numpy as np
+import pytest
+
+from formats_helpers import hf_checkpoint
+from ktconvert.formats import open_checkpoint
+from ktconvert.io import files
+from ktconvert.io.files import ReadBuffer
+
+pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return hf_checkpoint(tmp_path_factory.mktemp("direct"), "qwen3_moe", "split")
+
+
+def _direct_allowed(path) -> bool:
+    try:
+        os.close(os.open(path, os.O_RDONLY | os.O_DIRECT))
+        return True
+    except OSError:
+        return False
+
+
+@pytest.fixture(autouse=True)
+def fresh_refusals(monkeypatch):
+    monkeypatch.setattr(files, "_NO_DIRECT", set())
+
+
+def _every_run_of_rows(ck, direct: bool) -> dict:
+    buf, out = ReadBuffer(), {}
+    for name in ck:
+        rows = ck.rows(name)
+        for r0, r1 in ((0, rows), (rows // 3, rows // 3 + 1), (rows - 1, rows)):
+            out[(name, r0)] = np.array(ck.read_rows(name, r0, r1, buf, direct=direct))
+    return out
+
+
+def test_direct_reads_are_the_page_cache_reads_byte_for_byte(ckpt):
+    ck = open_checkpoint(ckpt)
+    want = _every_run_of_rows(ck, direct=False)
+    got = _every_run_of_rows(ck, direct=True)
+    assert want.keys() == got.keys()
+    for k in want:
+        assert got[k].dtype == want[k].dtype and got[k].shape == want[k].shape, k
+        np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+    if _direct_allowed(next(iter(ck.values())).file):  # really read around the cache: the view sits in the window
+        name = next(n for n in ck if ck[n].offset % 4096)
+        view = ck.read_rows(name, 0, ck.rows(name), ReadBuffer(), direct=True)
+        assert view.ctypes.data % 4096 == ck[name].offset % 4096
+
+
+def test_a_filesystem_refusing_o_direct_at_open_is_read_through_the_page_cache(ckpt, monkeypatch):
+    """tmpfs answers ``open(O_DIRECT)`` with EINVAL: the read goes through the page cache, the filesystem is not
+    asked again, and nothing is said."""
+    real_open, asked = os.open, []
+
+    def refusing_open(path, flags, *a, **kw):
+        if flags & os.O_DIRECT:
+            asked.append(path)
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(files.os, "open", refusing_open)
+    ck = open_checkpoint(ckpt)
+    monkeypatch.setattr(files.os, "open", refusing_open)
+    got = _every_run_of_rows(ck, direct=True)
+    monkeypatch.setattr(files.os, "open", real_open)
+    want = _every_run_of_rows(ck, direct=False)
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=str(k))
+    assert len(asked) == 1  # once per filesystem
+    assert files._NO_DIRECT == {os.stat(ckpt).st_dev}
+
+
+def test_a_filesystem_refusing_the_direct_read_itself_is_read_through_the_page_cache(ckpt, monkeypatch):
+    """Some filesystems open with O_DIRECT and refuse the read (an alignment they need): the same fallback."""
+    real = files.os.preadv
+
+    def refusing(fd, bufs, offset, *a):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset, *a)
+
+    monkeypatch.setattr(files.os, "preadv", refusing)
+    ck = open_checkpoint(ckpt)
+    name = max(ck, key=lambda n: ck[n].nbytes)
+    got = np.array(ck.read_rows(name, 0, ck.rows(name), ReadBuffer(), direct=True))
+    np.testing.assert_array_equal(got, np.asarray(ck.read(name)).reshape(got.shape))
+    if _direct_allowed(ck[name].file):
+        assert files._NO_DIRECT == {os.stat(ckpt).st_dev}
+
+
+def test_the_last_partial_block_of_a_file_is_read_directly(ckpt, monkeypatch):
+    """A file's last tensor ends inside a block: the direct read stops at the end of the file instead of asking
+    again at an unaligned offset (EINVAL on filesystems stricter than ext4, simulated here), so the read stays
+    direct and the filesystem is not marked as refusing it."""
+    real = files.os.preadv
+
+    def strict(fd, bufs, offset, *a):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT and offset % 4096:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset, *a)
+
+    path = ckpt / "model.safetensors"
+    if not _direct_allowed(path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    monkeypatch.setattr(files.os, "preadv", strict)
+    ck = open_checkpoint(path)
+    name = max(ck, key=lambda n: ck[n].offset)
+    assert (ck[name].offset + ck[name].nbytes) % 4096  # the file ends inside a block
+    got = ck.read_rows(name, 0, ck.rows(name), ReadBuffer(), direct=True)
+    np.testing.assert_array_equal(got, np.asarray(ck.read(name)).reshape(got.shape))
+    assert got.ctypes.data % 4096 == ck[name].offset % 4096 and not files._NO_DIRECT
+
+
+@pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no tmpfs at /dev/shm")
+def test_a_checkpoint_on_tmpfs_reads_through_the_page_cache(ckpt, tmp_path):
+    import shutil
+    import tempfile
+
+    shm = tempfile.mkdtemp(prefix="ktconvert-test-", dir="/dev/shm")
+    try:
+        copy = shutil.copytree(ckpt, os.path.join(shm, "ck"))
+        ck = open_checkpoint(copy)
+        name = max(ck, key=lambda n: ck[n].nbytes)
+        got = ck.read_rows(name, 0, ck.rows(name), ReadBuffer(), direct=True)
+        np.testing.assert_array_equal(got, np.asarray(ck.read(name)).reshape(got.shape))
+        if not _direct_allowed(ck[name].file):
+            assert os.stat(copy).st_dev in files._NO_DIRECT
+    finally:
+        shutil.rmtree(shm)
+
+
+def test_a_conversion_reading_around_the_page_cache_writes_the_same_bytes(ckpt, tmp_path, monkeypatch):
+    """Every unit read with O_DIRECT (DIRECT_MIN 0) against none (DIRECT_MIN above any unit): the same manifest
+    sha256 for every file, and the same resume digests in the journal-free manifest's plan."""
+    from ktconvert.convert import convert
+    from ktconvert.convert import execute as ex
+
+    seen = []
+    real = files.read_direct
+
+    def counting(*a, **kw):
+        out = real(*a, **kw)
+        seen.append(out is not None)
+        return out
+
+    monkeypatch.setattr("ktconvert.formats.checkpoint.read_direct", counting)
+    runs = {}
+    for label, least in (("page cache", 1 << 62), ("direct", 0)):
+        monkeypatch.setattr(ex, "DIRECT_MIN", least)
+        out = tmp_path / label
+        convert(ckpt, out, type="F16", jobs=1, tokenizer=False)
+        runs[label] = json.loads((out / "manifest.json").read_text())["files"]
+    assert runs["direct"] == runs["page cache"]
+    assert seen and (all(seen) or not _direct_allowed(ckpt / "model.safetensors"))
