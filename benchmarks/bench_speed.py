@@ -15,7 +15,8 @@ Runs, in this order (who goes first alternates from one comparison to the next):
    then ``llama-quantize ... Q4_K_M 2`` from the cached build: ``tests/llamacpp_convert.py``,
    ``tests/llamacpp_tools.py``; its BF16 GGUF deleted once quantized; the page cache dropped before the convert
    only, as a user runs the two back to back), then ``ktconvert quantize --recipe Q4_K_M -j 2``; every GGUF
-   tensor compared (name, type, bytes).
+   tensor compared (name, type, bytes); then ``-j 1`` (``-j 2``'s scaling where the quantizers are the work),
+   its manifest sha256 compared with ``-j 2``'s.
 4. Three outputs (Q4_K_M, AMXINT4, Q8_0): three separate ``-j 2`` runs, then one ``--output ...`` run; each
    output's manifest sha256 compared with its separate run's (the manifests hash the bytes on disk).
 
@@ -204,10 +205,17 @@ def main(argv=None) -> None:
             ours2 = _run("ktconvert Q4_K_M -j2", _ours(src, base / "q4", ["--recipe", "Q4_K_M"], a.jobs,
                                                          a.max_memory), log=log)
             same, total = bc._same_tensors(base / "q4" / "model.gguf", base / "llama-q4.gguf")
-            _rm(base / "q4", base / "llama-q4.gguf")
+            _rm(base / "llama-q4.gguf")
+            # the same conversion with one process: -j 2's scaling where the work is the quantizers' (compute),
+            # beside AMXINT8's, where it is the read
+            ours1 = _run("ktconvert Q4_K_M -j1", _ours(src, base / "q4j1", ["--recipe", "Q4_K_M"], 1, a.max_memory),
+                         log=log)
+            j_same = _files(base / "q4j1") == _files(base / "q4")
+            _rm(base / "q4", base / "q4j1")
             flow = _sum("llama.cpp convert + quantize", [conv, quant])
             res["q4_k_m"] = {"ours": ours2, "upstream": flow, "ratio": round(flow["wall_s"] / ours2["wall_s"], 2),
-                             "tensors_identical": f"{same}/{total}"}
+                             "tensors_identical": f"{same}/{total}", "ours_j1": ours1, "j1_j2_identical": j_same,
+                             "j2_over_j1": round(ours1["wall_s"] / ours2["wall_s"], 2)}
         if "outputs" not in a.skip:
             outs = [("Q4_K_M", ["--recipe", "Q4_K_M"]), ("AMXINT4", [*kt, "--type", "AMXINT4"]),
                     ("Q8_0", ["--recipe", "Q8_0"])]
