@@ -133,6 +133,7 @@ def parse(ctx: ParseContext) -> Parsed | None:
 class CompressedMqa(AttentionMechanism):
     name = "compressed_mqa"
     parsers = (ParseStep(70, parse),)
+    count_limits = {"o_groups": (1, 4096), "o_lora_rank": (1, 1 << 16)}
 
     def head_dims(self, g: Getter, facts: dict, hidden: int, heads: int, path: str | None) -> tuple[int, int]:
         head_dim = g.int("head_dim")
@@ -142,7 +143,6 @@ class CompressedMqa(AttentionMechanism):
               path: str | None) -> tuple[RopeSpec, RopeSpec | None]:
         """The window-only layers' rope and the compressed layers' (:func:`parse_ropes`)."""
         return parse_ropes(raw, default_theta, rope_dim, max_pos, path)
-    count_limits = {"o_groups": (1, 4096), "o_lora_rank": (1, 1 << 16)}
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         """Reference names; the spec's layer_renames publish them."""
