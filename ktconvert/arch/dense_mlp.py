@@ -149,7 +149,7 @@ def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int, path: s
 class DenseMlp:
     name = "dense_mlp"
     gguf_keys: dict = {}
-    parsers = ()  # its width is the core's (MoeConfig.intermediate_size)
+    parsers = ()  # its layers and width are the MLP part's (MoeConfig.mlp), which every family has: moe.parse_mlp
     count_limits: dict = {}
     fills: dict = {}
 
