@@ -120,7 +120,8 @@ def test_the_budget_counts_the_capacity_of_a_picked_layer(tmp_path):
 
     e, k, h, i = 256, 8, 7168, 2048
     layer_bytes = _write_ktamx(tmp_path / "ds", 0, e, h, i, sparse=True, bits=4)
-    cfg = SimpleNamespace(num_experts=e, num_experts_per_tok=k, hidden_size=h, moe_intermediate_size=i)
+    cfg = SimpleNamespace(num_experts=e, num_experts_per_tok=k, hidden_size=h,
+                          mlp=SimpleNamespace(moe_intermediate_size=i))
     blocks = SimpleNamespace(layer=0)
     rt = KernelRuntime("kt-kernel", kt_weights=tmp_path / "ds", streamed=True)
     assert rt.auto_profile(cfg) == "kt-amxint4"
@@ -133,6 +134,7 @@ def test_the_budget_counts_the_capacity_of_a_picked_layer(tmp_path):
     assert resident.capacity("AMXINT4", cfg, 0) is None
     assert resident._child_bytes("AMXINT4", blocks, None, None) == layer_bytes
     qwen_bytes = _write_ktamx(tmp_path / "qwen", 0, 128, 2048, 768, sparse=True)
-    qwen = SimpleNamespace(num_experts=128, num_experts_per_tok=8, hidden_size=2048, moe_intermediate_size=768)
+    qwen = SimpleNamespace(num_experts=128, num_experts_per_tok=8, hidden_size=2048,
+                           mlp=SimpleNamespace(moe_intermediate_size=768))
     assert qwen_bytes < GIB
     assert KernelRuntime("kt-kernel", kt_weights=tmp_path / "qwen", streamed=True).capacity("AMXINT8", qwen, 0) is None
