@@ -324,7 +324,7 @@ def _write_rows(task: Task, data: np.ndarray, r0: int, r1: int) -> None:
 
 #: Input bytes per chunk of a unit read around the page cache: its rows are read, converted and written a chunk at a
 #: time, the next chunk read (:class:`ReadAhead`) while this one converts. Measured (docs/measurements.md, issue 35).
-READ_AHEAD_CHUNK = 8 * 1024**2
+READ_AHEAD_CHUNK = 4 * 1024**2
 
 
 def _direct_chunks(ck, t: PlanTensor, r0: int, r1: int) -> list[tuple[int, int]] | None:
