@@ -242,3 +242,31 @@ def test_quantizing_rows_in_any_cut_gives_the_bytes_of_one_call(type):
     whole = quantize(x, type)
     parts = np.concatenate([quantize(x[a:b], type) for a, b in ((0, 1), (1, 6), (6, 7), (7, 13))])
     assert parts.tobytes() == whole.tobytes()
+
+
+def test_a_unit_read_ahead_with_an_importance_matrix_writes_the_single_read_bytes(ckpt, tmp_path, monkeypatch):
+    """Chunks cut inside experts still quantize each row with its own expert's importances (quantize --imatrix)."""
+    from ktconvert.convert import convert
+    from ktconvert.convert import execute as ex
+    from ktconvert.convert import worker
+    from ktconvert.formats.imatrix import ImatrixEntry, imatrix_gguf_bytes
+
+    plain = convert(ckpt, tmp_path / "plain", type="Q4_0", tokenizer=False, allow_fallback=True).out / "model.gguf"
+    rng, entries = np.random.default_rng(2), {}
+    for name, info in open_checkpoint(plain).items():
+        if "_exps." in name:
+            e, n_in = info.shape[0], info.shape[-1]
+            entries[name] = ImatrixEntry(rng.uniform(0.1, 4.0, (e, n_in)).astype(np.float32), np.full(e, 8, np.float32))
+    assert entries
+    imx = tmp_path / "imatrix.gguf"
+    imx.write_bytes(imatrix_gguf_bytes(entries, datasets=("t",), chunk_count=8, chunk_size=64))
+    monkeypatch.setattr(worker, "READ_AHEAD_CHUNK", 1)
+    runs = {}
+    for label, least in (("page cache", 1 << 62), ("read ahead", 0)):
+        monkeypatch.setattr(ex, "DIRECT_MIN", least)
+        out = tmp_path / label
+        convert(ckpt, out, type="Q4_0", tokenizer=False, allow_fallback=True, imatrix=imx)
+        runs[label] = json.loads((out / "manifest.json").read_text())["files"]
+    assert runs["read ahead"] == runs["page cache"]
+    with_imx = json.loads((tmp_path / "read ahead" / "manifest.json").read_text())["files"]
+    assert with_imx != json.loads((tmp_path / "plain" / "manifest.json").read_text())["files"]
