@@ -167,3 +167,106 @@ def test_a_conversion_reading_around_the_page_cache_writes_the_same_bytes(ckpt, 
         runs[label] = json.loads((out / "manifest.json").read_text())["files"]
     assert runs["direct"] == runs["page cache"]
     assert seen and (all(seen) or not _direct_allowed(ckpt / "model.safetensors"))
+
+
+@pytest.mark.parametrize("type", ["Q4_0", "Q8_0"])
+def test_a_unit_read_ahead_in_chunks_writes_the_single_read_bytes(ckpt, tmp_path, monkeypatch, type):
+    """Units read around the page cache are converted in chunks of a few rows, the next chunk read by a thread while
+    one converts (READ_AHEAD_CHUNK 1: the fewest rows a chunk holds): the same files (manifest sha256) and the same
+    resume digests as a run reading every unit through the page cache in one read."""
+    from ktconvert.convert import convert
+    from ktconvert.convert import execute as ex
+    from ktconvert.convert import worker
+
+    used = []
+    real = files.ReadAhead
+
+    class Counting(real):
+        def __init__(self, reads, bufs):
+            used.append(len(reads))
+            super().__init__(reads, bufs)
+
+    monkeypatch.setattr(worker, "ReadAhead", Counting)
+    monkeypatch.setattr(worker, "READ_AHEAD_CHUNK", 1)
+    runs = {}
+    for label, least in (("page cache", 1 << 62), ("read ahead", 0)):
+        monkeypatch.setattr(ex, "DIRECT_MIN", least)
+        out = tmp_path / label
+        convert(ckpt, out, type=type, jobs=1, tokenizer=False, allow_fallback=True)
+        man = json.loads((out / "manifest.json").read_text())
+        runs[label] = man["files"], man.get("plan")
+    assert runs["read ahead"] == runs["page cache"]
+    assert used and max(used) > 2  # units really were cut into several reads
+
+
+def test_a_truncated_file_under_a_read_ahead_is_one_line_and_leaves_no_thread(ckpt, tmp_path, monkeypatch):
+    """A read of the thread failing (the file cut short) is raised where its chunk is used, as the single read's
+    InputError naming the file and tensor; the thread is gone and the output not renamed into place."""
+    import shutil
+    import threading
+
+    from ktconvert.convert import convert
+    from ktconvert.convert import execute as ex
+    from ktconvert.convert import worker
+    from ktconvert.errors import InputError
+
+    src = tmp_path / "src"
+    shutil.copytree(ckpt, src)
+    monkeypatch.setattr(ex, "DIRECT_MIN", 0)
+    monkeypatch.setattr(worker, "READ_AHEAD_CHUNK", 1)
+    real, cut = worker._direct_read, []
+
+    def cut_then_read(ck, tensor, first, n, buf):  # the file shortened while the run reads it: the first chunk
+        if first > 0 and not cut:  # read ahead past a tensor's start cuts the file inside that tensor
+            cut.append((str(ck[tensor].file), tensor))
+            with open(ck[tensor].file, "r+b") as fh:
+                fh.truncate(ck[tensor].offset + 1)
+        return real(ck, tensor, first, n, buf)
+
+    monkeypatch.setattr(worker, "_direct_read", cut_then_read)
+    with pytest.raises(InputError) as err:
+        convert(src, tmp_path / "out", type="Q8_0", jobs=1, tokenizer=False, allow_fallback=True)
+    assert cut and (err.value.path, err.value.where) == (cut[0][0], f"tensor {cut[0][1]}")
+    assert "ends at byte" in err.value.message and "truncated" in err.value.fix
+    assert not (tmp_path / "out").exists()
+    assert not [t for t in threading.enumerate() if t.name == "ktconvert-read-ahead"]
+
+
+@pytest.mark.parametrize("type", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"])
+def test_quantizing_rows_in_any_cut_gives_the_bytes_of_one_call(type):
+    """What chunked units rely on: every type quantizes each row on its own (a K-quant's super-blocks run along the
+    row), so rows quantized in runs cut anywhere are the bytes of the rows quantized at once."""
+    from ktconvert.quant import quantize
+
+    x = np.random.default_rng(1).standard_normal((13, 512)).astype(np.float32)
+    whole = quantize(x, type)
+    parts = np.concatenate([quantize(x[a:b], type) for a, b in ((0, 1), (1, 6), (6, 7), (7, 13))])
+    assert parts.tobytes() == whole.tobytes()
+
+
+def test_a_unit_read_ahead_with_an_importance_matrix_writes_the_single_read_bytes(ckpt, tmp_path, monkeypatch):
+    """Chunks cut inside experts still quantize each row with its own expert's importances (quantize --imatrix)."""
+    from ktconvert.convert import convert
+    from ktconvert.convert import execute as ex
+    from ktconvert.convert import worker
+    from ktconvert.formats.imatrix import ImatrixEntry, imatrix_gguf_bytes
+
+    plain = convert(ckpt, tmp_path / "plain", type="Q4_0", tokenizer=False, allow_fallback=True).out / "model.gguf"
+    rng, entries = np.random.default_rng(2), {}
+    for name, info in open_checkpoint(plain).items():
+        if "_exps." in name:
+            e, n_in = info.shape[0], info.shape[-1]
+            entries[name] = ImatrixEntry(rng.uniform(0.1, 4.0, (e, n_in)).astype(np.float32), np.full(e, 8, np.float32))
+    assert entries
+    imx = tmp_path / "imatrix.gguf"
+    imx.write_bytes(imatrix_gguf_bytes(entries, datasets=("t",), chunk_count=8, chunk_size=64))
+    monkeypatch.setattr(worker, "READ_AHEAD_CHUNK", 1)
+    runs = {}
+    for label, least in (("page cache", 1 << 62), ("read ahead", 0)):
+        monkeypatch.setattr(ex, "DIRECT_MIN", least)
+        out = tmp_path / label
+        convert(ckpt, out, type="Q4_0", tokenizer=False, allow_fallback=True, imatrix=imx)
+        runs[label] = json.loads((out / "manifest.json").read_text())["files"]
+    assert runs["read ahead"] == runs["page cache"]
+    with_imx = json.loads((tmp_path / "read ahead" / "manifest.json").read_text())["files"]
+    assert with_imx != json.loads((tmp_path / "plain" / "manifest.json").read_text())["files"]

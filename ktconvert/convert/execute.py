@@ -48,7 +48,8 @@ STATE_DIR = ".ktconvert"
 #: A unit reading at least this much reads it with O_DIRECT (the bytes straight from the disk into the process's
 #: buffer: no page cache copy, no page cache filled with bytes read once). Smaller units (a kt-amx expert: 3 MiB)
 #: read through the page cache, where :class:`_Prefetch` has the kernel read them while the unit before converts;
-#: a unit read with O_DIRECT waits for its own reads, which at this size run at the disk's rate. Several outputs
+#: a unit read with O_DIRECT converts chunk by chunk while a thread reads the next chunk (worker.py,
+#: ``READ_AHEAD_CHUNK``), so only its first chunk's read is waited for. Several outputs
 #: from one read (``--output``) read through the page cache: their units may read the same bytes again.
 DIRECT_MIN = 16 * 1024**2
 UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained

@@ -4,13 +4,16 @@ Runs in the main process (``jobs=1``) or in worker processes; it opens what it n
 process, so a task is only a few small objects. Everything a unit allocates is proportional to its rows, which
 the executor sizes from the memory budget. Runs of whole input rows are read with large ``pread`` calls into one
 reused buffer per process (other access, a column band or a row permutation, goes through short-lived memory
-maps), and the process keeps the heap memory it frees for the next unit (:mod:`ktconvert.io.heap`), so resident
+maps; a unit read around the page cache is read and converted in chunks, the next chunk read by a thread into a
+second buffer meanwhile: :func:`_quantize_read_ahead`), and the process keeps the heap memory it frees for the next unit (:mod:`ktconvert.io.heap`), so resident
 memory does not grow with the checkpoint and no unit faults in the pages the last one used.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
+import math
 import multiprocessing.context
 import os
 import signal
@@ -28,7 +31,7 @@ from ktconvert.formats.imatrix import read_imatrix
 from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.formats.transforms import tile_columns
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
-from ktconvert.io.files import ReadBuffer, pread_into
+from ktconvert.io.files import ALIGN, ReadAhead, ReadBuffer, pread_into
 from ktconvert.io.heap import keep_freed_memory
 from ktconvert.quant import bf16_to_float32, dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
@@ -76,7 +79,7 @@ def close_all() -> None:
         os.close(fd)
     _FDS.clear()
     _CHECKPOINTS.clear()
-    for b in (_BUF, _XBUF, _QBUF):
+    for b in (_BUF, _BUF2, _XBUF, _QBUF):
         b.release()
 
 
@@ -300,16 +303,63 @@ def _run(task: Task) -> int:
         elif t.type == "I32" and ck[t.segments[0].source].dtype in INT_DTYPES:
             data = _int_rows(ck, t, task.r0, task.r1)
         else:
-
+            chunks = _direct_chunks(ck, t, task.r0, task.r1) if _DIRECT[0] else None
+            if chunks is not None:
+                _quantize_read_ahead(ck, task, chunks)
+                return task.unit
             x = _float_rows(ck, t, task.r0, task.r1, _XBUF)
             data = _quantize(x, t, task.r0, task.r1)
             del x
-    offset = t.offset + task.r0 * t.row_bytes
-    expect = (task.r1 - task.r0) * t.row_bytes if t.const is None else t.nbytes
+    _write_rows(task, data, task.r0, task.r1)
+    return task.unit
+
+
+def _write_rows(task: Task, data: np.ndarray, r0: int, r1: int) -> None:
+    """Write rows ``r0..r1`` of the unit's output tensor (``data``) at their offset in its file."""
+    t = task.tensor
+    expect = (r1 - r0) * t.row_bytes if t.const is None else t.nbytes
     if data.nbytes != expect:
         raise AssertionError(f"{t.name}: unit produced {data.nbytes} bytes, plan says {expect}")
-    _pwrite(task.out_path, data, offset)
-    return task.unit
+    _pwrite(task.out_path, data, t.offset + r0 * t.row_bytes)
+
+
+#: Input bytes per chunk of a unit read around the page cache: its rows are read, converted and written a chunk at a
+#: time, the next chunk read (:class:`ReadAhead`) while this one converts. Measured (docs/measurements.md, issue 35).
+READ_AHEAD_CHUNK = 4 * 1024**2
+
+
+def _direct_chunks(ck, t: PlanTensor, r0: int, r1: int) -> list[tuple[int, int]] | None:
+    """Rows ``r0..r1`` cut into runs of about :data:`READ_AHEAD_CHUNK` input bytes, each a whole number of 4 KiB
+    blocks where the row size allows (a block is then read once); ``None`` when that is one run. Any cut is exact:
+    every type quantizes each row on its own (a K-quant's super-blocks run along the row)."""
+    rb = max(_row_bytes(ck[s.source]) for s, *_ in _overlaps(t, r0, r1))
+    step = ALIGN // math.gcd(rb, ALIGN)
+    rows = max(step, READ_AHEAD_CHUNK // rb // step * step)
+    if rows >= r1 - r0:
+        return None
+    return [(a, min(a + rows, r1)) for a in range(r0, r1, rows)]
+
+
+def _quantize_read_ahead(ck, task: Task, chunks: list[tuple[int, int]]) -> None:
+    """Convert and write a unit read around the page cache chunk by chunk, each chunk's input read by a thread
+    while the chunk before converts: the bytes of the single read, in the same order (its digest too), at the same
+    offsets. A read error is raised where its chunk is used, the thread stopped first."""
+    t = task.tensor
+    reads = [((s.source, s.src_row + i, n), functools.partial(_direct_read, ck, s.source, s.src_row + i, n))
+             for a, b in chunks for s, i, n, _ in _overlaps(t, a, b)]
+    with ReadAhead(reads, (_BUF, _BUF2)) as ahead:
+        _AHEAD[0] = ahead
+        try:
+            for a, b in chunks:
+                x = _float_rows(ck, t, a, b, _XBUF)
+                _write_rows(task, _quantize(x, t, a, b), a, b)
+                del x
+        finally:
+            _AHEAD[0] = None
+
+
+def _direct_read(ck, name: str, first: int, n: int, buf: ReadBuffer) -> np.ndarray:
+    return ck.read_rows(name, first, first + n, buf, direct=True)
 
 
 _IMATRICES: dict = {}
@@ -454,6 +504,9 @@ _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in
 # kernel on first touch (13% of a Q4_K_M run's CPU time, in the converting process's unit thread, whose malloc
 # arena hands large blocks back when they are freed)
 _XBUF, _QBUF = ReadBuffer(), ReadBuffer()
+_BUF2 = ReadBuffer()  # the second buffer of a unit read ahead (:func:`_quantize_read_ahead`), with _BUF
+#: the running unit's reads done ahead of their use (:class:`ReadAhead`), when it reads so
+_AHEAD: list = [None]
 
 
 #: the running unit's checksum of the bytes it reads, when those are exactly :func:`source_ranges` in order
@@ -475,7 +528,9 @@ def reads_are_ranges(t: PlanTensor, r0: int, r1: int) -> bool:
 def _read_rows(ck, name: str, first: int, n: int) -> np.ndarray:
     """Flat rows ``first .. first+n`` of a stored tensor, read into this process's buffer (valid until the next
     read: decode or copy them before reading again), and hashed into the unit's digest when it keeps one."""
-    rows = ck.read_rows(name, first, first + n, _BUF, direct=_DIRECT[0])
+    ahead = _AHEAD[0]
+    rows = (ahead.next((name, first, n)) if ahead is not None
+            else ck.read_rows(name, first, first + n, _BUF, direct=_DIRECT[0]))
     if _READ_HASH[0] is not None:
         _READ_HASH[0].update(rows)
     return rows

@@ -165,3 +165,62 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
         raise InputError(f"{what} ends at byte {start + got}, its header says data runs to {offset + nbytes}",
                          path=str(path), where=where, fix="the file is truncated; re-download it")
     return window[offset - start: offset - start + nbytes]
+
+
+class ReadAhead:
+    """Reads done one ahead of their use by a thread of its own, into two buffers taken in turn, so a process
+    decodes and converts the bytes of one read while the disk delivers the next (``preadv`` and the compiled
+    kernels both release the GIL). ``reads``: ``(key, read)`` in the order they are used, ``read(buf)`` returning a
+    view of ``buf``; :meth:`next` hands them out in that order, each valid until the next call (its buffer is then
+    read into again). An error of a read (an :class:`InputError` for a truncated file) is raised by :meth:`next`
+    where that read is used, and no read is started after it; leaving the ``with`` block stops the thread and waits
+    for it, whatever ended the block."""
+
+    def __init__(self, reads: list, bufs: tuple[ReadBuffer, ReadBuffer]) -> None:
+        import queue
+        import threading
+
+        self._reads = list(reads)
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._ready: queue.SimpleQueue = queue.SimpleQueue()
+        for b in bufs:
+            self._free.put(b)
+        self._held = None
+        self._stop = False
+        self._thread = threading.Thread(target=self._work, name="ktconvert-read-ahead", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        for key, read in self._reads:
+            buf = self._free.get()
+            if buf is None or self._stop:
+                return
+            try:
+                self._ready.put((key, buf, read(buf), None))
+            except BaseException as exc:  # handed to the reader of these bytes, raised there
+                self._ready.put((key, buf, None, exc))
+                return
+
+    def next(self, key):
+        """The bytes of the next read, which must be ``key`` (a caller reading out of the announced order is a bug)."""
+        if self._held is not None:
+            self._free.put(self._held)
+            self._held = None
+        got, buf, data, exc = self._ready.get()
+        self._held = buf
+        if exc is not None:
+            raise exc
+        if got != key:
+            raise AssertionError(f"read {key} asked, {got} read ahead")
+        return data
+
+    def close(self) -> None:
+        self._stop = True
+        self._free.put(None)
+        self._thread.join()
+
+    def __enter__(self) -> "ReadAhead":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
