@@ -5,8 +5,9 @@ process, so a task is only a few small objects. Everything a unit allocates is p
 the executor sizes from the memory budget. Runs of whole input rows are read with large ``pread`` calls into one
 reused buffer per process (other access, a column band or a row permutation, goes through short-lived memory
 maps; a unit read around the page cache is read and converted in chunks, the next chunk read by a thread into a
-second buffer meanwhile: :func:`_quantize_read_ahead`), and the process keeps the heap memory it frees for the next unit (:mod:`ktconvert.io.heap`), so resident
-memory does not grow with the checkpoint and no unit faults in the pages the last one used.
+second buffer meanwhile: :func:`_quantize_read_ahead`), and the process keeps the heap memory it frees for the next
+unit (:mod:`ktconvert.io.heap`), so resident memory does not grow with the checkpoint and no unit faults in the
+pages the last one used.
 """
 
 from __future__ import annotations
