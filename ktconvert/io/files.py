@@ -79,16 +79,18 @@ class ReadBuffer:
         return self._view[:nbytes]
 
 
-def pread_into(fd: int, out: np.ndarray | memoryview, offset: int) -> int:
+def pread_into(fd: int, out: np.ndarray | memoryview, offset: int, *, block: int = 1) -> int:
     """Fill ``out`` (a writable contiguous buffer) from ``fd`` at ``offset`` with as few ``preadv`` calls as the
-    kernel allows; returns the bytes read (fewer than asked only at the end of the file)."""
+    kernel allows; returns the bytes read (fewer than asked only at the end of the file). ``block``: a read that
+    ends off a multiple of it is the end of the file (an ``O_DIRECT`` descriptor's partial last block: asking
+    again at an unaligned offset is an error on some filesystems)."""
     view = memoryview(out).cast("B")
     done = 0
     while done < len(view):
         n = os.preadv(fd, [view[done: done + (1 << 30)]], offset + done)
-        if n == 0:
-            break
         done += n
+        if n == 0 or n % block:
+            break
     return done
 
 
@@ -146,13 +148,8 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
     try:
         window = buf.take(nbytes + 2 * ALIGN)[: end - start]  # the size its alignment needs at most: the buffer
         # grows for the first unit of a size, not again for one whose bytes start elsewhere in a block
-        view, got = memoryview(window), 0
         try:
-            while got < len(view):
-                n = os.preadv(fd, [view[got: got + (1 << 30)]], start + got)
-                got += n
-                if n == 0 or n % ALIGN:  # the end of the file (its last block is partial): asking again at an
-                    break  # unaligned offset is an error on some filesystems
+            got = pread_into(fd, window, start, block=ALIGN)
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # O_DIRECT opened, then refused (an alignment this filesystem needs)
                 _NO_DIRECT.add(dev)
