@@ -95,17 +95,22 @@ class ParseStep(NamedTuple):
     parse: Callable[[ParseContext], Parsed | None]
 
 
-class AttentionMechanism:
-    """What every attention mechanism has besides the protocol, with the common values: ``attr``, the decoder layer's
-    attribute holding it (``self_attn`` / ``linear_attn``); ``recurrent``, a recurrent state instead of a KV cache
-    (GGUF head_count_kv 0 where the spec writes it per layer; tagged as linear attention); no parser and no counts
-    of its own unless it says."""
+class MechanismBase:
+    """The protocol's values a mechanism has unless it says: no parse step, no counts and no tensor role of its
+    own (each mechanism class derives from this, the attention ones through :class:`AttentionMechanism`)."""
 
-    attr = "self_attn"
-    recurrent = False
     parsers: tuple[ParseStep, ...] = ()
     count_limits: Mapping[str, tuple[int, int]] = {}
     fills: Mapping[str, RoleFill] = {}
+
+
+class AttentionMechanism(MechanismBase):
+    """What every attention mechanism has besides the protocol, with the common values: ``attr``, the decoder layer's
+    attribute holding it (``self_attn`` / ``linear_attn``); ``recurrent``, a recurrent state instead of a KV cache
+    (GGUF head_count_kv 0 where the spec writes it per layer; tagged as linear attention)."""
+
+    attr = "self_attn"
+    recurrent = False
 
     def head_dims(self, g: Getter, facts: dict, hidden: int, heads: int, path: str | None) -> tuple[int, int]:
         """``(head_dim, rope_dim)`` of a model whose spec's ``attention.kind`` (``facts``: that section) names this

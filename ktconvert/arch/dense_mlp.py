@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from ktconvert.arch.base import Add, Getter, layer_prefix
+from ktconvert.arch.base import Add, Getter, MechanismBase, layer_prefix
 from ktconvert.errors import InputError
 
 if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
@@ -146,12 +146,12 @@ def moe_layers_of(policy: str, raw: dict, layers: int, num_experts: int, path: s
     return set(range(layers))
 
 
-class DenseMlp:
+class DenseMlp(MechanismBase):
+    """No parse step of its own: its layers and width are the MLP part's (``MoeConfig.mlp``), which every family
+    has (``moe.parse_mlp``)."""
+
     name = "dense_mlp"
     gguf_keys: dict = {}
-    parsers = ()  # its layers and width are the MLP part's (MoeConfig.mlp), which every family has: moe.parse_mlp
-    count_limits: dict = {}
-    fills: dict = {}
 
     def layer_tensors(self, cfg: MoeConfig, layer: int, add: Add, *, experts: bool = True) -> None:
         mlp_tensors(add, cfg.hidden_size, f"{layer_prefix(layer)}.{cfg.ffn_name(layer)}", cfg.mlp.intermediate_size)

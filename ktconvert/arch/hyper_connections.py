@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ktconvert.arch.base import Add, ParseContext, Parsed, ParseStep, layer_prefix
+from ktconvert.arch.base import Add, MechanismBase, ParseContext, Parsed, ParseStep, layer_prefix
 from ktconvert.errors import InputError
 
 if TYPE_CHECKING:  # arch sits below families (docs/developing/layout.md): the type only, no import
@@ -51,11 +51,10 @@ def parse(ctx: ParseContext) -> Parsed | None:
     return {"residual": dims}
 
 
-class HyperConnections:
+class HyperConnections(MechanismBase):
     name = "hyper_connections"
     parsers = (ParseStep(50, parse),)
     count_limits = {"hc_mult": (1, 64), "hc_sinkhorn_iters": (1, 1024)}
-    fills: dict = {}
 
     def before_attention(self, cfg: MoeConfig) -> bool:
         """The release's layer parameters come before the attention's tensors; transformers' modules after them."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 from ktconvert.arch import dense_mlp
-from ktconvert.arch.base import Add, Getter, layer_prefix, when
+from ktconvert.arch.base import Add, Getter, MechanismBase, layer_prefix, when
 from ktconvert.errors import InputError
 from ktconvert.arch.dense_mlp import mlp_modules, mlp_tensors
 
@@ -168,11 +168,12 @@ def parse_shared_experts(g: Getter, moe: dict, mlp: MlpPart, path: str | None) -
     return mlp
 
 
-class Moe:
+class Moe(MechanismBase):
+    """No parse step of its own (its routing, activation and MLP part are parsed with the core: every family has
+    them) and no tensor role of its own (its router's designed fill is the tiny models', for every family)."""
+
     name = "moe"
-    parsers: tuple = ()  # its routing and activation are parsed with the core (parse_routing, parse_activation)
     count_limits = {"n_group": (1, 8192), "topk_group": (1, 8192)}
-    fills: dict = {}  # its router's designed fill is the tiny models' own (routing channels, every family)
 
     def router_tensors(self, cfg: MoeConfig, m: str, add: Add) -> None:
         """What the router holds besides its weight and bias: DeepSeek-V3's score-correction bias."""
