@@ -102,10 +102,10 @@ def parse_steps() -> list[ParseStep]:
     return steps
 
 
-def count_limits() -> dict[str, tuple[int, int]]:
-    """Every mechanism's config.json count bounds (``count_limits``) by key; a key bounded twice is refused (each
-    count belongs to one mechanism)."""
-    return _owned("count_limits", "config counts {} bounded twice", {})
+def count_limits(core: Mapping[str, tuple[int, int]] = MappingProxyType({})) -> dict[str, tuple[int, int]]:
+    """``core`` (the model's own count bounds, ``ktconvert/families/limits.py``'s) and every mechanism's config.json
+    count bounds (``count_limits``) by key; a key bounded twice is refused (each count belongs to one owner)."""
+    return _owned("count_limits", "config counts {} bounded twice", dict(core))
 
 
 def role_fills() -> dict:

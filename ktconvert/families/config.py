@@ -192,10 +192,11 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
 
     qk_key = attn_facts.get("qk_norm_key")
     qk_norm = bool(g.opt(qk_key, sp.qk_norm)) if qk_key else sp.qk_norm
+    eps = float(g.opt("rms_norm_eps", defaults["rms_norm_eps"]))
     kwargs = _parts(ParseContext(
         g=g, raw=raw, attention_spec=attn_facts, config_spec=cfg_facts, routing_spec=routing, layers=layers,
         heads=heads, kv_heads=kv_heads, head_dim=head_dim, rope_dim=rope_dim, compress_rope=compress_rope,
-        moe_layers=mlp.moe_layers, rms_norm_eps=float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])), path=path))
+        moe_layers=mlp.moe_layers, rms_norm_eps=eps, path=path))
     # compressed MQA's window covers every layer (its parser gives it)
     attention = AttentionPart(**{"qk_norm": qk_norm, "sliding_window": window, "sliding_layers": sliding,
                                  **kwargs.pop("attention")})
@@ -209,7 +210,7 @@ def normalize_config(raw: dict, *, path: str | None = None) -> MoeConfig:
         num_attention_heads=heads,
         num_key_value_heads=kv_heads,
         head_dim=head_dim,
-        rms_norm_eps=float(g.opt("rms_norm_eps", defaults["rms_norm_eps"])),
+        rms_norm_eps=eps,
         max_position_embeddings=max_pos,
         rope=rope,
         tie_word_embeddings=bool(g.opt("tie_word_embeddings", False)),

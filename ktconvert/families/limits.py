@@ -44,16 +44,8 @@ CORE_LIMITS: dict[str, tuple[int, int]] = {
 }
 
 
-def _gathered() -> dict[str, tuple[int, int]]:
-    mechanisms = arch.count_limits()
-    clash = set(CORE_LIMITS) & set(mechanisms)
-    if clash:
-        raise AssertionError(f"config counts {sorted(clash)} bounded by the core and a mechanism")
-    return {**CORE_LIMITS, **mechanisms}
-
-
-#: every count this module checks: the core's, then each registered mechanism's
-FIELD_LIMITS: dict[str, tuple[int, int]] = _gathered()
+#: every count this module checks: the core's, then each registered mechanism's (a key bounded twice is refused)
+FIELD_LIMITS: dict[str, tuple[int, int]] = arch.count_limits(CORE_LIMITS)
 
 #: How many routed expert modules (layers x experts) a model may declare: the largest released models have about 24k
 #: (48 x 512 Qwen3-Next, 61 x 384 Kimi K2, 94 x 128 Qwen3-235B). check-rules --model builds the module tree from a
