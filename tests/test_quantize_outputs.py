@@ -57,10 +57,12 @@ def test_each_output_is_its_single_run(single, tmp_path, jobs):
 
 
 def test_the_outputs_share_their_reads(single, tmp_path):
-    """The expert units of the three outputs are grouped by the source tensor they read, which each group reads
-    once; no group holds more than its share of the budget."""
+    """The expert units of the three outputs are joined by the source tensor they read, which their group reads
+    once; a group holds several such reads, in file order, each at most half the budget (one is held while the
+    next is read), and its units in the order of its reads."""
     from ktconvert.convert import parse_output, plan_outputs
     from ktconvert.convert.execute import _Output, group_units, make_units
+    from ktconvert.convert.worker import segments_read
 
     src, _ = single
     plans = plan_outputs(src, [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS])
@@ -70,8 +72,19 @@ def test_the_outputs_share_their_reads(single, tmp_path):
     assert sorted((k, t.unit) for g in groups for k, t in g.tasks) == sorted((k, u.id) for k, u in todo)
     experts = [g for g in groups if any(".experts." in n for n in g.shared)]
     assert experts and all({k for k, _ in g.tasks} == {0, 1, 2} for g in experts)
+    assert any(len(g.reads) > 1 for g in experts)
     ck = __import__("ktconvert.formats", fromlist=["open_checkpoint"]).open_checkpoint(src)
-    assert all(sum(ck[n].nbytes for n in g.shared) <= 2**24 for g in groups)
+    assert all(sum(ck[n].nbytes for n in names) <= 2**23 for g in groups for names in g.reads)
+    for g in groups:  # each unit reads from the read its place in the group has reached, never an earlier one
+        at = 0
+        for _, t in g.tasks:
+            mine = {s.source for s, _, _ in segments_read(t.tensor, t.r0, t.r1)} & g.shared
+            while mine and not mine <= g.reads[at]:
+                at += 1
+            assert at < len(g.reads) or not mine
+        offsets = [min(ck[n].offset for n in names) for names in g.reads]
+        assert offsets == sorted(offsets)
+    assert not any(t.direct for g in groups if g.reads for _, t in g.tasks)
 
 
 def test_an_interrupted_run_resumes_every_output(single, tmp_path):
@@ -171,13 +184,10 @@ def test_no_commit_outside_a_git_checkout(tmp_path):
     assert git_commit(tmp_path) == {}
 
 
-def test_a_group_reads_each_shared_tensor_once(single, tmp_path, monkeypatch):
-    """run_group over the three outputs' units of one expert projection: the checkpoint's read of that tensor
-    happens once for all of them; tensors not shared are read as before; the checkpoint is unwrapped after."""
+def _expert_group(single, tmp_path):
+    """The group of the three outputs' units that reads expert 0's up_proj, its output files made."""
     from ktconvert.convert import parse_output, plan_outputs
-    from ktconvert.convert import worker
     from ktconvert.convert.execute import _Output, group_units, make_units
-    from ktconvert.formats.checkpoint import Checkpoint
 
     src, _ = single
     plans = plan_outputs(src, [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS])
@@ -188,18 +198,68 @@ def test_a_group_reads_each_shared_tensor_once(single, tmp_path, monkeypatch):
             with open(o.partial / f.name, "wb") as fh:
                 fh.truncate(f.size)
     todo = [(k, u) for k, o in enumerate(outs) for u in make_units(o.plan, 2**26, 1, shared=True)]
-    group = next(g for g in group_units(outs, todo, 2**24) if any(".experts.0.up_proj" in n for n in g.shared))
-    reads = []
-    real = Checkpoint.read
-    monkeypatch.setattr(Checkpoint, "read", lambda self, name: reads.append(name) or real(self, name))
+    return src, next(g for g in group_units(outs, todo, 2**24) if any(".experts.0.up_proj" in n for n in g.shared))
+
+
+def test_a_group_reads_each_shared_tensor_once(single, tmp_path, monkeypatch):
+    """run_group over the units of a group: the checkpoint reads each shared tensor once for all of its units
+    (ahead of its use, around the page cache where the filesystem allows it), maps none of them; the
+    checkpoint is unwrapped after."""
+    from ktconvert.convert import worker
+    from ktconvert.formats.checkpoint import Checkpoint
+
+    src, group = _expert_group(single, tmp_path)
+    reads, maps = [], []
+    real_rows, real_read = Checkpoint.read_rows, Checkpoint.read
+    monkeypatch.setattr(Checkpoint, "read_rows", lambda self, name, *a, **k: reads.append((name, k.get("direct")))
+                        or real_rows(self, name, *a, **k))
+    monkeypatch.setattr(Checkpoint, "read", lambda self, name: maps.append(name) or real_read(self, name))
     try:
         done = worker.run_group(group)
         after = worker._CHECKPOINTS[str(src)]
     finally:
         worker.close_all()
-    assert sorted(k for k, _, _ in done) == [0, 1, 2]
-    assert len(group.shared) == 1 and reads.count(next(iter(group.shared))) == 1  # three units, one read
+    assert sorted({k for k, _, _ in done}) == [0, 1, 2] and len(done) == len(group.tasks)
+    shared = [n for n, _ in reads if n in group.shared]
+    assert sorted(shared) == sorted(group.shared) and all(d for n, d in reads if n in group.shared)
+    assert not set(maps) & group.shared
     assert "read" not in vars(after)  # the plain checkpoint again, for the next group
+
+
+def test_a_truncated_source_stops_a_group_with_one_line(single, tmp_path, monkeypatch):
+    """A source file cut short under a running group (a shared read finds its end): the read's InputError, naming
+    the file, the tensor and the fix, raised where its unit uses it; the read-ahead thread is stopped."""
+    import threading
+
+    from ktconvert.convert import worker
+    from ktconvert.errors import InputError
+    from ktconvert.formats.checkpoint import Checkpoint
+
+    src, group = _expert_group(single, tmp_path)
+    last = sorted(next(iter(r)) for r in group.reads)[-1]  # a tensor of the group's reads: its file ends early
+    real = Checkpoint.read_rows
+
+    def cut(self, name, r0, r1, buf=None, **how):
+        if name == last:
+            raise InputError("checkpoint file ends at byte 10, its header says data runs to 20",
+                             path=str(self[name].file), where=f"tensor {name}", fix="the file is truncated; re-download it")
+        return real(self, name, r0, r1, buf, **how)
+
+    monkeypatch.setattr(Checkpoint, "read_rows", cut)
+    try:
+        with pytest.raises(InputError) as err:
+            worker.run_group(group)
+    finally:
+        worker.close_all()
+    assert err.value.where == f"tensor {last}" and "re-download" in str(err.value.fix)
+    assert not any(t.name == "ktconvert-read-ahead" for t in threading.enumerate())
+    out = tmp_path / "run"  # the whole command: one line, exit 3, no output and no partial directory left
+    out.mkdir()
+    res = _run(src, *_outputs(out))
+    assert res.exit_code == 3, res.output
+    line = res.stderr.strip()
+    assert "\n" not in line and f"tensor {last}" in line and "re-download" in line, line
+    assert list(out.iterdir()) == []
 
 
 def test_a_recipe_file_names_an_output(single, tmp_path):

@@ -406,23 +406,32 @@ def _read_set(ck, t: PlanTensor, u: Unit, cap: int) -> tuple[frozenset, tuple]:
     return frozenset(names), first
 
 
+#: Source bytes a task of a several-output run reads for its units (:func:`group_units`): several shared reads per
+#: task, so a task's next read overlaps its units' conversion and the per-task costs (a round trip to a worker, the
+#: pickled plan tensors) are paid once per several experts. Measured (docs/measurements.md, issue 35).
+GROUP_BYTES = 48 * 1024**2
+
+
 def group_units(outs: list, todo: list[tuple[int, Unit]], cap: int) -> list[Group]:
     """The units to run (``(output index, unit)``) as :class:`Group` s: one output's units one by one, in plan
-    order; several outputs' units joined where they read a common source tensor (of at most ``cap`` bytes), each
-    group's shared tensors together at most ``cap`` bytes (a group that would hold more runs unit by unit), in the
-    order of the source files. A unit of a single output that reads at least :data:`DIRECT_MIN` bytes reads them
-    around the page cache (:attr:`Task.direct`)."""
+    order; several outputs' units joined where they read a common source tensor (of at most ``cap // 2`` bytes: a
+    group holds one shared read while the next is read), the sets of units that share their reads (each at most
+    ``cap // 2`` bytes; one that would hold more runs unit by unit) put together in groups of about
+    :data:`GROUP_BYTES` of reads, in the order of the source files. A unit that runs alone (no other unit shares its
+    reads) and reads at least :data:`DIRECT_MIN` bytes reads them around the page cache (:attr:`Task.direct`), as it
+    does in a run of its output alone: a tensor too large to share (an embedding) costs the several-output run what
+    it costs that run."""
 
-    def task(k: int, u: Unit) -> tuple[int, Task]:
+    def task(k: int, u: Unit, alone: bool = True) -> tuple[int, Task]:
         o = outs[k]
         t: PlanTensor = o.plan.tensors[u.tensor]
         return k, Task(u.id, o.plan.source, o.paths[t.file], t, u.r0, u.r1,
-                       direct=len(outs) == 1 and u.in_bytes >= DIRECT_MIN and reads_are_ranges(t, u.r0, u.r1))
+                       direct=alone and u.in_bytes >= DIRECT_MIN and reads_are_ranges(t, u.r0, u.r1))
 
     if len(outs) == 1 or cap <= 0:
         return [Group((task(k, u),)) for k, u in todo]
     ck = open_checkpoint(outs[0].plan.source)
-    reads = [_read_set(ck, outs[k].plan.tensors[u.tensor], u, cap) for k, u in todo]
+    reads = [_read_set(ck, outs[k].plan.tensors[u.tensor], u, cap // 2) for k, u in todo]
     parent = list(range(len(todo)))
 
     def root(i: int) -> int:
@@ -441,16 +450,34 @@ def group_units(outs: list, todo: list[tuple[int, Unit]], cap: int) -> list[Grou
     members: dict[int, list[int]] = {}
     for i in range(len(todo)):
         members.setdefault(root(i), []).append(i)
-    groups = []
+    runs = []  # (where its first read lies, shared names or None, member units)
     for ids in members.values():
         names = frozenset().union(*(reads[i][0] for i in ids))
-        first = min(reads[i][1] for i in ids)
-        if len(ids) > 1 and sum(ck[n].nbytes for n in names) <= cap:
-            groups.append((first, Group(tuple(task(*todo[i]) for i in ids), names)))
+        if len(ids) > 1 and sum(ck[n].nbytes for n in names) <= cap // 2:
+            runs.append((min(reads[i][1] for i in ids), names, ids))
         else:
-            groups.extend((reads[i][1], Group((task(*todo[i]),))) for i in ids)
-    groups.sort(key=lambda g: g[0])
-    return [g for _, g in groups]
+            runs.extend((reads[i][1], None, [i]) for i in ids)
+    runs.sort(key=lambda r: r[0])
+    groups, tasks, names_in, size = [], [], [], 0
+
+    def close() -> None:
+        nonlocal tasks, names_in, size
+        if tasks:
+            groups.append(Group(tuple(tasks), tuple(names_in)))
+        tasks, names_in, size = [], [], 0
+
+    for _, names, ids in runs:
+        if names is None:
+            close()
+            groups.append(Group((task(*todo[ids[0]]),)))
+            continue
+        tasks.extend(task(*todo[i], alone=False) for i in ids)
+        names_in.append(names)
+        size += sum(ck[n].nbytes for n in names)
+        if size >= GROUP_BYTES:
+            close()
+    close()
+    return groups
 
 
 def _check_space(plan: Plan, out: Path) -> None:
@@ -478,7 +505,7 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
         run = os.urandom(8).hex()
         groups = [Group(tuple((k, dataclasses.replace(t, src=os.path.abspath(t.src),
                                                       out_path=os.path.abspath(t.out_path), run=run))
-                              for k, t in g.tasks), g.shared) for g in groups]
+                              for k, t in g.tasks), g.reads) for g in groups]
     unit_bytes = {(k, u.id): u.in_bytes for k, o in enumerate(outs) for u in o.units}
     pending: list[list[tuple[int, str]]] = [[] for _ in outs]
     last_sync = time.monotonic()
@@ -594,8 +621,8 @@ class _Prefetch:
             if id(g) not in self._seen:
                 self._seen.add(id(g))
                 for _, task in g.tasks:
-                    if task.direct:  # read around the page cache: what the kernel read ahead would go unused
-                        continue
+                    if task.direct or g.reads:  # read around the page cache (a direct unit's, a group's shared
+                        continue                # reads): what the kernel read ahead would go unused
                     for r in source_ranges(self._ck, task.tensor, task.r0, task.r1):
                         self._queue.put(r)
 

@@ -20,7 +20,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -82,6 +82,8 @@ def close_all() -> None:
     _CHECKPOINTS.clear()
     for b in (_BUF, _BUF2, _XBUF, _QBUF):
         b.release()
+    for slot in _SLOTS:
+        slot.clear()
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
@@ -210,49 +212,78 @@ def run_task_synced(task: Task) -> tuple[int, str]:
     return result
 
 
-def _shared_reads(ck, names: frozenset):
-    """A copy of the checkpoint ``ck`` whose ``read`` of the tensors ``names`` copies each one into memory once,
-    for every unit of a :func:`run_group`: several outputs' units reading the same source tensor read its bytes
-    from the file once. Every other tensor is mapped as ``ck`` maps it."""
-    shared, held = copy.copy(ck), {}
+def _shared_reads(ck, ahead: ReadAhead, reads: tuple):
+    """A copy of the checkpoint ``ck`` whose ``read`` and ``read_rows`` of a tensor of a group's shared ``reads``
+    answer from the bytes read once for all of its units (``ahead``: those reads, in the order the units use them);
+    every other tensor is read as ``ck`` reads it. A unit asking for a shared tensor of a read already passed is a
+    bug of the grouping (an AssertionError), never a second read."""
+    shared, names = copy.copy(ck), frozenset().union(*reads)
+    at, held = [-1], [{}]
+
+    def rows(name: str) -> np.ndarray:
+        while name not in held[0]:
+            at[0] += 1
+            if at[0] >= len(reads):
+                raise AssertionError(f"{name}: read by a unit after its group's shared read of it")
+            held[0] = ahead.next(reads[at[0]])
+        return held[0][name]
 
     def read(name: str) -> np.ndarray:
         if name not in names:
             return ck.read(name)
-        a = held.get(name)
-        if a is None:
-            a = held[name] = np.array(ck.read(name))
-            a.flags.writeable = False
+        a = rows(name).reshape(ck.read(name).shape)
+        a.flags.writeable = False
         return a
 
     def read_rows(name: str, r0: int, r1: int, buf=None, **how) -> np.ndarray:
         if name not in names:
             return ck.read_rows(name, r0, r1, buf, **how)
-        a = read(name)
-        return (a.reshape(1, -1) if a.ndim < 2 else a.reshape(-1, a.shape[-1]))[r0:r1]
+        return rows(name)[r0:r1]
 
     shared.read, shared.read_rows = read, read_rows
     return shared
 
 
+def _read_shared(ck, names: frozenset, slot: list) -> dict[str, np.ndarray]:
+    """Every tensor of ``names`` read whole into a buffer of ``slot`` (one per tensor, grown as needed; reused by
+    the next read into this slot), around the page cache where the filesystem allows it: ``{name: its rows}``."""
+    out = {}
+    for i, name in enumerate(sorted(names, key=lambda n: (str(ck[n].file), ck[n].offset))):
+        if len(slot) <= i:
+            slot.append(ReadBuffer())
+        out[name] = ck.read_rows(name, 0, ck.rows(name), slot[i], direct=True)
+    return out
+
+
 @dataclass(frozen=True)
 class Group:
     """Units run one after the other in one process: ``tasks`` are ``(output index, Task)`` of one or several
-    outputs; ``shared`` names the source tensors they have in common, read once for all of them."""
+    outputs; ``reads`` are the sets of source tensors they have in common, in the order the tasks use them, each
+    read once for all of them (the next one read by a thread while the units of this one convert)."""
 
     tasks: tuple
-    shared: frozenset = frozenset()
+    reads: tuple = ()
+
+    @property
+    def shared(self) -> frozenset:
+        """Every source tensor the group reads once for its units."""
+        return frozenset().union(*self.reads)
 
 
 def run_group(group: Group) -> list[tuple[int, int, str]]:
-    """:func:`run_task` for every unit of ``group`` (the source tensors it shares read once); returns ``(output
-    index, unit id, input digest)`` per unit. Units reading the same input bytes share one digest."""
+    """:func:`run_task` for every unit of ``group`` (the source tensors it shares read once, one read ahead of its
+    use: :class:`ReadAhead`); returns ``(output index, unit id, input digest)`` per unit. Units reading the same
+    input bytes share one digest."""
     out, digests = [], {}
-    plain = {t.src: _checkpoint(t.src) for _, t in group.tasks} if group.shared else {}
-    for src, ck in plain.items():
-        _CHECKPOINTS[src] = _shared_reads(ck, group.shared)
     keep_freed_memory()
-    try:
+    with ExitStack() as stack:
+        if group.reads:
+            src = group.tasks[0][1].src
+            ck = _checkpoint(src)
+            reads = [(names, functools.partial(_read_shared, ck, names)) for names in group.reads]
+            ahead = stack.enter_context(ReadAhead(reads, _SLOTS))
+            _CHECKPOINTS[src] = _shared_reads(ck, ahead, group.reads)
+            stack.callback(_CHECKPOINTS.__setitem__, src, ck)
         for k, task in group.tasks:
             key = tuple(source_ranges(_checkpoint(task.src), task.tensor, task.r0, task.r1))
             if key in digests:
@@ -260,8 +291,6 @@ def run_group(group: Group) -> list[tuple[int, int, str]]:
             else:
                 uid, digests[key] = _convert_hashed(task)
             out.append((k, uid, digests[key]))
-    finally:
-        _CHECKPOINTS.update(plain)
     return out
 
 
@@ -506,6 +535,8 @@ _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in
 # arena hands large blocks back when they are freed)
 _XBUF, _QBUF = ReadBuffer(), ReadBuffer()
 _BUF2 = ReadBuffer()  # the second buffer of a unit read ahead (:func:`_quantize_read_ahead`), with _BUF
+#: the two buffer slots of a group's shared reads (:func:`run_group`): one held by its units, the next read into
+_SLOTS: tuple[list, list] = ([], [])
 #: the running unit's reads done ahead of their use (:class:`ReadAhead`), when it reads so
 _AHEAD: list = [None]
 
