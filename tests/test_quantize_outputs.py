@@ -56,6 +56,35 @@ def test_each_output_is_its_single_run(single, tmp_path, jobs):
     assert res.stdout.count("wrote ") == 3
 
 
+@pytest.mark.parametrize("refuse", [False, True])
+def test_shared_reads_around_the_page_cache_or_through_it_are_the_single_runs(single, tmp_path, monkeypatch, refuse):
+    """The groups' shared reads ask for O_DIRECT; a filesystem refusing it (tmpfs: EINVAL at open) is read through
+    the page cache instead: either way every output is its single run's, byte for byte."""
+    import errno
+    import os
+
+    from ktconvert.io import files
+
+    real_open, asked = os.open, []
+
+    def opening(path, flags, *a, **kw):
+        if flags & getattr(os, "O_DIRECT", 0):
+            asked.append(path)
+            if refuse:
+                raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(files, "_NO_DIRECT", set())
+    monkeypatch.setattr(files.os, "open", opening)
+    src, refs = single
+    res = _run(src, *_outputs(tmp_path), "--max-memory", "64MiB")
+    assert res.exit_code == 0, res.output
+    for spec, _ in OUTPUTS:
+        assert tree_bytes(tmp_path / spec) == refs[spec], spec
+    if hasattr(os, "O_DIRECT"):
+        assert asked and (len(asked) == 1) == refuse  # refused: asked once for the filesystem, then never again
+
+
 def test_the_outputs_share_their_reads(single, tmp_path):
     """The expert units of the three outputs are joined by the source tensor they read, which their group reads
     once; a group holds several such reads, in file order, each at most half the budget (one is held while the
