@@ -408,7 +408,8 @@ def _read_set(ck, t: PlanTensor, u: Unit, cap: int) -> tuple[frozenset, tuple]:
 
 #: Source bytes a task of a several-output run reads for its units (:func:`group_units`): several shared reads per
 #: task, so a task's next read overlaps its units' conversion and the per-task costs (a round trip to a worker, the
-#: pickled plan tensors) are paid once per several experts. Measured (docs/measurements.md, issue 35).
+#: pickled plan tensors) are paid once per several experts; about the input of a Q4_K_M unit of a ``-j 2`` run of
+#: that output alone, so the two jobs still share the work evenly at the end. (docs/measurements.md, issue 35)
 GROUP_BYTES = 48 * 1024**2
 
 
