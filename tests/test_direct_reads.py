@@ -270,3 +270,76 @@ def test_a_unit_read_ahead_with_an_importance_matrix_writes_the_single_read_byte
     assert runs["read ahead"] == runs["page cache"]
     with_imx = json.loads((tmp_path / "read ahead" / "manifest.json").read_text())["files"]
     assert with_imx != json.loads((tmp_path / "plain" / "manifest.json").read_text())["files"]
+
+
+def _kt_amx_run(src, out, least: int, monkeypatch) -> tuple[dict, dict | None]:
+    """A kt-amx AMXINT8 conversion of ``src`` whose units are joined into groups reading ``least`` bytes around the
+    page cache (1 MiB: several of the tiny model's 256 KiB experts a group); its manifest's files and plan."""
+    from ktconvert.convert import convert
+    from ktconvert.convert import execute as ex
+
+    monkeypatch.setattr(ex, "DIRECT_MIN", least)
+    convert(src, out, format="kt-amx", type="AMXINT8", threadpool_count=2)
+    man = json.loads((out / "manifest.json").read_text())
+    return man["files"], man.get("plan")
+
+
+def test_kt_amx_experts_read_ahead_in_groups_write_the_page_cache_bytes(tiny_root, tmp_path, monkeypatch):
+    """kt-amx units (one expert projection each) joined into groups read around the page cache, every read done by
+    a thread ahead of the packer: the same files (manifest sha256) and resume digests as every unit read through the
+    page cache, and the same where the filesystem refuses O_DIRECT (read through the page cache, without a word)."""
+    from ktconvert.convert import worker
+
+    used, real_ahead = [], files.ReadAhead
+
+    class Counting(real_ahead):
+        def __init__(self, reads, bufs):
+            reads = list(reads)
+            used.append(len(reads))
+            super().__init__(reads, bufs)
+
+    monkeypatch.setattr(worker, "ReadAhead", Counting)
+    src = tiny_root / "qwen3_moe"
+    want = _kt_amx_run(src, tmp_path / "page cache", 1 << 62, monkeypatch)
+    assert not used
+    assert _kt_amx_run(src, tmp_path / "read ahead", 1 << 20, monkeypatch) == want
+    assert used and max(used) >= 4  # groups of several experts, each group one thread's reads
+    real_open = os.open
+
+    def refusing_open(path, flags, *a, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(files.os, "open", refusing_open)
+    assert _kt_amx_run(src, tmp_path / "refused", 1 << 20, monkeypatch) == want
+    assert files._NO_DIRECT == {os.stat(src).st_dev}
+
+
+def test_a_truncated_file_under_a_kt_amx_group_is_one_line_and_renames_nothing(tiny_root, tmp_path, monkeypatch):
+    """The checkpoint cut short while a group of experts is read ahead: the single read's one line (the file, the
+    tensor, "truncated"), raised where the packer reaches that expert; no read-ahead thread left, no output."""
+    import shutil
+    import threading
+
+    from ktconvert.convert import worker
+    from ktconvert.errors import InputError
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_root / "qwen3_moe", src)
+    real, cut = worker._direct_read, []
+
+    def cut_then_read(ck, tensor, first, n, buf):  # the third expert read of a run cuts the file inside its tensor
+        if "experts.2." in tensor and not cut:
+            cut.append((str(ck[tensor].file), tensor))
+            with open(ck[tensor].file, "r+b") as fh:
+                fh.truncate(ck[tensor].offset + 1)
+        return real(ck, tensor, first, n, buf)
+
+    monkeypatch.setattr(worker, "_direct_read", cut_then_read)
+    with pytest.raises(InputError) as err:
+        _kt_amx_run(src, tmp_path / "out", 1 << 20, monkeypatch)
+    assert cut and (err.value.path, err.value.where) == (cut[0][0], f"tensor {cut[0][1]}")
+    assert "ends at byte" in err.value.message and "truncated" in err.value.fix
+    assert not (tmp_path / "out").exists()
+    assert not [t for t in threading.enumerate() if t.name == "ktconvert-read-ahead"]

@@ -45,12 +45,14 @@ from ktconvert.io.files import ReadBuffer
 from ktconvert.io.dtypes import FLOAT_DTYPES
 
 STATE_DIR = ".ktconvert"
-#: A unit reading at least this much reads it with O_DIRECT (the bytes straight from the disk into the process's
-#: buffer: no page cache copy, no page cache filled with bytes read once). Smaller units (a kt-amx expert: 3 MiB)
-#: read through the page cache, where :class:`_Prefetch` has the kernel read them while the unit before converts;
-#: a unit read with O_DIRECT converts chunk by chunk while a thread reads the next chunk (worker.py,
-#: ``READ_AHEAD_CHUNK``), so only its first chunk's read is waited for. Several outputs
-#: from one read (``--output``) read through the page cache: their units may read the same bytes again.
+#: Units of one output are run in groups reading at least this much, read with O_DIRECT (the bytes straight from the
+#: disk into the process's buffer: no page cache copy, no page cache pages allocated and freed for bytes read once):
+#: consecutive units joined until they read this much (a kt-amx expert reads 3 MiB), a larger unit alone. A thread
+#: does each read of a group one ahead of its use (worker.py, ``_reading_ahead``; a large unit read in chunks of
+#: ``READ_AHEAD_CHUNK`` it converts one by one), so only the group's first read is waited for. Units left over at
+#: the end of a run of such units, short of this much, read through the page cache one by one, where
+#: :class:`_Prefetch` has the kernel read them while the unit before converts; so do the units of several outputs
+#: from one read (``--output``): they may read the same bytes again.
 DIRECT_MIN = 16 * 1024**2
 UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
 SYNC_EVERY_S = 1.0
@@ -410,16 +412,17 @@ def group_units(outs: list, todo: list[tuple[int, Unit]], cap: int) -> list[Grou
     """The units to run (``(output index, unit)``) as :class:`Group` s: one output's units one by one, in plan
     order; several outputs' units joined where they read a common source tensor (of at most ``cap`` bytes), each
     group's shared tensors together at most ``cap`` bytes (a group that would hold more runs unit by unit), in the
-    order of the source files. A unit of a single output that reads at least :data:`DIRECT_MIN` bytes reads them
-    around the page cache (:attr:`Task.direct`)."""
+    order of the source files. A single output's units that hash the bytes they read are joined in plan order into
+    groups reading at least :data:`DIRECT_MIN` bytes, read around the page cache (:attr:`Task.direct`)."""
 
-    def task(k: int, u: Unit) -> tuple[int, Task]:
+    def task(k: int, u: Unit, direct: bool = False) -> tuple[int, Task]:
         o = outs[k]
         t: PlanTensor = o.plan.tensors[u.tensor]
-        return k, Task(u.id, o.plan.source, o.paths[t.file], t, u.r0, u.r1,
-                       direct=len(outs) == 1 and u.in_bytes >= DIRECT_MIN and reads_are_ranges(t, u.r0, u.r1))
+        return k, Task(u.id, o.plan.source, o.paths[t.file], t, u.r0, u.r1, direct=direct)
 
-    if len(outs) == 1 or cap <= 0:
+    if len(outs) == 1:
+        return _direct_groups(outs, todo, task)
+    if cap <= 0:
         return [Group((task(k, u),)) for k, u in todo]
     ck = open_checkpoint(outs[0].plan.source)
     reads = [_read_set(ck, outs[k].plan.tensors[u.tensor], u, cap) for k, u in todo]
@@ -451,6 +454,33 @@ def group_units(outs: list, todo: list[tuple[int, Unit]], cap: int) -> list[Grou
             groups.extend((reads[i][1], Group((task(*todo[i]),))) for i in ids)
     groups.sort(key=lambda g: g[0])
     return [g for _, g in groups]
+
+
+def _direct_groups(outs: list, todo: list[tuple[int, Unit]], task) -> list[Group]:
+    """One output's units (``todo``, in plan order) as groups: consecutive units that hash what they read
+    (:func:`reads_are_ranges`) joined until they read :data:`DIRECT_MIN` bytes, read around the page cache; every
+    other unit, and a run's last units short of that, alone through the page cache."""
+    groups: list[Group] = []
+    run: list[tuple[int, Unit]] = []
+
+    def flush() -> None:
+        if sum(u.in_bytes for _, u in run) >= DIRECT_MIN:
+            groups.append(Group(tuple(task(k, u, True) for k, u in run)))
+        else:
+            groups.extend(Group((task(k, u),)) for k, u in run)
+        run.clear()
+
+    for k, u in todo:
+        t = outs[k].plan.tensors[u.tensor]
+        if not reads_are_ranges(t, u.r0, u.r1):
+            flush()
+            groups.append(Group((task(k, u),)))
+            continue
+        run.append((k, u))
+        if sum(v.in_bytes for _, v in run) >= DIRECT_MIN:
+            flush()
+    flush()
+    return groups
 
 
 def _check_space(plan: Plan, out: Path) -> None:

@@ -169,7 +169,9 @@ class ReadAhead:
     decodes and converts the bytes of one read while the disk delivers the next (``preadv`` and the compiled
     kernels both release the GIL). ``reads``: ``(key, read)`` in the order they are used, ``read(buf)`` returning a
     view of ``buf``; :meth:`next` hands them out in that order, each valid until the next call (its buffer is then
-    read into again). An error of a read (an :class:`InputError` for a truncated file) is raised by :meth:`next`
+    read into again). Asking again for the read just handed out hands it out again, and a read announced twice in a
+    row is read once: a reader may go back over the bytes it has (the kt-amx packer's float32 path, to say where a
+    NaN is), or two in a row read the same bytes. An error of a read (an :class:`InputError` for a truncated file) is raised by :meth:`next`
     where that read is used, and no read is started after it; leaving the ``with`` block stops the thread and waits
     for it, whatever ended the block."""
 
@@ -177,12 +179,15 @@ class ReadAhead:
         import queue
         import threading
 
-        self._reads = list(reads)
+        self._reads: list = []
+        for r in reads:  # a read announced again right after itself: read once
+            if not self._reads or r[0] != self._reads[-1][0]:
+                self._reads.append(r)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         for b in bufs:
             self._free.put(b)
-        self._held = None
+        self._held = self._last = None
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="ktconvert-read-ahead", daemon=True)
         self._thread.start()
@@ -199,7 +204,11 @@ class ReadAhead:
                 return
 
     def next(self, key):
-        """The bytes of the next read, which must be ``key`` (a caller reading out of the announced order is a bug)."""
+        """The bytes of the next read, which must be ``key`` (a caller reading out of the announced order is a bug),
+        or of the last one again."""
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        self._last = None
         if self._held is not None:
             self._free.put(self._held)
             self._held = None
@@ -209,6 +218,7 @@ class ReadAhead:
             raise exc
         if got != key:
             raise AssertionError(f"read {key} asked, {got} read ahead")
+        self._last = (key, data)
         return data
 
     def close(self) -> None:
