@@ -57,25 +57,40 @@ def read_text(path: str | os.PathLike, what: str = "text file", *, limit: int = 
 ALIGN = 4096  # the page size: buffers start on a page, so the kernel copies whole pages into them
 
 
+HUGE = 2 * 1024**2  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
+
+
 class ReadBuffer:
     """A grow-only, page-aligned byte buffer reused for every read of a process: reading into the same memory
-    again costs no page faults (a fresh array per read faults in and zeroes every page of it first)."""
+    again costs no page faults (a fresh array per read faults in and zeroes every page of it first).
+
+    It is an anonymous mapping of whole huge pages, asked to be backed by them (``MADV_HUGEPAGE``, where the kernel
+    has transparent huge pages in ``madvise`` or ``always`` mode): an ``O_DIRECT`` read pins the pages it reads into
+    (:func:`read_direct`), 512 times fewer of them, and the first touch faults in 2 MiB at a time. Where the kernel
+    declines, it is the same memory in 4 KiB pages."""
 
     def __init__(self) -> None:
         self._raw = self._view = None
 
     def release(self) -> None:
-        """Give the memory back (a later ``take`` allocates again)."""
+        """Give the memory back (a later ``take`` allocates again; the mapping goes with its last view)."""
         self._raw = self._view = None
 
     def take(self, nbytes: int) -> np.ndarray:
         """A writable uint8 view of the first ``nbytes`` (valid until the next ``take``)."""
+        import mmap
+
         import numpy as np
 
         if self._view is None or nbytes > self._view.size:
-            self._raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-            skip = -self._raw.ctypes.data % ALIGN
-            self._view = self._raw[skip: skip + nbytes]
+            size = -(-max(nbytes, 1) // HUGE) * HUGE
+            self._raw = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (+ room to start
+            # on a huge page boundary; private: a shared one is shmem, which has huge pages of its own setting)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                self._raw.madvise(mmap.MADV_HUGEPAGE)
+            whole = np.frombuffer(self._raw, dtype=np.uint8)
+            skip = -whole.ctypes.data % HUGE
+            self._view = whole[skip: skip + size]
         return self._view[:nbytes]
 
 
