@@ -667,7 +667,8 @@ class _OutputHashes:
                 spans.setdefault(t.file, []).append((*_unit_span(t, u), u.id))
                 self._file_of[(k, u.id)] = (k, t.file)
             for fi, f in enumerate(o.plan.files):
-                self._files[(k, fi)] = [FileSha256(o.partial / f.name, buf=buf), sorted(spans.get(fi, [])), 0]
+                self._files[(k, fi)] = [FileSha256(o.partial / f.name, buf=buf, direct=True),
+                                        sorted(spans.get(fi, [])), 0]
             self._done.update((k, uid) for uid in o.done)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: list[BaseException] = []

@@ -32,7 +32,7 @@ from ktconvert.formats.imatrix import read_imatrix
 from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.formats.transforms import tile_columns
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
-from ktconvert.io.files import ALIGN, ReadAhead, ReadBuffer, pread_into
+from ktconvert.io.files import ALIGN, ReadAhead, ReadBuffer, open_direct, pread_into, write_direct
 from ktconvert.io.heap import keep_freed_memory
 from ktconvert.quant import bf16_to_float32, dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
@@ -58,6 +58,7 @@ class Task:
 
 _CHECKPOINTS: dict = {}
 _FDS: dict = {}
+_DFDS: dict = {}  # the output files open with O_DIRECT (:func:`_direct_fd`)
 _RUN = [""]
 
 
@@ -76,12 +77,23 @@ def _fd(path: str) -> int:
     return fd
 
 
+def _direct_fd(path: str) -> int | None:
+    """``path`` open for writes around the page cache, or ``None`` where its filesystem refuses them."""
+    if path not in _DFDS:
+        fd = open_direct(path, os.O_WRONLY)
+        if fd is None:
+            return None
+        _DFDS[path] = fd
+    return _DFDS[path]
+
+
 def close_all() -> None:
-    for fd in _FDS.values():
+    for fd in [*_FDS.values(), *_DFDS.values()]:
         os.close(fd)
     _FDS.clear()
+    _DFDS.clear()
     _CHECKPOINTS.clear()
-    for b in (_BUF, _BUF2, _XBUF, _QBUF):
+    for b in (_BUF, _BUF2, _XBUF, _QBUF, _WBUF):
         b.release()
 
 
@@ -468,30 +480,22 @@ def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
     return h.hexdigest()
 
 
+#: A write of at least this much goes around the page cache (:func:`ktconvert.io.files.write_direct`: its whole
+#: 4 KiB blocks with ``O_DIRECT``, its partial blocks through the page cache): a kt-amx expert's 1-3 MB, a
+#: quantized unit's rows. Copying into page cache pages and ext4's per-block accounting of them were the largest
+#: part of a kt-amx run's system time once its reads went around the cache (docs/measurements.md, issue 35).
+DIRECT_WRITE_MIN = 1024**2
+
+
 def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None:
-    """Write ``data`` (an array, or arrays laid end to end: one ``pwritev`` of them all, no joined copy) at
-    ``offset``, as few calls as the kernel allows."""
+    """Write ``data`` (an array, or arrays laid end to end: no joined copy through the page cache) at ``offset``;
+    :data:`DIRECT_WRITE_MIN` bytes or more around the page cache, where the filesystem allows it."""
     views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in
              (data if isinstance(data, list) else [data])]
-    views = [v for v in views if len(v)]
     fd = _fd(path)  # an OSError (disk full, read-only) goes up as is: the executor names OUT and the fix
-    while views:
-        batch, size = [], 0
-        for v in views[:_IOV_MAX]:
-            if size + len(v) > 1 << 30 and batch:
-                break
-            batch.append(v)
-            size += len(v)
-        n = os.pwritev(fd, batch, offset)
-        offset += n
-        while views and n >= len(views[0]):  # drop what was written, keep the rest of a buffer cut short
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-
-
-_IOV_MAX = 1024  # buffers per pwritev (Linux's IOV_MAX)
+    direct = _direct_fd(path) if sum(len(v) for v in views) >= DIRECT_WRITE_MIN else None
+    if not write_direct(path, fd, direct, views, offset, _WBUF):
+        os.close(_DFDS.pop(path))  # refused: this filesystem is written through the page cache from now on
 
 
 def _overlaps(t: PlanTensor, r0: int, r1: int):
@@ -508,6 +512,7 @@ _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in
 # arena hands large blocks back when they are freed)
 _XBUF, _QBUF = ReadBuffer(), ReadBuffer()
 _BUF2 = ReadBuffer()  # the second buffer of a group read ahead (:func:`_reading_ahead`), with _BUF
+_WBUF = ReadBuffer()  # a unit's output blocks gathered for their write around the page cache (:func:`_pwrite`)
 #: the running group's reads done ahead of their use (:class:`ReadAhead`), when it reads so
 _AHEAD: list = [None]
 

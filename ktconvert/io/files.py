@@ -136,6 +136,97 @@ def read_exact(path: str | os.PathLike, offset: int, out: np.ndarray, *, what: s
 _NO_DIRECT: set[int] = set()
 
 
+def open_direct(path: str | os.PathLike, flags: int) -> int | None:
+    """``path`` opened with ``flags | O_DIRECT``, or ``None`` where there is no ``O_DIRECT`` (another OS, a
+    filesystem that refused it in this process or refuses it now: then remembered) or the path cannot be opened
+    (the caller's own access names the problem)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    if dev in _NO_DIRECT:
+        return None
+    try:
+        return os.open(path, flags | flag)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # the filesystem has no O_DIRECT
+            _NO_DIRECT.add(dev)
+        return None
+
+
+def refused_direct(path: str | os.PathLike) -> None:
+    """An ``O_DIRECT`` transfer of ``path`` was refused (``EINVAL``: an alignment its filesystem needs): its
+    filesystem is read and written through the page cache from then on."""
+    try:
+        _NO_DIRECT.add(os.stat(path).st_dev)
+    except OSError:
+        pass
+
+
+def write_direct(path: str | os.PathLike, fd: int, direct_fd: int | None, views: list, offset: int,
+                 stage: ReadBuffer) -> bool:
+    """Write ``views`` (byte buffers laid end to end) at ``offset`` of ``path``, open as ``fd``: the whole 4 KiB blocks
+    they cover, gathered into ``stage``, with ``direct_fd`` (the file opened by :func:`open_direct`: the disk reads
+    them from this process's memory; no page cache pages allocated, filled and written back), the partial blocks at
+    either end (which neighbouring writes share) through the page cache; everything through it without a
+    ``direct_fd``, or where the filesystem refuses the direct write (:func:`refused_direct`; then ``False`` is
+    returned, else ``True``). Nothing of the bytes changes: a file written either way is the same file."""
+    import numpy as np
+
+    total = sum(len(v) for v in views)
+    head = min(total, -offset % ALIGN)
+    body = (total - head) // ALIGN * ALIGN
+    if direct_fd is not None and body:
+        flat = [np.frombuffer(v, np.uint8) for v in views]
+        cuts = np.cumsum([0] + [a.size for a in flat])
+
+        def part(a: int, b: int) -> list:
+            return [memoryview(x[max(a, c0) - c0: min(b, c0 + x.size) - c0])
+                    for x, c0 in zip(flat, cuts[:-1]) if max(a, c0) < min(b, c0 + x.size)]
+
+        out = stage.take(body)
+        np.concatenate([np.asarray(m) for m in part(head, head + body)], out=out)
+        try:
+            pwrite_all(direct_fd, [memoryview(out)], offset + head)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            refused_direct(path)  # the filesystem wants another alignment: the page cache, for this write too
+            pwrite_all(fd, views, offset)
+            return False
+        pwrite_all(fd, part(0, head), offset)
+        pwrite_all(fd, part(head + body, total), offset + head + body)
+        return True
+    pwrite_all(fd, views, offset)
+    return True
+
+
+def pwrite_all(fd: int, views: list, offset: int) -> None:
+    """Write ``views`` (byte buffers laid end to end: one ``pwritev`` of them all, no joined copy) at ``offset``,
+    as few calls as the kernel allows."""
+    views = [v for v in views if len(v)]
+    while views:
+        batch, size = [], 0
+        for v in views[:_IOV_MAX]:
+            if size + len(v) > 1 << 30 and batch:
+                break
+            batch.append(v)
+            size += len(v)
+        n = os.pwritev(fd, batch, offset)
+        offset += n
+        while views and n >= len(views[0]):  # drop what was written, keep the rest of a buffer cut short
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+_IOV_MAX = 1024  # buffers per pwritev (Linux's IOV_MAX)
+
+
 def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuffer, *, what: str = "file",
                 where: str | None = None) -> np.ndarray | None:
     """``nbytes`` of ``path`` at ``offset`` read with ``O_DIRECT``: the disk writes them straight into ``buf`` (no
@@ -143,23 +234,11 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
     its next use), or ``None`` where the filesystem refuses ``O_DIRECT`` (the caller then reads with
     :func:`read_exact`). The read covers the whole 4 KiB blocks around the range, so the view starts
     ``offset % 4096`` bytes into the buffer. A file shorter than the range is :func:`read_exact`'s InputError."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        dev = os.stat(path).st_dev
-    except OSError:
-        return None  # read_exact names the problem
-    if dev in _NO_DIRECT:
-        return None
+    fd = open_direct(path, os.O_RDONLY)
+    if fd is None:
+        return None  # (a path that cannot be opened at all: read_exact names the problem)
     start = offset - offset % ALIGN
     end = -(-(offset + nbytes) // ALIGN) * ALIGN
-    try:
-        fd = os.open(path, os.O_RDONLY | flag)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:  # the filesystem has no O_DIRECT
-            _NO_DIRECT.add(dev)
-        return None
     try:
         window = buf.take(nbytes + 2 * ALIGN)[: end - start]  # the size its alignment needs at most: the buffer
         # grows for the first unit of a size, not again for one whose bytes start elsewhere in a block
@@ -167,7 +246,7 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
             got = pread_into(fd, window, start, block=ALIGN)
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # O_DIRECT opened, then refused (an alignment this filesystem needs)
-                _NO_DIRECT.add(dev)
+                refused_direct(path)
                 return None
             raise InputError(f"cannot read {what}: {exc.strerror}", path=str(path), where=where) from None
     finally:
