@@ -284,7 +284,9 @@ def _reading_ahead(group: Group):
 
 
 def run_group_synced(group: Group) -> list[tuple[int, int, str]]:
-    """:func:`run_group` for a Ray task: as :func:`run_task_synced`, every unit's bytes fsynced before it reports."""
+    """:func:`run_group` for a worker that outlives the run and may sit on another host (a Ray task): every unit's
+    bytes are fsynced here before it reports done (the journal must not list bytes still in this host's cache), and
+    the open files and checkpoints of an earlier run are dropped first (a --force rerun makes new files)."""
     for _, task in group.tasks:
         _check_visible(task)
     result = run_group(group)
@@ -318,7 +320,7 @@ def _run(task: Task) -> int:
         ck = _checkpoint(task.src)
         if t.copy_bytes:
             data = _raw_rows(ck, t, task.r0, task.r1)
-        elif t.type == "I32" and ck[t.segments[0].source].dtype in INT_DTYPES:
+        elif _index_table(ck, t):
             data = _int_rows(ck, t, task.r0, task.r1)
         else:  # converted and written a run of rows at a time (_cuts)
             for a, b in _cuts(ck, task):
@@ -366,11 +368,15 @@ def _unit_reads(ck, task: Task) -> list[tuple[tuple, functools.partial]]:
     if t.kt_pack is not None:
         spans = segments_read(t, task.r0, task.r1)
     else:
-        quantized_ = not t.copy_bytes and not (t.type == "I32" and ck[t.segments[0].source].dtype in INT_DTYPES)
-        cuts = _cuts(ck, task) if quantized_ else [(task.r0, task.r1)]
+        cuts = [(task.r0, task.r1)] if t.copy_bytes or _index_table(ck, t) else _cuts(ck, task)
         spans = [(s, i, n) for a, b in cuts for s, i, n, _ in _overlaps(t, a, b)]
     return [((s.source, s.src_row + i, n), functools.partial(_direct_read, ck, s.source, s.src_row + i, n))
             for s, i, n in spans]
+
+
+def _index_table(ck, t: PlanTensor) -> bool:
+    """Whether ``t`` is an integer index table copied as I32 (:func:`_int_rows`), not rows converted."""
+    return t.type == "I32" and ck[t.segments[0].source].dtype in INT_DTYPES
 
 
 def _direct_read(ck, name: str, first: int, n: int, buf: ReadBuffer) -> np.ndarray:
