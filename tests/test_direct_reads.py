@@ -270,3 +270,157 @@ def test_a_unit_read_ahead_with_an_importance_matrix_writes_the_single_read_byte
     assert runs["read ahead"] == runs["page cache"]
     with_imx = json.loads((tmp_path / "read ahead" / "manifest.json").read_text())["files"]
     assert with_imx != json.loads((tmp_path / "plain" / "manifest.json").read_text())["files"]
+
+
+def _kt_amx_run(src, out, least: int, monkeypatch) -> tuple[dict, dict | None]:
+    """A kt-amx AMXINT8 conversion of ``src`` whose units are joined into groups reading ``least`` bytes around the
+    page cache (1 MiB: several of the tiny model's 256 KiB experts a group); its manifest's files and plan."""
+    from ktconvert.convert import convert
+    from ktconvert.convert import execute as ex
+
+    monkeypatch.setattr(ex, "DIRECT_MIN", least)
+    convert(src, out, format="kt-amx", type="AMXINT8", threadpool_count=2)
+    man = json.loads((out / "manifest.json").read_text())
+    return man["files"], man.get("plan")
+
+
+def test_kt_amx_experts_read_ahead_in_groups_write_the_page_cache_bytes(tiny_root, tmp_path, monkeypatch):
+    """kt-amx units (one expert projection each) joined into groups read around the page cache, every read done by
+    a thread ahead of the packer: the same files (manifest sha256) and resume digests as every unit read through the
+    page cache, and the same where the filesystem refuses O_DIRECT (read through the page cache, without a word)."""
+    from ktconvert.convert import worker
+
+    used, real_ahead = [], files.ReadAhead
+
+    class Counting(real_ahead):
+        def __init__(self, reads, bufs):
+            reads = list(reads)
+            used.append(len(reads))
+            super().__init__(reads, bufs)
+
+    monkeypatch.setattr(worker, "ReadAhead", Counting)
+    src = tiny_root / "qwen3_moe"
+    want = _kt_amx_run(src, tmp_path / "page cache", 1 << 62, monkeypatch)
+    assert not used
+    assert _kt_amx_run(src, tmp_path / "read ahead", 1 << 20, monkeypatch) == want
+    assert used and max(used) >= 4  # groups of several experts, each group one thread's reads
+    real_open = os.open
+
+    def refusing_open(path, flags, *a, **kw):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", path)
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(files.os, "open", refusing_open)
+    assert _kt_amx_run(src, tmp_path / "refused", 1 << 20, monkeypatch) == want
+    assert files._NO_DIRECT == {os.stat(src).st_dev}
+
+
+def test_a_truncated_file_under_a_kt_amx_group_is_one_line_and_renames_nothing(tiny_root, tmp_path, monkeypatch):
+    """The checkpoint cut short while a group of experts is read ahead: the single read's one line (the file, the
+    tensor, "truncated"), raised where the packer reaches that expert; no read-ahead thread left, no output."""
+    import shutil
+    import threading
+
+    from ktconvert.convert import worker
+    from ktconvert.errors import InputError
+
+    src = tmp_path / "src"
+    shutil.copytree(tiny_root / "qwen3_moe", src)
+    real, cut = worker._direct_read, []
+
+    def cut_then_read(ck, tensor, first, n, buf):  # the third expert read of a run cuts the file inside its tensor
+        if "experts.2." in tensor and not cut:
+            cut.append((str(ck[tensor].file), tensor))
+            with open(ck[tensor].file, "r+b") as fh:
+                fh.truncate(ck[tensor].offset + 1)
+        return real(ck, tensor, first, n, buf)
+
+    monkeypatch.setattr(worker, "_direct_read", cut_then_read)
+    with pytest.raises(InputError) as err:
+        _kt_amx_run(src, tmp_path / "out", 1 << 20, monkeypatch)
+    assert cut and (err.value.path, err.value.where) == (cut[0][0], f"tensor {cut[0][1]}")
+    assert "ends at byte" in err.value.message and "truncated" in err.value.fix
+    assert not (tmp_path / "out").exists()
+    assert not [t for t in threading.enumerate() if t.name == "ktconvert-read-ahead"]
+
+
+# --- writes around the page cache ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("offset", [0, 1, 4095, 4096, 6000])
+@pytest.mark.parametrize("sizes", [(10,), (4096,), (3000, 9000, 1), (8192, 4096, 5)])
+def test_a_write_around_the_page_cache_leaves_the_bytes_of_a_plain_write(tmp_path, offset, sizes):
+    """Whole blocks with O_DIRECT (gathered from several buffers into one aligned one), the partial blocks at either
+    end through the page cache, between bytes already there: the file a plain write leaves, byte for byte."""
+    rng = np.random.default_rng(offset + len(sizes))
+    views = [memoryview(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]
+    before = rng.integers(0, 256, offset + sum(sizes) + 5000, dtype=np.uint8).tobytes()
+    want = bytearray(before)
+    want[offset: offset + sum(sizes)] = b"".join(bytes(v) for v in views)
+    path = tmp_path / "f"
+    path.write_bytes(before)
+    fd, direct = os.open(path, os.O_WRONLY), files.open_direct(path, os.O_WRONLY)
+    try:
+        assert files.write_direct(path, fd, direct, views, offset, ReadBuffer())
+    finally:
+        os.close(fd)
+        if direct is not None:
+            os.close(direct)
+    assert path.read_bytes() == bytes(want)
+    assert (direct is not None) == _direct_allowed(path)
+
+
+def test_a_filesystem_refusing_the_direct_write_is_written_through_the_page_cache(tmp_path, monkeypatch):
+    """Opened with O_DIRECT, the write refused (EINVAL: an alignment the filesystem needs): the same bytes through
+    the page cache, the filesystem remembered (not asked again), ``False`` told to the caller."""
+    real = files.os.pwritev
+
+    def strict(fd, bufs, offset, *a):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real(fd, bufs, offset, *a)
+
+    path = tmp_path / "f"
+    path.write_bytes(bytes(3 * 4096))
+    if not _direct_allowed(path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    monkeypatch.setattr(files.os, "pwritev", strict)
+    data = memoryview(np.arange(9000, dtype=np.uint8))
+    fd, direct = os.open(path, os.O_WRONLY), files.open_direct(path, os.O_WRONLY)
+    try:
+        assert not files.write_direct(path, fd, direct, [data], 100, ReadBuffer())
+    finally:
+        os.close(fd)
+        os.close(direct)
+    assert path.read_bytes()[100:9100] == bytes(data)
+    assert files._NO_DIRECT == {os.stat(path).st_dev} and files.open_direct(path, os.O_WRONLY) is None
+
+
+@pytest.mark.parametrize("to,type", [("kt-amx", "AMXINT8"), ("gguf", "Q8_0")])
+def test_a_conversion_writing_around_the_page_cache_writes_the_same_files(tiny_root, tmp_path, monkeypatch, to, type):
+    """Every unit's output written with O_DIRECT (DIRECT_WRITE_MIN 0) against none: the same files, and the
+    manifest's sha256 (hashed by reads around the page cache as units finish) is the sha256 of the file on disk."""
+    import hashlib
+
+    from ktconvert.convert import convert
+    from ktconvert.convert import worker
+
+    seen, real = [], files.write_direct
+
+    def counting(path, fd, direct, *a):
+        seen.append(direct is not None)
+        return real(path, fd, direct, *a)
+
+    monkeypatch.setattr(worker, "write_direct", counting)
+    runs = {}
+    for label, least in (("page cache", 1 << 62), ("direct", 0)):
+        monkeypatch.setattr(worker, "DIRECT_WRITE_MIN", least)
+        out = tmp_path / label
+        convert(tiny_root / "qwen3_moe", out, type=type, format="kt-amx" if to == "kt-amx" else None,
+                tokenizer=False)
+        runs[label] = json.loads((out / "manifest.json").read_text())["files"]
+    assert runs["direct"] == runs["page cache"]
+    for name, f in runs["direct"].items():
+        assert hashlib.sha256((tmp_path / "direct" / name).read_bytes()).hexdigest() == f["sha256"], name
+    assert any(seen) == _direct_allowed(tmp_path / "direct" / next(iter(runs["direct"])))

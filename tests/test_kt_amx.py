@@ -208,18 +208,44 @@ def _bf16_copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+def _count_reads_ahead(monkeypatch) -> list[int]:
+    """Units joined into groups of 1 MiB read around the page cache (a tiny BF16 expert projection reads 128 KiB:
+    several units a group, as a real one's 3 MiB are in groups of 16 MiB), each group's reads counted."""
+    from ktconvert.convert import execute as ex
+    from ktconvert.convert import worker
+    from ktconvert.io.files import ReadAhead
+
+    used: list[int] = []
+
+    class Counting(ReadAhead):
+        def __init__(self, reads, bufs):
+            reads = list(reads)
+            used.append(len(reads))
+            super().__init__(reads, bufs)
+
+    monkeypatch.setattr(ex, "DIRECT_MIN", 1 << 20)
+    monkeypatch.setattr(worker, "ReadAhead", Counting)
+    return used
+
+
+@pytest.mark.parametrize("reads", ["page cache", "read ahead"])
 @pytest.mark.parametrize("method,parts", [("AMXINT8", 2), ("AMXINT4", 1)])
-def test_bf16_source_equals_kt_kernel_and_nan_is_refused(kt_kernel, tiny_root, tmp_path, method, parts):
+def test_bf16_source_equals_kt_kernel_and_nan_is_refused(kt_kernel, tiny_root, tmp_path, monkeypatch, method, parts,
+                                                         reads):
     """A BF16 checkpoint (experts packed from their stored bits): every tensor equals kt-kernel's packer's; a NaN
-    in a BF16 expert is refused with its tensor, row and column, nothing written."""
+    in a BF16 expert is refused with its tensor, row and column, nothing written. Both ways the experts are read:
+    through the page cache one by one, and (as real-size experts are) in groups read around it by a thread ahead of
+    the packer, where the NaN's report goes back over the bytes the packer was handed."""
     from ktconvert.formats import open_checkpoint
     from ktconvert.kernel.run import kernel_pack
 
+    used = _count_reads_ahead(monkeypatch) if reads == "read ahead" else None
     src = _bf16_copy(tiny_root / "qwen3_moe", tmp_path / "src")
     out = tmp_path / "out"
     res = _quantize(src, out, "--to", "kt-amx", "--type", method, "--threadpool-count", parts)
     assert res.exit_code == 0, res.output
     _assert_same(_read_dir(out), kernel_pack(_hf_layers(src), method=method, parts=parts, workdir=tmp_path / "k"))
+    assert used is None or (used and max(used) >= 6)  # groups of several experts
     name = "model.layers.1.mlp.experts.3.up_proj.weight"
     info = open_checkpoint(src)[name]
     with open(info.file, "r+b") as fh:

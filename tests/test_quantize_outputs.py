@@ -63,6 +63,7 @@ def test_shared_reads_around_the_page_cache_or_through_it_are_the_single_runs(si
     import errno
     import os
 
+    from ktconvert.convert import execute
     from ktconvert.io import files
 
     real_open, asked = os.open, []
@@ -76,6 +77,7 @@ def test_shared_reads_around_the_page_cache_or_through_it_are_the_single_runs(si
 
     monkeypatch.setattr(files, "_NO_DIRECT", set())
     monkeypatch.setattr(files.os, "open", opening)
+    monkeypatch.setattr(execute, "DIRECT_MIN", 2**16)  # groups read around the page cache: the tiny model's too
     src, refs = single
     res = _run(src, *_outputs(tmp_path), "--max-memory", "64MiB")
     assert res.exit_code == 0, res.output
@@ -85,35 +87,35 @@ def test_shared_reads_around_the_page_cache_or_through_it_are_the_single_runs(si
         assert asked and (len(asked) == 1) == refuse  # refused: asked once for the filesystem, then never again
 
 
-def test_the_outputs_share_their_reads(single, tmp_path):
-    """The expert units of the three outputs are joined by the source tensor they read, which their group reads
-    once; a group holds several such reads, in file order, each at most half the budget (one is held while the
-    next is read), and its units in the order of its reads."""
-    from ktconvert.convert import parse_output, plan_outputs
+def test_the_outputs_share_their_reads(single, tmp_path, monkeypatch):
+    """The outputs' units are put in the order of the bytes they read: the three outputs' units of an expert's
+    projection one after the other in one group read around the page cache, so the group's read-ahead reads those
+    bytes once (a read announced twice in a row is read once). (Groups of 64 KiB per output: the tiny model's
+    experts are far short of DIRECT_MIN.)"""
+    from ktconvert.convert import execute, parse_output, plan_outputs
     from ktconvert.convert.execute import _Output, group_units, make_units
-    from ktconvert.convert.worker import segments_read
+    from ktconvert.convert.worker import _checkpoint, _unit_reads, close_all
 
     src, _ = single
+    monkeypatch.setattr(execute, "DIRECT_MIN", 2**16)
     plans = plan_outputs(src, [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS])
     outs = [_Output(p, tmp_path / spec) for p, (spec, _) in zip(plans, OUTPUTS)]
     todo = [(k, u) for k, o in enumerate(outs) for u in make_units(o.plan, 2**26, 1, shared=True)]
-    groups = group_units(outs, todo, 2**24)
+    groups = group_units(outs, todo)
     assert sorted((k, t.unit) for g in groups for k, t in g.tasks) == sorted((k, u.id) for k, u in todo)
-    experts = [g for g in groups if any(".experts." in n for n in g.shared)]
-    assert experts and all({k for k, _ in g.tasks} == {0, 1, 2} for g in experts)
-    assert any(len(g.reads) > 1 for g in experts)
-    ck = __import__("ktconvert.formats", fromlist=["open_checkpoint"]).open_checkpoint(src)
-    assert all(sum(ck[n].nbytes for n in names) <= 2**23 for g in groups for names in g.reads)
-    for g in groups:  # each unit reads from the read its place in the group has reached, never an earlier one
-        at = 0
-        for _, t in g.tasks:
-            mine = {s.source for s, _, _ in segments_read(t.tensor, t.r0, t.r1)} & g.shared
-            while mine and not mine <= g.reads[at]:
-                at += 1
-            assert at < len(g.reads) or not mine
-        offsets = [min(ck[n].offset for n in names) for names in g.reads]
-        assert offsets == sorted(offsets)
-    assert not any(t.direct for g in groups if g.reads for _, t in g.tasks)
+    ck = _checkpoint(str(src))
+    try:
+        reads = {}  # expert tensor -> how many times the groups read it
+        for g in groups:
+            keys = [key for _, t in g.tasks if t.direct for key, _ in _unit_reads(ck, t)]
+            for i, key in enumerate(keys):
+                if ".experts." in key[0] and (i == 0 or keys[i - 1] != key):
+                    reads[key[0]] = reads.get(key[0], 0) + 1
+            experts = [k for k, t in g.tasks if ".experts." in str(_unit_reads(ck, t))]
+            assert not experts or all(t.direct for _, t in g.tasks if ".experts." in str(_unit_reads(ck, t)))
+    finally:
+        close_all()
+    assert reads and set(reads.values()) == {1}  # every expert tensor read once for the three outputs
 
 
 def test_an_interrupted_run_resumes_every_output(single, tmp_path):
@@ -213,12 +215,15 @@ def test_no_commit_outside_a_git_checkout(tmp_path):
     assert git_commit(tmp_path) == {}
 
 
-def _expert_group(single, tmp_path):
-    """The group of the three outputs' units that reads expert 0's up_proj, its output files made."""
-    from ktconvert.convert import parse_output, plan_outputs
+def _expert_group(single, tmp_path, monkeypatch):
+    """The group of the three outputs' units that reads expert 0's up_proj (groups of 64 KiB per output), its
+    output files made."""
+    from ktconvert.convert import execute, parse_output, plan_outputs
     from ktconvert.convert.execute import _Output, group_units, make_units
+    from ktconvert.convert.worker import segments_read
 
     src, _ = single
+    monkeypatch.setattr(execute, "DIRECT_MIN", 2**16)
     plans = plan_outputs(src, [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS])
     outs = [_Output(p, tmp_path / spec) for p, (spec, _) in zip(plans, OUTPUTS)]
     for o in outs:  # the output files the units write into, laid out as execute_all lays them out
@@ -227,17 +232,18 @@ def _expert_group(single, tmp_path):
             with open(o.partial / f.name, "wb") as fh:
                 fh.truncate(f.size)
     todo = [(k, u) for k, o in enumerate(outs) for u in make_units(o.plan, 2**26, 1, shared=True)]
-    return src, next(g for g in group_units(outs, todo, 2**24) if any(".experts.0.up_proj" in n for n in g.shared))
+    groups = group_units(outs, todo)
+    return src, next(g for g in groups if any(".experts.0.up_proj" in s.source for _, t in g.tasks
+                                              for s, _, _ in segments_read(t.tensor, t.r0, t.r1)))
 
 
 def test_a_group_reads_each_shared_tensor_once(single, tmp_path, monkeypatch):
-    """run_group over the units of a group: the checkpoint reads each shared tensor once for all of its units
-    (ahead of its use, around the page cache where the filesystem allows it), maps none of them; the
-    checkpoint is unwrapped after."""
+    """run_group over a group of the three outputs' expert units: the checkpoint reads each expert tensor once for
+    all of them, around the page cache where the filesystem allows it, and maps none."""
     from ktconvert.convert import worker
     from ktconvert.formats.checkpoint import Checkpoint
 
-    src, group = _expert_group(single, tmp_path)
+    src, group = _expert_group(single, tmp_path, monkeypatch)
     reads, maps = [], []
     real_rows, real_read = Checkpoint.read_rows, Checkpoint.read
     monkeypatch.setattr(Checkpoint, "read_rows", lambda self, name, *a, **k: reads.append((name, k.get("direct")))
@@ -245,14 +251,12 @@ def test_a_group_reads_each_shared_tensor_once(single, tmp_path, monkeypatch):
     monkeypatch.setattr(Checkpoint, "read", lambda self, name: maps.append(name) or real_read(self, name))
     try:
         done = worker.run_group(group)
-        after = worker._CHECKPOINTS[str(src)]
     finally:
         worker.close_all()
-    assert sorted({k for k, _, _ in done}) == [0, 1, 2] and len(done) == len(group.tasks)
-    shared = [n for n, _ in reads if n in group.shared]
-    assert sorted(shared) == sorted(group.shared) and all(d for n, d in reads if n in group.shared)
-    assert not set(maps) & group.shared
-    assert "read" not in vars(after)  # the plain checkpoint again, for the next group
+    assert {k for k, _, _ in done} == {0, 1, 2} and len(done) == len(group.tasks)
+    experts = [n for n, _ in reads if ".experts." in n]
+    assert experts and len(experts) == len(set(experts))  # three outputs' units, one read each
+    assert all(d for n, d in reads if ".experts." in n) and not [n for n in maps if ".experts." in n]
 
 
 def test_a_truncated_source_stops_a_group_with_one_line(single, tmp_path, monkeypatch):
@@ -261,11 +265,13 @@ def test_a_truncated_source_stops_a_group_with_one_line(single, tmp_path, monkey
     import threading
 
     from ktconvert.convert import worker
+    from ktconvert.convert.worker import segments_read
     from ktconvert.errors import InputError
     from ktconvert.formats.checkpoint import Checkpoint
 
-    src, group = _expert_group(single, tmp_path)
-    last = sorted(next(iter(r)) for r in group.reads)[-1]  # a tensor of the group's reads: its file ends early
+    src, group = _expert_group(single, tmp_path, monkeypatch)
+    last = sorted(s.source for _, t in group.tasks for s, _, _ in segments_read(t.tensor, t.r0, t.r1)
+                  if ".experts." in s.source)[-1]  # a tensor the group reads: its file ends there
     real = Checkpoint.read_rows
 
     def cut(self, name, r0, r1, buf=None, **how):

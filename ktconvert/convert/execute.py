@@ -36,7 +36,7 @@ from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.provenance import git_commit, recipe_sha256
 from ktconvert.io.sizes import format_size
 from ktconvert.convert.worker import (Group, Task, close_all, interrupts_deferred, reads_are_ranges, run_group,
-                                      run_group_synced, segments_read, source_digest, source_ranges, worker_context, worker_init)
+                                      run_group_synced, source_digest, source_ranges, worker_context, worker_init)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import (WRITE_ERRNOS, FileSha256, fsync_dir, partial_dir, replace_dir, sha256_file,
@@ -45,12 +45,14 @@ from ktconvert.io.files import ReadBuffer
 from ktconvert.io.dtypes import FLOAT_DTYPES
 
 STATE_DIR = ".ktconvert"
-#: A unit reading at least this much reads it with O_DIRECT (the bytes straight from the disk into the process's
-#: buffer: no page cache copy, no page cache filled with bytes read once). Smaller units (a kt-amx expert: 3 MiB)
-#: read through the page cache, where :class:`_Prefetch` has the kernel read them while the unit before converts;
-#: a unit read with O_DIRECT converts chunk by chunk while a thread reads the next chunk (worker.py,
-#: ``READ_AHEAD_CHUNK``), so only its first chunk's read is waited for. Several outputs
-#: from one read (``--output``) read through the page cache: their units may read the same bytes again.
+#: Units of one output are run in groups reading at least this much, read with O_DIRECT (the bytes straight from the
+#: disk into the process's buffer: no page cache copy, no page cache pages allocated and freed for bytes read once):
+#: consecutive units joined until they read this much (a kt-amx expert reads 3 MiB), a larger unit alone. A thread
+#: does each read of a group one ahead of its use (worker.py, ``_reading_ahead``; a large unit read in chunks of
+#: ``READ_AHEAD_CHUNK`` it converts one by one), so only the group's first read is waited for. Units left over at
+#: the end of a run of such units, short of this much, read through the page cache one by one, where
+#: :class:`_Prefetch` has the kernel read them while the unit before converts; so do the units of several outputs
+#: from one read (``--output``): they may read the same bytes again.
 DIRECT_MIN = 16 * 1024**2
 UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
 SYNC_EVERY_S = 1.0
@@ -313,7 +315,6 @@ def execute_all(outputs: list[tuple[Plan, str | Path]], *, max_memory: int, jobs
         if o.partial.exists() and finished_output(o.partial, o.fingerprint):  # killed between the manifest and the rename
             o.ready = _read_manifest(o.partial)
     reserve = RAY_WORKER_RESERVE if executor == "ray" else 0
-    cache = shared_read_bytes(max_memory, jobs, reserve) if shared else 0
     try:
         for o in outs:
             if o.ready is not None:
@@ -340,7 +341,7 @@ def execute_all(outputs: list[tuple[Plan, str | Path]], *, max_memory: int, jobs
             progress(done_bytes, total)
         hashes = _OutputHashes(outs) if executor == "local" else None
         try:
-            _run_units(outs, group_units(outs, todo, cache), jobs, progress, done_bytes, total, executor, max_memory,
+            _run_units(outs, group_units(outs, todo), jobs, progress, done_bytes, total, executor, max_memory,
                        hashes)
         except BaseException as exc:
             close_all()
@@ -390,94 +391,57 @@ def _failed_output(outs: list[_Output], exc: OSError) -> Path:
     return outs[0].out
 
 
-def _read_set(ck, t: PlanTensor, u: Unit, cap: int) -> tuple[frozenset, tuple]:
-    """The source tensors of at most ``cap`` bytes that unit ``u`` of ``t`` reads whole or in part (what several
-    outputs' units can share), and where its first one lies (file, offset: the order the groups run in)."""
-    segs = [s for s, _, _ in segments_read(t, u.r0, u.r1)]
-    names, first = set(), (len(ck.files), 0)
-    files = {Path(f): i for i, f in enumerate(ck.files)}
-    for s in segs:
-        if s.source not in ck:
-            continue
-        info = ck[s.source]
-        first = min(first, (files.get(Path(info.file), len(files)), info.offset))
-        if s.source not in ck.packed and 0 < info.nbytes <= cap:
-            names.add(s.source)
-    return frozenset(names), first
+def group_units(outs: list, todo: list[tuple[int, Unit]]) -> list[Group]:
+    """The units to run (``(output index, unit)``) as :class:`Group` s. Units that hash the bytes they read
+    (:func:`reads_are_ranges`) are joined into groups reading at least :data:`DIRECT_MIN` bytes per output, read
+    around the page cache, every read one ahead of its use (:attr:`Task.direct`, worker.py's ``_reading_ahead``);
+    every other unit, and a run's last units short of that, alone through the page cache. One output's units keep
+    their plan order. Several outputs' units are put in the order of the bytes they read, those reading the same
+    bytes one after the other (the outputs' units of one expert's projection: a several-output run cuts units at
+    source-tensor boundaries), so their group reads those bytes once for all of them (:class:`ReadAhead` reads a
+    read announced twice in a row once), and no group ends between them."""
 
-
-#: Source bytes a task of a several-output run reads for its units (:func:`group_units`): several shared reads per
-#: task, so a task's next read overlaps its units' conversion and the per-task costs (a round trip to a worker, the
-#: pickled plan tensors) are paid once per several experts; about the input of a Q4_K_M unit of a ``-j 2`` run of
-#: that output alone, so the two jobs still share the work evenly at the end. (docs/measurements.md, issue 35)
-GROUP_BYTES = 48 * 1024**2
-
-
-def group_units(outs: list, todo: list[tuple[int, Unit]], cap: int) -> list[Group]:
-    """The units to run (``(output index, unit)``) as :class:`Group` s: one output's units one by one, in plan
-    order; several outputs' units joined where they read a common source tensor (of at most ``cap // 2`` bytes: a
-    group holds one shared read while the next is read), the sets of units that share their reads (each at most
-    ``cap // 2`` bytes; one that would hold more runs unit by unit) put together in groups of about
-    :data:`GROUP_BYTES` of reads, in the order of the source files. A unit that runs alone (no other unit shares its
-    reads) and reads at least :data:`DIRECT_MIN` bytes reads them around the page cache (:attr:`Task.direct`), as it
-    does in a run of its output alone: a tensor too large to share (an embedding) costs the several-output run what
-    it costs that run."""
-
-    def task(k: int, u: Unit, alone: bool = True) -> tuple[int, Task]:
+    def task(k: int, u: Unit, direct: bool = False) -> tuple[int, Task]:
         o = outs[k]
         t: PlanTensor = o.plan.tensors[u.tensor]
-        return k, Task(u.id, o.plan.source, o.paths[t.file], t, u.r0, u.r1,
-                       direct=alone and u.in_bytes >= DIRECT_MIN and reads_are_ranges(t, u.r0, u.r1))
+        return k, Task(u.id, o.plan.source, o.paths[t.file], t, u.r0, u.r1, direct=direct)
 
-    if len(outs) == 1 or cap <= 0:
-        return [Group((task(k, u),)) for k, u in todo]
+    if len(outs) == 1:
+        return _direct_groups(outs, todo, task, DIRECT_MIN)
     ck = open_checkpoint(outs[0].plan.source)
-    reads = [_read_set(ck, outs[k].plan.tensors[u.tensor], u, cap // 2) for k, u in todo]
-    parent = list(range(len(todo)))
+    first = {}
+    for k, u in todo:
+        r = source_ranges(ck, outs[k].plan.tensors[u.tensor], u.r0, u.r1)
+        first[(k, u.id)] = (r[0][0], r[0][1]) if r else ("", -1)
+    todo = sorted(todo, key=lambda ku: first[(ku[0], ku[1].id)])  # stable: the outputs in order for the same bytes
+    return _direct_groups(outs, todo, task, DIRECT_MIN * len(outs), lambda k, u: first[(k, u.id)])
 
-    def root(i: int) -> int:
-        while parent[i] != i:
-            parent[i] = parent[parent[i]]
-            i = parent[i]
-        return i
 
-    owner: dict[str, int] = {}
-    for i, (names, _) in enumerate(reads):
-        for n in names:
-            if n in owner:
-                parent[root(i)] = root(owner[n])
-            else:
-                owner[n] = i
-    members: dict[int, list[int]] = {}
-    for i in range(len(todo)):
-        members.setdefault(root(i), []).append(i)
-    runs = []  # (where its first read lies, shared names or None, member units)
-    for ids in members.values():
-        names = frozenset().union(*(reads[i][0] for i in ids))
-        if len(ids) > 1 and sum(ck[n].nbytes for n in names) <= cap // 2:
-            runs.append((min(reads[i][1] for i in ids), names, ids))
+def _direct_groups(outs: list, todo: list[tuple[int, Unit]], task, least: int, where=None) -> list[Group]:
+    """``todo`` (in the order to run) as groups: consecutive units that hash what they read (:func:`reads_are_ranges`)
+    joined until they read ``least`` bytes, read around the page cache; every other unit, and a run's last units
+    short of that, alone through the page cache. ``where(k, u)``: where a unit's reads start; a group does not end
+    between units whose reads start at the same place (they read the same bytes)."""
+    groups: list[Group] = []
+    run: list[tuple[int, Unit]] = []
+
+    def flush() -> None:
+        if sum(u.in_bytes for _, u in run) >= least:
+            groups.append(Group(tuple(task(k, u, True) for k, u in run)))
         else:
-            runs.extend((reads[i][1], None, [i]) for i in ids)
-    runs.sort(key=lambda r: r[0])
-    groups, tasks, names_in, size = [], [], [], 0
+            groups.extend(Group((task(k, u),)) for k, u in run)
+        run.clear()
 
-    def close() -> None:
-        nonlocal tasks, names_in, size
-        if tasks:
-            groups.append(Group(tuple(tasks), tuple(names_in)))
-        tasks, names_in, size = [], [], 0
-
-    for _, names, ids in runs:
-        if names is None:
-            close()
-            groups.append(Group((task(*todo[ids[0]]),)))
+    for k, u in todo:
+        t = outs[k].plan.tensors[u.tensor]
+        if not reads_are_ranges(t, u.r0, u.r1):
+            flush()
+            groups.append(Group((task(k, u),)))
             continue
-        tasks.extend(task(*todo[i], alone=False) for i in ids)
-        names_in.append(names)
-        size += sum(ck[n].nbytes for n in names)
-        if size >= GROUP_BYTES:
-            close()
-    close()
+        if run and sum(v.in_bytes for _, v in run) >= least and (where is None or where(k, u) != where(*run[-1])):
+            flush()
+        run.append((k, u))
+    flush()
     return groups
 
 
@@ -506,7 +470,7 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
         run = os.urandom(8).hex()
         groups = [Group(tuple((k, dataclasses.replace(t, src=os.path.abspath(t.src),
                                                       out_path=os.path.abspath(t.out_path), run=run))
-                              for k, t in g.tasks), g.reads) for g in groups]
+                              for k, t in g.tasks)) for g in groups]
     unit_bytes = {(k, u.id): u.in_bytes for k, o in enumerate(outs) for u in o.units}
     pending: list[list[tuple[int, str]]] = [[] for _ in outs]
     last_sync = time.monotonic()
@@ -622,8 +586,8 @@ class _Prefetch:
             if id(g) not in self._seen:
                 self._seen.add(id(g))
                 for _, task in g.tasks:
-                    if task.direct or g.reads:  # read around the page cache (a direct unit's, a group's shared
-                        continue                # reads): what the kernel read ahead would go unused
+                    if task.direct:  # read around the page cache: what the kernel read ahead would go unused
+                        continue
                     for r in source_ranges(self._ck, task.tensor, task.r0, task.r1):
                         self._queue.put(r)
 
@@ -665,7 +629,8 @@ class _OutputHashes:
                 spans.setdefault(t.file, []).append((*_unit_span(t, u), u.id))
                 self._file_of[(k, u.id)] = (k, t.file)
             for fi, f in enumerate(o.plan.files):
-                self._files[(k, fi)] = [FileSha256(o.partial / f.name, buf=buf), sorted(spans.get(fi, [])), 0]
+                self._files[(k, fi)] = [FileSha256(o.partial / f.name, buf=buf, direct=True),
+                                        sorted(spans.get(fi, [])), 0]
             self._done.update((k, uid) for uid in o.done)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: list[BaseException] = []

@@ -4,15 +4,14 @@ Runs in the main process (``jobs=1``) or in worker processes; it opens what it n
 process, so a task is only a few small objects. Everything a unit allocates is proportional to its rows, which
 the executor sizes from the memory budget. Runs of whole input rows are read with large ``pread`` calls into one
 reused buffer per process (other access, a column band or a row permutation, goes through short-lived memory
-maps; a unit read around the page cache is read and converted in chunks, the next chunk read by a thread into a
-second buffer meanwhile: :func:`_quantize_read_ahead`), and the process keeps the heap memory it frees for the next
-unit (:mod:`ktconvert.io.heap`), so resident memory does not grow with the checkpoint and no unit faults in the
-pages the last one used.
+maps; the units of a group read around the page cache have every read done one ahead by a thread into a second
+buffer, a large unit's in chunks it converts one by one: :func:`_reading_ahead`), and the process keeps the heap
+memory it frees for the next unit (:mod:`ktconvert.io.heap`), so resident memory does not grow with the checkpoint
+and no unit faults in the pages the last one used.
 """
 
 from __future__ import annotations
 
-import copy
 import functools
 import math
 import multiprocessing.context
@@ -20,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,7 +31,7 @@ from ktconvert.formats.imatrix import read_imatrix
 from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.formats.transforms import tile_columns
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
-from ktconvert.io.files import ALIGN, ReadAhead, ReadBuffer, pread_into
+from ktconvert.io.files import ALIGN, ReadAhead, ReadBuffer, open_direct, pread_into, write_direct
 from ktconvert.io.heap import keep_freed_memory
 from ktconvert.quant import bf16_to_float32, dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
@@ -42,8 +41,9 @@ from ktconvert.convert.kt_amx_io import pack_group
 @dataclass(frozen=True)
 class Task:
     """What a worker needs for one unit; ``out_path`` is the output file (in the partial directory); ``run`` tells
-    the runs apart in a long-lived worker (:func:`run_task_synced`); ``direct``: read its input around the page
-    cache (``O_DIRECT``, where the filesystem allows it) when the unit hashes the bytes it reads (no second read)."""
+    the runs apart in a long-lived worker (:func:`run_group_synced`); ``direct``: its group reads its input around
+    the page cache (``O_DIRECT``, where the filesystem allows it), each read done ahead by a thread
+    (:func:`_reading_ahead`); only for a unit that hashes the bytes it reads (:func:`reads_are_ranges`)."""
 
     unit: int
     src: str
@@ -57,6 +57,7 @@ class Task:
 
 _CHECKPOINTS: dict = {}
 _FDS: dict = {}
+_DFDS: dict = {}  # the output files open with O_DIRECT (:func:`_direct_fd`)
 _RUN = [""]
 
 
@@ -75,15 +76,24 @@ def _fd(path: str) -> int:
     return fd
 
 
+def _direct_fd(path: str) -> int | None:
+    """``path`` open for writes around the page cache, or ``None`` where its filesystem refuses them."""
+    if path not in _DFDS:
+        fd = open_direct(path, os.O_WRONLY)
+        if fd is None:
+            return None
+        _DFDS[path] = fd
+    return _DFDS[path]
+
+
 def close_all() -> None:
-    for fd in _FDS.values():
+    for fd in [*_FDS.values(), *_DFDS.values()]:
         os.close(fd)
     _FDS.clear()
+    _DFDS.clear()
     _CHECKPOINTS.clear()
-    for b in (_BUF, _BUF2, _XBUF, _QBUF):
+    for b in (_BUF, _BUF2, _XBUF, _QBUF, _WBUF):
         b.release()
-    for slot in _SLOTS:
-        slot.clear()
 
 
 class _WorkerProcess(multiprocessing.context.SpawnProcess):
@@ -171,23 +181,15 @@ def worker_init(parent: int | None = None) -> None:
     threading.Thread(target=watch, name="ktconvert-parent-watch", daemon=True).start()
 
 
-def run_task(task: Task) -> tuple[int, str]:
-    """Convert and write one unit; returns the unit id and :func:`source_digest` of the input it read (what
-    ``--resume`` checks the source against). Raises :class:`InputError` for bad data (NaN/Inf)."""
-    keep_freed_memory()
-    return _convert_hashed(task)
-
-
 def _convert_hashed(task: Task) -> tuple[int, str]:
     """:func:`_convert` and the :func:`source_digest` of its input: hashed from the bytes the unit read when it reads
     whole rows of plain tensors (no second read), else read again."""
     t, r0, r1 = task.tensor, task.r0, task.r1
     h = _READ_HASH[0] = _checksum() if reads_are_ranges(t, r0, r1) else None
-    _DIRECT[0] = task.direct and h is not None  # (a unit that reads its input again for the digest: page cache)
     try:
         uid = _convert(task)
     finally:
-        _READ_HASH[0], _DIRECT[0] = None, False
+        _READ_HASH[0] = None
     return uid, h.hexdigest() if h is not None else source_digest(_checkpoint(task.src), t, r0, r1)
 
 
@@ -202,88 +204,23 @@ def _convert(task: Task) -> int:
         raise
 
 
-def run_task_synced(task: Task) -> tuple[int, str]:
-    """:func:`run_task` for a worker that outlives the run and may sit on another host (a Ray task): the unit's
-    bytes are fsynced here before it reports done (the journal must not list bytes still in this host's cache), and
-    the open files and checkpoints of an earlier run are dropped first (a --force rerun makes new files)."""
-    _check_visible(task)
-    result = run_task(task)
-    os.fsync(_fd(task.out_path))
-    return result
-
-
-def _shared_reads(ck, ahead: ReadAhead, reads: tuple):
-    """A copy of the checkpoint ``ck`` whose ``read`` and ``read_rows`` of a tensor of a group's shared ``reads``
-    answer from the bytes read once for all of its units (``ahead``: those reads, in the order the units use them);
-    every other tensor is read as ``ck`` reads it. A unit asking for a shared tensor of a read already passed is a
-    bug of the grouping (an AssertionError), never a second read."""
-    shared, names = copy.copy(ck), frozenset().union(*reads)
-    at, held = [-1], [{}]
-
-    def rows(name: str) -> np.ndarray:
-        while name not in held[0]:
-            at[0] += 1
-            if at[0] >= len(reads):
-                raise AssertionError(f"{name}: read by a unit after its group's shared read of it")
-            held[0] = ahead.next(reads[at[0]])
-        return held[0][name]
-
-    def read(name: str) -> np.ndarray:
-        if name not in names:
-            return ck.read(name)
-        a = rows(name).reshape(ck.read(name).shape)
-        a.flags.writeable = False
-        return a
-
-    def read_rows(name: str, r0: int, r1: int, buf=None, **how) -> np.ndarray:
-        if name not in names:
-            return ck.read_rows(name, r0, r1, buf, **how)
-        return rows(name)[r0:r1]
-
-    shared.read, shared.read_rows = read, read_rows
-    return shared
-
-
-def _read_shared(ck, names: frozenset, slot: list) -> dict[str, np.ndarray]:
-    """Every tensor of ``names`` read whole into a buffer of ``slot`` (one per tensor, grown as needed; reused by
-    the next read into this slot), around the page cache where the filesystem allows it: ``{name: its rows}``."""
-    out = {}
-    for i, name in enumerate(sorted(names, key=lambda n: (str(ck[n].file), ck[n].offset))):
-        if len(slot) <= i:
-            slot.append(ReadBuffer())
-        out[name] = ck.read_rows(name, 0, ck.rows(name), slot[i], direct=True)
-    return out
-
-
 @dataclass(frozen=True)
 class Group:
     """Units run one after the other in one process: ``tasks`` are ``(output index, Task)`` of one or several
-    outputs; ``reads`` are the sets of source tensors they have in common, in the order the tasks use them, each
-    read once for all of them (the next one read by a thread while the units of this one convert)."""
+    outputs (several outputs' units reading the same bytes one after the other: :func:`_reading_ahead` reads those
+    bytes once for all of them)."""
 
     tasks: tuple
-    reads: tuple = ()
-
-    @property
-    def shared(self) -> frozenset:
-        """Every source tensor the group reads once for its units."""
-        return frozenset().union(*self.reads)
 
 
 def run_group(group: Group) -> list[tuple[int, int, str]]:
-    """:func:`run_task` for every unit of ``group`` (the source tensors it shares read once, one read ahead of its
-    use: :class:`ReadAhead`); returns ``(output index, unit id, input digest)`` per unit. Units reading the same
-    input bytes share one digest."""
+    """Convert and write every unit of ``group``, one after the other (a group read around the page cache read
+    ahead: :func:`_reading_ahead`); returns ``(output index, unit id, input digest)`` per unit, the digest
+    :func:`source_digest` of the input the unit read (what ``--resume`` checks the source against). Units reading
+    the same input bytes share one digest, hashed once. Raises :class:`InputError` for bad data (NaN/Inf)."""
     out, digests = [], {}
     keep_freed_memory()
-    with ExitStack() as stack:
-        if group.reads:
-            src = group.tasks[0][1].src
-            ck = _checkpoint(src)
-            reads = [(names, functools.partial(_read_shared, ck, names)) for names in group.reads]
-            ahead = stack.enter_context(ReadAhead(reads, _SLOTS))
-            _CHECKPOINTS[src] = _shared_reads(ck, ahead, group.reads)
-            stack.callback(_CHECKPOINTS.__setitem__, src, ck)
+    with _reading_ahead(group):
         for k, task in group.tasks:
             key = tuple(source_ranges(_checkpoint(task.src), task.tensor, task.r0, task.r1))
             if key in digests:
@@ -294,8 +231,29 @@ def run_group(group: Group) -> list[tuple[int, int, str]]:
     return out
 
 
+@contextmanager
+def _reading_ahead(group: Group):
+    """Within the block, the reads of a group whose units read around the page cache (:attr:`Task.direct`), all of
+    them in the order its units make them (:func:`_unit_reads`), done one ahead by a thread (:class:`ReadAhead`):
+    the disk delivers the next read while the last one converts, so only the group's first read is waited for, and
+    reads of a few MB (a kt-amx expert) keep the disk as busy as one large read. Any other group: nothing."""
+    tasks = [task for _, task in group.tasks if task.direct]
+    if not tasks:
+        yield
+        return
+    reads = [r for task in tasks for r in _unit_reads(_checkpoint(task.src), task)]
+    with ReadAhead(reads, (_BUF, _BUF2)) as ahead:
+        _AHEAD[0] = ahead
+        try:
+            yield
+        finally:
+            _AHEAD[0] = None
+
+
 def run_group_synced(group: Group) -> list[tuple[int, int, str]]:
-    """:func:`run_group` for a Ray task: as :func:`run_task_synced`, every unit's bytes fsynced before it reports."""
+    """:func:`run_group` for a worker that outlives the run and may sit on another host (a Ray task): every unit's
+    bytes are fsynced here before it reports done (the journal must not list bytes still in this host's cache), and
+    the open files and checkpoints of an earlier run are dropped first (a --force rerun makes new files)."""
     for _, task in group.tasks:
         _check_visible(task)
     result = run_group(group)
@@ -320,7 +278,6 @@ def _check_visible(task: Task) -> None:
 def _run(task: Task) -> int:
     t = task.tensor
     if t.kt_pack is not None:
-
         data = pack_group(_checkpoint(task.src), t, _float_rows, _bf16_rows)
         _pwrite(task.out_path, data, t.offset)
         return task.unit
@@ -330,16 +287,14 @@ def _run(task: Task) -> int:
         ck = _checkpoint(task.src)
         if t.copy_bytes:
             data = _raw_rows(ck, t, task.r0, task.r1)
-        elif t.type == "I32" and ck[t.segments[0].source].dtype in INT_DTYPES:
+        elif _index_table(ck, t):
             data = _int_rows(ck, t, task.r0, task.r1)
-        else:
-            chunks = _direct_chunks(ck, t, task.r0, task.r1) if _DIRECT[0] else None
-            if chunks is not None:
-                _quantize_read_ahead(ck, task, chunks)
-                return task.unit
-            x = _float_rows(ck, t, task.r0, task.r1, _XBUF)
-            data = _quantize(x, t, task.r0, task.r1)
-            del x
+        else:  # converted and written a run of rows at a time (_cuts)
+            for a, b in _cuts(ck, task):
+                x = _float_rows(ck, t, a, b, _XBUF)
+                _write_rows(task, _quantize(x, t, a, b), a, b)
+                del x
+            return task.unit
     _write_rows(task, data, task.r0, task.r1)
     return task.unit
 
@@ -358,34 +313,37 @@ def _write_rows(task: Task, data: np.ndarray, r0: int, r1: int) -> None:
 READ_AHEAD_CHUNK = 4 * 1024**2
 
 
-def _direct_chunks(ck, t: PlanTensor, r0: int, r1: int) -> list[tuple[int, int]] | None:
-    """Rows ``r0..r1`` cut into runs of about :data:`READ_AHEAD_CHUNK` input bytes, each a whole number of 4 KiB
-    blocks where the row size allows (a block is then read once); ``None`` when that is one run. Any cut is exact:
-    every type quantizes each row on its own (a K-quant's super-blocks run along the row)."""
+def _cuts(ck, task: Task) -> list[tuple[int, int]]:
+    """The runs of rows a quantized unit is read, converted and written in: for a unit read ahead
+    (:attr:`Task.direct`), runs of about :data:`READ_AHEAD_CHUNK` input bytes, each a whole number of 4 KiB blocks
+    where the row size allows (a block is then read once); else the unit at once. Any cut is exact: every type
+    quantizes each row on its own (a K-quant's super-blocks run along the row)."""
+    t, r0, r1 = task.tensor, task.r0, task.r1
+    if not task.direct:
+        return [(r0, r1)]
     rb = max(_row_bytes(ck[s.source]) for s, *_ in _overlaps(t, r0, r1))
     step = ALIGN // math.gcd(rb, ALIGN)
     rows = max(step, READ_AHEAD_CHUNK // rb // step * step)
-    if rows >= r1 - r0:
-        return None
     return [(a, min(a + rows, r1)) for a in range(r0, r1, rows)]
 
 
-def _quantize_read_ahead(ck, task: Task, chunks: list[tuple[int, int]]) -> None:
-    """Convert and write a unit read around the page cache chunk by chunk, each chunk's input read by a thread
-    while the chunk before converts: the bytes of the single read, in the same order (its digest too), at the same
-    offsets. A read error is raised where its chunk is used, the thread stopped first."""
+def _unit_reads(ck, task: Task) -> list[tuple[tuple, functools.partial]]:
+    """``(key, read)`` of every read a unit read ahead makes, in its order (:func:`_read_rows` asks for them by
+    key): a kt-amx group's segments whole, a quantized unit's :func:`_cuts` segment by segment, any other (a row
+    copy, an index table) its rows at once."""
     t = task.tensor
-    reads = [((s.source, s.src_row + i, n), functools.partial(_direct_read, ck, s.source, s.src_row + i, n))
-             for a, b in chunks for s, i, n, _ in _overlaps(t, a, b)]
-    with ReadAhead(reads, (_BUF, _BUF2)) as ahead:
-        _AHEAD[0] = ahead
-        try:
-            for a, b in chunks:
-                x = _float_rows(ck, t, a, b, _XBUF)
-                _write_rows(task, _quantize(x, t, a, b), a, b)
-                del x
-        finally:
-            _AHEAD[0] = None
+    if t.kt_pack is not None:
+        spans = segments_read(t, task.r0, task.r1)
+    else:
+        cuts = [(task.r0, task.r1)] if t.copy_bytes or _index_table(ck, t) else _cuts(ck, task)
+        spans = [(s, i, n) for a, b in cuts for s, i, n, _ in _overlaps(t, a, b)]
+    return [((s.source, s.src_row + i, n), functools.partial(_direct_read, ck, s.source, s.src_row + i, n))
+            for s, i, n in spans]
+
+
+def _index_table(ck, t: PlanTensor) -> bool:
+    """Whether ``t`` is an integer index table copied as I32 (:func:`_int_rows`), not rows converted."""
+    return t.type == "I32" and ck[t.segments[0].source].dtype in INT_DTYPES
 
 
 def _direct_read(ck, name: str, first: int, n: int, buf: ReadBuffer) -> np.ndarray:
@@ -495,30 +453,22 @@ def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
     return h.hexdigest()
 
 
+#: A write of at least this much goes around the page cache (:func:`ktconvert.io.files.write_direct`: its whole
+#: 4 KiB blocks with ``O_DIRECT``, its partial blocks through the page cache): a kt-amx expert's 1-3 MB, a
+#: quantized unit's rows. Copying into page cache pages and ext4's per-block accounting of them were the largest
+#: part of a kt-amx run's system time once its reads went around the cache (docs/measurements.md, issue 35).
+DIRECT_WRITE_MIN = 1024**2
+
+
 def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None:
-    """Write ``data`` (an array, or arrays laid end to end: one ``pwritev`` of them all, no joined copy) at
-    ``offset``, as few calls as the kernel allows."""
+    """Write ``data`` (an array, or arrays laid end to end: no joined copy through the page cache) at ``offset``;
+    :data:`DIRECT_WRITE_MIN` bytes or more around the page cache, where the filesystem allows it."""
     views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in
              (data if isinstance(data, list) else [data])]
-    views = [v for v in views if len(v)]
     fd = _fd(path)  # an OSError (disk full, read-only) goes up as is: the executor names OUT and the fix
-    while views:
-        batch, size = [], 0
-        for v in views[:_IOV_MAX]:
-            if size + len(v) > 1 << 30 and batch:
-                break
-            batch.append(v)
-            size += len(v)
-        n = os.pwritev(fd, batch, offset)
-        offset += n
-        while views and n >= len(views[0]):  # drop what was written, keep the rest of a buffer cut short
-            n -= len(views[0])
-            views.pop(0)
-        if n:
-            views[0] = views[0][n:]
-
-
-_IOV_MAX = 1024  # buffers per pwritev (Linux's IOV_MAX)
+    direct = _direct_fd(path) if sum(len(v) for v in views) >= DIRECT_WRITE_MIN else None
+    if not write_direct(path, fd, direct, views, offset, _WBUF):
+        os.close(_DFDS.pop(path))  # refused: this filesystem is written through the page cache from now on
 
 
 def _overlaps(t: PlanTensor, r0: int, r1: int):
@@ -534,17 +484,14 @@ _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in
 # kernel on first touch (13% of a Q4_K_M run's CPU time, in the converting process's unit thread, whose malloc
 # arena hands large blocks back when they are freed)
 _XBUF, _QBUF = ReadBuffer(), ReadBuffer()
-_BUF2 = ReadBuffer()  # the second buffer of a unit read ahead (:func:`_quantize_read_ahead`), with _BUF
-#: the two buffer slots of a group's shared reads (:func:`run_group`): one held by its units, the next read into
-_SLOTS: tuple[list, list] = ([], [])
-#: the running unit's reads done ahead of their use (:class:`ReadAhead`), when it reads so
+_BUF2 = ReadBuffer()  # the second buffer of a group read ahead (:func:`_reading_ahead`), with _BUF
+_WBUF = ReadBuffer()  # a unit's output blocks gathered for their write around the page cache (:func:`_pwrite`)
+#: the running group's reads done ahead of their use (:class:`ReadAhead`), when it reads so
 _AHEAD: list = [None]
 
 
 #: the running unit's checksum of the bytes it reads, when those are exactly :func:`source_ranges` in order
 _READ_HASH: list = [None]
-#: whether the running unit reads around the page cache (:attr:`Task.direct`, and it hashes what it reads)
-_DIRECT: list = [False]
 
 
 def reads_are_ranges(t: PlanTensor, r0: int, r1: int) -> bool:
@@ -562,7 +509,7 @@ def _read_rows(ck, name: str, first: int, n: int) -> np.ndarray:
     read: decode or copy them before reading again), and hashed into the unit's digest when it keeps one."""
     ahead = _AHEAD[0]
     rows = (ahead.next((name, first, n)) if ahead is not None
-            else ck.read_rows(name, first, first + n, _BUF, direct=_DIRECT[0]))
+            else ck.read_rows(name, first, first + n, _BUF))
     if _READ_HASH[0] is not None:
         _READ_HASH[0].update(rows)
     return rows

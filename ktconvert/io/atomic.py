@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from ktconvert.errors import EnvironmentProblem, UsageProblem
-from ktconvert.io.files import ReadBuffer, pread_into
+from ktconvert.io.files import ReadBuffer, pread_into, read_direct
 
 PARTIAL_SUFFIX = ".ktconvert-partial"
 
@@ -320,10 +320,15 @@ def sha256_file(path: Path, chunk: int = 16 * 1024**2) -> str:
 class FileSha256:
     """The sha256 of a file hashed front to back in pieces, as its bytes become final (``advance(to)``: hash up to
     offset ``to``, ``None`` for the end of the file): a run that writes a file out of order hashes each finished
-    prefix while the rest is still being written, instead of reading the whole file again at the end."""
+    prefix while the rest is still being written, instead of reading the whole file again at the end.
 
-    def __init__(self, path: Path | str, chunk: int = 16 * 1024**2, buf: ReadBuffer | None = None):
-        self.path, self.pos, self._chunk = path, 0, chunk
+    ``direct``: read around the page cache (:func:`ktconvert.io.files.read_direct`, where the filesystem allows it),
+    for a file written so (a conversion's outputs: worker.py ``DIRECT_WRITE_MIN``): its bytes are not in the page
+    cache, and reading them through it would allocate and fill pages for bytes read once."""
+
+    def __init__(self, path: Path | str, chunk: int = 16 * 1024**2, buf: ReadBuffer | None = None, *,
+                 direct: bool = False):
+        self.path, self.pos, self._chunk, self._direct = path, 0, chunk, direct
         self._h = hashlib.sha256()
         self._buf = buf if buf is not None else ReadBuffer()  # one buffer may serve many files' hashers
 
@@ -336,11 +341,12 @@ class FileSha256:
                 os.posix_fadvise(fd, self.pos, 0, os.POSIX_FADV_SEQUENTIAL)
             end = os.fstat(fd).st_size if to is None else to
             while self.pos < end:
-                b = self._buf.take(min(self._chunk, end - self.pos))
-                got = pread_into(fd, b, self.pos)
+                n = min(self._chunk, end - self.pos)
+                b = read_direct(self.path, self.pos, n, self._buf, what="output file") if self._direct else None
+                got = n if b is not None else pread_into(fd, b := self._buf.take(n), self.pos)
                 self._h.update(b[:got])
                 self.pos += got
-                if got < b.nbytes:
+                if got < n:
                     raise OSError(errno.EIO, f"{self.path} ends at {self.pos} bytes, {end} expected", str(self.path))
         finally:
             os.close(fd)

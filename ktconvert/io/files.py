@@ -57,25 +57,40 @@ def read_text(path: str | os.PathLike, what: str = "text file", *, limit: int = 
 ALIGN = 4096  # the page size: buffers start on a page, so the kernel copies whole pages into them
 
 
+HUGE = 2 * 1024**2  # a transparent huge page (x86-64, arm64 with 4 KiB pages)
+
+
 class ReadBuffer:
     """A grow-only, page-aligned byte buffer reused for every read of a process: reading into the same memory
-    again costs no page faults (a fresh array per read faults in and zeroes every page of it first)."""
+    again costs no page faults (a fresh array per read faults in and zeroes every page of it first).
+
+    It is an anonymous mapping of whole huge pages, asked to be backed by them (``MADV_HUGEPAGE``, where the kernel
+    has transparent huge pages in ``madvise`` or ``always`` mode): an ``O_DIRECT`` read pins the pages it reads into
+    (:func:`read_direct`), 512 times fewer of them, and the first touch faults in 2 MiB at a time. Where the kernel
+    declines, it is the same memory in 4 KiB pages."""
 
     def __init__(self) -> None:
         self._raw = self._view = None
 
     def release(self) -> None:
-        """Give the memory back (a later ``take`` allocates again)."""
+        """Give the memory back (a later ``take`` allocates again; the mapping goes with its last view)."""
         self._raw = self._view = None
 
     def take(self, nbytes: int) -> np.ndarray:
         """A writable uint8 view of the first ``nbytes`` (valid until the next ``take``)."""
+        import mmap
+
         import numpy as np
 
         if self._view is None or nbytes > self._view.size:
-            self._raw = np.empty(nbytes + ALIGN, dtype=np.uint8)
-            skip = -self._raw.ctypes.data % ALIGN
-            self._view = self._raw[skip: skip + nbytes]
+            size = -(-max(nbytes, 1) // HUGE) * HUGE
+            self._raw = mmap.mmap(-1, size + HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # (+ room to start
+            # on a huge page boundary; private: a shared one is shmem, which has huge pages of its own setting)
+            if hasattr(mmap, "MADV_HUGEPAGE"):
+                self._raw.madvise(mmap.MADV_HUGEPAGE)
+            whole = np.frombuffer(self._raw, dtype=np.uint8)
+            skip = -whole.ctypes.data % HUGE
+            self._view = whole[skip: skip + size]
         return self._view[:nbytes]
 
 
@@ -121,6 +136,97 @@ def read_exact(path: str | os.PathLike, offset: int, out: np.ndarray, *, what: s
 _NO_DIRECT: set[int] = set()
 
 
+def open_direct(path: str | os.PathLike, flags: int) -> int | None:
+    """``path`` opened with ``flags | O_DIRECT``, or ``None`` where there is no ``O_DIRECT`` (another OS, a
+    filesystem that refused it in this process or refuses it now: then remembered) or the path cannot be opened
+    (the caller's own access names the problem)."""
+    flag = getattr(os, "O_DIRECT", 0)
+    if not flag:
+        return None
+    try:
+        dev = os.stat(path).st_dev
+    except OSError:
+        return None
+    if dev in _NO_DIRECT:
+        return None
+    try:
+        return os.open(path, flags | flag)
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:  # the filesystem has no O_DIRECT
+            _NO_DIRECT.add(dev)
+        return None
+
+
+def refused_direct(path: str | os.PathLike) -> None:
+    """An ``O_DIRECT`` transfer of ``path`` was refused (``EINVAL``: an alignment its filesystem needs): its
+    filesystem is read and written through the page cache from then on."""
+    try:
+        _NO_DIRECT.add(os.stat(path).st_dev)
+    except OSError:
+        pass
+
+
+def write_direct(path: str | os.PathLike, fd: int, direct_fd: int | None, views: list, offset: int,
+                 stage: ReadBuffer) -> bool:
+    """Write ``views`` (byte buffers laid end to end) at ``offset`` of ``path``, open as ``fd``: the whole 4 KiB blocks
+    they cover, gathered into ``stage``, with ``direct_fd`` (the file opened by :func:`open_direct`: the disk reads
+    them from this process's memory; no page cache pages allocated, filled and written back), the partial blocks at
+    either end (which neighbouring writes share) through the page cache; everything through it without a
+    ``direct_fd``, or where the filesystem refuses the direct write (:func:`refused_direct`; then ``False`` is
+    returned, else ``True``). Nothing of the bytes changes: a file written either way is the same file."""
+    import numpy as np
+
+    total = sum(len(v) for v in views)
+    head = min(total, -offset % ALIGN)
+    body = (total - head) // ALIGN * ALIGN
+    if direct_fd is not None and body:
+        flat = [np.frombuffer(v, np.uint8) for v in views]
+        cuts = np.cumsum([0] + [a.size for a in flat])
+
+        def part(a: int, b: int) -> list:
+            return [memoryview(x[max(a, c0) - c0: min(b, c0 + x.size) - c0])
+                    for x, c0 in zip(flat, cuts[:-1]) if max(a, c0) < min(b, c0 + x.size)]
+
+        out = stage.take(body)
+        np.concatenate([np.asarray(m) for m in part(head, head + body)], out=out)
+        try:
+            pwrite_all(direct_fd, [memoryview(out)], offset + head)
+        except OSError as exc:
+            if exc.errno != errno.EINVAL:
+                raise
+            refused_direct(path)  # the filesystem wants another alignment: the page cache, for this write too
+            pwrite_all(fd, views, offset)
+            return False
+        pwrite_all(fd, part(0, head), offset)
+        pwrite_all(fd, part(head + body, total), offset + head + body)
+        return True
+    pwrite_all(fd, views, offset)
+    return True
+
+
+def pwrite_all(fd: int, views: list, offset: int) -> None:
+    """Write ``views`` (byte buffers laid end to end: one ``pwritev`` of them all, no joined copy) at ``offset``,
+    as few calls as the kernel allows."""
+    views = [v for v in views if len(v)]
+    while views:
+        batch, size = [], 0
+        for v in views[:_IOV_MAX]:
+            if size + len(v) > 1 << 30 and batch:
+                break
+            batch.append(v)
+            size += len(v)
+        n = os.pwritev(fd, batch, offset)
+        offset += n
+        while views and n >= len(views[0]):  # drop what was written, keep the rest of a buffer cut short
+            n -= len(views[0])
+            views.pop(0)
+        if n:
+            views[0] = views[0][n:]
+
+
+_IOV_MAX = 1024  # buffers per pwritev (Linux's IOV_MAX)
+
+
 def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuffer, *, what: str = "file",
                 where: str | None = None) -> np.ndarray | None:
     """``nbytes`` of ``path`` at ``offset`` read with ``O_DIRECT``: the disk writes them straight into ``buf`` (no
@@ -128,23 +234,11 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
     its next use), or ``None`` where the filesystem refuses ``O_DIRECT`` (the caller then reads with
     :func:`read_exact`). The read covers the whole 4 KiB blocks around the range, so the view starts
     ``offset % 4096`` bytes into the buffer. A file shorter than the range is :func:`read_exact`'s InputError."""
-    flag = getattr(os, "O_DIRECT", 0)
-    if not flag:
-        return None
-    try:
-        dev = os.stat(path).st_dev
-    except OSError:
-        return None  # read_exact names the problem
-    if dev in _NO_DIRECT:
-        return None
+    fd = open_direct(path, os.O_RDONLY)
+    if fd is None:
+        return None  # (a path that cannot be opened at all: read_exact names the problem)
     start = offset - offset % ALIGN
     end = -(-(offset + nbytes) // ALIGN) * ALIGN
-    try:
-        fd = os.open(path, os.O_RDONLY | flag)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:  # the filesystem has no O_DIRECT
-            _NO_DIRECT.add(dev)
-        return None
     try:
         window = buf.take(nbytes + 2 * ALIGN)[: end - start]  # the size its alignment needs at most: the buffer
         # grows for the first unit of a size, not again for one whose bytes start elsewhere in a block
@@ -152,7 +246,7 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
             got = pread_into(fd, window, start, block=ALIGN)
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # O_DIRECT opened, then refused (an alignment this filesystem needs)
-                _NO_DIRECT.add(dev)
+                refused_direct(path)
                 return None
             raise InputError(f"cannot read {what}: {exc.strerror}", path=str(path), where=where) from None
     finally:
@@ -169,7 +263,9 @@ class ReadAhead:
     decodes and converts the bytes of one read while the disk delivers the next (``preadv`` and the compiled
     kernels both release the GIL). ``reads``: ``(key, read)`` in the order they are used, ``read(buf)`` returning a
     view of ``buf``; :meth:`next` hands them out in that order, each valid until the next call (its buffer is then
-    read into again). An error of a read (an :class:`InputError` for a truncated file) is raised by :meth:`next`
+    read into again). Asking again for the read just handed out hands it out again, and a read announced twice in a
+    row is read once: a reader may go back over the bytes it has (the kt-amx packer's float32 path, to say where a
+    NaN is), or two in a row read the same bytes. An error of a read (an :class:`InputError` for a truncated file) is raised by :meth:`next`
     where that read is used, and no read is started after it; leaving the ``with`` block stops the thread and waits
     for it, whatever ended the block."""
 
@@ -177,12 +273,15 @@ class ReadAhead:
         import queue
         import threading
 
-        self._reads = list(reads)
+        self._reads: list = []
+        for r in reads:  # a read announced again right after itself: read once
+            if not self._reads or r[0] != self._reads[-1][0]:
+                self._reads.append(r)
         self._free: queue.SimpleQueue = queue.SimpleQueue()
         self._ready: queue.SimpleQueue = queue.SimpleQueue()
         for b in bufs:
             self._free.put(b)
-        self._held = None
+        self._held = self._last = None
         self._stop = False
         self._thread = threading.Thread(target=self._work, name="ktconvert-read-ahead", daemon=True)
         self._thread.start()
@@ -199,7 +298,11 @@ class ReadAhead:
                 return
 
     def next(self, key):
-        """The bytes of the next read, which must be ``key`` (a caller reading out of the announced order is a bug)."""
+        """The bytes of the next read, which must be ``key`` (a caller reading out of the announced order is a bug),
+        or of the last one again."""
+        if self._last is not None and self._last[0] == key:
+            return self._last[1]
+        self._last = None
         if self._held is not None:
             self._free.put(self._held)
             self._held = None
@@ -209,6 +312,7 @@ class ReadAhead:
             raise exc
         if got != key:
             raise AssertionError(f"read {key} asked, {got} read ahead")
+        self._last = (key, data)
         return data
 
     def close(self) -> None:
