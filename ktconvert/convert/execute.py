@@ -92,22 +92,19 @@ def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0, *, shar
     bytes; a copied row is its bytes once, plus two float32 copies when it is a float checked for NaN/Inf. The budget is halved once more for numpy's transient copies.
     ``reserve``: bytes of each job's share its process needs for itself (:data:`RAY_WORKER_RESERVE` for a Ray
     task, whose memory request is the whole share). ``shared``: the units of one output of several
-    (:func:`execute_all`): a third of what is left of each share holds the source tensors the outputs share
-    (:func:`shared_read_bytes`), and no unit spans two segments (of a tensor stacked from several source tensors,
-    such as the experts of a layer), so the outputs' units read whole source tensors they can share.
+    (:func:`execute_all`): no unit spans two segments (of a tensor stacked from several source tensors, such as
+    the experts of a layer), so the outputs' units read the same bytes, which their group reads once
+    (:func:`group_units`).
     """
     jobs = max(1, jobs)
     widest = max((_row_working_set(plan, t) for t in plan.tensors), default=0) * 2
-    need = ((widest * 3 + 1) // 2 if shared else widest) * jobs + reserve * jobs
+    need = widest * jobs + reserve * jobs
     if max_memory < need:
         least = f"{-(-need // 1024)}KiB" if need < 2**30 else f"{-(-need // 2**20)}MiB"
-        kept = ([f"{format_size(reserve)} for each Ray worker process"] if reserve else []) + \
-            (["a third of each job's share for the reads the outputs share"] if shared else [])
-        per = f", with {' and '.join(kept)}," if kept else ""
+        per = f", with {format_size(reserve)} for each Ray worker process," if reserve else ""
         raise UsageProblem(f"--max-memory {format_size(max_memory)} is below the minimum {least}: one row of the "
                            f"widest tensor with {jobs} job(s){per} needs that much", fix=f"pass --max-memory {least} or more")
-    budget = max(1, min(UNIT_CAP, (max_memory // jobs - reserve - shared_read_bytes(max_memory, jobs, reserve)
-                                   * shared) // 2))
+    budget = max(1, min(UNIT_CAP, (max_memory // jobs - reserve) // 2))
     units = []
     for ti, t in enumerate(plan.tensors):
         rows = t.rows if t.shape else 1
@@ -127,12 +124,6 @@ def make_units(plan: Plan, max_memory: int, jobs: int, reserve: int = 0, *, shar
                 r1 = min(b, r0 + step)
                 units.append(Unit(len(units), ti, r0, r1, in_row * (r1 - r0)))
     return units
-
-
-def shared_read_bytes(max_memory: int, jobs: int, reserve: int = 0) -> int:
-    """What one task of a several-output run may hold of the source tensors its units share: a third of its share
-    of ``max_memory`` less ``reserve``; the units get the rest (:func:`make_units`)."""
-    return max(0, max_memory // max(1, jobs) - reserve) // 3
 
 
 def ray_task_memory(max_memory: int, jobs: int) -> int:
