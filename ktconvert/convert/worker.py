@@ -169,6 +169,12 @@ def worker_init(parent: int | None = None) -> None:
     threading.Thread(target=watch, name="ktconvert-parent-watch", daemon=True).start()
 
 
+def worker_warm_up() -> None:
+    """A started worker's first task (:func:`ktconvert.convert.pool.workers_started`): one small compiled call,
+    which loads numba's machinery (about half a CPU-second, once per process) before the first unit needs it."""
+    quantize(np.zeros((1, 32), dtype=np.float32), "Q8_0")
+
+
 def run_task(task: Task) -> tuple[int, str]:
     """Convert and write one unit; returns the unit id and :func:`source_digest` of the input it read (what
     ``--resume`` checks the source against). Raises :class:`InputError` for bad data (NaN/Inf)."""
