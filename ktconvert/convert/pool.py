@@ -13,7 +13,7 @@ import os
 from concurrent.futures import ProcessPoolExecutor
 from contextlib import contextmanager
 
-from ktconvert.convert.worker import worker_context, worker_init, worker_warm_up
+from ktconvert.convert.worker import interrupts_deferred, worker_context, worker_init, worker_warm_up
 
 _STARTED: list[tuple[int, ProcessPoolExecutor]] = []  # (workers, pool): started ahead, not yet taken by a run
 
@@ -37,7 +37,8 @@ def workers_started(jobs: int):
     _STARTED.append(entry)
     try:
         for _ in range(workers):  # a spawn pool starts a process per task it cannot give an idle one
-            pool.submit(worker_warm_up)
+            with interrupts_deferred():  # not inside submit (see interrupts_deferred)
+                pool.submit(worker_warm_up)
         yield
     finally:
         if entry in _STARTED:
