@@ -14,6 +14,7 @@ from ktconvert.convert.execute import (Progress, RunResult, execute, execute_all
                                        ray_task_memory)
 from ktconvert.convert.hf_out import build_hf_plan
 from ktconvert.convert.plan import KEEP_SPLIT, Plan, build_plan
+from ktconvert.convert.pool import workers_started
 from ktconvert.convert.recipe import Recipe, load_recipe, presets, recipe_for_type, with_overrides
 from ktconvert.convert.targets import check_target
 from ktconvert.io.sizes import parse_size
@@ -148,25 +149,27 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
     if form == "kt-tree" and (format != "kt-amx" or str(type).upper() != "AMXINT8"):
         raise UsageProblem("--form kt-tree is kt-kernel's persistent INT8 tree: it needs --to kt-amx --type AMXINT8",
                            fix="add --to kt-amx --type AMXINT8, or drop --form kt-tree")
-    plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
-                           tokenizer=tokenizer, threadpool_count=threadpool_count, allow_requantize=allow_requantize,
-                           allow_fallback=allow_fallback, lora=lora, lora_alpha=lora_alpha, imatrix=imatrix,
-                           include_weights=include_weights, exclude_weights=exclude_weights, target=target)
-    with claim_output(Path(out), inputs=input_roots(Path(src), [Path(f) for f in plan.input_files]), force=force):
-        if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node the tasks fit
-            ray = connect(ray_address)
-            check_fits(ray, ray_task_memory(budget, jobs), "one conversion task")
-        if form in (None, "merged"):
-            return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force, progress=progress,
-                           executor=executor)
-        out = Path(out)
-        check_tree_paths(out, force)
-        merged = scratch_dir(out)
-        run = execute(plan, merged, max_memory=budget, jobs=jobs, resume=resume, force=True, progress=progress,
-                      executor=executor)
-        kt = write_tree(merged, out, force=force)
-        return dataclasses.replace(run, out=out, manifest=finish_tree(run.manifest, merged, out, kt))
-
+    with workers_started(jobs if executor == "local" else 1):  # the -j workers start while the run is planned
+        plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
+                               tokenizer=tokenizer, threadpool_count=threadpool_count,
+                               allow_requantize=allow_requantize, allow_fallback=allow_fallback, lora=lora,
+                               lora_alpha=lora_alpha, imatrix=imatrix, include_weights=include_weights,
+                               exclude_weights=exclude_weights, target=target)
+        inputs = input_roots(Path(src), [Path(f) for f in plan.input_files])
+        with claim_output(Path(out), inputs=inputs, force=force):
+            if executor == "ray":  # before anything is written: ray installed, the cluster reachable, a node fits
+                ray = connect(ray_address)
+                check_fits(ray, ray_task_memory(budget, jobs), "one conversion task")
+            if form in (None, "merged"):
+                return execute(plan, out, max_memory=budget, jobs=jobs, resume=resume, force=force,
+                               progress=progress, executor=executor)
+            out = Path(out)
+            check_tree_paths(out, force)
+            merged = scratch_dir(out)
+            run = execute(plan, merged, max_memory=budget, jobs=jobs, resume=resume, force=True, progress=progress,
+                          executor=executor)
+            kt = write_tree(merged, out, force=force)
+            return dataclasses.replace(run, out=out, manifest=finish_tree(run.manifest, merged, out, kt))
 
 
 # --- several outputs from one read (quantize --output TYPE=DIR ...) ---------------------------------------------
@@ -257,9 +260,10 @@ def convert_outputs(src: str | Path, outputs: list[OutputSpec], *, max_memory: i
         raise UsageProblem(f"--jobs {jobs} must be at least 1")
     check_executor(executor, ray_address)
     budget = parse_size(max_memory, what="--max-memory")
-    plans = plan_outputs(src, outputs, **planning)
     kept: dict[int, RunResult] = {}
     with ExitStack() as held:
+        held.enter_context(workers_started(jobs if executor == "local" else 1))  # started while the run is planned
+        plans = plan_outputs(src, outputs, **planning)
         for k, (o, plan) in enumerate(zip(outputs, plans)):
             if resume and not force and o.out.is_dir() and not partial_dir(o.out).exists():
                 with ExitStack() as lock:

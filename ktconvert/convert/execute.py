@@ -33,10 +33,11 @@ from typing import Callable
 
 from ktconvert import __version__
 from ktconvert.convert.plan import Plan, PlanTensor
+from ktconvert.convert.pool import worker_pool
 from ktconvert.convert.provenance import git_commit, recipe_sha256
 from ktconvert.io.sizes import format_size
 from ktconvert.convert.worker import (Group, Task, close_all, interrupts_deferred, reads_are_ranges, run_group,
-                                      run_group_synced, source_digest, source_ranges, worker_context, worker_init)
+                                      run_group_synced, source_digest, source_ranges)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import (WRITE_ERRNOS, FileSha256, fsync_dir, partial_dir, replace_dir, sha256_file,
@@ -497,7 +498,7 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
                 o.state.record(p)
             raise
     else:
-        from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
+        from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 
         # This process converts units in one thread of its own while its main thread journals, fsyncs and hashes
         # the output (calls that wait on the disk: the conversion goes on meanwhile). With jobs > 1, jobs - 1
@@ -511,9 +512,7 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
             here = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktconvert-unit"))
             executors = [(here, 2)]
             if workers:
-                executors.append((stack.enter_context(ProcessPoolExecutor(
-                    max_workers=workers, mp_context=worker_context(), initializer=worker_init,
-                    initargs=(os.getpid(),))), 2 * workers))
+                executors.append((stack.enter_context(worker_pool(workers)), 2 * workers))
             inflight: dict = {}  # future -> the executor it runs on
             try:
                 while queue or inflight:

@@ -181,6 +181,12 @@ def worker_init(parent: int | None = None) -> None:
     threading.Thread(target=watch, name="ktconvert-parent-watch", daemon=True).start()
 
 
+def worker_warm_up() -> None:
+    """A started worker's first task (:func:`ktconvert.convert.pool.workers_started`): one small compiled call,
+    which loads numba's machinery (about half a CPU-second, once per process) before the first unit needs it."""
+    quantize(np.zeros((1, 32), dtype=np.float32), "Q8_0")
+
+
 def _convert_hashed(task: Task) -> tuple[int, str]:
     """:func:`_convert` and the :func:`source_digest` of its input: hashed from the bytes the unit read when it reads
     whole rows of plain tensors (no second read), else read again."""
