@@ -487,10 +487,11 @@ def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
 
 
 #: A write of at least this much goes around the page cache (:func:`ktconvert.io.files.write_direct`: its whole
-#: 4 KiB blocks with ``O_DIRECT``, its partial blocks through the page cache): a kt-amx expert's 1-3 MB, a
-#: quantized unit's rows. Copying into page cache pages and ext4's per-block accounting of them were the largest
-#: part of a kt-amx run's system time once its reads went around the cache (docs/measurements.md, issue 35).
-DIRECT_WRITE_MIN = 1024**2
+#: 4 KiB blocks with ``O_DIRECT``, its partial blocks through the page cache): a kt-amx expert's 0.8 MB (AMXINT4)
+#: to 1.6 MB (AMXINT8), a quantized unit's rows. Copying into page cache pages and ext4's per-block accounting of
+#: them were the largest part of a kt-amx run's system time once its reads went around the cache; at 1 MiB,
+#: AMXINT4's experts still went through it (docs/measurements.md, issue 35).
+DIRECT_WRITE_MIN = 256 * 1024
 
 
 def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None:
