@@ -400,10 +400,12 @@ def test_a_filesystem_refusing_the_direct_write_is_written_through_the_page_cach
 @pytest.mark.parametrize("to,type", [("kt-amx", "AMXINT8"), ("gguf", "Q8_0")])
 def test_a_conversion_writing_around_the_page_cache_writes_the_same_files(tiny_root, tmp_path, monkeypatch, to, type):
     """Every unit's output written with O_DIRECT (DIRECT_WRITE_MIN 0) against none: the same files, and the
-    manifest's sha256 (hashed by reads around the page cache as units finish) is the sha256 of the file on disk."""
+    manifest's sha256 is the sha256 of the file on disk, whether the hasher takes the units' bytes from the memory
+    the converting process kept of them (as it does) or reads them all back around the page cache (HELD_MAX 0)."""
     import hashlib
 
     from ktconvert.convert import convert
+    from ktconvert.convert import execute as ex
     from ktconvert.convert import worker
 
     seen, real = [], files.write_direct
@@ -413,14 +415,36 @@ def test_a_conversion_writing_around_the_page_cache_writes_the_same_files(tiny_r
         return real(path, fd, direct, *a)
 
     monkeypatch.setattr(worker, "write_direct", counting)
-    runs = {}
-    for label, least in (("page cache", 1 << 62), ("direct", 0)):
+    kept, real_written = [], ex._OutputHashes.written
+
+    def keeping(self, path, offset, views):
+        kept.append(sum(len(v) for v in views))
+        return real_written(self, path, offset, views)
+
+    monkeypatch.setattr(ex._OutputHashes, "written", keeping)
+    from ktconvert.io import atomic
+
+    read_back, real_back = [], atomic.read_direct
+
+    def reading_back(path, offset, nbytes, *a, **kw):
+        read_back.append(nbytes)
+        return real_back(path, offset, nbytes, *a, **kw)
+
+    monkeypatch.setattr(atomic, "read_direct", reading_back)
+    runs, back = {}, {}
+    for label, least, held in (("page cache", 1 << 62, ex.HELD_MAX), ("direct", 0, ex.HELD_MAX),
+                               ("read back", 0, 0)):
         monkeypatch.setattr(worker, "DIRECT_WRITE_MIN", least)
+        monkeypatch.setattr(ex, "HELD_MAX", held)
         out = tmp_path / label
         convert(tiny_root / "qwen3_moe", out, type=type, format="kt-amx" if to == "kt-amx" else None,
                 tokenizer=False)
         runs[label] = json.loads((out / "manifest.json").read_text())["files"]
-    assert runs["direct"] == runs["page cache"]
+        back[label] = sum(read_back)
+        read_back.clear()
+    assert runs["direct"] == runs["page cache"] == runs["read back"]
+    assert back["direct"] < back["read back"]  # the kept bytes were not read back
+    assert kept and sum(kept) > 0  # the unit thread handed its bytes to the hasher
     for name, f in runs["direct"].items():
         assert hashlib.sha256((tmp_path / "direct" / name).read_bytes()).hexdigest() == f["sha256"], name
     assert any(seen) == _direct_allowed(tmp_path / "direct" / next(iter(runs["direct"])))

@@ -503,6 +503,8 @@ def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None
     direct = _direct_fd(path) if sum(len(v) for v in views) >= DIRECT_WRITE_MIN else None
     if not write_direct(path, fd, direct, views, offset, _WBUF):
         os.close(_DFDS.pop(path))  # refused: this filesystem is written through the page cache from now on
+    if WRITE_HOOK[0] is not None:
+        WRITE_HOOK[0](path, offset, views)
 
 
 def _overlaps(t: PlanTensor, r0: int, r1: int):
@@ -522,6 +524,9 @@ _BUF2 = ReadBuffer()  # the second buffer of a group read ahead (:func:`_reading
 _WBUF = ReadBuffer()  # a unit's output blocks gathered for their write around the page cache (:func:`_pwrite`)
 #: the running group's reads done ahead of their use (:class:`ReadAhead`), when it reads so
 _AHEAD: list = [None]
+#: in the converting process during a local run, what is handed the bytes each unit writes (the output hashes:
+#: execute.py ``_OutputHashes.written``), so they need not be read back; ``None`` elsewhere
+WRITE_HOOK: list = [None]
 
 
 #: the running unit's checksum of the bytes it reads, when those are exactly :func:`source_ranges` in order
