@@ -32,7 +32,7 @@ from ktconvert.formats.imatrix import read_imatrix
 from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.formats.transforms import tile_columns
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
-from ktconvert.io.files import ALIGN, ReadAhead, ReadBuffer, open_direct, pread_into, write_direct
+from ktconvert.io.files import ALIGN, ReadAhead, ReadBuffer, WriteBehind, open_direct, pread_into
 from ktconvert.io.heap import keep_freed_memory
 from ktconvert.quant import bf16_to_float32, dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
@@ -88,12 +88,15 @@ def _direct_fd(path: str) -> int | None:
 
 
 def close_all() -> None:
+    if _BEHIND[0] is not None:  # (its writes are done or failed: a run flushes each group before reporting it)
+        _BEHIND[0].close()
+        _BEHIND[0] = None
     for fd in [*_FDS.values(), *_DFDS.values()]:
         os.close(fd)
     _FDS.clear()
     _DFDS.clear()
     _CHECKPOINTS.clear()
-    for b in (_BUF, _BUF2, _XBUF, _QBUF, _WBUF):
+    for b in (_BUF, _BUF2, _XBUF, _QBUF, _WBUF, _WBUF2):
         b.release()
 
 
@@ -261,6 +264,7 @@ def run_group(group: Group) -> list[tuple[int, int, str]]:
                 out.append((k, uid, digests[key]))
     finally:
         _CHECKPOINTS.update(plain)
+        _written()  # (after a failure too: no write of this group's is left running behind the error)
     return out
 
 
@@ -494,15 +498,30 @@ def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
 DIRECT_WRITE_MIN = 256 * 1024
 
 
+def _behind() -> WriteBehind:
+    """This process's writer of units' bytes around the page cache (made on first use)."""
+    if _BEHIND[0] is None:
+        _BEHIND[0] = WriteBehind((_WBUF, _WBUF2))
+    return _BEHIND[0]
+
+
+def _written() -> None:
+    """Every unit's bytes given to :func:`_pwrite` so far are in their files (before a group reports them done)."""
+    if _BEHIND[0] is not None:
+        _BEHIND[0].flush()
+
+
 def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None:
     """Write ``data`` (an array, or arrays laid end to end: no joined copy through the page cache) at ``offset``;
     :data:`DIRECT_WRITE_MIN` bytes or more around the page cache, where the filesystem allows it."""
     views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in
              (data if isinstance(data, list) else [data])]
     fd = _fd(path)  # an OSError (disk full, read-only) goes up as is: the executor names OUT and the fix
+    behind = _behind()
+    if path in behind.refused and path in _DFDS:  # this filesystem is written through the page cache from now on
+        os.close(_DFDS.pop(path))
     direct = _direct_fd(path) if sum(len(v) for v in views) >= DIRECT_WRITE_MIN else None
-    if not write_direct(path, fd, direct, views, offset, _WBUF):
-        os.close(_DFDS.pop(path))  # refused: this filesystem is written through the page cache from now on
+    behind.write(path, fd, direct, views, offset)
     if WRITE_HOOK[0] is not None:
         WRITE_HOOK[0](path, offset, views)
 
@@ -521,7 +540,9 @@ _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in
 # arena hands large blocks back when they are freed)
 _XBUF, _QBUF = ReadBuffer(), ReadBuffer()
 _BUF2 = ReadBuffer()  # the second buffer of a group read ahead (:func:`_reading_ahead`), with _BUF
-_WBUF = ReadBuffer()  # a unit's output blocks gathered for their write around the page cache (:func:`_pwrite`)
+# a unit's output blocks gathered for their write around the page cache, two in turn (:func:`_pwrite`)
+_WBUF, _WBUF2 = ReadBuffer(), ReadBuffer()
+_BEHIND: list = [None]  # this process's WriteBehind (:func:`_behind`)
 #: the running group's reads done ahead of their use (:class:`ReadAhead`), when it reads so
 _AHEAD: list = [None]
 #: in the converting process during a local run, what is handed the bytes each unit writes (the output hashes:
