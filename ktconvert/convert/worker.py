@@ -490,7 +490,7 @@ def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
     return h.hexdigest()
 
 
-#: A write of at least this much goes around the page cache (:func:`ktconvert.io.files.write_direct`: its whole
+#: A write of at least this much goes around the page cache (:class:`ktconvert.io.files.WriteBehind`: its whole
 #: 4 KiB blocks with ``O_DIRECT``, its partial blocks through the page cache): a kt-amx expert's 0.8 MB (AMXINT4)
 #: to 1.6 MB (AMXINT8), a quantized unit's rows. Copying into page cache pages and ext4's per-block accounting of
 #: them were the largest part of a kt-amx run's system time once its reads went around the cache; at 1 MiB,
