@@ -351,8 +351,9 @@ def test_a_truncated_file_under_a_kt_amx_group_is_one_line_and_renames_nothing(t
 @pytest.mark.parametrize("offset", [0, 1, 4095, 4096, 6000])
 @pytest.mark.parametrize("sizes", [(10,), (4096,), (3000, 9000, 1), (8192, 4096, 5)])
 def test_a_write_around_the_page_cache_leaves_the_bytes_of_a_plain_write(tmp_path, offset, sizes):
-    """Whole blocks with O_DIRECT (gathered from several buffers into one aligned one), the partial blocks at either
-    end through the page cache, between bytes already there: the file a plain write leaves, byte for byte."""
+    """Whole blocks with O_DIRECT by the write-behind thread (gathered from several buffers into one aligned one),
+    the partial blocks at either end through the page cache, between bytes already there: the file a plain write
+    leaves, byte for byte."""
     rng = np.random.default_rng(offset + len(sizes))
     views = [memoryview(rng.integers(0, 256, n, dtype=np.uint8)) for n in sizes]
     before = rng.integers(0, 256, offset + sum(sizes) + 5000, dtype=np.uint8).tobytes()
@@ -361,9 +362,13 @@ def test_a_write_around_the_page_cache_leaves_the_bytes_of_a_plain_write(tmp_pat
     path = tmp_path / "f"
     path.write_bytes(before)
     fd, direct = os.open(path, os.O_WRONLY), files.open_direct(path, os.O_WRONLY)
+    behind = files.WriteBehind((ReadBuffer(), ReadBuffer()))
     try:
-        assert files.write_direct(path, fd, direct, views, offset, ReadBuffer())
+        behind.write(path, fd, direct, views, offset)
+        behind.flush()
+        assert not behind.refused
     finally:
+        behind.close()
         os.close(fd)
         if direct is not None:
             os.close(direct)
@@ -373,7 +378,7 @@ def test_a_write_around_the_page_cache_leaves_the_bytes_of_a_plain_write(tmp_pat
 
 def test_a_filesystem_refusing_the_direct_write_is_written_through_the_page_cache(tmp_path, monkeypatch):
     """Opened with O_DIRECT, the write refused (EINVAL: an alignment the filesystem needs): the same bytes through
-    the page cache, the filesystem remembered (not asked again), ``False`` told to the caller."""
+    the page cache, the filesystem remembered (not asked again), the path in the writer's ``refused``."""
     real = files.os.pwritev
 
     def strict(fd, bufs, offset, *a):
@@ -388,9 +393,13 @@ def test_a_filesystem_refusing_the_direct_write_is_written_through_the_page_cach
     monkeypatch.setattr(files.os, "pwritev", strict)
     data = memoryview(np.arange(9000, dtype=np.uint8))
     fd, direct = os.open(path, os.O_WRONLY), files.open_direct(path, os.O_WRONLY)
+    behind = files.WriteBehind((ReadBuffer(),))
     try:
-        assert not files.write_direct(path, fd, direct, [data], 100, ReadBuffer())
+        behind.write(path, fd, direct, [data], 100)
+        behind.flush()
+        assert behind.refused == {str(path)}
     finally:
+        behind.close()
         os.close(fd)
         os.close(direct)
     assert path.read_bytes()[100:9100] == bytes(data)
@@ -400,27 +409,82 @@ def test_a_filesystem_refusing_the_direct_write_is_written_through_the_page_cach
 @pytest.mark.parametrize("to,type", [("kt-amx", "AMXINT8"), ("gguf", "Q8_0")])
 def test_a_conversion_writing_around_the_page_cache_writes_the_same_files(tiny_root, tmp_path, monkeypatch, to, type):
     """Every unit's output written with O_DIRECT (DIRECT_WRITE_MIN 0) against none: the same files, and the
-    manifest's sha256 (hashed by reads around the page cache as units finish) is the sha256 of the file on disk."""
+    manifest's sha256 is the sha256 of the file on disk, whether the hasher takes the units' bytes from the memory
+    the converting process kept of them (as it does) or reads them all back around the page cache (HELD_MAX 0)."""
     import hashlib
 
     from ktconvert.convert import convert
+    from ktconvert.convert import execute as ex
     from ktconvert.convert import worker
 
-    seen, real = [], files.write_direct
+    seen, real = [], files.WriteBehind.write
 
-    def counting(path, fd, direct, *a):
+    def counting(self, path, fd, direct, *a):
         seen.append(direct is not None)
-        return real(path, fd, direct, *a)
+        return real(self, path, fd, direct, *a)
 
-    monkeypatch.setattr(worker, "write_direct", counting)
-    runs = {}
-    for label, least in (("page cache", 1 << 62), ("direct", 0)):
+    monkeypatch.setattr(files.WriteBehind, "write", counting)
+    kept, real_written = [], ex._OutputHashes.written
+
+    def keeping(self, path, offset, views):
+        kept.append(sum(len(v) for v in views))
+        return real_written(self, path, offset, views)
+
+    monkeypatch.setattr(ex._OutputHashes, "written", keeping)
+    from ktconvert.io import atomic
+
+    read_back, real_back = [], atomic.read_direct
+
+    def reading_back(path, offset, nbytes, *a, **kw):
+        read_back.append(nbytes)
+        return real_back(path, offset, nbytes, *a, **kw)
+
+    monkeypatch.setattr(atomic, "read_direct", reading_back)
+    runs, back = {}, {}
+    for label, least, held in (("page cache", 1 << 62, ex.HELD_MAX), ("direct", 0, ex.HELD_MAX),
+                               ("read back", 0, 0)):
         monkeypatch.setattr(worker, "DIRECT_WRITE_MIN", least)
+        monkeypatch.setattr(ex, "HELD_MAX", held)
         out = tmp_path / label
         convert(tiny_root / "qwen3_moe", out, type=type, format="kt-amx" if to == "kt-amx" else None,
                 tokenizer=False)
         runs[label] = json.loads((out / "manifest.json").read_text())["files"]
-    assert runs["direct"] == runs["page cache"]
+        back[label] = sum(read_back)
+        read_back.clear()
+    assert runs["direct"] == runs["page cache"] == runs["read back"]
+    assert back["direct"] < back["read back"]  # the kept bytes were not read back
+    assert kept and sum(kept) > 0  # the unit thread handed its bytes to the hasher
     for name, f in runs["direct"].items():
         assert hashlib.sha256((tmp_path / "direct" / name).read_bytes()).hexdigest() == f["sha256"], name
     assert any(seen) == _direct_allowed(tmp_path / "direct" / next(iter(runs["direct"])))
+
+
+def test_a_write_failing_behind_the_unit_is_raised_before_its_group_reports(tmp_path, monkeypatch):
+    """The disk full under the write-behind thread: the error comes out of the flush a group ends with (and of any
+    later write), not lost in the thread; nothing is written after it."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(4 * 4096))
+    if not _direct_allowed(path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    real = files.os.pwritev
+
+    def full(fd, bufs, offset, *a):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, bufs, offset, *a)
+
+    monkeypatch.setattr(files.os, "pwritev", full)
+    fd, direct = os.open(path, os.O_WRONLY), files.open_direct(path, os.O_WRONLY)
+    behind = files.WriteBehind((ReadBuffer(),))
+    try:
+        behind.write(path, fd, direct, [memoryview(bytes(range(256)) * 32)], 0)
+        with pytest.raises(OSError) as err:
+            behind.flush()
+        assert err.value.errno == errno.ENOSPC
+        with pytest.raises(OSError):
+            behind.write(path, fd, direct, [memoryview(bytes(8192))], 8192)
+    finally:
+        behind.close()
+        os.close(fd)
+        os.close(direct)
+    assert path.read_bytes() == bytes(4 * 4096)

@@ -36,8 +36,8 @@ from ktconvert.convert.plan import Plan, PlanTensor
 from ktconvert.convert.pool import worker_pool
 from ktconvert.convert.provenance import git_commit, recipe_sha256
 from ktconvert.io.sizes import format_size
-from ktconvert.convert.worker import (Group, Task, close_all, interrupts_deferred, reads_are_ranges, run_group,
-                                      run_group_synced, source_digest, source_ranges)
+from ktconvert.convert.worker import (WRITE_HOOK, Group, Task, close_all, interrupts_deferred, reads_are_ranges,
+                                      run_group, run_group_synced, source_digest, source_ranges)
 from ktconvert.errors import EnvironmentProblem, InputError, UsageProblem
 from ktconvert.formats import open_checkpoint
 from ktconvert.io.atomic import (WRITE_ERRNOS, FileSha256, fsync_dir, partial_dir, replace_dir, sha256_file,
@@ -55,7 +55,9 @@ STATE_DIR = ".ktconvert"
 #: :class:`_Prefetch` has the kernel read them while the unit before converts; so do the units of several outputs
 #: from one read (``--output``): they may read the same bytes again.
 DIRECT_MIN = 16 * 1024**2
-UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
+UNIT_CAP = 256 * 1024**2
+#: bytes of written output the converting process keeps for the output hashes at most (:meth:`_OutputHashes.written`)
+HELD_MAX = 64 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
 SYNC_EVERY_S = 1.0
 #: what a Ray worker process holds besides its unit (Python, ray, numpy, torch, ktconvert): its task asks Ray for
 #: ``max_memory / jobs`` in all, so its units get that share less this. Measured: 301-345 MiB peak converting the
@@ -507,6 +509,7 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
         # unit thread alone uses the worker module's buffers here.
         queue = deque(groups)
         ahead = _Prefetch(outs)
+        WRITE_HOOK[0] = hashes.written if hashes is not None else None
         workers = jobs - 1 if len(groups) > 1 else 0
         with ExitStack() as stack:
             here = stack.enter_context(ThreadPoolExecutor(max_workers=1, thread_name_prefix="ktconvert-unit"))
@@ -534,6 +537,7 @@ def _run_units(outs: list[_Output], groups: list[Group], jobs: int, progress, do
                 raise
             finally:
                 ahead.close()
+                WRITE_HOOK[0] = None
     record()
 
 
@@ -607,6 +611,7 @@ class _OutputHashes:
         import threading
 
         buf = ReadBuffer()  # one read buffer for every file's hasher (one thread uses them)
+        self._held: dict[str, dict[int, bytes]] = {}  # output file -> bytes this process wrote, by offset
         self._files: dict[tuple[int, int], list] = {}  # (output, file) -> [hasher, sorted unit spans, next span]
         self._file_of: dict[tuple[int, int], tuple[int, int]] = {}
         self._done: set[tuple[int, int]] = set()
@@ -621,17 +626,30 @@ class _OutputHashes:
             for fi, f in enumerate(o.plan.files):
                 self._files[(k, fi)] = [FileSha256(o.partial / f.name, buf=buf, direct=True),
                                         sorted(spans.get(fi, [])), 0]
+                self._held[o.paths[fi]] = {}
             self._done.update((k, uid) for uid in o.done)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._error: list[BaseException] = []
         self._thread = threading.Thread(target=self._work, name="ktconvert-sha256", daemon=True)
         self._thread.start()
 
+    def written(self, path: str, offset: int, views: list) -> None:
+        """From this process's unit thread (worker.py ``WRITE_HOOK``): bytes it has just written at ``offset`` of
+        ``path``, kept (a copy: its buffers are reused) until the hasher reaches them, which then takes them from
+        memory instead of reading them back from the disk (they were written around the page cache); at most
+        :data:`HELD_MAX` bytes kept, beyond that the hasher reads them back."""
+        held = self._held.get(path)
+        if held is None:
+            return
+        n = sum(len(v) for v in views)
+        if n + sum(len(b) for d in list(self._held.values()) for b in list(d.values())) <= HELD_MAX:
+            held[offset] = b"".join(views)
+
     def _work(self) -> None:
         while (job := self._queue.get()) is not None:
             if not self._error:
                 try:
-                    job[0].advance(job[1])
+                    job[0].advance(job[1], self._held.get(str(job[0].path)))
                 except BaseException as exc:  # raised again by digests(), in the converting thread
                     self._error.append(exc)
 
@@ -665,7 +683,7 @@ class _OutputHashes:
         out = {}
         for (kk, _), (h, _, _) in self._files.items():
             if kk == k:
-                h.advance(None)
+                h.advance(None, self._held.get(str(h.path)))
                 out[Path(h.path).name] = h.hexdigest()
         return out
 

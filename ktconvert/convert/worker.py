@@ -31,7 +31,7 @@ from ktconvert.formats.imatrix import read_imatrix
 from ktconvert.formats.lora_delta import lora_delta
 from ktconvert.formats.transforms import tile_columns
 from ktconvert.io.dtypes import FLOAT_DTYPES, INT_DTYPES, decode_float32, raw_view
-from ktconvert.io.files import ALIGN, ReadAhead, ReadBuffer, open_direct, pread_into, write_direct
+from ktconvert.io.files import ALIGN, ReadAhead, ReadBuffer, WriteBehind, open_direct, pread_into
 from ktconvert.io.heap import keep_freed_memory
 from ktconvert.quant import bf16_to_float32, dequantize, quantize
 from ktconvert.convert.kt_amx_io import dequant_rows
@@ -87,12 +87,15 @@ def _direct_fd(path: str) -> int | None:
 
 
 def close_all() -> None:
+    if _BEHIND[0] is not None:  # (its writes are done or failed: a run flushes each group before reporting it)
+        _BEHIND[0].close()
+        _BEHIND[0] = None
     for fd in [*_FDS.values(), *_DFDS.values()]:
         os.close(fd)
     _FDS.clear()
     _DFDS.clear()
     _CHECKPOINTS.clear()
-    for b in (_BUF, _BUF2, _XBUF, _QBUF, _WBUF):
+    for b in (_BUF, _BUF2, _XBUF, _QBUF, _WBUF, _WBUF2):
         b.release()
 
 
@@ -226,14 +229,17 @@ def run_group(group: Group) -> list[tuple[int, int, str]]:
     the same input bytes share one digest, hashed once. Raises :class:`InputError` for bad data (NaN/Inf)."""
     out, digests = [], {}
     keep_freed_memory()
-    with _reading_ahead(group):
-        for k, task in group.tasks:
-            key = tuple(source_ranges(_checkpoint(task.src), task.tensor, task.r0, task.r1))
-            if key in digests:
-                uid = _convert(task)
-            else:
-                uid, digests[key] = _convert_hashed(task)
-            out.append((k, uid, digests[key]))
+    try:
+        with _reading_ahead(group):
+            for k, task in group.tasks:
+                key = tuple(source_ranges(_checkpoint(task.src), task.tensor, task.r0, task.r1))
+                if key in digests:
+                    uid = _convert(task)
+                else:
+                    uid, digests[key] = _convert_hashed(task)
+                out.append((k, uid, digests[key]))
+    finally:
+        _written()  # (after a failure too: no write of this group's is left running behind the error)
     return out
 
 
@@ -459,11 +465,25 @@ def source_digest(ck, t: PlanTensor, r0: int, r1: int) -> str:
     return h.hexdigest()
 
 
-#: A write of at least this much goes around the page cache (:func:`ktconvert.io.files.write_direct`: its whole
-#: 4 KiB blocks with ``O_DIRECT``, its partial blocks through the page cache): a kt-amx expert's 1-3 MB, a
-#: quantized unit's rows. Copying into page cache pages and ext4's per-block accounting of them were the largest
-#: part of a kt-amx run's system time once its reads went around the cache (docs/measurements.md, issue 35).
-DIRECT_WRITE_MIN = 1024**2
+#: A write of at least this much goes around the page cache (:class:`ktconvert.io.files.WriteBehind`: its whole
+#: 4 KiB blocks with ``O_DIRECT``, its partial blocks through the page cache): a kt-amx expert's 0.8 MB (AMXINT4)
+#: to 1.6 MB (AMXINT8), a quantized unit's rows. Copying into page cache pages and ext4's per-block accounting of
+#: them were the largest part of a kt-amx run's system time once its reads went around the cache; at 1 MiB,
+#: AMXINT4's experts still went through it (docs/measurements.md, issue 35).
+DIRECT_WRITE_MIN = 256 * 1024
+
+
+def _behind() -> WriteBehind:
+    """This process's writer of units' bytes around the page cache (made on first use)."""
+    if _BEHIND[0] is None:
+        _BEHIND[0] = WriteBehind((_WBUF, _WBUF2))
+    return _BEHIND[0]
+
+
+def _written() -> None:
+    """Every unit's bytes given to :func:`_pwrite` so far are in their files (before a group reports them done)."""
+    if _BEHIND[0] is not None:
+        _BEHIND[0].flush()
 
 
 def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None:
@@ -472,9 +492,13 @@ def _pwrite(path: str, data: np.ndarray | list[np.ndarray], offset: int) -> None
     views = [memoryview(np.ascontiguousarray(a).reshape(-1).view(np.uint8)) for a in
              (data if isinstance(data, list) else [data])]
     fd = _fd(path)  # an OSError (disk full, read-only) goes up as is: the executor names OUT and the fix
+    behind = _behind()
+    if path in behind.refused and path in _DFDS:  # this filesystem is written through the page cache from now on
+        os.close(_DFDS.pop(path))
     direct = _direct_fd(path) if sum(len(v) for v in views) >= DIRECT_WRITE_MIN else None
-    if not write_direct(path, fd, direct, views, offset, _WBUF):
-        os.close(_DFDS.pop(path))  # refused: this filesystem is written through the page cache from now on
+    behind.write(path, fd, direct, views, offset)
+    if WRITE_HOOK[0] is not None:
+        WRITE_HOOK[0](path, offset, views)
 
 
 def _overlaps(t: PlanTensor, r0: int, r1: int):
@@ -491,9 +515,14 @@ _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in
 # arena hands large blocks back when they are freed)
 _XBUF, _QBUF = ReadBuffer(), ReadBuffer()
 _BUF2 = ReadBuffer()  # the second buffer of a group read ahead (:func:`_reading_ahead`), with _BUF
-_WBUF = ReadBuffer()  # a unit's output blocks gathered for their write around the page cache (:func:`_pwrite`)
+# a unit's output blocks gathered for their write around the page cache, two in turn (:func:`_pwrite`)
+_WBUF, _WBUF2 = ReadBuffer(), ReadBuffer()
+_BEHIND: list = [None]  # this process's WriteBehind (:func:`_behind`)
 #: the running group's reads done ahead of their use (:class:`ReadAhead`), when it reads so
 _AHEAD: list = [None]
+#: in the converting process during a local run, what is handed the bytes each unit writes (the output hashes:
+#: execute.py ``_OutputHashes.written``), so they need not be read back; ``None`` elsewhere
+WRITE_HOOK: list = [None]
 
 
 #: the running unit's checksum of the bytes it reads, when those are exactly :func:`source_ranges` in order

@@ -332,16 +332,25 @@ class FileSha256:
         self._h = hashlib.sha256()
         self._buf = buf if buf is not None else ReadBuffer()  # one buffer may serve many files' hashers
 
-    def advance(self, to: int | None) -> None:
+    def advance(self, to: int | None, held: dict[int, bytes] | None = None) -> None:
+        """Hash up to ``to``; ``held``: bytes of the file kept in memory by offset (taken out as they are hashed,
+        not read from the file again), which another thread may add to meanwhile."""
         if to is not None and to <= self.pos:
             return
+        held = held if held is not None else {}
         fd = os.open(self.path, os.O_RDONLY)
         try:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(fd, self.pos, 0, os.POSIX_FADV_SEQUENTIAL)
             end = os.fstat(fd).st_size if to is None else to
             while self.pos < end:
-                n = min(self._chunk, end - self.pos)
+                kept = held.pop(self.pos, None)
+                if kept is not None and self.pos + len(kept) <= end:
+                    self._h.update(kept)
+                    self.pos += len(kept)
+                    continue
+                ahead = min((o for o in list(held) if o > self.pos), default=end)  # (a copy: held may grow)
+                n = min(self._chunk, end - self.pos, ahead - self.pos)
                 b = read_direct(self.path, self.pos, n, self._buf, what="output file") if self._direct else None
                 got = n if b is not None else pread_into(fd, b := self._buf.take(n), self.pos)
                 self._h.update(b[:got])

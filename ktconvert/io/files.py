@@ -8,6 +8,7 @@ from __future__ import annotations
 import errno
 import os
 import stat
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -166,20 +167,68 @@ def refused_direct(path: str | os.PathLike) -> None:
         pass
 
 
-def write_direct(path: str | os.PathLike, fd: int, direct_fd: int | None, views: list, offset: int,
-                 stage: ReadBuffer) -> bool:
-    """Write ``views`` (byte buffers laid end to end) at ``offset`` of ``path``, open as ``fd``: the whole 4 KiB blocks
-    they cover, gathered into ``stage``, with ``direct_fd`` (the file opened by :func:`open_direct`: the disk reads
-    them from this process's memory; no page cache pages allocated, filled and written back), the partial blocks at
-    either end (which neighbouring writes share) through the page cache; everything through it without a
-    ``direct_fd``, or where the filesystem refuses the direct write (:func:`refused_direct`; then ``False`` is
-    returned, else ``True``). Nothing of the bytes changes: a file written either way is the same file."""
-    import numpy as np
+class WriteBehind:
+    """Writes around the page cache done by a thread of its own while the caller goes on (a unit's next expert
+    packs while the disk takes this one's bytes; ``pwrite`` releases the GIL), the mirror of :class:`ReadAhead`.
 
-    total = sum(len(v) for v in views)
-    head = min(total, -offset % ALIGN)
-    body = (total - head) // ALIGN * ALIGN
-    if direct_fd is not None and body:
+    :meth:`write` writes ``views`` (byte buffers laid end to end) at ``offset`` of ``path``, open as ``fd``: the
+    whole 4 KiB blocks they cover are gathered into one of the staging buffers (taken in turn: a third write waits
+    for the first's buffer) and written by the thread with ``direct_fd`` (the file opened by :func:`open_direct`:
+    the disk reads them from this process's memory; no page cache pages allocated, filled and written back); the
+    partial blocks at either end (which neighbouring writes share) are written at once through the page cache, as
+    is everything without a ``direct_fd``. Where the filesystem refuses the direct write (``EINVAL``: an alignment
+    it needs) the thread writes those bytes through the page cache, and the path joins :attr:`refused`
+    (:func:`refused_direct`). A file written either way is the same file. :meth:`flush` waits for every write
+    given so far and raises the first error of the thread (a full disk), which the next :meth:`write` raises too;
+    after an error nothing more is written by the thread."""
+
+    def __init__(self, bufs: tuple[ReadBuffer, ...]) -> None:
+        import queue
+
+        self._free: queue.SimpleQueue = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
+        for b in bufs:
+            self._free.put(b)
+        self._error: list[BaseException] = []
+        self.refused: set[str] = set()
+        self._thread = threading.Thread(target=self._work, name="ktconvert-write-behind", daemon=True)
+        self._thread.start()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            if isinstance(job, threading.Event):  # a flush's marker: everything before it is done
+                job.set()
+                continue
+            path, fd, direct_fd, view, offset, buf = job
+            try:
+                if not self._error:
+                    try:
+                        pwrite_all(direct_fd, [view], offset)
+                    except OSError as exc:
+                        if exc.errno != errno.EINVAL:
+                            raise
+                        refused_direct(path)
+                        self.refused.add(str(path))
+                        pwrite_all(fd, [view], offset)
+            except BaseException as exc:  # raised in the caller's thread by flush() or the next write()
+                self._error.append(exc)
+            finally:
+                self._free.put(buf)
+
+    def write(self, path: str | os.PathLike, fd: int, direct_fd: int | None, views: list, offset: int) -> None:
+        import numpy as np
+
+        if self._error:
+            raise self._error[0]
+        total = sum(len(v) for v in views)
+        head = min(total, -offset % ALIGN)
+        body = (total - head) // ALIGN * ALIGN
+        if direct_fd is None or not body:
+            pwrite_all(fd, views, offset)
+            return
         flat = [np.frombuffer(v, np.uint8) for v in views]
         cuts = np.cumsum([0] + [a.size for a in flat])
 
@@ -187,21 +236,25 @@ def write_direct(path: str | os.PathLike, fd: int, direct_fd: int | None, views:
             return [memoryview(x[max(a, c0) - c0: min(b, c0 + x.size) - c0])
                     for x, c0 in zip(flat, cuts[:-1]) if max(a, c0) < min(b, c0 + x.size)]
 
-        out = stage.take(body)
+        buf = self._free.get()
+        out = buf.take(body)
         np.concatenate([np.asarray(m) for m in part(head, head + body)], out=out)
-        try:
-            pwrite_all(direct_fd, [memoryview(out)], offset + head)
-        except OSError as exc:
-            if exc.errno != errno.EINVAL:
-                raise
-            refused_direct(path)  # the filesystem wants another alignment: the page cache, for this write too
-            pwrite_all(fd, views, offset)
-            return False
+        self._jobs.put((path, fd, direct_fd, memoryview(out), offset + head, buf))
         pwrite_all(fd, part(0, head), offset)
         pwrite_all(fd, part(head + body, total), offset + head + body)
-        return True
-    pwrite_all(fd, views, offset)
-    return True
+
+    def flush(self) -> None:
+        """Wait for every write given so far; raise the first error of the thread."""
+        done = threading.Event()
+        self._jobs.put(done)
+        done.wait()
+        if self._error:
+            raise self._error[0]
+
+    def close(self) -> None:
+        """Stop the thread once the writes given so far are done."""
+        self._jobs.put(None)
+        self._thread.join()
 
 
 def pwrite_all(fd: int, views: list, offset: int) -> None:
