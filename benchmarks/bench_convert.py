@@ -204,14 +204,21 @@ def _tree_rss(pid: int) -> int:
     return total
 
 
+#: Seconds to wait after ``sync`` and the drop, before a timed run: a VM's disk may still be taking the last run's
+#: writes from the host's cache after the guest's ``sync`` returned (a run right after llama.cpp's 12 GB BF16 GGUF
+#: or kt-kernel's converter measured up to 40% slower than the same command a run later; docs/measurements.md).
+SETTLE_S = 3.0
+
+
 def _drop_caches() -> bool:
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as fh:
             fh.write("3\n")
-        return True
     except OSError:
         return False
+    time.sleep(SETTLE_S)
+    return True
 
 
 def _dir_bytes(path: Path) -> int:

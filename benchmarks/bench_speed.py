@@ -23,7 +23,9 @@ Runs, in this order (who goes first alternates from one comparison to the next):
 Each run is a fresh process tree: wall time, user and system CPU (the process and its workers, from ``wait4``),
 peak RSS sampled every 20 ms over the whole tree (and upstream's tmpfs scratch, which is memory too), the load
 average when it ended. The cold read rate is one pass over every safetensors file with 64 MiB reads after a
-drop; ktconvert's kt-amx MB/s (expert bytes / wall) is given as a share of it. Every output is deleted as soon
+drop; ktconvert's kt-amx MB/s (expert bytes / wall) is given as a share of it. The cold write rate is 1 GiB of
+random bytes written around the page cache; a kt-amx run's read + written bytes per wall second are held
+against both. Every drop is followed by a 3 s settle (``bench_convert.SETTLE_S``). Every output is deleted as soon
 as it is compared, so the disk holds the checkpoint plus at most two outputs (or llama.cpp's BF16 GGUF and its
 Q4_K_M). The checkpoint gets the tiny qwen3_moe model's tokenizer (both GGUF writers need one; it touches no
 tensor). Prints one JSON line per run, then the summary.
@@ -92,6 +94,34 @@ def cold_read_rate(src: Path) -> dict:
     return {"bytes": total, "seconds": round(dt, 2), "mb_per_s": round(total / dt / 1e6)}
 
 
+def cold_write_rate(where: Path, nbytes: int = 1 << 30) -> dict:
+    """Bytes per second of writing ``nbytes`` of random bytes around the page cache (``O_DIRECT`` 64 MiB writes,
+    where the filesystem allows it, else through it with an fsync), after a drop: the disk's write rate, beside the
+    cold read rate (a kt-amx conversion reads the experts and writes about half (AMXINT8) or a quarter (AMXINT4) of
+    their bytes again)."""
+    import mmap
+
+    buf = mmap.mmap(-1, 64 << 20)
+    buf.write(os.urandom(64 << 20))
+    path = where / "write-rate.bin"
+    bc._drop_caches()
+    t0 = time.monotonic()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | getattr(os, "O_DIRECT", 0), 0o644)
+    except OSError:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        off = 0
+        while off < nbytes:
+            off += os.pwrite(fd, buf, off)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        path.unlink()
+    dt = time.monotonic() - t0
+    return {"bytes": nbytes, "seconds": round(dt, 2), "mb_per_s": round(nbytes / dt / 1e6)}
+
+
 def _ours(src: Path, out: Path | None, args: list[str], jobs: int, budget: str) -> list[str]:
     where = [str(out)] if out is not None else []
     return [PY, "-m", "ktconvert", "-q", "quantize", str(src), *where, *args, "--jobs", str(jobs),
@@ -104,6 +134,13 @@ def _upstream(src: Path, out: Path, method: str, layers: int, threads: int, job_
                                     "scratch": str(scratch), "E": bc.E, "H": bc.H, "I": bc.I, "P": 2,
                                     "threads": threads, "layers": list(range(layers))}))
     return [PY, str(HERE / "kt_upstream_flow.py"), str(job_file)], scratch
+
+
+def _moved(read: int, written: int, *runs: dict) -> dict:
+    """A kt-amx run's disk traffic: the expert bytes it read and the bytes it wrote, and their sum per wall second
+    of each run (the disk reads and writes in the same seconds: the figure to hold against its rates)."""
+    return {"written_bytes": written,
+            "read_plus_written_mb_per_s": [round((read + written) / r["wall_s"] / 1e6) for r in runs]}
 
 
 def _files(out: Path) -> dict:
@@ -153,7 +190,8 @@ def main(argv=None) -> None:
             raise SystemExit(f"{base}: {free / 1e9:.1f} GB free; this run needs about {need / 1e9:.1f} GB more and "
                              f"8 GB must stay free: pass a smaller --size-gib")
         rep["cold_read"] = cold_read_rate(src)
-        print(json.dumps({"cold_read": rep["cold_read"]}), flush=True)
+        rep["cold_write"] = cold_write_rate(base)
+        print(json.dumps({"cold_read": rep["cold_read"], "cold_write": rep["cold_write"]}), flush=True)
         job = base / "job.json"
         kt = ["--to", "kt-amx", "--threadpool-count", "2"]
         res: dict = {}
@@ -164,6 +202,7 @@ def main(argv=None) -> None:
             cmd, shm = _upstream(src, base / "u8", "AMXINT8", layers, a.threads, job)
             up = _run("kt-kernel converter AMXINT8", cmd, scratch=shm, log=log)
             _rm(shm)
+            out8 = bc._dir_bytes(base / "k8")
             same = compare_kt_amx(base / "k8", base / "u8")
             _rm(base / "u8")
             ours1 = _run("ktconvert AMXINT8 -j1", _ours(src, base / "k8j1", [*kt, "--type", "AMXINT8"], 1,
@@ -175,19 +214,22 @@ def main(argv=None) -> None:
                                   "j2_over_j1": round(ours1["wall_s"] / ours2["wall_s"], 2),
                                   "mb_per_s": round(experts / ours2["wall_s"] / 1e6),
                                   "cold_read_share": round(experts / ours2["wall_s"] / 1e6
-                                                           / rep["cold_read"]["mb_per_s"], 3)}
+                                                           / rep["cold_read"]["mb_per_s"], 3),
+                                  **_moved(experts, out8, ours2, ours1)}
         if "int4" not in a.skip:
             cmd, shm = _upstream(src, base / "u4", "AMXINT4", layers, a.threads, job)
             up = _run("kt-kernel converter AMXINT4", cmd, scratch=shm, log=log)
             _rm(shm)
             ours2 = _run("ktconvert AMXINT4 -j2", _ours(src, base / "k4", [*kt, "--type", "AMXINT4"], a.jobs,
                                                           a.max_memory), log=log)
+            out4 = bc._dir_bytes(base / "k4")
             same = compare_kt_amx(base / "k4", base / "u4")
             _rm(base / "k4", base / "u4")
             res["kt_amx_int4"] = {"ours": ours2, "upstream": up, "ratio": round(up["wall_s"] / ours2["wall_s"], 2),
                                   "bytes_equal": same, "mb_per_s": round(experts / ours2["wall_s"] / 1e6),
                                   "cold_read_share": round(experts / ours2["wall_s"] / 1e6
-                                                           / rep["cold_read"]["mb_per_s"], 3)}
+                                                           / rep["cold_read"]["mb_per_s"], 3),
+                                  **_moved(experts, out4, ours2)}
         if "q4" not in a.skip:
             import llamacpp_convert
             import llamacpp_tools
