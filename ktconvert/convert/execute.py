@@ -52,12 +52,13 @@ STATE_DIR = ".ktconvert"
 #: does each read of a group one ahead of its use (worker.py, ``_reading_ahead``; a large unit read in chunks of
 #: ``READ_AHEAD_CHUNK`` it converts one by one), so only the group's first read is waited for. Units left over at
 #: the end of a run of such units, short of this much, read through the page cache one by one, where
-#: :class:`_Prefetch` has the kernel read them while the unit before converts; so do the units of several outputs
-#: from one read (``--output``): they may read the same bytes again.
+#: :class:`_Prefetch` has the kernel read them while the unit before converts. Several outputs from one read
+#: (``--output``) are grouped the same way, their units reading the same bytes one after the other and those bytes
+#: read once (:func:`group_units`).
 DIRECT_MIN = 16 * 1024**2
-UNIT_CAP = 256 * 1024**2
+UNIT_CAP = 256 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
 #: bytes of written output the converting process keeps for the output hashes at most (:meth:`_OutputHashes.written`)
-HELD_MAX = 64 * 1024**2  # bytes of working set per unit at most: keeps progress and resume fine-grained
+HELD_MAX = 64 * 1024**2
 SYNC_EVERY_S = 1.0
 #: what a Ray worker process holds besides its unit (Python, ray, numpy, torch, ktconvert): its task asks Ray for
 #: ``max_memory / jobs`` in all, so its units get that share less this. Measured: 301-345 MiB peak converting the
