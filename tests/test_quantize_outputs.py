@@ -87,17 +87,21 @@ def test_shared_reads_around_the_page_cache_or_through_it_are_the_single_runs(si
         assert asked and (len(asked) == 1) == refuse  # refused: asked once for the filesystem, then never again
 
 
-def test_the_outputs_share_their_reads(single, tmp_path, monkeypatch):
+@pytest.mark.parametrize("chunk", [None, 1])
+def test_the_outputs_share_their_reads(single, tmp_path, monkeypatch, chunk):
     """The outputs' units are put in the order of the bytes they read: the three outputs' units of an expert's
     projection one after the other in one group read around the page cache, so the group's read-ahead reads those
     bytes once (a read announced twice in a row is read once). (Groups of 64 KiB per output: the tiny model's
-    experts are far short of DIRECT_MIN.)"""
-    from ktconvert.convert import execute, parse_output, plan_outputs
+    experts are far short of DIRECT_MIN.) ``chunk`` 1: experts larger than a read-ahead chunk (DeepSeek-V3's 28 MiB
+    against 4 MiB) are still read once, whole, not in chunks a kt-amx unit does not read them in."""
+    from ktconvert.convert import execute, parse_output, plan_outputs, worker
     from ktconvert.convert.execute import _Output, group_units, make_units
     from ktconvert.convert.worker import _checkpoint, _unit_reads, close_all
 
     src, _ = single
     monkeypatch.setattr(execute, "DIRECT_MIN", 2**16)
+    if chunk is not None:
+        monkeypatch.setattr(worker, "READ_AHEAD_CHUNK", chunk)
     plans = plan_outputs(src, [parse_output(f"{spec}={tmp_path / spec}") for spec, _ in OUTPUTS])
     outs = [_Output(p, tmp_path / spec) for p, (spec, _) in zip(plans, OUTPUTS)]
     todo = [(k, u) for k, o in enumerate(outs) for u in make_units(o.plan, 2**26, 1, shared=True)]

@@ -328,12 +328,18 @@ READ_AHEAD_CHUNK = 4 * 1024**2
 def _cuts(ck, task: Task) -> list[tuple[int, int]]:
     """The runs of rows a quantized unit is read, converted and written in: for a unit read ahead
     (:attr:`Task.direct`), runs of about :data:`READ_AHEAD_CHUNK` input bytes, each a whole number of 4 KiB blocks
-    where the row size allows (a block is then read once); else the unit at once. Any cut is exact: every type
+    where the row size allows (a block is then read once), but a unit that is one whole segment of a stacked
+    tensor at once; any other unit at once. Any cut is exact: every type
     quantizes each row on its own (a K-quant's super-blocks run along the row)."""
     t, r0, r1 = task.tensor, task.r0, task.r1
     if not task.direct:
         return [(r0, r1)]
-    rb = max(_row_bytes(ck[s.source]) for s, *_ in _overlaps(t, r0, r1))
+    meets = list(_overlaps(t, r0, r1))
+    if len(t.segments) > 1 and len(meets) == 1 and meets[0][2] == meets[0][0].rows:
+        return [(r0, r1)]  # one whole source tensor of a stacked one (an expert's projection): read whole, as the
+        # other outputs' units of it read it in a several-output run (a kt-amx unit reads its experts whole), so
+        # their group reads it once for all of them, however large the expert (DeepSeek-V3's: 28 MiB)
+    rb = max(_row_bytes(ck[s.source]) for s, *_ in meets)
     step = ALIGN // math.gcd(rb, ALIGN)
     rows = max(step, READ_AHEAD_CHUNK // rb // step * step)
     return [(a, min(a + rows, r1)) for a in range(r0, r1, rows)]
