@@ -21,6 +21,35 @@ from ktconvert.io.files import ReadBuffer
 pytestmark = pytest.mark.skipif(not hasattr(os, "O_DIRECT"), reason="O_DIRECT is Linux's")
 
 
+def _failing_direct(real, code: int, message: str):
+    """``real`` (``os.preadv`` / ``os.pwritev``) failing with ``code`` on a file opened with ``O_DIRECT``."""
+
+    def call(fd, bufs, offset, *a):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            raise OSError(code, message)
+        return real(fd, bufs, offset, *a)
+
+    return call
+
+
+def _cut_under_read(monkeypatch, when) -> list:
+    """The first direct read of a unit for which ``when(tensor, first row)`` holds cuts the file inside that tensor
+    first (a file shortened while the run reads it); returns ``[(file, tensor)]`` once it has."""
+    from ktconvert.convert import worker
+
+    real, cut = worker._direct_read, []
+
+    def cut_then_read(ck, tensor, first, n, buf):
+        if when(tensor, first) and not cut:
+            cut.append((str(ck[tensor].file), tensor))
+            with open(ck[tensor].file, "r+b") as fh:
+                fh.truncate(ck[tensor].offset + 1)
+        return real(ck, tensor, first, n, buf)
+
+    monkeypatch.setattr(worker, "_direct_read", cut_then_read)
+    return cut
+
+
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):
     return hf_checkpoint(tmp_path_factory.mktemp("direct"), "qwen3_moe", "split")
@@ -87,14 +116,7 @@ def test_a_filesystem_refusing_o_direct_at_open_is_read_through_the_page_cache(c
 
 def test_a_filesystem_refusing_the_direct_read_itself_is_read_through_the_page_cache(ckpt, monkeypatch):
     """Some filesystems open with O_DIRECT and refuse the read (an alignment they need): the same fallback."""
-    real = files.os.preadv
-
-    def refusing(fd, bufs, offset, *a):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, bufs, offset, *a)
-
-    monkeypatch.setattr(files.os, "preadv", refusing)
+    monkeypatch.setattr(files.os, "preadv", _failing_direct(files.os.preadv, errno.EINVAL, "Invalid argument"))
     ck = open_checkpoint(ckpt)
     name = max(ck, key=lambda n: ck[n].nbytes)
     got = np.array(ck.read_rows(name, 0, ck.rows(name), ReadBuffer(), direct=True))
@@ -214,16 +236,9 @@ def test_a_truncated_file_under_a_read_ahead_is_one_line_and_leaves_no_thread(ck
     shutil.copytree(ckpt, src)
     monkeypatch.setattr(ex, "DIRECT_MIN", 0)
     monkeypatch.setattr(worker, "READ_AHEAD_CHUNK", 1)
-    real, cut = worker._direct_read, []
-
-    def cut_then_read(ck, tensor, first, n, buf):  # the file shortened while the run reads it: the first chunk
-        if first > 0 and not cut:  # read ahead past a tensor's start cuts the file inside that tensor
-            cut.append((str(ck[tensor].file), tensor))
-            with open(ck[tensor].file, "r+b") as fh:
-                fh.truncate(ck[tensor].offset + 1)
-        return real(ck, tensor, first, n, buf)
-
-    monkeypatch.setattr(worker, "_direct_read", cut_then_read)
+    # the file shortened while the run reads it: the first chunk read ahead past a tensor's start cuts the file
+    # inside that tensor
+    cut = _cut_under_read(monkeypatch, lambda tensor, first: first > 0)
     with pytest.raises(InputError) as err:
         convert(src, tmp_path / "out", type="Q8_0", jobs=1, tokenizer=False, allow_fallback=True)
     assert cut and (err.value.path, err.value.where) == (cut[0][0], f"tensor {cut[0][1]}")
@@ -322,21 +337,11 @@ def test_a_truncated_file_under_a_kt_amx_group_is_one_line_and_renames_nothing(t
     import shutil
     import threading
 
-    from ktconvert.convert import worker
     from ktconvert.errors import InputError
 
     src = tmp_path / "src"
     shutil.copytree(tiny_root / "qwen3_moe", src)
-    real, cut = worker._direct_read, []
-
-    def cut_then_read(ck, tensor, first, n, buf):  # the third expert read of a run cuts the file inside its tensor
-        if "experts.2." in tensor and not cut:
-            cut.append((str(ck[tensor].file), tensor))
-            with open(ck[tensor].file, "r+b") as fh:
-                fh.truncate(ck[tensor].offset + 1)
-        return real(ck, tensor, first, n, buf)
-
-    monkeypatch.setattr(worker, "_direct_read", cut_then_read)
+    cut = _cut_under_read(monkeypatch, lambda tensor, first: "experts.2." in tensor)  # the third expert's read
     with pytest.raises(InputError) as err:
         _kt_amx_run(src, tmp_path / "out", 1 << 20, monkeypatch)
     assert cut and (err.value.path, err.value.where) == (cut[0][0], f"tensor {cut[0][1]}")
@@ -379,18 +384,11 @@ def test_a_write_around_the_page_cache_leaves_the_bytes_of_a_plain_write(tmp_pat
 def test_a_filesystem_refusing_the_direct_write_is_written_through_the_page_cache(tmp_path, monkeypatch):
     """Opened with O_DIRECT, the write refused (EINVAL: an alignment the filesystem needs): the same bytes through
     the page cache, the filesystem remembered (not asked again), the path in the writer's ``refused``."""
-    real = files.os.pwritev
-
-    def strict(fd, bufs, offset, *a):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.EINVAL, "Invalid argument")
-        return real(fd, bufs, offset, *a)
-
     path = tmp_path / "f"
     path.write_bytes(bytes(3 * 4096))
     if not _direct_allowed(path):
         pytest.skip("this filesystem refuses O_DIRECT")
-    monkeypatch.setattr(files.os, "pwritev", strict)
+    monkeypatch.setattr(files.os, "pwritev", _failing_direct(files.os.pwritev, errno.EINVAL, "Invalid argument"))
     data = memoryview(np.arange(9000, dtype=np.uint8))
     fd, direct = os.open(path, os.O_WRONLY), files.open_direct(path, os.O_WRONLY)
     behind = files.WriteBehind((ReadBuffer(),))
@@ -466,14 +464,7 @@ def test_a_write_failing_behind_the_unit_is_raised_before_its_group_reports(tmp_
     path.write_bytes(bytes(4 * 4096))
     if not _direct_allowed(path):
         pytest.skip("this filesystem refuses O_DIRECT")
-    real = files.os.pwritev
-
-    def full(fd, bufs, offset, *a):
-        if fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
-            raise OSError(errno.ENOSPC, "No space left on device")
-        return real(fd, bufs, offset, *a)
-
-    monkeypatch.setattr(files.os, "pwritev", full)
+    monkeypatch.setattr(files.os, "pwritev", _failing_direct(files.os.pwritev, errno.ENOSPC, "No space left on device"))
     fd, direct = os.open(path, os.O_WRONLY), files.open_direct(path, os.O_WRONLY)
     behind = files.WriteBehind((ReadBuffer(),))
     try:
