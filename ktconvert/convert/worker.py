@@ -329,8 +329,8 @@ def _cuts(ck, task: Task) -> list[tuple[int, int]]:
     """The runs of rows a quantized unit is read, converted and written in: for a unit read ahead
     (:attr:`Task.direct`), runs of about :data:`READ_AHEAD_CHUNK` input bytes, each a whole number of 4 KiB blocks
     where the row size allows (a block is then read once), but a unit that is one whole segment of a stacked
-    tensor at once; any other unit at once. Any cut is exact: every type
-    quantizes each row on its own (a K-quant's super-blocks run along the row)."""
+    tensor at once; any other unit at once. Any cut is exact: every type quantizes each row on its own (a K-quant's
+    super-blocks run along the row)."""
     t, r0, r1 = task.tensor, task.r0, task.r1
     if not task.direct:
         return [(r0, r1)]

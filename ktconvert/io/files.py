@@ -318,13 +318,12 @@ class ReadAhead:
     view of ``buf``; :meth:`next` hands them out in that order, each valid until the next call (its buffer is then
     read into again). Asking again for the read just handed out hands it out again, and a read announced twice in a
     row is read once: a reader may go back over the bytes it has (the kt-amx packer's float32 path, to say where a
-    NaN is), or two in a row read the same bytes. An error of a read (an :class:`InputError` for a truncated file) is raised by :meth:`next`
-    where that read is used, and no read is started after it; leaving the ``with`` block stops the thread and waits
-    for it, whatever ended the block."""
+    NaN is), or two in a row read the same bytes. An error of a read (an :class:`InputError` for a truncated file)
+    is raised by :meth:`next` where that read is used, and no read is started after it; leaving the ``with`` block
+    stops the thread and waits for it, whatever ended the block."""
 
     def __init__(self, reads: list, bufs: tuple[ReadBuffer, ReadBuffer]) -> None:
         import queue
-        import threading
 
         self._reads: list = []
         for r in reads:  # a read announced again right after itself: read once
