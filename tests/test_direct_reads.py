@@ -381,6 +381,81 @@ def test_a_write_around_the_page_cache_leaves_the_bytes_of_a_plain_write(tmp_pat
     assert (direct is not None) == _direct_allowed(path)
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_writes_one_after_the_other_share_their_partial_blocks_around_the_page_cache(tmp_path, monkeypatch, seed):
+    """Writes laid end to end (a group's units), with gaps, tiny writes, a second file and flushes between them:
+    each write's trailing partial block is held back and written whole with the next write's first bytes, so a run
+    of writes goes through the page cache only at its two ends; the files are those plain writes leave, byte for
+    byte."""
+    rng = np.random.default_rng(seed)
+    paths = [tmp_path / "a", tmp_path / "b"]
+    size = 1 << 21
+    want = {p: bytearray(rng.integers(0, 256, size, dtype=np.uint8).tobytes()) for p in paths}
+    for p in paths:
+        p.write_bytes(bytes(want[p]))
+    if not _direct_allowed(paths[0]):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    fds = {p: (os.open(p, os.O_WRONLY), files.open_direct(p, os.O_WRONLY)) for p in paths}
+    cached, real = [], files.os.pwritev
+
+    def counting(fd, bufs, offset, *a):
+        if not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
+            cached.append((offset, sum(len(b) for b in bufs)))
+        return real(fd, bufs, offset, *a)
+
+    monkeypatch.setattr(files.os, "pwritev", counting)
+    behind = files.WriteBehind((ReadBuffer(), ReadBuffer()))
+    try:
+        # one run of contiguous writes: the page cache takes only its first and its last partial block
+        p, at = paths[0], 1000
+        for n in (300_000, 5_000, 70, 123_457, 4096, 1, 200_000):
+            data = rng.integers(0, 256, n, dtype=np.uint8)
+            behind.write(p, *fds[p], [memoryview(data[:n // 3]), memoryview(data[n // 3:])], at)
+            want[p][at: at + n] = data.tobytes()
+            at += n
+        behind.flush()
+        assert len(cached) == 2 and cached[0] == (1000, 4096 - 1000) and cached[1][0] + cached[1][1] == at
+        # then random writes: runs, jumps, the other file, flushes
+        for _ in range(60):
+            if rng.random() < 0.3:
+                p = paths[int(rng.integers(2))]
+                at = int(rng.integers(0, size - 400_000))
+            n = int(rng.choice([1, 100, 4095, 4096, 5000, 70_000, 300_000]))
+            data = rng.integers(0, 256, n, dtype=np.uint8)
+            behind.write(p, *fds[p], [memoryview(data)], at)
+            want[p][at: at + n] = data.tobytes()
+            at += n
+            if rng.random() < 0.1:
+                behind.flush()
+        behind.flush()
+    finally:
+        behind.close()
+        for fd, direct in fds.values():
+            os.close(fd)
+            os.close(direct)
+    for p in paths:
+        assert p.read_bytes() == bytes(want[p]), p.name
+
+
+def test_a_partial_block_held_back_is_written_when_the_writer_closes(tmp_path):
+    """A write's last partial block, held back for a next write that never comes: on the disk once the writer is
+    closed, with no flush before."""
+    path = tmp_path / "f"
+    path.write_bytes(bytes(3 * 4096))
+    if not _direct_allowed(path):
+        pytest.skip("this filesystem refuses O_DIRECT")
+    fd, direct = os.open(path, os.O_WRONLY), files.open_direct(path, os.O_WRONLY)
+    data = np.arange(9000, dtype=np.uint8)
+    behind = files.WriteBehind((ReadBuffer(),))
+    try:
+        behind.write(path, fd, direct, [memoryview(data)], 0)
+    finally:
+        behind.close()
+        os.close(fd)
+        os.close(direct)
+    assert path.read_bytes() == data.tobytes() + bytes(3 * 4096 - 9000)
+
+
 def test_a_filesystem_refusing_the_direct_write_is_written_through_the_page_cache(tmp_path, monkeypatch):
     """Opened with O_DIRECT, the write refused (EINVAL: an alignment the filesystem needs): the same bytes through
     the page cache, the filesystem remembered (not asked again), the path in the writer's ``refused``."""

@@ -176,11 +176,14 @@ class WriteBehind:
     for the first's buffer) and written by the thread with ``direct_fd`` (the file opened by :func:`open_direct`:
     the disk reads them from this process's memory; no page cache pages allocated, filled and written back); the
     partial blocks at either end (which neighbouring writes share) are written at once through the page cache, as
-    is everything without a ``direct_fd``. Where the filesystem refuses the direct write (``EINVAL``: an alignment
-    it needs) the thread writes those bytes through the page cache, and the path joins :attr:`refused`
-    (:func:`refused_direct`). A file written either way is the same file. :meth:`flush` waits for every write
-    given so far and raises the first error of the thread (a full disk), which the next :meth:`write` raises too;
-    after an error nothing more is written by the thread."""
+    is everything without a ``direct_fd``. Except a write's trailing partial block: that is held back, and a next
+    write starting where it ends (the next unit's bytes, laid after this one's) takes it as its first bytes, so the
+    block shared by two units is written whole, once, around the page cache too; :meth:`flush` (and a write
+    elsewhere) writes a block still held through the page cache. Where the filesystem refuses the direct write
+    (``EINVAL``: an alignment it needs) the thread writes those bytes through the page cache, and the path joins
+    :attr:`refused` (:func:`refused_direct`). A file written either way is the same file. :meth:`flush` waits for
+    every write given so far and raises the first error of the thread (a full disk), which the next :meth:`write`
+    raises too; after an error nothing more is written by the thread."""
 
     def __init__(self, bufs: tuple[ReadBuffer, ...]) -> None:
         import queue
@@ -191,6 +194,7 @@ class WriteBehind:
             self._free.put(b)
         self._error: list[BaseException] = []
         self.refused: set[str] = set()
+        self._tail: tuple | None = None  # (path, fd, offset, bytes): a write's trailing partial block, held back
         self._thread = threading.Thread(target=self._work, name="ktconvert-write-behind", daemon=True)
         self._thread.start()
 
@@ -223,9 +227,18 @@ class WriteBehind:
 
         if self._error:
             raise self._error[0]
+        held = self._tail
+        if held is not None and direct_fd is not None and held[0] == path and held[2] + len(held[3]) == offset:
+            self._tail = None  # this write goes on from the block held back: it starts with that block's bytes
+            views, offset = [memoryview(held[3]), *views], held[2]
+        else:
+            self._write_tail()
         total = sum(len(v) for v in views)
         head = min(total, -offset % ALIGN)
         body = (total - head) // ALIGN * ALIGN
+        if direct_fd is not None and not head and not body:  # still short of a whole block: held on
+            self._tail = (path, fd, offset, b"".join(bytes(v) for v in views))
+            return
         if direct_fd is None or not body:
             pwrite_all(fd, views, offset)
             return
@@ -241,10 +254,20 @@ class WriteBehind:
         np.concatenate([np.asarray(m) for m in part(head, head + body)], out=out)
         self._jobs.put((path, fd, direct_fd, memoryview(out), offset + head, buf))
         pwrite_all(fd, part(0, head), offset)
-        pwrite_all(fd, part(head + body, total), offset + head + body)
+        if head + body < total:
+            self._tail = (path, fd, offset + head + body, b"".join(bytes(m) for m in part(head + body, total)))
+
+    def _write_tail(self) -> None:
+        """Write the partial block held back, if any, through the page cache (no write of this writer's around the
+        page cache covers its block: the next write did not go on from it)."""
+        held, self._tail = self._tail, None
+        if held is not None:
+            pwrite_all(held[1], [memoryview(held[3])], held[2])
 
     def flush(self) -> None:
-        """Wait for every write given so far; raise the first error of the thread."""
+        """Write the partial block held back; wait for every write given so far; raise the first error of the
+        thread."""
+        self._write_tail()
         done = threading.Event()
         self._jobs.put(done)
         done.wait()
@@ -252,9 +275,12 @@ class WriteBehind:
             raise self._error[0]
 
     def close(self) -> None:
-        """Stop the thread once the writes given so far are done."""
-        self._jobs.put(None)
-        self._thread.join()
+        """Stop the thread once the writes given so far are done (the partial block held back written first)."""
+        try:
+            self._write_tail()
+        finally:
+            self._jobs.put(None)
+            self._thread.join()
 
 
 def pwrite_all(fd: int, views: list, offset: int) -> None:
