@@ -96,3 +96,27 @@ def test_max_memory_below_what_can_work_is_refused_with_the_minimum(tmp_path):
     res = CliRunner().invoke(cli, ["-q", "quantize", str(src), str(tmp_path / "o"), "--type", "Q4_K",
                                    "--max-memory", least, "-j", "2"])
     assert res.exit_code == 0, res.output
+
+
+@pytest.mark.parametrize("preset", [None, "3"])
+def test_numpy_blas_starts_no_spinning_threads_unless_the_user_asks(preset):
+    """``ktconvert`` sets OPENBLAS_NUM_THREADS=1 before any command imports numpy (OpenBLAS otherwise starts a thread
+    per core that spins about 0.1 CPU-s, in every process and -j worker); a value the user set stands."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OPENBLAS_NUM_THREADS"}
+    if preset is not None:
+        env["OPENBLAS_NUM_THREADS"] = preset
+    code = ("import os, sys\n"
+            "from ktconvert.cli import main\n"
+            "try:\n    main(['--version'])\nexcept SystemExit:\n    pass\n"
+            "import numpy\n"
+            "tasks = len(os.listdir('/proc/self/task')) if os.path.isdir('/proc/self/task') else -1\n"
+            "print(os.environ['OPENBLAS_NUM_THREADS'], tasks)")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    value, tasks = out.stdout.split()[-2:]
+    assert value == (preset or "1")
+    if preset is None and int(tasks) > 0:
+        assert int(tasks) == 1  # numpy imported, no BLAS thread beside the main one

@@ -63,6 +63,18 @@ def _direct_allowed(path) -> bool:
         return False
 
 
+def _no_read_left(src) -> None:
+    """After a run stopped by a failed read: the process's read-ahead thread idle (or none), no other left, and no
+    file of ``src`` still open."""
+    import threading
+
+    assert not files.ReadAhead._busy
+    assert [t for t in threading.enumerate() if t.name == "ktconvert-read-ahead"] in ([], [files.ReadAhead._thread])
+    if os.path.isdir("/proc/self/fd"):
+        open_now = {os.path.realpath(f"/proc/self/fd/{fd}") for fd in os.listdir("/proc/self/fd")}
+        assert not {str(p.resolve()) for p in src.iterdir()} & open_now
+
+
 @pytest.fixture(autouse=True)
 def fresh_refusals(monkeypatch):
     monkeypatch.setattr(files, "_NO_DIRECT", set())
@@ -221,11 +233,36 @@ def test_a_unit_read_ahead_in_chunks_writes_the_single_read_bytes(ckpt, tmp_path
     assert used and max(used) > 2  # units really were cut into several reads
 
 
-def test_a_truncated_file_under_a_read_ahead_is_one_line_and_leaves_no_thread(ckpt, tmp_path, monkeypatch):
-    """A read of the thread failing (the file cut short) is raised where its chunk is used, as the single read's
-    InputError naming the file and tensor; the thread is gone and the output not renamed into place."""
-    import shutil
+def test_read_aheads_one_after_the_other_share_one_thread_and_two_open_at_once_do_not_wait_on_each_other():
+    """Each group's ReadAhead reads in the process's kept thread (no thread started per group); one made while
+    another is open reads in a thread of its own, so using it before closing the first does not wait forever."""
     import threading
+
+    def reads(tag, n):
+        return [((tag, i), lambda buf, tag=tag, i=i: (tag, i, threading.current_thread().ident)) for i in range(n)]
+
+    bufs = (ReadBuffer(), ReadBuffer())
+    seen = set()
+    for g in range(5):
+        with files.ReadAhead(reads(g, 4), bufs) as ahead:
+            for i in range(4):
+                tag, j, ident = ahead.next((g, i))
+                assert (tag, j) == (g, i)
+                seen.add(ident)
+    assert len(seen) == 1 and seen == {files.ReadAhead._thread.ident} and not files.ReadAhead._busy
+    with files.ReadAhead(reads("a", 3), bufs) as a:
+        assert a.next(("a", 0))[:2] == ("a", 0)
+        with files.ReadAhead(reads("b", 3), (ReadBuffer(), ReadBuffer())) as b:
+            assert [b.next(("b", i))[:2] for i in range(3)] == [("b", 0), ("b", 1), ("b", 2)]
+            assert b.next(("b", 2))[2] != files.ReadAhead._thread.ident
+        assert [a.next(("a", i))[:2] for i in (1, 2)] == [("a", 1), ("a", 2)]
+
+
+def test_a_truncated_file_under_a_read_ahead_is_one_line_and_leaves_no_read_behind(ckpt, tmp_path, monkeypatch):
+    """A read of the thread failing (the file cut short) is raised where its chunk is used, as the single read's
+    InputError naming the file and tensor; the read-ahead thread is idle (the process's kept one, or none), no
+    source file is left open, and the output is not renamed into place."""
+    import shutil
 
     from ktconvert.convert import convert
     from ktconvert.convert import execute as ex
@@ -244,7 +281,7 @@ def test_a_truncated_file_under_a_read_ahead_is_one_line_and_leaves_no_thread(ck
     assert cut and (err.value.path, err.value.where) == (cut[0][0], f"tensor {cut[0][1]}")
     assert "ends at byte" in err.value.message and "truncated" in err.value.fix
     assert not (tmp_path / "out").exists()
-    assert not [t for t in threading.enumerate() if t.name == "ktconvert-read-ahead"]
+    _no_read_left(src)
 
 
 @pytest.mark.parametrize("type", ["Q4_K", "Q6_K", "Q8_0", "IQ4_XS"])
@@ -333,9 +370,9 @@ def test_kt_amx_experts_read_ahead_in_groups_write_the_page_cache_bytes(tiny_roo
 
 def test_a_truncated_file_under_a_kt_amx_group_is_one_line_and_renames_nothing(tiny_root, tmp_path, monkeypatch):
     """The checkpoint cut short while a group of experts is read ahead: the single read's one line (the file, the
-    tensor, "truncated"), raised where the packer reaches that expert; no read-ahead thread left, no output."""
+    tensor, "truncated"), raised where the packer reaches that expert; no read left behind (the read-ahead thread
+    idle, no file open), no output."""
     import shutil
-    import threading
 
     from ktconvert.errors import InputError
 
@@ -347,7 +384,7 @@ def test_a_truncated_file_under_a_kt_amx_group_is_one_line_and_renames_nothing(t
     assert cut and (err.value.path, err.value.where) == (cut[0][0], f"tensor {cut[0][1]}")
     assert "ends at byte" in err.value.message and "truncated" in err.value.fix
     assert not (tmp_path / "out").exists()
-    assert not [t for t in threading.enumerate() if t.name == "ktconvert-read-ahead"]
+    _no_read_left(src)
 
 
 # --- writes around the page cache ------------------------------------------------------------------------------------

@@ -102,6 +102,23 @@ def test_bf16_bits_pack_as_their_float32_values(m, proj):
         assert ka.pack_expert(b, proj, m, 2) is None
 
 
+@pytest.mark.parametrize("m", [ka.INT8, ka.INT4])
+@pytest.mark.parametrize("proj", ["gate", "down"])
+def test_an_expert_packs_into_given_memory_as_into_new_arrays(m, proj):
+    """``into``: the parts' weights and scales are views of that memory, end to end in file order, with the bytes
+    new arrays get, over whatever the memory held before (a buffer reused from one expert to the next)."""
+    g, u, d = _layer(3, 2, 256, 3712)
+    w = (d if proj == "down" else u)[1]
+    want = ka.pack_expert(w, proj, m, 2, is_bf16=True)
+    size = sum(a.nbytes + b.nbytes for a, b in want)
+    into = np.full(size + 100, 0xA5, dtype=np.uint8)
+    got = ka.pack_expert(w, proj, m, 2, is_bf16=True, into=into)
+    assert [(a.tobytes(), b.tobytes()) for a, b in got] == [(a.tobytes(), b.tobytes()) for a, b in want]
+    assert all(np.shares_memory(a, into) and np.shares_memory(b, into) for a, b in got)
+    assert into[:size].tobytes() == b"".join(a.tobytes() + b.tobytes() for a, b in want)
+    assert np.all(into[size:] == 0xA5)
+
+
 def test_scale_rules():
     """INT8 scales are amax times the float32 reciprocal of 127, INT4 a true division by 112 (they differ)."""
     amax = np.float32(0.7)

@@ -265,7 +265,8 @@ def test_a_group_reads_each_shared_tensor_once(single, tmp_path, monkeypatch):
 
 def test_a_truncated_source_stops_a_group_with_one_line(single, tmp_path, monkeypatch):
     """A source file cut short under a running group (a shared read finds its end): the read's InputError, naming
-    the file, the tensor and the fix, raised where its unit uses it; the read-ahead thread is stopped."""
+    the file, the tensor and the fix, raised where its unit uses it; the reads ahead are stopped (the process's
+    read-ahead thread idle, no other left)."""
     import threading
 
     from ktconvert.convert import worker
@@ -291,7 +292,10 @@ def test_a_truncated_source_stops_a_group_with_one_line(single, tmp_path, monkey
     finally:
         worker.close_all()
     assert err.value.where == f"tensor {last}" and "re-download" in str(err.value.fix)
-    assert not any(t.name == "ktconvert-read-ahead" for t in threading.enumerate())
+    from ktconvert.io.files import ReadAhead
+
+    assert not ReadAhead._busy
+    assert all(t is ReadAhead._thread for t in threading.enumerate() if t.name == "ktconvert-read-ahead")
     out = tmp_path / "run"  # the whole command: one line, exit 3, no output and no partial directory left
     out.mkdir()
     res = _run(src, *_outputs(out))

@@ -179,4 +179,8 @@ def cli(ctx: click.Context, verbose: int, quiet: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # numpy's OpenBLAS starts a thread per core when numpy is imported, each spinning about 0.1 CPU-s before it
+    # sleeps: per process (and -j worker, which inherits this), on every core, for a library ktconvert uses for
+    # nothing it parallelizes itself (-j, --threads). Before any command imports numpy; a user's setting stands.
+    os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
     cli.main(args=argv if argv is not None else sys.argv[1:], prog_name="ktconvert")

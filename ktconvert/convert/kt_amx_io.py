@@ -12,22 +12,23 @@ from ktconvert.convert.items import Item, Segment
 from ktconvert.errors import InputError
 
 
-def pack_group(ck, t, float_rows, bf16_rows=None) -> list[np.ndarray]:
+def pack_group(ck, t, float_rows, bf16_rows=None, into: np.ndarray | None = None) -> list[np.ndarray]:
     """The group led by plan tensor ``t`` as its parts' arrays in file order (``weight, scale`` per part), to be
     written end to end; ``float_rows(ck, tensor, r0, r1)`` reads (and NaN-checks) rows as float32;
     ``bf16_rows(ck, tensor, r0, r1)``, when given, reads them as their stored bf16 bits where the source is plain
-    BF16 rows (``None`` otherwise), which the packer reads directly: no float32 copy of the matrix."""
+    BF16 rows (``None`` otherwise), which the packer reads directly: no float32 copy of the matrix. ``into``: uint8
+    memory of at least the group's bytes the arrays are laid in, one after the other (else new arrays)."""
     method, proj, parts, rows, cols, nbytes = t.kt_pack
     m = kt_amx.method(method)
     whole = dataclasses.replace(t, shape=(rows, cols), kt_pack=None)
     packed = None
     if bf16_rows is not None and not any(seg.lora for seg in t.segments):
         bits = bf16_rows(ck, whole, 0, rows)
-        packed = kt_amx.pack_expert(bits, proj, m, parts) if bits is not None else None
+        packed = kt_amx.pack_expert(bits, proj, m, parts, into=into) if bits is not None else None
     if packed is None:  # another source, or a NaN/Inf: the float32 reader reports where
         mat = float_rows(ck, whole, 0, rows)
         merged = any(seg.lora for seg in t.segments)  # a merged LoRA leaves bf16 values: round them as upstream would
-        packed = kt_amx.pack_expert(mat, proj, m, parts, is_bf16=t.src_dtype == "BF16" and not merged)
+        packed = kt_amx.pack_expert(mat, proj, m, parts, is_bf16=t.src_dtype == "BF16" and not merged, into=into)
     out = [a for pair in packed for a in pair]
     if sum(a.nbytes for a in out) != nbytes:
         raise AssertionError(f"{t.name}: packed {sum(a.nbytes for a in out)} bytes, plan says {nbytes}")

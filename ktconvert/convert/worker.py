@@ -290,7 +290,7 @@ def _check_visible(task: Task) -> None:
 def _run(task: Task) -> int:
     t = task.tensor
     if t.kt_pack is not None:
-        data = pack_group(_checkpoint(task.src), t, _float_rows, _bf16_rows)
+        data = pack_group(_checkpoint(task.src), t, _float_rows, _bf16_rows, _QBUF.take(t.kt_pack[5]))
         _pwrite(task.out_path, data, t.offset)
         return task.unit
     if t.const is not None:

@@ -209,17 +209,22 @@ def pack_matrix(w: np.ndarray, m: Method) -> tuple[np.ndarray, np.ndarray]:
     return _pack(np.ascontiguousarray(w, dtype=np.float32), 0, 0, *w.shape, m)
 
 
-def _pack(src: np.ndarray, r0: int, c0: int, n: int, k: int, m: Method) -> tuple[np.ndarray, np.ndarray] | None:
+def _pack(src: np.ndarray, r0: int, c0: int, n: int, k: int, m: Method, into: np.ndarray | None = None
+          ) -> tuple[np.ndarray, np.ndarray] | None:
     """Rows ``r0..r0+n``, columns ``c0..c0+k`` of ``src`` (C-contiguous float32 holding bf16 values, or the bf16
     bits as uint16) packed by the compiled packer (:mod:`ktconvert.quant._jit_kt_amx`: the arithmetic of
     :func:`quantize_rows`, the layout :func:`unpack_matrix` inverts); ``None`` when a row holds a NaN or an
-    infinity."""
+    infinity. ``into``: uint8 memory of the weight's and the scale's bytes end to end (the two arrays are views of
+    it), else new arrays."""
     from ktconvert.quant._jit_kt_amx import pack_part
 
     if n % TILE_ROWS or k % m.k_align:
         raise ValueError(f"{m.name} cannot pack a {n} x {k} matrix (rows % 32, columns % {m.k_align})")
-    weight = np.empty(m.weight_bytes(n, k), dtype=np.int8)
-    scale = np.empty(n, dtype=np.float32)
+    wb = m.weight_bytes(n, k)
+    if into is None:
+        weight, scale = np.empty(wb, dtype=np.int8), np.empty(n, dtype=np.float32)
+    else:
+        weight, scale = into[:wb].view(np.int8), into[wb: wb + 4 * n].view(np.float32)
     bits, shift = (src, 16) if src.dtype == np.uint16 else (src.view(np.uint32), 0)
     if pack_part(bits, shift, r0, c0, n, k, m.bits, weight.view(np.uint32), scale) >= 0:
         return None
@@ -265,20 +270,24 @@ def part_of(mat: np.ndarray, proj: str, part: int, parts: int) -> np.ndarray:
     return mat[r0:r0 + n, c0:c0 + k]
 
 
-def pack_expert(mat: np.ndarray, proj: str, m: Method, parts: int, *, is_bf16: bool = False
-                ) -> list[tuple[np.ndarray, np.ndarray]] | None:
+def pack_expert(mat: np.ndarray, proj: str, m: Method, parts: int, *, is_bf16: bool = False,
+                into: np.ndarray | None = None) -> list[tuple[np.ndarray, np.ndarray]] | None:
     """``[(weight, scale)]`` per part of one expert's projection: float32 input, rounded to bf16 here unless
     ``is_bf16`` says its values already are bf16, or the stored bf16 bits (uint16: no float32 copy is made).
-    ``None`` when the matrix holds a NaN or an infinity (the float32 path's reader reports where)."""
+    ``None`` when the matrix holds a NaN or an infinity (the float32 path's reader reports where). ``into``: uint8
+    memory the arrays are laid in, end to end in that order, as long as they are at least (a buffer reused from one
+    expert to the next: no fresh pages per expert)."""
     if mat.dtype == np.uint16:
         x = np.ascontiguousarray(mat)
     else:
         x = np.ascontiguousarray(mat, dtype=np.float32) if is_bf16 else to_bf16_f32(mat)
-    out = []
+    out, at = [], 0
     for p in range(parts):
-        packed = _pack(x, *part_span(x.shape, proj, p, parts), m)
+        r0, c0, n, k = part_span(x.shape, proj, p, parts)
+        packed = _pack(x, r0, c0, n, k, m, None if into is None else into[at:])
         if packed is None:
             return None
+        at += packed[0].nbytes + packed[1].nbytes
         out.append(packed)
     return out
 

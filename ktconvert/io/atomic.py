@@ -338,11 +338,18 @@ class FileSha256:
         if to is not None and to <= self.pos:
             return
         held = held if held is not None else {}
-        fd = os.open(self.path, os.O_RDONLY)
+        fd = None  # the file is opened only to be read (bytes held in memory need no open)
+
+        def opened() -> int:
+            nonlocal fd
+            if fd is None:
+                fd = os.open(self.path, os.O_RDONLY)
+                if hasattr(os, "posix_fadvise"):
+                    os.posix_fadvise(fd, self.pos, 0, os.POSIX_FADV_SEQUENTIAL)
+            return fd
+
         try:
-            if hasattr(os, "posix_fadvise"):
-                os.posix_fadvise(fd, self.pos, 0, os.POSIX_FADV_SEQUENTIAL)
-            end = os.fstat(fd).st_size if to is None else to
+            end = os.fstat(opened()).st_size if to is None else to
             while self.pos < end:
                 kept = held.pop(self.pos, None)
                 if kept is not None and self.pos + len(kept) <= end:
@@ -352,13 +359,14 @@ class FileSha256:
                 ahead = min((o for o in list(held) if o > self.pos), default=end)  # (a copy: held may grow)
                 n = min(self._chunk, end - self.pos, ahead - self.pos)
                 b = read_direct(self.path, self.pos, n, self._buf, what="output file") if self._direct else None
-                got = n if b is not None else pread_into(fd, b := self._buf.take(n), self.pos)
+                got = n if b is not None else pread_into(opened(), b := self._buf.take(n), self.pos)
                 self._h.update(b[:got])
                 self.pos += got
                 if got < n:
                     raise OSError(errno.EIO, f"{self.path} ends at {self.pos} bytes, {end} expected", str(self.path))
         finally:
-            os.close(fd)
+            if fd is not None:
+                os.close(fd)
 
     def hexdigest(self) -> str:
         return self._h.hexdigest()

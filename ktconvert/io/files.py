@@ -306,6 +306,24 @@ def pwrite_all(fd: int, views: list, offset: int) -> None:
 _IOV_MAX = 1024  # buffers per pwritev (Linux's IOV_MAX)
 
 
+_KEPT = threading.local()  # .fds: {path: descriptor or None} in a thread inside files_kept_open()
+
+
+class files_kept_open:
+    """Within the block, in this thread, :func:`read_direct` opens each file once and keeps it open (a read then
+    costs no ``stat``, ``open`` and ``close`` of its own); the files are closed when the block ends."""
+
+    def __enter__(self) -> None:
+        self._outer = getattr(_KEPT, "fds", None)
+        _KEPT.fds = {}
+
+    def __exit__(self, *exc) -> None:
+        fds, _KEPT.fds = _KEPT.fds, self._outer
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
+
+
 def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuffer, *, what: str = "file",
                 where: str | None = None) -> np.ndarray | None:
     """``nbytes`` of ``path`` at ``offset`` read with ``O_DIRECT``: the disk writes them straight into ``buf`` (no
@@ -313,7 +331,11 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
     its next use), or ``None`` where the filesystem refuses ``O_DIRECT`` (the caller then reads with
     :func:`read_exact`). The read covers the whole 4 KiB blocks around the range, so the view starts
     ``offset % 4096`` bytes into the buffer. A file shorter than the range is :func:`read_exact`'s InputError."""
-    fd = open_direct(path, os.O_RDONLY)
+    kept = getattr(_KEPT, "fds", None)
+    if kept is None:
+        fd = open_direct(path, os.O_RDONLY)
+    elif (fd := kept.get(str(path), -1)) == -1:
+        fd = kept[str(path)] = open_direct(path, os.O_RDONLY)
     if fd is None:
         return None  # (a path that cannot be opened at all: read_exact names the problem)
     start = offset - offset % ALIGN
@@ -326,10 +348,15 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
         except OSError as exc:
             if exc.errno == errno.EINVAL:  # O_DIRECT opened, then refused (an alignment this filesystem needs)
                 refused_direct(path)
+                if kept is not None:
+                    kept[str(path)] = None  # (closed below: not read so again)
+                    os.close(fd)
+                    fd = None
                 return None
             raise InputError(f"cannot read {what}: {exc.strerror}", path=str(path), where=where) from None
     finally:
-        os.close(fd)
+        if kept is None and fd is not None:
+            os.close(fd)
     have = got - (offset - start)
     if have < nbytes:
         raise InputError(f"{what} ends at byte {start + got}, its header says data runs to {offset + nbytes}",
@@ -338,7 +365,7 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
 
 
 class ReadAhead:
-    """Reads done one ahead of their use by a thread of its own, into two buffers taken in turn, so a process
+    """Reads done one ahead of their use by a thread of their own, into two buffers taken in turn, so a process
     decodes and converts the bytes of one read while the disk delivers the next (``preadv`` and the compiled
     kernels both release the GIL). ``reads``: ``(key, read)`` in the order they are used, ``read(buf)`` returning a
     view of ``buf``; :meth:`next` hands them out in that order, each valid until the next call (its buffer is then
@@ -346,7 +373,17 @@ class ReadAhead:
     row is read once: a reader may go back over the bytes it has (the kt-amx packer's float32 path, to say where a
     NaN is), or two in a row read the same bytes. An error of a read (an :class:`InputError` for a truncated file)
     is raised by :meth:`next` where that read is used, and no read is started after it; leaving the ``with`` block
-    stops the thread and waits for it, whatever ended the block."""
+    stops the reads and waits for them, whatever ended the block.
+
+    The thread is the process's read-ahead thread, started on first use and kept: a conversion makes one
+    ``ReadAhead`` per group of units, hundreds a run, and a thread started and ended for each cost its start, its
+    stack and its exit each time. (A ``ReadAhead`` made while another of the process is open gets a thread of its
+    own.) Every file a ``ReadAhead`` reads is kept open until its last read (:class:`files_kept_open`)."""
+
+    _lock = threading.Lock()
+    _thread: threading.Thread | None = None
+    _jobs = None  # (queue.SimpleQueue) the ReadAheads whose reads the kept thread is to make
+    _busy = False  # whether the kept thread has a ReadAhead not yet closed
 
     def __init__(self, reads: list, bufs: tuple[ReadBuffer, ReadBuffer]) -> None:
         import queue
@@ -361,8 +398,34 @@ class ReadAhead:
             self._free.put(b)
         self._held = self._last = None
         self._stop = False
-        self._thread = threading.Thread(target=self._work, name="ktconvert-read-ahead", daemon=True)
-        self._thread.start()
+        self._done = threading.Event()
+        self._kept = False
+        with ReadAhead._lock:
+            if ReadAhead._busy:
+                threading.Thread(target=self._run, name="ktconvert-read-ahead", daemon=True).start()
+                return
+            if ReadAhead._thread is None or not ReadAhead._thread.is_alive():
+                ReadAhead._jobs = queue.SimpleQueue()
+                ReadAhead._thread = threading.Thread(target=ReadAhead._serve, args=(ReadAhead._jobs,),
+                                                     name="ktconvert-read-ahead", daemon=True)
+                ReadAhead._thread.start()
+            ReadAhead._busy = self._kept = True
+            ReadAhead._jobs.put(self)
+
+    @staticmethod
+    def _serve(jobs) -> None:
+        while True:
+            jobs.get()._run()
+
+    def _run(self) -> None:
+        try:
+            with files_kept_open():
+                self._work()
+        finally:
+            if self._kept:
+                with ReadAhead._lock:
+                    ReadAhead._busy = False
+            self._done.set()
 
     def _work(self) -> None:
         for key, read in self._reads:
@@ -396,7 +459,7 @@ class ReadAhead:
     def close(self) -> None:
         self._stop = True
         self._free.put(None)
-        self._thread.join()
+        self._done.wait()
 
     def __enter__(self) -> "ReadAhead":
         return self
