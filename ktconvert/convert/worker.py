@@ -95,7 +95,7 @@ def close_all() -> None:
     _FDS.clear()
     _DFDS.clear()
     _CHECKPOINTS.clear()
-    for b in (_BUF, _BUF2, _XBUF, _QBUF, _WBUF, _WBUF2):
+    for b in (_BUF, _BUF2, _BUF3, _XBUF, _QBUF, _WBUF, _WBUF2):
         b.release()
 
 
@@ -246,15 +246,19 @@ def run_group(group: Group) -> list[tuple[int, int, str]]:
 @contextmanager
 def _reading_ahead(group: Group):
     """Within the block, the reads of a group whose units read around the page cache (:attr:`Task.direct`), all of
-    them in the order its units make them (:func:`_unit_reads`), done one ahead by a thread (:class:`ReadAhead`):
-    the disk delivers the next read while the last one converts, so only the group's first read is waited for, and
-    reads of a few MB (a kt-amx expert) keep the disk as busy as one large read. Any other group: nothing."""
+    them in the order its units make them (:func:`_unit_reads`), done two ahead by a thread (:class:`ReadAhead`):
+    the disk delivers the next reads while the last one converts, so only the group's first read is waited for, and
+    reads of a few MB (a kt-amx expert) keep the disk as busy as one large read. Two, not one: with ``-j 2`` on two
+    cores, a chunk read one ahead was often not there yet when the unit thread wanted it (another process's reads
+    and writes share the disk), and the converting threads waited on it about a tenth of their time; two ahead
+    made a Q4_K_M ``-j 2`` run about 6% faster, three ahead no faster than two (docs/measurements.md). Any other
+    group: nothing."""
     tasks = [task for _, task in group.tasks if task.direct]
     if not tasks:
         yield
         return
     reads = [r for task in tasks for r in _unit_reads(_checkpoint(task.src), task)]
-    with ReadAhead(reads, (_BUF, _BUF2)) as ahead:
+    with ReadAhead(reads, (_BUF, _BUF2, _BUF3)) as ahead:
         _AHEAD[0] = ahead
         try:
             yield
@@ -520,7 +524,7 @@ _BUF = ReadBuffer()  # this process's one read buffer: every unit's rows land in
 # kernel on first touch (13% of a Q4_K_M run's CPU time, in the converting process's unit thread, whose malloc
 # arena hands large blocks back when they are freed)
 _XBUF, _QBUF = ReadBuffer(), ReadBuffer()
-_BUF2 = ReadBuffer()  # the second buffer of a group read ahead (:func:`_reading_ahead`), with _BUF
+_BUF2, _BUF3 = ReadBuffer(), ReadBuffer()  # the other buffers of a group read ahead (:func:`_reading_ahead`)
 # a unit's output blocks gathered for their write around the page cache, two in turn (:func:`_pwrite`)
 _WBUF, _WBUF2 = ReadBuffer(), ReadBuffer()
 _BEHIND: list = [None]  # this process's WriteBehind (:func:`_behind`)

@@ -365,9 +365,9 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
 
 
 class ReadAhead:
-    """Reads done one ahead of their use by a thread of their own, into two buffers taken in turn, so a process
-    decodes and converts the bytes of one read while the disk delivers the next (``preadv`` and the compiled
-    kernels both release the GIL). ``reads``: ``(key, read)`` in the order they are used, ``read(buf)`` returning a
+    """Reads done ahead of their use by a thread of their own, into buffers taken in turn (with ``n`` buffers,
+    ``n - 1`` reads ahead: the reader holds the last one handed out), so a process decodes and converts the bytes of
+    one read while the disk delivers the next (``preadv`` and the compiled kernels both release the GIL). ``reads``: ``(key, read)`` in the order they are used, ``read(buf)`` returning a
     view of ``buf``; :meth:`next` hands them out in that order, each valid until the next call (its buffer is then
     read into again). Asking again for the read just handed out hands it out again, and a read announced twice in a
     row is read once: a reader may go back over the bytes it has (the kt-amx packer's float32 path, to say where a
@@ -385,7 +385,7 @@ class ReadAhead:
     _jobs = None  # (queue.SimpleQueue) the ReadAheads whose reads the kept thread is to make
     _busy = False  # whether the kept thread has a ReadAhead not yet closed
 
-    def __init__(self, reads: list, bufs: tuple[ReadBuffer, ReadBuffer]) -> None:
+    def __init__(self, reads: list, bufs: tuple[ReadBuffer, ...]) -> None:
         import queue
 
         self._reads: list = []
