@@ -367,13 +367,14 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
 class ReadAhead:
     """Reads done ahead of their use by a thread of their own, into buffers taken in turn (with ``n`` buffers,
     ``n - 1`` reads ahead: the reader holds the last one handed out), so a process decodes and converts the bytes of
-    one read while the disk delivers the next (``preadv`` and the compiled kernels both release the GIL). ``reads``: ``(key, read)`` in the order they are used, ``read(buf)`` returning a
-    view of ``buf``; :meth:`next` hands them out in that order, each valid until the next call (its buffer is then
-    read into again). Asking again for the read just handed out hands it out again, and a read announced twice in a
-    row is read once: a reader may go back over the bytes it has (the kt-amx packer's float32 path, to say where a
-    NaN is), or two in a row read the same bytes. An error of a read (an :class:`InputError` for a truncated file)
-    is raised by :meth:`next` where that read is used, and no read is started after it; leaving the ``with`` block
-    stops the reads and waits for them, whatever ended the block.
+    one read while the disk delivers the next (``preadv`` and the compiled kernels both release the GIL).
+    ``reads``: ``(key, read)`` in the order they are used, ``read(buf)`` returning a view of ``buf``; :meth:`next`
+    hands them out in that order, each valid until the next call (its buffer is then read into again). Asking
+    again for the read just handed out hands it out again, and a read announced twice in a row is read once: a
+    reader may go back over the bytes it has (the kt-amx packer's float32 path, to say where a NaN is), or two in a
+    row read the same bytes. An error of a read (an :class:`InputError` for a truncated file) is raised by
+    :meth:`next` where that read is used, and no read is started after it; leaving the ``with`` block stops the
+    reads and waits for them, whatever ended the block.
 
     The thread is the process's read-ahead thread, started on first use and kept: a conversion makes one
     ``ReadAhead`` per group of units, hundreds a run, and a thread started and ended for each cost its start, its
@@ -383,7 +384,7 @@ class ReadAhead:
     _lock = threading.Lock()
     _thread: threading.Thread | None = None
     _jobs = None  # (queue.SimpleQueue) the ReadAheads whose reads the kept thread is to make
-    _busy = False  # whether the kept thread has a ReadAhead not yet closed
+    _busy = False  # whether the kept thread is making a ReadAhead's reads (a new one then gets a thread of its own)
 
     def __init__(self, reads: list, bufs: tuple[ReadBuffer, ...]) -> None:
         import queue
