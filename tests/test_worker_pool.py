@@ -50,3 +50,9 @@ def test_worker_pool_makes_one_when_none_was_started_ahead(pools):
         got.shutdown()
         assert pool.worker_pool(1) is pools[0] and pool._STARTED == []
         pools[0].shutdown()
+
+
+def test_a_ray_run_starts_no_local_worker(pools):
+    """With ``--executor ray`` the tasks run in Ray's workers: no local pool is started ahead of the planning."""
+    with pool.workers_started(3, "ray"):
+        assert pools == [] and pool._STARTED == []

@@ -149,7 +149,7 @@ def convert(src: str | Path, out: str | Path, recipe: Recipe | str | Path | None
     if form == "kt-tree" and (format != "kt-amx" or str(type).upper() != "AMXINT8"):
         raise UsageProblem("--form kt-tree is kt-kernel's persistent INT8 tree: it needs --to kt-amx --type AMXINT8",
                            fix="add --to kt-amx --type AMXINT8, or drop --form kt-tree")
-    with workers_started(jobs if executor == "local" else 1):  # the -j workers start while the run is planned
+    with workers_started(jobs, executor):  # the -j workers start while the run is planned
         plan = plan_conversion(src, recipe, type=type, format=format, config=config, shard_size=shard_size,
                                tokenizer=tokenizer, threadpool_count=threadpool_count,
                                allow_requantize=allow_requantize, allow_fallback=allow_fallback, lora=lora,
@@ -262,7 +262,7 @@ def convert_outputs(src: str | Path, outputs: list[OutputSpec], *, max_memory: i
     budget = parse_size(max_memory, what="--max-memory")
     kept: dict[int, RunResult] = {}
     with ExitStack() as held:
-        held.enter_context(workers_started(jobs if executor == "local" else 1))  # started while the run is planned
+        held.enter_context(workers_started(jobs, executor))  # the -j workers start while the run is planned
         plans = plan_outputs(src, outputs, **planning)
         for k, (o, plan) in enumerate(zip(outputs, plans)):
             if resume and not force and o.out.is_dir() and not partial_dir(o.out).exists():

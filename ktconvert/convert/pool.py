@@ -24,11 +24,12 @@ def _new_pool(workers: int) -> ProcessPoolExecutor:
 
 
 @contextmanager
-def workers_started(jobs: int):
-    """Start the ``jobs - 1`` worker processes of a local run now (none for ``jobs`` 1): each imports what it
-    converts with and loads numba's machinery while the block plans the run. :func:`worker_pool` hands them to the
-    run; when the block ends, a pool no run took is shut down (its workers end once started)."""
-    workers = jobs - 1
+def workers_started(jobs: int, executor: str = "local"):
+    """Start the ``jobs - 1`` worker processes of a local run now (none for ``jobs`` 1, nor for another
+    ``executor``, whose tasks run elsewhere): each imports what it converts with and loads numba's machinery while
+    the block plans the run. :func:`worker_pool` hands them to the run; when the block ends, a pool no run took is
+    shut down (its workers end once started)."""
+    workers = jobs - 1 if executor == "local" else 0
     if workers < 1:
         yield
         return
