@@ -137,6 +137,40 @@ def test_a_filesystem_refusing_the_direct_read_itself_is_read_through_the_page_c
         assert files._NO_DIRECT == {os.stat(ckpt).st_dev}
 
 
+def test_a_refused_direct_read_among_files_kept_open_falls_back_and_leaves_no_file_open(ckpt, monkeypatch):
+    """Inside ``files_kept_open`` (a read-ahead thread's reads), the read refused with EINVAL: the same bytes through
+    the page cache, that read and the next, the kept descriptor closed at once and the file not read directly
+    again."""
+    calls = []
+    refuse = _failing_direct(files.os.preadv, errno.EINVAL, "Invalid argument")
+
+    def counting(fd, bufs, offset, *a):
+        calls.append(bool(fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT))
+        return refuse(fd, bufs, offset, *a)
+
+    monkeypatch.setattr(files.os, "preadv", counting)
+    ck = open_checkpoint(ckpt)
+    name = max(ck, key=lambda n: ck[n].nbytes)
+    want = np.asarray(ck.read(name))
+    path = os.path.realpath(ck[name].file)
+
+    def direct_fds() -> list:  # descriptors of the file open with O_DIRECT (want's memory map holds a plain one)
+        if not os.path.isdir("/proc/self/fd"):
+            return []
+        return [fd for fd in os.listdir("/proc/self/fd") if os.path.realpath(f"/proc/self/fd/{fd}") == path
+                and fcntl.fcntl(int(fd), fcntl.F_GETFL) & os.O_DIRECT]
+
+    with files.files_kept_open():
+        for _ in range(2):
+            got = np.array(ck.read_rows(name, 0, ck.rows(name), ReadBuffer(), direct=True))
+            np.testing.assert_array_equal(got, want.reshape(got.shape))
+            assert direct_fds() == []  # the refused descriptor closed at once, not kept to the block's end
+    assert direct_fds() == []
+    if _direct_allowed(ck[name].file):
+        assert calls.count(True) == 1  # refused once, then the page cache only
+        assert files._NO_DIRECT == {os.stat(ckpt).st_dev}
+
+
 def test_the_last_partial_block_of_a_file_is_read_directly(ckpt, monkeypatch):
     """A file's last tensor ends inside a block: the direct read stops at the end of the file instead of asking
     again at an unaligned offset (EINVAL on filesystems stricter than ext4, simulated here), so the read stays

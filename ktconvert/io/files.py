@@ -349,7 +349,7 @@ def read_direct(path: str | os.PathLike, offset: int, nbytes: int, buf: ReadBuff
             if exc.errno == errno.EINVAL:  # O_DIRECT opened, then refused (an alignment this filesystem needs)
                 refused_direct(path)
                 if kept is not None:
-                    kept[str(path)] = None  # (closed below: not read so again)
+                    kept[str(path)] = None  # closed now, and not read so again while the block lasts
                     os.close(fd)
                     fd = None
                 return None
